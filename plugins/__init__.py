@@ -4,4 +4,4 @@ Importing this package registers every built-in KL estimator, beta controller an
 reward backend; each module holds small classes with one idea each.
 """
 
-from rlhf_lightning_plugins import beta_controllers, kl_estimators, reward_models  # noqa: F401
+from rlhf_lightning_plugins import beta_controllers, kl_estimators, reward_models, text_rewards  # noqa: F401

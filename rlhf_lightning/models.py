@@ -15,7 +15,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import shutil
 import string
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -62,35 +64,59 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def _build_atomically(target: Path, build) -> Path:
+    """Write a cache folder through a temporary sibling and rename it, so a kill leaves no half folder."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        if not target.exists():  # a concurrent process may have won the race; anything else is real
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def smollm2_tokenizer_dir() -> Path:
+    """The SmolLM2 tokenizer, extracted once from the packaged GGUF (about 10 s) into the cache."""
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    return _build_atomically(
+        cache_dir() / "smollm2-135m-instruct-tokenizer",
+        lambda tmp: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp),
+    )
+
+
 def smollm2_checkpoint() -> Path:
     """The SmolLM2 safetensors checkpoint folder, converting the packaged GGUF on first use."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_dir() / "smollm2-135m-instruct"
-    if (target / "model.safetensors").exists():
-        return target
-    gguf = smollm2_gguf_path()
-    from rich.console import Console
+    def convert(tmp: Path) -> None:
+        from rich.console import Console
 
-    with Console(stderr=True).status(f"converting {gguf.name} to safetensors in {target} (once, ~30 s)"):
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # transformers refuses save_pretrained on a GGUF-loaded model: rebuild from its config.
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict())
-        model.generation_config = loaded.generation_config
-        tmp = target.with_name(target.name + ".partial")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.replace(target) if not target.exists() else None
-    return target
+        gguf = smollm2_gguf_path()
+        with Console(stderr=True).status(f"converting {gguf.name} to safetensors in {cache_dir()} (once, ~30 s)"):
+            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            # transformers refuses save_pretrained on a GGUF-loaded model: rebuild from its config.
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model.load_state_dict(loaded.state_dict())
+            model.generation_config = loaded.generation_config
+            model.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(tmp)
+
+    return _build_atomically(cache_dir() / "smollm2-135m-instruct", convert)
 
 
-def _pretrained_location(spec: str) -> tuple[str, dict[str, Any]]:
+def _pretrained_location(spec: str, tokenizer_only: bool = False) -> tuple[str, dict[str, Any]]:
     """(folder, extra from_pretrained kwargs) for a non-tiny spec."""
     if spec == "smollm2":
-        return str(smollm2_checkpoint()), {}
+        return str(smollm2_tokenizer_dir() if tokenizer_only else smollm2_checkpoint()), {}
     path = Path(spec).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return str(path.parent), {"gguf_file": path.name}
@@ -109,7 +135,7 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
     if spec in ("char", "tiny"):
         tokenizer = char_tokenizer()
     else:
-        location, kwargs = _pretrained_location(spec)
+        location, kwargs = _pretrained_location(spec, tokenizer_only=True)
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
     if tokenizer.pad_token is None:
         raise ValueError(

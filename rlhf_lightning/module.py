@@ -288,10 +288,12 @@ class PPORLHF(LightningModule):
             order = torch.randperm(batch_size, device=self.device)
             for minibatch in order.chunk(hp.num_minibatches):
                 micro_batches = minibatch.split(micro_size)
+                minibatch_tokens = rollout.mask[minibatch].sum()
                 for i, idx in enumerate(micro_batches):
                     with self._no_grad_sync(last=i == len(micro_batches) - 1):
                         loss = self.ppo_loss(rollout, advantages, returns, idx, beta)
-                        self.manual_backward(loss / len(micro_batches))
+                        # Token-weighted, so accumulating micro-batches equals one pass over the minibatch.
+                        self.manual_backward(loss * rollout.mask[idx].sum() / minibatch_tokens)
                 for opt in optimizers:
                     if hp.max_grad_norm:
                         self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")

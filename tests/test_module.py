@@ -1,0 +1,184 @@
+"""The LightningModule: rollout masks and log-probs, the reference, updates, checkpoints, learning."""
+
+from __future__ import annotations
+
+import torch
+from helpers import char_reward, fit, make_module
+from lightning.pytorch.callbacks import Callback
+
+from rlhf_lightning import ppo_math as pm
+
+PROMPTS = ["Write a short review of a train journey.", "Hi", "Describe a snowy weekend in two sentences.", "Go"]
+
+
+def test_sampler_and_forward_logprobs_agree_with_chat_template(smollm2_tokenizer):
+    """PPO's ratio is only right if the forward pass scores tokens exactly as the sampler drew them.
+
+    The SmolLM2 pad token is its EOS, which also closes the chat turns inside the prompt: a mask
+    built from ids != pad would hide those, and left padding needs matching position ids.
+    """
+    module = make_module(tokenizer="smollm2", tiny_config={"hidden_size": 32, "intermediate_size": 64}, max_new_tokens=6)
+    enc = module.encode_prompts(PROMPTS)
+    eos = smollm2_tokenizer.eos_token_id
+    in_prompt_eos = (enc["input_ids"] == eos) & (enc["attention_mask"] == 1)
+    assert in_prompt_eos.sum(-1).min() >= 2  # system and user turns end with <|im_end|>, and stay attended
+
+    torch.manual_seed(0)
+    out = module.policy.generate(**enc, output_scores=True, return_dict_in_generate=True)
+    prompt_len = enc["input_ids"].shape[1]
+    response = out.sequences[:, prompt_len:]
+    mask = pm.response_mask(response, eos)
+    attention_mask = torch.cat([enc["attention_mask"], mask.long()], dim=1)
+    with torch.no_grad():
+        logits = module.response_logits(module.policy, out.sequences, attention_mask, response.shape[1])
+    ours = pm.logprobs_of(logits, response)
+    sampler = pm.logprobs_of(torch.stack(out.scores, dim=1), response)
+    assert torch.allclose(ours * mask, sampler * mask, atol=1e-4)
+
+
+def test_left_padding_changes_nothing():
+    """A prompt scores the same alone and left-padded beside a longer one, whatever the pad ids."""
+    module = make_module()
+    enc = module.encode_prompts(["a much longer prompt than the other", "short"])
+    response = torch.tensor([[10, 11, 12], [13, 14, 15]])
+    ids = torch.cat([enc["input_ids"], response], 1)
+    attn = torch.cat([enc["attention_mask"], torch.ones_like(response)], 1)
+    with torch.no_grad():
+        batched = pm.logprobs_of(module.response_logits(module.policy, ids, attn, 3), response)
+        garbage = ids.clone()
+        garbage[attn == 0] = 7  # change every padded prompt position
+        garbled = pm.logprobs_of(module.response_logits(module.policy, garbage, attn, 3), response)
+        alone_enc = module.encode_prompts(["short"])
+        alone_ids = torch.cat([alone_enc["input_ids"], response[1:]], 1)
+        alone_attn = torch.cat([alone_enc["attention_mask"], torch.ones_like(response[1:])], 1)
+        alone = pm.logprobs_of(module.response_logits(module.policy, alone_ids, alone_attn, 3), response[1:])
+    assert torch.allclose(batched, garbled, atol=1e-5)
+    assert torch.allclose(batched[1], alone[0], atol=1e-5)
+
+
+def test_rollout_masks_after_eos_and_puts_score_on_last_token():
+    module = make_module(max_new_tokens=40)
+    torch.manual_seed(1)
+    rollout = module.rollout(PROMPTS * 4)
+    eos, pad = module.tokenizer.eos_token_id, module.tokenizer.pad_token_id
+    lengths = rollout.mask.sum(-1).long()
+    for row, length in zip(rollout.response, lengths):
+        assert (row[length:] == pad).all()  # nothing after the first EOS survives
+        assert (row[: length - 1] != eos).all()
+    assert rollout.ended_with_eos.any() and (rollout.values * (1 - rollout.mask)).abs().sum() == 0
+    # Every response ends with EOS or runs to max_new_tokens.
+    assert ((lengths == 40) | rollout.ended_with_eos).all()
+    scores = torch.arange(len(lengths), dtype=torch.float32)
+    kl = module.kl_per_token(rollout)
+    rewards = pm.token_rewards(scores, kl, rollout.mask, beta=0.5)
+    last = lengths - 1
+    expected = -0.5 * kl
+    expected[torch.arange(len(lengths)), last] += scores
+    assert torch.allclose(rewards, expected)
+
+
+def test_lora_reference_is_the_adapter_disabled_policy():
+    module = make_module(lora_rank=4)
+    assert module.ref_model is None
+    enc = module.encode_prompts(PROMPTS[:2])
+    ids, attn = enc["input_ids"], enc["attention_mask"]
+    with torch.no_grad():
+        base = module.response_logits(module.policy.get_base_model(), ids, attn, 3)
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # move the adapter away from zero
+        policy = module.response_logits(module.policy, ids, attn, 3)
+        with module._reference() as ref:
+            reference = module.response_logits(ref, ids, attn, 3)
+        after = module.response_logits(module.policy, ids, attn, 3)
+    assert not torch.allclose(policy, base, atol=1e-3)
+    assert torch.allclose(reference, base, atol=1e-6)
+    assert torch.allclose(after, policy)  # the adapter is back on after the reference pass
+    trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_fit_raises_reward_and_logs_every_metric(tmp_path):
+    """End to end on the tiny model: reward (number of 'e's) rises within 20 iterations."""
+    module = make_module(max_new_tokens=16, num_minibatches=2, ppo_epochs=4, vf_coef=0.5)
+    _, history = fit(module, tmp_path, iterations=20, batch_size=16)
+    reward = history.series("objective/reward")
+    assert len(reward) == 20
+    first, last = sum(reward[:6]) / 6, sum(reward[-6:]) / 6
+    assert last > first + 1.5, (first, last)
+    for name in (
+        "objective/kl", "objective/kl_max", "objective/kl_per_token", "objective/non_score_reward", "objective/net",
+        "objective/entropy", "objective/beta", "policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss",
+        "value/clipfrac", "response/length", "timing/rollout_s", "timing/score_s", "timing/update_s",
+    ):  # fmt: skip
+        assert all(torch.isfinite(torch.tensor(history.series(name)))), name
+    row = history.rows[-1]
+    assert abs(row["objective/net"] - (row["objective/reward"] - row["objective/beta"] * row["objective/kl"])) < 1e-4
+    assert abs(row["objective/non_score_reward"] + row["objective/beta"] * row["objective/kl"]) < 1e-5
+    assert row["objective/kl_max"] >= row["objective/kl"]
+    assert module.iteration == 20
+
+
+def test_adaptive_beta_follows_the_logged_kl(tmp_path):
+    """beta_{t+1} = beta_t * (1 + clip(KL_t / target - 1, +-0.2) * n / horizon), with KL_t as logged."""
+    from rlhf_lightning_plugins.beta_controllers import AdaptiveBeta
+
+    controller = AdaptiveBeta(init_beta=0.2, target=0.5, horizon=40)
+    _, history = fit(make_module(beta_controller=controller, kl_estimator="k3"), tmp_path, iterations=6)
+    betas, kls = history.series("objective/beta"), history.series("objective/kl")
+    expected = [0.2]
+    for kl in kls[:-1]:
+        expected.append(expected[-1] * (1 + min(max(kl / 0.5 - 1, -0.2), 0.2) * 8 / 40))
+    assert torch.allclose(torch.tensor(betas), torch.tensor(expected), rtol=1e-5)
+    assert len(set(round(b, 8) for b in betas)) > 1  # it moved
+
+
+class _GradRecorder(Callback):
+    def __init__(self):
+        self.grads = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append(torch.cat([p.grad.flatten() for g in optimizer.param_groups for p in g["params"]]))
+
+
+def test_gradient_accumulation_equals_one_big_minibatch(tmp_path):
+    """Four accumulated micro-batches of 2 give the gradient of one minibatch of 8 (token-weighted)."""
+    grads = {}
+    for steps in (1, 4):
+        recorder = _GradRecorder()
+        module = make_module(
+            reward_model=char_reward("aeiou "), gradient_accumulation_steps=steps, ppo_epochs=1, optimizers="shared",
+            max_grad_norm=None,
+        )  # fmt: skip
+        fit(module, tmp_path, iterations=1, callbacks=[recorder])
+        grads[steps] = recorder.grads[0]
+    assert grads[1].abs().sum() > 0
+    assert torch.allclose(grads[1], grads[4], atol=1e-6, rtol=1e-4)
+
+
+def test_kl_as_loss_with_full_estimator(tmp_path):
+    module = make_module(kl_penalty="loss", kl_estimator="full")
+    _, history = fit(module, tmp_path, iterations=2)
+    assert history.rows[-1]["policy/kl_loss"] >= 0  # the exact KL is never negative
+    # The penalty is not in the reward: the trained reward is the raw score.
+    assert history.rows[-1]["objective/reward_trained"] == history.rows[-1]["objective/reward"]
+
+
+def test_checkpoint_round_trip_restores_beta_weights_and_iteration(tmp_path):
+    from rlhf_lightning_plugins.beta_controllers import BandBeta
+
+    module = make_module(beta_controller=BandBeta(init_beta=0.1, target=0.001))
+    trainer, _ = fit(module, tmp_path, iterations=3)
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    assert not any(k.startswith("ref_model.") for k in checkpoint["state_dict"])  # no second copy on disk
+    assert module.beta_controller.beta != 0.1
+
+    restored = make_module(beta_controller=BandBeta(init_beta=0.1, target=0.001))
+    restored.on_load_checkpoint(checkpoint)
+    restored.load_state_dict(checkpoint["state_dict"], strict=True)
+    assert restored.beta_controller.beta == module.beta_controller.beta
+    assert restored.iteration == 3
+    for (name, a), b in zip(module.state_dict().items(), restored.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -1,0 +1,304 @@
+"""rlhf_lightning.registry: names, aliases, errors, new kinds, and entry-point plugin loading.
+
+The registries are global: every test that registers something works on copies installed
+with monkeypatch, so the built-in registries are exactly as before when it ends.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+import warnings
+from abc import ABC, abstractmethod
+from importlib.metadata import EntryPoint
+
+import pytest
+import torch
+
+import rlhf_lightning.registry as reg_mod
+from rlhf_lightning.interfaces import BetaController, KLEstimator
+from rlhf_lightning.registry import (
+    DISABLE_AUTOLOAD_ENV,
+    ENTRY_POINT_GROUP,
+    UnknownPluginError,
+    load_plugins,
+    register,
+    register_kind,
+    registry,
+)
+from rlhf_lightning_plugins.kl_estimators import K1, K2, K3
+
+
+@pytest.fixture
+def isolated(monkeypatch):
+    """Work on copies of every registry's tables and of the kind table; restored afterwards."""
+    load_plugins()
+    monkeypatch.setattr(reg_mod, "REGISTRIES", dict(reg_mod.REGISTRIES))
+    for r in reg_mod.REGISTRIES.values():
+        monkeypatch.setattr(r, "_entries", dict(r._entries))
+        monkeypatch.setattr(r, "_names", dict(r._names))
+    return monkeypatch
+
+
+class OtherKL(KLEstimator):
+    """A KL estimator that is not registered anywhere."""
+
+    def __call__(self, logprobs, ref_logprobs, logits=None, ref_logits=None):
+        return 3 * (logprobs - ref_logprobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Names, duplicates, errors
+
+
+def test_builtin_names_and_aliases():
+    names = registry("kl_estimator").names()
+    assert {"k1", "abs", "k2", "mse", "k3", "low_var_kl", "full"} <= set(names)
+    assert names == sorted(names)
+    assert {"fixed", "adaptive", "band"} <= set(registry("beta_controller").names())
+    assert {"callable", "hf_classifier"} <= set(registry("reward_model").names())
+    assert registry("kl_estimator").get("k3") is K3
+    assert "mse" in registry("kl_estimator") and "nope" not in registry("kl_estimator")
+
+
+def test_duplicate_name_to_a_different_class_names_the_existing_class(isolated):
+    kl = registry("kl_estimator")
+    with pytest.raises(ValueError, match=r"'k1' is already registered to rlhf_lightning_plugins\.kl_estimators\.K1"):
+        kl.register("k1", OtherKL)
+    assert kl.get("k1") is K1
+
+
+def test_duplicate_alias_is_refused_and_nothing_is_registered(isolated):
+    kl = registry("kl_estimator")
+    with pytest.raises(ValueError, match=r"'mse' is already registered to .*\.K2"):
+        kl.register("fresh_name", OtherKL, aliases=("mse",))
+    assert "fresh_name" not in kl
+    assert kl.get("mse") is K2
+
+
+def test_re_registering_the_same_class_is_idempotent(isolated):
+    kl = registry("kl_estimator")
+    before = kl.names()
+    assert kl.register("k3", K3, aliases=("low_var_kl",)) is K3
+    assert kl.names() == before and kl.get("k3") is K3
+
+
+def test_unknown_name_lists_kind_and_registered_names():
+    with pytest.raises(UnknownPluginError) as info:
+        registry("kl_estimator").get("k4")
+    message = str(info.value)
+    assert "unknown kl_estimator 'k4'" in message
+    assert "registered kl_estimator names: " + ", ".join(registry("kl_estimator").names()) in message
+    assert isinstance(info.value, KeyError)  # callers catching KeyError still work
+    assert not message.startswith('"')  # shown plainly, not KeyError-quoted
+
+
+def test_unknown_kind_lists_kinds():
+    with pytest.raises(UnknownPluginError, match=r"unknown plugin kind 'nope'; kinds: .*kl_estimator"):
+        registry("nope")
+
+
+@pytest.mark.parametrize("bad", [int, BetaController, OtherKL()], ids=["int", "other-kind-base", "instance"])
+def test_non_subclass_is_refused(isolated, bad):
+    with pytest.raises(TypeError, match="must subclass KLEstimator"):
+        registry("kl_estimator").register("bad_one", bad)
+    assert "bad_one" not in registry("kl_estimator")
+
+
+def test_register_decorator_returns_the_class(isolated):
+    @register("kl_estimator", "triple_k1", aliases=("k1x3",))
+    class Triple(OtherKL):
+        """Three times k1."""
+
+    kl = registry("kl_estimator")
+    assert kl.get("k1x3") is Triple is kl.get("triple_k1")
+    (entry,) = [e for e in kl.entries() if e.name == "triple_k1"]
+    assert entry.description == "Three times k1."  # first docstring line when none is given
+    assert entry.aliases == ("k1x3",)
+
+
+# ---------------------------------------------------------------------------------------------
+# build()
+
+
+def test_build_passes_instances_through():
+    est = OtherKL()
+    assert registry("kl_estimator").build(est) is est
+
+
+@pytest.mark.parametrize("spec, cls", [("k3", K3), (" K3 ", K3), ("MSE", K2), ("k1", K1)])
+def test_build_instantiates_names(spec, cls):
+    built = registry("kl_estimator").build(spec)
+    assert type(built) is cls
+    x = torch.tensor([[0.5, -1.0]])
+    # x = (0.5, -1): k1 = x; k2 = x^2 / 2; k3 = exp(-x) - 1 + x = (e^-0.5 - 0.5, e - 2)
+    expected = {K1: [[0.5, -1.0]], K2: [[0.125, 0.5]], K3: [[math.exp(-0.5) - 0.5, math.e - 2.0]]}
+    torch.testing.assert_close(built(x, torch.zeros_like(x)), torch.tensor(expected[cls]))
+
+
+def test_build_refuses_other_types_naming_the_field():
+    with pytest.raises(TypeError, match=r"model\.kl_estimator must be a registered name \(.*k3.*\).*got int: 3"):
+        registry("kl_estimator").build(3, "model.kl_estimator")
+    with pytest.raises(UnknownPluginError, match="unknown kl_estimator 'k9'"):
+        registry("kl_estimator").build("k9")
+
+
+# ---------------------------------------------------------------------------------------------
+# New kinds
+
+
+def test_register_kind_creates_a_working_registry(isolated):
+    class AdvantageEstimator(ABC):
+        """Base of the test kind."""
+
+        @abstractmethod
+        def __call__(self, rewards): ...
+
+    created = register_kind("advantage_estimator_test", AdvantageEstimator)
+    assert registry("advantage_estimator_test") is created
+
+    @register("advantage_estimator_test", "reward_to_go", aliases=("rtg",))
+    class RewardToGo(AdvantageEstimator):
+        """A_t = sum_{k >= t} r_k."""
+
+        def __call__(self, rewards):
+            return rewards.flip(-1).cumsum(-1).flip(-1)
+
+    assert created.names() == ["reward_to_go", "rtg"]
+    est = created.build("RTG")
+    assert isinstance(est, RewardToGo)
+    # (1, 2, 3) -> (6, 5, 3)
+    assert est(torch.tensor([1.0, 2.0, 3.0])).tolist() == [6.0, 5.0, 3.0]
+    with pytest.raises(TypeError, match="must subclass AdvantageEstimator"):
+        created.register("k1", K1)
+    with pytest.raises(ValueError, match="'advantage_estimator_test' already exists"):
+        register_kind("advantage_estimator_test", AdvantageEstimator)
+
+
+def test_existing_kinds_cannot_be_recreated():
+    with pytest.raises(ValueError, match="'kl_estimator' already exists"):
+        register_kind("kl_estimator", KLEstimator)
+
+
+def test_isolation_left_no_test_kind_behind():
+    # runs after the test above in file order: the kind it created must be gone
+    assert "advantage_estimator_test" not in reg_mod.REGISTRIES
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry-point loading (third-party plugins)
+
+EXT_MODULE = "_rlhf_test_ext_plugin"
+EXT_SOURCE = textwrap.dedent(
+    """
+    from rlhf_lightning.interfaces import KLEstimator
+    from rlhf_lightning.registry import register
+
+    @register("kl_estimator", "test_ext_kl", description="twice k1, from a fake third-party package")
+    class TwiceK1(KLEstimator):
+        def __call__(self, logprobs, ref_logprobs, logits=None, ref_logits=None):
+            return 2.0 * (logprobs - ref_logprobs)
+    """
+)
+
+
+class BrokenEntryPoint:
+    name = "broken_pkg"
+    value = "broken_pkg.plugins"
+    group = ENTRY_POINT_GROUP
+
+    def load(self):
+        raise RuntimeError("boom at import")
+
+
+@pytest.fixture
+def fresh_loader(isolated, tmp_path):
+    """Unloaded registry state, autoload enabled, and an importable fake plugin module."""
+    (tmp_path / f"{EXT_MODULE}.py").write_text(EXT_SOURCE)
+    isolated.syspath_prepend(str(tmp_path))
+    isolated.delenv(DISABLE_AUTOLOAD_ENV, raising=False)
+    isolated.setattr(reg_mod, "_loaded", False)
+    sys.modules.pop(EXT_MODULE, None)
+    calls = []
+
+    def use(*eps):
+        def fake_entry_points(group=None, **kwargs):
+            calls.append(group)
+            return list(eps) if group == ENTRY_POINT_GROUP else []
+
+        isolated.setattr(reg_mod, "entry_points", fake_entry_points)
+        return calls
+
+    yield use
+    sys.modules.pop(EXT_MODULE, None)
+
+
+def _ext_entry_point():
+    return EntryPoint(name="fake_pkg", value=EXT_MODULE, group=ENTRY_POINT_GROUP)
+
+
+def test_entry_point_plugin_is_loaded_once(fresh_loader):
+    calls = fresh_loader(_ext_entry_point())
+    assert "test_ext_kl" not in registry("kl_estimator")._names
+    load_plugins()
+    assert calls == [ENTRY_POINT_GROUP]
+    cls = registry("kl_estimator").get("test_ext_kl")
+    assert cls.__module__ == EXT_MODULE
+    # x = (0.5, -1) -> 2x = (1, -2)
+    x = torch.tensor([[0.5, -1.0]])
+    assert cls()(x, torch.zeros_like(x)).tolist() == [[1.0, -2.0]]
+    load_plugins()
+    registry("kl_estimator").names()
+    assert calls == [ENTRY_POINT_GROUP]  # the group is scanned once per process
+
+
+def test_registry_lookup_triggers_loading(fresh_loader):
+    fresh_loader(_ext_entry_point())
+    assert "test_ext_kl" in registry("kl_estimator").names()
+
+
+def test_entry_point_plugin_isolation_cleaned_up():
+    # runs after the tests above: the fake plugin must not leak into the real registry
+    assert "test_ext_kl" not in registry("kl_estimator")._names
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [BrokenEntryPoint(), EntryPoint(name="missing_pkg", value="_rlhf_no_such_module_xyz", group=ENTRY_POINT_GROUP)],
+    ids=["load-raises", "module-missing"],
+)
+def test_broken_entry_point_warns_and_the_others_still_load(fresh_loader, broken):
+    fresh_loader(broken, _ext_entry_point())
+    with pytest.warns(UserWarning, match=f"could not load rlhf_lightning plugin '{broken.name}'"):
+        load_plugins()
+    assert "test_ext_kl" in registry("kl_estimator")
+    assert registry("kl_estimator").get("k3") is K3
+
+
+def test_broken_entry_point_warning_names_value_and_error(fresh_loader):
+    fresh_loader(BrokenEntryPoint())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_plugins()
+    (w,) = caught
+    assert "broken_pkg.plugins" in str(w.message) and "RuntimeError('boom at import')" in str(w.message)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES"])
+def test_env_var_disables_entry_points(fresh_loader, value, monkeypatch):
+    calls = fresh_loader(_ext_entry_point())
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, value)
+    load_plugins()
+    assert calls == []
+    assert "test_ext_kl" not in registry("kl_estimator")
+    assert registry("kl_estimator").get("k3") is K3  # the built-ins are still there
+
+
+@pytest.mark.parametrize("value", ["0", "", "no"])
+def test_env_var_other_values_keep_autoload(fresh_loader, value, monkeypatch):
+    calls = fresh_loader(_ext_entry_point())
+    monkeypatch.setenv(DISABLE_AUTOLOAD_ENV, value)
+    load_plugins()
+    assert calls == [ENTRY_POINT_GROUP]
+    assert "test_ext_kl" in registry("kl_estimator")

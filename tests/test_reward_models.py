@@ -1,0 +1,379 @@
+"""Reward backends (rlhf_lightning_plugins.reward_models) and the RewardModel post-processing."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_lightning.interfaces import RewardModel, RunningMeanStd
+from rlhf_lightning_plugins.reward_models import CallableReward, HFClassifierReward, import_function
+
+# Helper reward functions live in a module under tmp_path (tests/ is not a package, so the
+# test module itself has no stable 'module:function' name).
+HELPER_MODULE = "_rlhf_test_reward_fns"
+HELPER_SOURCE = textwrap.dedent(
+    """
+    def one_too_few(prompts, responses):
+        return [1.0] * (len(responses) - 1)
+
+    def two_columns(prompts, responses):
+        return [[1.0, 2.0] for _ in responses]
+
+    def nan_at_two(prompts, responses):
+        return [0.0, 1.0, float("nan"), 3.0][: len(responses)]
+
+    def inf_at_zero_and_three(prompts, responses):
+        return [float("inf"), 1.0, 2.0, float("-inf")][: len(responses)]
+
+    def explodes(prompts, responses):
+        raise KeyError("no score for you")
+
+    def as_tensor(prompts, responses):
+        import torch
+        return torch.tensor([float(len(r)) for r in responses], dtype=torch.float64, requires_grad=True)
+
+    def echo_prompt_len(prompts, responses, offset=0.0):
+        return [len(p) + offset for p in prompts]
+    """
+)
+
+
+@pytest.fixture
+def helpers(tmp_path, monkeypatch):
+    (tmp_path / f"{HELPER_MODULE}.py").write_text(HELPER_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop(HELPER_MODULE, None)
+    yield HELPER_MODULE
+    sys.modules.pop(HELPER_MODULE, None)
+
+
+def eos(*flags: bool) -> torch.Tensor:
+    return torch.tensor(flags, dtype=torch.bool)
+
+
+# ---------------------------------------------------------------------------------------------
+# CallableReward + toy rewards
+
+
+def test_char_count_gives_exact_counts():
+    rm = CallableReward(function="rlhf_lightning_plugins.toy_rewards:char_count")
+    responses = ["eee", "hello", "", "EeE", "the cheese"]
+    raw, scores = rm(["p"] * 5, responses, eos(True, True, True, True, True))
+    # lowercase 'e' only: 3, 1, 0, 1 ('E' does not count), 'the cheese' -> 1 + 3 = 4
+    assert raw.tolist() == [3.0, 1.0, 0.0, 1.0, 4.0]
+    assert scores.tolist() == raw.tolist()
+    assert raw.dtype == torch.float32 and scores.dtype == torch.float32
+
+
+def test_callable_reward_passes_kwargs():
+    # chars 'lo' in 'hello' -> l, l, o = 3, times scale 0.5 = 1.5; 'wool' -> o, o, l = 3 -> 1.5; 'x' -> 0
+    rm = CallableReward(function="rlhf_lightning_plugins.toy_rewards:char_count", kwargs={"chars": "lo", "scale": 0.5})
+    raw, _ = rm(["", "", ""], ["hello", "wool", "x"], eos(True, True, True))
+    assert raw.tolist() == [1.5, 1.5, 0.0]
+
+
+def test_callable_reward_receives_prompts(helpers):
+    rm = CallableReward(function=f"{helpers}:echo_prompt_len", kwargs={"offset": 0.5})
+    raw, _ = rm(["ab", "abcd"], ["x", "y"], eos(True, True))
+    assert raw.tolist() == [2.5, 4.5]
+
+
+def test_exclamation_count_caps():
+    rm = CallableReward(function="rlhf_lightning_plugins.toy_rewards:exclamation_count", kwargs={"cap": 3})
+    raw, _ = rm(["", "", ""], ["hi!", "!!!!!!", "none"], eos(True, True, True))
+    assert raw.tolist() == [1.0, 3.0, 0.0]
+
+
+def test_tensor_scores_are_detached_float32(helpers):
+    rm = CallableReward(function=f"{helpers}:as_tensor")
+    raw, scores = rm(["", ""], ["abc", "a"], eos(True, True))
+    assert raw.dtype == torch.float32 and not raw.requires_grad
+    assert raw.tolist() == [3.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("no_colon_here", "package.module:function"),
+        (":char_count", "package.module:function"),
+        ("rlhf_lightning_plugins.toy_rewards:", "package.module:function"),
+        ("definitely_not_a_module_xyz:fn", "cannot import module 'definitely_not_a_module_xyz'"),
+        ("rlhf_lightning_plugins.toy_rewards:no_such_fn", "no callable 'no_such_fn'"),
+        ("rlhf_lightning_plugins.toy_rewards:__doc__", "no callable '__doc__'"),
+    ],
+)
+def test_bad_function_spec_mentions_the_field(spec, fragment):
+    with pytest.raises(ValueError, match="reward_model.function") as info:
+        CallableReward(function=spec)
+    assert fragment in str(info.value)
+
+
+def test_import_function_uses_the_given_field_name():
+    with pytest.raises(ValueError, match="my.field"):
+        import_function("nope", field="my.field")
+
+
+# ---------------------------------------------------------------------------------------------
+# RewardModel.__call__ validation
+
+
+def test_wrong_number_of_scores_mentions_the_shape(helpers):
+    rm = CallableReward(function=f"{helpers}:one_too_few")
+    with pytest.raises(ValueError, match=r"shape \(2,\).*shape \(3,\)"):
+        rm(["", "", ""], ["a", "b", "c"], eos(True, True, True))
+
+
+def test_two_dimensional_scores_are_refused(helpers):
+    rm = CallableReward(function=f"{helpers}:two_columns")
+    with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
+        rm(["", ""], ["a", "b"], eos(True, True))
+
+
+def test_nan_score_names_the_bad_index(helpers):
+    rm = CallableReward(function=f"{helpers}:nan_at_two")
+    with pytest.raises(FloatingPointError, match=r"responses \[2\]"):
+        rm([""] * 4, ["a", "b", "c", "d"], eos(True, True, True, True))
+
+
+def test_inf_scores_name_every_bad_index(helpers):
+    rm = CallableReward(function=f"{helpers}:inf_at_zero_and_three")
+    with pytest.raises(FloatingPointError, match=r"responses \[0, 3\]"):
+        rm([""] * 4, ["a", "b", "c", "d"], eos(True, True, True, True))
+
+
+def test_raising_function_gives_runtime_error_naming_the_function(helpers):
+    rm = CallableReward(function=f"{helpers}:explodes")
+    with pytest.raises(RuntimeError, match=f"{helpers}:explodes") as info:
+        rm([""], ["a"], eos(True))
+    assert "KeyError" in str(info.value)
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+# ---------------------------------------------------------------------------------------------
+# missing-EOS penalty, normalisation, clipping
+
+
+class ConstantScores(RewardModel):
+    """Returns the scores it is given, in order, one batch per call."""
+
+    def __init__(self, batches, **options):
+        super().__init__(**options)
+        self.batches = [list(b) for b in batches]
+
+    def score(self, prompts, responses):
+        return self.batches.pop(0)
+
+
+def _call(rm: RewardModel, n: int, ended=None, **kwargs):
+    ended = torch.ones(n, dtype=torch.bool) if ended is None else ended
+    return rm([""] * n, ["r"] * n, ended, **kwargs)
+
+
+def test_missing_eos_penalty_subtracts_exactly_on_responses_without_eos():
+    # raw (3, 1, 0, -2), ended (T, F, F, T), penalty 0.5 -> (3, 0.5, -0.5, -2)
+    rm = ConstantScores([[3.0, 1.0, 0.0, -2.0]], missing_eos_penalty=0.5)
+    raw, scores = _call(rm, 4, ended=eos(True, False, False, True))
+    assert raw.tolist() == [3.0, 1.0, 0.0, -2.0]
+    assert scores.tolist() == [3.0, 0.5, -0.5, -2.0]
+
+
+def test_no_penalty_by_default():
+    rm = ConstantScores([[3.0, 1.0]])
+    _, scores = _call(rm, 2, ended=eos(False, False))
+    assert scores.tolist() == [3.0, 1.0]
+
+
+def test_normalize_uses_running_stats_over_everything_seen():
+    b1 = [1.0, 2.0, 3.0, 10.0]
+    b2 = [-4.0, 0.5, 7.0]
+    rm = ConstantScores([b1, b2], normalize=True)
+    _, s1 = _call(rm, 4)
+    # after batch 1: mean 4, population std sqrt(((-3)^2 + (-2)^2 + (-1)^2 + 6^2) / 4) = sqrt(12.5)
+    expected1 = (np.array(b1) - 4.0) / (np.sqrt(12.5) + 1e-8)
+    np.testing.assert_allclose(s1.numpy(), expected1, rtol=1e-6)
+    _, s2 = _call(rm, 3)
+    seen = np.array(b1 + b2)
+    expected2 = (np.array(b2) - seen.mean()) / (seen.std() + 1e-8)  # numpy std: population (ddof=0)
+    np.testing.assert_allclose(s2.numpy(), expected2, rtol=1e-6)
+    assert rm.stats.count == 7
+    assert rm.stats.mean == pytest.approx(seen.mean())
+    assert rm.stats.var == pytest.approx(seen.var())
+
+
+def test_normalize_without_update_uses_stats_so_far():
+    rm = ConstantScores([[1.0, 3.0], [100.0, 5.0]], normalize=True)
+    _call(rm, 2)  # mean 2, std 1
+    before = rm.stats.state_dict()
+    _, s = _call(rm, 2, update_stats=False)
+    assert rm.stats.state_dict() == before
+    np.testing.assert_allclose(s.numpy(), [(100.0 - 2.0) / (1 + 1e-8), (5.0 - 2.0) / (1 + 1e-8)], rtol=1e-6)
+
+
+def test_normalize_stats_include_the_penalty():
+    # penalty applied before normalisation: the stats see (2, 0) -> mean 1, std 1 -> (1, -1)
+    rm = ConstantScores([[2.0, 1.0]], normalize=True, missing_eos_penalty=1.0)
+    _, s = _call(rm, 2, ended=eos(True, False))
+    np.testing.assert_allclose(s.numpy(), [1.0, -1.0], rtol=1e-6)
+
+
+def test_clip_clamps():
+    rm = ConstantScores([[5.0, -3.0, 1.0, -2.0, 2.0]], clip=2.0)
+    raw, scores = _call(rm, 5)
+    assert raw.tolist() == [5.0, -3.0, 1.0, -2.0, 2.0]
+    assert scores.tolist() == [2.0, -2.0, 1.0, -2.0, 2.0]
+
+
+def test_clip_applies_after_normalisation():
+    # (0, 0, 0, 10): mean 2.5, population std sqrt((3 * 6.25 + 56.25) / 4) = sqrt(18.75) = 4.3301
+    # normalised: (-0.57735, x3, 1.73205); clip 1 -> (-0.57735, x3, 1.0)
+    rm = ConstantScores([[0.0, 0.0, 0.0, 10.0]], normalize=True, clip=1.0)
+    _, s = _call(rm, 4)
+    z = -2.5 / np.sqrt(18.75)
+    np.testing.assert_allclose(s.numpy(), [z, z, z, 1.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("clip", [0.0, -1.0])
+def test_non_positive_clip_is_refused(clip):
+    with pytest.raises(ValueError, match="reward_model.clip"):
+        ConstantScores([], clip=clip)
+
+
+def test_reward_model_state_dict_round_trip():
+    a = ConstantScores([[1.0, 2.0, 6.0]], normalize=True)
+    _call(a, 3)
+    b = ConstantScores([[1.0, 2.0]], normalize=True)
+    b.load_state_dict(a.state_dict())
+    assert b.stats.state_dict() == a.stats.state_dict()
+    _, s = _call(b, 2, update_stats=False)
+    np.testing.assert_allclose(s.numpy(), (np.array([1.0, 2.0]) - 3.0) / (np.std([1.0, 2.0, 6.0]) + 1e-8), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# RunningMeanStd
+
+
+def test_running_mean_std_matches_torch_over_concatenated_batches():
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        torch.randn(5, generator=g) * 2 + 1,
+        torch.randn(1, generator=g) + 30,
+        torch.randn(17, generator=g) * 0.5 - 4,
+        torch.randn(3, generator=g),
+    ]
+    rms = RunningMeanStd()
+    for i, batch in enumerate(batches):
+        rms.update(batch)
+        seen = torch.cat(batches[: i + 1]).double()
+        assert rms.count == seen.numel()
+        assert rms.mean == pytest.approx(seen.mean().item(), rel=1e-9, abs=1e-9)
+        assert rms.var == pytest.approx(seen.var(unbiased=False).item(), rel=1e-9)
+        assert rms.std == pytest.approx(seen.std(unbiased=False).item(), rel=1e-9)
+
+
+def test_running_mean_std_initial_state():
+    rms = RunningMeanStd()
+    assert (rms.count, rms.mean, rms.var, rms.std) == (0.0, 0.0, 1.0, 1.0)
+
+
+def test_running_mean_std_sum_fn_gives_global_stats():
+    # Two ranks: rank B's three sums are added to rank A's, as all_reduce(SUM) would.
+    a = torch.tensor([1.0, 2.0, 3.0])
+    b = torch.tensor([10.0, -5.0])
+    other = {}
+
+    def record(t):
+        other["b"] = t.clone()
+        return t
+
+    RunningMeanStd().update(b, sum_fn=record)
+    rms = RunningMeanStd()
+    rms.update(a, sum_fn=lambda t: t + other["b"])
+    both = torch.cat([a, b]).double()
+    assert rms.count == 5
+    assert rms.mean == pytest.approx(both.mean().item())  # 11 / 5 = 2.2
+    assert rms.var == pytest.approx(both.var(unbiased=False).item())
+
+
+# ---------------------------------------------------------------------------------------------
+# HFClassifierReward on a tiny random Llama classifier with the character tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from rlhf_lightning.models import char_tokenizer
+
+    # A 16-wide model: intra-op threads only add synchronisation cost (10-50x on a busy 2-core box).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tokenizer = char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForSequenceClassification(config).eval()
+    path = tmp_path_factory.mktemp("tiny_rm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    yield path, model, tokenizer
+    torch.set_num_threads(threads)
+
+
+def _score_one_by_one(model, tokenizer, texts):
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            enc = tokenizer(text, return_tensors="pt")
+            assert enc["input_ids"].shape[0] == 1 and (enc["attention_mask"] == 1).all()
+            out.append(model(**enc).logits[0, 0].item())
+    return torch.tensor(out)
+
+
+PROMPTS = ["Say hi.", "Count:", "Q", "Why is the sky blue?", "ok"]
+RESPONSES = ["hi", "one two three four", "A!", "", "Rayleigh scattering."]
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 32])
+def test_hf_classifier_matches_unbatched_model(tiny_classifier, batch_size):
+    path, model, tokenizer = tiny_classifier
+    rm = HFClassifierReward(path=str(path), batch_size=batch_size)
+    raw, scores = rm(PROMPTS, RESPONSES, torch.ones(5, dtype=torch.bool))
+    expected = _score_one_by_one(model, tokenizer, [p + "\n" + r for p, r in zip(PROMPTS, RESPONSES)])
+    assert raw.shape == (5,) and raw.dtype == torch.float32
+    torch.testing.assert_close(raw, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(scores, raw)
+    # the scores differ between texts, so a broadcast/pooling mix-up would be caught
+    assert raw.unique().numel() == 5
+
+
+def test_hf_classifier_response_only_and_separator(tiny_classifier):
+    path, model, tokenizer = tiny_classifier
+    only = HFClassifierReward(path=str(path), include_prompt=False, batch_size=4)
+    raw, _ = only(PROMPTS, RESPONSES[:3] + ["x", "y"], torch.ones(5, dtype=torch.bool))
+    torch.testing.assert_close(raw, _score_one_by_one(model, tokenizer, RESPONSES[:3] + ["x", "y"]), rtol=1e-4, atol=1e-5)
+    sep = HFClassifierReward(path=str(path), separator=" | ", batch_size=4)
+    raw, _ = sep(PROMPTS, RESPONSES, torch.ones(5, dtype=torch.bool))
+    texts = [p + " | " + r for p, r in zip(PROMPTS, RESPONSES)]
+    torch.testing.assert_close(raw, _score_one_by_one(model, tokenizer, texts), rtol=1e-4, atol=1e-5)
+
+
+def test_hf_classifier_label_index_out_of_range(tiny_classifier):
+    path, _, _ = tiny_classifier
+    rm = HFClassifierReward(path=str(path), label_index=1)
+    with pytest.raises(ValueError, match="label_index=1.*1 labels"):
+        rm(["p"], ["r"], torch.ones(1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="label_index"):
+        HFClassifierReward(path=str(path), label_index=-1).setup(torch.device("cpu"))
