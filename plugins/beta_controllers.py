@@ -61,6 +61,8 @@ class BandBeta(BetaController):
             raise ValueError(f"beta_controller.factor must be > 1, got {factor!r}")
         if not 0 <= beta_min <= beta_max:
             raise ValueError(f"beta_controller needs 0 <= beta_min <= beta_max, got {beta_min!r} and {beta_max!r}")
+        if not beta_min <= init_beta <= beta_max:
+            raise ValueError(f"beta_controller.init_beta={init_beta!r} must lie in [beta_min, beta_max] = [{beta_min}, {beta_max}]")
         self.target, self.factor, self.beta_min, self.beta_max = target, factor, beta_min, beta_max
 
     def update(self, observed_kl: float, n_samples: int) -> float:

@@ -146,12 +146,17 @@ class RewardModel(ABC):
 
 
 class RunningMeanStd:
-    """Running mean and standard deviation over every value seen (parallel Welford merge)."""
+    """Running mean and (population) standard deviation of every value seen, merged batch by
+    batch with Chan et al.'s parallel update; std is 1 until two values have been seen."""
 
     def __init__(self) -> None:
         self.count = 0.0
         self.mean = 0.0
-        self.var = 1.0
+        self.m2 = 0.0  # sum of squared deviations from the mean
+
+    @property
+    def var(self) -> float:
+        return self.m2 / self.count if self.count >= 2 else 1.0
 
     @property
     def std(self) -> float:
@@ -159,24 +164,26 @@ class RunningMeanStd:
 
     def update(self, x: Tensor, sum_fn=None) -> None:
         # Global batch moments from three all-reduced sums, so every rank holds the same stats.
-        sums = torch.stack([torch.tensor(float(x.numel())), x.double().sum(), (x.double() ** 2).sum()])
+        x = x.double().flatten()
+        sums = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * x).sum()])
         if sum_fn is not None:
             sums = sum_fn(sums)
         n, s, ss = (float(v) for v in sums)
+        if n == 0:
+            return
         batch_mean = s / n
-        batch_var = max(ss / n - batch_mean**2, 0.0)
+        batch_m2 = max(ss - n * batch_mean**2, 0.0)
         total = self.count + n
         delta = batch_mean - self.mean
-        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.m2 += batch_m2 + delta**2 * self.count * n / total
         self.mean += delta * n / total
-        self.var = m2 / total if self.count > 0 or n > 1 else 1.0
         self.count = total
 
     def state_dict(self) -> dict[str, float]:
-        return {"count": self.count, "mean": self.mean, "var": self.var}
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
-        self.count, self.mean, self.var = state["count"], state["mean"], state["var"]
+        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
 
 
 register_kind("kl_estimator", KLEstimator)

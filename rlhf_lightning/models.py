@@ -181,14 +181,16 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 
 
 class ValueModel(nn.Module):
-    """Critic: a transformer trunk with a scalar head, V(s_t) for every position.
+    """Critic: a scalar value head V(s_t) = w . h_t + b on a transformer trunk's last hidden states.
 
-    The trunk is a copy of the policy's own trunk (``base_model_prefix`` of a causal LM), so
-    the critic starts from the same features; it costs one more trunk of parameters plus its
-    optimizer state (no LM head).
+    ``separate``: the head sits on its own copy of the policy's trunk (``base_model_prefix`` of
+    the causal LM), so the critic starts from the policy's features and costs one more trunk of
+    parameters, gradients and optimizer state. ``shared``: the head reads the policy's own
+    final hidden states (``trunk`` is None), costing hidden_size + 1 parameters and no extra
+    forward pass; the value loss then also trains the policy's (or its LoRA adapter's) weights.
     """
 
-    def __init__(self, trunk: nn.Module, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, trunk: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.trunk = trunk
         self.head = nn.Linear(hidden_size, 1)
@@ -196,11 +198,15 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_policy(cls, policy: nn.Module) -> "ValueModel":
+    def from_policy(cls, policy: nn.Module, shared: bool = False) -> "ValueModel":
+        if shared:
+            return cls(policy.config.hidden_size)
         trunk = copy.deepcopy(getattr(policy, policy.base_model_prefix))
         trunk.requires_grad_(True)
-        return cls(trunk, policy.config.hidden_size)
+        return cls(policy.config.hidden_size, trunk)
 
-    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()  # (batch, seq)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, hidden=None) -> torch.Tensor:
+        """Values (batch, seq) from token ids (separate trunk) or from given hidden states (shared)."""
+        if hidden is None:
+            hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()

@@ -21,6 +21,7 @@ cross-rank statistic goes through the Lightning strategy's ``reduce``.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
@@ -87,6 +88,8 @@ class PPORLHF(LightningModule):
         gamma / lam: GAE discount and lambda. whiten_advantages: whiten over the global batch.
         lr / critic_lr / weight_decay / max_grad_norm: AdamW settings and gradient clipping.
         optimizers: ``separate`` (one AdamW for the policy, one for the critic) or ``shared``.
+        critic: the value head's trunk: a ``separate`` copy of the policy's trunk, or ``shared``
+            with the policy (one forward pass gives log-probs and values; see ValueModel).
         lora_rank: 0 for full fine-tuning; > 0 trains a LoRA adapter and the reference is the
             same weights with the adapter disabled (no second copy in memory).
         tiny_config: overrides of the ``tiny`` model's LlamaConfig.
@@ -121,6 +124,7 @@ class PPORLHF(LightningModule):
         weight_decay: float = 0.0,
         max_grad_norm: Optional[float] = 1.0,
         optimizers: Literal["separate", "shared"] = "separate",
+        critic: Literal["separate", "shared"] = "separate",
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_target_modules: Optional[list[str]] = None,
@@ -145,6 +149,7 @@ class PPORLHF(LightningModule):
         _check(0 <= gamma <= 1 and 0 <= lam <= 1, "gamma and lam", "in [0, 1]", (gamma, lam))
         _check(lr > 0 and (critic_lr is None or critic_lr > 0), "lr and critic_lr", "> 0", (lr, critic_lr))
         _check(optimizers in ("separate", "shared"), "optimizers", "'separate' or 'shared'", optimizers)
+        _check(critic in ("separate", "shared"), "critic", "'separate' or 'shared'", critic)
         _check(lora_rank >= 0, "lora_rank", ">= 0", lora_rank)
         self.save_hyperparameters(ignore=["reward_model", "kl_estimator", "beta_controller"])
         self.automatic_optimization = False
@@ -170,7 +175,7 @@ class PPORLHF(LightningModule):
             temperature=hp.temperature, top_k=0, top_p=1.0,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
         )  # fmt: skip
-        self.critic = ValueModel.from_policy(policy)
+        self.critic = ValueModel.from_policy(policy, shared=hp.critic == "shared")
         if hp.lora_rank > 0:
             from peft import LoraConfig, get_peft_model
 
@@ -219,6 +224,8 @@ class PPORLHF(LightningModule):
             self.ppo_update(rollout, advantages, returns, beta)
         metrics = self.rollout_metrics(rollout, raw_scores, scores, kl, beta)
         observed = metrics["objective/kl"] if self.beta_controller.unit == "sequence_sum" else metrics["objective/kl_per_token"]
+        if not math.isfinite(observed):
+            raise FloatingPointError(f"observed KL is {observed} at iteration {self.iteration}; beta was {beta}")
         self.beta_controller.update(observed, n_samples=int(self._global_sum(torch.tensor(float(len(prompts))))))
         self.iteration += 1
         metrics.update(self.consume_update_stats())
@@ -233,7 +240,10 @@ class PPORLHF(LightningModule):
     def rollout(self, prompts: list[str]) -> Rollout:
         """Sample one response per prompt and compute log pi_old, log pi_ref and V_old, once each."""
         enc = self.encode_prompts(prompts)
-        sequences = self.policy.generate(**enc)  # (batch, prompt_len + new), right-padded with pad
+        # A peft model's own generate is several times slower on CPU (no effective KV cache); its base
+        # model carries the injected LoRA layers, so it samples from the same policy.
+        generator = self.policy.get_base_model() if self.hparams.lora_rank else self.policy
+        sequences = generator.generate(**enc)  # (batch, prompt_len + new), right-padded with pad
         prompt_len = enc["input_ids"].shape[1]
         response = sequences[:, prompt_len:]
         mask = pm.response_mask(response, self.tokenizer.eos_token_id)
@@ -243,10 +253,9 @@ class PPORLHF(LightningModule):
         response = torch.where(mask.bool(), response, torch.full_like(response, self.tokenizer.pad_token_id))
         input_ids = torch.cat([enc["input_ids"], response], dim=1)
         keep_logits = self.kl_estimator.needs_logits
-        logits = self.response_logits(self.policy, input_ids, attention_mask, response.shape[1])
+        logits, values = self.policy_outputs(input_ids, attention_mask, response.shape[1])
         with self._reference() as ref:
             ref_logits = self.response_logits(ref, input_ids, attention_mask, response.shape[1])
-        values = self.critic_values(input_ids, attention_mask, response.shape[1])
         return Rollout(
             prompts=list(prompts),
             responses=self.tokenizer.batch_decode(response, skip_special_tokens=True),
@@ -305,9 +314,8 @@ class PPORLHF(LightningModule):
         hp = self.hparams
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
         response_len = rollout.response.shape[1]
-        logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
+        logits, values = self.policy_outputs(input_ids, attention_mask, response_len)
         logprobs = pm.logprobs_of(logits, rollout.response[idx])
-        values = self.critic_values(input_ids, attention_mask, response_len)
         pg = pm.policy_loss(logprobs, rollout.logprobs[idx], advantages[idx], mask, hp.cliprange)
         vf = pm.value_loss(values, rollout.values[idx], returns[idx], mask, hp.cliprange_value)
         loss = pg.loss + hp.vf_coef * vf.loss
@@ -346,18 +354,28 @@ class PPORLHF(LightningModule):
             )
         return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
-    def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
-        """Temperature-scaled logits predicting each response token: (batch, response_len, vocab)."""
+    def response_logits(
+        self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, return_hidden: bool = False
+    ):
+        """Temperature-scaled logits predicting each response token: (batch, response_len, vocab);
+        with ``return_hidden`` also the last hidden states at those positions (batch, response_len, hidden)."""
         out = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=_position_ids(attention_mask),
-            use_cache=False, logits_to_keep=response_len + 1,
+            use_cache=False, logits_to_keep=response_len + 1, output_hidden_states=return_hidden,
         )  # fmt: skip
-        return out.logits[:, :-1].float() / self.hparams.temperature
+        logits = out.logits[:, :-1].float() / self.hparams.temperature
+        if return_hidden:
+            return logits, out.hidden_states[-1][:, -response_len - 1 : -1]
+        return logits
 
-    def critic_values(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
-        """V(s_t) for the state before each response token: (batch, response_len)."""
+    def policy_outputs(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Tensor]:
+        """Policy logits and critic values V(s_t) before each response token, (batch, response_len)."""
+        if self.critic.trunk is None:  # shared trunk: one forward pass gives both
+            logits, hidden = self.response_logits(self.policy, input_ids, attention_mask, response_len, True)
+            return logits, self.critic(hidden=hidden)
+        logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
         values = self.critic(input_ids, attention_mask, _position_ids(attention_mask))
-        return values[:, -response_len - 1 : -1]
+        return logits, values[:, -response_len - 1 : -1]
 
     @contextlib.contextmanager
     def _reference(self):

@@ -22,15 +22,22 @@ def _identity(t: Tensor) -> Tensor:
     return t
 
 
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """x where mask is 1, else 0 (a select, so inf/nan at masked positions cannot leak)."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_mean(x: Tensor, mask: Tensor, sum_fn: SumFn = None) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is 1 (global when ``sum_fn`` all-reduces)."""
-    sums = (sum_fn or _identity)(torch.stack([(x * mask).sum(), mask.sum().to(x.dtype)]))
+    x = _masked(x, mask)
+    sums = (sum_fn or _identity)(torch.stack([x.sum(), mask.sum().to(x.dtype)]))
     return sums[0] / sums[1].clamp(min=1)
 
 
 def masked_var(x: Tensor, mask: Tensor, sum_fn: SumFn = None) -> Tensor:
     """Unbiased variance of ``x`` over the masked positions."""
-    sums = (sum_fn or _identity)(torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum().to(x.dtype)]))
+    x = _masked(x, mask)
+    sums = (sum_fn or _identity)(torch.stack([x.sum(), (x * x).sum(), mask.sum().to(x.dtype)]))
     total, total_sq, n = sums
     mean = total / n.clamp(min=1)
     var = total_sq / n.clamp(min=1) - mean**2
@@ -44,7 +51,7 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, sum_fn: SumF
     whitened = (x - mean) / (std + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
-    return whitened * mask
+    return _masked(whitened, mask)
 
 
 def logprobs_of(logits: Tensor, tokens: Tensor) -> Tensor:
@@ -79,7 +86,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     delta_t = r_t + gamma * V_{t+1} - V_t (V past the last real token is 0);
     A_t = delta_t + gamma * lam * A_{t+1}; returns = A + V.
     """
-    rewards, values = rewards * mask, values * mask
+    rewards, values = _masked(rewards, mask), _masked(values, mask)
     advantages = torch.zeros_like(rewards)
     last_gae = torch.zeros_like(rewards[:, 0])
     length = rewards.shape[1]
@@ -88,8 +95,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         last_gae = delta + gamma * lam * last_gae
         advantages[:, t] = last_gae
-    advantages = advantages * mask
-    return advantages, (advantages + values) * mask
+    return advantages, _masked(advantages + values, mask)
 
 
 class LossStats(NamedTuple):
@@ -102,7 +108,8 @@ def policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cliprange: float
 ) -> LossStats:
     """PPO clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps)), r = pi/pi_old."""
-    log_ratio = logprobs - old_logprobs
+    # Mask before exp: an overflowing ratio at a padded position would turn the gradient into NaN.
+    log_ratio = _masked(logprobs - old_logprobs, mask)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
@@ -114,6 +121,7 @@ def policy_loss(
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float) -> LossStats:
     """Clipped value loss: 0.5 * mean over tokens of max((V - R)^2, (V_clipped - R)^2)."""
+    values, old_values, returns = _masked(values, mask), _masked(old_values, mask), _masked(returns, mask)
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss = (values - returns) ** 2
     clipped_loss = (clipped - returns) ** 2

@@ -27,6 +27,11 @@ ENTRY_POINT_GROUP = "rlhf_lightning.plugins"
 DISABLE_AUTOLOAD_ENV = "RLHF_LIGHTNING_DISABLE_PLUGIN_AUTOLOAD"
 
 
+def _normalise(name: str) -> str:
+    """Names are case- and whitespace-insensitive: ``K3`` and `` k3 `` select ``k3``."""
+    return name.strip().lower()
+
+
 class UnknownPluginError(KeyError):
     """Raised for a name that no plugin of the requested kind is registered under."""
 
@@ -52,6 +57,7 @@ class Registry:
         self._names: dict[str, str] = {}  # name or alias -> canonical name
 
     def register(self, name: str, cls: type, description: str = "", aliases: tuple[str, ...] = ()) -> type:
+        name, aliases = _normalise(name), tuple(_normalise(a) for a in aliases)
         if not (isinstance(cls, type) and issubclass(cls, self.base)):
             raise TypeError(f"{self.kind} plugin {name!r} must subclass {self.base.__name__}, got {cls!r}")
         for key in (name, *aliases):
@@ -69,6 +75,7 @@ class Registry:
 
     def get(self, name: str) -> type:
         _load_plugins()
+        name = _normalise(name)
         if name not in self._names:
             raise UnknownPluginError(
                 f"unknown {self.kind} {name!r}; registered {self.kind} names: {', '.join(self.names())}"
@@ -80,7 +87,7 @@ class Registry:
         if isinstance(spec, self.base):
             return spec
         if isinstance(spec, str):
-            return self.get(spec.strip().lower())()
+            return self.get(spec)()
         raise TypeError(
             f"{field or self.kind} must be a registered name ({', '.join(self.names())}) or a "
             f"{self.base.__name__} instance, got {type(spec).__name__}: {spec!r}"
@@ -96,7 +103,7 @@ class Registry:
 
     def __contains__(self, name: str) -> bool:
         _load_plugins()
-        return name in self._names
+        return _normalise(name) in self._names
 
 
 REGISTRIES: dict[str, Registry] = {}

@@ -55,6 +55,25 @@ def test_band_clamps_at_beta_min():
     assert run(ctrl, [0.0, 0.0, 0.0, 5.0]) == pytest.approx([0.1 / 1.5, 0.05, 0.05, 0.075], rel=1e-12)
 
 
+def test_band_init_beta_must_lie_in_the_clamp_range():
+    outside = [
+        {"init_beta": 0.5, "beta_max": 0.2},
+        {"init_beta": 0.01, "beta_min": 0.05},
+        {"init_beta": 0.0},  # default beta_min is 1e-4
+        {"init_beta": 11.0},  # default beta_max is 10
+    ]
+    for kwargs in outside:
+        with pytest.raises(ValueError, match="init_beta"):
+            controller("band", target=1.0, **kwargs)
+    # the bounds themselves are inside (inclusive check):
+    # init at beta_max 0.2: KL 10 > 1.5 -> 0.2 * 1.5 = 0.3 clamped to 0.2; KL 0 -> 0.2 / 1.5
+    top = controller("band", init_beta=0.2, target=1.0, beta_max=0.2)
+    assert run(top, [10.0, 0.0]) == pytest.approx([0.2, 0.2 / 1.5], rel=1e-12)
+    # init at beta_min 0.05: KL 0 -> 0.05 / 1.5 clamped to 0.05; KL 10 -> 0.075
+    bottom = controller("band", init_beta=0.05, target=1.0, beta_min=0.05)
+    assert run(bottom, [0.0, 10.0]) == pytest.approx([0.05, 0.075], rel=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # adaptive (Ziegler et al., 2019)
 

@@ -163,6 +163,52 @@ def test_sum_fn_two_ranks_whiten():
     torch.testing.assert_close(got, expected)
 
 
+NONFINITE = [float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.mark.parametrize("bad", NONFINITE, ids=["inf", "-inf", "nan"])
+def test_masked_mean_ignores_non_finite_masked_values(bad):
+    # valid 1, 2 -> 1.5 (x * mask would give inf * 0 = nan)
+    x = torch.tensor([[1.0, 2.0, bad]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    assert pm.masked_mean(x, mask).item() == 1.5
+
+
+@pytest.mark.parametrize("bad", NONFINITE, ids=["inf", "-inf", "nan"])
+def test_masked_var_ignores_non_finite_masked_values(bad):
+    # valid 1, 2, 3, 4: mean 2.5, squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5 -> 5 / 3
+    x = torch.tensor([[1.0, 2.0, 3.0, bad], [4.0, bad, bad, bad]], dtype=torch.float64)
+    mask = _prefix_mask([3, 1], 4)
+    assert pm.masked_var(x, mask).item() == pytest.approx(5.0 / 3.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+@pytest.mark.parametrize("bad", NONFINITE, ids=["inf", "-inf", "nan"])
+def test_masked_whiten_ignores_non_finite_masked_values(bad, shift_mean):
+    # valid 1, 2, 3, 4: mean 2.5, unbiased std sqrt(5 / 3); masked positions come out as 0
+    x = torch.tensor([[1.0, 2.0, 3.0, bad], [4.0, bad, bad, bad]], dtype=torch.float64)
+    mask = _prefix_mask([3, 1], 4)
+    std = math.sqrt(5.0 / 3.0) + EPS
+    shift = 0.0 if shift_mean else 2.5
+    expected = torch.tensor(
+        [[-1.5 / std, -0.5 / std, 0.5 / std, 0.0], [1.5 / std, 0.0, 0.0, 0.0]], dtype=torch.float64
+    )
+    expected = expected + shift * mask
+    out = pm.masked_whiten(x, mask, shift_mean=shift_mean)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fn", [pm.masked_mean, pm.masked_var, pm.masked_whiten])
+def test_non_finite_masked_values_give_the_clean_result(masked_batch, fn):
+    x, mask = masked_batch
+    dirty = x.clone()
+    pad = ~mask.bool()
+    dirty[pad] = torch.tensor(NONFINITE, dtype=x.dtype).repeat(int(pad.sum()))[: int(pad.sum())]
+    assert not torch.isfinite(dirty).all()
+    torch.testing.assert_close(fn(dirty, mask), fn(x * mask, mask), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # logprobs_of / entropy_of
 
@@ -322,6 +368,38 @@ def test_gae_gamma_lambda_one_gives_reward_to_go_minus_value():
     torch.testing.assert_close(adv, (to_go - values) * mask)
 
 
+@pytest.mark.parametrize("bad", NONFINITE, ids=["inf", "-inf", "nan"])
+def test_gae_hand_example_with_non_finite_padding(bad):
+    # As test_gae_hand_example, but reward and value on the padding are non-finite:
+    # advantages (1.25, 1.0, 0), returns (1.75, 2.0, 0), all finite.
+    rewards = torch.tensor([[1.0, 2.0, bad]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 1.0, bad]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
+    adv, ret = pm.gae(rewards, values, mask, gamma=0.5, lam=0.5)
+    torch.testing.assert_close(adv, torch.tensor([[1.25, 1.0, 0.0]], dtype=torch.float64), rtol=0, atol=0)
+    torch.testing.assert_close(ret, torch.tensor([[1.75, 2.0, 0.0]], dtype=torch.float64), rtol=0, atol=0)
+
+
+def test_gae_with_nan_and_inf_padding_equals_the_clean_case():
+    g = torch.Generator().manual_seed(9)
+    mask = _prefix_mask([2, 6, 4, 1], 6)
+    rewards = torch.randn(4, 6, generator=g, dtype=torch.float64) * mask
+    values = torch.randn(4, 6, generator=g, dtype=torch.float64) * mask
+    clean = pm.gae(rewards, values, mask, 0.99, 0.95)
+    pad = ~mask.bool()
+    dirty_rewards = torch.where(pad, torch.full_like(rewards, float("nan")), rewards)
+    dirty_values = torch.where(pad, torch.full_like(values, float("inf")), values)
+    dirty_values[0, 2] = float("-inf")
+    dirty_values[3, 1] = float("nan")
+    dirty = pm.gae(dirty_rewards, dirty_values, mask, 0.99, 0.95)
+    for a, b in zip(clean, dirty):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    exp_adv, exp_ret = _gae_reference(rewards, values, mask, 0.99, 0.95)
+    torch.testing.assert_close(dirty[0], exp_adv)
+    torch.testing.assert_close(dirty[1], exp_ret)
+
+
 # ---------------------------------------------------------------------------------------------
 # policy_loss
 
@@ -415,3 +493,18 @@ def test_value_loss_without_clipping_is_half_mse():
     expected = 0.5 * ((values - returns)[mask.bool()] ** 2).mean()
     torch.testing.assert_close(stats.loss, expected)
     assert stats.clipfrac.item() == 0.0
+
+
+def test_losses_have_finite_gradients_when_padding_would_overflow():
+    # At the padded position the log-ratio is 200: exp(200) = inf, times advantage 0 = nan,
+    # unless the inputs are masked before the arithmetic.
+    logprobs = torch.tensor([[0.0, 100.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 0.0]])
+    pm.policy_loss(logprobs, torch.tensor([[0.0, -100.0]]), torch.tensor([[1.0, 0.0]]), mask, 0.2).loss.backward()
+    # d/dlogp of -A * exp(logp - old) at ratio 1 is -A = -1 on the real token; 0 on padding.
+    assert torch.equal(logprobs.grad, torch.tensor([[-1.0, 0.0]]))
+    values = torch.tensor([[1.0, float("inf")]], requires_grad=True)
+    loss = pm.value_loss(values, torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0]]), mask, 0.2).loss
+    loss.backward()
+    # 0.5 * (1 - 2)^2 = 0.5 on the one real token; gradient (V - R) = -1 there.
+    assert loss.item() == 0.5 and torch.equal(values.grad, torch.tensor([[-1.0, 0.0]]))

@@ -137,6 +137,26 @@ def test_build_instantiates_names(spec, cls):
     torch.testing.assert_close(built(x, torch.zeros_like(x)), torch.tensor(expected[cls]))
 
 
+@pytest.mark.parametrize("name", ["K3", " k3 ", "\tK3\n", "LOW_VAR_KL", " Low_Var_KL "])
+def test_get_is_case_and_whitespace_insensitive_like_build(name):
+    kl = registry("kl_estimator")
+    assert kl.get(name) is K3
+    assert type(kl.build(name)) is K3
+
+
+@pytest.mark.parametrize(
+    "kind, name, expected",
+    [("kl_estimator", " MSE", "K2"), ("beta_controller", "Band ", "BandBeta"), ("reward_model", "CALLABLE", "CallableReward")],
+)
+def test_get_normalises_names_for_every_kind(kind, name, expected):
+    assert registry(kind).get(name).__name__ == expected
+
+
+def test_get_unknown_name_after_normalising_still_raises():
+    with pytest.raises(UnknownPluginError, match="unknown kl_estimator 'k4'"):
+        registry("kl_estimator").get(" K4 ")
+
+
 def test_build_refuses_other_types_naming_the_field():
     with pytest.raises(TypeError, match=r"model\.kl_estimator must be a registered name \(.*k3.*\).*got int: 3"):
         registry("kl_estimator").build(3, "model.kl_estimator")
@@ -302,3 +322,14 @@ def test_env_var_other_values_keep_autoload(fresh_loader, value, monkeypatch):
     load_plugins()
     assert calls == [ENTRY_POINT_GROUP]
     assert "test_ext_kl" in registry("kl_estimator")
+
+
+def test_mixed_case_registration_is_found_under_any_case(isolated):
+    @reg_mod.register("kl_estimator", "MyCaseKL", aliases=("My_Alias",))
+    class MyCaseKL(KLEstimator):
+        def __call__(self, logprobs, ref_logprobs, logits=None, ref_logits=None):
+            return logprobs - ref_logprobs
+
+    kl = registry("kl_estimator")
+    assert kl.get("MyCaseKL") is MyCaseKL and kl.get("mycasekl") is MyCaseKL and kl.get("MY_ALIAS") is MyCaseKL
+    assert "MyCaseKL" in kl and " k3 " in kl and "K3" in kl

@@ -298,6 +298,109 @@ def test_running_mean_std_sum_fn_gives_global_stats():
     assert rms.var == pytest.approx(both.var(unbiased=False).item())
 
 
+def test_running_mean_std_two_single_value_batches():
+    # Values 0 and 2: mean 1, population var ((0 - 1)^2 + (2 - 1)^2) / 2 = 1. The placeholder
+    # var = 1 held after the first value must not be merged in as data (that gave 1.5).
+    rms = RunningMeanStd()
+    rms.update(torch.tensor([0.0]))
+    rms.update(torch.tensor([2.0]))
+    assert rms.count == 2
+    assert rms.mean == 1.0
+    assert rms.var == 1.0
+    assert rms.std == 1.0
+
+
+def test_running_mean_std_constant_values_have_zero_variance():
+    # 5, then 5, 5: all equal -> var 0 exactly (merging the placeholder var 1 gave 1/3).
+    rms = RunningMeanStd()
+    rms.update(torch.tensor([5.0]))
+    rms.update(torch.tensor([5.0, 5.0]))
+    assert (rms.count, rms.mean, rms.var, rms.std) == (3, 5.0, 0.0, 0.0)
+
+
+def test_running_mean_std_is_one_until_two_values_then_exact():
+    rms = RunningMeanStd()
+    rms.update(torch.tensor([7.0]))
+    # one value seen: mean is that value, std the placeholder 1, and no spread recorded
+    assert (rms.count, rms.mean, rms.var, rms.std) == (1, 7.0, 1.0, 1.0)
+    assert rms.state_dict()["m2"] == 0.0
+    # 7 and 10: mean 8.5, var (1.5^2 + 1.5^2) / 2 = 2.25, std 1.5
+    rms.update(torch.tensor([10.0]))
+    assert (rms.count, rms.mean, rms.var, rms.std) == (2, 8.5, 2.25, 1.5)
+
+
+def test_running_mean_std_single_values_match_torch():
+    # One value per batch (e.g. one response per rank and step): stats of everything seen.
+    values = [3.0, -1.0, 4.0, 1.5, -9.0, 2.6]
+    rms = RunningMeanStd()
+    for i, v in enumerate(values):
+        rms.update(torch.tensor([v]))
+        seen = torch.tensor(values[: i + 1]).double()  # the float32 values update() saw
+        assert rms.mean == pytest.approx(seen.mean().item(), rel=1e-12, abs=1e-12)
+        expected_var = seen.var(unbiased=False).item() if i >= 1 else 1.0
+        assert rms.var == pytest.approx(expected_var, rel=1e-12)
+
+
+@pytest.mark.parametrize("primed", [False, True], ids=["fresh", "after-data"])
+def test_running_mean_std_empty_update_is_a_no_op(primed):
+    rms = RunningMeanStd()
+    if primed:
+        rms.update(torch.tensor([1.0, 3.0]))  # mean 2, var 1
+    before = rms.state_dict()
+    rms.update(torch.tensor([]))
+    assert rms.state_dict() == before
+    expected = (2, 2.0, 1.0) if primed else (0, 0.0, 1.0)
+    assert (rms.count, rms.mean, rms.var) == expected
+
+    # Under DDP a rank with no values must still all-reduce (else the others hang) and then hold
+    # the global stats: the other rank adds values 5, 7 (sums n=2, s=12, ss=74).
+    calls = []
+
+    def other_rank_has_5_and_7(t):
+        calls.append(t.clone())
+        return t + torch.tensor([2.0, 12.0, 74.0], dtype=t.dtype)
+
+    rms.update(torch.tensor([]), sum_fn=other_rank_has_5_and_7)
+    assert len(calls) == 1 and calls[0].tolist() == [0.0, 0.0, 0.0]
+    # fresh: {5, 7} -> mean 6, var 1;  primed: {1, 3, 5, 7} -> mean 4, var (9 + 1 + 1 + 9) / 4 = 5
+    assert (rms.count, rms.mean, rms.var) == ((4, 4.0, 5.0) if primed else (2, 6.0, 1.0))
+
+
+def test_running_mean_std_state_dict_round_trip():
+    batches = [torch.tensor([4.0]), torch.tensor([1.0, 2.0, 6.0]), torch.tensor([-3.0, 0.5])]
+    a = RunningMeanStd()
+    for b in batches:
+        a.update(b)
+    seen = torch.cat(batches).double()
+    assert set(a.state_dict()) == {"count", "mean", "m2"}
+    assert a.var == pytest.approx(seen.var(unbiased=False).item(), rel=1e-12)
+
+    restored = RunningMeanStd()
+    restored.update(torch.tensor([100.0, -100.0, 50.0]))  # its own history is overwritten
+    restored.load_state_dict(a.state_dict())
+    assert (restored.count, restored.mean, restored.var, restored.std) == (a.count, a.mean, a.var, a.std)
+
+    more = [torch.tensor([9.0]), torch.tensor([2.0, -7.0, 0.25])]
+    for m in more:
+        a.update(m)
+        restored.update(m)
+        assert (restored.count, restored.mean, restored.var) == (a.count, a.mean, a.var)
+    everything = torch.cat(batches + more).double()
+    assert restored.count == everything.numel()
+    assert restored.mean == pytest.approx(everything.mean().item(), rel=1e-12)
+    assert restored.var == pytest.approx(everything.var(unbiased=False).item(), rel=1e-12)
+
+
+def test_normalize_with_one_score_per_call_uses_the_exact_running_std():
+    # Scores 0 then 2, one per call: the first normalises to (0 - 0) / 1 = 0; the second sees
+    # mean 1, population std 1 -> (2 - 1) / 1 = 1 (the old merge gave std sqrt(1.5) -> 0.8165).
+    rm = ConstantScores([[0.0], [2.0]], normalize=True)
+    _, s1 = _call(rm, 1)
+    _, s2 = _call(rm, 1)
+    assert s1.tolist() == [0.0]
+    np.testing.assert_allclose(s2.numpy(), [1.0 / (1.0 + 1e-8)], rtol=1e-7)
+
+
 # ---------------------------------------------------------------------------------------------
 # HFClassifierReward on a tiny random Llama classifier with the character tokenizer
 

@@ -1,0 +1,38 @@
+"""Print the main metrics of a finished run, iteration by iteration, from its TensorBoard events.
+
+    python tools/summarize_run.py lightning_logs/version_0 [--every 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+COLUMNS = ("objective/reward", "objective/kl", "objective/beta", "objective/net", "objective/entropy", "response/length")
+
+
+def read_scalars(log_dir: str) -> dict[str, list[float]]:
+    events = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("log_dir")
+    parser.add_argument("--every", type=int, default=1, help="print every n-th iteration")
+    args = parser.parse_args()
+    scalars = read_scalars(args.log_dir)
+    columns = [c for c in COLUMNS if c in scalars]
+    print("iter  " + "  ".join(f"{c.split('/')[-1]:>9}" for c in columns))
+    for i in range(len(scalars[columns[0]])):
+        if i % args.every == 0 or i == len(scalars[columns[0]]) - 1:
+            print(f"{i:>4}  " + "  ".join(f"{scalars[c][i]:>9.4f}" for c in columns))
+    for tag in sorted(t for t in scalars if t.startswith(("val/", "timing/"))):
+        values = scalars[tag]
+        print(f"{tag}: last {values[-1]:.4f}" + (f", mean {sum(values) / len(values):.4f}" if len(values) > 1 else ""))
+
+
+if __name__ == "__main__":
+    main()
