@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class ExportPolicy(Callback):
@@ -36,3 +37,26 @@ def export_policy(module, target: Path) -> Path:
     policy.save_pretrained(target)
     module.tokenizer.save_pretrained(target)
     return target
+
+
+class IterationCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint that saves every ``every_n_iterations`` PPO iterations (plus ``last.ckpt``).
+
+    Lightning's ``every_n_train_steps`` counts optimizer steps, of which one PPO iteration takes
+    ``ppo_epochs * num_minibatches`` per optimizer; this counts iterations (training batches).
+    Writes are atomic (Lightning saves through a temporary file that is renamed into place), so
+    a kill during a save leaves the previous checkpoint loadable.
+    """
+
+    def __init__(self, every_n_iterations: int = 10, save_last: bool = True, save_top_k: int = 1, **kwargs) -> None:
+        if every_n_iterations < 1:
+            raise ValueError(f"every_n_iterations must be >= 1, got {every_n_iterations!r}")
+        super().__init__(save_last=save_last, save_top_k=save_top_k, every_n_train_steps=0, **kwargs)
+        self.every_n_iterations = every_n_iterations
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.iteration % self.every_n_iterations or self._should_skip_saving_checkpoint(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)

@@ -31,13 +31,22 @@ def print_plugins() -> None:
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
     """Construct the LightningCLI (it parses and, with ``run``, executes the subcommand)."""
+    from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
     from lightning.pytorch.cli import LightningCLI
 
     from rlhf_lightning.data import PromptDataModule
     from rlhf_lightning.module import PPORLHF
 
+    class RLHFLightningCLI(LightningCLI):
+        def _instantiate_trainer(self, config, callbacks):
+            # A Rich progress bar (reward, KL, beta) unless the user disabled bars or chose one.
+            chosen = [*(config.get("callbacks") or []), *callbacks]
+            if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
+                callbacks = [*callbacks, RichProgressBar()]
+            return super()._instantiate_trainer(config, callbacks)
+
     load_plugins()  # before parsing: class_path and short names must resolve
-    return LightningCLI(
+    return RLHFLightningCLI(
         PPORLHF,
         PromptDataModule,
         args=args,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning import LightningDataModule
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 DATA_DIR = Path(__file__).parent / "data"
 BUILTIN_TRAIN = DATA_DIR / "prompts_train.jsonl"
@@ -45,6 +45,48 @@ def load_prompts(path: str | Path, column: str = "prompt", field: str = "data.tr
     return prompts
 
 
+class PromptSampler(DistributedSampler):
+    """This rank's shard of a seeded per-epoch permutation, able to start mid-epoch.
+
+    A DistributedSampler (Lightning leaves it in place and calls ``set_epoch``), even with one
+    process; ``resume_at(epoch, n)`` skips the first ``n`` samples of that epoch only.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._resume: tuple[int, int] | None = None
+
+    def resume_at(self, epoch: int, samples_done: int) -> None:
+        self._resume = (epoch, samples_done)
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        if self._resume is not None and self._resume[0] == self.epoch:
+            indices = indices[self._resume[1] :]
+            self._resume = None
+        return iter(indices)
+
+
+class PromptLoader(DataLoader):
+    """A DataLoader that Lightning saves and restores with the checkpoint (it has
+    ``state_dict``/``load_state_dict``), so a resumed run continues with the next unseen prompts.
+
+    The position is the number of batches the training loop has started this epoch, read from
+    the trainer: the loader itself runs one batch ahead because Lightning prefetches.
+    """
+
+    def __init__(self, *args, trainer=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, int]:
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": self.trainer.current_epoch, "batches_done": progress.ready}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.resume_at(state["epoch"], state["batches_done"] * self.batch_size)
+
+
 class PromptDataModule(LightningDataModule):
     """Prompts for rollouts (train) and for evaluation (validation/test).
 
@@ -54,7 +96,7 @@ class PromptDataModule(LightningDataModule):
         prompt_column: column holding the prompt text (ignored for .txt: one prompt per line).
         batch_size: prompts per PPO iteration per process (rollout batch).
         val_batch_size: prompts per evaluation batch.
-        shuffle: shuffle training prompts every epoch (seeded by ``seed_everything``).
+        shuffle: shuffle training prompts every epoch, with a permutation seeded by ``seed`` and the epoch.
     """
 
     def __init__(
@@ -65,6 +107,7 @@ class PromptDataModule(LightningDataModule):
         batch_size: int = 8,
         val_batch_size: int = 16,
         shuffle: bool = True,
+        seed: int = 0,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
@@ -74,20 +117,30 @@ class PromptDataModule(LightningDataModule):
         self.train_path = train_path or str(BUILTIN_TRAIN)
         self.val_path = val_path or str(BUILTIN_VALIDATION)
         self.prompt_column, self.batch_size, self.val_batch_size = prompt_column, batch_size, val_batch_size
-        self.shuffle, self.num_workers = shuffle, num_workers
+        self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
         self.train_prompts: list[str] = []
         self.val_prompts: list[str] = []
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and not self.train_prompts:
             self.train_prompts = load_prompts(self.train_path, self.prompt_column, "data.train_path")
+            needed = self.batch_size * (self.trainer.world_size if self.trainer else 1)
+            if len(self.train_prompts) < needed:
+                raise ValueError(
+                    f"data.train_path has {len(self.train_prompts)} prompts, fewer than one batch "
+                    f"(data.batch_size={self.batch_size} per process x {needed // self.batch_size} processes)"
+                )
         if not self.val_prompts:
             self.val_prompts = load_prompts(self.val_path, self.prompt_column, "data.val_path")
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_prompts, batch_size=self.batch_size, shuffle=self.shuffle, drop_last=True,
-            num_workers=self.num_workers, collate_fn=list,
+        sampler = PromptSampler(
+            self.train_prompts, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
+            shuffle=self.shuffle, seed=self.seed, drop_last=True,
+        )  # fmt: skip
+        return PromptLoader(
+            self.train_prompts, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+            num_workers=self.num_workers, collate_fn=list, trainer=self.trainer,
         )  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
@@ -160,6 +161,7 @@ class PPORLHF(LightningModule):
         self.critic: Optional[ValueModel] = None
         self.update_stats = nn.ModuleDict({name.replace("/", "__"): MeanMetric() for name in UPDATE_STATS})
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
+        self._rng_to_restore: Optional[dict] = None
 
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
@@ -207,6 +209,11 @@ class PPORLHF(LightningModule):
         self.reward_model.setup(self.device)
 
     on_validation_start = on_test_start = on_fit_start
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        if self._rng_to_restore is not None:
+            _set_rng_states(self._rng_to_restore)
+            self._rng_to_restore = None
 
     # ------------------------------------------------------------------ the loop
     def training_step(self, prompts: list[str], batch_idx: int) -> None:
@@ -486,6 +493,7 @@ class PPORLHF(LightningModule):
             "iteration": self.iteration,
             "beta_controller": self.beta_controller.state_dict(),
             "reward_model": self.reward_model.state_dict(),
+            "rng": _rng_states(),
         }
         # The frozen reference is rebuilt from the config; do not store a second copy of the weights.
         for key in [k for k in checkpoint["state_dict"] if k.startswith("ref_model.")]:
@@ -496,6 +504,8 @@ class PPORLHF(LightningModule):
         self.iteration = state["iteration"]
         self.beta_controller.load_state_dict(state["beta_controller"])
         self.reward_model.load_state_dict(state["reward_model"])
+        # Applied at the next training batch: loading and loader setup in between draw random numbers.
+        self._rng_to_restore = state.get("rng")
         if self.ref_model is not None:
             checkpoint["state_dict"].update({f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()})
 
@@ -503,6 +513,20 @@ class PPORLHF(LightningModule):
 def _position_ids(attention_mask: Tensor) -> Tensor:
     """Positions counted over real tokens only, as ``generate`` does for left-padded prompts."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _rng_states() -> dict:
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def _md(text: str, limit: int = 300) -> str:

@@ -1,0 +1,137 @@
+"""Beta controllers from control theory: a PID controller on log(beta) and a dual-ascent
+Lagrange multiplier for the hard constraint KL <= target."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from rlhf_lightning.interfaces import BetaController, KLUnit
+from rlhf_lightning.registry import register
+
+# KL / target is floored here before the log: the k1 estimator's KL can be 0 or negative,
+# and it is exactly 0 on the first iteration, when the policy still equals the reference.
+KL_RATIO_FLOOR = 1e-6
+
+
+def _require(condition: bool, field: str, requirement: str, value: Any) -> None:
+    if not condition:
+        raise ValueError(f"beta_controller.{field} must be {requirement}, got {value!r}")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@register("beta_controller", "pid", description="PID controller on log(beta) toward a KL target, with anti-windup")
+class PIDBeta(BetaController):
+    """Discrete PID control of log(beta) toward a KL target, in incremental (velocity) form.
+
+    With the error in log space, clipped to [-error_clip, error_clip],
+
+        e_t = clip(log(max(KL_t / target, 1e-6)), -error_clip, error_clip)
+        I_t = clip(I_{t-1} + e_t, -integral_limit, integral_limit)      (anti-windup)
+        log beta <- clip(log beta + kp * e_t + ki * I_t + kd * (e_t - e_{t-1}), log beta_min, log beta_max)
+
+    and e_{t-1} = e_t on the first update (no derivative kick). The log error is symmetric
+    (KL at twice and at half the target give +-log 2) and, for a KL that scales like a power of
+    1/beta, linear in log beta; the clip keeps the first iterations, where KL is 0 by
+    construction, from driving beta to beta_min at once. Because the step is added to log beta,
+    ``kp`` alone is a multiplicative controller like Ziegler et al.'s ``adaptive``
+    (log beta += kp * e_t); ``ki`` adds the accumulated error, which removes the lag behind a
+    KL that keeps drifting upward as the policy learns; ``kd`` damps the oscillation.
+    The standard discrete PID law (Astrom & Murray, "Feedback Systems", ch. 10), applied to KL
+    control as in the adaptive KL controller of Ziegler et al. (2019) / Stiennon et al. (2020,
+    "Learning to summarize from human feedback"). The integral and the previous error are state.
+    """
+
+    def __init__(
+        self,
+        init_beta: float = 0.1,
+        target: float = 6.0,
+        kp: float = 0.2,
+        ki: float = 0.02,
+        kd: float = 0.1,
+        integral_limit: float = 5.0,
+        error_clip: float = 1.0,
+        beta_min: float = 1e-4,
+        beta_max: float = 10.0,
+        unit: KLUnit = "sequence_sum",
+    ) -> None:
+        super().__init__(init_beta, unit)
+        _require(_finite(target) and target > 0, "target", "a finite number > 0", target)
+        for name, gain in (("kp", kp), ("ki", ki), ("kd", kd)):
+            _require(_finite(gain) and gain >= 0, name, "a finite number >= 0", gain)
+        _require(integral_limit >= 0, "integral_limit", ">= 0", integral_limit)
+        _require(error_clip > 0, "error_clip", "> 0", error_clip)
+        # log(beta) must exist: beta_min > 0, unlike the other controllers.
+        _require(_finite(beta_min) and beta_min > 0, "beta_min", "a finite number > 0 (the PID acts on log beta)", beta_min)
+        _require(_finite(beta_max) and beta_max >= beta_min, "beta_max", f">= beta_min={beta_min}", beta_max)
+        _require(beta_min <= init_beta <= beta_max, "init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta)
+        self.target, self.kp, self.ki, self.kd = float(target), float(kp), float(ki), float(kd)
+        self.integral_limit, self.error_clip = float(integral_limit), float(error_clip)
+        self.beta_min, self.beta_max = float(beta_min), float(beta_max)
+        self.integral = 0.0
+        self.prev_error: Optional[float] = None
+
+    def error(self, observed_kl: float) -> float:
+        """e_t = clip(log(KL_t / target), -error_clip, error_clip), KL / target floored at 1e-6."""
+        e = math.log(max(observed_kl / self.target, KL_RATIO_FLOOR))
+        return min(max(e, -self.error_clip), self.error_clip)
+
+    def update(self, observed_kl: float, n_samples: int) -> float:
+        e = self.error(observed_kl)
+        self.integral = min(max(self.integral + e, -self.integral_limit), self.integral_limit)
+        derivative = e - (e if self.prev_error is None else self.prev_error)
+        self.prev_error = e
+        log_beta = math.log(self.beta) + self.kp * e + self.ki * self.integral + self.kd * derivative
+        self.beta = min(max(math.exp(log_beta), self.beta_min), self.beta_max)
+        return self.beta
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"beta": self.beta, "integral": self.integral, "prev_error": self.prev_error}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.integral = float(state["integral"])
+        self.prev_error = None if state["prev_error"] is None else float(state["prev_error"])
+
+
+@register("beta_controller", "dual", description="beta as a Lagrange multiplier for KL <= target (projected dual ascent)")
+class DualBeta(BetaController):
+    """beta as the Lagrange multiplier of the hard constraint KL <= target.
+
+    The Lagrangian relaxation  max_pi min_{beta >= 0}  E[r] - beta * (KL - target)  is solved by
+    alternating a policy step with projected gradient ascent on beta, the constraint violation
+    being the gradient:
+
+        beta <- min(max(0, beta + lr * (KL_t - target)), beta_max)
+
+    (``beta_max`` optional). beta grows while the constraint is violated and shrinks toward 0,
+    where the penalty switches off, while it holds with slack. As Stooke et al. (2020) show,
+    this is pure integral control of the constraint: it overshoots and oscillates when lr is
+    large relative to how fast KL responds. ``lr`` is in beta per unit of KL, so it depends on
+    ``unit``. References: Tessler et al. (2019), "Reward Constrained Policy Optimization";
+    Stooke et al. (2020), "Responsive Safety in Reinforcement Learning by PID Lagrangian Methods".
+    """
+
+    def __init__(
+        self,
+        init_beta: float = 0.1,
+        target: float = 6.0,
+        lr: float = 0.01,
+        beta_max: Optional[float] = None,
+        unit: KLUnit = "sequence_sum",
+    ) -> None:
+        super().__init__(init_beta, unit)
+        _require(_finite(target) and target > 0, "target", "a finite number > 0", target)
+        _require(_finite(lr) and lr > 0, "lr", "a finite number > 0", lr)
+        if beta_max is not None:
+            _require(_finite(beta_max) and beta_max >= init_beta, "beta_max", f"a finite number >= init_beta={init_beta} or null", beta_max)
+        self.target, self.lr = float(target), float(lr)
+        self.beta_max = None if beta_max is None else float(beta_max)
+
+    def update(self, observed_kl: float, n_samples: int) -> float:
+        beta = max(0.0, self.beta + self.lr * (observed_kl - self.target))
+        self.beta = beta if self.beta_max is None else min(beta, self.beta_max)
+        return self.beta

@@ -1,0 +1,189 @@
+"""A reward backend that asks an HTTP server for the scores (standard library only)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.interfaces import RewardModel
+from rlhf_lightning.registry import register
+
+BODY_PREVIEW_CHARS = 200  # how much of an unexpected response body an error message quotes
+
+
+class _RetryableError(Exception):
+    """One failed attempt worth repeating (server unreachable, too slow, or HTTP 5xx)."""
+
+    def __init__(self, description: str, error_type: type[Exception]) -> None:
+        super().__init__(description)
+        self.description = description
+        self.error_type = error_type  # raised once every attempt has failed
+
+
+def _preview(body: bytes) -> str:
+    return repr(body.decode("utf-8", errors="replace")[:BODY_PREVIEW_CHARS])
+
+
+@register("reward_model", "remote", description="scores from an HTTP server: POST JSON prompts/responses, get scores")
+class RemoteReward(RewardModel):
+    """Score = whatever a remote HTTP service returns for each (prompt, response) pair.
+
+    Protocol: for every chunk of at most ``batch_size`` pairs the backend sends::
+
+        POST <url>
+        Content-Type: application/json; charset=utf-8
+
+        {"prompts": ["...", ...], "responses": ["...", ...]}
+
+    and expects HTTP 2xx with a JSON object holding one number per pair, in order::
+
+        {"scores": [0.7, -1.2, ...]}
+
+    (the key is ``scores_key``). Unreachable servers, timeouts and HTTP 5xx are retried up to
+    ``max_retries`` times, waiting ``min(backoff * 2**attempt, max_backoff)`` seconds before
+    retry ``attempt + 1``; HTTP 4xx, bodies that are not such an object, a wrong number of
+    scores or scores that are not numbers fail at once, since repeating would not help.
+
+    Args:
+        url: ``http://`` or ``https://`` address the batches are POSTed to.
+        scores_key: key of the score list in the JSON answer.
+        timeout: seconds allowed for each request (connect and read).
+        max_retries: extra attempts after the first failed one (0: no retry).
+        backoff: base of the exponential wait between attempts, in seconds.
+        max_backoff: cap on one wait, in seconds.
+        batch_size: most pairs per request; larger batches are split into several requests.
+        headers: extra HTTP headers (e.g. ``Authorization``), sent with every request.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        scores_key: str = "scores",
+        timeout: float = 30.0,
+        max_retries: int = 3,
+        backoff: float = 0.5,
+        max_backoff: float = 30.0,
+        batch_size: int = 64,
+        headers: Optional[dict[str, str]] = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        scheme = urllib.parse.urlsplit(url).scheme if isinstance(url, str) else None
+        if scheme not in ("http", "https") or not urllib.parse.urlsplit(url).netloc:
+            raise ValueError(f"reward_model.url must be an http:// or https:// address, got {url!r}")
+        if not (_is_number(timeout) and timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"reward_model.timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if not (isinstance(max_retries, int) and not isinstance(max_retries, bool) and max_retries >= 0):
+            raise ValueError(f"reward_model.max_retries must be an integer >= 0, got {max_retries!r}")
+        for field, value in (("backoff", backoff), ("max_backoff", max_backoff)):
+            if not (_is_number(value) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"reward_model.{field} must be a finite number of seconds >= 0, got {value!r}")
+        if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1):
+            raise ValueError(f"reward_model.batch_size must be an integer >= 1, got {batch_size!r}")
+        if not (isinstance(scores_key, str) and scores_key):
+            raise ValueError(f"reward_model.scores_key must be a non-empty string, got {scores_key!r}")
+        headers = dict(headers or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+            raise ValueError("reward_model.headers must map header names to string values")
+        self.url, self.scores_key = url, scores_key
+        self.timeout, self.max_retries = float(timeout), max_retries
+        self.backoff, self.max_backoff = float(backoff), float(max_backoff)
+        self.batch_size, self.headers = batch_size, headers
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
+        # A fresh opener per call picks up the current proxy environment and keeps the
+        # backend picklable (no sockets or handlers stored on it).
+        opener = urllib.request.build_opener()
+        scores: list[float] = []
+        for start in range(0, len(responses), self.batch_size):
+            chunk = slice(start, start + self.batch_size)
+            scores += self._score_chunk(opener, list(prompts[chunk]), list(responses[chunk]))
+        return torch.tensor(scores, dtype=torch.float64)
+
+    def _score_chunk(self, opener: urllib.request.OpenerDirector, prompts: list[str], responses: list[str]) -> list[float]:
+        body = self._post_with_retries(opener, {"prompts": prompts, "responses": responses})
+        try:
+            answer = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(
+                f"reward_model 'remote': {self.url} did not return JSON ({err}); received {_preview(body)}"
+            ) from None
+        if not isinstance(answer, dict) or self.scores_key not in answer:
+            got = f"an object with keys {sorted(answer)}" if isinstance(answer, dict) else f"a JSON {type(answer).__name__}"
+            raise ValueError(
+                f"reward_model 'remote': expected a JSON object with key {self.scores_key!r} "
+                f"(reward_model.scores_key) from {self.url}, got {got}: {_preview(body)}"
+            )
+        scores = answer[self.scores_key]
+        if not isinstance(scores, list):
+            raise ValueError(
+                f"reward_model 'remote': {self.scores_key!r} from {self.url} must be a list of numbers, "
+                f"got {type(scores).__name__}: {_preview(body)}"
+            )
+        if len(scores) != len(responses):
+            raise ValueError(
+                f"reward_model 'remote': {self.url} returned the wrong number of scores: "
+                f"expected {len(responses)} (one per response), got {len(scores)}"
+            )
+        bad = [(i, s) for i, s in enumerate(scores) if not _is_number(s)]
+        if bad:
+            shown = ", ".join(f"[{i}] = {s!r} ({type(s).__name__})" for i, s in bad[:5])
+            raise ValueError(f"reward_model 'remote': non-numeric scores from {self.url}: {shown}")
+        return [float(s) for s in scores]
+
+    def _post_with_retries(self, opener: urllib.request.OpenerDirector, payload: dict[str, list[str]]) -> bytes:
+        data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        headers = {"Content-Type": "application/json; charset=utf-8", "Accept": "application/json", **self.headers}
+        attempts = self.max_retries + 1
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
+            request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+            try:
+                return self._post_once(opener, request)
+            except _RetryableError as err:
+                last = err
+        raise last.error_type(
+            f"reward_model 'remote': POST {self.url} failed after {attempts} attempt(s) "
+            f"(max_retries={self.max_retries}); last error: {last.description}"
+        )
+
+    def _post_once(self, opener: urllib.request.OpenerDirector, request: urllib.request.Request) -> bytes:
+        """The response body of one POST; raises _RetryableError for failures worth repeating."""
+        try:
+            with opener.open(request, timeout=self.timeout) as response:
+                return response.read()
+        except urllib.error.HTTPError as err:
+            body = _read_quietly(err)
+            status = f"HTTP {err.code} {err.reason}"
+            if err.code >= 500:
+                raise _RetryableError(f"{status}; body: {_preview(body)}", RuntimeError) from None
+            raise RuntimeError(
+                f"reward_model 'remote': {self.url} answered {status} (client errors are not retried); "
+                f"body: {_preview(body)}"
+            ) from None
+        except (OSError, http.client.HTTPException) as err:  # URLError and TimeoutError are OSErrors
+            reason = err.reason if isinstance(err, urllib.error.URLError) else err
+            if isinstance(reason, TimeoutError):
+                raise _RetryableError(f"no answer within timeout={self.timeout}s", TimeoutError) from None
+            raise _RetryableError(f"cannot connect ({reason!r})", ConnectionError) from None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _read_quietly(err: urllib.error.HTTPError) -> bytes:
+    try:
+        return err.read()
+    except Exception:  # the error body is only for the message
+        return b""

@@ -1,0 +1,339 @@
+"""Ground truth for PPO-RLHF: a toy task small enough to enumerate every response.
+
+The KL-regularised objective
+
+    J(pi) = E_x [ E_{y~pi(.|x)} r(x, y)  -  beta * KL(pi(.|x) || pi_ref(.|x)) ]
+
+has the closed-form maximiser pi*(y|x) = pi_ref(y|x) exp(r(x, y) / beta) / Z(x) with
+Z(x) = sum_y pi_ref(y|x) exp(r(x, y) / beta), and J* = J(pi*) = beta * E_x log Z(x)
+(Ziegler et al. 2019; Rafailov et al. 2023, eq. 4). For any pi, J(pi) = J* - beta * KL(pi || pi*),
+so the objective gap measures the distance to the optimum in the KL that matters.
+
+The toy task: a handful of one-token prompts, K content tokens and responses of exactly L
+tokens, so there are K**L responses per prompt and every expectation above is a finite sum.
+The policy is a randomly initialised tiny Llama trained by the unchanged PPORLHF loop
+(rollout -> score -> GAE -> PPO update); E_x is uniform over the prompts (every training
+batch holds each prompt equally often).
+
+Fixed-length responses: PPORLHF ends a response at its first EOS, and ``min_new_tokens``
+works by suppressing EOS inside ``generate`` only, so the forward pass would score a
+different distribution from the one sampled. Here the language-model head itself adds a
+constant -1e4 to the logits of every token that is not a content token (EOS, pad, unk,
+prompt tokens): generate and the forward pass both read the same head, so both see
+probability exactly 0 there (exp(-1e4) underflows to 0 even in float64), the sampler can
+never emit EOS, and with ``max_new_tokens = L`` every response is L content tokens with a
+response mask of all ones. The bias is finite rather than -inf so that entropies and the
+``full`` estimator's sum_a pi(a) (log pi(a) - log pi_ref(a)) stay 0 * finite = 0, not NaN.
+
+Functions on log-probabilities take tensors of shape (num_prompts, num_responses), one row per
+prompt, each row a distribution over all responses in the order of :func:`enumerate_responses`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.module import PPORLHF
+
+BANNED_LOGIT = -1e4  # added to the logits of non-content tokens: probability exactly 0, entropy still finite
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+EXACT_TINY_CONFIG = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+    max_position_embeddings=16, initializer_range=0.2,
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- pure functions
+def enumerate_responses(num_tokens: int, length: int) -> Tensor:
+    """Every response of ``length`` tokens over ``num_tokens`` content tokens, lexicographic:
+    (num_tokens ** length, length) token indices."""
+    return torch.tensor(list(itertools.product(range(num_tokens), repeat=length)), dtype=torch.long).view(-1, length)
+
+
+def log_partition(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
+    """log Z(x) = log sum_y pi_ref(y|x) exp(r(x, y) / beta): (prompts, responses) -> (prompts,)."""
+    return torch.logsumexp(ref_logprobs.double() + rewards.double() / beta, dim=-1)
+
+
+def optimal_logprobs(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
+    """log pi*(y|x) = log pi_ref(y|x) + r(x, y) / beta - log Z(x)."""
+    return ref_logprobs.double() + rewards.double() / beta - log_partition(ref_logprobs, rewards, beta).unsqueeze(-1)
+
+
+def optimal_objective(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> float:
+    """J* = beta * E_x log Z(x)."""
+    return float(beta * log_partition(ref_logprobs, rewards, beta).mean())
+
+
+def kl_divergence(logp: Tensor, logq: Tensor) -> float:
+    """E_x KL(p(.|x) || q(.|x)) = E_x sum_y p (log p - log q), with 0 log 0 = 0."""
+    logp, logq = logp.double(), logq.double()
+    p = logp.exp()
+    terms = torch.where(p > 0, p * (logp - logq), torch.zeros((), dtype=torch.float64))
+    return float(terms.sum(-1).mean())
+
+
+def expected_reward(logprobs: Tensor, rewards: Tensor) -> float:
+    """E_x E_{y~pi} r(x, y)."""
+    return float((logprobs.double().exp() * rewards.double()).sum(-1).mean())
+
+
+def objective(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: float) -> float:
+    """J(pi) = E_x [ E_{y~pi} r(x, y) - beta * KL(pi(.|x) || pi_ref(.|x)) ]."""
+    return expected_reward(logprobs, rewards) - beta * kl_divergence(logprobs, ref_logprobs)
+
+
+@dataclass
+class OptimumReport:
+    """Exact distances of a policy from the KL-regularised optimum."""
+
+    objective: float  # J(pi)
+    optimum: float  # J*
+    gap: float  # (J* - J(pi)) / |J*|
+    kl_to_optimum: float  # E_x KL(pi || pi*)
+    kl_to_ref: float  # E_x KL(pi || pi_ref)
+    optimum_kl_to_ref: float  # E_x KL(pi* || pi_ref): where an exact learner's KL should land
+    reward: float  # E_x E_pi r
+
+
+def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: float) -> OptimumReport:
+    """Every exact quantity of ``logprobs`` against the optimum defined by ``ref_logprobs``, ``rewards``, ``beta``."""
+    opt = optimal_logprobs(ref_logprobs, rewards, beta)
+    j, j_star = objective(logprobs, ref_logprobs, rewards, beta), optimal_objective(ref_logprobs, rewards, beta)
+    return OptimumReport(
+        objective=j, optimum=j_star, gap=(j_star - j) / abs(j_star),
+        kl_to_optimum=kl_divergence(logprobs, opt), kl_to_ref=kl_divergence(logprobs, ref_logprobs),
+        optimum_kl_to_ref=kl_divergence(opt, ref_logprobs), reward=expected_reward(logprobs, rewards),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------- the toy task
+def target_count(prompts: Sequence[str], responses: Sequence[str], scale: float = 1.0) -> list[float]:
+    """Reward for the ``callable`` backend: scale * how often the prompt's letter, lower-cased,
+    occurs in the response (prompt "A" rewards "a"). Terminal: it scores the whole sequence."""
+    return [scale * response.count(prompt.strip().lower()) for prompt, response in zip(prompts, responses)]
+
+
+def toy_tokenizer(prompt_tokens: Sequence[str], content_tokens: Sequence[str]):
+    """A word-level tokenizer over single characters: <pad>, <eos>, <unk>, the prompt tokens,
+    then the content tokens, each one character (the layout of models.char_tokenizer)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = [*SPECIAL_TOKENS, *prompt_tokens, *content_tokens]
+    if len(set(tokens)) != len(tokens) or any(len(t) != 1 for t in (*prompt_tokens, *content_tokens)):
+        raise ValueError(f"prompt and content tokens must be distinct single characters, got {tokens[3:]}")
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+@dataclass(frozen=True)
+class ExactTask:
+    """Prompts, content tokens and a fixed response length; the reward is a ``module:function``
+    for the ``callable`` backend, so training and the exact sums score with the same code."""
+
+    prompts: tuple[str, ...] = ("A", "B", "C")
+    content_tokens: tuple[str, ...] = ("a", "b", "c")
+    response_length: int = 3
+    reward_function: str = "rlhf_lightning.exact:target_count"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def responses(self) -> list[str]:
+        """All K ** L responses as text, in the order of :func:`enumerate_responses`."""
+        indices = enumerate_responses(len(self.content_tokens), self.response_length)
+        return ["".join(self.content_tokens[i] for i in row) for row in indices.tolist()]
+
+    def reward_model(self):
+        from rlhf_lightning_plugins.reward_models import CallableReward
+
+        return CallableReward(function=self.reward_function, kwargs=dict(self.reward_kwargs))
+
+    def rewards(self) -> Tensor:
+        """r(x, y) for every prompt and response: (prompts, responses), from the reward backend itself."""
+        responses = self.responses
+        backend = self.reward_model()
+        rows = [backend.score([p] * len(responses), responses) for p in self.prompts]
+        return torch.tensor(rows, dtype=torch.float64)
+
+    def dataloader(self, iterations: int, batch_size: int) -> DataLoader:
+        """``iterations`` batches that each hold every prompt ``batch_size / len(prompts)`` times,
+        so each rollout estimates E_x with x uniform, exactly as the exact sums weigh it."""
+        if batch_size % len(self.prompts):
+            raise ValueError(f"batch_size={batch_size} must be a multiple of the {len(self.prompts)} prompts")
+        batch = list(self.prompts) * (batch_size // len(self.prompts))
+        return DataLoader(batch * iterations, batch_size=batch_size, shuffle=False, collate_fn=list)
+
+
+TASKS = {
+    "terminal": ExactTask(),
+    "bandit": ExactTask(response_length=1),
+}
+
+
+class MaskedHead(nn.Module):
+    """The LM head plus a constant bias of BANNED_LOGIT on every id outside ``allowed_ids``."""
+
+    def __init__(self, head: nn.Module, vocab_size: int, allowed_ids: Sequence[int]) -> None:
+        super().__init__()
+        self.head = head
+        bias = torch.full((vocab_size,), BANNED_LOGIT)
+        bias[list(allowed_ids)] = 0.0
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.head(hidden) + self.bias.to(hidden.dtype)
+
+
+class ExactPPORLHF(PPORLHF):
+    """PPORLHF on an :class:`ExactTask`: the toy tokenizer, a tiny Llama that can only emit
+    content tokens, and ``max_new_tokens`` = the task's response length. Every other argument
+    (estimator, controller, PPO settings) goes to PPORLHF unchanged."""
+
+    def __init__(self, task: ExactTask = TASKS["terminal"], **kwargs: Any) -> None:
+        for fixed in ("policy", "tokenizer", "reward_model", "max_new_tokens", "min_new_tokens", "lora_rank"):
+            if fixed in kwargs:
+                raise ValueError(f"ExactPPORLHF sets {fixed} itself from the task")
+        tiny_config = {**EXACT_TINY_CONFIG, **(kwargs.pop("tiny_config", None) or {})}
+        super().__init__(
+            policy="tiny", reward_model=task.reward_model(), max_new_tokens=task.response_length,
+            tiny_config=tiny_config, **kwargs,
+        )  # fmt: skip
+        self.task = task
+        self.tokenizer = toy_tokenizer(task.prompts, task.content_tokens)
+        self.content_ids = self.tokenizer.convert_tokens_to_ids(list(task.content_tokens))
+
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        super().configure_model()
+        for model in (self.policy, self.ref_model):
+            model.lm_head = MaskedHead(model.lm_head, len(self.tokenizer), self.content_ids)
+
+    def _all_responses(self) -> tuple[Tensor, Tensor]:
+        """input_ids and attention_mask of every (prompt, response) pair: (prompts * responses, len)."""
+        enc = self.encode_prompts(list(self.task.prompts))
+        indices = enumerate_responses(len(self.task.content_tokens), self.task.response_length).to(self.device)
+        response_ids = torch.tensor(self.content_ids, device=self.device)[indices]  # (responses, L)
+        n_prompts, n_responses = enc["input_ids"].shape[0], response_ids.shape[0]
+        input_ids = torch.cat([
+            enc["input_ids"].repeat_interleave(n_responses, 0), response_ids.repeat(n_prompts, 1)
+        ], dim=1)  # fmt: skip
+        attention_mask = torch.cat([
+            enc["attention_mask"].repeat_interleave(n_responses, 0), torch.ones_like(response_ids).repeat(n_prompts, 1)
+        ], dim=1)  # fmt: skip
+        return input_ids, attention_mask
+
+    @torch.no_grad()
+    def exact_logprobs(self, model: Optional[nn.Module] = None) -> Tensor:
+        """log pi(y|x) of ``model`` (default: the policy) for every prompt and response, from one
+        batched forward pass scored exactly as PPO scores rollouts: (prompts, responses), float64."""
+        input_ids, attention_mask = self._all_responses()
+        length = self.task.response_length
+        logits = self.response_logits(model or self.policy, input_ids, attention_mask, length)
+        logprobs = pm.logprobs_of(logits, input_ids[:, -length:]).double().sum(-1)
+        return logprobs.view(len(self.task.prompts), -1).cpu()
+
+    def exact_ref_logprobs(self) -> Tensor:
+        with self._reference() as ref:
+            return self.exact_logprobs(ref)
+
+    def exact_report(self, rewards: Optional[Tensor] = None) -> OptimumReport:
+        """The policy's exact distances from the optimum at the current (fixed) beta."""
+        rewards = self.task.rewards() if rewards is None else rewards
+        return optimum_report(self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.beta_controller.beta)
+
+
+class OptimumTracker(Callback):
+    """Every ``every`` PPO iterations (and after the last), the exact OptimumReport of the policy
+    next to ``kl_logged``: the mean of the logged objective/kl over the iterations since the last row.
+    The logged value of an iteration estimates the KL of the policy that sampled its rollout."""
+
+    def __init__(self, every: int = 10, total: Optional[int] = None) -> None:
+        self.every, self.total = every, total
+        self.rows: list[dict[str, float]] = []
+        self._logged: list[float] = []
+        self._rewards: Optional[Tensor] = None
+
+    def on_train_start(self, trainer, pl_module: ExactPPORLHF) -> None:
+        self._rewards = pl_module.task.rewards()
+        self.rows.append(self._row(pl_module, 0, math.nan))
+
+    def on_train_batch_end(self, trainer, pl_module: ExactPPORLHF, outputs, batch, batch_idx) -> None:
+        self._logged.append(float(trainer.callback_metrics["objective/kl"]))
+        iteration = pl_module.iteration
+        if iteration % self.every == 0 or iteration == self.total:
+            self.rows.append(self._row(pl_module, iteration, sum(self._logged) / len(self._logged)))
+            self._logged = []
+
+    def _row(self, pl_module: ExactPPORLHF, iteration: int, kl_logged: float) -> dict[str, float]:
+        report = pl_module.exact_report(self._rewards)
+        return {"iteration": iteration, **vars(report), "kl_logged": kl_logged}
+
+    @property
+    def last(self) -> dict[str, float]:
+        return self.rows[-1]
+
+
+class LinearLRDecay(Callback):
+    """Learning rates fall linearly from their configured values to ``final`` times them over
+    ``iterations`` PPO iterations: with a constant step size stochastic updates only reach a
+    noise ball around the optimum; a decaying one lets the last iterate settle inside it."""
+
+    def __init__(self, iterations: int, final: float = 0.1) -> None:
+        self.iterations, self.final = iterations, final
+        self._initial: list[list[float]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._initial = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        progress = min(pl_module.iteration / max(self.iterations - 1, 1), 1.0)
+        factor = 1.0 - (1.0 - self.final) * progress
+        for opt, initial in zip(trainer.optimizers, self._initial):
+            for group, lr in zip(opt.param_groups, initial):
+                group["lr"] = lr * factor
+
+
+def train(
+    task: ExactTask,
+    iterations: int,
+    batch_size: int = 48,
+    every: int = 10,
+    seed: int = 0,
+    lr_final: float = 1.0,
+    **module_kwargs: Any,
+) -> tuple[ExactPPORLHF, OptimumTracker]:
+    """Train ExactPPORLHF with a Lightning Trainer on CPU; return the module and its tracker.
+    ``lr_final`` < 1 decays the learning rates linearly to that fraction (LinearLRDecay)."""
+    from lightning import Trainer, seed_everything
+
+    seed_everything(seed, verbose=False)
+    module = ExactPPORLHF(task, seed=seed, **module_kwargs)
+    tracker = OptimumTracker(every=every, total=iterations)
+    callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(iterations, lr_final), tracker]
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # matrices this small only lose time to thread hand-offs, several-fold on a busy CPU
+    try:
+        trainer.fit(module, train_dataloaders=task.dataloader(iterations, batch_size))
+    finally:
+        torch.set_num_threads(threads)
+    return module, tracker

@@ -1,0 +1,29 @@
+"""Callbacks that simulate faults in subprocess runs (imported by class_path from the tests)."""
+
+import os
+import signal
+
+from lightning.pytorch.callbacks import Callback
+
+
+class KillMidIteration(Callback):
+    """SIGKILL this process at the first optimizer step of PPO iteration ``iteration``:
+    after the rollout and scoring, in the middle of the update."""
+
+    def __init__(self, iteration: int) -> None:
+        self.iteration = iteration
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if pl_module.iteration == self.iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordBeta(Callback):
+    """Append ``rank iteration beta`` lines to a file after every iteration (every rank)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{trainer.global_rank} {pl_module.iteration} {pl_module.beta_controller.beta!r}\n")

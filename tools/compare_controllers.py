@@ -1,0 +1,183 @@
+"""Compare the beta controllers on one task: KL and beta over time against the KL target.
+
+    python tools/compare_controllers.py [--iterations 80] [--target 4] [--out runs/compare_controllers] [--fast]
+
+Runs fixed, adaptive, band, pid and dual through the real training loop on the same task and
+seed: the tiny random Llama (``policy: tiny``) learning to write the letter "e" (reward =
+number of "e"s, ``rlhf_lightning_plugins.toy_rewards:char_count``), k1 KL in the reward, 8
+prompts per iteration. With beta fixed at the tiny config's 0.05 the KL of this task runs far
+past a few nats within 20 iterations, so a target of a few nats gives the controllers work.
+Every controller starts from the same beta (``--init-beta``); the controllers' other settings
+are their defaults, except where ``CONTROLLERS`` below says (adaptive's horizon is scaled to
+the batch, so that it can move beta within a short run at all).
+
+Writes to ``--out``: ``trajectories.csv`` (iteration, controller, kl, beta, reward; beta is
+the value used in that iteration), ``kl_beta.png`` and ``summary.md``, a table of per
+controller settling time (the first iteration after which the KL, averaged over a trailing
+window of ``--window`` iterations to smooth the sampling noise of 8 responses, stays within
++-``--tolerance`` of the target) and overshoot (max KL / target - 1, raw KL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from lightning import Callback, Trainer, seed_everything  # noqa: E402
+
+from rlhf_lightning.data import PromptDataModule  # noqa: E402
+from rlhf_lightning.interfaces import BetaController  # noqa: E402
+from rlhf_lightning.module import PPORLHF  # noqa: E402
+from rlhf_lightning.registry import registry  # noqa: E402
+from rlhf_lightning_plugins.reward_models import CallableReward  # noqa: E402
+
+BATCH_SIZE = 8
+# name -> extra init_args beyond init_beta and target
+CONTROLLERS: dict[str, dict] = {
+    "fixed": {},
+    "adaptive": {"horizon": 2 * BATCH_SIZE},  # beta * (1 +- 0.2 * 8 / 16): at most +-10% per iteration
+    "band": {},
+    "pid": {},
+    "dual": {},
+}
+
+
+class Recorder(Callback):
+    """Keeps (kl, beta, reward) of every iteration and stops the fit after ``iterations``."""
+
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+        self.rows: list[tuple[float, float, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        m = trainer.callback_metrics
+        self.rows.append((float(m["objective/kl"]), float(m["objective/beta"]), float(m["objective/reward"])))
+        if pl_module.iteration >= self.iterations:
+            trainer.should_stop = True
+
+
+def build_controller(name: str, target: float, init_beta: float) -> BetaController:
+    kwargs = {"init_beta": init_beta, **({} if name == "fixed" else {"target": target}), **CONTROLLERS[name]}
+    return registry("beta_controller").get(name)(**kwargs)
+
+
+def run_controller(ctrl: BetaController, iterations: int, seed: int, max_new_tokens: int, workdir: Path) -> list[tuple]:
+    """One fit of the tiny task (as tests/helpers.py ``fit``) with ``ctrl``; returns per-iteration rows."""
+    seed_everything(seed, verbose=False)
+    module = PPORLHF(
+        policy="tiny", seed=seed, kl_estimator="k1", beta_controller=ctrl,
+        reward_model=CallableReward(function="rlhf_lightning_plugins.toy_rewards:char_count", kwargs={"chars": "e"}),
+        max_new_tokens=max_new_tokens, ppo_epochs=2, num_minibatches=1, lr=3e-3, critic_lr=3e-3, vf_coef=0.5,
+        log_samples_every_n_steps=0,
+    )  # fmt: skip
+    recorder = Recorder(iterations)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=-1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], default_root_dir=str(workdir),
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=PromptDataModule(batch_size=BATCH_SIZE))
+    return recorder.rows
+
+
+def settling_time(kls: list[float], target: float, tolerance: float, window: int) -> int | None:
+    """First iteration from which the trailing-window mean KL stays within target * (1 +- tolerance)."""
+    smoothed = [sum(kls[max(0, i - window + 1) : i + 1]) / len(kls[max(0, i - window + 1) : i + 1]) for i in range(len(kls))]
+    settled = None
+    for i, kl in enumerate(smoothed):
+        inside = abs(kl - target) <= tolerance * target
+        settled = (settled if settled is not None else i) if inside else None
+    return settled
+
+
+def summary_table(results: dict[str, list[tuple]], target: float, tolerance: float, window: int) -> str:
+    lines = [
+        f"KL target {target:g} (nats per response); settling: first iteration after which the {window}-iteration "
+        f"trailing mean KL stays within +-{tolerance:.0%} of the target; overshoot: max KL / target - 1.",
+        "",
+        "| controller | settling time (iteration) | overshoot | final KL (mean of last 10) | final beta | final reward (mean of last 10) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, rows in results.items():
+        kls, betas, rewards = zip(*rows)
+        settle = settling_time(list(kls), target, tolerance, window)
+        tail = slice(-min(10, len(rows)), None)
+        lines.append(
+            f"| {name} | {'never' if settle is None else settle} | {max(kls) / target - 1:+.2f} | "
+            f"{sum(kls[tail]) / len(kls[tail]):.2f} | {betas[-1]:.4g} | {sum(rewards[tail]) / len(rewards[tail]):.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, list[tuple]], target: float, tolerance: float, path: Path) -> None:
+    fig, (ax_kl, ax_beta) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for name, rows in results.items():
+        kls, betas, _ = zip(*rows)
+        ax_kl.plot(range(len(kls)), kls, label=name, linewidth=1.3)
+        ax_beta.plot(range(len(betas)), betas, label=name, linewidth=1.3)
+    ax_kl.axhline(target, color="black", linestyle="--", linewidth=1, label="target")
+    ax_kl.axhspan(target * (1 - tolerance), target * (1 + tolerance), color="gray", alpha=0.15, label=f"+-{tolerance:.0%}")
+    ax_kl.set_ylabel("KL (nats per response)")
+    ax_kl.set_yscale("symlog", linthresh=1.0)
+    ax_kl.legend(ncol=4, fontsize=8)
+    ax_kl.set_title("Beta controllers on the tiny 'write e' task")
+    ax_beta.set_ylabel("beta")
+    ax_beta.set_yscale("log")
+    ax_beta.set_xlabel("PPO iteration")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=None, help="PPO iterations per controller (default 80; 4 with --fast)")
+    parser.add_argument("--target", type=float, default=4.0, help="KL target, nats per response (sequence_sum)")
+    parser.add_argument("--init-beta", type=float, default=0.05, help="every controller's starting beta")
+    parser.add_argument("--out", default="runs/compare_controllers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tolerance", type=float, default=0.5, help="settling band, a fraction of the target")
+    parser.add_argument("--window", type=int, default=5, help="trailing-mean window for the settling time")
+    parser.add_argument("--controllers", nargs="+", default=list(CONTROLLERS), choices=list(CONTROLLERS))
+    parser.add_argument("--fast", action="store_true", help="a few short iterations (smoke test)")
+    args = parser.parse_args(argv)
+    # The tiny model gains nothing from intra-op threads, and on a busy 2-core machine they
+    # oversubscribe the cores (iterations then take seconds instead of a fraction of one).
+    torch.set_num_threads(1)
+    iterations = args.iterations or (4 if args.fast else 80)
+    max_new_tokens = 8 if args.fast else 16
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    results: dict[str, list[tuple]] = {}
+    for name in args.controllers:
+        start = time.perf_counter()
+        ctrl = build_controller(name, args.target, args.init_beta)
+        results[name] = run_controller(ctrl, iterations, args.seed, max_new_tokens, out / "lightning")
+        print(f"{name}: {len(results[name])} iterations in {time.perf_counter() - start:.1f} s", flush=True)
+
+    with open(out / "trajectories.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["iteration", "controller", "kl", "beta", "reward"])
+        for name, rows in results.items():
+            for i, (kl, beta, reward) in enumerate(rows):
+                writer.writerow([i, name, f"{kl:.6g}", f"{beta:.6g}", f"{reward:.6g}"])
+    plot(results, args.target, args.tolerance, out / "kl_beta.png")
+    table = summary_table(results, args.target, args.tolerance, args.window)
+    (out / "summary.md").write_text(table)
+    print(table)
+    print(f"wrote {out / 'trajectories.csv'}, {out / 'kl_beta.png'}, {out / 'summary.md'}")
+    if not all(math.isfinite(v) for rows in results.values() for row in rows for v in row):
+        raise SystemExit("non-finite KL, beta or reward in the results")
+
+
+if __name__ == "__main__":
+    main()

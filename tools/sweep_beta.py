@@ -1,0 +1,219 @@
+"""Sweep the KL coefficient beta: one PPO-RLHF run per beta, same seed, fixed controller.
+
+    python tools/sweep_beta.py                                   # configs/tiny.yaml, 6 betas, 60 iterations
+    python tools/sweep_beta.py --betas 0 0.1 1 --iterations 60 --out /tmp/my_sweep
+    python tools/sweep_beta.py --fast                            # 2 betas, 12 iterations (the tests)
+    python tools/sweep_beta.py --full                            # 9 betas, 60 iterations
+
+Every run trains the config's model (``--config``, any rlhf-lightning YAML) through
+LightningCLI with the beta controller replaced by ``FixedBeta(beta)``; the seed, prompts and
+everything else stay as the config says. Per beta it records the mean of ``objective/reward``
+and ``objective/kl`` over the last ``--last`` iterations, the KL-regularised objective
+net = reward - beta * KL, and the final policy's reward and KL on the validation prompts.
+
+Writes ``<out>/sweep_beta.csv``, ``<out>/sweep_beta.png`` (reward, KL and net per beta; the
+reward-vs-KL frontier) and each run's TensorBoard logs under ``<out>/beta_<beta>/``, and prints
+a table. Expected on configs/tiny.yaml: KL falls as beta rises and the reward falls with it:
+beta = 0 buys the most "e"s at a KL of tens of nats, beta = 0.5 stays near the reference.
+
+The sweep drops the config's callbacks (progress bar, policy export) and checkpoints, and runs
+torch with ``--threads`` intra-op threads (default 1): the tiny model gains nothing from more,
+and on a busy 2-core CPU spinning OpenMP threads make it about ten times slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from lightning.pytorch.callbacks import Callback
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "configs" / "tiny.yaml"
+DEFAULT_BETAS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5)
+FULL_BETAS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+FAST_BETAS = (0.0, 0.5)
+# Every run: no progress bar or export callbacks, no checkpoints, as many epochs as the iterations need
+# (StopAfter ends it), and one validation, after training, on every validation prompt.
+RUN_OVERRIDES = (
+    "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
+    "--trainer.enable_model_summary=false", "--trainer.max_epochs=-1", "--trainer.limit_train_batches=1.0",
+    "--trainer.limit_val_batches=1.0", "--trainer.check_val_every_n_epoch=1000000",
+)  # fmt: skip
+
+
+class StopAfter(Callback):
+    """Records the logged metrics of every PPO iteration and stops training after ``iterations``
+    (whatever the epoch length: ``global_step`` counts optimizer steps, not iterations)."""
+
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        if pl_module.iteration >= self.iterations:
+            trainer.should_stop = True
+
+    def last_mean(self, key: str, last: int) -> float:
+        values = [row[key] for row in self.rows[-last:]]
+        return sum(values) / len(values)
+
+
+def train(config: str | Path, overrides: Sequence[str], iterations: int, root_dir: str | Path):
+    """One run of ``config`` + ``overrides`` for ``iterations`` PPO iterations, logging to ``root_dir``.
+    Returns the LightningCLI (trainer, model, datamodule) and the per-iteration metrics."""
+    from rlhf_lightning.cli import build_cli
+
+    args = ["--config", str(config), *RUN_OVERRIDES, f"--trainer.default_root_dir={root_dir}", *overrides]
+    cli = build_cli(args, run=False)  # seeds from the config's seed_everything, so every run starts alike
+    history = StopAfter(iterations)
+    cli.trainer.callbacks.append(history)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    if cli.model.iteration < iterations:
+        raise RuntimeError(f"the run stopped after {cli.model.iteration} of {iterations} iterations")
+    return cli, history
+
+
+def fixed_beta(beta: float) -> list[str]:
+    return ["--model.beta_controller=FixedBeta", f"--model.beta_controller.init_args.init_beta={beta}"]
+
+
+@dataclass
+class SweepRow:
+    beta: float
+    reward: float  # mean objective/reward over the last iterations
+    kl: float  # mean objective/kl (nats per response) over the same iterations
+    net: float  # reward - beta * kl
+    val_reward: float  # final policy on the validation prompts
+    val_kl: float
+    iterations: int
+    seconds: float
+
+
+def run_beta(beta: float, config, iterations: int, last: int, out: Path, extra: Sequence[str] = ()) -> SweepRow:
+    start = time.perf_counter()
+    cli, history = train(config, [*fixed_beta(beta), *extra], iterations, out / f"beta_{beta:g}")
+    (val,) = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+    reward, kl = history.last_mean("objective/reward", last), history.last_mean("objective/kl", last)
+    return SweepRow(
+        beta=beta, reward=reward, kl=kl, net=reward - beta * kl, val_reward=val["val/reward"], val_kl=val["val/kl"],
+        iterations=iterations, seconds=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def write_csv(rows: Sequence[SweepRow], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(row) for row in rows)
+
+
+def plot(rows: Sequence[SweepRow], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{row.beta:g}" for row in rows]
+    x = range(len(rows))  # categorical: beta = 0 has no place on a log axis
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    left.plot(x, [r.reward for r in rows], "o-", color="tab:green", label="raw reward")
+    left.plot(x, [r.net for r in rows], "s--", color="tab:blue", label="net = reward - beta * KL")
+    left.set_xticks(list(x), labels)
+    left.set_xlabel("beta (fixed)")
+    left.set_ylabel("reward per response")
+    kl_axis = left.twinx()
+    kl_axis.plot(x, [r.kl for r in rows], "^-", color="tab:red", label="KL (nats per response)")
+    kl_axis.set_ylabel("KL to the reference (nats per response)", color="tab:red")
+    handles = left.get_legend_handles_labels()[0] + kl_axis.get_legend_handles_labels()[0]
+    left.legend(handles, [h.get_label() for h in handles], loc="upper center", fontsize=8)
+    left.set_title("final reward, KL and net objective per beta")
+
+    right.plot([r.kl for r in rows], [r.reward for r in rows], "o-", color="tab:purple")
+    for row, label in zip(rows, labels):
+        right.annotate(f"beta={label}", (row.kl, row.reward), textcoords="offset points", xytext=(6, -10), fontsize=8)
+    right.set_xlabel("KL to the reference (nats per response)")
+    right.set_ylabel("raw reward per response")
+    right.set_title("reward-KL frontier: higher beta stays closer to the reference")
+    right.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(rows: Sequence[SweepRow]) -> str:
+    lines = ["| beta | reward | KL | net | val reward | val KL | seconds |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r.beta:g} | {r.reward:.3f} | {r.kl:.3f} | {r.net:.3f} | {r.val_reward:.3f} | {r.val_kl:.3f} | {r.seconds:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="rlhf-lightning YAML (default: configs/tiny.yaml)")
+    parser.add_argument("--betas", type=float, nargs="+", help=f"fixed betas to run (default: {' '.join(map(str, DEFAULT_BETAS))})")
+    parser.add_argument("--iterations", type=int, help="PPO iterations per run (default: 60)")
+    parser.add_argument("--last", type=int, default=5, help="average the training metrics over the last K iterations")
+    parser.add_argument("--out", default="runs/sweep_beta", help="folder for the CSV, the PNG and the TensorBoard logs")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--override", action="append", default=[], metavar="ARG",
+                        help="extra CLI argument for every run, e.g. --override=--model.kl_estimator=k3")  # fmt: skip
+    speed = parser.add_mutually_exclusive_group()
+    speed.add_argument("--fast", action="store_true", help=f"betas {FAST_BETAS}, 12 iterations (for tests)")
+    speed.add_argument("--full", action="store_true", help=f"betas {FULL_BETAS}, 60 iterations")
+    args = parser.parse_args(argv)
+    preset_betas, preset_iterations = (FAST_BETAS, 12) if args.fast else (FULL_BETAS, 60) if args.full else (DEFAULT_BETAS, 60)
+    args.betas = args.betas or list(preset_betas)
+    args.iterations = args.iterations or preset_iterations
+    if args.iterations < 1 or args.last < 1:
+        parser.error("--iterations and --last must be >= 1")
+    if any(b < 0 for b in args.betas):
+        parser.error("--betas must be >= 0")
+    return args
+
+
+def quiet() -> None:
+    """Keep the table readable: no per-run banners from Lightning, no warnings we expect."""
+    for name in ("lightning.pytorch", "lightning.fabric"):  # Lightning sets their levels itself
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended to run from within Python")
+    warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode")  # the frozen reference, on purpose
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[SweepRow]:
+    args = parse_args(argv)
+    import torch
+
+    quiet()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    last = min(args.last, args.iterations)
+    rows = []
+    for beta in args.betas:
+        rows.append(run_beta(beta, args.config, args.iterations, last, out, args.override))
+        print(f"beta={beta:g}: reward {rows[-1].reward:.3f}, KL {rows[-1].kl:.3f} ({rows[-1].seconds:.0f} s)", flush=True)
+    bad = [r.beta for r in rows if not all(math.isfinite(v) for v in asdict(r).values())]
+    write_csv(rows, out / "sweep_beta.csv")
+    plot(rows, out / "sweep_beta.png", f"{Path(args.config).name}, {args.iterations} iterations, metrics averaged over the last {last}")
+    print(format_table(rows))
+    print(f"wrote {out / 'sweep_beta.csv'} and {out / 'sweep_beta.png'}")
+    if bad:
+        raise SystemExit(f"non-finite metrics for beta = {bad}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
