@@ -39,20 +39,24 @@ class PIDBeta(BetaController):
     construction, from driving beta to beta_min at once. Because the step is added to log beta,
     ``kp`` alone is a multiplicative controller like Ziegler et al.'s ``adaptive``
     (log beta += kp * e_t); ``ki`` adds the accumulated error, which removes the lag behind a
-    KL that keeps drifting upward as the policy learns; ``kd`` damps the oscillation.
-    The standard discrete PID law (Astrom & Murray, "Feedback Systems", ch. 10), applied to KL
-    control as in the adaptive KL controller of Ziegler et al. (2019) / Stiennon et al. (2020,
-    "Learning to summarize from human feedback"). The integral and the previous error are state.
+    KL that keeps drifting upward as the policy learns; ``kd`` reacts at once to a change of the
+    error and damps the oscillation. Summed up, log beta = const + kd * e_t + kp * sum e +
+    ki * sum sum e (ignoring the clamps): a standard discrete PID
+    (Astrom & Murray, "Feedback Systems", chapter "PID Control") one order up, so that the plain
+    gain ``kp`` reproduces the KL controller of the RLHF literature (Ziegler et al., 2019,
+    "Fine-Tuning Language Models from Human Preferences", whose KL-penalised PPO Stiennon et al.,
+    2020, "Learning to summarize from human feedback", build on). The integral and the previous
+    error are state: ``state_dict`` carries them, so a resumed run continues identically.
     """
 
     def __init__(
         self,
         init_beta: float = 0.1,
         target: float = 6.0,
-        kp: float = 0.2,
-        ki: float = 0.02,
-        kd: float = 0.1,
-        integral_limit: float = 5.0,
+        kp: float = 0.1,
+        ki: float = 0.005,
+        kd: float = 0.2,
+        integral_limit: float = 2.0,
         error_clip: float = 1.0,
         beta_min: float = 1e-4,
         beta_max: float = 10.0,
@@ -127,7 +131,8 @@ class DualBeta(BetaController):
         _require(_finite(target) and target > 0, "target", "a finite number > 0", target)
         _require(_finite(lr) and lr > 0, "lr", "a finite number > 0", lr)
         if beta_max is not None:
-            _require(_finite(beta_max) and beta_max >= init_beta, "beta_max", f"a finite number >= init_beta={init_beta} or null", beta_max)
+            requirement = f"a finite number >= init_beta={init_beta}, or null"
+            _require(_finite(beta_max) and beta_max >= init_beta, "beta_max", requirement, beta_max)
         self.target, self.lr = float(target), float(lr)
         self.beta_max = None if beta_max is None else float(beta_max)
 

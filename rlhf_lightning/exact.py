@@ -6,8 +6,9 @@ The KL-regularised objective
 
 has the closed-form maximiser pi*(y|x) = pi_ref(y|x) exp(r(x, y) / beta) / Z(x) with
 Z(x) = sum_y pi_ref(y|x) exp(r(x, y) / beta), and J* = J(pi*) = beta * E_x log Z(x)
-(Ziegler et al. 2019; Rafailov et al. 2023, eq. 4). For any pi, J(pi) = J* - beta * KL(pi || pi*),
-so the objective gap measures the distance to the optimum in the KL that matters.
+(e.g. Rafailov et al. 2023, "Direct Preference Optimization", eq. 4). For any pi,
+J(pi) = J* - beta * KL(pi || pi*), so the objective gap measures the distance to the optimum
+in the KL that matters.
 
 The toy task: a handful of one-token prompts, K content tokens and responses of exactly L
 tokens, so there are K**L responses per prompt and every expectation above is a finite sum.
@@ -24,6 +25,11 @@ probability exactly 0 there (exp(-1e4) underflows to 0 even in float64), the sam
 never emit EOS, and with ``max_new_tokens = L`` every response is L content tokens with a
 response mask of all ones. The bias is finite rather than -inf so that entropies and the
 ``full`` estimator's sum_a pi(a) (log pi(a) - log pi_ref(a)) stay 0 * finite = 0, not NaN.
+
+What it shows (tests/test_optimum.py, tools/optimum_check.py): with the penalty in the reward
+only k1 reaches pi*. PPO differentiates the rewards only through log pi of the sampled token, so
+E_pi[grad kl_t] is lost; it is 0 for k1, but not for k3 nor for full, which collapse towards the
+reward maximiser there and reach pi* with kl_penalty 'both' and unwhitened advantages.
 
 Functions on log-probabilities take tensors of shape (num_prompts, num_responses), one row per
 prompt, each row a distribution over all responses in the order of :func:`enumerate_responses`.

@@ -109,11 +109,13 @@ class RewardModel(ABC):
         sum_fn=None,
         update_stats: bool = True,
     ) -> tuple[Tensor, Tensor]:
-        """Return ``(raw_scores, train_scores)``, both float32 of shape (batch,) on CPU.
+        """Return ``(raw_scores, train_scores)``: :meth:`checked_scores` then :meth:`shape_scores`."""
+        raw = self.checked_scores(prompts, responses)
+        return raw, self.shape_scores(raw, ended_with_eos, sum_fn, update_stats)
 
-        ``sum_fn`` all-reduces a tensor across ranks so normalisation uses global statistics;
-        ``update_stats=False`` (evaluation) normalises with the statistics seen so far.
-        """
+    def checked_scores(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
+        """Raw scores as float32 (batch,) on CPU; ValueError for a wrong shape, FloatingPointError
+        for non-finite scores, each naming the backend."""
         raw = self.score(prompts, responses)
         raw = torch.as_tensor(raw.detach().cpu() if isinstance(raw, Tensor) else raw, dtype=torch.float32)
         name = type(self).__name__
@@ -127,6 +129,11 @@ class RewardModel(ABC):
             raise FloatingPointError(
                 f"reward model {name} returned non-finite scores for responses {bad}: {raw[bad].tolist()}"
             )
+        return raw
+
+    def shape_scores(self, raw: Tensor, ended_with_eos: Tensor, sum_fn=None, update_stats: bool = True) -> Tensor:
+        """Missing-EOS penalty, running normalisation (global when ``sum_fn`` all-reduces; frozen
+        statistics with ``update_stats=False``, as in evaluation), then clipping."""
         scores = raw.clone()
         if self.missing_eos_penalty is not None:
             scores = scores - self.missing_eos_penalty * (~ended_with_eos.cpu()).float()
@@ -136,7 +143,7 @@ class RewardModel(ABC):
             scores = (scores - self.stats.mean) / (self.stats.std + 1e-8)
         if self.clip is not None:
             scores = scores.clamp(-self.clip, self.clip)
-        return raw, scores
+        return scores
 
     def state_dict(self) -> dict[str, Any]:
         return {"stats": self.stats.state_dict()}

@@ -21,7 +21,6 @@ cross-rank statistic goes through the Lightning strategy's ``reduce``.
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Literal, Optional, Union
 import torch
 from lightning import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
@@ -81,6 +81,8 @@ class PPORLHF(LightningModule):
         kl_penalty: where beta * KL goes: into the per-token ``reward`` (PPO-RLHF), a separate
             ``loss`` term (GRPO style), or ``both``.
         max_new_tokens / min_new_tokens / temperature: sampling; log-probs use the same temperature.
+        do_sample: sample (PPO) or decode greedily (evaluation; tests that need rollouts that
+            depend on the weights alone).
         max_prompt_length: longest rendered prompt in tokens; longer prompts are an error.
         use_chat_template: render prompts with the tokenizer's chat template when it has one.
         ppo_epochs / num_minibatches / gradient_accumulation_steps: passes over each rollout,
@@ -95,6 +97,8 @@ class PPORLHF(LightningModule):
             same weights with the adapter disabled (no second copy in memory).
         tiny_config: overrides of the ``tiny`` model's LlamaConfig.
         seed: initialisation seed of the ``tiny`` model.
+        max_consecutive_faults: iterations in a row that may be skipped for a non-finite reward,
+            KL or loss before the run stops with the cause.
         log_samples_every_n_steps / num_logged_samples: sample table sent to TensorBoard.
     """
 
@@ -108,6 +112,7 @@ class PPORLHF(LightningModule):
         kl_penalty: Literal["reward", "loss", "both"] = "reward",
         max_new_tokens: int = 32,
         min_new_tokens: int = 0,
+        do_sample: bool = True,
         temperature: float = 1.0,
         max_prompt_length: int = 256,
         use_chat_template: bool = True,
@@ -132,6 +137,7 @@ class PPORLHF(LightningModule):
         tiny_config: Optional[dict] = None,
         seed: int = 0,
         trust_remote_code: bool = False,
+        max_consecutive_faults: int = 3,
         log_samples_every_n_steps: int = 10,
         num_logged_samples: int = 4,
     ) -> None:
@@ -144,7 +150,7 @@ class PPORLHF(LightningModule):
         _check(max_new_tokens >= 1, "max_new_tokens", ">= 1", max_new_tokens)
         _check(0 <= min_new_tokens <= max_new_tokens, "min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
         _check(temperature > 0, "temperature", "> 0", temperature)
-        for name in ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length"):
+        for name in ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults"):
             _check(locals()[name] >= 1, name, "an integer >= 1", locals()[name])
         _check(cliprange > 0 and cliprange_value > 0, "cliprange and cliprange_value", "> 0", (cliprange, cliprange_value))
         _check(0 <= gamma <= 1 and 0 <= lam <= 1, "gamma and lam", "in [0, 1]", (gamma, lam))
@@ -162,6 +168,8 @@ class PPORLHF(LightningModule):
         self.update_stats = nn.ModuleDict({name.replace("/", "__"): MeanMetric() for name in UPDATE_STATS})
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
         self._rng_to_restore: Optional[dict] = None
+        self.generation_seed_base = int(torch.initial_seed()) % 2**31  # saved with checkpoints
+        self.faults = {"skipped_iterations": 0, "skipped_steps": 0, "consecutive": 0}
 
     # ------------------------------------------------------------------ setup
     def configure_model(self) -> None:
@@ -173,7 +181,7 @@ class PPORLHF(LightningModule):
         policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config)
         # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling.
         policy.generation_config = GenerationConfig(
-            do_sample=True, max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens,
+            do_sample=hp.do_sample, max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens,
             temperature=hp.temperature, top_k=0, top_p=1.0,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
         )  # fmt: skip
@@ -223,18 +231,30 @@ class PPORLHF(LightningModule):
         with timer("rollout"):
             rollout = self.rollout(prompts)
         with timer("score"):
-            raw_scores, scores = self.score(rollout)
-            kl = self.kl_per_token(rollout)  # (batch, response_len), masked
+            fault, raw_scores, kl = None, None, self.kl_per_token(rollout)  # kl: (batch, response_len), masked
+            try:
+                raw_scores = self.reward_model.checked_scores(rollout.prompts, rollout.responses)
+            except FloatingPointError as err:
+                fault = str(err)
+            if fault is None and not torch.isfinite(kl).all():
+                fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite"
+            if self._any_rank(fault is not None):  # every rank skips together, or collectives would hang
+                self.iteration += 1
+                return self._record_fault(fault or "a non-finite reward or KL on another rank", iteration_skipped=True)
+            scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._global_sum)
             rewards = pm.token_rewards(scores.to(self.device), kl if self._kl_in_reward else torch.zeros_like(kl), rollout.mask, beta)
         with timer("update"):
             advantages, returns = self.compute_advantages(rewards, rollout)
-            self.ppo_update(rollout, advantages, returns, beta)
+            skipped = self.ppo_update(rollout, advantages, returns, beta)
         metrics = self.rollout_metrics(rollout, raw_scores, scores, kl, beta)
         observed = metrics["objective/kl"] if self.beta_controller.unit == "sequence_sum" else metrics["objective/kl_per_token"]
-        if not math.isfinite(observed):
-            raise FloatingPointError(f"observed KL is {observed} at iteration {self.iteration}; beta was {beta}")
         self.beta_controller.update(observed, n_samples=int(self._global_sum(torch.tensor(float(len(prompts))))))
         self.iteration += 1
+        if skipped:
+            self._record_fault(f"non-finite PPO loss: {skipped} optimizer step(s) skipped", iteration_skipped=False, steps=skipped)
+        else:
+            self.faults["consecutive"] = 0
+        metrics.update({f"faults/{k}": float(v) for k, v in self.faults.items() if k != "consecutive"})
         metrics.update(self.consume_update_stats())
         metrics.update({f"timing/{k}_s": v for k, v in timer.seconds.items()})
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(prompts))
@@ -250,7 +270,11 @@ class PPORLHF(LightningModule):
         # A peft model's own generate is several times slower on CPU (no effective KV cache); its base
         # model carries the injected LoRA layers, so it samples from the same policy.
         generator = self.policy.get_base_model() if self.hparams.lora_rank else self.policy
-        sequences = generator.generate(**enc)  # (batch, prompt_len + new), right-padded with pad
+        # Sampling draws from its own seed per (run, rank, iteration): ranks sample independently,
+        # and a resumed run draws the same responses without any generator state to restore.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.generation_seed_base + 7919 * self.global_rank + 104729 * self.iteration)
+            sequences = generator.generate(**enc)  # (batch, prompt_len + new), right-padded with pad
         prompt_len = enc["input_ids"].shape[1]
         response = sequences[:, prompt_len:]
         mask = pm.response_mask(response, self.tokenizer.eos_token_id)
@@ -279,10 +303,6 @@ class PPORLHF(LightningModule):
             ref_logits=ref_logits if keep_logits else None,
         )
 
-    def score(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
-        """Raw reward-model scores and the scores trained on (penalised, normalised, clipped)."""
-        return self.reward_model(rollout.prompts, rollout.responses, rollout.ended_with_eos, sum_fn=self._global_sum)
-
     def kl_per_token(self, rollout: Rollout) -> Tensor:
         kl = self.kl_estimator(rollout.logprobs, rollout.ref_logprobs, rollout.logits, rollout.ref_logits)
         return kl * rollout.mask
@@ -294,27 +314,40 @@ class PPORLHF(LightningModule):
             advantages = pm.masked_whiten(advantages, rollout.mask, sum_fn=self._global_sum)
         return advantages, returns
 
-    def ppo_update(self, rollout: Rollout, advantages: Tensor, returns: Tensor, beta: float) -> None:
+    def ppo_update(self, rollout: Rollout, advantages: Tensor, returns: Tensor, beta: float) -> int:
+        """All PPO epochs over the rollout, one optimizer step per minibatch. Returns how many steps
+        were skipped because a loss was not finite on some rank (gradients dropped, weights untouched)."""
         hp = self.hparams
         optimizers = self.optimizers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
-        batch_size = rollout.input_ids.shape[0]
-        micro_size = batch_size // (hp.num_minibatches * hp.gradient_accumulation_steps)
+        skipped = 0
         for _ in range(hp.ppo_epochs):
-            order = torch.randperm(batch_size, device=self.device)
+            order = torch.randperm(rollout.input_ids.shape[0], device=self.device)
             for minibatch in order.chunk(hp.num_minibatches):
-                micro_batches = minibatch.split(micro_size)
-                minibatch_tokens = rollout.mask[minibatch].sum()
-                for i, idx in enumerate(micro_batches):
-                    with self._no_grad_sync(last=i == len(micro_batches) - 1):
-                        loss = self.ppo_loss(rollout, advantages, returns, idx, beta)
-                        # Token-weighted, so accumulating micro-batches equals one pass over the minibatch.
-                        self.manual_backward(loss * rollout.mask[idx].sum() / minibatch_tokens)
+                if self._accumulate_gradients(rollout, advantages, returns, minibatch, beta):
+                    for opt in optimizers:
+                        if hp.max_grad_norm:
+                            self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
+                        opt.step()
+                else:
+                    skipped += 1
                 for opt in optimizers:
-                    if hp.max_grad_norm:
-                        self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
-                    opt.step()
                     opt.zero_grad(set_to_none=True)
+        return skipped
+
+    def _accumulate_gradients(self, rollout: Rollout, advantages: Tensor, returns: Tensor, minibatch: Tensor, beta: float) -> bool:
+        """Backward over the minibatch's micro-batches; False (and stop) at a non-finite loss."""
+        micro_batches = minibatch.split(len(minibatch) // self.hparams.gradient_accumulation_steps)
+        # The loss is the mean over the minibatch's tokens on all ranks: each micro-batch's token
+        # mean is weighted by its share of the tokens, times the world size that DDP divides by.
+        tokens = self._global_sum(rollout.mask[minibatch].sum()) / self.trainer.world_size
+        for i, idx in enumerate(micro_batches):
+            with self._no_grad_sync(last=i == len(micro_batches) - 1):
+                loss = self.ppo_loss(rollout, advantages, returns, idx, beta)
+                if self._any_rank(not torch.isfinite(loss)):
+                    return False
+                self.manual_backward(loss * rollout.mask[idx].sum() / tokens)
+        return True
 
     def ppo_loss(self, rollout: Rollout, advantages: Tensor, returns: Tensor, idx: Tensor, beta: float) -> Tensor:
         """Clipped surrogate + vf_coef * clipped value loss (+ beta * KL) on the rows ``idx``."""
@@ -401,6 +434,24 @@ class PPORLHF(LightningModule):
         if self._trainer is None or self.trainer.world_size == 1:
             return t
         return self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").to(t.device)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank."""
+        return bool(self._global_sum(torch.tensor(float(flag), device=self.device)) > 0)
+
+    def _record_fault(self, cause: str, iteration_skipped: bool, steps: int = 0) -> None:
+        """Count and report a skipped iteration or update; stop after too many in a row."""
+        self.faults["skipped_iterations"] += int(iteration_skipped)
+        self.faults["skipped_steps"] += steps
+        self.faults["consecutive"] += 1
+        rank_zero_warn(f"iteration {self.iteration}: {cause}; skipped (weights untouched)")
+        if iteration_skipped:
+            self.log_dict({f"faults/{k}": float(v) for k, v in self.faults.items() if k != "consecutive"}, on_step=True)
+        if self.faults["consecutive"] >= self.hparams.max_consecutive_faults:
+            raise RuntimeError(
+                f"stopping: {self.faults['consecutive']} iterations in a row had faults "
+                f"(model.max_consecutive_faults={self.hparams.max_consecutive_faults}); last cause: {cause}"
+            )
 
     def _global_max(self, t: Tensor) -> Tensor:
         if self._trainer is None or self.trainer.world_size == 1:
@@ -494,6 +545,8 @@ class PPORLHF(LightningModule):
             "beta_controller": self.beta_controller.state_dict(),
             "reward_model": self.reward_model.state_dict(),
             "rng": _rng_states(),
+            "generation_seed_base": self.generation_seed_base,
+            "faults": dict(self.faults),
         }
         # The frozen reference is rebuilt from the config; do not store a second copy of the weights.
         for key in [k for k in checkpoint["state_dict"] if k.startswith("ref_model.")]:
@@ -502,6 +555,8 @@ class PPORLHF(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint["rlhf_lightning"]
         self.iteration = state["iteration"]
+        self.generation_seed_base = state["generation_seed_base"]
+        self.faults = dict(state["faults"])
         self.beta_controller.load_state_dict(state["beta_controller"])
         self.reward_model.load_state_dict(state["reward_model"])
         # Applied at the next training batch: loading and loader setup in between draw random numbers.

@@ -90,11 +90,11 @@ def run_controller(ctrl: BetaController, iterations: int, seed: int, max_new_tok
 
 def settling_time(kls: list[float], target: float, tolerance: float, window: int) -> int | None:
     """First iteration from which the trailing-window mean KL stays within target * (1 +- tolerance)."""
-    smoothed = [sum(kls[max(0, i - window + 1) : i + 1]) / len(kls[max(0, i - window + 1) : i + 1]) for i in range(len(kls))]
     settled = None
-    for i, kl in enumerate(smoothed):
-        inside = abs(kl - target) <= tolerance * target
-        settled = (settled if settled is not None else i) if inside else None
+    for i in range(len(kls)):
+        recent = kls[max(0, i - window + 1) : i + 1]
+        inside = abs(sum(recent) / len(recent) - target) <= tolerance * target
+        settled = (i if settled is None else settled) if inside else None
     return settled
 
 
@@ -103,7 +103,7 @@ def summary_table(results: dict[str, list[tuple]], target: float, tolerance: flo
         f"KL target {target:g} (nats per response); settling: first iteration after which the {window}-iteration "
         f"trailing mean KL stays within +-{tolerance:.0%} of the target; overshoot: max KL / target - 1.",
         "",
-        "| controller | settling time (iteration) | overshoot | final KL (mean of last 10) | final beta | final reward (mean of last 10) |",
+        "| controller | settling time (iteration) | overshoot | final KL (last 10 mean) | final beta | final reward (last 10 mean) |",
         "|---|---|---|---|---|---|",
     ]
     for name, rows in results.items():
@@ -130,7 +130,8 @@ def plot(results: dict[str, list[tuple]], target: float, tolerance: float, path:
     ax_kl.legend(ncol=4, fontsize=8)
     ax_kl.set_title("Beta controllers on the tiny 'write e' task")
     ax_beta.set_ylabel("beta")
-    ax_beta.set_yscale("log")
+    ax_beta.set_yscale("symlog", linthresh=1e-3)  # dual's beta can be exactly 0
+    ax_beta.set_ylim(bottom=0)
     ax_beta.set_xlabel("PPO iteration")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

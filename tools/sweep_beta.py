@@ -138,8 +138,9 @@ def plot(rows: Sequence[SweepRow], path: Path, title: str) -> None:
     left.set_title("final reward, KL and net objective per beta")
 
     right.plot([r.kl for r in rows], [r.reward for r in rows], "o-", color="tab:purple")
-    for row, label in zip(rows, labels):
-        right.annotate(f"beta={label}", (row.kl, row.reward), textcoords="offset points", xytext=(6, -10), fontsize=8)
+    for i, (row, label) in enumerate(zip(rows, labels)):  # alternate sides: neighbours often sit close
+        right.annotate(f"beta={label}", (row.kl, row.reward), textcoords="offset points", fontsize=8,
+                       xytext=(8, -12) if i % 2 else (-8, 6), ha="left" if i % 2 else "right")  # fmt: skip
     right.set_xlabel("KL to the reference (nats per response)")
     right.set_ylabel("raw reward per response")
     right.set_title("reward-KL frontier: higher beta stays closer to the reference")
