@@ -20,6 +20,8 @@ from rlhf_lightning.registry import register
 class K1(KLEstimator):
     """k1 = x. Unbiased for KL(pi || pi_ref); single tokens can be negative."""
 
+    unbiased_as_reward = True
+
     def __call__(self, logprobs: Tensor, ref_logprobs: Tensor, logits=None, ref_logits=None) -> Tensor:
         return logprobs - ref_logprobs
 

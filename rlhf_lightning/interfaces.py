@@ -29,6 +29,9 @@ class KLEstimator(ABC):
     """
 
     needs_logits: bool = False
+    # True when, as a per-token reward, its policy gradient (score function times return) is the
+    # gradient of the KL: only the log-ratio k1 has this property.
+    unbiased_as_reward: bool = False
 
     @abstractmethod
     def __call__(

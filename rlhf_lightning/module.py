@@ -158,6 +158,12 @@ class PPORLHF(LightningModule):
         _check(optimizers in ("separate", "shared"), "optimizers", "'separate' or 'shared'", optimizers)
         _check(critic in ("separate", "shared"), "critic", "'separate' or 'shared'", critic)
         _check(lora_rank >= 0, "lora_rank", ">= 0", lora_rank)
+        if kl_penalty == "reward" and not self.kl_estimator.unbiased_as_reward:
+            rank_zero_warn(
+                f"{type(self.kl_estimator).__name__} as a per-token reward gives a biased gradient of the KL "
+                "(only k1's score-function gradient is the KL's); the policy converges away from the "
+                "KL-regularised optimum. Use kl_estimator k1 in the reward, or this estimator with kl_penalty: loss."
+            )
         self.save_hyperparameters(ignore=["reward_model", "kl_estimator", "beta_controller"])
         self.automatic_optimization = False
 
@@ -553,6 +559,7 @@ class PPORLHF(LightningModule):
             del checkpoint["state_dict"][key]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._check_compatible(checkpoint.get("hyper_parameters", {}))
         state = checkpoint["rlhf_lightning"]
         self.iteration = state["iteration"]
         self.generation_seed_base = state["generation_seed_base"]
@@ -563,6 +570,17 @@ class PPORLHF(LightningModule):
         self._rng_to_restore = state.get("rng")
         if self.ref_model is not None:
             checkpoint["state_dict"].update({f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()})
+
+
+    def _check_compatible(self, saved: dict) -> None:
+        """Refuse a checkpoint whose model was built differently (the weights or the reference would not match)."""
+        fields = ["policy", "tokenizer", "lora_rank", "lora_target_modules", "critic", "tiny_config"]
+        if self.hparams.policy == "tiny":
+            fields.append("seed")  # the reference is rebuilt from it
+        differ = [f"model.{f}: checkpoint {saved.get(f)!r}, config {self.hparams.get(f)!r}" for f in fields
+                  if f in saved and saved.get(f) != self.hparams.get(f)]  # fmt: skip
+        if differ:
+            raise ValueError("checkpoint is incompatible with this config; " + "; ".join(differ))
 
 
 def _position_ids(attention_mask: Tensor) -> Tensor:

@@ -41,7 +41,10 @@ class MetricsHistory(Callback):
         return [row[key] for row in self.rows]
 
 
-def fit(module: PPORLHF, tmp_path, iterations: int, batch_size: int = 8, seed: int = 0, callbacks=(), **trainer_kwargs):
+def fit(
+    module: PPORLHF, tmp_path, iterations: int, batch_size: int = 8, seed: int = 0, callbacks=(), datamodule=None,
+    ckpt_path=None, **trainer_kwargs,
+):  # fmt: skip
     """Run ``iterations`` PPO iterations on CPU; return (trainer, metrics history)."""
     seed_everything(seed, verbose=False)
     history = MetricsHistory()
@@ -52,5 +55,5 @@ def fit(module: PPORLHF, tmp_path, iterations: int, batch_size: int = 8, seed: i
     )  # fmt: skip
     kwargs.update(trainer_kwargs)
     trainer = Trainer(**kwargs)
-    trainer.fit(module, datamodule=PromptDataModule(batch_size=batch_size))
+    trainer.fit(module, datamodule=datamodule or PromptDataModule(batch_size=batch_size), ckpt_path=ckpt_path)
     return trainer, history

@@ -49,10 +49,8 @@ def exploit_stats(responses: Sequence[str]) -> tuple[float, float]:
 def evaluate(module, prompts: Sequence[str], batch_size: int) -> tuple[list[str], float, float]:
     """The final policy's responses to ``prompts``, their mean proxy score and mean KL per response."""
     import torch
-    from lightning import seed_everything
 
-    seed_everything(0, verbose=False)  # every run's policy answers with the same sampler seed
-    module.eval()
+    module.eval()  # rollout seeds its sampler from the run's seed and iteration: runs answer alike
     responses, scores, kls = [], [], []
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):

@@ -1,0 +1,148 @@
+"""Every row of the README's bad-input table: what the user gets for each bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CONFIGS, char_reward, fit, make_module
+
+from rlhf_lightning.cli import build_cli
+from rlhf_lightning.data import PromptDataModule, load_prompts
+from rlhf_lightning.models import char_tokenizer, load_tokenizer
+from rlhf_lightning.registry import UnknownPluginError
+from rlhf_lightning_plugins.reward_models import CallableReward
+
+TINY = str(CONFIGS / "tiny.yaml")
+
+
+def test_unknown_plugin_name():
+    with pytest.raises(UnknownPluginError, match=r"unknown beta_controller 'pdi'; registered beta_controller names: .*adaptive.*band.*fixed"):
+        build_cli(["--config", TINY, "--model.beta_controller=pdi"], run=False)
+
+
+def test_wrong_type_for_a_plugin_argument(capsys):
+    with pytest.raises(SystemExit):
+        build_cli(["--config", TINY, "--model.beta_controller=BandBeta", "--model.beta_controller.init_args.factor=big"], run=False)
+    err = capsys.readouterr().err
+    assert "factor" in err and "big" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model.beta_controller=FixedBeta", "--model.beta_controller.init_args.init_beta=-0.5"], "init_beta must be a finite number >= 0"),
+        (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.target=0"], "target must be > 0"),
+        (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.horizon=0"], "horizon must be > 0"),
+        (["--model.ppo_epochs=0"], "model.ppo_epochs must be an integer >= 1"),
+        (["--model.temperature=0"], "model.temperature must be > 0"),
+        (["--data.batch_size=0"], "data.batch_size must be an integer >= 1"),
+    ],
+)
+def test_impossible_values(args, message):
+    with pytest.raises(ValueError, match=message):
+        build_cli(["--config", TINY, *args], run=False)
+
+
+def test_missing_prompt_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"data.train_path: prompt file '.*nope.jsonl' does not exist"):
+        load_prompts(tmp_path / "nope.jsonl")
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt", ".csv"])
+def test_empty_prompt_file(tmp_path, suffix):
+    path = tmp_path / f"empty{suffix}"
+    path.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        load_prompts(path)
+
+
+def test_prompt_file_with_only_blank_prompts(tmp_path):
+    path = tmp_path / "blank.jsonl"
+    path.write_text('{"prompt": "  "}\n{"prompt": ""}\n')
+    with pytest.raises(ValueError, match="no non-empty prompts in column 'prompt'"):
+        load_prompts(path)
+
+
+def test_missing_prompt_column(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text("question,id\nWhy?,1\nHow?,2\n")
+    with pytest.raises(ValueError, match="column 'prompt' not found in p.csv; available columns: question, id"):
+        load_prompts(path)
+    assert load_prompts(path, column="question") == ["Why?", "How?"]
+
+
+def test_unsupported_prompt_file_type(tmp_path):
+    path = tmp_path / "p.xlsx"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="unsupported prompt file type '.xlsx'"):
+        load_prompts(path)
+
+
+def test_fewer_prompts_than_one_batch(tmp_path):
+    path = tmp_path / "two.txt"
+    path.write_text("one\ntwo\n")
+    with pytest.raises(ValueError, match=r"data.train_path has 2 prompts, fewer than one batch \(data.batch_size=8"):
+        fit(make_module(), tmp_path, iterations=1, batch_size=8, datamodule=PromptDataModule(train_path=str(path)))
+
+
+def test_prompt_longer_than_the_context():
+    module = make_module(max_prompt_length=20)
+    with pytest.raises(ValueError, match=r"is 44 tokens, longer than model.max_prompt_length=20 \(1 such prompts"):
+        module.encode_prompts(["short", "a prompt of forty-four characters, in full!!"])
+
+
+def test_tokenizer_without_pad_token(tmp_path):
+    tokenizer = char_tokenizer()
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="has no pad token; set one"):
+        load_tokenizer(str(tmp_path))
+
+
+def raising_reward(prompts, responses):
+    raise KeyError("label")
+
+
+def wrong_count_reward(prompts, responses):
+    return [1.0] * (len(responses) - 1)
+
+
+def nan_reward(prompts, responses):
+    return [float("nan")] * len(responses)
+
+
+def test_reward_function_that_raises(tmp_path):
+    module = make_module(reward_model=CallableReward(function="test_bad_input:raising_reward"))
+    with pytest.raises(RuntimeError, match="reward function test_bad_input:raising_reward raised KeyError: 'label'"):
+        fit(module, tmp_path, iterations=1)
+
+
+def test_reward_function_with_the_wrong_number_of_scores(tmp_path):
+    module = make_module(reward_model=CallableReward(function="test_bad_input:wrong_count_reward"))
+    with pytest.raises(ValueError, match=r"returned scores of shape \(7,\); expected one score per response, shape \(8,\)"):
+        fit(module, tmp_path, iterations=1)
+
+
+def test_reward_function_that_returns_nan(tmp_path):
+    module = make_module(reward_model=CallableReward(function="test_bad_input:nan_reward"), max_consecutive_faults=2)
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="2 iterations in a row had faults.*non-finite scores"):
+        fit(module, tmp_path, iterations=3)
+
+
+def test_checkpoint_from_an_incompatible_config(tmp_path):
+    trainer, _ = fit(make_module(), tmp_path, iterations=1)
+    path = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(path)
+    other = make_module(critic="shared", tiny_config={"hidden_size": 32})
+    with pytest.raises(ValueError, match=r"incompatible with this config; model.critic: checkpoint 'separate', config 'shared'; model.tiny_config"):
+        fit(other, tmp_path, iterations=1, ckpt_path=str(path))
+
+
+def test_compatible_checkpoint_still_loads(tmp_path):
+    trainer, _ = fit(make_module(reward_model=char_reward()), tmp_path, iterations=1)
+    path = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(path)
+    resumed = make_module()
+    fit(resumed, tmp_path, iterations=2, ckpt_path=str(path), max_epochs=2)  # one more epoch of 2 iterations
+    assert resumed.iteration == 3
+    assert torch.isfinite(next(resumed.policy.parameters())).all()

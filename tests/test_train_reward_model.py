@@ -1,0 +1,68 @@
+"""tools/train_reward_model.py on a separable toy preference set: the chosen response is full of
+"e", the rejected one has few. Training a tiny Llama with the Bradley-Terry loss must lift the
+held-out pair accuracy from chance to near 1, and the saved folder must work as the
+``hf_classifier`` reward backend."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import pytest
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import train_reward_model  # noqa: E402
+
+from rlhf_lightning_plugins.reward_models import HFClassifierReward  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+OTHER_LETTERS = "abcdfghijklmnopqrstuvwxyz"
+
+
+def toy_response(rng: random.Random, e_share: float) -> str:
+    """20 to 30 characters: each an "e" with probability ``e_share``, else another letter or a space."""
+    return "".join("e" if rng.random() < e_share else rng.choice(OTHER_LETTERS + " ") for _ in range(rng.randint(20, 30)))
+
+
+def write_toy_pairs(path, n: int = 120, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            pair = {"prompt": f"Say {i}.", "chosen": toy_response(rng, 0.5), "rejected": toy_response(rng, 0.05)}
+            f.write(json.dumps(pair) + "\n")
+
+
+def test_training_separates_toy_pairs_and_the_model_loads_as_hf_classifier(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    write_toy_pairs(pairs)
+    out = tmp_path / "rm"
+    result = train_reward_model.main([
+        "--trunk", "tiny", "--pairs", str(pairs), "--out", str(out), "--epochs", "4", "--batch-size", "8",
+        "--threads", "1",
+    ])  # fmt: skip
+
+    # 120 distinct prompts, 20% held out by prompt.
+    assert (result["train_pairs"], result["val_pairs"]) == (96, 24)
+    # A random score head ranks pairs by chance; the Bradley-Terry fit learns to count "e".
+    assert result["val_accuracy_before"] <= 0.75
+    assert result["val_accuracy"] >= 0.9
+    assert result["path"] == out / "model"
+    assert list((out / "lightning_logs").glob("version_*/events.out.tfevents.*"))
+
+    reward = HFClassifierReward(path=str(out / "model"))
+    reward.setup("cpu")
+    assert reward.model.config.num_labels == 1 and reward.model.config.pad_token_id == reward.tokenizer.pad_token_id
+    scores = reward.checked_scores(["Say 7.", "Say 7."], ["e" * 25, "x" * 25])
+    assert scores[0] > scores[1]
+
+
+def test_pair_file_with_a_missing_field_names_the_field_and_line(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        json.dumps({"prompt": "Hi.", "chosen": "Hello!", "rejected": "Go away."}) + "\n"
+        + json.dumps({"prompt": "Hi.", "chosen": "Hello!"}) + "\n"
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"line 2 has no field 'rejected'"):
+        train_reward_model.main(["--trunk", "tiny", "--pairs", str(pairs), "--out", str(tmp_path / "rm")])

@@ -1,0 +1,522 @@
+"""Phase-by-phase benchmark of one PPO-RLHF iteration, against the floors of the same work.
+
+    python tools/bench.py                                  # SmolLM2, full and LoRA, 1 and 4 PPO epochs
+    python tools/bench.py --mode lora --ppo-epochs 4 --iters 3 --threads 1
+    python tools/bench.py --profile                        # plus torch.profiler's top ops of one iteration
+    python tools/bench.py --device cuda --bf16             # GPU, bf16 autocast
+    python tools/bench.py --tiny                           # the tiny random model, 2 iterations (the tests)
+
+The workload is fixed: SmolLM2-135M-Instruct (``--policy``), the first ``--batch-size`` (8)
+built-in prompts every iteration, rendered with the chat template (SmolLM2's adds a system
+prompt, so a prompt is about 40 tokens; ``--no-chat-template`` gives about 12), and exactly
+``--max-new-tokens`` (32) sampled tokens per response (``min_new_tokens`` = ``max_new_tokens``),
+the VADER ``sentiment`` reward, a ``separate`` critic unless ``--critic shared``.
+
+Each (mode, ppo_epochs) runs in its own subprocess, so the peak resident memory of full
+fine-tuning and LoRA are comparable. A subprocess drives the module's own ``training_step``
+under a real Lightning Trainer and times its phases (exclusive wall-clock seconds, medians
+over ``--iters`` iterations after ``--warmup``):
+
+- rollout:    ``encode_prompts`` + the policy's ``generate``;
+- score:      the rest of ``rollout()`` (old log-probs + values forward, reference forward,
+              decoding, log-prob gathers, entropy), the KL estimate and the reward;
+- advantages: ``compute_advantages``;
+- update:     ``ppo_update`` (all epochs: forward, backward, gradient clipping, optimizer steps);
+- other:      the rest of the training step (per-token rewards, metrics, logging, beta update).
+
+Then, on the same batch and sequences, the floors: a bare ``generate`` with the same inputs and
+generation config (LoRA: on a copy with the adapter merged, so no LoRA layers run), one
+no-grad forward of each extra model (reference; critic when it has its own trunk), and one
+forward+backward of the policy and critic on a minibatch. Sum of floors = generate + one
+forward per extra model + ppo_epochs * num_minibatches * fwd+bwd: old log-probs can come from
+the sampler's own logits, and the optimizer step is not a floor.
+
+Prints a table, and last a line ``BENCH rollout_vs_generate=<r> iteration_vs_floors=<r>
+lora_vs_full_rss=<r> iter_s=<s> tokens_per_s=<t>``: the two ratios are the worst over the
+runs, iter_s and tokens_per_s those of the slowest run, lora_vs_full_rss the peak RSS of the
+LoRA runs over that of the full runs (nan unless both modes ran).
+
+On a CPU shared with other jobs use ``--threads 1``: spinning OpenMP threads on a busy
+2-core machine make a forward pass several times slower and the timings erratic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+RESULT_PREFIX = "BENCH_RESULT "
+PHASES = ("rollout", "score", "score_policy", "score_ref", "advantages", "update", "other")
+
+
+# ---------------------------------------------------------------------------------- arguments
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("full", "lora", "both"), default="both", help="full fine-tuning, LoRA, or both")
+    parser.add_argument("--ppo-epochs", type=int, nargs="+", default=[1, 4], help="PPO epochs per iteration (one run each)")
+    parser.add_argument("--iters", type=int, help="timed iterations per run (default 5; --tiny: 2)")
+    parser.add_argument("--warmup", type=int, help="untimed iterations first (default 1)")
+    parser.add_argument("--policy", help="model spec (default smollm2; --tiny: tiny)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny random policy, 2 iterations (for tests)")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts per iteration")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="response length (min_new_tokens is the same)")
+    parser.add_argument("--no-chat-template", action="store_true", help="feed the raw prompts, without the chat template")
+    parser.add_argument("--num-minibatches", type=int, default=1, help="minibatches (optimizer steps) per PPO epoch")
+    parser.add_argument("--critic", choices=("separate", "shared"), default="separate", help="critic trunk")
+    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of --mode lora (alpha = 2 * rank)")
+    parser.add_argument("--reward", default="sentiment", help="reward backend name")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (Trainer precision bf16-mixed) for run and floors")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--profile", action="store_true", help="profile one extra iteration per run with torch.profiler")
+    parser.add_argument("--profile-rows", type=int, default=25, help="ops shown by --profile")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one (mode, epochs) run
+    args = parser.parse_args(argv)
+    args.policy = args.policy or ("tiny" if args.tiny else "smollm2")
+    args.iters = args.iters or (2 if args.tiny else 5)
+    args.warmup = 1 if args.warmup is None else args.warmup
+    if args.iters < 1 or args.warmup < 0 or min(args.ppo_epochs) < 1 or args.num_minibatches < 1:
+        parser.error("--iters, --ppo-epochs and --num-minibatches must be >= 1, --warmup >= 0")
+    if args.batch_size % args.num_minibatches:
+        parser.error("--batch-size must be divisible by --num-minibatches")
+    return args
+
+
+def worker_argv(args: argparse.Namespace, mode: str, epochs: int) -> list[str]:
+    """The command line of one run: this script with every setting spelled out."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--ppo-epochs", str(epochs)]
+    for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "critic",
+                 "lora_rank", "reward", "device", "threads", "profile_rows"):  # fmt: skip
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    for flag in ("no_chat_template", "bf16", "profile"):
+        if getattr(args, flag):
+            argv.append(f"--{flag.replace('_', '-')}")
+    return argv
+
+
+# ---------------------------------------------------------------------------------- one run
+class PhaseClock:
+    """Exclusive wall-clock seconds per named phase: time spent in a nested phase counts for it
+    alone. CUDA is synchronised at every boundary so GPU work lands in the phase that queued it."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[str] = []
+        self._since = 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _switch(self) -> None:
+        now = self._now()
+        if self._stack:
+            self.seconds[self._stack[-1]] += now - self._since
+        self._since = now
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, within: Optional[str] = None):
+        """Time ``name``; with ``within``, only when called directly inside that phase."""
+        if within is not None and (not self._stack or self._stack[-1] != within):
+            yield
+            return
+        import torch
+
+        self._switch()
+        self._stack.append(name)
+        try:
+            with torch.profiler.record_function(f"bench/{name}"):
+                yield
+        finally:
+            self._switch()
+            self._stack.pop()
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            with self(name):
+                return fn(*args, **kwargs)
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        seconds, self.seconds = dict(self.seconds), defaultdict(float)
+        return seconds
+
+
+def bench_module_class():
+    """PPORLHF with its phases timed; the module's own code runs unchanged in between."""
+    from rlhf_lightning.module import PPORLHF
+
+    class TimedPPORLHF(PPORLHF):
+        def configure_model(self) -> None:
+            first = self.policy is None
+            super().configure_model()
+            if not first:
+                return
+            self.clock = PhaseClock(self.device)
+            self.generator = self.policy.get_base_model() if self.hparams.lora_rank else self.policy
+            self.generator.generate = self.clock.wrap("rollout", self.generator.generate)  # instance attribute
+            for name in ("checked_scores", "shape_scores"):
+                setattr(self.reward_model, name, self.clock.wrap("score", getattr(self.reward_model, name)))
+
+        def unwrap_generate(self) -> None:
+            vars(self.generator).pop("generate", None)
+
+        def encode_prompts(self, prompts):
+            with self.clock("rollout"):
+                self.last_encoding = super().encode_prompts(prompts)
+                return self.last_encoding
+
+        def rollout(self, prompts):
+            with self.clock("score"):  # whatever rollout() does besides generating is scoring
+                self.last_rollout = super().rollout(prompts)
+                return self.last_rollout
+
+        def policy_outputs(self, input_ids, attention_mask, response_len):
+            with self.clock("score_policy", within="score"):  # not the forwards of the update
+                return super().policy_outputs(input_ids, attention_mask, response_len)
+
+        @contextlib.contextmanager
+        def _reference(self):
+            with self.clock("score_ref", within="score"), super()._reference() as ref:
+                yield ref
+
+        def kl_per_token(self, rollout):
+            with self.clock("score"):
+                return super().kl_per_token(rollout)
+
+        def compute_advantages(self, rewards, rollout):
+            with self.clock("advantages"):
+                return super().compute_advantages(rewards, rollout)
+
+        def ppo_update(self, rollout, advantages, returns, beta):
+            with self.clock("update"):
+                return super().ppo_update(rollout, advantages, returns, beta)
+
+    return TimedPPORLHF
+
+
+def iteration_recorder(warmup: int, iters: int, profile: bool, profile_rows: int):
+    """A callback that opens the clock's ``other`` phase around each batch, keeps the timed
+    iterations' phase seconds, and profiles the batch after them when asked."""
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    class IterationRecorder(Callback):
+        def __init__(self) -> None:
+            self.iterations: list[dict[str, float]] = []
+            self.tokens: list[float] = []
+            self.profile_table: Optional[str] = None
+            self._phase = self._profiler = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if profile and batch_idx == warmup + iters:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if pl_module.device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self._profiler = torch.profiler.profile(activities=activities)
+                self._profiler.__enter__()
+            pl_module.clock.take()
+            self._phase = pl_module.clock("other")
+            self._phase.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self._phase.__exit__(None, None, None)
+            seconds = pl_module.clock.take()
+            if self._profiler is not None:
+                self._profiler.__exit__(None, None, None)
+                self.profile_table = self._profiler.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=profile_rows
+                )
+                self._profiler = None
+            elif batch_idx >= warmup:
+                self.iterations.append(seconds)
+                self.tokens.append(float(pl_module.last_rollout.mask.sum()))
+
+    return IterationRecorder()
+
+
+def quiet() -> None:
+    """Keep the output a table: no Lightning banners, progress bars or expected warnings."""
+    import transformers
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore")  # dataloader workers, eval-mode reference, generation flags
+
+
+def builtin_prompts(n: int) -> list[str]:
+    from rlhf_lightning.data import BUILTIN_TRAIN
+
+    with BUILTIN_TRAIN.open() as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()][:n]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    """One (mode, ppo_epochs) run in this process: timed iterations, then the floors."""
+    import torch
+    from lightning import Trainer, seed_everything
+    from torch.utils.data import DataLoader
+
+    quiet()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seed_everything(0, verbose=False)
+    lora = args.mode == "lora"
+    module = bench_module_class()(
+        policy=args.policy, reward_model=args.reward, max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.max_new_tokens, use_chat_template=not args.no_chat_template,
+        ppo_epochs=args.ppo_epochs[0], num_minibatches=args.num_minibatches, critic=args.critic,
+        lora_rank=args.lora_rank if lora else 0, lora_alpha=2.0 * args.lora_rank, log_samples_every_n_steps=0,
+    )  # fmt: skip
+    prompts = builtin_prompts(args.batch_size)
+    batches = args.warmup + args.iters + int(args.profile)
+    loader = DataLoader(prompts * batches, batch_size=args.batch_size, shuffle=False)
+    recorder = iteration_recorder(args.warmup, args.iters, args.profile, args.profile_rows)
+    with tempfile.TemporaryDirectory(prefix="rlhf_bench_") as root:
+        trainer = Trainer(
+            accelerator="gpu" if args.device == "cuda" else "cpu", devices=1, max_epochs=1,
+            limit_train_batches=batches, limit_val_batches=0, num_sanity_val_steps=0,
+            precision="bf16-mixed" if args.bf16 else "32-true", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], default_root_dir=root,
+        )  # fmt: skip
+        trainer.fit(module, train_dataloaders=loader)
+    rss = peak_rss_mb()  # before the floors, which may build a merged copy of the policy
+    gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else 0.0
+    module.unwrap_generate()
+    floors = measure_floors(module, args, reps=args.iters)
+
+    phases = {p: statistics.median(it.get(p, 0.0) for it in recorder.iterations) for p in PHASES}
+    iter_s = statistics.median(sum(it.values()) for it in recorder.iterations)
+    enc = module.last_encoding
+    return {
+        "mode": args.mode, "ppo_epochs": args.ppo_epochs[0], "num_minibatches": args.num_minibatches,
+        "critic": args.critic, "policy": args.policy, "threads": torch.get_num_threads(),
+        "batch": int(enc["input_ids"].shape[0]), "prompt_len": int(enc["input_ids"].shape[1]),
+        "prompt_len_mean": float(enc["attention_mask"].sum(-1).float().mean()),
+        "response_len": int(module.last_rollout.response.shape[1]),
+        "iter_s": iter_s, "phases": phases, "tokens_per_s": statistics.median(recorder.tokens) / iter_s,
+        "peak_rss_mb": rss, "peak_gpu_mb": gpu_mb, "floors": floors, "iterations": recorder.iterations,
+        "profile": recorder.profile_table,
+    }  # fmt: skip
+
+
+def measure_floors(module, args: argparse.Namespace, reps: int) -> dict[str, float]:
+    """Median seconds of the bare passes on the last iteration's prompts and sequences."""
+    import torch
+
+    from rlhf_lightning.module import _position_ids
+
+    device = module.device
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
+    )  # fmt: skip
+    lora = module.hparams.lora_rank > 0
+    # LoRA: the same function with the adapter merged into a plain copy, so no LoRA layer runs.
+    plain = copy.deepcopy(module.policy).merge_and_unload() if lora else module.policy
+    reference = plain if lora else module.ref_model
+    separate_critic = module.critic.trunk is not None
+    enc, rollout = module.last_encoding, module.last_rollout
+    response_len = rollout.response.shape[1]
+    rows = slice(0, rollout.input_ids.shape[0] // args.num_minibatches)
+    ids, attn = rollout.input_ids, rollout.attention_mask
+    positions = _position_ids(attn)
+
+    def clocked(fn) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    def generate():
+        with torch.no_grad(), autocast():
+            plain.generate(**enc)
+
+    def forward(model):
+        def run():
+            with torch.no_grad(), autocast():
+                model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
+                      logits_to_keep=response_len + 1)  # fmt: skip
+
+        return run
+
+    def critic_forward():
+        with torch.no_grad(), autocast():
+            module.critic(ids, attn, positions)
+
+    def forward_backward():
+        with autocast():
+            out = module.policy(
+                input_ids=ids[rows], attention_mask=attn[rows], position_ids=positions[rows], use_cache=False,
+                logits_to_keep=response_len + 1, output_hidden_states=not separate_critic,
+            )  # fmt: skip
+            logprobs = out.logits[:, :-1].float().log_softmax(-1).gather(-1, rollout.response[rows, :, None])
+            if separate_critic:
+                values = module.critic(ids[rows], attn[rows], positions[rows])
+            else:
+                values = module.critic(hidden=out.hidden_states[-1][:, -response_len - 1 : -1])
+            loss = logprobs.mean() + values.mean()
+        loss.backward()
+        for model in (module.policy, module.critic):
+            model.zero_grad(set_to_none=True)
+
+    passes = {"generate": generate, "ref_forward": forward(reference), "fwd_bwd": forward_backward}
+    if separate_critic:
+        passes["critic_forward"] = critic_forward
+    times = defaultdict(list)
+    for rep in range(reps + 1):  # the first round warms up
+        for name, fn in passes.items():
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(rep)
+                seconds = clocked(fn)
+            if rep:
+                times[name].append(seconds)
+    floors = {name: statistics.median(t) for name, t in times.items()}
+    floors.setdefault("critic_forward", 0.0)
+    return floors
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    result = run_one(args)
+    if result["profile"]:
+        print(f"\n== profile: {result['mode']}, ppo_epochs={result['ppo_epochs']}: top ops by self CPU time (one iteration)")
+        print(result["profile"], flush=True)
+    print(RESULT_PREFIX + json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+
+
+# ---------------------------------------------------------------------------------- report
+def derived(r: dict) -> dict[str, float]:
+    """Sum of floors and the ratios of one run."""
+    f, p = r["floors"], r["phases"]
+    updates = r["ppo_epochs"] * r["num_minibatches"]
+    floor_sum = f["generate"] + f["ref_forward"] + f["critic_forward"] + updates * f["fwd_bwd"]
+    score = p["score"] + p["score_policy"] + p["score_ref"]
+    return {
+        "score": score,
+        "floor_sum": floor_sum,
+        "rollout_vs_generate": p["rollout"] / f["generate"],
+        "iteration_vs_floors": r["iter_s"] / floor_sum,
+        "beyond_rollout": p["rollout"] - f["generate"],
+        "beyond_score": score - f["ref_forward"] - f["critic_forward"],
+        "beyond_update": p["update"] - updates * f["fwd_bwd"],
+    }
+
+
+def format_table(results: Sequence[dict]) -> str:
+    r0 = results[0]
+    lines = [
+        f"policy {r0['policy']}, batch {r0['batch']}, prompt {r0['prompt_len']} tokens padded "
+        f"({r0['prompt_len_mean']:.1f} real on average), {r0['response_len']} new tokens, critic {r0['critic']}, "
+        f"{r0['num_minibatches']} minibatch(es), {r0['threads']} thread(s); seconds are medians over "
+        f"{len(r0['iterations'])} iterations (phase medians need not add up to iter s)",
+        "",
+        "| mode | epochs | iter s | rollout | score | (old+V fwd | ref fwd | reward, KL, rest) | advantages | update | other "
+        "| tokens/s | peak RSS MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        p, d = r["phases"], derived(r)
+        lines.append(
+            f"| {r['mode']} | {r['ppo_epochs']} | {r['iter_s']:.3f} | {p['rollout']:.3f} | {d['score']:.3f} "
+            f"| {p['score_policy']:.3f} | {p['score_ref']:.3f} | {p['score']:.3f} | {p['advantages']:.4f} "
+            f"| {p['update']:.3f} | {p['other']:.4f} | {r['tokens_per_s']:.1f} | {r['peak_rss_mb']:.0f} |"
+        )
+    lines += [
+        "",
+        "| mode | epochs | generate | ref fwd | critic fwd | fwd+bwd | sum of floors | rollout / generate "
+        "| iteration / floors | beyond: rollout | score | update |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        f, d = r["floors"], derived(r)
+        lines.append(
+            f"| {r['mode']} | {r['ppo_epochs']} | {f['generate']:.3f} | {f['ref_forward']:.3f} "
+            f"| {f['critic_forward']:.3f} | {f['fwd_bwd']:.3f} | {d['floor_sum']:.3f} "
+            f"| {d['rollout_vs_generate']:.3f} | {d['iteration_vs_floors']:.3f} "
+            f"| {d['beyond_rollout']:+.3f} | {d['beyond_score']:+.3f} | {d['beyond_update']:+.3f} |"
+        )
+    if any(r["peak_gpu_mb"] for r in results):
+        lines.append("peak GPU MB: " + ", ".join(f"{r['mode']}/{r['ppo_epochs']}: {r['peak_gpu_mb']:.0f}" for r in results))
+    return "\n".join(lines)
+
+
+def bench_line(results: Sequence[dict]) -> str:
+    """Worst ratios over the runs, the slowest run's seconds and throughput, LoRA/full peak RSS."""
+    slowest = max(results, key=lambda r: r["iter_s"])
+    rss = {mode: max((r["peak_rss_mb"] for r in results if r["mode"] == mode), default=math.nan) for mode in ("full", "lora")}
+    return (
+        f"BENCH rollout_vs_generate={max(derived(r)['rollout_vs_generate'] for r in results):.3f} "
+        f"iteration_vs_floors={max(derived(r)['iteration_vs_floors'] for r in results):.3f} "
+        f"lora_vs_full_rss={rss['lora'] / rss['full']:.3f} "
+        f"iter_s={slowest['iter_s']:.4g} tokens_per_s={slowest['tokens_per_s']:.4g}"
+    )
+
+
+def run_subprocess(argv: list[str]) -> dict:
+    """Run one worker, echoing its output, and return its result."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    result = None
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env) as proc:
+        for line in proc.stdout:
+            if line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX) :])
+            else:
+                print(line, end="", flush=True)
+    if proc.returncode or result is None:
+        raise SystemExit(f"benchmark run failed (exit code {proc.returncode}): {' '.join(argv)}")
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return []
+    modes = ("full", "lora") if args.mode == "both" else (args.mode,)
+    results = []
+    for mode in modes:
+        for epochs in args.ppo_epochs:
+            start = time.perf_counter()
+            results.append(run_subprocess(worker_argv(args, mode, epochs)))
+            r = results[-1]
+            print(
+                f"{mode}, ppo_epochs={epochs}: {r['iter_s']:.3f} s per iteration, "
+                f"{r['tokens_per_s']:.1f} tokens/s ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
+    print(format_table(results))
+    print(bench_line(results), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
