@@ -80,6 +80,10 @@ class PPORLHF(LightningModule):
         beta_controller: a registered beta controller name (fixed, adaptive, band, ...) or ``class_path``.
         kl_penalty: where beta * KL goes: into the per-token ``reward`` (PPO-RLHF), a separate
             ``loss`` term (GRPO style), or ``both``.
+        kl_ignore_tokens: tokens left out of the KL penalty wherever they are sampled (e.g.
+            ``["<|im_end|>"]``: end-of-turn tokens often dominate the KL); ``eos`` means the EOS token.
+        gold_reward_model: an optional second reward backend that is only logged
+            (``objective/gold_reward``), to watch a proxy reward being over-optimised.
         max_new_tokens / min_new_tokens / temperature: sampling; log-probs use the same temperature.
         do_sample: sample (PPO) or decode greedily (evaluation; tests that need rollouts that
             depend on the weights alone).
@@ -110,6 +114,8 @@ class PPORLHF(LightningModule):
         kl_estimator: Union[KLEstimator, str] = "k1",
         beta_controller: Union[BetaController, str] = "fixed",
         kl_penalty: Literal["reward", "loss", "both"] = "reward",
+        kl_ignore_tokens: Optional[list[str]] = None,
+        gold_reward_model: Union[RewardModel, str, None] = None,
         max_new_tokens: int = 32,
         min_new_tokens: int = 0,
         do_sample: bool = True,
@@ -146,6 +152,9 @@ class PPORLHF(LightningModule):
         self.reward_model: RewardModel = registry("reward_model").build(reward_model, "model.reward_model")
         self.kl_estimator: KLEstimator = registry("kl_estimator").build(kl_estimator, "model.kl_estimator")
         self.beta_controller: BetaController = registry("beta_controller").build(beta_controller, "model.beta_controller")
+        self.gold_reward_model: Optional[RewardModel] = (
+            None if gold_reward_model is None else registry("reward_model").build(gold_reward_model, "model.gold_reward_model")
+        )
         _check(kl_penalty in ("reward", "loss", "both"), "kl_penalty", "one of reward, loss, both", kl_penalty)
         _check(max_new_tokens >= 1, "max_new_tokens", ">= 1", max_new_tokens)
         _check(0 <= min_new_tokens <= max_new_tokens, "min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
@@ -164,10 +173,13 @@ class PPORLHF(LightningModule):
                 "(only k1's score-function gradient is the KL's); the policy converges away from the "
                 "KL-regularised optimum. Use kl_estimator k1 in the reward, or this estimator with kl_penalty: loss."
             )
-        self.save_hyperparameters(ignore=["reward_model", "kl_estimator", "beta_controller"])
+        self.save_hyperparameters(ignore=["reward_model", "kl_estimator", "beta_controller", "gold_reward_model"])
         self.automatic_optimization = False
 
         self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), trust_remote_code)
+        self.kl_ignore_ids = torch.tensor([self._token_id(t) for t in kl_ignore_tokens or []], dtype=torch.long)
+        self.last_rollout: Optional[Rollout] = None  # for callbacks that inspect the latest iteration
+        self.last_kl: Optional[Tensor] = None
         self.policy: Optional[nn.Module] = None
         self.ref_model: Optional[nn.Module] = None
         self.critic: Optional[ValueModel] = None
@@ -221,6 +233,8 @@ class PPORLHF(LightningModule):
 
     def on_fit_start(self) -> None:
         self.reward_model.setup(self.device)
+        if self.gold_reward_model is not None:
+            self.gold_reward_model.setup(self.device)
 
     on_validation_start = on_test_start = on_fit_start
 
@@ -252,7 +266,11 @@ class PPORLHF(LightningModule):
         with timer("update"):
             advantages, returns = self.compute_advantages(rewards, rollout)
             skipped = self.ppo_update(rollout, advantages, returns, beta)
+        self.last_rollout, self.last_kl = rollout, kl
         metrics = self.rollout_metrics(rollout, raw_scores, scores, kl, beta)
+        if self.gold_reward_model is not None:
+            gold = self.gold_reward_model.checked_scores(rollout.prompts, rollout.responses)
+            metrics["objective/gold_reward"] = float(self._global_sum(gold.sum().to(self.device)) / metrics["response/count"])
         observed = metrics["objective/kl"] if self.beta_controller.unit == "sequence_sum" else metrics["objective/kl_per_token"]
         self.beta_controller.update(observed, n_samples=int(self._global_sum(torch.tensor(float(len(prompts))))))
         self.iteration += 1
@@ -310,8 +328,23 @@ class PPORLHF(LightningModule):
         )
 
     def kl_per_token(self, rollout: Rollout) -> Tensor:
+        """The penalised per-token KL estimate (batch, response_len), zero off the KL mask."""
         kl = self.kl_estimator(rollout.logprobs, rollout.ref_logprobs, rollout.logits, rollout.ref_logits)
-        return kl * rollout.mask
+        return pm.masked_select(kl, self.kl_mask(rollout.response, rollout.mask))
+
+    def kl_mask(self, response: Tensor, mask: Tensor) -> Tensor:
+        """The response mask without the positions of ``kl_ignore_tokens``."""
+        if not len(self.kl_ignore_ids):
+            return mask
+        return mask * ~torch.isin(response, self.kl_ignore_ids.to(response.device))
+
+    def _token_id(self, token: str) -> int:
+        if token == "eos":
+            return self.tokenizer.eos_token_id
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == self.tokenizer.unk_token_id:
+            raise ValueError(f"model.kl_ignore_tokens: {token!r} is not a single token of this tokenizer")
+        return token_id
 
     def compute_advantages(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor, Tensor]:
         hp = self.hparams
@@ -370,7 +403,7 @@ class PPORLHF(LightningModule):
         if hp.kl_penalty in ("loss", "both"):
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
             kl = self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits)
-            kl_loss = pm.masked_mean(kl, mask)
+            kl_loss = pm.masked_mean(kl, self.kl_mask(rollout.response[idx], mask))
             loss = loss + beta * kl_loss
             stats["policy/kl_loss"] = kl_loss
         for name, value in stats.items():
@@ -503,6 +536,7 @@ class PPORLHF(LightningModule):
             "objective/beta": beta,
             "response/length": n_tokens / n,
             "response/eos_fraction": n_eos / n,
+            "response/count": n,
         }
 
     def consume_update_stats(self) -> dict[str, float]:

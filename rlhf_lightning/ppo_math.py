@@ -22,21 +22,21 @@ def _identity(t: Tensor) -> Tensor:
     return t
 
 
-def _masked(x: Tensor, mask: Tensor) -> Tensor:
+def masked_select(x: Tensor, mask: Tensor) -> Tensor:
     """x where mask is 1, else 0 (a select, so inf/nan at masked positions cannot leak)."""
     return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def masked_mean(x: Tensor, mask: Tensor, sum_fn: SumFn = None) -> Tensor:
     """Mean of ``x`` over positions where ``mask`` is 1 (global when ``sum_fn`` all-reduces)."""
-    x = _masked(x, mask)
+    x = masked_select(x, mask)
     sums = (sum_fn or _identity)(torch.stack([x.sum(), mask.sum().to(x.dtype)]))
     return sums[0] / sums[1].clamp(min=1)
 
 
 def masked_var(x: Tensor, mask: Tensor, sum_fn: SumFn = None) -> Tensor:
     """Unbiased variance of ``x`` over the masked positions."""
-    x = _masked(x, mask)
+    x = masked_select(x, mask)
     sums = (sum_fn or _identity)(torch.stack([x.sum(), (x * x).sum(), mask.sum().to(x.dtype)]))
     total, total_sq, n = sums
     mean = total / n.clamp(min=1)
@@ -51,7 +51,7 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, sum_fn: SumF
     whitened = (x - mean) / (std + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
-    return _masked(whitened, mask)
+    return masked_select(whitened, mask)
 
 
 def logprobs_of(logits: Tensor, tokens: Tensor) -> Tensor:
@@ -86,7 +86,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     delta_t = r_t + gamma * V_{t+1} - V_t (V past the last real token is 0);
     A_t = delta_t + gamma * lam * A_{t+1}; returns = A + V.
     """
-    rewards, values = _masked(rewards, mask), _masked(values, mask)
+    rewards, values = masked_select(rewards, mask), masked_select(values, mask)
     advantages = torch.zeros_like(rewards)
     last_gae = torch.zeros_like(rewards[:, 0])
     length = rewards.shape[1]
@@ -95,7 +95,7 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         last_gae = delta + gamma * lam * last_gae
         advantages[:, t] = last_gae
-    return advantages, _masked(advantages + values, mask)
+    return advantages, masked_select(advantages + values, mask)
 
 
 class LossStats(NamedTuple):
@@ -109,7 +109,7 @@ def policy_loss(
 ) -> LossStats:
     """PPO clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps)), r = pi/pi_old."""
     # Mask before exp: an overflowing ratio at a padded position would turn the gradient into NaN.
-    log_ratio = _masked(logprobs - old_logprobs, mask)
+    log_ratio = masked_select(logprobs - old_logprobs, mask)
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
@@ -121,7 +121,7 @@ def policy_loss(
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float) -> LossStats:
     """Clipped value loss: 0.5 * mean over tokens of max((V - R)^2, (V_clipped - R)^2)."""
-    values, old_values, returns = _masked(values, mask), _masked(old_values, mask), _masked(returns, mask)
+    values, old_values, returns = masked_select(values, mask), masked_select(old_values, mask), masked_select(returns, mask)
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss = (values - returns) ** 2
     clipped_loss = (clipped - returns) ** 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import char_reward, fit, make_module
 from lightning.pytorch.callbacks import Callback
@@ -182,3 +183,26 @@ def test_checkpoint_round_trip_restores_beta_weights_and_iteration(tmp_path):
     assert restored.iteration == 3
     for (name, a), b in zip(module.state_dict().items(), restored.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_kl_ignore_tokens_leaves_those_positions_out_of_the_penalty():
+    module = make_module(max_new_tokens=40, kl_ignore_tokens=["eos", "e"])
+    torch.manual_seed(3)
+    rollout = module.rollout(PROMPTS * 4)
+    kl = module.kl_per_token(rollout)
+    full = (rollout.logprobs - rollout.ref_logprobs) * rollout.mask  # k1, no ignored tokens
+    ignored = (rollout.response == module.tokenizer.eos_token_id) | (rollout.response == module.tokenizer.convert_tokens_to_ids("e"))
+    assert ignored[rollout.mask.bool()].any()
+    assert torch.equal(kl[ignored], torch.zeros_like(kl[ignored]))
+    assert torch.equal(kl[~ignored], full[~ignored])
+    with pytest.raises(ValueError, match="kl_ignore_tokens: 'ee' is not a single token"):
+        make_module(kl_ignore_tokens=["ee"])
+
+
+def test_gold_reward_is_logged_beside_the_proxy(tmp_path):
+    module = make_module(reward_model=char_reward("e"), gold_reward_model=char_reward("aeiou"))
+    _, history = fit(module, tmp_path, iterations=2)
+    rollout = module.last_rollout
+    expected = sum(sum(ch in "aeiou" for ch in r) for r in rollout.responses) / len(rollout.responses)
+    assert history.rows[-1]["objective/gold_reward"] == pytest.approx(expected)
+    assert history.rows[-1]["objective/gold_reward"] >= history.rows[-1]["objective/reward"]  # 'e' is a vowel

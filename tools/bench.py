@@ -285,6 +285,7 @@ def run_one(args: argparse.Namespace) -> dict:
     from torch.utils.data import DataLoader
 
     quiet()
+    load_before = os.getloadavg()[0]
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(0, verbose=False)
@@ -323,7 +324,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "response_len": int(module.last_rollout.response.shape[1]),
         "iter_s": iter_s, "phases": phases, "tokens_per_s": statistics.median(recorder.tokens) / iter_s,
         "peak_rss_mb": rss, "peak_gpu_mb": gpu_mb, "floors": floors, "iterations": recorder.iterations,
-        "profile": recorder.profile_table,
+        "load": [load_before, os.getloadavg()[0]], "profile": recorder.profile_table,
     }  # fmt: skip
 
 
@@ -440,15 +441,16 @@ def format_table(results: Sequence[dict]) -> str:
         f"{len(r0['iterations'])} iterations (phase medians need not add up to iter s)",
         "",
         "| mode | epochs | iter s | rollout | score | (old+V fwd | ref fwd | reward, KL, rest) | advantages | update | other "
-        "| tokens/s | peak RSS MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens/s | peak RSS MB | load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         p, d = r["phases"], derived(r)
         lines.append(
             f"| {r['mode']} | {r['ppo_epochs']} | {r['iter_s']:.3f} | {p['rollout']:.3f} | {d['score']:.3f} "
             f"| {p['score_policy']:.3f} | {p['score_ref']:.3f} | {p['score']:.3f} | {p['advantages']:.4f} "
-            f"| {p['update']:.3f} | {p['other']:.4f} | {r['tokens_per_s']:.1f} | {r['peak_rss_mb']:.0f} |"
+            f"| {p['update']:.3f} | {p['other']:.4f} | {r['tokens_per_s']:.1f} | {r['peak_rss_mb']:.0f} "
+            f"| {r['load'][0]:.1f} -> {r['load'][1]:.1f} |"
         )
     lines += [
         "",

@@ -122,9 +122,9 @@ def load_trunk(trunk: str, seed: int = 0):
             raise ValueError(f"--trunk must be one of {', '.join(TRUNK_DEFAULTS)}, got {trunk!r}")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    # The classifier reads the last non-pad token (Llama) or needs pads masked: it must know the pad id.
+    # A Llama classifier scores the last non-pad token, so the config must name the pad id.
     model.config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return model.train(), tokenizer  # from_pretrained returns eval mode; fine-tune with the trunk's dropout
 
 
 def freeze_lower_layers(model: torch.nn.Module, train_layers: Optional[int]) -> None:
@@ -204,7 +204,7 @@ def sample_pairs(
                       max_new_tokens=max_new_tokens, temperature=temperature)  # fmt: skip
     sampler.configure_model()
     sampler.reward_model.setup(torch.device("cpu"))
-    pairs, ties = [], 0
+    pairs, ties, started = [], 0, time.perf_counter()
     torch.manual_seed(seed)
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
@@ -219,7 +219,7 @@ def sample_pairs(
                 continue
             (chosen, c), (rejected, r) = sorted([(a, score_a), (b, score_b)], key=lambda t: -t[1])
             pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "chosen_score": c, "rejected_score": r})
-        print(f"sampled {min(start + batch_size, len(prompts))}/{len(prompts)} prompts: {len(pairs)} pairs, {ties} ties", flush=True)
+        print(f"sampled {min(start + batch_size, len(prompts))}/{len(prompts)} prompts: {len(pairs)} pairs, {ties} ties, {time.perf_counter() - started:.0f} s", flush=True)
     return pairs, ties
 
 
