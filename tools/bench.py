@@ -12,9 +12,11 @@ prompt, so a prompt is about 40 tokens; ``--no-chat-template`` gives about 12), 
 ``--max-new-tokens`` (32) sampled tokens per response (``min_new_tokens`` = ``max_new_tokens``),
 the VADER ``sentiment`` reward, a ``separate`` critic unless ``--critic shared``.
 
-Each (mode, ppo_epochs) runs in its own subprocess, so the peak resident memory of full
-fine-tuning and LoRA are comparable. A subprocess drives the module's own ``training_step``
-under a real Lightning Trainer and times its phases (exclusive wall-clock seconds, medians
+Each mode runs in its own subprocess, so the peak resident memory of full fine-tuning and
+LoRA are comparable (a row's peak RSS is its process's peak so far: its own run and the
+mode's runs with fewer epochs before it). For every ``--ppo-epochs`` value the subprocess
+builds a fresh module, drives its own ``training_step`` under a real Lightning Trainer and
+times its phases (exclusive wall-clock seconds, medians
 over ``--iters`` iterations after ``--warmup``):
 
 - rollout:    ``encode_prompts`` + the policy's ``generate``;
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import logging
 import math
@@ -86,7 +89,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--profile", action="store_true", help="profile one extra iteration per run with torch.profiler")
     parser.add_argument("--profile-rows", type=int, default=25, help="ops shown by --profile")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one (mode, epochs) run
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one mode's runs
     args = parser.parse_args(argv)
     args.policy = args.policy or ("tiny" if args.tiny else "smollm2")
     args.iters = args.iters or (2 if args.tiny else 5)
@@ -98,9 +101,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def worker_argv(args: argparse.Namespace, mode: str, epochs: int) -> list[str]:
-    """The command line of one run: this script with every setting spelled out."""
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--ppo-epochs", str(epochs)]
+def worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
+    """The command line of one mode's runs: this script with every setting spelled out."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--ppo-epochs"]
+    argv += [str(epochs) for epochs in args.ppo_epochs]
     for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "critic",
                  "lora_rank", "reward", "device", "threads", "profile_rows"):  # fmt: skip
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -278,7 +282,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def run_one(args: argparse.Namespace) -> dict:
+def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     """One (mode, ppo_epochs) run in this process: timed iterations, then the floors."""
     import torch
     from lightning import Trainer, seed_everything
@@ -293,7 +297,7 @@ def run_one(args: argparse.Namespace) -> dict:
     module = bench_module_class()(
         policy=args.policy, reward_model=args.reward, max_new_tokens=args.max_new_tokens,
         min_new_tokens=args.max_new_tokens, use_chat_template=not args.no_chat_template,
-        ppo_epochs=args.ppo_epochs[0], num_minibatches=args.num_minibatches, critic=args.critic,
+        ppo_epochs=ppo_epochs, num_minibatches=args.num_minibatches, critic=args.critic,
         lora_rank=args.lora_rank if lora else 0, lora_alpha=2.0 * args.lora_rank, log_samples_every_n_steps=0,
     )  # fmt: skip
     prompts = builtin_prompts(args.batch_size)
@@ -317,7 +321,7 @@ def run_one(args: argparse.Namespace) -> dict:
     iter_s = statistics.median(sum(it.values()) for it in recorder.iterations)
     enc = module.last_encoding
     return {
-        "mode": args.mode, "ppo_epochs": args.ppo_epochs[0], "num_minibatches": args.num_minibatches,
+        "mode": args.mode, "ppo_epochs": ppo_epochs, "num_minibatches": args.num_minibatches,
         "critic": args.critic, "policy": args.policy, "threads": torch.get_num_threads(),
         "batch": int(enc["input_ids"].shape[0]), "prompt_len": int(enc["input_ids"].shape[1]),
         "prompt_len_mean": float(enc["attention_mask"].sum(-1).float().mean()),
@@ -407,11 +411,13 @@ def measure_floors(module, args: argparse.Namespace, reps: int) -> dict[str, flo
 
 
 def worker_main(args: argparse.Namespace) -> None:
-    result = run_one(args)
-    if result["profile"]:
-        print(f"\n== profile: {result['mode']}, ppo_epochs={result['ppo_epochs']}: top ops by self CPU time (one iteration)")
-        print(result["profile"], flush=True)
-    print(RESULT_PREFIX + json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+    for ppo_epochs in args.ppo_epochs:
+        result = run_one(args, ppo_epochs)
+        gc.collect()  # the previous run's module and optimizer states go before the next is built
+        if result["profile"]:
+            print(f"\n== profile: {args.mode}, ppo_epochs={ppo_epochs}: top ops by self CPU time (one iteration)")
+            print(result["profile"], flush=True)
+        print(RESULT_PREFIX + json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
 
 
 # ---------------------------------------------------------------------------------- report
@@ -483,19 +489,25 @@ def bench_line(results: Sequence[dict]) -> str:
     )
 
 
-def run_subprocess(argv: list[str]) -> dict:
-    """Run one worker, echoing its output, and return its result."""
+def run_subprocess(argv: list[str]) -> list[dict]:
+    """Run one worker, echoing its output and a line per finished run; return its results."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    result = None
+    results, start = [], time.perf_counter()
     with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env) as proc:
         for line in proc.stdout:
-            if line.startswith(RESULT_PREFIX):
-                result = json.loads(line[len(RESULT_PREFIX) :])
-            else:
+            if not line.startswith(RESULT_PREFIX):
                 print(line, end="", flush=True)
-    if proc.returncode or result is None:
+                continue
+            r = json.loads(line[len(RESULT_PREFIX) :])
+            results.append(r)
+            print(
+                f"{r['mode']}, ppo_epochs={r['ppo_epochs']}: {r['iter_s']:.3f} s per iteration, "
+                f"{r['tokens_per_s']:.1f} tokens/s (done after {time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
+    if proc.returncode:
         raise SystemExit(f"benchmark run failed (exit code {proc.returncode}): {' '.join(argv)}")
-    return result
+    return results
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
@@ -504,17 +516,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         worker_main(args)
         return []
     modes = ("full", "lora") if args.mode == "both" else (args.mode,)
-    results = []
-    for mode in modes:
-        for epochs in args.ppo_epochs:
-            start = time.perf_counter()
-            results.append(run_subprocess(worker_argv(args, mode, epochs)))
-            r = results[-1]
-            print(
-                f"{mode}, ppo_epochs={epochs}: {r['iter_s']:.3f} s per iteration, "
-                f"{r['tokens_per_s']:.1f} tokens/s ({time.perf_counter() - start:.0f} s)",
-                flush=True,
-            )
+    results = [r for mode in modes for r in run_subprocess(worker_argv(args, mode))]
     print(format_table(results))
     print(bench_line(results), flush=True)
     return results

@@ -1,0 +1,37 @@
+"""The built-in SmolLM2-135M-Instruct (slow: converts and loads the real GGUF; run with -m slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_lightning.models import load_causal_lm, smollm2_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def test_converted_checkpoint_matches_the_gguf_and_loads_in_seconds(smollm2_tokenizer):
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_lightning.models import smollm2_gguf_path
+
+    folder = smollm2_checkpoint()
+    start = time.perf_counter()
+    model = load_causal_lm("smollm2", len(smollm2_tokenizer))
+    assert time.perf_counter() - start < 30
+    gguf = smollm2_gguf_path()
+    direct = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    ids = smollm2_tokenizer(["The capital of France is"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, direct(ids).logits, atol=1e-4)
+    assert (folder / "model.safetensors").exists()
+
+
+def test_quickstart_model_writes_sensible_text(smollm2_tokenizer):
+    from helpers import make_module
+
+    module = make_module(policy="smollm2", lora_rank=8, critic="shared", max_new_tokens=16, do_sample=False)
+    rollout = module.rollout(["What is the capital of France? Answer in one word."])
+    assert "paris" in rollout.responses[0].lower()
