@@ -137,8 +137,12 @@ class KLGuard(Callback):
         snapshot_every: int = 1,
         max_consecutive_rollbacks: int = 3,
     ) -> None:
-        check = lambda ok, field, req: _require(ok, "KLGuard", field, req, locals_[field])  # noqa: E731
-        locals_ = locals()
+        def check(ok: bool, field: str, requirement: str) -> None:
+            _require(ok, "KLGuard", field, requirement, args[field])
+
+        args = dict(max_kl=max_kl, max_kl_max=max_kl_max, action=action, spike_factor=spike_factor, level=level,
+                    ema_decay=ema_decay, window=window, warmup=warmup, min_level=min_level,
+                    snapshot_every=snapshot_every, max_consecutive_rollbacks=max_consecutive_rollbacks)  # fmt: skip
         check(max_kl is None or max_kl > 0, "max_kl", "> 0 or None")
         check(max_kl_max is None or max_kl_max > 0, "max_kl_max", "> 0 or None")
         check(action in ("warn", "stop", "rollback"), "action", "one of warn, stop, rollback")
@@ -147,9 +151,9 @@ class KLGuard(Callback):
         check(spike_factor is None or spike_factor > 1, "spike_factor", "> 1 or None")
         check(level in ("ema", "median"), "level", "'ema' or 'median'")
         check(0 <= ema_decay < 1, "ema_decay", "in [0, 1)")
-        for field in ("window", "warmup", "snapshot_every", "max_consecutive_rollbacks"):
-            check(isinstance(locals_[field], int) and locals_[field] >= 1, field, "an integer >= 1")
         check(min_level >= 0, "min_level", ">= 0")
+        for field in ("window", "warmup", "snapshot_every", "max_consecutive_rollbacks"):
+            check(isinstance(args[field], int) and args[field] >= 1, field, "an integer >= 1")
         self.budgets = {"objective/kl": max_kl, "objective/kl_max": max_kl_max}
         self.action = action
         self.spike_factor, self.warmup, self.min_level = spike_factor, warmup, min_level
@@ -187,7 +191,7 @@ class KLGuard(Callback):
         spikes = self.spikes(values)
         if spikes:
             self.counts["spikes"] += 1
-            self._report(trainer, iteration, "KL spike at iteration {}: {}".format(iteration, "; ".join(spikes)))
+            self._report(trainer, iteration, f"KL spike at iteration {iteration}: " + "; ".join(spikes))
         violations = [f"{name} = {values[name]:.4g} > {'max_kl' if name == 'objective/kl' else 'max_kl_max'} = {limit:g}"
                       for name, limit in self.budgets.items() if limit is not None and values.get(name, -np.inf) > limit]  # fmt: skip
         rolled_back = False
@@ -325,8 +329,9 @@ class TokenKLView(Callback):
         line_chars: int = 100,
         tag: str = "kl_tokens",
     ) -> None:
-        for field in ("every_n_iterations", "num_samples", "max_tokens", "line_chars"):
-            _require(isinstance(locals()[field], int) and locals()[field] >= 1, "TokenKLView", field, "an integer >= 1", locals()[field])
+        counts = dict(every_n_iterations=every_n_iterations, num_samples=num_samples, max_tokens=max_tokens, line_chars=line_chars)
+        for field, value in counts.items():
+            _require(isinstance(value, int) and value >= 1, "TokenKLView", field, "an integer >= 1", value)
         _require(order in ("max_kl", "first"), "TokenKLView", "order", "'max_kl' or 'first'", order)
         self.every_n_iterations, self.num_samples, self.max_tokens = every_n_iterations, num_samples, max_tokens
         self.order, self.line_chars, self.tag = order, line_chars, tag
@@ -405,9 +410,9 @@ def token_kl_image(samples: list[tuple[str, list[str], list[float]]], line_chars
     scale = max(all_kl, default=0.0) or 1.0
     cmap, norm = colormaps["RdBu_r"], Normalize(-scale, scale)
     cell_w, cell_h = 0.62 * fontsize / 72, 1.7 * fontsize / 72  # inches per character cell and line
-    bar_h, margin = 0.55, 0.15
+    bar_h, margin = 0.75, 0.15  # colour bar with its ticks and label below the text
     width, height = line_chars * cell_w + 2 * margin, n_lines * cell_h + bar_h + 2 * margin
-    fig = Figure(figsize=(width, height), dpi=100)
+    fig = Figure(figsize=(width, height), dpi=150)
     canvas = FigureCanvasAgg(fig)
     ax = fig.add_axes((margin / width, (bar_h + margin) / height, line_chars * cell_w / width, n_lines * cell_h / height))
     ax.set_xlim(0, line_chars)
@@ -423,7 +428,7 @@ def token_kl_image(samples: list[tuple[str, list[str], list[float]]], line_chars
         dark = np.isfinite(value) and abs(norm(value) - 0.5) > 0.35
         ax.text(column, row + 0.5, text, va="center", ha="left", fontsize=fontsize, family="monospace",
                 color="white" if dark else "black", parse_math=False)  # fmt: skip
-    cax = fig.add_axes((0.25, margin / height, 0.5, 0.3 * bar_h / height))
+    cax = fig.add_axes((0.25, (margin + 0.4) / height, 0.5, 0.12 / height))
     fig.colorbar(ScalarMappable(norm, cmap), cax=cax, orientation="horizontal", label="per-token KL estimate (nats)")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Glyph .* missing")  # tokens outside the font's range
