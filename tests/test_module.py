@@ -110,7 +110,7 @@ def test_fit_raises_reward_and_logs_every_metric(tmp_path):
     for name in (
         "objective/kl", "objective/kl_max", "objective/kl_per_token", "objective/non_score_reward", "objective/net",
         "objective/entropy", "objective/beta", "policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss",
-        "value/clipfrac", "response/length", "timing/rollout_s", "timing/score_s", "timing/update_s",
+        "value/clipfrac", "response/length", "timing/rollout_s", "timing/forward_s", "timing/score_s", "timing/update_s",
     ):  # fmt: skip
         assert all(torch.isfinite(torch.tensor(history.series(name)))), name
     row = history.rows[-1]
