@@ -146,3 +146,17 @@ def test_compatible_checkpoint_still_loads(tmp_path):
     fit(resumed, tmp_path, iterations=2, ckpt_path=str(path), max_epochs=2)  # one more epoch of 2 iterations
     assert resumed.iteration == 3
     assert torch.isfinite(next(resumed.policy.parameters())).all()
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet", ".txt"])
+def test_every_prompt_file_format_loads(tmp_path, suffix):
+    import datasets
+
+    prompts = ["Write a haiku.", "Describe rain, briefly."]
+    path = tmp_path / f"p{suffix}"
+    if suffix == ".txt":
+        path.write_text("\n".join(prompts) + "\n")
+    else:
+        table = datasets.Dataset.from_dict({"instruction": prompts})
+        {".jsonl": table.to_json, ".csv": table.to_csv, ".parquet": table.to_parquet}[suffix](str(path))
+    assert load_prompts(path, column="instruction") == prompts

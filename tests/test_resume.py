@@ -54,3 +54,30 @@ def test_sigkill_mid_iteration_then_resume_reproduces_the_uninterrupted_run(tmp_
         combined = before[name][:2] + after[name]
         assert combined == reference[name], (name, combined, reference[name])
     assert len(set(reference["objective/beta"])) > 1  # the controller state had something to restore
+
+
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path, monkeypatch):
+    """Lightning writes checkpoints inside an fsspec transaction (a temporary file renamed into
+    place on success): a write that dies half way must not touch the existing file."""
+    from fsspec.implementations.local import LocalFileOpener
+    from helpers import fit, make_module
+
+    trainer, _ = fit(make_module(), tmp_path, iterations=1)
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    before = path.read_bytes()
+
+    def die_half_way(self, data):
+        self.f.write(data[: len(data) // 2])
+        raise KeyboardInterrupt("killed during the write")
+
+    trainer.lightning_module.iteration = 99
+    monkeypatch.setattr(LocalFileOpener, "write", die_half_way)
+    try:
+        trainer.save_checkpoint(path)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert torch.load(path, weights_only=True)["rlhf_lightning"]["iteration"] == 1
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("last.ckpt",) and p.is_file()]  # no stray partial file

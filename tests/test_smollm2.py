@@ -35,3 +35,12 @@ def test_quickstart_model_writes_sensible_text(smollm2_tokenizer):
     module = make_module(policy="smollm2", lora_rank=8, critic="shared", max_new_tokens=16, do_sample=False)
     rollout = module.rollout(["What is the capital of France? Answer in one word."])
     assert "paris" in rollout.responses[0].lower()
+
+
+def test_a_gguf_file_is_a_model_spec(smollm2_tokenizer):
+    from rlhf_lightning.models import load_tokenizer, smollm2_gguf_path
+
+    gguf = str(smollm2_gguf_path())
+    model = load_causal_lm(gguf, len(smollm2_tokenizer))
+    tokenizer = load_tokenizer(gguf)
+    assert tokenizer.eos_token == "<|im_end|>" and model.config.vocab_size == len(tokenizer)
