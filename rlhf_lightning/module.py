@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -37,6 +38,9 @@ from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.interfaces import BetaController, KLEstimator, RewardModel
 from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer
 from rlhf_lightning.registry import registry
+
+# The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss")
 
@@ -196,7 +200,7 @@ class PPORLHF(LightningModule):
         from transformers import GenerationConfig
 
         hp = self.hparams
-        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config)
+        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config).train()
         # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling.
         policy.generation_config = GenerationConfig(
             do_sample=hp.do_sample, max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens,
