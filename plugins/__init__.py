@@ -7,3 +7,4 @@ reward backend; each module holds small classes with one idea each.
 from rlhf_lightning_plugins import beta_controllers, kl_estimators, reward_models, text_rewards  # noqa: F401
 from rlhf_lightning_plugins import remote_reward  # noqa: F401
 from rlhf_lightning_plugins import control  # noqa: F401
+from rlhf_lightning_plugins import kl_straight_through  # noqa: F401
