@@ -41,15 +41,17 @@ def test_sweep_beta_fast_writes_csv_and_plot_and_larger_beta_keeps_kl_lower(tmp_
 
 
 def test_reward_hacking_report_fast_shows_the_kl_penalty_prevents_the_exploit(tmp_path):
-    unpenalised, penalised = reward_hacking_report.main(["--fast", "--out", str(tmp_path)])
+    reference, unpenalised, penalised = reward_hacking_report.main(["--fast", "--out", str(tmp_path)])
 
-    assert (unpenalised.run, unpenalised.beta) == ("no_penalty", 0.0)
-    assert penalised.beta > 0
-    # Without the penalty the policy learns to spam "!"; with it "!" stays near the reference rate
-    # (about 1 character in 80 for the random tiny model).
+    assert (reference.beta, unpenalised.beta, penalised.beta) == (None, 0.0, 0.5)
+    assert reference.kl == 0.0  # the untrained policy is the reference
+    # Without the penalty the policy learns to spam "!"; with it "!" stays close to the reference's
+    # base rate (about 1 character in 60 for the random tiny model).
     assert unpenalised.char_share > 3 * penalised.char_share
     assert unpenalised.exploiting > penalised.exploiting + 0.3
+    assert penalised.exploiting <= reference.exploiting + 0.1
     assert unpenalised.proxy_reward > penalised.proxy_reward
-    assert unpenalised.kl > penalised.kl
+    assert unpenalised.kl > 2 * penalised.kl
     report = (tmp_path / "reward_hacking.md").read_text()
-    assert "| no_penalty | 0 |" in report and "| penalised |" in report
+    for row in ("| reference (untrained) | - |", "| no_penalty | 0 |", "| penalised | 0.5 |"):
+        assert row in report

@@ -66,3 +66,26 @@ def test_pair_file_with_a_missing_field_names_the_field_and_line(tmp_path):
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"line 2 has no field 'rejected'"):
         train_reward_model.main(["--trunk", "tiny", "--pairs", str(pairs), "--out", str(tmp_path / "rm")])
+
+
+def test_sampled_pairs_are_labelled_by_the_gold_scorer_and_cached(tmp_path, capsys):
+    """Pairs sampled from the tiny policy, gold = count of "e": the chosen response never has fewer
+    "e" than the rejected one, ties are dropped, and a re-run reuses the cached pairs."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Write {i} words."}) + "\n" for i in range(12)))
+    out = tmp_path / "rm"
+    args = [
+        "--trunk", "tiny", "--policy", "tiny", "--gold", "rlhf_lightning_plugins.toy_rewards:char_count",
+        "--prompts", str(prompts), "--num-prompts", "10", "--max-new-tokens", "40", "--epochs", "1",
+        "--val-fraction", "0.3", "--out", str(out), "--threads", "1",
+    ]  # fmt: skip
+    first = train_reward_model.main(args)
+
+    cached = train_reward_model.read_pairs(out / "pairs.jsonl")
+    assert len(cached) == first["train_pairs"] + first["val_pairs"] <= 10
+    for pair in cached:
+        assert pair["chosen"].count("e") == pair["chosen_score"] > pair["rejected_score"] == pair["rejected"].count("e")
+    capsys.readouterr()
+    second = train_reward_model.main(args)
+    assert "reusing" in capsys.readouterr().out
+    assert (second["train_pairs"], second["val_pairs"]) == (first["train_pairs"], first["val_pairs"])

@@ -186,36 +186,37 @@ def bench_module_class():
         def unwrap_generate(self) -> None:
             vars(self.generator).pop("generate", None)
 
-        def encode_prompts(self, prompts):
+        # Arguments pass through untouched: the benchmark must not depend on the signatures.
+        def encode_prompts(self, *args, **kwargs):
             with self.clock("rollout"):
-                self.last_encoding = super().encode_prompts(prompts)
+                self.last_encoding = super().encode_prompts(*args, **kwargs)
                 return self.last_encoding
 
-        def rollout(self, prompts):
+        def rollout(self, *args, **kwargs):
             with self.clock("score"):  # whatever rollout() does besides generating is scoring
-                self.last_rollout = super().rollout(prompts)
+                self.last_rollout = super().rollout(*args, **kwargs)
                 return self.last_rollout
 
-        def policy_outputs(self, input_ids, attention_mask, response_len):
+        def policy_outputs(self, *args, **kwargs):
             with self.clock("score_policy", within="score"):  # not the forwards of the update
-                return super().policy_outputs(input_ids, attention_mask, response_len)
+                return super().policy_outputs(*args, **kwargs)
 
         @contextlib.contextmanager
         def _reference(self):
             with self.clock("score_ref", within="score"), super()._reference() as ref:
                 yield ref
 
-        def kl_per_token(self, rollout):
+        def kl_per_token(self, *args, **kwargs):
             with self.clock("score"):
-                return super().kl_per_token(rollout)
+                return super().kl_per_token(*args, **kwargs)
 
-        def compute_advantages(self, rewards, rollout):
+        def compute_advantages(self, *args, **kwargs):
             with self.clock("advantages"):
-                return super().compute_advantages(rewards, rollout)
+                return super().compute_advantages(*args, **kwargs)
 
-        def ppo_update(self, rollout, advantages, returns, beta):
+        def ppo_update(self, *args, **kwargs):
             with self.clock("update"):
-                return super().ppo_update(rollout, advantages, returns, beta)
+                return super().ppo_update(*args, **kwargs)
 
     return TimedPPORLHF
 

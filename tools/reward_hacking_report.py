@@ -1,16 +1,17 @@
 """Reward hacking with and without the KL penalty: train configs/reward_hacking.yaml twice and compare.
 
     python tools/reward_hacking_report.py                    # 40 iterations per run, report in runs/reward_hacking
-    python tools/reward_hacking_report.py --fast             # 12 iterations per run (the tests)
+    python tools/reward_hacking_report.py --fast             # 10 iterations per run (the tests)
     python tools/reward_hacking_report.py --config my.yaml --iterations 60 --out /tmp/hacking
 
 The proxy reward of the config counts exclamation marks. Run ``no_penalty`` is the config with its
 controller replaced by ``FixedBeta(0)``; run ``penalised`` is the config as written (its KL
-penalty). After training, each final policy answers the validation prompts once and the report
-gives, per run: the exploit frequency (share of response characters that are "!", share of
-responses with at least 3 "!"), the proxy reward and the KL to the reference (nats per response)
-on those answers, with one sample answer per run. The markdown table is printed and written to
-``<out>/reward_hacking.md``; each run's TensorBoard logs go under ``<out>/<run>/``.
+penalty). After training, each final policy answers the validation prompts once (so does the
+untrained reference, for the base rates) and the report gives, per run: the exploit frequency
+(share of response characters that are "!", share of responses with at least 3 "!"), the proxy
+reward and the KL to the reference (nats per response) on those answers, and one sample answer.
+The markdown table is printed and written to ``<out>/reward_hacking.md``; each run's
+TensorBoard logs go under ``<out>/<run>/``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from sweep_beta import REPO, fixed_beta, quiet, train
+from sweep_beta import REPO, RUN_OVERRIDES, fixed_beta, prepare, train
 
 DEFAULT_CONFIG = REPO / "configs" / "reward_hacking.yaml"
 EXPLOIT = "!"
@@ -30,13 +31,13 @@ MIN_EXPLOITS = 3  # a response with this many "!" counts as exploiting the proxy
 @dataclass
 class HackingRow:
     run: str
-    beta: float  # the final beta of the run's controller
     char_share: float  # share of response characters that are "!"
     exploiting: float  # share of responses with >= MIN_EXPLOITS "!"
     proxy_reward: float  # mean raw proxy score
     kl: float  # mean summed KL estimate per response
-    train_reward: float  # mean objective/reward over the last training iterations
     sample: str
+    beta: Optional[float] = None  # the final beta of the run's controller (None: the untrained reference)
+    train_reward: Optional[float] = None  # mean objective/reward over the last training iterations
 
 
 def exploit_stats(responses: Sequence[str]) -> tuple[float, float]:
@@ -55,21 +56,33 @@ def evaluate(module, prompts: Sequence[str], batch_size: int) -> tuple[list[str]
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
             rollout = module.rollout(list(prompts[start : start + batch_size]))
-            raw, _ = module.reward_model(rollout.prompts, rollout.responses, rollout.ended_with_eos, update_stats=False)
             responses += rollout.responses
-            scores += raw.tolist()
+            scores += module.reward_model.checked_scores(rollout.prompts, rollout.responses).tolist()
             kls += module.kl_per_token(rollout).sum(-1).tolist()
     return responses, sum(scores) / len(scores), sum(kls) / len(kls)
 
 
+def report_row(name: str, module, datamodule, **extra) -> HackingRow:
+    responses, proxy_reward, kl = evaluate(module, datamodule.val_prompts, datamodule.val_batch_size)
+    char_share, exploiting = exploit_stats(responses)
+    return HackingRow(name, char_share, exploiting, proxy_reward, kl, responses[0], **extra)
+
+
+def reference_row(config) -> HackingRow:
+    """The untrained policy (the reference itself): the exploit's base rate."""
+    from rlhf_lightning.cli import build_cli
+
+    cli = build_cli(["--config", str(config), *RUN_OVERRIDES], run=False)
+    cli.model.configure_model()
+    cli.datamodule.setup("validate")
+    return report_row("reference (untrained)", cli.model, cli.datamodule)
+
+
 def run(name: str, config, overrides: Sequence[str], iterations: int, last: int, out: Path) -> HackingRow:
     cli, history = train(config, overrides, iterations, out / name)
-    datamodule = cli.datamodule
-    responses, proxy_reward, kl = evaluate(cli.model, datamodule.val_prompts, datamodule.val_batch_size)
-    char_share, exploiting = exploit_stats(responses)
-    return HackingRow(
-        run=name, beta=cli.model.beta_controller.beta, char_share=char_share, exploiting=exploiting,
-        proxy_reward=proxy_reward, kl=kl, train_reward=history.last_mean("objective/reward", last), sample=responses[0],
+    return report_row(
+        name, cli.model, cli.datamodule, beta=cli.model.beta_controller.beta,
+        train_reward=history.last_mean("objective/reward", last),
     )  # fmt: skip
 
 
@@ -82,8 +95,9 @@ def format_report(rows: Sequence[HackingRow], config: str, iterations: int) -> s
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        beta, train_reward = ("-", "-") if r.beta is None else (f"{r.beta:.3g}", f"{r.train_reward:.2f}")
         lines.append(
-            f"| {r.run} | {r.beta:.3g} | {r.char_share:.1%} | {r.exploiting:.1%} | {r.proxy_reward:.2f} | {r.kl:.2f} | {r.train_reward:.2f} |"
+            f"| {r.run} | {beta} | {r.char_share:.1%} | {r.exploiting:.1%} | {r.proxy_reward:.2f} | {r.kl:.2f} | {train_reward} |"
         )
     lines += ["", "First validation answer of each run:", ""]
     lines += [f"- {r.run}: `{r.sample[:160]!r}`" for r in rows]
@@ -93,13 +107,13 @@ def format_report(rows: Sequence[HackingRow], config: str, iterations: int) -> s
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="default: configs/reward_hacking.yaml")
-    parser.add_argument("--iterations", type=int, help="PPO iterations per run (default 40, --fast 12)")
+    parser.add_argument("--iterations", type=int, help="PPO iterations per run (default 40, --fast 10)")
     parser.add_argument("--last", type=int, default=5, help="average the training reward over the last K iterations")
     parser.add_argument("--out", default="runs/reward_hacking", help="folder for the report and the TensorBoard logs")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--fast", action="store_true", help="12 iterations per run (for tests)")
+    parser.add_argument("--fast", action="store_true", help="10 iterations per run (for tests)")
     args = parser.parse_args(argv)
-    args.iterations = args.iterations or (12 if args.fast else 40)
+    args.iterations = args.iterations or (10 if args.fast else 40)
     if args.iterations < 1 or args.last < 1:
         parser.error("--iterations and --last must be >= 1")
     return args
@@ -107,15 +121,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> list[HackingRow]:
     args = parse_args(argv)
-    import torch
-
-    quiet()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare(args.threads, args.out)
     last = min(args.last, args.iterations)
     rows = [
+        reference_row(args.config),
         run("no_penalty", args.config, fixed_beta(0.0), args.iterations, last, out),
         run("penalised", args.config, [], args.iterations, last, out),
     ]

@@ -1,24 +1,33 @@
 """Sweep the KL coefficient beta: one PPO-RLHF run per beta, same seed, fixed controller.
 
-    python tools/sweep_beta.py                                   # configs/tiny.yaml, 6 betas, 60 iterations
+    python tools/sweep_beta.py                                   # the default task, 6 betas, 80 iterations
     python tools/sweep_beta.py --betas 0 0.1 1 --iterations 60 --out /tmp/my_sweep
-    python tools/sweep_beta.py --fast                            # 2 betas, 12 iterations (the tests)
-    python tools/sweep_beta.py --full                            # 9 betas, 60 iterations
+    python tools/sweep_beta.py --fast                            # 2 betas, 10 iterations (the tests)
+    python tools/sweep_beta.py --full                            # 9 betas, 80 iterations
+    python tools/sweep_beta.py --config configs/quickstart.yaml --betas 0 0.05 0.2 --iterations 40
 
-Every run trains the config's model (``--config``, any rlhf-lightning YAML) through
-LightningCLI with the beta controller replaced by ``FixedBeta(beta)``; the seed, prompts and
-everything else stay as the config says. Per beta it records the mean of ``objective/reward``
-and ``objective/kl`` over the last ``--last`` iterations, the KL-regularised objective
-net = reward - beta * KL, and the final policy's reward and KL on the validation prompts.
+Every run trains ``--config`` (any rlhf-lightning YAML) through LightningCLI with the beta
+controller replaced by ``FixedBeta(beta)``; the seed, prompts and everything else stay as the
+config and the ``--override`` arguments say. Per beta it records the mean of
+``objective/reward`` and ``objective/kl`` over the last ``--last`` iterations, the
+KL-regularised objective net = reward - beta * KL, and the final policy's reward and KL on the
+validation prompts.
+
+The default task is configs/tiny.yaml (the tiny model learns to write "e") with half a point
+per "e" and twice its learning rate (DEFAULT_TASK). With one point per "e", every beta up to 0.1
+has the same optimum (nothing but "e"s: a point outweighs beta * ~4 nats of KL per "e"), so those
+runs differ only in how fast they get there and their order is noise; and at lr 3e-3 beta = 0
+collapses its entropy on a plateau of about 19 "e"s (measured: 19 of 24 after 100 iterations,
+below beta = 0.01's 24). At half a point the optima spread over the default betas and 80
+iterations reach them: reward and KL fall together as beta rises, from all "e"s at
+beta <= 0.01 (12 points, KL about 103 nats) through beta = 0.05 (11 points, 90 nats) and
+0.1 (1.7 points, 10 nats) to the reference's neighbourhood at beta >= 0.2 (KL about 1 nat or less).
 
 Writes ``<out>/sweep_beta.csv``, ``<out>/sweep_beta.png`` (reward, KL and net per beta; the
 reward-vs-KL frontier) and each run's TensorBoard logs under ``<out>/beta_<beta>/``, and prints
-a table. Expected on configs/tiny.yaml: KL falls as beta rises and the reward falls with it:
-beta = 0 buys the most "e"s at a KL of tens of nats, beta = 0.5 stays near the reference.
-
-The sweep drops the config's callbacks (progress bar, policy export) and checkpoints, and runs
-torch with ``--threads`` intra-op threads (default 1): the tiny model gains nothing from more,
-and on a busy 2-core CPU spinning OpenMP threads make it about ten times slower.
+a table. The sweep drops the config's callbacks (progress bar, policy export) and checkpoints,
+and runs torch with ``--threads`` intra-op threads (default 1): the tiny model gains nothing
+from more, and on a busy 2-core CPU spinning OpenMP threads make it about ten times slower.
 """
 
 from __future__ import annotations
@@ -40,6 +49,9 @@ DEFAULT_CONFIG = REPO / "configs" / "tiny.yaml"
 DEFAULT_BETAS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5)
 FULL_BETAS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 FAST_BETAS = (0.0, 0.5)
+DEFAULT_TASK = (  # applied only when --config is not given; see the docstring
+    '--model.reward_model.init_args.kwargs={"chars": "e", "scale": 0.5}', "--model.lr=6e-3", "--model.critic_lr=6e-3",
+)
 # Every run: no progress bar or export callbacks, no checkpoints, as many epochs as the iterations need
 # (StopAfter ends it), and one validation, after training, on every validation prompt.
 RUN_OVERRIDES = (
@@ -116,6 +128,22 @@ def write_csv(rows: Sequence[SweepRow], path: Path) -> None:
         writer.writerows(asdict(row) for row in rows)
 
 
+def frontier_labels(rows: Sequence[SweepRow], close: float = 0.03) -> list[tuple[SweepRow, str]]:
+    """One label per group of points closer than ``close`` of each axis' range (betas that reach the
+    same optimum land on one spot): (first row of the group, "b1, b2, ...")."""
+    span_kl = (max(r.kl for r in rows) - min(r.kl for r in rows)) or 1.0
+    span_reward = (max(r.reward for r in rows) - min(r.reward for r in rows)) or 1.0
+    groups: list[list[SweepRow]] = []
+    for row in rows:
+        for group in groups:
+            if abs(row.kl - group[0].kl) < close * span_kl and abs(row.reward - group[0].reward) < close * span_reward:
+                group.append(row)
+                break
+        else:
+            groups.append([row])
+    return [(group[0], ", ".join(f"{r.beta:g}" for r in group)) for group in groups]
+
+
 def plot(rows: Sequence[SweepRow], path: Path, title: str) -> None:
     import matplotlib
 
@@ -134,12 +162,12 @@ def plot(rows: Sequence[SweepRow], path: Path, title: str) -> None:
     kl_axis.plot(x, [r.kl for r in rows], "^-", color="tab:red", label="KL (nats per response)")
     kl_axis.set_ylabel("KL to the reference (nats per response)", color="tab:red")
     handles = left.get_legend_handles_labels()[0] + kl_axis.get_legend_handles_labels()[0]
-    left.legend(handles, [h.get_label() for h in handles], loc="upper center", fontsize=8)
+    left.legend(handles, [h.get_label() for h in handles], loc="lower left", fontsize=8)
     left.set_title("final reward, KL and net objective per beta")
 
-    right.plot([r.kl for r in rows], [r.reward for r in rows], "o-", color="tab:purple")
-    for i, (row, label) in enumerate(zip(rows, labels)):  # alternate sides: neighbours often sit close
-        right.annotate(f"beta={label}", (row.kl, row.reward), textcoords="offset points", fontsize=8,
+    right.plot([r.kl for r in rows], [r.reward for r in rows], "o", color="tab:purple")
+    for i, (row, betas) in enumerate(frontier_labels(rows)):  # alternate sides: neighbours often sit close
+        right.annotate(f"beta={betas}", (row.kl, row.reward), textcoords="offset points", fontsize=8,
                        xytext=(8, -12) if i % 2 else (-8, 6), ha="left" if i % 2 else "right")  # fmt: skip
     right.set_xlabel("KL to the reference (nats per response)")
     right.set_ylabel("raw reward per response")
@@ -162,21 +190,23 @@ def format_table(rows: Sequence[SweepRow]) -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="rlhf-lightning YAML (default: configs/tiny.yaml)")
+    parser.add_argument("--config", help="rlhf-lightning YAML (default: configs/tiny.yaml with DEFAULT_TASK)")
     parser.add_argument("--betas", type=float, nargs="+", help=f"fixed betas to run (default: {' '.join(map(str, DEFAULT_BETAS))})")
-    parser.add_argument("--iterations", type=int, help="PPO iterations per run (default: 60)")
+    parser.add_argument("--iterations", type=int, help="PPO iterations per run (default: 80; --fast: 10)")
     parser.add_argument("--last", type=int, default=5, help="average the training metrics over the last K iterations")
     parser.add_argument("--out", default="runs/sweep_beta", help="folder for the CSV, the PNG and the TensorBoard logs")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--override", action="append", default=[], metavar="ARG",
                         help="extra CLI argument for every run, e.g. --override=--model.kl_estimator=k3")  # fmt: skip
     speed = parser.add_mutually_exclusive_group()
-    speed.add_argument("--fast", action="store_true", help=f"betas {FAST_BETAS}, 12 iterations (for tests)")
-    speed.add_argument("--full", action="store_true", help=f"betas {FULL_BETAS}, 60 iterations")
+    speed.add_argument("--fast", action="store_true", help=f"betas {FAST_BETAS}, 10 iterations (for tests)")
+    speed.add_argument("--full", action="store_true", help=f"betas {FULL_BETAS}, 80 iterations")
     args = parser.parse_args(argv)
-    preset_betas, preset_iterations = (FAST_BETAS, 12) if args.fast else (FULL_BETAS, 60) if args.full else (DEFAULT_BETAS, 60)
+    preset_betas, preset_iterations = (FAST_BETAS, 10) if args.fast else (FULL_BETAS, 80) if args.full else (DEFAULT_BETAS, 80)
     args.betas = args.betas or list(preset_betas)
     args.iterations = args.iterations or preset_iterations
+    if args.config is None:
+        args.config, args.override = str(DEFAULT_CONFIG), [*DEFAULT_TASK, *args.override]
     if args.iterations < 1 or args.last < 1:
         parser.error("--iterations and --last must be >= 1")
     if any(b < 0 for b in args.betas):
@@ -184,23 +214,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def quiet() -> None:
-    """Keep the table readable: no per-run banners from Lightning, no warnings we expect."""
+def prepare(threads: int, out: str) -> Path:
+    """Quiet logs, torch threads, and the output folder: what every experiment tool starts with."""
+    import torch
+
     for name in ("lightning.pytorch", "lightning.fabric"):  # Lightning sets their levels itself
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter is intended to run from within Python")
     warnings.filterwarnings("ignore", message=".*module\\(s\\) in eval mode")  # the frozen reference, on purpose
+    if threads:
+        torch.set_num_threads(threads)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return Path(out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[SweepRow]:
     args = parse_args(argv)
-    import torch
-
-    quiet()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare(args.threads, args.out)
     last = min(args.last, args.iterations)
     rows = []
     for beta in args.betas:
@@ -208,7 +238,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[SweepRow]:
         print(f"beta={beta:g}: reward {rows[-1].reward:.3f}, KL {rows[-1].kl:.3f} ({rows[-1].seconds:.0f} s)", flush=True)
     bad = [r.beta for r in rows if not all(math.isfinite(v) for v in asdict(r).values())]
     write_csv(rows, out / "sweep_beta.csv")
-    plot(rows, out / "sweep_beta.png", f"{Path(args.config).name}, {args.iterations} iterations, metrics averaged over the last {last}")
+    title = f"{Path(args.config).name} {' '.join(args.override)}\n{args.iterations} iterations, metrics averaged over the last {last}"
+    plot(rows, out / "sweep_beta.png", title)
+    print(f"task: {args.config} {' '.join(args.override)}")
     print(format_table(rows))
     print(f"wrote {out / 'sweep_beta.csv'} and {out / 'sweep_beta.png'}")
     if bad:
