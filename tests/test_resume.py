@@ -19,7 +19,7 @@ WATCHED = ("objective/reward", "objective/kl", "objective/beta", "objective/kl_m
 def run_cli(root, *extra: str) -> subprocess.CompletedProcess:
     args = [
         sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", str(CONFIGS / "tiny.yaml"),
-        "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+        "--trainer.max_epochs=1", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={root}", "--model.beta_controller=BandBeta",
         "--model.beta_controller.init_args.target=0.5", "--model.max_new_tokens=10",
         "--trainer.callbacks.every_n_iterations=2", *extra,
