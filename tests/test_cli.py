@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from importlib.metadata import EntryPoint
 
 import pytest
@@ -135,7 +136,7 @@ def test_third_party_plugin_is_selected_from_yaml(external_plugin, tmp_path):
 def test_console_script_runs_the_tiny_config(tmp_path):
     """The installed command, as a user runs it: two iterations, metrics in TensorBoard, a checkpoint."""
     result = subprocess.run(
-        ["rlhf-lightning", "fit", "--config", TINY, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.callbacks=[]",
+        [str(Path(sys.executable).parent / "rlhf-lightning"), "fit", "--config", TINY, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.callbacks=[]",
          "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )  # fmt: skip
