@@ -26,12 +26,14 @@ over ``--iters`` iterations after ``--warmup``):
 - update:     ``ppo_update`` (all epochs: forward, backward, gradient clipping, optimizer steps);
 - other:      the rest of the training step (per-token rewards, metrics, logging, beta update).
 
-Then, on the same batch and sequences, the floors: a bare ``generate`` with the same inputs and
-generation config (LoRA: on a copy with the adapter merged, so no LoRA layers run), one
-no-grad forward of each extra model (reference; critic when it has its own trunk), and one
+Right after every iteration, on its prompts and sequences, the floors: a bare ``generate`` with
+the same inputs and generation config (LoRA: with the adapter merged, so no LoRA branch runs),
+one no-grad forward of each extra model (reference; critic when it has its own trunk), and one
 forward+backward of the policy and critic on a minibatch. Sum of floors = generate + one
 forward per extra model + ppo_epochs * num_minibatches * fwd+bwd: old log-probs can come from
-the sampler's own logits, and the optimizer step is not a floor.
+the sampler's own logits, and the optimizer step is not a floor. The ratios are medians of
+each iteration's ratio to the floors measured right after it, so a machine load that drifts
+during the run hits both sides alike.
 
 Prints a table, and last a line ``BENCH rollout_vs_generate=<r> iteration_vs_floors=<r>
 lora_vs_full_rss=<r> iter_s=<s> tokens_per_s=<t>``: the two ratios are the worst over the
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import gc
 import json
 import logging
@@ -183,9 +184,6 @@ def bench_module_class():
             for name in ("checked_scores", "shape_scores"):
                 setattr(self.reward_model, name, self.clock.wrap("score", getattr(self.reward_model, name)))
 
-        def unwrap_generate(self) -> None:
-            vars(self.generator).pop("generate", None)
-
         # Arguments pass through untouched: the benchmark must not depend on the signatures.
         def encode_prompts(self, *args, **kwargs):
             with self.clock("rollout"):
@@ -221,21 +219,25 @@ def bench_module_class():
     return TimedPPORLHF
 
 
-def iteration_recorder(warmup: int, iters: int, profile: bool, profile_rows: int):
-    """A callback that opens the clock's ``other`` phase around each batch, keeps the timed
-    iterations' phase seconds, and profiles the batch after them when asked."""
+def iteration_recorder(args: argparse.Namespace):
+    """A callback that opens the clock's ``other`` phase around each batch, measures the floors
+    right after every batch (on its sequences), keeps the timed iterations' phase and floor
+    seconds, and profiles the batch after them when asked."""
     import torch
     from lightning.pytorch.callbacks import Callback
+
+    warmup, iters = args.warmup, args.iters
 
     class IterationRecorder(Callback):
         def __init__(self) -> None:
             self.iterations: list[dict[str, float]] = []
+            self.floors: list[dict[str, float]] = []
             self.tokens: list[float] = []
             self.profile_table: Optional[str] = None
             self._phase = self._profiler = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if profile and batch_idx == warmup + iters:
+            if args.profile and batch_idx == warmup + iters:
                 activities = [torch.profiler.ProfilerActivity.CPU]
                 if pl_module.device.type == "cuda":
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -251,11 +253,14 @@ def iteration_recorder(warmup: int, iters: int, profile: bool, profile_rows: int
             if self._profiler is not None:
                 self._profiler.__exit__(None, None, None)
                 self.profile_table = self._profiler.key_averages().table(
-                    sort_by="self_cpu_time_total", row_limit=profile_rows
+                    sort_by="self_cpu_time_total", row_limit=args.profile_rows
                 )
                 self._profiler = None
-            elif batch_idx >= warmup:
+                return
+            floors = measure_floors(pl_module, args)  # the warm-up iterations warm the floors up too
+            if batch_idx >= warmup:
                 self.iterations.append(seconds)
+                self.floors.append(floors)
                 self.tokens.append(float(pl_module.last_rollout.mask.sum()))
 
     return IterationRecorder()
@@ -304,7 +309,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     prompts = builtin_prompts(args.batch_size)
     batches = args.warmup + args.iters + int(args.profile)
     loader = DataLoader(prompts * batches, batch_size=args.batch_size, shuffle=False)
-    recorder = iteration_recorder(args.warmup, args.iters, args.profile, args.profile_rows)
+    recorder = iteration_recorder(args)
     with tempfile.TemporaryDirectory(prefix="rlhf_bench_") as root:
         trainer = Trainer(
             accelerator="gpu" if args.device == "cuda" else "cpu", devices=1, max_epochs=1,
@@ -313,13 +318,11 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
             enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], default_root_dir=root,
         )  # fmt: skip
         trainer.fit(module, train_dataloaders=loader)
-    rss = peak_rss_mb()  # before the floors, which may build a merged copy of the policy
     gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else 0.0
-    module.unwrap_generate()
-    floors = measure_floors(module, args, reps=args.iters)
-
-    phases = {p: statistics.median(it.get(p, 0.0) for it in recorder.iterations) for p in PHASES}
-    iter_s = statistics.median(sum(it.values()) for it in recorder.iterations)
+    updates = ppo_epochs * args.num_minibatches
+    floor_sums = [f["generate"] + f["ref_forward"] + f["critic_forward"] + updates * f["fwd_bwd"] for f in recorder.floors]
+    totals = [sum(it.values()) for it in recorder.iterations]
+    median = statistics.median
     enc = module.last_encoding
     return {
         "mode": args.mode, "ppo_epochs": ppo_epochs, "num_minibatches": args.num_minibatches,
@@ -327,25 +330,34 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         "batch": int(enc["input_ids"].shape[0]), "prompt_len": int(enc["input_ids"].shape[1]),
         "prompt_len_mean": float(enc["attention_mask"].sum(-1).float().mean()),
         "response_len": int(module.last_rollout.response.shape[1]),
-        "iter_s": iter_s, "phases": phases, "tokens_per_s": statistics.median(recorder.tokens) / iter_s,
-        "peak_rss_mb": rss, "peak_gpu_mb": gpu_mb, "floors": floors, "iterations": recorder.iterations,
+        "iter_s": median(totals), "tokens_per_s": median(t / s for t, s in zip(recorder.tokens, totals)),
+        "phases": {p: median(it.get(p, 0.0) for it in recorder.iterations) for p in PHASES},
+        "floors": {name: median(f[name] for f in recorder.floors) for name in recorder.floors[0]},
+        "floor_sum": median(floor_sums),
+        # Each iteration against the floors measured right after it: a changing load hits both alike.
+        "rollout_vs_generate": median(it["rollout"] / f["generate"] for it, f in zip(recorder.iterations, recorder.floors)),
+        "iteration_vs_floors": median(t / f for t, f in zip(totals, floor_sums)),
+        "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": gpu_mb, "iterations": recorder.iterations,
         "load": [load_before, os.getloadavg()[0]], "profile": recorder.profile_table,
     }  # fmt: skip
 
 
-def measure_floors(module, args: argparse.Namespace, reps: int) -> dict[str, float]:
-    """Median seconds of the bare passes on the last iteration's prompts and sequences."""
+def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds of one round of bare passes on the module's last prompts and sequences.
+
+    The models are the module's own. LoRA: generate and the reference forward run with the
+    adapter merged into the base weights (what a plain model computes, no LoRA branch; merging
+    and unmerging leaves the weights bit-identical but for rare last-bit rounding), and the
+    forward+backward trains the adapter as the update does. Gradients are dropped afterwards.
+    """
     import torch
 
     from rlhf_lightning.module import _position_ids
 
     device = module.device
-    autocast = (
-        (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
-    )  # fmt: skip
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
     lora = module.hparams.lora_rank > 0
-    # LoRA: the same function with the adapter merged into a plain copy, so no LoRA layer runs.
-    plain = copy.deepcopy(module.policy).merge_and_unload() if lora else module.policy
+    plain = module.policy.get_base_model() if lora else module.policy
     reference = plain if lora else module.ref_model
     separate_critic = module.critic.trunk is not None
     enc, rollout = module.last_encoding, module.last_rollout
@@ -354,26 +366,24 @@ def measure_floors(module, args: argparse.Namespace, reps: int) -> dict[str, flo
     ids, attn = rollout.input_ids, rollout.attention_mask
     positions = _position_ids(attn)
 
-    def clocked(fn) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+    @contextlib.contextmanager
+    def merged():
+        if lora:
+            module.policy.merge_adapter()
+        try:
+            yield
+        finally:
+            if lora:
+                module.policy.unmerge_adapter()
 
     def generate():
-        with torch.no_grad(), autocast():
-            plain.generate(**enc)
+        with torch.no_grad(), autocast(), merged():
+            type(plain).generate(plain, **enc)  # the class's generate: the module's timed one is an instance attribute
 
-    def forward(model):
-        def run():
-            with torch.no_grad(), autocast():
-                model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
+    def reference_forward():
+        with torch.no_grad(), autocast(), merged():
+            reference(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
                       logits_to_keep=response_len + 1)  # fmt: skip
-
-        return run
 
     def critic_forward():
         with torch.no_grad(), autocast():
@@ -395,20 +405,21 @@ def measure_floors(module, args: argparse.Namespace, reps: int) -> dict[str, flo
         for model in (module.policy, module.critic):
             model.zero_grad(set_to_none=True)
 
-    passes = {"generate": generate, "ref_forward": forward(reference), "fwd_bwd": forward_backward}
+    passes = {"generate": generate, "ref_forward": reference_forward, "fwd_bwd": forward_backward}
     if separate_critic:
         passes["critic_forward"] = critic_forward
-    times = defaultdict(list)
-    for rep in range(reps + 1):  # the first round warms up
-        for name, fn in passes.items():
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(rep)
-                seconds = clocked(fn)
-            if rep:
-                times[name].append(seconds)
-    floors = {name: statistics.median(t) for name, t in times.items()}
-    floors.setdefault("critic_forward", 0.0)
-    return floors
+    seconds = {"critic_forward": 0.0}
+    for name, run in passes.items():
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(module.iteration)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds[name] = time.perf_counter() - start
+    return seconds
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -423,16 +434,12 @@ def worker_main(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------- report
 def derived(r: dict) -> dict[str, float]:
-    """Sum of floors and the ratios of one run."""
+    """The score phase in all and what each phase spends beyond its floors (medians)."""
     f, p = r["floors"], r["phases"]
     updates = r["ppo_epochs"] * r["num_minibatches"]
-    floor_sum = f["generate"] + f["ref_forward"] + f["critic_forward"] + updates * f["fwd_bwd"]
     score = p["score"] + p["score_policy"] + p["score_ref"]
     return {
         "score": score,
-        "floor_sum": floor_sum,
-        "rollout_vs_generate": p["rollout"] / f["generate"],
-        "iteration_vs_floors": r["iter_s"] / floor_sum,
         "beyond_rollout": p["rollout"] - f["generate"],
         "beyond_score": score - f["ref_forward"] - f["critic_forward"],
         "beyond_update": p["update"] - updates * f["fwd_bwd"],
@@ -445,7 +452,7 @@ def format_table(results: Sequence[dict]) -> str:
         f"policy {r0['policy']}, batch {r0['batch']}, prompt {r0['prompt_len']} tokens padded "
         f"({r0['prompt_len_mean']:.1f} real on average), {r0['response_len']} new tokens, critic {r0['critic']}, "
         f"{r0['num_minibatches']} minibatch(es), {r0['threads']} thread(s); seconds are medians over "
-        f"{len(r0['iterations'])} iterations (phase medians need not add up to iter s)",
+        f"{len(r0['iterations'])} iterations, floors measured after each (medians need not add up)",
         "",
         "| mode | epochs | iter s | rollout | score | (old+V fwd | ref fwd | reward, KL, rest) | advantages | update | other "
         "| tokens/s | peak RSS MB | load |",
@@ -469,8 +476,8 @@ def format_table(results: Sequence[dict]) -> str:
         f, d = r["floors"], derived(r)
         lines.append(
             f"| {r['mode']} | {r['ppo_epochs']} | {f['generate']:.3f} | {f['ref_forward']:.3f} "
-            f"| {f['critic_forward']:.3f} | {f['fwd_bwd']:.3f} | {d['floor_sum']:.3f} "
-            f"| {d['rollout_vs_generate']:.3f} | {d['iteration_vs_floors']:.3f} "
+            f"| {f['critic_forward']:.3f} | {f['fwd_bwd']:.3f} | {r['floor_sum']:.3f} "
+            f"| {r['rollout_vs_generate']:.3f} | {r['iteration_vs_floors']:.3f} "
             f"| {d['beyond_rollout']:+.3f} | {d['beyond_score']:+.3f} | {d['beyond_update']:+.3f} |"
         )
     if any(r["peak_gpu_mb"] for r in results):
@@ -483,8 +490,8 @@ def bench_line(results: Sequence[dict]) -> str:
     slowest = max(results, key=lambda r: r["iter_s"])
     rss = {mode: max((r["peak_rss_mb"] for r in results if r["mode"] == mode), default=math.nan) for mode in ("full", "lora")}
     return (
-        f"BENCH rollout_vs_generate={max(derived(r)['rollout_vs_generate'] for r in results):.3f} "
-        f"iteration_vs_floors={max(derived(r)['iteration_vs_floors'] for r in results):.3f} "
+        f"BENCH rollout_vs_generate={max(r['rollout_vs_generate'] for r in results):.3f} "
+        f"iteration_vs_floors={max(r['iteration_vs_floors'] for r in results):.3f} "
         f"lora_vs_full_rss={rss['lora'] / rss['full']:.3f} "
         f"iter_s={slowest['iter_s']:.4g} tokens_per_s={slowest['tokens_per_s']:.4g}"
     )
