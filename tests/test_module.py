@@ -206,3 +206,21 @@ def test_gold_reward_is_logged_beside_the_proxy(tmp_path):
     expected = sum(sum(ch in "aeiou" for ch in r) for r in rollout.responses) / len(rollout.responses)
     assert history.rows[-1]["objective/gold_reward"] == pytest.approx(expected)
     assert history.rows[-1]["objective/gold_reward"] >= history.rows[-1]["objective/reward"]  # 'e' is a vowel
+
+
+def test_export_merges_lora_and_transformers_loads_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_lightning.callbacks import export_policy
+
+    module = make_module(lora_rank=4)
+    with torch.no_grad():
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    export_policy(module, tmp_path / "policy")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, module.policy(input_ids=ids).logits, atol=1e-4)
+    assert (tmp_path / "policy" / "tokenizer_config.json").exists()
