@@ -90,6 +90,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--profile", action="store_true", help="profile one extra iteration per run with torch.profiler")
     parser.add_argument("--profile-rows", type=int, default=25, help="ops shown by --profile")
+    parser.add_argument("--save", metavar="PATH", help="also write every run's results as JSON (after each run)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one mode's runs
     args = parser.parse_args(argv)
     args.policy = args.policy or ("tiny" if args.tiny else "smollm2")
@@ -377,11 +378,11 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
                 module.policy.unmerge_adapter()
 
     def generate():
-        with torch.no_grad(), autocast(), merged():
+        with torch.no_grad(), autocast():
             type(plain).generate(plain, **enc)  # the class's generate: the module's timed one is an instance attribute
 
     def reference_forward():
-        with torch.no_grad(), autocast(), merged():
+        with torch.no_grad(), autocast():
             reference(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
                       logits_to_keep=response_len + 1)  # fmt: skip
 
@@ -405,11 +406,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
         for model in (module.policy, module.critic):
             model.zero_grad(set_to_none=True)
 
-    passes = {"generate": generate, "ref_forward": reference_forward, "fwd_bwd": forward_backward}
-    if separate_critic:
-        passes["critic_forward"] = critic_forward
-    seconds = {"critic_forward": 0.0}
-    for name, run in passes.items():
+    def clocked(run) -> float:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(module.iteration)
             if device.type == "cuda":
@@ -418,7 +415,12 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
             run()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            seconds[name] = time.perf_counter() - start
+            return time.perf_counter() - start
+
+    seconds = {"critic_forward": clocked(critic_forward) if separate_critic else 0.0}
+    with merged():  # merging is not part of the floor
+        seconds["generate"], seconds["ref_forward"] = clocked(generate), clocked(reference_forward)
+    seconds["fwd_bwd"] = clocked(forward_backward)  # with the adapter unmerged: it trains the adapter
     return seconds
 
 
@@ -524,7 +526,11 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         worker_main(args)
         return []
     modes = ("full", "lora") if args.mode == "both" else (args.mode,)
-    results = [r for mode in modes for r in run_subprocess(worker_argv(args, mode))]
+    results = []
+    for mode in modes:
+        results += run_subprocess(worker_argv(args, mode))
+        if args.save:
+            Path(args.save).write_text(json.dumps(results, indent=1))
     print(format_table(results))
     print(bench_line(results), flush=True)
     return results
