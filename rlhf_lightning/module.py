@@ -103,6 +103,9 @@ class PPORLHF(LightningModule):
             with the policy (one forward pass gives log-probs and values; see ValueModel).
         lora_rank: 0 for full fine-tuning; > 0 trains a LoRA adapter and the reference is the
             same weights with the adapter disabled (no second copy in memory).
+        merge_lora_for_generation: merge the adapter into the (fp32) base weights while sampling
+            and unmerge after (1.15x -> 1.0x of a plain model's generate time on CPU); each
+            merge/unmerge rounds the base weights by at most one ulp.
         tiny_config: overrides of the ``tiny`` model's LlamaConfig.
         seed: initialisation seed of the ``tiny`` model.
         max_consecutive_faults: iterations in a row that may be skipped for a non-finite reward,
@@ -144,6 +147,7 @@ class PPORLHF(LightningModule):
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_target_modules: Optional[list[str]] = None,
+        merge_lora_for_generation: bool = True,
         tiny_config: Optional[dict] = None,
         seed: int = 0,
         trust_remote_code: bool = False,
@@ -216,6 +220,9 @@ class PPORLHF(LightningModule):
                 target_modules=hp.lora_target_modules or "all-linear", task_type="CAUSAL_LM",
             )  # fmt: skip
             self.policy = get_peft_model(policy, config)
+            dtype = next(policy.parameters()).dtype
+            _check(not hp.merge_lora_for_generation or dtype == torch.float32, "merge_lora_for_generation",
+                   "false when the base weights are not float32 (merging would round them)", f"true with {dtype} weights")  # fmt: skip
         else:
             self.policy = policy
             self.ref_model = frozen_copy(policy)
@@ -228,11 +235,12 @@ class PPORLHF(LightningModule):
         if hp.optimizers == "shared":
             return torch.optim.AdamW(
                 [{"params": policy_params, "lr": hp.lr}, {"params": critic_params, "lr": critic_lr}],
-                weight_decay=hp.weight_decay,
+                weight_decay=hp.weight_decay, fused=True,
             )
+        # fused: one kernel per step instead of a dozen per tensor (2-3x faster steps on CPU).
         return [
-            torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay),
-            torch.optim.AdamW(critic_params, lr=critic_lr, weight_decay=hp.weight_decay),
+            torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=True),
+            torch.optim.AdamW(critic_params, lr=critic_lr, weight_decay=hp.weight_decay, fused=True),
         ]
 
     def on_fit_start(self) -> None:
@@ -296,14 +304,12 @@ class PPORLHF(LightningModule):
         log pi_ref and V_old with one batched forward each (timed as ``forward``)."""
         timer = timer or _Timer(self.device)
         enc = self.encode_prompts(prompts)
-        # The PeftModel's own generate measured 4-5x slower on CPU here; its base model carries the
-        # injected LoRA layers, so it samples from the same policy.
-        generator = self.policy.get_base_model() if self.hparams.lora_rank else self.policy
         # Sampling draws from its own seed per (run, rank, iteration): ranks sample independently,
         # and a resumed run draws the same responses without any generator state to restore.
         with timer("rollout"), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.generation_seed_base + 7919 * self.global_rank + 104729 * self.iteration)
-            sequences = generator.generate(**enc)  # (batch, prompt_len + new), right-padded with pad
+            with self._generator() as generator:
+                sequences = generator.generate(**enc)  # (batch, prompt_len + new), right-padded with pad
         prompt_len = enc["input_ids"].shape[1]
         response = sequences[:, prompt_len:]
         mask = pm.response_mask(response, self.tokenizer.eos_token_id)
@@ -461,6 +467,25 @@ class PPORLHF(LightningModule):
         logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
         values = self.critic(input_ids, attention_mask, _position_ids(attention_mask))
         return logits, values[:, -response_len - 1 : -1]
+
+    @contextlib.contextmanager
+    def _generator(self):
+        """The model that samples. LoRA: the PeftModel's base model, which carries the injected
+        LoRA layers (PeftModel.generate measured 4-5x slower on CPU), with the adapter merged into
+        the base weights while it samples when ``merge_lora_for_generation`` (no LoRA branch in
+        each of the hundreds of decode-step linears; unmerging restores fp32 weights to within
+        one rounding step)."""
+        if not self.hparams.lora_rank:
+            yield self.policy
+            return
+        merge = self.hparams.merge_lora_for_generation
+        if merge:
+            self.policy.merge_adapter()
+        try:
+            yield self.policy.get_base_model()
+        finally:
+            if merge:
+                self.policy.unmerge_adapter()
 
     @contextlib.contextmanager
     def _reference(self):

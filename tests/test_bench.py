@@ -27,6 +27,6 @@ def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers():
     values = [float(v) for v in match.groups()]
     assert all(math.isfinite(v) and v > 0 for v in values), lines[-1]
     # Every (mode, epochs) run is in the table: full and LoRA, 1 and 4 PPO epochs.
-    for mode in ("full", "lora"):
+    for mode, critic in (("full", "separate"), ("lora", "shared")):
         for epochs in (1, 4):
-            assert any(line.startswith(f"| {mode} | {epochs} |") for line in lines), (mode, epochs)
+            assert any(line.startswith((f"| {mode} | {epochs} |", f"| {mode} | {critic} | {epochs} |")) for line in lines), (mode, epochs)

@@ -8,6 +8,7 @@ from helpers import char_reward, fit, make_module
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.module import PPORLHF
 
 PROMPTS = ["Write a short review of a train journey.", "Hi", "Describe a snowy weekend in two sentences.", "Go"]
 
@@ -97,6 +98,38 @@ def test_lora_reference_is_the_adapter_disabled_policy():
     assert torch.allclose(after, policy)  # the adapter is back on after the reference pass
     trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_lora_generation_with_merged_adapter_samples_the_policy_and_restores_the_base():
+    """Sampling with the adapter merged draws what the unmerged policy draws, from the policy (not
+    the reference), and leaves the base weights where they were to within float32 rounding."""
+    responses = {}
+    for merge in (True, False):
+        torch.manual_seed(0)  # peft draws lora_A from the global generator
+        module = make_module(lora_rank=4, merge_lora_for_generation=merge, max_new_tokens=8, seed=3)
+        with torch.no_grad():
+            for name, p in module.policy.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+        base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "base_layer" in n}
+        rollout = module.rollout(PROMPTS)
+        responses[merge] = rollout.response
+        drift = max(float((p - base[n]).abs().max()) for n, p in module.policy.named_parameters() if n in base)
+        assert drift < 1e-6
+        assert not any(getattr(m, "merged", False) for m in module.policy.modules())
+        # the sampled tokens are likely under the policy: its old log-probs beat the reference's
+        assert float(pm.masked_mean(rollout.logprobs - rollout.ref_logprobs, rollout.mask)) > 0  # E_pi = KL(pi, ref); E_ref would be < 0
+    assert torch.equal(responses[True], responses[False])
+
+
+def test_merging_lora_into_half_precision_weights_is_refused(monkeypatch):
+    import rlhf_lightning.module as module_py
+
+    load = module_py.load_causal_lm
+    monkeypatch.setattr(module_py, "load_causal_lm", lambda *args: load(*args).to(torch.bfloat16))
+    module = PPORLHF(policy="tiny", reward_model=char_reward(), lora_rank=4)
+    with pytest.raises(ValueError, match="merge_lora_for_generation must be false when the base weights are not float32"):
+        module.configure_model()
 
 
 def test_fit_raises_reward_and_logs_every_metric(tmp_path):

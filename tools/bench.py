@@ -10,7 +10,11 @@ The workload is fixed: SmolLM2-135M-Instruct (``--policy``), the first ``--batch
 built-in prompts every iteration, rendered with the chat template (SmolLM2's adds a system
 prompt, so a prompt is about 40 tokens; ``--no-chat-template`` gives about 12), and exactly
 ``--max-new-tokens`` (32) sampled tokens per response (``min_new_tokens`` = ``max_new_tokens``),
-the VADER ``sentiment`` reward, a ``separate`` critic unless ``--critic shared``.
+the VADER ``sentiment`` reward. The two modes are the two standard setups: ``full`` fine-tunes
+the policy with a separate reference copy and a separate critic trunk; ``lora`` trains a LoRA
+adapter (rank 16), uses the adapter-disabled policy as the reference and a value head on the
+policy's trunk (``critic: shared``), as ``configs/quickstart.yaml`` does. ``--critic`` sets one
+critic for both modes.
 
 Each mode runs in its own subprocess, so the peak resident memory of full fine-tuning and
 LoRA are comparable (a row's peak RSS is its process's peak so far: its own run and the
@@ -82,7 +86,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="response length (min_new_tokens is the same)")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the raw prompts, without the chat template")
     parser.add_argument("--num-minibatches", type=int, default=1, help="minibatches (optimizer steps) per PPO epoch")
-    parser.add_argument("--critic", choices=("separate", "shared"), default="separate", help="critic trunk")
+    parser.add_argument("--critic", choices=("separate", "shared"), help="critic trunk (default: full separate, lora shared)")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of --mode lora (alpha = 2 * rank)")
     parser.add_argument("--reward", default="sentiment", help="reward backend name")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -109,7 +113,8 @@ def worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
     argv += [str(epochs) for epochs in args.ppo_epochs]
     for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "critic",
                  "lora_rank", "reward", "device", "threads", "profile_rows"):  # fmt: skip
-        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        if getattr(args, name) is not None:
+            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     for flag in ("no_chat_template", "bf16", "profile"):
         if getattr(args, flag):
             argv.append(f"--{flag.replace('_', '-')}")
@@ -301,10 +306,11 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         torch.set_num_threads(args.threads)
     seed_everything(0, verbose=False)
     lora = args.mode == "lora"
+    critic = args.critic or ("shared" if lora else "separate")
     module = bench_module_class()(
         policy=args.policy, reward_model=args.reward, max_new_tokens=args.max_new_tokens,
         min_new_tokens=args.max_new_tokens, use_chat_template=not args.no_chat_template,
-        ppo_epochs=ppo_epochs, num_minibatches=args.num_minibatches, critic=args.critic,
+        ppo_epochs=ppo_epochs, num_minibatches=args.num_minibatches, critic=critic,
         lora_rank=args.lora_rank if lora else 0, lora_alpha=2.0 * args.lora_rank, log_samples_every_n_steps=0,
     )  # fmt: skip
     prompts = builtin_prompts(args.batch_size)
@@ -327,7 +333,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     enc = module.last_encoding
     return {
         "mode": args.mode, "ppo_epochs": ppo_epochs, "num_minibatches": args.num_minibatches,
-        "critic": args.critic, "policy": args.policy, "threads": torch.get_num_threads(),
+        "critic": critic, "policy": args.policy, "threads": torch.get_num_threads(),
         "batch": int(enc["input_ids"].shape[0]), "prompt_len": int(enc["input_ids"].shape[1]),
         "prompt_len_mean": float(enc["attention_mask"].sum(-1).float().mean()),
         "response_len": int(module.last_rollout.response.shape[1]),
@@ -452,18 +458,18 @@ def format_table(results: Sequence[dict]) -> str:
     r0 = results[0]
     lines = [
         f"policy {r0['policy']}, batch {r0['batch']}, prompt {r0['prompt_len']} tokens padded "
-        f"({r0['prompt_len_mean']:.1f} real on average), {r0['response_len']} new tokens, critic {r0['critic']}, "
+        f"({r0['prompt_len_mean']:.1f} real on average), {r0['response_len']} new tokens, "
         f"{r0['num_minibatches']} minibatch(es), {r0['threads']} thread(s); seconds are medians over "
         f"{len(r0['iterations'])} iterations, floors measured after each (medians need not add up)",
         "",
-        "| mode | epochs | iter s | rollout | score | (old+V fwd | ref fwd | reward, KL, rest) | advantages | update | other "
+        "| mode | critic | epochs | iter s | rollout | score | (old+V fwd | ref fwd | reward, KL, rest) | advantages | update | other "
         "| tokens/s | peak RSS MB | load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         p, d = r["phases"], derived(r)
         lines.append(
-            f"| {r['mode']} | {r['ppo_epochs']} | {r['iter_s']:.3f} | {p['rollout']:.3f} | {d['score']:.3f} "
+            f"| {r['mode']} | {r['critic']} | {r['ppo_epochs']} | {r['iter_s']:.3f} | {p['rollout']:.3f} | {d['score']:.3f} "
             f"| {p['score_policy']:.3f} | {p['score_ref']:.3f} | {p['score']:.3f} | {p['advantages']:.4f} "
             f"| {p['update']:.3f} | {p['other']:.4f} | {r['tokens_per_s']:.1f} | {r['peak_rss_mb']:.0f} "
             f"| {r['load'][0]:.1f} -> {r['load'][1]:.1f} |"
