@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from rlhf_lightning.interfaces import BetaController, KLUnit
+from rlhf_lightning.interfaces import BetaController, KLUnit, require
 from rlhf_lightning.registry import register
-
-
-def _require_positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"beta_controller.{name} must be > 0, got {value!r}")
 
 
 @register("beta_controller", "fixed", description="beta never changes")
@@ -30,8 +25,8 @@ class AdaptiveBeta(BetaController):
         self, init_beta: float = 0.1, target: float = 6.0, horizon: float = 10000, unit: KLUnit = "sequence_sum"
     ) -> None:
         super().__init__(init_beta, unit)
-        _require_positive("target", target)
-        _require_positive("horizon", horizon)
+        require(target > 0, "beta_controller.target", "> 0", target)
+        require(horizon > 0, "beta_controller.horizon", "> 0", horizon)
         self.target = target
         self.horizon = horizon
 
@@ -56,13 +51,10 @@ class BandBeta(BetaController):
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, unit)
-        _require_positive("target", target)
-        if not factor > 1:
-            raise ValueError(f"beta_controller.factor must be > 1, got {factor!r}")
-        if not 0 <= beta_min <= beta_max:
-            raise ValueError(f"beta_controller needs 0 <= beta_min <= beta_max, got {beta_min!r} and {beta_max!r}")
-        if not beta_min <= init_beta <= beta_max:
-            raise ValueError(f"beta_controller.init_beta={init_beta!r} must lie in [beta_min, beta_max] = [{beta_min}, {beta_max}]")
+        require(target > 0, "beta_controller.target", "> 0", target)
+        require(factor > 1, "beta_controller.factor", "> 1", factor)
+        require(0 <= beta_min <= beta_max, "beta_controller.beta_min and beta_max", "0 <= beta_min <= beta_max", (beta_min, beta_max))
+        require(beta_min <= init_beta <= beta_max, "beta_controller.init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta)
         self.target, self.factor, self.beta_min, self.beta_max = target, factor, beta_min, beta_max
 
     def update(self, observed_kl: float, n_samples: int) -> float:

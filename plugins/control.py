@@ -6,17 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from rlhf_lightning.interfaces import BetaController, KLUnit
+from rlhf_lightning.interfaces import BetaController, KLUnit, require
 from rlhf_lightning.registry import register
 
 # KL / target is floored here before the log: the k1 estimator's KL can be 0 or negative,
 # and it is exactly 0 on the first iteration, when the policy still equals the reference.
 KL_RATIO_FLOOR = 1e-6
-
-
-def _require(condition: bool, field: str, requirement: str, value: Any) -> None:
-    if not condition:
-        raise ValueError(f"beta_controller.{field} must be {requirement}, got {value!r}")
 
 
 def _finite(value: Any) -> bool:
@@ -63,15 +58,15 @@ class PIDBeta(BetaController):
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, unit)
-        _require(_finite(target) and target > 0, "target", "a finite number > 0", target)
+        require(_finite(target) and target > 0, "beta_controller.target", "a finite number > 0", target)
         for name, gain in (("kp", kp), ("ki", ki), ("kd", kd)):
-            _require(_finite(gain) and gain >= 0, name, "a finite number >= 0", gain)
-        _require(integral_limit >= 0, "integral_limit", ">= 0", integral_limit)
-        _require(error_clip > 0, "error_clip", "> 0", error_clip)
+            require(_finite(gain) and gain >= 0, f"beta_controller.{name}", "a finite number >= 0", gain)
+        require(integral_limit >= 0, "beta_controller.integral_limit", ">= 0", integral_limit)
+        require(error_clip > 0, "beta_controller.error_clip", "> 0", error_clip)
         # log(beta) must exist: beta_min > 0, unlike the other controllers.
-        _require(_finite(beta_min) and beta_min > 0, "beta_min", "a finite number > 0 (the PID acts on log beta)", beta_min)
-        _require(_finite(beta_max) and beta_max >= beta_min, "beta_max", f">= beta_min={beta_min}", beta_max)
-        _require(beta_min <= init_beta <= beta_max, "init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta)
+        require(_finite(beta_min) and beta_min > 0, "beta_controller.beta_min", "a finite number > 0 (the PID acts on log beta)", beta_min)
+        require(_finite(beta_max) and beta_max >= beta_min, "beta_controller.beta_max", f">= beta_min={beta_min}", beta_max)
+        require(beta_min <= init_beta <= beta_max, "beta_controller.init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta)
         self.target, self.kp, self.ki, self.kd = float(target), float(kp), float(ki), float(kd)
         self.integral_limit, self.error_clip = float(integral_limit), float(error_clip)
         self.beta_min, self.beta_max = float(beta_min), float(beta_max)
@@ -128,11 +123,11 @@ class DualBeta(BetaController):
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, unit)
-        _require(_finite(target) and target > 0, "target", "a finite number > 0", target)
-        _require(_finite(lr) and lr > 0, "lr", "a finite number > 0", lr)
+        require(_finite(target) and target > 0, "beta_controller.target", "a finite number > 0", target)
+        require(_finite(lr) and lr > 0, "beta_controller.lr", "a finite number > 0", lr)
         if beta_max is not None:
             requirement = f"a finite number >= init_beta={init_beta}, or null"
-            _require(_finite(beta_max) and beta_max >= init_beta, "beta_max", requirement, beta_max)
+            require(_finite(beta_max) and beta_max >= init_beta, "beta_controller.beta_max", requirement, beta_max)
         self.target, self.lr = float(target), float(lr)
         self.beta_max = None if beta_max is None else float(beta_max)
 

@@ -19,6 +19,14 @@ from rlhf_lightning.registry import register_kind
 KLUnit = Literal["sequence_sum", "token_mean"]
 
 
+def require(condition: bool, field: str, requirement: str, value: Any) -> None:
+    """Unless ``condition``: ``ValueError("<field> must be <requirement>, got <value>")``, the one
+    shape of every configuration error (``field`` as the user writes it: ``model.lr``,
+    ``beta_controller.target``, ``KLGuard.max_kl``)."""
+    if not condition:
+        raise ValueError(f"{field} must be {requirement}, got {value!r}")
+
+
 class KLEstimator(ABC):
     """Per-token estimate of KL(pi || pi_ref) at the sampled tokens of a response.
 
@@ -53,10 +61,9 @@ class BetaController(ABC):
     """
 
     def __init__(self, init_beta: float = 0.1, unit: KLUnit = "sequence_sum") -> None:
-        if not (isinstance(init_beta, (int, float)) and init_beta >= 0 and math.isfinite(init_beta)):
-            raise ValueError(f"beta_controller.init_beta must be a finite number >= 0, got {init_beta!r}")
-        if unit not in ("sequence_sum", "token_mean"):
-            raise ValueError(f"beta_controller.unit must be 'sequence_sum' or 'token_mean', got {unit!r}")
+        finite = isinstance(init_beta, (int, float)) and math.isfinite(init_beta)
+        require(finite and init_beta >= 0, "beta_controller.init_beta", "a finite number >= 0", init_beta)
+        require(unit in ("sequence_sum", "token_mean"), "beta_controller.unit", "'sequence_sum' or 'token_mean'", unit)
         self.beta = float(init_beta)
         self.unit = unit
 
@@ -90,8 +97,7 @@ class RewardModel(ABC):
         clip: Optional[float] = None,
         missing_eos_penalty: Optional[float] = None,
     ) -> None:
-        if clip is not None and not clip > 0:
-            raise ValueError(f"reward_model.clip must be > 0 or null, got {clip!r}")
+        require(clip is None or clip > 0, "reward_model.clip", "> 0 or null", clip)
         self.normalize = normalize
         self.clip = clip
         self.missing_eos_penalty = missing_eos_penalty

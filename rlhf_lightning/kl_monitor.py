@@ -31,12 +31,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from rlhf_lightning.interfaces import require
+
 WATCHED = ("objective/kl", "objective/kl_max")
-
-
-def _require(condition: bool, owner: str, field: str, requirement: str, value) -> None:
-    if not condition:
-        raise ValueError(f"{owner}.{field} must be {requirement}, got {value!r}")
 
 
 def _tensorboards(trainer) -> list[TensorBoardLogger]:
@@ -138,7 +135,7 @@ class KLGuard(Callback):
         max_consecutive_rollbacks: int = 3,
     ) -> None:
         def check(ok: bool, field: str, requirement: str) -> None:
-            _require(ok, "KLGuard", field, requirement, args[field])
+            require(ok, f"KLGuard.{field}", requirement, args[field])
 
         args = dict(max_kl=max_kl, max_kl_max=max_kl_max, action=action, spike_factor=spike_factor, level=level,
                     ema_decay=ema_decay, window=window, warmup=warmup, min_level=min_level,
@@ -331,8 +328,8 @@ class TokenKLView(Callback):
     ) -> None:
         counts = dict(every_n_iterations=every_n_iterations, num_samples=num_samples, max_tokens=max_tokens, line_chars=line_chars)
         for field, value in counts.items():
-            _require(isinstance(value, int) and value >= 1, "TokenKLView", field, "an integer >= 1", value)
-        _require(order in ("max_kl", "first"), "TokenKLView", "order", "'max_kl' or 'first'", order)
+            require(isinstance(value, int) and value >= 1, f"TokenKLView.{field}", "an integer >= 1", value)
+        require(order in ("max_kl", "first"), "TokenKLView.order", "'max_kl' or 'first'", order)
         self.every_n_iterations, self.num_samples, self.max_tokens = every_n_iterations, num_samples, max_tokens
         self.order, self.line_chars, self.tag = order, line_chars, tag
         self._last_drawn = None

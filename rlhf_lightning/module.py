@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.interfaces import BetaController, KLEstimator, RewardModel
+from rlhf_lightning.interfaces import BetaController, KLEstimator, RewardModel, require
 from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer
 from rlhf_lightning.registry import registry
 
@@ -66,11 +66,6 @@ class Rollout:
     @property
     def prompt_len(self) -> int:
         return self.input_ids.shape[1] - self.response.shape[1]
-
-
-def _check(condition: bool, field: str, requirement: str, value) -> None:
-    if not condition:
-        raise ValueError(f"model.{field} must be {requirement}, got {value!r}")
 
 
 class PPORLHF(LightningModule):
@@ -163,18 +158,18 @@ class PPORLHF(LightningModule):
         self.gold_reward_model: Optional[RewardModel] = (
             None if gold_reward_model is None else registry("reward_model").build(gold_reward_model, "model.gold_reward_model")
         )
-        _check(kl_penalty in ("reward", "loss", "both"), "kl_penalty", "one of reward, loss, both", kl_penalty)
-        _check(max_new_tokens >= 1, "max_new_tokens", ">= 1", max_new_tokens)
-        _check(0 <= min_new_tokens <= max_new_tokens, "min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
-        _check(temperature > 0, "temperature", "> 0", temperature)
+        require(kl_penalty in ("reward", "loss", "both"), "model.kl_penalty", "one of reward, loss, both", kl_penalty)
+        require(max_new_tokens >= 1, "model.max_new_tokens", ">= 1", max_new_tokens)
+        require(0 <= min_new_tokens <= max_new_tokens, "model.min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
+        require(temperature > 0, "model.temperature", "> 0", temperature)
         for name in ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults"):
-            _check(locals()[name] >= 1, name, "an integer >= 1", locals()[name])
-        _check(cliprange > 0 and cliprange_value > 0, "cliprange and cliprange_value", "> 0", (cliprange, cliprange_value))
-        _check(0 <= gamma <= 1 and 0 <= lam <= 1, "gamma and lam", "in [0, 1]", (gamma, lam))
-        _check(lr > 0 and (critic_lr is None or critic_lr > 0), "lr and critic_lr", "> 0", (lr, critic_lr))
-        _check(optimizers in ("separate", "shared"), "optimizers", "'separate' or 'shared'", optimizers)
-        _check(critic in ("separate", "shared"), "critic", "'separate' or 'shared'", critic)
-        _check(lora_rank >= 0, "lora_rank", ">= 0", lora_rank)
+            require(locals()[name] >= 1, f"model.{name}", "an integer >= 1", locals()[name])
+        require(cliprange > 0 and cliprange_value > 0, "model.cliprange and cliprange_value", "> 0", (cliprange, cliprange_value))
+        require(0 <= gamma <= 1 and 0 <= lam <= 1, "model.gamma and lam", "in [0, 1]", (gamma, lam))
+        require(lr > 0 and (critic_lr is None or critic_lr > 0), "model.lr and critic_lr", "> 0", (lr, critic_lr))
+        require(optimizers in ("separate", "shared"), "model.optimizers", "'separate' or 'shared'", optimizers)
+        require(critic in ("separate", "shared"), "model.critic", "'separate' or 'shared'", critic)
+        require(lora_rank >= 0, "model.lora_rank", ">= 0", lora_rank)
         if kl_penalty == "reward" and not self.kl_estimator.unbiased_as_reward:
             rank_zero_warn(
                 f"{type(self.kl_estimator).__name__} as a per-token reward gives a biased gradient of the KL "
@@ -221,7 +216,7 @@ class PPORLHF(LightningModule):
             )  # fmt: skip
             self.policy = get_peft_model(policy, config)
             dtype = next(policy.parameters()).dtype
-            _check(not hp.merge_lora_for_generation or dtype == torch.float32, "merge_lora_for_generation",
+            require(not hp.merge_lora_for_generation or dtype == torch.float32, "model.merge_lora_for_generation",
                    "false when the base weights are not float32 (merging would round them)", f"true with {dtype} weights")  # fmt: skip
         else:
             self.policy = policy

@@ -1,6 +1,7 @@
 """Print the main metrics of a finished run, iteration by iteration, from its TensorBoard events.
 
     python tools/summarize_run.py lightning_logs/version_0 [--every 5]
+    python tools/summarize_run.py lightning_logs/version_0 --blocks 5   # means over blocks of 5 iterations
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import argparse
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-COLUMNS = ("objective/reward", "objective/kl", "objective/beta", "objective/net", "objective/entropy", "response/length")
+COLUMNS = ("objective/reward", "objective/gold_reward", "objective/kl", "objective/beta", "objective/net", "objective/entropy", "response/length")
 
 
 def read_scalars(log_dir: str) -> dict[str, list[float]]:
@@ -22,13 +23,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log_dir")
     parser.add_argument("--every", type=int, default=1, help="print every n-th iteration")
+    parser.add_argument("--blocks", type=int, help="print the mean of each block of n iterations instead")
     args = parser.parse_args()
     scalars = read_scalars(args.log_dir)
     columns = [c for c in COLUMNS if c in scalars]
-    print("iter  " + "  ".join(f"{c.split('/')[-1]:>9}" for c in columns))
-    for i in range(len(scalars[columns[0]])):
-        if i % args.every == 0 or i == len(scalars[columns[0]]) - 1:
-            print(f"{i:>4}  " + "  ".join(f"{scalars[c][i]:>9.4f}" for c in columns))
+    n = len(scalars[columns[0]])
+    if args.blocks:
+        print("iters    " + "  ".join(f"{c.split('/')[-1]:>11}" for c in columns))
+        for start in range(0, n, args.blocks):
+            block = range(start, min(start + args.blocks, n))
+            means = [sum(scalars[c][i] for i in block) / len(block) for c in columns]
+            print(f"{start:>3}-{block[-1]:<3}  " + "  ".join(f"{m:>11.4f}" for m in means))
+    else:
+        print("iter  " + "  ".join(f"{c.split('/')[-1]:>9}" for c in columns))
+        for i in range(n):
+            if i % args.every == 0 or i == n - 1:
+                print(f"{i:>4}  " + "  ".join(f"{scalars[c][i]:>9.4f}" for c in columns))
     for tag in sorted(t for t in scalars if t.startswith(("val/", "timing/"))):
         values = scalars[tag]
         print(f"{tag}: last {values[-1]:.4f}" + (f", mean {sum(values) / len(values):.4f}" if len(values) > 1 else ""))
