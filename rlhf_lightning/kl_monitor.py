@@ -217,7 +217,8 @@ class KLGuard(Callback):
             if level.n >= self.warmup:
                 threshold = self.spike_factor * max(level.value, self.min_level)
                 if value > threshold:
-                    out.append(f"{name} = {value:.4g} > {self.spike_factor:g} x running level {level.value:.4g}")
+                    floor = f" (floored at min_level {self.min_level:g})" if level.value < self.min_level else ""
+                    out.append(f"{name} = {value:.4g} > {self.spike_factor:g} x running level {level.value:.4g}{floor}")
         return out
 
     def _enforce(self, trainer, pl_module, iteration: int, cause: str) -> bool:
