@@ -87,6 +87,12 @@ class PPORLHF(LightningModule):
         do_sample: sample (PPO) or decode greedily (evaluation; tests that need rollouts that
             depend on the weights alone).
         max_prompt_length: longest rendered prompt in tokens; longer prompts are an error.
+        old_logprobs: where log pi_old (and a shared critic's V_old) come from: ``forward``, one
+            batched forward of the policy, bit-identical to the update's first forward (so the
+            KL to an identical reference is exactly 0 and the first ratio exactly 1), or
+            ``sampler``, the logits ``generate`` computed while sampling: no extra forward pass
+            (~10% of a LoRA iteration on CPU), equal to a fresh forward up to float rounding
+            (~1e-6 in fp32, more under bf16 autocast, where cached decoding rounds differently).
         use_chat_template: render prompts with the tokenizer's chat template when it has one.
         ppo_epochs / num_minibatches / gradient_accumulation_steps: passes over each rollout,
             minibatches per pass (one optimizer step each), micro-batches per minibatch.
@@ -123,6 +129,7 @@ class PPORLHF(LightningModule):
         do_sample: bool = True,
         temperature: float = 1.0,
         max_prompt_length: int = 256,
+        old_logprobs: Literal["sampler", "forward"] = "forward",
         use_chat_template: bool = True,
         ppo_epochs: int = 4,
         num_minibatches: int = 1,
@@ -162,6 +169,7 @@ class PPORLHF(LightningModule):
         require(max_new_tokens >= 1, "model.max_new_tokens", ">= 1", max_new_tokens)
         require(0 <= min_new_tokens <= max_new_tokens, "model.min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
         require(temperature > 0, "model.temperature", "> 0", temperature)
+        require(old_logprobs in ("sampler", "forward"), "model.old_logprobs", "'sampler' or 'forward'", old_logprobs)
         for name in ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults"):
             require(locals()[name] >= 1, f"model.{name}", "an integer >= 1", locals()[name])
         require(cliprange > 0 and cliprange_value > 0, "model.cliprange and cliprange_value", "> 0", (cliprange, cliprange_value))
@@ -295,16 +303,20 @@ class PPORLHF(LightningModule):
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], timer: Optional["_Timer"] = None) -> Rollout:
-        """Sample one response per prompt (timed as ``rollout``), then compute log pi_old,
-        log pi_ref and V_old with one batched forward each (timed as ``forward``)."""
+        """Sample one response per prompt (timed as ``rollout``), then log pi_old and V_old (from
+        the sampler's logits, or a batched forward) and log pi_ref (one batched forward of the
+        reference), timed as ``forward``."""
         timer = timer or _Timer(self.device)
         enc = self.encode_prompts(prompts)
+        from_sampler = self.hparams.old_logprobs == "sampler"
         # Sampling draws from its own seed per (run, rank, iteration): ranks sample independently,
         # and a resumed run draws the same responses without any generator state to restore.
         with timer("rollout"), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.generation_seed_base + 7919 * self.global_rank + 104729 * self.iteration)
             with self._generator() as generator:
-                sequences = generator.generate(**enc)  # (batch, prompt_len + new), right-padded with pad
+                out = generator.generate(**enc, return_dict_in_generate=True, output_logits=from_sampler,
+                                         output_hidden_states=from_sampler and self.critic.trunk is None)  # fmt: skip
+        sequences = out.sequences  # (batch, prompt_len + new), right-padded with pad
         prompt_len = enc["input_ids"].shape[1]
         response = sequences[:, prompt_len:]
         mask = pm.response_mask(response, self.tokenizer.eos_token_id)
@@ -315,7 +327,10 @@ class PPORLHF(LightningModule):
         input_ids = torch.cat([enc["input_ids"], response], dim=1)
         keep_logits = self.kl_estimator.needs_logits
         with timer("forward"):
-            logits, values = self.policy_outputs(input_ids, attention_mask, response.shape[1])
+            if from_sampler:
+                logits, values = self._sampler_outputs(out, input_ids, attention_mask, response.shape[1])
+            else:
+                logits, values = self.policy_outputs(input_ids, attention_mask, response.shape[1])
             with self._reference() as ref:
                 ref_logits = self.response_logits(ref, input_ids, attention_mask, response.shape[1])
         return Rollout(
@@ -460,6 +475,17 @@ class PPORLHF(LightningModule):
             logits, hidden = self.response_logits(self.policy, input_ids, attention_mask, response_len, True)
             return logits, self.critic(hidden=hidden)
         logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
+        values = self.critic(input_ids, attention_mask, _position_ids(attention_mask))
+        return logits, values[:, -response_len - 1 : -1]
+
+    def _sampler_outputs(self, out, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Tensor]:
+        """``policy_outputs`` from what ``generate`` already computed: its raw logits at each step,
+        and (shared critic) the last hidden state that produced them; a separate critic still
+        runs its own forward."""
+        logits = torch.stack(out.logits, dim=1).float() / self.hparams.temperature
+        if self.critic.trunk is None:  # step 0 holds the whole prompt, later steps one position
+            hidden = torch.stack([step[-1][:, -1] for step in out.hidden_states], dim=1)
+            return logits, self.critic(hidden=hidden)
         values = self.critic(input_ids, attention_mask, _position_ids(attention_mask))
         return logits, values[:, -response_len - 1 : -1]
 

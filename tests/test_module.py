@@ -257,3 +257,34 @@ def test_export_merges_lora_and_transformers_loads_it(tmp_path):
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, module.policy(input_ids=ids).logits, atol=1e-4)
     assert (tmp_path / "policy" / "tokenizer_config.json").exists()
+
+
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_tokenizer, critic, lora_rank):
+    """old_logprobs: sampler reuses generate's logits (and, with a shared critic, its last hidden
+    states): the rollout must equal the one that recomputes them with a forward pass, on the
+    same sampled tokens, with the chat template's in-prompt EOS tokens and left padding."""
+    rollouts = {}
+    for source in ("sampler", "forward"):
+        torch.manual_seed(0)
+        module = make_module(tokenizer="smollm2", tiny_config={"hidden_size": 32, "intermediate_size": 64},
+                             max_new_tokens=6, temperature=0.7, critic=critic, lora_rank=lora_rank, old_logprobs=source)  # fmt: skip
+        with torch.no_grad():
+            module.critic.head.weight.copy_(torch.linspace(-1, 1, module.critic.head.weight.numel()).view_as(module.critic.head.weight))
+            for name, p in module.policy.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+        rollouts[source] = module.rollout(PROMPTS)
+    sampler, forward = rollouts["sampler"], rollouts["forward"]
+    assert torch.equal(sampler.response, forward.response)
+    mask = forward.mask
+    assert mask.sum() > 10
+    for field in ("logprobs", "values", "entropy", "ref_logprobs"):
+        assert torch.allclose(getattr(sampler, field) * mask, getattr(forward, field) * mask, atol=1e-4), field
+    assert forward.values.abs().max() > 1e-3  # a zero value head would make the values check vacuous
+
+
+def test_unknown_old_logprobs_source_is_refused():
+    with pytest.raises(ValueError, match="model.old_logprobs must be 'sampler' or 'forward', got 'cache'"):
+        PPORLHF(policy="tiny", reward_model=char_reward(), old_logprobs="cache")

@@ -86,6 +86,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="response length (min_new_tokens is the same)")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the raw prompts, without the chat template")
     parser.add_argument("--num-minibatches", type=int, default=1, help="minibatches (optimizer steps) per PPO epoch")
+    parser.add_argument("--old-logprobs", choices=("forward", "sampler"), default="forward",
+                        help="model.old_logprobs: recompute log pi_old with a forward pass, or reuse the sampler's logits")
     parser.add_argument("--critic", choices=("separate", "shared"), help="critic trunk (default: full separate, lora shared)")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of --mode lora (alpha = 2 * rank)")
     parser.add_argument("--reward", default="sentiment", help="reward backend name")
@@ -111,7 +113,7 @@ def worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
     """The command line of one mode's runs: this script with every setting spelled out."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--ppo-epochs"]
     argv += [str(epochs) for epochs in args.ppo_epochs]
-    for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "critic",
+    for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "critic", "old_logprobs",
                  "lora_rank", "reward", "device", "threads", "profile_rows"):  # fmt: skip
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -204,6 +206,10 @@ def bench_module_class():
         def policy_outputs(self, *args, **kwargs):
             with self.clock("score_policy", within="score"):  # not the forwards of the update
                 return super().policy_outputs(*args, **kwargs)
+
+        def _sampler_outputs(self, *args, **kwargs):  # old_logprobs: sampler
+            with self.clock("score_policy", within="score"):
+                return super()._sampler_outputs(*args, **kwargs)
 
         @contextlib.contextmanager
         def _reference(self):
@@ -310,7 +316,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     module = bench_module_class()(
         policy=args.policy, reward_model=args.reward, max_new_tokens=args.max_new_tokens,
         min_new_tokens=args.max_new_tokens, use_chat_template=not args.no_chat_template,
-        ppo_epochs=ppo_epochs, num_minibatches=args.num_minibatches, critic=critic,
+        ppo_epochs=ppo_epochs, num_minibatches=args.num_minibatches, critic=critic, old_logprobs=args.old_logprobs,
         lora_rank=args.lora_rank if lora else 0, lora_alpha=2.0 * args.lora_rank, log_samples_every_n_steps=0,
     )  # fmt: skip
     prompts = builtin_prompts(args.batch_size)
@@ -333,7 +339,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     enc = module.last_encoding
     return {
         "mode": args.mode, "ppo_epochs": ppo_epochs, "num_minibatches": args.num_minibatches,
-        "critic": critic, "policy": args.policy, "threads": torch.get_num_threads(),
+        "critic": critic, "old_logprobs": args.old_logprobs, "policy": args.policy, "threads": torch.get_num_threads(),
         "batch": int(enc["input_ids"].shape[0]), "prompt_len": int(enc["input_ids"].shape[1]),
         "prompt_len_mean": float(enc["attention_mask"].sum(-1).float().mean()),
         "response_len": int(module.last_rollout.response.shape[1]),
@@ -459,7 +465,7 @@ def format_table(results: Sequence[dict]) -> str:
     lines = [
         f"policy {r0['policy']}, batch {r0['batch']}, prompt {r0['prompt_len']} tokens padded "
         f"({r0['prompt_len_mean']:.1f} real on average), {r0['response_len']} new tokens, "
-        f"{r0['num_minibatches']} minibatch(es), {r0['threads']} thread(s); seconds are medians over "
+        f"{r0['num_minibatches']} minibatch(es), old log-probs from {r0['old_logprobs']}, {r0['threads']} thread(s); seconds are medians over "
         f"{len(r0['iterations'])} iterations, floors measured after each (medians need not add up)",
         "",
         "| mode | critic | epochs | iter s | rollout | score | (old+V fwd | ref fwd | reward, KL, rest) | advantages | update | other "
