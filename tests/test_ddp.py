@@ -9,7 +9,7 @@ from helpers import REPO
 from test_resume import run_cli
 
 GLOBAL_BATCH = 8
-COMPARED = ("objective/reward", "objective/kl", "objective/kl_max", "objective/beta", "objective/entropy", "response/length")
+COMPARED = ("objective/reward", "objective/kl", "objective/kl_max", "objective/beta", "objective/entropy", "response/length", "value/loss")
 
 
 def run(root, devices: int):
@@ -18,6 +18,9 @@ def run(root, devices: int):
     result = run_cli(
         root, f"--trainer.devices={devices}", "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
         f"--data.batch_size={GLOBAL_BATCH // devices}", "--trainer.limit_train_batches=4", "--model.do_sample=false",
+        # One minibatch: with more, one process and two draw differently composed minibatches.
+        # A reward the greedy answers earn from the start, so the policy really moves.
+        "--model.num_minibatches=1", "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
         "--trainer.callbacks+=fault_callbacks.RecordBeta", f"--trainer.callbacks.path={root / 'beta.txt'}",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
@@ -35,6 +38,7 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
     assert all(by_rank[0] == by_rank[1] for by_rank in betas.values()), betas  # bit-identical on both ranks
     # Greedy rollouts make the responses a function of the weights alone; every statistic is global
     # and the loss is the global token mean, so the runs differ only by float summation order.
+    assert ddp["objective/kl"][-1] > 1 and ddp["objective/reward"][-1] > 2 * ddp["objective/reward"][0]  # it learns
     for name in COMPARED:
         for a, b in zip(single[name], ddp[name], strict=True):
             assert math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-4), (name, single[name], ddp[name])
