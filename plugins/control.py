@@ -6,16 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from rlhf_lightning.interfaces import BetaController, KLUnit, require
+from rlhf_lightning.interfaces import BetaController, KLUnit, finite_number, require
 from rlhf_lightning.registry import register
 
 # KL / target is floored here before the log: the k1 estimator's KL can be 0 or negative,
 # and it is exactly 0 on the first iteration, when the policy still equals the reference.
 KL_RATIO_FLOOR = 1e-6
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 @register("beta_controller", "pid", description="PID controller on log(beta) toward a KL target, with anti-windup")
@@ -58,14 +54,14 @@ class PIDBeta(BetaController):
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, unit)
-        require(_finite(target) and target > 0, "beta_controller.target", "a finite number > 0", target)
+        require(finite_number(target) and target > 0, "beta_controller.target", "a finite number > 0", target)
         for name, gain in (("kp", kp), ("ki", ki), ("kd", kd)):
-            require(_finite(gain) and gain >= 0, f"beta_controller.{name}", "a finite number >= 0", gain)
+            require(finite_number(gain) and gain >= 0, f"beta_controller.{name}", "a finite number >= 0", gain)
         require(integral_limit >= 0, "beta_controller.integral_limit", ">= 0", integral_limit)
         require(error_clip > 0, "beta_controller.error_clip", "> 0", error_clip)
         # log(beta) must exist: beta_min > 0, unlike the other controllers.
-        require(_finite(beta_min) and beta_min > 0, "beta_controller.beta_min", "a finite number > 0 (the PID acts on log beta)", beta_min)
-        require(_finite(beta_max) and beta_max >= beta_min, "beta_controller.beta_max", f">= beta_min={beta_min}", beta_max)
+        require(finite_number(beta_min) and beta_min > 0, "beta_controller.beta_min", "a finite number > 0 (the PID acts on log beta)", beta_min)
+        require(finite_number(beta_max) and beta_max >= beta_min, "beta_controller.beta_max", f">= beta_min={beta_min}", beta_max)
         require(beta_min <= init_beta <= beta_max, "beta_controller.init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta)
         self.target, self.kp, self.ki, self.kd = float(target), float(kp), float(ki), float(kd)
         self.integral_limit, self.error_clip = float(integral_limit), float(error_clip)
@@ -123,11 +119,11 @@ class DualBeta(BetaController):
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, unit)
-        require(_finite(target) and target > 0, "beta_controller.target", "a finite number > 0", target)
-        require(_finite(lr) and lr > 0, "beta_controller.lr", "a finite number > 0", lr)
+        require(finite_number(target) and target > 0, "beta_controller.target", "a finite number > 0", target)
+        require(finite_number(lr) and lr > 0, "beta_controller.lr", "a finite number > 0", lr)
         if beta_max is not None:
             requirement = f"a finite number >= init_beta={init_beta}, or null"
-            require(_finite(beta_max) and beta_max >= init_beta, "beta_controller.beta_max", requirement, beta_max)
+            require(finite_number(beta_max) and beta_max >= init_beta, "beta_controller.beta_max", requirement, beta_max)
         self.target, self.lr = float(target), float(lr)
         self.beta_max = None if beta_max is None else float(beta_max)
 

@@ -19,6 +19,11 @@ from rlhf_lightning.registry import register_kind
 KLUnit = Literal["sequence_sum", "token_mean"]
 
 
+def finite_number(value: Any) -> bool:
+    """An int or float that is neither inf nor nan (what a numeric setting must be)."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def require(condition: bool, field: str, requirement: str, value: Any) -> None:
     """Unless ``condition``: ``ValueError("<field> must be <requirement>, got <value>")``, the one
     shape of every configuration error (``field`` as the user writes it: ``model.lr``,
@@ -61,8 +66,7 @@ class BetaController(ABC):
     """
 
     def __init__(self, init_beta: float = 0.1, unit: KLUnit = "sequence_sum") -> None:
-        finite = isinstance(init_beta, (int, float)) and math.isfinite(init_beta)
-        require(finite and init_beta >= 0, "beta_controller.init_beta", "a finite number >= 0", init_beta)
+        require(finite_number(init_beta) and init_beta >= 0, "beta_controller.init_beta", "a finite number >= 0", init_beta)
         require(unit in ("sequence_sum", "token_mean"), "beta_controller.unit", "'sequence_sum' or 'token_mean'", unit)
         self.beta = float(init_beta)
         self.unit = unit

@@ -475,8 +475,12 @@ class PPORLHF(LightningModule):
             logits, hidden = self.response_logits(self.policy, input_ids, attention_mask, response_len, True)
             return logits, self.critic(hidden=hidden)
         logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
+        return logits, self._critic_values(input_ids, attention_mask, response_len)
+
+    def _critic_values(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
+        """A separate critic's V(s_t) before each response token, (batch, response_len)."""
         values = self.critic(input_ids, attention_mask, _position_ids(attention_mask))
-        return logits, values[:, -response_len - 1 : -1]
+        return values[:, -response_len - 1 : -1]
 
     def _sampler_outputs(self, out, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Tensor]:
         """``policy_outputs`` from what ``generate`` already computed: its raw logits at each step,
@@ -486,8 +490,7 @@ class PPORLHF(LightningModule):
         if self.critic.trunk is None:  # step 0 holds the whole prompt, later steps one position
             hidden = torch.stack([step[-1][:, -1] for step in out.hidden_states], dim=1)
             return logits, self.critic(hidden=hidden)
-        values = self.critic(input_ids, attention_mask, _position_ids(attention_mask))
-        return logits, values[:, -response_len - 1 : -1]
+        return logits, self._critic_values(input_ids, attention_mask, response_len)
 
     @contextlib.contextmanager
     def _generator(self):

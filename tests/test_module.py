@@ -13,6 +13,14 @@ from rlhf_lightning.module import PPORLHF
 PROMPTS = ["Write a short review of a train journey.", "Hi", "Describe a snowy weekend in two sentences.", "Go"]
 
 
+def push_adapter(module, std: float = 0.5) -> None:
+    """Move every LoRA B matrix away from its zero init, the same way whatever the global RNG."""
+    with torch.no_grad():
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * std)
+
+
 def test_sampler_and_forward_logprobs_agree_with_chat_template(smollm2_tokenizer):
     """PPO's ratio is only right if the forward pass scores tokens exactly as the sampler drew them.
 
@@ -86,9 +94,7 @@ def test_lora_reference_is_the_adapter_disabled_policy():
     ids, attn = enc["input_ids"], enc["attention_mask"]
     with torch.no_grad():
         base = module.response_logits(module.policy.get_base_model(), ids, attn, 3)
-        for name, p in module.policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)  # move the adapter away from zero
+        push_adapter(module)
         policy = module.response_logits(module.policy, ids, attn, 3)
         with module._reference() as ref:
             reference = module.response_logits(ref, ids, attn, 3)
@@ -107,10 +113,7 @@ def test_lora_generation_with_merged_adapter_samples_the_policy_and_restores_the
     for merge in (True, False):
         torch.manual_seed(0)  # peft draws lora_A from the global generator
         module = make_module(lora_rank=4, merge_lora_for_generation=merge, max_new_tokens=8, seed=3)
-        with torch.no_grad():
-            for name, p in module.policy.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+        push_adapter(module)
         base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "base_layer" in n}
         rollout = module.rollout(PROMPTS)
         responses[merge] = rollout.response
@@ -247,10 +250,7 @@ def test_export_merges_lora_and_transformers_loads_it(tmp_path):
     from rlhf_lightning.callbacks import export_policy
 
     module = make_module(lora_rank=4)
-    with torch.no_grad():
-        for name, p in module.policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
+    push_adapter(module)
     export_policy(module, tmp_path / "policy")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
     ids = torch.tensor([[5, 6, 7, 8]])
@@ -272,9 +272,7 @@ def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_
                              max_new_tokens=6, temperature=0.7, critic=critic, lora_rank=lora_rank, old_logprobs=source)  # fmt: skip
         with torch.no_grad():
             module.critic.head.weight.copy_(torch.linspace(-1, 1, module.critic.head.weight.numel()).view_as(module.critic.head.weight))
-            for name, p in module.policy.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+        push_adapter(module)
         rollouts[source] = module.rollout(PROMPTS)
     sampler, forward = rollouts["sampler"], rollouts["forward"]
     assert torch.equal(sampler.response, forward.response)
