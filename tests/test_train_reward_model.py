@@ -89,3 +89,33 @@ def test_sampled_pairs_are_labelled_by_the_gold_scorer_and_cached(tmp_path, caps
     second = train_reward_model.main(args)
     assert "reusing" in capsys.readouterr().out
     assert (second["train_pairs"], second["val_pairs"]) == (first["train_pairs"], first["val_pairs"])
+
+
+def test_relabel_orders_the_given_responses_by_the_new_gold(tmp_path, capsys):
+    """--relabel keeps a file's responses but lets --gold pick the chosen one: with gold = count of
+    "e", a pair labelled the other way round is flipped, an equal pair dropped, the rest kept."""
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": "A.", "chosen": "eee", "rejected": "e"},  # agrees with the gold: kept as is
+        {"prompt": "B.", "chosen": "x", "rejected": "eeee"},  # disagrees: flipped
+        {"prompt": "C.", "chosen": "ee", "rejected": "e e"},  # a tie for the gold: dropped
+    ]
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "rm"
+    args = ["--trunk", "tiny", "--pairs", str(pairs), "--relabel", "--gold", "rlhf_lightning_plugins.toy_rewards:char_count",
+            "--val-fraction", "0.5", "--epochs", "1", "--out", str(out), "--threads", "1"]  # fmt: skip
+    result = train_reward_model.main(args)
+
+    relabelled = train_reward_model.read_pairs(out / "pairs.jsonl")
+    assert [(p["prompt"], p["chosen"], p["rejected"], p["chosen_score"], p["rejected_score"]) for p in relabelled] == [
+        ("A.", "eee", "e", 3.0, 1.0),
+        ("B.", "eeee", "x", 4.0, 0.0),
+    ]
+    assert result["train_pairs"] + result["val_pairs"] == 2
+    assert "2 kept, 1 ties dropped, 1 flipped" in capsys.readouterr().out
+
+
+def test_relabel_without_pairs_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_reward_model.main(["--trunk", "tiny", "--relabel", "--out", str(tmp_path / "rm")])
+    assert "--relabel needs --pairs" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
     python tools/train_reward_model.py --trunk minilm --gold sentiment --num-prompts 150 --out runs/rm_sentiment
     python tools/train_reward_model.py --trunk smollm2 --train-layers 2 --pairs my_pairs.jsonl --out runs/rm_mine
+    python tools/train_reward_model.py --trunk minilm --pairs runs/rm_sentiment/pairs.jsonl --relabel --gold sentiment_relevance --out runs/rm_relevance
     python tools/train_reward_model.py --trunk tiny --pairs toy.jsonl --out /tmp/rm     # seconds (the tests)
 
 The reward model r(x, y) is the single logit of a sequence classifier on ``x + separator + y``,
@@ -27,6 +28,8 @@ by the gold scorer ``--gold`` (a registered reward backend such as ``sentiment``
 ``module:function(prompts, responses) -> scores``); ties are dropped. Sampled pairs are cached in
 ``<out>/pairs.jsonl`` (itself a valid ``--pairs`` file) and reused by a re-run with the same
 sampling settings. The held-out split (``--val-fraction``) is by prompt, so no prompt is in both.
+``--pairs file.jsonl --relabel`` keeps the file's responses but orders each pair by ``--gold``
+(ties dropped; the result is written to ``<out>/pairs.jsonl``): one sampling serves many gold scorers.
 
 Writes ``<out>/model`` (classifier and tokenizer, pad token set) and TensorBoard logs under
 ``<out>/lightning_logs``: ``train/loss``, ``train/accuracy`` per step, ``val/loss`` and
@@ -212,15 +215,36 @@ def sample_pairs(
         with torch.no_grad():
             sequences = sampler.policy.generate(**enc, num_return_sequences=2)  # (2 * batch, ...): a prompt's two samples adjacent
         responses = sampler.tokenizer.batch_decode(sequences[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        scores = sampler.reward_model.checked_scores([p for p in batch for _ in range(2)], responses).view(-1, 2)
-        for prompt, (a, b), (score_a, score_b) in zip(batch, zip(responses[0::2], responses[1::2]), scores.tolist()):
-            if score_a == score_b:
-                ties += 1
-                continue
-            (chosen, c), (rejected, r) = sorted([(a, score_a), (b, score_b)], key=lambda t: -t[1])
-            pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "chosen_score": c, "rejected_score": r})
+        labelled, dropped = judge_pairs(batch, responses[0::2], responses[1::2], sampler.reward_model)
+        pairs, ties = pairs + labelled, ties + dropped
         print(f"sampled {min(start + batch_size, len(prompts))}/{len(prompts)} prompts: {len(pairs)} pairs, {ties} ties, {time.perf_counter() - started:.0f} s", flush=True)
     return pairs, ties
+
+
+def judge_pairs(prompts: Sequence[str], first: Sequence[str], second: Sequence[str], gold) -> tuple[list[dict], int]:
+    """Pairs ordered by the gold scorer (the higher score is ``chosen``); returns (pairs, ties dropped)."""
+    scores = gold.checked_scores([p for p in prompts for _ in range(2)], [r for ab in zip(first, second) for r in ab])
+    pairs, ties = [], 0
+    for prompt, a, b, (score_a, score_b) in zip(prompts, first, second, scores.view(-1, 2).tolist()):
+        if score_a == score_b:
+            ties += 1
+            continue
+        (chosen, c), (rejected, r) = sorted([(a, score_a), (b, score_b)], key=lambda t: -t[1])
+        pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "chosen_score": c, "rejected_score": r})
+    return pairs, ties
+
+
+def relabelled_pairs(args: argparse.Namespace) -> list[dict]:
+    """The responses of ``--pairs`` judged again by ``--gold`` (written to ``<out>/pairs.jsonl``)."""
+    given = read_pairs(args.pairs)
+    gold = build_gold(args.gold)
+    gold.setup(torch.device("cpu"))
+    pairs, ties = judge_pairs([p["prompt"] for p in given], [p["chosen"] for p in given], [p["rejected"] for p in given], gold)
+    old_choices = {(g["prompt"], g["chosen"]) for g in given}
+    flipped = sum((p["prompt"], p["chosen"]) not in old_choices for p in pairs)
+    print(f"relabelled {len(given)} pairs from {args.pairs} with gold scorer {args.gold}: {len(pairs)} kept, {ties} ties dropped, {flipped} flipped")
+    write_jsonl(args.out / "pairs.jsonl", pairs)
+    return pairs
 
 
 def cached_or_sampled_pairs(args: argparse.Namespace) -> list[dict]:
@@ -265,6 +289,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--trunk", choices=list(TRUNK_DEFAULTS), default="minilm")
     p.add_argument("--out", type=Path, default=Path("runs/reward_model"), help="output folder (model, logs, pair cache)")
     p.add_argument("--pairs", help="jsonl of {prompt, chosen, rejected}; default: sample pairs from --policy")
+    p.add_argument("--relabel", action="store_true", help="order the responses of --pairs by --gold instead of their labels")
     p.add_argument("--policy", default="smollm2", help="reference model spec that samples the responses")
     p.add_argument("--gold", default="sentiment", help="gold scorer: a reward backend name or module:function")
     p.add_argument("--prompts", default=str(BUILTIN_TRAIN), help="prompt file (default: the built-in training prompts)")
@@ -283,6 +308,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args(argv)
+    if args.relabel and not args.pairs:
+        p.error("--relabel needs --pairs (the pairs whose responses --gold judges again)")
     if not 0 < args.val_fraction < 1:
         p.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     for name in ("epochs", "batch_size", "num_prompts", "max_new_tokens", "sample_batch_size", "max_length"):
@@ -300,7 +327,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    pairs = read_pairs(args.pairs) if args.pairs else cached_or_sampled_pairs(args)
+    if args.relabel:
+        pairs = relabelled_pairs(args)
+    else:
+        pairs = read_pairs(args.pairs) if args.pairs else cached_or_sampled_pairs(args)
     train_pairs, val_pairs = split_by_prompt(pairs, args.val_fraction, args.seed)
 
     seed_everything(args.seed, verbose=False)
