@@ -24,7 +24,8 @@ def run(root, devices: int):
         "--trainer.callbacks+=fault_callbacks.RecordBeta", f"--trainer.callbacks.path={root / 'beta.txt'}",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    return read_scalars(str(root / "lightning_logs" / "version_0")), (root / "beta.txt").read_text().split("\n")
+    scalars = read_scalars(str(root / "lightning_logs" / "version_0"))
+    return {tag: list(by_step.values()) for tag, by_step in scalars.items()}, (root / "beta.txt").read_text().split("\n")
 
 
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
