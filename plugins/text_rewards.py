@@ -213,9 +213,9 @@ class SentimentRelevanceReward(PromptRelevanceReward):
     so does an on-topic answer in a furious tone.
 
     Made as the gold scorer of the over-optimisation experiment (``configs/overoptimisation.yaml``):
-    a proxy reward model learned from its preferences sees mostly the sentiment half (the reference
-    policy's answers are all roughly on topic), and PPO on that proxy drifts into cheerful
-    templates that fit any prompt, which this score catches and VADER alone does not.
+    PPO on a proxy learned from VADER's preferences drifts into cheerful templates that fit any
+    prompt, which this score catches and VADER alone does not. It is itself a cheap judge: a
+    policy that echoes the prompt's words in upbeat, broken sentences still scores well.
     Options as in :class:`PromptRelevanceReward`.
     """
 

@@ -119,3 +119,14 @@ def test_relabel_without_pairs_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_reward_model.main(["--trunk", "tiny", "--relabel", "--out", str(tmp_path / "rm")])
     assert "--relabel needs --pairs" in capsys.readouterr().err
+
+
+def test_response_only_pairs_are_the_responses_alone():
+    """--response-only trains on the text HFClassifierReward(include_prompt=False) scores: the response alone."""
+    _, tokenizer = train_reward_model.load_trunk("tiny")
+    pairs = [{"prompt": "Say hi.", "chosen": "hello there", "rejected": "no"}]
+    blind = train_reward_model.collate_pairs(pairs, tokenizer, "\n", 64, include_prompt=False)
+    seeing = train_reward_model.collate_pairs(pairs, tokenizer, "\n", 64)
+    expected = tokenizer(["hello there", "no"], return_tensors="pt", padding=True)
+    assert blind["input_ids"].tolist() == expected["input_ids"].tolist()
+    assert seeing["input_ids"].tolist() == tokenizer(["Say hi.\nhello there", "Say hi.\nno"], return_tensors="pt", padding=True)["input_ids"].tolist()

@@ -6,7 +6,8 @@
     python tools/train_reward_model.py --trunk tiny --pairs toy.jsonl --out /tmp/rm     # seconds (the tests)
 
 The reward model r(x, y) is the single logit of a sequence classifier on ``x + separator + y``,
-the text ``HFClassifierReward(include_prompt=True)`` scores. Bradley-Terry models a preference
+the text ``HFClassifierReward(include_prompt=True)`` scores (with ``--response-only``: on ``y``
+alone, a reward model blind to the prompt, for ``include_prompt: false``). Bradley-Terry models a preference
 as P(y_c > y_r | x) = sigmoid(r(x, y_c) - r(x, y_r)); training minimises, over pairs,
 
     loss = -log sigmoid(r(x, y_c) - r(x, y_r))
@@ -143,9 +144,10 @@ def freeze_lower_layers(model: torch.nn.Module, train_layers: Optional[int]) -> 
         module.requires_grad_(False)
 
 
-def collate_pairs(pairs: list[dict], tokenizer, separator: str, max_length: int) -> dict[str, torch.Tensor]:
-    """Tokenize prompt + separator + chosen for every pair, then the same with rejected, as one padded batch."""
-    texts = [p["prompt"] + separator + p[side] for side in ("chosen", "rejected") for p in pairs]
+def collate_pairs(pairs: list[dict], tokenizer, separator: str, max_length: int, include_prompt: bool = True) -> dict[str, torch.Tensor]:
+    """Tokenize prompt + separator + chosen (or chosen alone) for every pair, then the same with
+    rejected, as one padded batch: the texts ``HFClassifierReward(include_prompt=...)`` scores."""
+    texts = [p["prompt"] + separator + p[side] if include_prompt else p[side] for side in ("chosen", "rejected") for p in pairs]
     enc = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_length)
     return dict(enc)
 
@@ -304,6 +306,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--train-layers", type=int, help="top transformer blocks to train (default: 2 for smollm2, all otherwise)")
     p.add_argument("--max-length", type=int, default=512, help="truncation length in reward-model tokens")
+    p.add_argument("--response-only", action="store_true",
+                   help="score the response alone, blind to the prompt (use with HFClassifierReward include_prompt: false)")
     p.add_argument("--separator", default="\n", help="between prompt and response (HFClassifierReward's separator)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -336,7 +340,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     seed_everything(args.seed, verbose=False)
     model, tokenizer = load_trunk(args.trunk, args.seed)
     freeze_lower_layers(model, args.train_layers)
-    collate = partial(collate_pairs, tokenizer=tokenizer, separator=args.separator, max_length=args.max_length)
+    collate = partial(collate_pairs, tokenizer=tokenizer, separator=args.separator, max_length=args.max_length,
+                      include_prompt=not args.response_only)  # fmt: skip
     train_loader = DataLoader(train_pairs, batch_size=args.batch_size, shuffle=True, collate_fn=collate)
     val_loader = DataLoader(val_pairs, batch_size=2 * args.batch_size, collate_fn=collate)
     module = BradleyTerryRewardModel(model, args.lr, args.weight_decay)
@@ -355,7 +360,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     print(f"wall time {time.perf_counter() - started:.0f} s")
-    print(f"REWARD_MODEL val_accuracy={after:.4f} train_pairs={len(train_pairs)} val_pairs={len(val_pairs)} path={path}")
+    print(f"REWARD_MODEL val_accuracy={after:.4f} train_pairs={len(train_pairs)} val_pairs={len(val_pairs)} path={path}"
+          + (" include_prompt=false" if args.response_only else ""))  # fmt: skip
     return {"val_accuracy_before": before, "val_accuracy": after, "train_pairs": len(train_pairs),
             "val_pairs": len(val_pairs), "path": path}  # fmt: skip
 
