@@ -115,6 +115,22 @@ def test_relabel_orders_the_given_responses_by_the_new_gold(tmp_path, capsys):
     assert "2 kept, 1 ties dropped, 1 flipped" in capsys.readouterr().out
 
 
+def test_relabel_never_overwrites_the_pairs_it_reads_or_a_sampled_cache(tmp_path):
+    out = tmp_path / "rm"
+    out.mkdir()
+    pairs = out / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "A.", "chosen": "eee", "rejected": "e"}) + "\n")
+    args = ["--trunk", "tiny", "--relabel", "--gold", "rlhf_lightning_plugins.toy_rewards:char_count", "--out", str(out)]
+    with pytest.raises(ValueError, match="would overwrite the pairs"):
+        train_reward_model.main([*args, "--pairs", str(pairs)])
+    elsewhere = tmp_path / "given.jsonl"
+    elsewhere.write_text(pairs.read_text())
+    (out / "pairs_meta.json").write_text("{}")  # out holds a sampled cache
+    with pytest.raises(ValueError, match="would overwrite the pairs"):
+        train_reward_model.main([*args, "--pairs", str(elsewhere)])
+    assert pairs.read_text() == elsewhere.read_text()
+
+
 def test_relabel_without_pairs_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_reward_model.main(["--trunk", "tiny", "--relabel", "--out", str(tmp_path / "rm")])

@@ -238,6 +238,9 @@ def judge_pairs(prompts: Sequence[str], first: Sequence[str], second: Sequence[s
 
 def relabelled_pairs(args: argparse.Namespace) -> list[dict]:
     """The responses of ``--pairs`` judged again by ``--gold`` (written to ``<out>/pairs.jsonl``)."""
+    target = args.out / "pairs.jsonl"
+    if (args.out / "pairs_meta.json").exists() or target.resolve() == Path(args.pairs).expanduser().resolve():
+        raise ValueError(f"--relabel would overwrite the pairs in {args.out} (sampled or read); choose another --out")
     given = read_pairs(args.pairs)
     gold = build_gold(args.gold)
     gold.setup(torch.device("cpu"))
@@ -245,7 +248,7 @@ def relabelled_pairs(args: argparse.Namespace) -> list[dict]:
     old_choices = {(g["prompt"], g["chosen"]) for g in given}
     flipped = sum((p["prompt"], p["chosen"]) not in old_choices for p in pairs)
     print(f"relabelled {len(given)} pairs from {args.pairs} with gold scorer {args.gold}: {len(pairs)} kept, {ties} ties dropped, {flipped} flipped")
-    write_jsonl(args.out / "pairs.jsonl", pairs)
+    write_jsonl(target, pairs)
     return pairs
 
 
