@@ -213,8 +213,8 @@ class SentimentRelevanceReward(PromptRelevanceReward):
     so does an on-topic answer in a furious tone.
 
     Made as the gold scorer of the over-optimisation experiment (``configs/overoptimisation.yaml``):
-    PPO on a proxy learned from VADER's preferences drifts into cheerful templates that fit any
-    prompt, which this score catches and VADER alone does not. It is itself a cheap judge: a
+    PPO on a proxy learned from its labels but reading the answer alone (or from VADER's labels)
+    drifts into cheerful lines that fit any prompt, which this score catches and VADER alone does not. It is itself a cheap judge: a
     policy that echoes the prompt's words in upbeat, broken sentences still scores well.
     Options as in :class:`PromptRelevanceReward`.
     """
