@@ -110,8 +110,8 @@ class SentenceEmbeddingReward(RewardModel):
 
     def embed(self, texts: Sequence[str]) -> Tensor:
         """L2-normalised mean-pooled embeddings, shape (len(texts), hidden), float32 on the model's device."""
-        if self.model is None:  # used without setup(): load on the CPU (outside inference mode)
-            self.setup(self.device)
+        if self.model is None:  # used without setup(): load on the CPU (outside inference mode); a
+            self.setup(self.device)  # subclass's setup() also embeds what it compares against
         chunks = [torch.empty(0, self.model.config.hidden_size, device=self.device)]  # so no texts -> (0, hidden)
         with torch.inference_mode():
             for start in range(0, len(texts), self.batch_size):
@@ -155,9 +155,7 @@ class EmbeddingSimilarityReward(SentenceEmbeddingReward):
         self.target_embedding = self.embed([self.target])[0]
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
-        embeddings = self.embed(responses)  # (batch, hidden); loads the model first if needed
-        if self.target_embedding is None:
-            self.target_embedding = self.embed([self.target])[0]
+        embeddings = self.embed(responses)  # (batch, hidden); without setup() yet, runs it (and embeds the target)
         with torch.inference_mode():
             return (embeddings @ self.target_embedding).cpu()
 
@@ -195,10 +193,9 @@ class PromptRelevanceReward(SentenceEmbeddingReward):
         self.pool_mean = self.embed(self.pool).mean(0)
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
-        if self.pool_mean is None:
-            self.setup(self.device)
+        responses_e = self.embed(responses)  # (batch, hidden); without setup() yet, runs it (and embeds the pool)
         with torch.inference_mode():
-            return (self.embed(responses) * (self.embed(prompts) - self.pool_mean)).sum(-1).cpu()
+            return (responses_e * (self.embed(prompts) - self.pool_mean)).sum(-1).cpu()
 
 
 @register(

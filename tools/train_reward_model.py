@@ -191,11 +191,13 @@ def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
 
 
 def build_gold(spec: str):
-    """The gold scorer: a registered reward backend name, or ``module:function``."""
+    """The gold scorer, set up on the CPU: a registered reward backend name, or ``module:function``."""
     from rlhf_lightning.registry import registry
     from rlhf_lightning_plugins.reward_models import CallableReward
 
-    return CallableReward(function=spec) if ":" in spec else registry("reward_model").build(spec, "--gold")
+    gold = CallableReward(function=spec) if ":" in spec else registry("reward_model").build(spec, "--gold")
+    gold.setup(torch.device("cpu"))
+    return gold
 
 
 def sample_pairs(
@@ -208,7 +210,6 @@ def sample_pairs(
     sampler = PPORLHF(policy=policy, reward_model=build_gold(gold), critic="shared",
                       max_new_tokens=max_new_tokens, temperature=temperature)  # fmt: skip
     sampler.configure_model()
-    sampler.reward_model.setup(torch.device("cpu"))
     pairs, ties, started = [], 0, time.perf_counter()
     torch.manual_seed(seed)
     for start in range(0, len(prompts), batch_size):
@@ -243,7 +244,6 @@ def relabelled_pairs(args: argparse.Namespace) -> list[dict]:
         raise ValueError(f"--relabel would overwrite the pairs in {args.out} (sampled or read); choose another --out")
     given = read_pairs(args.pairs)
     gold = build_gold(args.gold)
-    gold.setup(torch.device("cpu"))
     pairs, ties = judge_pairs([p["prompt"] for p in given], [p["chosen"] for p in given], [p["rejected"] for p in given], gold)
     old_choices = {(g["prompt"], g["chosen"]) for g in given}
     flipped = sum((p["prompt"], p["chosen"]) not in old_choices for p in pairs)
