@@ -324,8 +324,13 @@ def train(
     **module_kwargs: Any,
 ) -> tuple[ExactPPORLHF, OptimumTracker]:
     """Train ExactPPORLHF with a Lightning Trainer on CPU; return the module and its tracker.
+    ``batch_size`` counts responses per iteration (prompts x ``num_generations``).
     ``lr_final`` < 1 decays the learning rates linearly to that fraction (LinearLRDecay)."""
     from lightning import Trainer, seed_everything
+
+    num_generations = module_kwargs.get("num_generations", 1)
+    if batch_size % num_generations:
+        raise ValueError(f"batch_size={batch_size} responses must be a multiple of num_generations={num_generations}")
 
     seed_everything(seed, verbose=False)
     module = ExactPPORLHF(task, seed=seed, **module_kwargs)
@@ -339,7 +344,7 @@ def train(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # matrices this small only lose time to thread hand-offs, several-fold on a busy CPU
     try:
-        trainer.fit(module, train_dataloaders=task.dataloader(iterations, batch_size))
+        trainer.fit(module, train_dataloaders=task.dataloader(iterations, batch_size // num_generations))
     finally:
         torch.set_num_threads(threads)
     return module, tracker

@@ -82,6 +82,37 @@ class BetaController(ABC):
         self.beta = float(state["beta"])
 
 
+class AdvantageEstimator(ABC):
+    """Turns one rollout's per-token rewards into advantages (and, with a critic, value targets).
+
+    The rollout holds ``group_size`` responses per prompt in consecutive rows (``model.num_generations``),
+    and ``rewards`` is R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in
+    the reward), shape (batch, response_len), zero off ``mask``. Class attributes declare what the
+    estimator needs, so the module can check a config at start-up:
+
+    - ``needs_critic``: it reads ``values`` (V(s_t) of the rollout) and returns value targets; a
+      critic-free estimator is called with ``values=None`` and returns ``(advantages, None)``.
+    - ``min_group_size``: the smallest ``num_generations`` it is defined for (2 for group baselines).
+    - ``whiten``: whether the module whitens its advantages over the global batch by default
+      (``model.whiten_advantages: null``); estimators that normalise themselves say False.
+    - ``loss_aggregation``: how the policy loss averages tokens: ``token_mean`` (over the
+      minibatch's tokens) or ``constant`` (sum over tokens / (responses * max_new_tokens), Dr. GRPO).
+    """
+
+    needs_critic: bool = False
+    min_group_size: int = 1
+    whiten: bool = False
+    loss_aggregation: Literal["token_mean", "constant"] = "token_mean"
+
+    @abstractmethod
+    def __call__(
+        self, rewards: Tensor, mask: Tensor, values: Optional[Tensor], group_size: int, sum_fn=None
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """``(advantages, returns)``, each (batch, response_len) and zero off ``mask``; ``returns``
+        (the critic's targets) is None for a critic-free estimator. ``sum_fn`` all-reduces sums
+        across ranks, for estimators that normalise over the global batch."""
+
+
 class RewardModel(ABC):
     """Scores responses: one float per (prompt, response) pair, from their decoded text.
 
@@ -209,3 +240,4 @@ class RunningMeanStd:
 register_kind("kl_estimator", KLEstimator)
 register_kind("beta_controller", BetaController)
 register_kind("reward_model", RewardModel)
+register_kind("advantage_estimator", AdvantageEstimator)

@@ -2,14 +2,16 @@
 
 One ``training_step`` is one PPO iteration on a batch of prompts x:
 
-1. rollout     y ~ pi_theta(. | x): KV-cached ``generate`` without gradients, sampling from the
-               untruncated policy (top_k = 0, top_p = 1) so log-probs match the sampler.
+1. rollout     y ~ pi_theta(. | x), ``num_generations`` responses per prompt: KV-cached ``generate``
+               without gradients, sampling from the untruncated policy (top_k = 0, top_p = 1) so
+               log-probs match the sampler.
 2. score       r_RM(x, y) from the reward backend on the decoded text; one batched forward
-               each for log pi_old, log pi_ref and the critic's V_old; per-token KL estimate
-               kl_t and per-token reward  R_t = r_RM * 1[t = T] - beta * kl_t.
-3. advantages  GAE(gamma, lambda) on R_t and V_old, whitened over the global batch.
-4. update      ppo_epochs passes over num_minibatches: clipped surrogate + vf_coef * clipped
-               value loss (+ beta * mean kl_t as a loss term when kl_penalty is 'loss'/'both').
+               each for log pi_old, log pi_ref and the critic's V_old (if there is a critic);
+               per-token KL estimate kl_t and per-token reward  R_t = r_RM * 1[t = T] - beta * kl_t.
+3. advantages  the advantage estimator plugin: GAE(gamma, lambda) on R_t and V_old, whitened over
+               the global batch (default), or a critic-free group / batch baseline (grpo, rloo, ...).
+4. update      ppo_epochs passes over num_minibatches: clipped surrogate (+ vf_coef * clipped
+               value loss with a critic) (+ beta * mean kl_t as a loss term when kl_penalty is 'loss'/'both').
 
 Then the beta controller sees the global mean KL (in its declared unit) and updates beta.
 
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.interfaces import BetaController, KLEstimator, RewardModel, require
+from rlhf_lightning.interfaces import AdvantageEstimator, BetaController, KLEstimator, RewardModel, require
 from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer
 from rlhf_lightning.registry import registry
 
@@ -58,7 +60,7 @@ class Rollout:
     ended_with_eos: Tensor  # (batch,) bool
     logprobs: Tensor  # log pi_old of the sampled tokens
     ref_logprobs: Tensor
-    values: Tensor
+    values: Optional[Tensor]  # V_old(s_t); None without a critic
     entropy: Tensor
     ref_logits: Optional[Tensor] = None  # (batch, response_len, vocab), only when the estimator needs it
     logits: Optional[Tensor] = None
@@ -77,6 +79,10 @@ class PPORLHF(LightningModule):
         reward_model: a registered reward backend name, or ``class_path``/``init_args``.
         kl_estimator: a registered KL estimator name (k1, k2, k3, abs, full, ...) or ``class_path``.
         beta_controller: a registered beta controller name (fixed, adaptive, band, ...) or ``class_path``.
+        advantage_estimator: a registered advantage estimator name (gae, grpo, dr_grpo, rloo,
+            reinforce_pp) or ``class_path``; GAE's gamma and lambda are its own arguments.
+        num_generations: responses sampled per prompt; a rollout holds prompts x num_generations
+            responses, each prompt's group in consecutive rows on one rank.
         kl_penalty: where beta * KL goes: into the per-token ``reward`` (PPO-RLHF), a separate
             ``loss`` term (GRPO style), or ``both``.
         kl_ignore_tokens: tokens left out of the KL penalty wherever they are sampled (e.g.
@@ -97,11 +103,14 @@ class PPORLHF(LightningModule):
         ppo_epochs / num_minibatches / gradient_accumulation_steps: passes over each rollout,
             minibatches per pass (one optimizer step each), micro-batches per minibatch.
         cliprange / cliprange_value: PPO ratio clip and value clip. vf_coef: value-loss weight.
-        gamma / lam: GAE discount and lambda. whiten_advantages: whiten over the global batch.
+        whiten_advantages: whiten the advantages over the global batch; null: the estimator's
+            default (gae: yes; the critic-free estimators normalise their own way: no).
         lr / critic_lr / weight_decay / max_grad_norm: AdamW settings and gradient clipping.
         optimizers: ``separate`` (one AdamW for the policy, one for the critic) or ``shared``.
-        critic: the value head's trunk: a ``separate`` copy of the policy's trunk, or ``shared``
+        critic: the value head's trunk: a ``separate`` copy of the policy's trunk, ``none`` (no
+            value head, loss or optimizer: the critic-free estimators), or ``shared``
             with the policy (one forward pass gives log-probs and values; see ValueModel).
+            null: ``separate`` for an estimator that needs a critic, else ``none``.
         lora_rank: 0 for full fine-tuning; > 0 trains a LoRA adapter and the reference is the
             same weights with the adapter disabled (no second copy in memory).
         merge_lora_for_generation: merge the adapter into the (fp32) base weights while sampling
@@ -121,6 +130,8 @@ class PPORLHF(LightningModule):
         reward_model: Union[RewardModel, str] = "callable",
         kl_estimator: Union[KLEstimator, str] = "k1",
         beta_controller: Union[BetaController, str] = "fixed",
+        advantage_estimator: Union[AdvantageEstimator, str] = "gae",
+        num_generations: int = 1,
         kl_penalty: Literal["reward", "loss", "both"] = "reward",
         kl_ignore_tokens: Optional[list[str]] = None,
         gold_reward_model: Union[RewardModel, str, None] = None,
@@ -137,15 +148,13 @@ class PPORLHF(LightningModule):
         cliprange: float = 0.2,
         cliprange_value: float = 0.2,
         vf_coef: float = 0.1,
-        gamma: float = 1.0,
-        lam: float = 0.95,
-        whiten_advantages: bool = True,
+        whiten_advantages: Optional[bool] = None,
         lr: float = 1e-5,
         critic_lr: Optional[float] = None,
         weight_decay: float = 0.0,
         max_grad_norm: Optional[float] = 1.0,
         optimizers: Literal["separate", "shared"] = "separate",
-        critic: Literal["separate", "shared"] = "separate",
+        critic: Optional[Literal["separate", "shared", "none"]] = None,
         lora_rank: int = 0,
         lora_alpha: float = 16.0,
         lora_target_modules: Optional[list[str]] = None,
@@ -162,6 +171,9 @@ class PPORLHF(LightningModule):
         self.reward_model: RewardModel = registry("reward_model").build(reward_model, "model.reward_model")
         self.kl_estimator: KLEstimator = registry("kl_estimator").build(kl_estimator, "model.kl_estimator")
         self.beta_controller: BetaController = registry("beta_controller").build(beta_controller, "model.beta_controller")
+        self.advantage_estimator: AdvantageEstimator = registry("advantage_estimator").build(
+            advantage_estimator, "model.advantage_estimator"
+        )
         self.gold_reward_model: Optional[RewardModel] = (
             None if gold_reward_model is None else registry("reward_model").build(gold_reward_model, "model.gold_reward_model")
         )
@@ -170,13 +182,23 @@ class PPORLHF(LightningModule):
         require(0 <= min_new_tokens <= max_new_tokens, "model.min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
         require(temperature > 0, "model.temperature", "> 0", temperature)
         require(old_logprobs in ("sampler", "forward"), "model.old_logprobs", "'sampler' or 'forward'", old_logprobs)
-        for name in ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults"):
+        for name in ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults",
+                     "num_generations"):  # fmt: skip
             require(locals()[name] >= 1, f"model.{name}", "an integer >= 1", locals()[name])
         require(cliprange > 0 and cliprange_value > 0, "model.cliprange and cliprange_value", "> 0", (cliprange, cliprange_value))
-        require(0 <= gamma <= 1 and 0 <= lam <= 1, "model.gamma and lam", "in [0, 1]", (gamma, lam))
         require(lr > 0 and (critic_lr is None or critic_lr > 0), "model.lr and critic_lr", "> 0", (lr, critic_lr))
         require(optimizers in ("separate", "shared"), "model.optimizers", "'separate' or 'shared'", optimizers)
-        require(critic in ("separate", "shared"), "model.critic", "'separate' or 'shared'", critic)
+        estimator = type(self.advantage_estimator).__name__
+        critic = critic or ("separate" if self.advantage_estimator.needs_critic else "none")
+        require(critic in ("separate", "shared", "none"), "model.critic", "'separate', 'shared', 'none' or null", critic)
+        require((critic != "none") == self.advantage_estimator.needs_critic, "model.critic",
+                f"{'separate or shared' if self.advantage_estimator.needs_critic else 'none'} with "
+                f"model.advantage_estimator {estimator}", critic)  # fmt: skip
+        require(critic != "none" or (critic_lr is None and optimizers == "separate"), "model.critic_lr and optimizers",
+                "unset without a critic (model.critic: none)", (critic_lr, optimizers))  # fmt: skip
+        require(num_generations >= self.advantage_estimator.min_group_size, "model.num_generations",
+                f">= {self.advantage_estimator.min_group_size} with model.advantage_estimator {estimator} "
+                "(its baseline is taken over each prompt's responses)", num_generations)  # fmt: skip
         require(lora_rank >= 0, "model.lora_rank", ">= 0", lora_rank)
         if kl_penalty == "reward" and not self.kl_estimator.unbiased_as_reward:
             rank_zero_warn(
@@ -184,7 +206,10 @@ class PPORLHF(LightningModule):
                 "(only k1's score-function gradient is the KL's); the policy converges away from the "
                 "KL-regularised optimum. Use kl_estimator k1 in the reward, or this estimator with kl_penalty: loss."
             )
-        self.save_hyperparameters(ignore=["reward_model", "kl_estimator", "beta_controller", "gold_reward_model"])
+        self.save_hyperparameters(ignore=["reward_model", "kl_estimator", "beta_controller", "gold_reward_model", "advantage_estimator"])
+        # Stored resolved, so checkpoints and the compatibility check see what was built.
+        self.hparams.critic = critic
+        self.hparams.whiten_advantages = self.advantage_estimator.whiten if whiten_advantages is None else whiten_advantages
         self.automatic_optimization = False
 
         self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), trust_remote_code)
@@ -214,7 +239,7 @@ class PPORLHF(LightningModule):
             temperature=hp.temperature, top_k=0, top_p=1.0,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
         )  # fmt: skip
-        self.critic = ValueModel.from_policy(policy, shared=hp.critic == "shared")
+        self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared")
         if hp.lora_rank > 0:
             from peft import LoraConfig, get_peft_model
 
@@ -233,6 +258,9 @@ class PPORLHF(LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         policy_params = [p for p in self.policy.parameters() if p.requires_grad]
+        # fused: one kernel per step instead of a dozen per tensor (2-3x faster steps on CPU).
+        if self.critic is None:
+            return torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=True)
         critic_params = list(self.critic.parameters())
         critic_lr = hp.critic_lr or hp.lr
         if hp.optimizers == "shared":
@@ -240,7 +268,6 @@ class PPORLHF(LightningModule):
                 [{"params": policy_params, "lr": hp.lr}, {"params": critic_params, "lr": critic_lr}],
                 weight_decay=hp.weight_decay, fused=True,
             )
-        # fused: one kernel per step instead of a dozen per tensor (2-3x faster steps on CPU).
         return [
             torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=True),
             torch.optim.AdamW(critic_params, lr=critic_lr, weight_decay=hp.weight_decay, fused=True),
@@ -261,6 +288,8 @@ class PPORLHF(LightningModule):
     # ------------------------------------------------------------------ the loop
     def training_step(self, prompts: list[str], batch_idx: int) -> None:
         self._check_batch_split(len(prompts))
+        # Each prompt's num_generations responses sit in consecutive rows of this rank's batch.
+        prompts = [prompt for prompt in prompts for _ in range(self.hparams.num_generations)]
         beta = self.beta_controller.beta
         timer = _Timer(self.device)
         rollout = self.rollout(prompts, timer)
@@ -315,7 +344,7 @@ class PPORLHF(LightningModule):
             torch.manual_seed(self.generation_seed_base + 7919 * self.global_rank + 104729 * self.iteration)
             with self._generator() as generator:
                 out = generator.generate(**enc, return_dict_in_generate=True, output_logits=from_sampler,
-                                         output_hidden_states=from_sampler and self.critic.trunk is None)  # fmt: skip
+                                         output_hidden_states=from_sampler and self._shared_critic)  # fmt: skip
         sequences = out.sequences  # (batch, prompt_len + new), right-padded with pad
         prompt_len = enc["input_ids"].shape[1]
         response = sequences[:, prompt_len:]
@@ -343,7 +372,7 @@ class PPORLHF(LightningModule):
             ended_with_eos=ended,
             logprobs=pm.logprobs_of(logits, response),
             ref_logprobs=pm.logprobs_of(ref_logits, response),
-            values=values * mask,
+            values=None if values is None else values * mask,
             entropy=pm.entropy_of(logits),
             logits=logits if keep_logits else None,
             ref_logits=ref_logits if keep_logits else None,
@@ -368,14 +397,23 @@ class PPORLHF(LightningModule):
             raise ValueError(f"model.kl_ignore_tokens: {token!r} is not a single token of this tokenizer")
         return token_id
 
-    def compute_advantages(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor, Tensor]:
-        hp = self.hparams
-        advantages, returns = pm.gae(rewards, rollout.values, rollout.mask, hp.gamma, hp.lam)
-        if hp.whiten_advantages:
+    def compute_advantages(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor, Optional[Tensor]]:
+        """The advantage estimator on the per-token rewards (and V_old with a critic), checked,
+        then whitened over the global batch when ``whiten_advantages``."""
+        estimator = self.advantage_estimator
+        advantages, returns = estimator(rewards, rollout.mask, rollout.values, self.hparams.num_generations, self._global_sum)
+        expected = (tuple(rewards.shape), tuple(rewards.shape) if estimator.needs_critic else None)
+        got = (tuple(advantages.shape), None if returns is None else tuple(returns.shape))
+        if got != expected:
+            raise ValueError(
+                f"advantage estimator {type(estimator).__name__} returned (advantages, returns) of shapes {got}; "
+                f"expected {expected}: (batch, response_len), and returns only when it needs a critic"
+            )
+        if self.hparams.whiten_advantages:
             advantages = pm.masked_whiten(advantages, rollout.mask, sum_fn=self._global_sum)
         return advantages, returns
 
-    def ppo_update(self, rollout: Rollout, advantages: Tensor, returns: Tensor, beta: float) -> int:
+    def ppo_update(self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], beta: float) -> int:
         """All PPO epochs over the rollout, one optimizer step per minibatch. Returns how many steps
         were skipped because a loss was not finite on some rank (gradients dropped, weights untouched)."""
         hp = self.hparams
@@ -396,32 +434,41 @@ class PPORLHF(LightningModule):
                     opt.zero_grad(set_to_none=True)
         return skipped
 
-    def _accumulate_gradients(self, rollout: Rollout, advantages: Tensor, returns: Tensor, minibatch: Tensor, beta: float) -> bool:
+    def _accumulate_gradients(
+        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], minibatch: Tensor, beta: float
+    ) -> bool:
         """Backward over the minibatch's micro-batches; False (and stop) at a non-finite loss."""
         micro_batches = minibatch.split(len(minibatch) // self.hparams.gradient_accumulation_steps)
-        # The loss is the mean over the minibatch's tokens on all ranks: each micro-batch's token
-        # mean is weighted by its share of the tokens, times the world size that DDP divides by.
-        tokens = self._global_sum(rollout.mask[minibatch].sum()) / self.trainer.world_size
+        # The loss is the token sum over the minibatch on all ranks divided by a normaliser: the
+        # number of tokens (token_mean) or responses * max_new_tokens (constant). Each micro-batch's
+        # token mean is weighted by its tokens over the normaliser, times the world size that DDP divides by.
+        if self.advantage_estimator.loss_aggregation == "constant":
+            normaliser = self._global_sum(torch.tensor(float(len(minibatch)), device=self.device)) * self.hparams.max_new_tokens
+        else:
+            normaliser = self._global_sum(rollout.mask[minibatch].sum())
+        normaliser = normaliser / self.trainer.world_size
         for i, idx in enumerate(micro_batches):
             with self._no_grad_sync(last=i == len(micro_batches) - 1):
                 loss = self.ppo_loss(rollout, advantages, returns, idx, beta)
                 if self._any_rank(not torch.isfinite(loss)):
                     return False
-                self.manual_backward(loss * rollout.mask[idx].sum() / tokens)
+                self.manual_backward(loss * rollout.mask[idx].sum() / normaliser)
         return True
 
-    def ppo_loss(self, rollout: Rollout, advantages: Tensor, returns: Tensor, idx: Tensor, beta: float) -> Tensor:
-        """Clipped surrogate + vf_coef * clipped value loss (+ beta * KL) on the rows ``idx``."""
+    def ppo_loss(self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, beta: float) -> Tensor:
+        """Clipped surrogate (+ vf_coef * clipped value loss with a critic) (+ beta * KL) on the rows ``idx``."""
         hp = self.hparams
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
         response_len = rollout.response.shape[1]
         logits, values = self.policy_outputs(input_ids, attention_mask, response_len)
         logprobs = pm.logprobs_of(logits, rollout.response[idx])
         pg = pm.policy_loss(logprobs, rollout.logprobs[idx], advantages[idx], mask, hp.cliprange)
-        vf = pm.value_loss(values, rollout.values[idx], returns[idx], mask, hp.cliprange_value)
-        loss = pg.loss + hp.vf_coef * vf.loss
-        stats = {"policy/loss": pg.loss, "policy/clipfrac": pg.clipfrac, "policy/approxkl": pg.approxkl,
-                 "value/loss": vf.loss, "value/clipfrac": vf.clipfrac}  # fmt: skip
+        loss = pg.loss
+        stats = {"policy/loss": pg.loss, "policy/clipfrac": pg.clipfrac, "policy/approxkl": pg.approxkl}
+        if values is not None:
+            vf = pm.value_loss(values, rollout.values[idx], returns[idx], mask, hp.cliprange_value)
+            loss = loss + hp.vf_coef * vf.loss
+            stats.update({"value/loss": vf.loss, "value/clipfrac": vf.clipfrac})
         if hp.kl_penalty in ("loss", "both"):
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
             kl = self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits)
@@ -469,9 +516,12 @@ class PPORLHF(LightningModule):
             return logits, out.hidden_states[-1][:, -response_len - 1 : -1]
         return logits
 
-    def policy_outputs(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Tensor]:
-        """Policy logits and critic values V(s_t) before each response token, (batch, response_len)."""
-        if self.critic.trunk is None:  # shared trunk: one forward pass gives both
+    def policy_outputs(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Optional[Tensor]]:
+        """Policy logits and critic values V(s_t) before each response token, (batch, response_len);
+        values are None without a critic."""
+        if self.critic is None:
+            return self.response_logits(self.policy, input_ids, attention_mask, response_len), None
+        if self._shared_critic:  # one forward pass gives both
             logits, hidden = self.response_logits(self.policy, input_ids, attention_mask, response_len, True)
             return logits, self.critic(hidden=hidden)
         logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
@@ -482,12 +532,14 @@ class PPORLHF(LightningModule):
         values = self.critic(input_ids, attention_mask, _position_ids(attention_mask))
         return values[:, -response_len - 1 : -1]
 
-    def _sampler_outputs(self, out, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Tensor]:
+    def _sampler_outputs(self, out, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Optional[Tensor]]:
         """``policy_outputs`` from what ``generate`` already computed: its raw logits at each step,
         and (shared critic) the last hidden state that produced them; a separate critic still
         runs its own forward."""
         logits = torch.stack(out.logits, dim=1).float() / self.hparams.temperature
-        if self.critic.trunk is None:  # step 0 holds the whole prompt, later steps one position
+        if self.critic is None:
+            return logits, None
+        if self._shared_critic:  # step 0 holds the whole prompt, later steps one position
             hidden = torch.stack([step[-1][:, -1] for step in out.hidden_states], dim=1)
             return logits, self.critic(hidden=hidden)
         return logits, self._critic_values(input_ids, attention_mask, response_len)
@@ -519,6 +571,11 @@ class PPORLHF(LightningModule):
         else:
             with self.policy.disable_adapter():
                 yield self.policy
+
+    @property
+    def _shared_critic(self) -> bool:
+        """A value head on the policy's own hidden states (no trunk of its own)."""
+        return self.critic is not None and self.critic.trunk is None
 
     @property
     def _kl_in_reward(self) -> bool:
@@ -561,10 +618,11 @@ class PPORLHF(LightningModule):
     def _check_batch_split(self, batch_size: int) -> None:
         hp = self.hparams
         parts = hp.num_minibatches * hp.gradient_accumulation_steps
-        if batch_size % parts:
+        if batch_size * hp.num_generations % parts:
             raise ValueError(
-                f"data.batch_size={batch_size} must be divisible by model.num_minibatches * "
-                f"model.gradient_accumulation_steps = {hp.num_minibatches} * {hp.gradient_accumulation_steps}"
+                f"data.batch_size * model.num_generations = {batch_size} * {hp.num_generations} responses must be "
+                f"divisible by model.num_minibatches * model.gradient_accumulation_steps = "
+                f"{hp.num_minibatches} * {hp.gradient_accumulation_steps}"
             )
 
     # ------------------------------------------------------------------ metrics

@@ -98,6 +98,32 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     return advantages, masked_select(advantages + values, mask)
 
 
+def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """G_t = sum_{s >= t} gamma^(s - t) R_s over the real tokens: GAE with V = 0 and lambda = 1."""
+    return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]
+
+
+def group_advantages(returns: Tensor, group_size: int, baseline: str = "mean", scale: bool = False, eps: float = 1e-6) -> Tensor:
+    """Advantages of sequence returns (batch,) against their group's baseline; groups are
+    ``group_size`` consecutive rows (the responses to one prompt).
+
+    ``mean``: A_i = R_i - mean_g R (GRPO, Dr. GRPO); ``leave_one_out``: A_i = R_i - mean_{j != i} R_j
+    = n / (n - 1) * (R_i - mean_g R) (RLOO); ``scale``: divided by (std_g R + eps), the unbiased
+    standard deviation of the group (GRPO). Returns are shifted by their group's first value
+    before anything is summed, so a group whose returns are all equal gets advantages of exactly 0.
+    """
+    grouped = returns.view(-1, group_size)
+    shifted = grouped - grouped[:, :1]
+    advantages = shifted - shifted.mean(-1, keepdim=True)
+    if baseline == "leave_one_out":
+        advantages = advantages * group_size / (group_size - 1)
+    elif baseline != "mean":
+        raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
+    if scale:
+        advantages = advantages / (shifted.std(-1, keepdim=True) + eps)
+    return advantages.flatten()
+
+
 class LossStats(NamedTuple):
     loss: Tensor
     clipfrac: Tensor

@@ -18,7 +18,10 @@ from rlhf_lightning.interfaces import BetaController, KLEstimator, RewardModel
 from rlhf_lightning.registry import UnknownPluginError, registry
 
 TINY = str(CONFIGS / "tiny.yaml")
-PLUGIN_FIELDS = {"kl_estimator": "kl_estimator", "beta_controller": "beta_controller", "reward_model": "reward_model"}
+PLUGIN_FIELDS = {
+    "kl_estimator": "kl_estimator", "beta_controller": "beta_controller", "reward_model": "reward_model",
+    "advantage_estimator": "advantage_estimator",
+}  # fmt: skip
 
 
 def print_config(args: list[str], capsys) -> dict:
@@ -57,6 +60,16 @@ def test_short_names_and_class_paths_select_plugins():
     assert isinstance(cli.model.kl_estimator, K3)
     assert isinstance(cli.model.beta_controller, AdaptiveBeta)
     assert cli.model.policy is None  # models load in configure_model, not at parse time
+
+
+def test_advantage_estimator_by_short_name_and_class_path():
+    from rlhf_lightning_plugins.advantage_estimators import GAE, RLOO
+
+    cli = build_cli(["--config", TINY, "--model.advantage_estimator=rloo", "--model.num_generations=4"], run=False)
+    assert isinstance(cli.model.advantage_estimator, RLOO) and cli.model.critic is None
+    cli = build_cli(["--config", TINY, "--model.advantage_estimator.class_path=GAE",
+                     "--model.advantage_estimator.init_args.lam=1.0"], run=False)  # fmt: skip
+    assert isinstance(cli.model.advantage_estimator, GAE) and cli.model.advantage_estimator.lam == 1.0
 
     cli = build_cli(
         ["--config", TINY, "--model.beta_controller=BandBeta", "--model.beta_controller.init_args.target=0.3"],

@@ -35,6 +35,7 @@ from rlhf_lightning.exact import (
     target_count,
     train,
 )
+from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
@@ -42,8 +43,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_da
 BETA = 0.5
 ITERATIONS = 60
 PPO_SETTINGS = dict(
-    batch_size=48, lr_final=0.1, lr=2e-3, critic_lr=2e-3, ppo_epochs=4, num_minibatches=2, vf_coef=0.5, lam=1.0,
-    log_samples_every_n_steps=0,
+    batch_size=48, lr_final=0.1, lr=2e-3, critic_lr=2e-3, ppo_epochs=4, num_minibatches=2, vf_coef=0.5,
+    advantage_estimator=GAE(lam=1.0), log_samples_every_n_steps=0,
 )  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 closed-form optimum of the KL-regularised objective (see rlhf_lightning/exact.py).
 
     python tools/optimum_check.py --estimator k1 --beta 0.5 --iterations 100
+    python tools/optimum_check.py --advantage rloo --num-generations 4     # critic-free
 
 Every ``--every`` iterations it prints the exact objective J(pi), the relative gap
 (J* - J(pi)) / |J*|, KL(pi || pi*), the exact KL(pi || pi_ref) and the mean logged estimate
@@ -23,6 +24,7 @@ import time
 import warnings
 
 from rlhf_lightning.exact import TASKS, train
+from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
 
@@ -36,8 +38,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="terminal: 3 prompts, 3-token responses over 3 tokens, reward = count of the prompt's "
                              "letter; bandit: the same with 1-token responses (default terminal)")  # fmt: skip
     parser.add_argument("--kl-penalty", choices=("reward", "loss", "both"), default="reward", help="where beta * KL goes")
-    parser.add_argument("--no-whiten", action="store_true", help="do not whiten advantages")
-    parser.add_argument("--batch-size", type=int, default=48, help="rollouts per iteration, a multiple of the prompts")
+    parser.add_argument("--no-whiten", action="store_true", help="do not whiten advantages (gae)")
+    parser.add_argument("--advantage", default="gae",
+                        help="advantage estimator: gae (critic), grpo, dr_grpo, rloo, reinforce_pp (no critic)")  # fmt: skip
+    parser.add_argument("--num-generations", type=int, default=1, help="responses per prompt (>= 2 for group baselines)")
+    parser.add_argument("--batch-size", type=int, default=48,
+                        help="responses per iteration, a multiple of the prompts times --num-generations")  # fmt: skip
     parser.add_argument("--lr", type=float, default=2e-3, help="policy and critic learning rate")
     parser.add_argument("--lr-final", type=float, default=0.1, help="linear decay of the learning rate to this fraction")
     parser.add_argument("--ppo-epochs", type=int, default=4)
@@ -51,14 +57,17 @@ def main(argv=None) -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module="lightning")  # eval-mode reference (on purpose), no val loop, deprecations
     print(f"task={args.task} estimator={args.estimator} kl_penalty={args.kl_penalty} beta={args.beta} "
-          f"iterations={args.iterations} seed={args.seed}")  # fmt: skip
+          f"advantage={args.advantage} num_generations={args.num_generations} iterations={args.iterations} seed={args.seed}")  # fmt: skip
     print(f"{'iter':>5} {'J':>8} {'J*':>8} {'gap':>8} {'kl_to_opt':>10} {'kl_ref_exact':>13} {'kl_ref_logged':>14}")
     start = time.perf_counter()
+    critic = {"critic_lr": args.lr, "vf_coef": 0.5} if args.advantage == "gae" else {}
     _, tracker = train(
         TASKS[args.task], args.iterations, batch_size=args.batch_size, every=args.every, seed=args.seed,
         lr_final=args.lr_final, kl_estimator=args.estimator, beta_controller=FixedBeta(args.beta),
-        kl_penalty=args.kl_penalty, whiten_advantages=not args.no_whiten, lr=args.lr, critic_lr=args.lr,
-        ppo_epochs=args.ppo_epochs, num_minibatches=2, vf_coef=0.5, lam=args.lam, log_samples_every_n_steps=0,
+        kl_penalty=args.kl_penalty, whiten_advantages=False if args.no_whiten else None, lr=args.lr,
+        advantage_estimator=GAE(lam=args.lam) if args.advantage == "gae" else args.advantage,
+        num_generations=args.num_generations, ppo_epochs=args.ppo_epochs, num_minibatches=2,
+        log_samples_every_n_steps=0, **critic,
     )  # fmt: skip
     for row in tracker.rows:
         print(f"{row['iteration']:5d} {row['objective']:8.4f} {row['optimum']:8.4f} {row['gap']:8.4f} "

@@ -1,0 +1,94 @@
+"""Built-in advantage estimators: GAE on a learned critic, and the critic-free group and batch baselines.
+
+Every estimator reads the per-token rewards R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when
+``kl_penalty`` puts it in the reward). The critic-free ones score a response by its return
+R = sum_t R_t = r_RM - beta * sum_t kl_t, so with the KL in the reward the baseline is taken on that
+KL-penalised return, and every token of the response gets the response's advantage.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.interfaces import AdvantageEstimator, finite_number, require
+from rlhf_lightning.registry import register
+
+
+def _broadcast(sequence_advantages: Tensor, mask: Tensor) -> Tensor:
+    """One advantage per response (batch,) -> the same value at each of its real tokens."""
+    return sequence_advantages.unsqueeze(-1).to(mask.dtype) * mask
+
+
+@register("advantage_estimator", "gae", description="GAE(gamma, lambda) on the critic's values (PPO; the default)")
+class GAE(AdvantageEstimator):
+    """Generalised advantage estimation (Schulman et al. 2016) on the critic's V(s_t):
+    delta_t = R_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambda A_{t+1}; value targets A + V."""
+
+    needs_critic = True
+    whiten = True
+
+    def __init__(self, gamma: float = 1.0, lam: float = 0.95) -> None:
+        for name, value in (("gamma", gamma), ("lam", lam)):
+            require(finite_number(value) and 0 <= value <= 1, f"advantage_estimator.{name}", "in [0, 1]", value)
+        self.gamma, self.lam = gamma, lam
+
+    def __call__(self, rewards, mask, values, group_size, sum_fn=None):
+        return pm.gae(rewards, values, mask, self.gamma, self.lam)
+
+
+@register("advantage_estimator", "grpo", description="group mean and std baseline, no critic (GRPO)")
+class GRPO(AdvantageEstimator):
+    """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (R_i - mean_g R) / (std_g R + eps) over the
+    ``num_generations`` responses to one prompt, the same at every token of response i."""
+
+    min_group_size = 2
+
+    def __init__(self, eps: float = 1e-6) -> None:
+        require(finite_number(eps) and eps > 0, "advantage_estimator.eps", "a finite number > 0", eps)
+        self.eps = eps
+
+    def __call__(self, rewards, mask, values, group_size, sum_fn=None):
+        returns = pm.masked_select(rewards, mask).sum(-1)
+        return _broadcast(pm.group_advantages(returns, group_size, "mean", scale=True, eps=self.eps), mask), None
+
+
+@register("advantage_estimator", "dr_grpo", description="group mean baseline, constant token normaliser (Dr. GRPO)")
+class DrGRPO(AdvantageEstimator):
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): A_i = R_i - mean_g R, no
+    std division, and the policy loss summed over tokens and divided by a constant
+    (responses * max_new_tokens) instead of each minibatch's token count, so that a response's
+    length does not change its tokens' weight."""
+
+    min_group_size = 2
+    loss_aggregation = "constant"
+
+    def __call__(self, rewards, mask, values, group_size, sum_fn=None):
+        returns = pm.masked_select(rewards, mask).sum(-1)
+        return _broadcast(pm.group_advantages(returns, group_size, "mean"), mask), None
+
+
+@register("advantage_estimator", "rloo", description="leave-one-out group baseline, no critic (RLOO)")
+class RLOO(AdvantageEstimator):
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024):
+    A_i = R_i - 1/(n-1) sum_{j != i} R_j, an unbiased baseline for each response."""
+
+    min_group_size = 2
+
+    def __call__(self, rewards, mask, values, group_size, sum_fn=None):
+        returns = pm.masked_select(rewards, mask).sum(-1)
+        return _broadcast(pm.group_advantages(returns, group_size, "leave_one_out"), mask), None
+
+
+@register("advantage_estimator", "reinforce_pp", aliases=("reinforce++",),
+          description="return-to-go whitened over the global batch, no critic (REINFORCE++)")  # fmt: skip
+class ReinforcePlusPlus(AdvantageEstimator):
+    """REINFORCE++ (Hu 2025): G_t = sum_{s >= t} gamma^(s-t) R_s, whitened over every real token of
+    the global batch (all ranks): A_t = (G_t - mean G) / std G. Needs no groups."""
+
+    def __init__(self, gamma: float = 1.0) -> None:
+        require(finite_number(gamma) and 0 <= gamma <= 1, "advantage_estimator.gamma", "in [0, 1]", gamma)
+        self.gamma = gamma
+
+    def __call__(self, rewards, mask, values, group_size, sum_fn=None):
+        return pm.masked_whiten(pm.reward_to_go(rewards, mask, self.gamma), mask, sum_fn=sum_fn), None
