@@ -27,3 +27,17 @@ class RecordBeta(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         with open(self.path, "a") as f:
             f.write(f"{trainer.global_rank} {pl_module.iteration} {pl_module.beta_controller.beta!r}\n")
+
+
+class RecordGroups(Callback):
+    """Append ``rank iteration rows groups`` after every iteration: this rank's rollout size and how
+    many runs of identical consecutive prompts it holds (one per prompt when groups stay together)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        prompts = pl_module.last_rollout.prompts
+        runs = 1 + sum(a != b for a, b in zip(prompts, prompts[1:]))
+        with open(self.path, "a") as f:
+            f.write(f"{trainer.global_rank} {pl_module.iteration} {len(prompts)} {runs}\n")

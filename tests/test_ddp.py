@@ -12,7 +12,7 @@ GLOBAL_BATCH = 8
 COMPARED = ("objective/reward", "objective/kl", "objective/kl_max", "objective/beta", "objective/entropy", "response/length", "value/loss")
 
 
-def run(root, devices: int):
+def run(root, devices: int, *extra: str):
     from summarize_run import read_scalars
 
     result = run_cli(
@@ -21,20 +21,25 @@ def run(root, devices: int):
         # One minibatch: with more, one process and two draw differently composed minibatches.
         # A reward the greedy answers earn from the start, so the policy really moves.
         "--model.num_minibatches=1", "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
-        "--trainer.callbacks+=fault_callbacks.RecordBeta", f"--trainer.callbacks.path={root / 'beta.txt'}",
+        "--trainer.callbacks+=fault_callbacks.RecordBeta", f"--trainer.callbacks.path={root / 'beta.txt'}", *extra,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     scalars = read_scalars(str(root / "lightning_logs" / "version_0"))
     return {tag: list(by_step.values()) for tag, by_step in scalars.items()}, (root / "beta.txt").read_text().split("\n")
 
 
+def betas_by_iteration(lines: list[str]) -> dict[int, dict[int, float]]:
+    betas = {}
+    for line in filter(None, lines):
+        rank, iteration, beta = line.split()
+        betas.setdefault(int(iteration), {})[int(rank)] = float(beta)
+    return betas
+
+
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
     single, _ = run(tmp_path / "single", devices=1)
     ddp, beta_lines = run(tmp_path / "ddp", devices=2)
-    betas = {}
-    for line in filter(None, beta_lines):
-        rank, iteration, beta = line.split()
-        betas.setdefault(int(iteration), {})[int(rank)] = float(beta)
+    betas = betas_by_iteration(beta_lines)
     assert sorted(betas) == [1, 2, 3, 4]
     assert all(by_rank[0] == by_rank[1] for by_rank in betas.values()), betas  # bit-identical on both ranks
     # Greedy rollouts make the responses a function of the weights alone; every statistic is global
@@ -44,3 +49,22 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path
         for a, b in zip(single[name], ddp[name], strict=True):
             assert math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-4), (name, single[name], ddp[name])
     assert len(set(ddp["objective/beta"])) > 1
+
+
+def test_two_process_ddp_with_a_group_estimator_keeps_groups_on_one_rank_and_statistics_global(tmp_path):
+    """GRPO with 2 sampled responses per prompt: each rank samples its own 4 prompts x 2 (groups
+    never straddle ranks), the logged count is the global 16, and beta, fed the all-rank KL, is
+    bit-identical on both ranks although the ranks sample different responses."""
+    root = tmp_path / "grpo"
+    ddp, beta_lines = run(
+        root, 2, "--model.do_sample=true", "--model.advantage_estimator=grpo", "--model.num_generations=2",
+        "--trainer.callbacks+=fault_callbacks.RecordGroups", f"--trainer.callbacks.path={root / 'groups.txt'}",
+    )  # fmt: skip
+    betas = betas_by_iteration(beta_lines)
+    assert sorted(betas) == [1, 2, 3, 4] and all(by_rank[0] == by_rank[1] for by_rank in betas.values()), betas
+    assert len(set(ddp["objective/beta"])) > 1
+    groups = [line.split() for line in (root / "groups.txt").read_text().splitlines()]
+    assert sorted((int(rank), int(it)) for rank, it, _, _ in groups) == [(r, i) for r in (0, 1) for i in (1, 2, 3, 4)]
+    assert all((rows, runs) == ("8", "4") for _, _, rows, runs in groups), groups  # 4 prompts, each in one run of 2
+    assert ddp["response/count"] == [16.0] * 4
+    assert "value/loss" not in ddp and all(math.isfinite(v) for v in ddp["policy/loss"])
