@@ -1,4 +1,4 @@
-"""tools/bench.py in --tiny mode: every run finishes and the BENCH line carries finite, positive numbers."""
+"""tools/bench.py in --tiny mode (full, LoRA and GRPO): every run finishes and the BENCH line carries finite, positive numbers."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers():
     assert match, lines[-1]
     values = [float(v) for v in match.groups()]
     assert all(math.isfinite(v) and v > 0 for v in values), lines[-1]
-    # Every (mode, epochs) run is in the table: full and LoRA, 1 and 4 PPO epochs.
-    for mode, critic in (("full", "separate"), ("lora", "shared")):
+    # Every (mode, epochs) run is in the table: full, LoRA and critic-free GRPO, 1 and 4 PPO epochs.
+    for mode, critic in (("full", "separate"), ("lora", "shared"), ("grpo", "none")):
         for epochs in (1, 4):
             assert any(line.startswith((f"| {mode} | {epochs} |", f"| {mode} | {critic} | {epochs} |")) for line in lines), (mode, epochs)

@@ -1,6 +1,6 @@
 """Phase-by-phase benchmark of one PPO-RLHF iteration, against the floors of the same work.
 
-    python tools/bench.py                                  # SmolLM2, full and LoRA, 1 and 4 PPO epochs
+    python tools/bench.py                                  # SmolLM2, full, LoRA and GRPO, 1 and 4 PPO epochs
     python tools/bench.py --mode lora --ppo-epochs 4 --iters 3 --threads 1
     python tools/bench.py --profile                        # plus torch.profiler's top ops of one iteration
     python tools/bench.py --device cuda --bf16             # GPU, bf16 autocast
@@ -14,7 +14,10 @@ the VADER ``sentiment`` reward. The two modes are the two standard setups: ``ful
 the policy with a separate reference copy and a separate critic trunk; ``lora`` trains a LoRA
 adapter (rank 16), uses the adapter-disabled policy as the reference and a value head on the
 policy's trunk (``critic: shared``), as ``configs/quickstart.yaml`` does. ``--critic`` sets one
-critic for both modes.
+critic for both modes. ``grpo`` is the critic-free setup of ``configs/grpo.yaml``: LoRA as in
+``lora``, no critic (``critic: none``), GRPO's group advantages over ``--num-generations`` (4)
+responses to each of ``--batch-size / --num-generations`` prompts, so a rollout holds as many
+responses as in the other modes.
 
 Each mode runs in its own subprocess, so the peak resident memory of full fine-tuning and
 LoRA are comparable (a row's peak RSS is its process's peak so far: its own run and the
@@ -41,8 +44,10 @@ during the run hits both sides alike.
 
 Prints a table, and last a line ``BENCH rollout_vs_generate=<r> iteration_vs_floors=<r>
 lora_vs_full_rss=<r> iter_s=<s> tokens_per_s=<t>``: the two ratios are the worst over the
-runs, iter_s and tokens_per_s those of the slowest run, lora_vs_full_rss the peak RSS of the
-LoRA runs over that of the full runs (nan unless both modes ran).
+full and LoRA runs, iter_s and tokens_per_s those of the slowest of them, lora_vs_full_rss the
+peak RSS of the LoRA runs over that of the full runs (nan unless both modes ran); the line reads
+only the ``full`` and ``lora`` runs (the ``grpo`` rows are in the tables), so it means what it did
+before that mode existed, and with ``--mode grpo`` alone it reads the grpo runs.
 
 On a CPU shared with other jobs use ``--threads 1``: spinning OpenMP threads on a busy
 2-core machine make a forward pass several times slower and the timings erratic.
@@ -76,7 +81,9 @@ PHASES = ("rollout", "score", "score_policy", "score_ref", "advantages", "update
 # ---------------------------------------------------------------------------------- arguments
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("full", "lora", "both"), default="both", help="full fine-tuning, LoRA, or both")
+    parser.add_argument("--mode", choices=("full", "lora", "grpo", "both", "all"), default="all",
+                        help="full fine-tuning, LoRA (with a shared critic), critic-free GRPO on LoRA; both: full and "
+                             "lora; all (default): the three")  # fmt: skip
     parser.add_argument("--ppo-epochs", type=int, nargs="+", default=[1, 4], help="PPO epochs per iteration (one run each)")
     parser.add_argument("--iters", type=int, help="timed iterations per run (default 5; --tiny: 2)")
     parser.add_argument("--warmup", type=int, help="untimed iterations first (default 1)")
@@ -86,6 +93,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="response length (min_new_tokens is the same)")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the raw prompts, without the chat template")
     parser.add_argument("--num-minibatches", type=int, default=1, help="minibatches (optimizer steps) per PPO epoch")
+    parser.add_argument("--num-generations", type=int, default=4, help="--mode grpo: responses per prompt")
     parser.add_argument("--old-logprobs", choices=("forward", "sampler"), default="forward",
                         help="model.old_logprobs: recompute log pi_old with a forward pass, or reuse the sampler's logits")
     parser.add_argument("--critic", choices=("separate", "shared"), help="critic trunk (default: full separate, lora shared)")
@@ -104,8 +112,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.warmup = 1 if args.warmup is None else args.warmup
     if args.iters < 1 or args.warmup < 0 or min(args.ppo_epochs) < 1 or args.num_minibatches < 1:
         parser.error("--iters, --ppo-epochs and --num-minibatches must be >= 1, --warmup >= 0")
-    if args.batch_size % args.num_minibatches:
-        parser.error("--batch-size must be divisible by --num-minibatches")
+    if args.batch_size % args.num_minibatches or args.batch_size % args.num_generations:
+        parser.error("--batch-size must be divisible by --num-minibatches and by --num-generations")
     return args
 
 
@@ -113,7 +121,7 @@ def worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
     """The command line of one mode's runs: this script with every setting spelled out."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--ppo-epochs"]
     argv += [str(epochs) for epochs in args.ppo_epochs]
-    for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "critic", "old_logprobs",
+    for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "num_generations", "critic", "old_logprobs",
                  "lora_rank", "reward", "device", "threads", "profile_rows"):  # fmt: skip
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -311,17 +319,19 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     seed_everything(0, verbose=False)
-    lora = args.mode == "lora"
-    critic = args.critic or ("shared" if lora else "separate")
+    lora, grpo = args.mode in ("lora", "grpo"), args.mode == "grpo"
+    critic = "none" if grpo else args.critic or ("shared" if lora else "separate")
+    group = dict(advantage_estimator="grpo", num_generations=args.num_generations) if grpo else {}
     module = bench_module_class()(
         policy=args.policy, reward_model=args.reward, max_new_tokens=args.max_new_tokens,
         min_new_tokens=args.max_new_tokens, use_chat_template=not args.no_chat_template,
         ppo_epochs=ppo_epochs, num_minibatches=args.num_minibatches, critic=critic, old_logprobs=args.old_logprobs,
-        lora_rank=args.lora_rank if lora else 0, lora_alpha=2.0 * args.lora_rank, log_samples_every_n_steps=0,
+        lora_rank=args.lora_rank if lora else 0, lora_alpha=2.0 * args.lora_rank, log_samples_every_n_steps=0, **group,
     )  # fmt: skip
-    prompts = builtin_prompts(args.batch_size)
+    prompts_per_batch = args.batch_size // module.hparams.num_generations  # the same number of responses in every mode
+    prompts = builtin_prompts(prompts_per_batch)
     batches = args.warmup + args.iters + int(args.profile)
-    loader = DataLoader(prompts * batches, batch_size=args.batch_size, shuffle=False)
+    loader = DataLoader(prompts * batches, batch_size=prompts_per_batch, shuffle=False)
     recorder = iteration_recorder(args)
     with tempfile.TemporaryDirectory(prefix="rlhf_bench_") as root:
         trainer = Trainer(
@@ -372,7 +382,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     lora = module.hparams.lora_rank > 0
     plain = module.policy.get_base_model() if lora else module.policy
     reference = plain if lora else module.ref_model
-    separate_critic = module.critic.trunk is not None
+    separate_critic = module.critic is not None and module.critic.trunk is not None
     enc, rollout = module.last_encoding, module.last_rollout
     response_len = rollout.response.shape[1]
     rows = slice(0, rollout.input_ids.shape[0] // args.num_minibatches)
@@ -406,16 +416,18 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
         with autocast():
             out = module.policy(
                 input_ids=ids[rows], attention_mask=attn[rows], position_ids=positions[rows], use_cache=False,
-                logits_to_keep=response_len + 1, output_hidden_states=not separate_critic,
+                logits_to_keep=response_len + 1, output_hidden_states=module.critic is not None and not separate_critic,
             )  # fmt: skip
             logprobs = out.logits[:, :-1].float().log_softmax(-1).gather(-1, rollout.response[rows, :, None])
-            if separate_critic:
+            if module.critic is None:
+                values = torch.zeros(())
+            elif separate_critic:
                 values = module.critic(ids[rows], attn[rows], positions[rows])
             else:
                 values = module.critic(hidden=out.hidden_states[-1][:, -response_len - 1 : -1])
             loss = logprobs.mean() + values.mean()
         loss.backward()
-        for model in (module.policy, module.critic):
+        for model in filter(None, (module.policy, module.critic)):
             model.zero_grad(set_to_none=True)
 
     def clocked(run) -> float:
@@ -500,7 +512,9 @@ def format_table(results: Sequence[dict]) -> str:
 
 
 def bench_line(results: Sequence[dict]) -> str:
-    """Worst ratios over the runs, the slowest run's seconds and throughput, LoRA/full peak RSS."""
+    """Worst ratios over the full and LoRA runs (any runs when there are none), the slowest run's
+    seconds and throughput, LoRA/full peak RSS."""
+    results = [r for r in results if r["mode"] in ("full", "lora")] or results
     slowest = max(results, key=lambda r: r["iter_s"])
     rss = {mode: max((r["peak_rss_mb"] for r in results if r["mode"] == mode), default=math.nan) for mode in ("full", "lora")}
     return (
@@ -537,7 +551,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     if args.worker:
         worker_main(args)
         return []
-    modes = ("full", "lora") if args.mode == "both" else (args.mode,)
+    modes = {"both": ("full", "lora"), "all": ("full", "lora", "grpo")}.get(args.mode, (args.mode,))
     results = []
     for mode in modes:
         results += run_subprocess(worker_argv(args, mode))
