@@ -1,6 +1,7 @@
 """Compare the beta controllers on one task: KL and beta over time against the KL target.
 
     python tools/compare_controllers.py [--iterations 80] [--target 4] [--out runs/compare_controllers] [--fast]
+    python tools/compare_controllers.py --advantage grpo --num-generations 4    # critic-free training
 
 Runs fixed, adaptive, band, pid and dual through the real training loop on the same task and
 seed: the tiny random Llama (``policy: tiny``) learning to write the letter "e" (reward =
@@ -9,7 +10,9 @@ prompts per iteration. With beta fixed at the tiny config's 0.05 the KL of this 
 past a few nats within 20 iterations, so a target of a few nats gives the controllers work.
 Every controller starts from the same beta (``--init-beta``); the controllers' other settings
 are their defaults, except where ``CONTROLLERS`` below says (adaptive's horizon is scaled to
-the batch, so that it can move beta within a short run at all).
+the batch, so that it can move beta within a short run at all). ``--advantage NAME`` trains with
+that advantage estimator: ``--num-generations`` responses (default 4 for a group baseline) to
+each of 8 / num_generations prompts, so every iteration still sees 8 responses.
 
 Writes to ``--out``: ``trajectories.csv`` (iteration, controller, kl, beta, reward; beta is
 the value used in that iteration), ``kl_beta.png`` and ``summary.md``, a table of per
@@ -69,13 +72,17 @@ def build_controller(name: str, target: float, init_beta: float) -> BetaControll
     return registry("beta_controller").get(name)(**kwargs)
 
 
-def run_controller(ctrl: BetaController, iterations: int, seed: int, max_new_tokens: int, workdir: Path) -> list[tuple]:
+def run_controller(
+    ctrl: BetaController, iterations: int, seed: int, max_new_tokens: int, workdir: Path, advantage: str = "gae",
+    num_generations: int = 1,
+) -> list[tuple]:  # fmt: skip
     """One fit of the tiny task (as tests/helpers.py ``fit``) with ``ctrl``; returns per-iteration rows."""
     seed_everything(seed, verbose=False)
     module = PPORLHF(
-        policy="tiny", seed=seed, kl_estimator="k1", beta_controller=ctrl,
+        policy="tiny", seed=seed, kl_estimator="k1", beta_controller=ctrl, advantage_estimator=advantage,
+        num_generations=num_generations,
         reward_model=CallableReward(function="rlhf_lightning_plugins.toy_rewards:char_count", kwargs={"chars": "e"}),
-        max_new_tokens=max_new_tokens, ppo_epochs=2, num_minibatches=1, lr=3e-3, critic_lr=3e-3, vf_coef=0.5,
+        max_new_tokens=max_new_tokens, ppo_epochs=2, num_minibatches=1, lr=3e-3, vf_coef=0.5,
         log_samples_every_n_steps=0,
     )  # fmt: skip
     recorder = Recorder(iterations)
@@ -84,7 +91,7 @@ def run_controller(ctrl: BetaController, iterations: int, seed: int, max_new_tok
         enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], default_root_dir=str(workdir),
         num_sanity_val_steps=0,
     )  # fmt: skip
-    trainer.fit(module, datamodule=PromptDataModule(batch_size=BATCH_SIZE))
+    trainer.fit(module, datamodule=PromptDataModule(batch_size=BATCH_SIZE // num_generations))
     return recorder.rows
 
 
@@ -117,7 +124,7 @@ def summary_table(results: dict[str, list[tuple]], target: float, tolerance: flo
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict[str, list[tuple]], target: float, tolerance: float, path: Path) -> None:
+def plot(results: dict[str, list[tuple]], target: float, tolerance: float, path: Path, advantage: str = "gae") -> None:
     fig, (ax_kl, ax_beta) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     for name, rows in results.items():
         kls, betas, _ = zip(*rows)
@@ -128,7 +135,7 @@ def plot(results: dict[str, list[tuple]], target: float, tolerance: float, path:
     ax_kl.set_ylabel("KL (nats per response)")
     ax_kl.set_yscale("symlog", linthresh=1.0)
     ax_kl.legend(ncol=4, fontsize=8)
-    ax_kl.set_title("Beta controllers on the tiny 'write e' task")
+    ax_kl.set_title(f"Beta controllers on the tiny 'write e' task ({advantage})")
     ax_beta.set_ylabel("beta")
     ax_beta.set_yscale("symlog", linthresh=1e-3)  # dual's beta can be exactly 0
     ax_beta.set_ylim(bottom=0)
@@ -149,7 +156,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=5, help="trailing-mean window for the settling time")
     parser.add_argument("--controllers", nargs="+", default=list(CONTROLLERS), choices=list(CONTROLLERS))
     parser.add_argument("--fast", action="store_true", help="a few short iterations (smoke test)")
+    parser.add_argument("--advantage", default="gae", help="advantage estimator (gae, grpo, dr_grpo, rloo, reinforce_pp)")
+    parser.add_argument("--num-generations", type=int, help="responses per prompt (default: 4 for a group baseline, else 1)")
     args = parser.parse_args(argv)
+    min_group = registry("advantage_estimator").get(args.advantage).min_group_size
+    args.num_generations = args.num_generations or (4 if min_group > 1 else 1)
+    if BATCH_SIZE % args.num_generations:
+        parser.error(f"--num-generations must divide the {BATCH_SIZE} responses per iteration")
     # The tiny model gains nothing from intra-op threads, and on a busy 2-core machine they
     # oversubscribe the cores (iterations then take seconds instead of a fraction of one).
     torch.set_num_threads(1)
@@ -162,7 +175,9 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.controllers:
         start = time.perf_counter()
         ctrl = build_controller(name, args.target, args.init_beta)
-        results[name] = run_controller(ctrl, iterations, args.seed, max_new_tokens, out / "lightning")
+        results[name] = run_controller(
+            ctrl, iterations, args.seed, max_new_tokens, out / "lightning", args.advantage, args.num_generations
+        )
         print(f"{name}: {len(results[name])} iterations in {time.perf_counter() - start:.1f} s", flush=True)
 
     with open(out / "trajectories.csv", "w", newline="") as f:
@@ -171,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, rows in results.items():
             for i, (kl, beta, reward) in enumerate(rows):
                 writer.writerow([i, name, f"{kl:.6g}", f"{beta:.6g}", f"{reward:.6g}"])
-    plot(results, args.target, args.tolerance, out / "kl_beta.png")
+    plot(results, args.target, args.tolerance, out / "kl_beta.png", f"{args.advantage}, {args.num_generations} per prompt")
     table = summary_table(results, args.target, args.tolerance, args.window)
     (out / "summary.md").write_text(table)
     print(table)

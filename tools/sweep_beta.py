@@ -5,6 +5,7 @@
     python tools/sweep_beta.py --fast                            # 2 betas, 10 iterations (the tests)
     python tools/sweep_beta.py --full                            # 9 betas, 80 iterations
     python tools/sweep_beta.py --config configs/quickstart.yaml --betas 0 0.05 0.2 --iterations 40
+    python tools/sweep_beta.py --advantage grpo --num-generations 4     # critic-free, GRPO's group baseline
 
 Every run trains ``--config`` (any rlhf-lightning YAML) through LightningCLI with the beta
 controller replaced by ``FixedBeta(beta)``; the seed, prompts and everything else stay as the
@@ -14,7 +15,9 @@ KL-regularised objective net = reward - beta * KL, and the final policy's reward
 validation prompts.
 
 The default task is configs/tiny.yaml (the tiny model learns to write "e") with half a point
-per "e" and twice its learning rate (DEFAULT_TASK). With one point per "e", every beta up to 0.1
+per "e" and twice its learning rate (DEFAULT_TASK). ``--advantage NAME`` trains with that advantage
+estimator (``--num-generations`` responses per prompt, default 4 for the group baselines; with
+the default task the prompts per iteration are divided by it, so every run sees 16 responses). With one point per "e", every beta up to 0.1
 has the same optimum (nothing but "e"s: a point outweighs beta * ~4 nats of KL per "e"), so those
 runs differ only in how fast they get there and their order is noise; and at lr 3e-3 beta = 0
 collapses its entropy on a plateau of about 19 "e"s (measured: 19 of 24 after 100 iterations,
@@ -50,8 +53,9 @@ DEFAULT_BETAS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5)
 FULL_BETAS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 FAST_BETAS = (0.0, 0.5)
 DEFAULT_TASK = (  # applied only when --config is not given; see the docstring
-    '--model.reward_model.init_args.kwargs={"chars": "e", "scale": 0.5}', "--model.lr=6e-3", "--model.critic_lr=6e-3",
+    '--model.reward_model.init_args.kwargs={"chars": "e", "scale": 0.5}', "--model.lr=6e-3",
 )
+DEFAULT_TASK_PROMPTS = 16  # configs/tiny.yaml's data.batch_size
 # Every run: no progress bar or export callbacks, no checkpoints, as many epochs as the iterations need
 # (StopAfter ends it), and one validation, after training, on every validation prompt.
 RUN_OVERRIDES = (
@@ -198,6 +202,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--override", action="append", default=[], metavar="ARG",
                         help="extra CLI argument for every run, e.g. --override=--model.kl_estimator=k3")  # fmt: skip
+    parser.add_argument("--advantage", help="advantage estimator for every run (gae, grpo, dr_grpo, rloo, reinforce_pp)")
+    parser.add_argument("--num-generations", type=int,
+                        help="responses per prompt (default: 4 for an estimator with a group baseline, else 1)")  # fmt: skip
     speed = parser.add_mutually_exclusive_group()
     speed.add_argument("--fast", action="store_true", help=f"betas {FAST_BETAS}, 10 iterations (for tests)")
     speed.add_argument("--full", action="store_true", help=f"betas {FULL_BETAS}, 80 iterations")
@@ -205,13 +212,32 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     preset_betas, preset_iterations = (FAST_BETAS, 10) if args.fast else (FULL_BETAS, 80) if args.full else (DEFAULT_BETAS, 80)
     args.betas = args.betas or list(preset_betas)
     args.iterations = args.iterations or preset_iterations
+    group = advantage_overrides(args.advantage, args.num_generations)
     if args.config is None:
-        args.config, args.override = str(DEFAULT_CONFIG), [*DEFAULT_TASK, *args.override]
+        generations = int(group[-1].split("=")[1]) if group else 1
+        args.config = str(DEFAULT_CONFIG)
+        args.override = [*DEFAULT_TASK, f"--data.batch_size={DEFAULT_TASK_PROMPTS // generations}", *group, *args.override]
+    else:
+        args.override = [*group, *args.override]
     if args.iterations < 1 or args.last < 1:
         parser.error("--iterations and --last must be >= 1")
     if any(b < 0 for b in args.betas):
         parser.error("--betas must be >= 0")
     return args
+
+
+def advantage_overrides(name: Optional[str], num_generations: Optional[int]) -> list[str]:
+    """CLI arguments selecting an advantage estimator; the last one is always ``--model.num_generations``."""
+    if name is None:
+        if num_generations is not None:
+            raise SystemExit("--num-generations goes with --advantage")
+        return []
+    from rlhf_lightning.registry import load_plugins, registry
+
+    load_plugins()
+    estimator = registry("advantage_estimator").get(name)
+    num_generations = num_generations or (4 if estimator.min_group_size > 1 else 1)
+    return [f"--model.advantage_estimator={name}", f"--model.num_generations={num_generations}"]
 
 
 def prepare(threads: int, out: str) -> Path:
