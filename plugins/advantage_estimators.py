@@ -61,7 +61,7 @@ class DrGRPO(AdvantageEstimator):
     length does not change its tokens' weight."""
 
     min_group_size = 2
-    loss_aggregation = "constant"
+    loss_aggregation = "constant"  # the registered aggregation, with its default normaliser max_new_tokens
 
     def __call__(self, rewards, mask, values, group_size, sum_fn=None):
         returns = pm.masked_select(rewards, mask).sum(-1)

@@ -95,14 +95,14 @@ class AdvantageEstimator(ABC):
     - ``min_group_size``: the smallest ``num_generations`` it is defined for (2 for group baselines).
     - ``whiten``: whether the module whitens its advantages over the global batch by default
       (``model.whiten_advantages: null``); estimators that normalise themselves say False.
-    - ``loss_aggregation``: how the policy loss averages tokens: ``token_mean`` (over the
-      minibatch's tokens) or ``constant`` (sum over tokens / (responses * max_new_tokens), Dr. GRPO).
+    - ``loss_aggregation``: the registered loss aggregation the estimator is defined with, if any
+      (Dr. GRPO's ``constant``), used when ``model.loss_aggregation`` is null.
     """
 
     needs_critic: bool = False
     min_group_size: int = 1
     whiten: bool = False
-    loss_aggregation: Literal["token_mean", "constant"] = "token_mean"
+    loss_aggregation: Optional[str] = None
 
     @abstractmethod
     def __call__(
@@ -111,6 +111,34 @@ class AdvantageEstimator(ABC):
         """``(advantages, returns)``, each (batch, response_len) and zero off ``mask``; ``returns``
         (the critic's targets) is None for a critic-free estimator. ``sum_fn`` all-reduces sums
         across ranks, for estimators that normalise over the global batch."""
+
+
+class PolicyLoss(ABC):
+    """The per-token policy-gradient loss of one micro-batch, before aggregation over tokens.
+
+    Receives log pi_theta of the sampled tokens (with gradient), log pi_old (the sampler's), the
+    advantages and the response mask, each (batch, response_len), and returns ``(loss, clipped)``:
+    the loss of every token and a 0/1 tensor marking tokens where a clip or truncation was active
+    (logged as ``policy/clipfrac``), both zero off the mask. The module sums the loss with the
+    weights of the ``LossAggregation``. ``loss_aggregation`` optionally names the aggregation the
+    loss is defined with (GSPO's sequence mean), used when ``model.loss_aggregation`` is null.
+    """
+
+    loss_aggregation: Optional[str] = None
+
+    @abstractmethod
+    def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+class LossAggregation(ABC):
+    """How per-token losses become one number: weights w (batch, response_len), zero off the mask,
+    such that the loss of the whole minibatch (all micro-batches, all ranks) is sum w * loss_t.
+
+    ``sum_fn`` all-reduces sums across ranks (the weights' denominators are global), and
+    ``max_new_tokens`` is the configured response length (for constant normalisers)."""
+
+    @abstractmethod
+    def weights(self, mask: Tensor, max_new_tokens: int, sum_fn=None) -> Tensor: ...
 
 
 class RewardModel(ABC):
@@ -241,3 +269,5 @@ register_kind("kl_estimator", KLEstimator)
 register_kind("beta_controller", BetaController)
 register_kind("reward_model", RewardModel)
 register_kind("advantage_estimator", AdvantageEstimator)
+register_kind("policy_loss", PolicyLoss)
+register_kind("loss_aggregation", LossAggregation)

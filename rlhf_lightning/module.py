@@ -10,10 +10,13 @@ One ``training_step`` is one PPO iteration on a batch of prompts x:
                per-token KL estimate kl_t and per-token reward  R_t = r_RM * 1[t = T] - beta * kl_t.
 3. advantages  the advantage estimator plugin: GAE(gamma, lambda) on R_t and V_old, whitened over
                the global batch (default), or a critic-free group / batch baseline (grpo, rloo, ...).
-4. update      ppo_epochs passes over num_minibatches: clipped surrogate (+ vf_coef * clipped
-               value loss with a critic) (+ beta * mean kl_t as a loss term when kl_penalty is 'loss'/'both').
+4. update      ppo_epochs passes over num_minibatches: the policy-loss plugin (PPO's clipped
+               surrogate by default) (+ vf_coef * clipped value loss with a critic) (+ beta * kl_t
+               as a loss term when kl_penalty is 'loss'/'both') (- an entropy bonus), each per-token
+               term summed with the loss-aggregation plugin's weights (a token mean by default).
 
-Then the beta controller sees the global mean KL (in its declared unit) and updates beta.
+Then the beta controller sees the global mean KL (in its declared unit) and updates beta (and an
+entropy controller, if any, the entropy bonus's coefficient).
 
 Left out on purpose: reward-model training (tools/), reference-model updates (the
 reference stays the frozen starting policy), and any home-made distributed code: every
@@ -37,14 +40,16 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.interfaces import AdvantageEstimator, BetaController, KLEstimator, RewardModel, require
+from rlhf_lightning.interfaces import (
+    AdvantageEstimator, BetaController, KLEstimator, LossAggregation, PolicyLoss, RewardModel, require,
+)
 from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer
 from rlhf_lightning.registry import registry
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
-UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss")
+UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss", "policy/entropy")
 
 
 @dataclass
@@ -83,6 +88,15 @@ class PPORLHF(LightningModule):
             reinforce_pp) or ``class_path``; GAE's gamma and lambda are its own arguments.
         num_generations: responses sampled per prompt; a rollout holds prompts x num_generations
             responses, each prompt's group in consecutive rows on one rank.
+        policy_loss: a registered policy loss (ppo_clip, clip_higher, dual_clip, gspo, cispo) or
+            ``class_path``; clip ranges are its own arguments.
+        loss_aggregation: how per-token losses are averaged (token_mean, seq_mean_token_mean,
+            seq_mean_token_sum, constant); null: what the policy loss or the advantage estimator
+            is defined with (gspo: seq_mean_token_mean, dr_grpo: constant), else token_mean.
+        entropy_coef: a fixed entropy bonus: - entropy_coef * H_t per token in the loss.
+        entropy_controller: a beta controller (adaptive, pid, ...) whose beta is the entropy bonus's
+            coefficient and whose target is an entropy (in its unit: nats per token or per
+            response): the coefficient rises while the rollout's entropy is below the target.
         kl_penalty: where beta * KL goes: into the per-token ``reward`` (PPO-RLHF), a separate
             ``loss`` term (GRPO style), or ``both``.
         kl_ignore_tokens: tokens left out of the KL penalty wherever they are sampled (e.g.
@@ -102,7 +116,7 @@ class PPORLHF(LightningModule):
         use_chat_template: render prompts with the tokenizer's chat template when it has one.
         ppo_epochs / num_minibatches / gradient_accumulation_steps: passes over each rollout,
             minibatches per pass (one optimizer step each), micro-batches per minibatch.
-        cliprange / cliprange_value: PPO ratio clip and value clip. vf_coef: value-loss weight.
+        cliprange_value: the value clip. vf_coef: value-loss weight.
         whiten_advantages: whiten the advantages over the global batch; null: the estimator's
             default (gae: yes; the critic-free estimators normalise their own way: no).
         lr / critic_lr / weight_decay / max_grad_norm: AdamW settings and gradient clipping.
@@ -132,6 +146,10 @@ class PPORLHF(LightningModule):
         beta_controller: Union[BetaController, str] = "fixed",
         advantage_estimator: Union[AdvantageEstimator, str] = "gae",
         num_generations: int = 1,
+        policy_loss: Union[PolicyLoss, str] = "ppo_clip",
+        loss_aggregation: Union[LossAggregation, str, None] = None,
+        entropy_coef: float = 0.0,
+        entropy_controller: Union[BetaController, str, None] = None,
         kl_penalty: Literal["reward", "loss", "both"] = "reward",
         kl_ignore_tokens: Optional[list[str]] = None,
         gold_reward_model: Union[RewardModel, str, None] = None,
@@ -145,7 +163,6 @@ class PPORLHF(LightningModule):
         ppo_epochs: int = 4,
         num_minibatches: int = 1,
         gradient_accumulation_steps: int = 1,
-        cliprange: float = 0.2,
         cliprange_value: float = 0.2,
         vf_coef: float = 0.1,
         whiten_advantages: Optional[bool] = None,
@@ -174,6 +191,15 @@ class PPORLHF(LightningModule):
         self.advantage_estimator: AdvantageEstimator = registry("advantage_estimator").build(
             advantage_estimator, "model.advantage_estimator"
         )
+        self.policy_loss: PolicyLoss = registry("policy_loss").build(policy_loss, "model.policy_loss")
+        self.loss_aggregation: LossAggregation = self._build_loss_aggregation(loss_aggregation)
+        require(entropy_coef >= 0 and not (entropy_coef and entropy_controller is not None), "model.entropy_coef",
+                ">= 0, and 0 when model.entropy_controller is set", entropy_coef)  # fmt: skip
+        if entropy_controller is not None:
+            entropy_controller = registry("beta_controller").build(entropy_controller, "model.entropy_controller")
+        elif entropy_coef:
+            entropy_controller = registry("beta_controller").get("fixed")(init_beta=entropy_coef, unit="token_mean")
+        self.entropy_controller: Optional[BetaController] = entropy_controller
         self.gold_reward_model: Optional[RewardModel] = (
             None if gold_reward_model is None else registry("reward_model").build(gold_reward_model, "model.gold_reward_model")
         )
@@ -185,7 +211,7 @@ class PPORLHF(LightningModule):
         for name in ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults",
                      "num_generations"):  # fmt: skip
             require(locals()[name] >= 1, f"model.{name}", "an integer >= 1", locals()[name])
-        require(cliprange > 0 and cliprange_value > 0, "model.cliprange and cliprange_value", "> 0", (cliprange, cliprange_value))
+        require(cliprange_value > 0, "model.cliprange_value", "> 0", cliprange_value)
         require(lr > 0 and (critic_lr is None or critic_lr > 0), "model.lr and critic_lr", "> 0", (lr, critic_lr))
         require(optimizers in ("separate", "shared"), "model.optimizers", "'separate' or 'shared'", optimizers)
         estimator = type(self.advantage_estimator).__name__
@@ -206,7 +232,10 @@ class PPORLHF(LightningModule):
                 "(only k1's score-function gradient is the KL's); the policy converges away from the "
                 "KL-regularised optimum. Use kl_estimator k1 in the reward, or this estimator with kl_penalty: loss."
             )
-        self.save_hyperparameters(ignore=["reward_model", "kl_estimator", "beta_controller", "gold_reward_model", "advantage_estimator"])
+        self.save_hyperparameters(ignore=[
+            "reward_model", "kl_estimator", "beta_controller", "gold_reward_model", "advantage_estimator", "policy_loss",
+            "loss_aggregation", "entropy_controller",
+        ])  # fmt: skip
         # Stored resolved, so checkpoints and the compatibility check see what was built.
         self.hparams.critic = critic
         self.hparams.whiten_advantages = self.advantage_estimator.whiten if whiten_advantages is None else whiten_advantages
@@ -315,7 +344,11 @@ class PPORLHF(LightningModule):
             gold = self.gold_reward_model.checked_scores(rollout.prompts, rollout.responses)
             metrics["objective/gold_reward"] = float(self._global_sum(gold.sum().to(self.device)) / metrics["response/count"])
         observed = metrics["objective/kl"] if self.beta_controller.unit == "sequence_sum" else metrics["objective/kl_per_token"]
-        self.beta_controller.update(observed, n_samples=int(self._global_sum(torch.tensor(float(len(prompts))))))
+        n_samples = int(self._global_sum(torch.tensor(float(len(prompts)))))
+        self.beta_controller.update(observed, n_samples=n_samples)
+        if self.entropy_controller is not None:
+            metrics["objective/entropy_coef"] = self.entropy_controller.beta
+            self._update_entropy_controller(metrics, n_samples)
         self.iteration += 1
         if skipped:
             self._record_fault(f"non-finite PPO loss: {skipped} optimizer step(s) skipped", iteration_skipped=False, steps=skipped)
@@ -438,43 +471,48 @@ class PPORLHF(LightningModule):
         self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], minibatch: Tensor, beta: float
     ) -> bool:
         """Backward over the minibatch's micro-batches; False (and stop) at a non-finite loss."""
-        micro_batches = minibatch.split(len(minibatch) // self.hparams.gradient_accumulation_steps)
-        # The loss is the token sum over the minibatch on all ranks divided by a normaliser: the
-        # number of tokens (token_mean) or responses * max_new_tokens (constant). Each micro-batch's
-        # token mean is weighted by its tokens over the normaliser, times the world size that DDP divides by.
-        if self.advantage_estimator.loss_aggregation == "constant":
-            normaliser = self._global_sum(torch.tensor(float(len(minibatch)), device=self.device)) * self.hparams.max_new_tokens
-        else:
-            normaliser = self._global_sum(rollout.mask[minibatch].sum())
-        normaliser = normaliser / self.trainer.world_size
-        for i, idx in enumerate(micro_batches):
+        size = len(minibatch) // self.hparams.gradient_accumulation_steps
+        # The loss of the minibatch is sum w * loss_t over all its tokens on all ranks, with the
+        # aggregation's weights w (global denominators), times the world size that DDP divides by.
+        weights = self.loss_aggregation.weights(rollout.mask[minibatch], self.hparams.max_new_tokens, self._global_sum)
+        weights = weights * self.trainer.world_size
+        micro_batches = list(zip(minibatch.split(size), weights.split(size)))
+        for i, (idx, micro_weights) in enumerate(micro_batches):
             with self._no_grad_sync(last=i == len(micro_batches) - 1):
-                loss = self.ppo_loss(rollout, advantages, returns, idx, beta)
+                loss = self.ppo_loss(rollout, advantages, returns, idx, beta, micro_weights)
                 if self._any_rank(not torch.isfinite(loss)):
                     return False
-                self.manual_backward(loss * rollout.mask[idx].sum() / normaliser)
+                self.manual_backward(loss)
         return True
 
-    def ppo_loss(self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, beta: float) -> Tensor:
-        """Clipped surrogate (+ vf_coef * clipped value loss with a critic) (+ beta * KL) on the rows ``idx``."""
+    def ppo_loss(
+        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, beta: float, weights: Tensor
+    ) -> Tensor:
+        """On the rows ``idx``: the policy loss (+ vf_coef * clipped value loss with a critic)
+        (+ beta * KL in the loss) (- entropy bonus), each per-token term summed with ``weights``."""
         hp = self.hparams
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
         response_len = rollout.response.shape[1]
         logits, values = self.policy_outputs(input_ids, attention_mask, response_len)
         logprobs = pm.logprobs_of(logits, rollout.response[idx])
-        pg = pm.policy_loss(logprobs, rollout.logprobs[idx], advantages[idx], mask, hp.cliprange)
-        loss = pg.loss
-        stats = {"policy/loss": pg.loss, "policy/clipfrac": pg.clipfrac, "policy/approxkl": pg.approxkl}
+        pg_loss, clipped = self.policy_loss(logprobs, rollout.logprobs[idx], advantages[idx], mask)
+        loss = (weights * pg_loss).sum()
+        stats = {"policy/loss": pm.masked_mean(pg_loss, mask), "policy/clipfrac": pm.masked_mean(clipped, mask),
+                 "policy/approxkl": pm.approx_kl(logprobs, rollout.logprobs[idx], mask)}  # fmt: skip
         if values is not None:
-            vf = pm.value_loss(values, rollout.values[idx], returns[idx], mask, hp.cliprange_value)
-            loss = loss + hp.vf_coef * vf.loss
-            stats.update({"value/loss": vf.loss, "value/clipfrac": vf.clipfrac})
+            vf = pm.value_loss_terms(values, rollout.values[idx], returns[idx], mask, hp.cliprange_value)
+            loss = loss + hp.vf_coef * (weights * vf.loss).sum()
+            stats.update({"value/loss": pm.masked_mean(vf.loss, mask), "value/clipfrac": pm.masked_mean(vf.clipped, mask)})
         if hp.kl_penalty in ("loss", "both"):
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
-            kl = self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits)
-            kl_loss = pm.masked_mean(kl, self.kl_mask(rollout.response[idx], mask))
-            loss = loss + beta * kl_loss
-            stats["policy/kl_loss"] = kl_loss
+            kl_mask = self.kl_mask(rollout.response[idx], mask)
+            kl = pm.masked_select(self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits), kl_mask)
+            loss = loss + beta * (weights * kl).sum()
+            stats["policy/kl_loss"] = pm.masked_mean(kl, kl_mask)
+        if self.entropy_controller is not None and self.entropy_controller.beta:
+            entropy = pm.masked_select(pm.entropy_of(logits), mask)
+            loss = loss - self.entropy_controller.beta * (weights * entropy).sum()
+            stats["policy/entropy"] = pm.masked_mean(entropy, mask)
         for name, value in stats.items():
             self.update_stats[name.replace("/", "__")].update(value.detach().float())
         return loss
@@ -571,6 +609,28 @@ class PPORLHF(LightningModule):
         else:
             with self.policy.disable_adapter():
                 yield self.policy
+
+    def _build_loss_aggregation(self, spec: Union[LossAggregation, str, None]) -> LossAggregation:
+        """``model.loss_aggregation``, or (null) the one the policy loss or the advantage estimator
+        is defined with, else token_mean; two different such preferences must be settled by the user."""
+        if spec is None:
+            preferred = {p for p in (self.policy_loss.loss_aggregation, self.advantage_estimator.loss_aggregation) if p}
+            require(len(preferred) <= 1, "model.loss_aggregation",
+                    f"set when model.policy_loss {type(self.policy_loss).__name__} and model.advantage_estimator "
+                    f"{type(self.advantage_estimator).__name__} are defined with different aggregations", sorted(preferred))  # fmt: skip
+            spec = preferred.pop() if preferred else "token_mean"
+        return registry("loss_aggregation").build(spec, "model.loss_aggregation")
+
+    def _update_entropy_controller(self, metrics: dict[str, float], n_samples: int) -> None:
+        """The entropy controller raises its coefficient while the entropy is below its target: it
+        is fed the entropy mirrored about the target, 2 * target - H, which a KL controller (raising
+        beta while its input exceeds the target) turns into exactly that (same error, opposite sign)."""
+        controller = self.entropy_controller
+        entropy = metrics["objective/entropy"]  # nats per token
+        if controller.unit == "sequence_sum":
+            entropy *= metrics["response/length"]
+        target = getattr(controller, "target", None)
+        controller.update(entropy if target is None else 2 * target - entropy, n_samples=n_samples)
 
     @property
     def _shared_critic(self) -> bool:
@@ -696,6 +756,7 @@ class PPORLHF(LightningModule):
         checkpoint["rlhf_lightning"] = {
             "iteration": self.iteration,
             "beta_controller": self.beta_controller.state_dict(),
+            "entropy_controller": None if self.entropy_controller is None else self.entropy_controller.state_dict(),
             "reward_model": self.reward_model.state_dict(),
             "rng": _rng_states(),
             "generation_seed_base": self.generation_seed_base,
@@ -712,6 +773,8 @@ class PPORLHF(LightningModule):
         self.generation_seed_base = state["generation_seed_base"]
         self.faults = dict(state["faults"])
         self.beta_controller.load_state_dict(state["beta_controller"])
+        if self.entropy_controller is not None:
+            self.entropy_controller.load_state_dict(state["entropy_controller"])
         self.reward_model.load_state_dict(state["reward_model"])
         # Applied at the next training batch: loading and loader setup in between draw random numbers.
         self._rng_to_restore = state.get("rng")

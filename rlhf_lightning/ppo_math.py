@@ -130,27 +130,106 @@ class LossStats(NamedTuple):
     approxkl: Tensor | None = None
 
 
+class TokenLoss(NamedTuple):
+    """A loss per token (batch, len) and where a clip was active (0/1), both zero off the mask."""
+
+    loss: Tensor
+    clipped: Tensor
+
+
+def clipped_surrogate(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+    clip_ratio_c: Optional[float] = None,
+) -> TokenLoss:  # fmt: skip
+    """PPO's clipped surrogate per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),
+    r = pi / pi_old (Schulman et al. 2017; clip_high > clip_low is DAPO's clip-higher). With
+    ``clip_ratio_c`` (dual clip, Ye et al. 2020) tokens with A < 0 are also capped at -A * c."""
+    # Mask before exp: an overflowing ratio at a padded position would turn the gradient into NaN.
+    ratio = masked_select(logprobs - old_logprobs, mask).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if clip_ratio_c is not None:
+        capped = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_ratio_c), loss)
+        was_clipped = was_clipped | (capped < loss)
+        loss = capped
+    return TokenLoss(masked_select(loss, mask), masked_select(was_clipped.to(loss.dtype), mask).detach())
+
+
+def sequence_ratio_surrogate(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
+) -> TokenLoss:
+    """GSPO (Zheng et al. 2025), token form: the sequence's length-normalised ratio
+    s_i = exp(mean_t (log pi - log pi_old)) clipped to [1 - clip_low, 1 + clip_high], carried by
+    every token as s_{i,t} = sg(s_i) * pi_t / sg(pi_t) (value s_i, gradient s_i grad log pi_t):
+    loss_t = max(-A s_{i,t}, -A clip(s_{i,t})). With a sequence-mean aggregation its gradient is GSPO's."""
+    log_ratio = masked_select(logprobs - old_logprobs, mask)
+    seq_log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    token_log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
+    return clipped_surrogate(token_log_ratio, torch.zeros_like(logprobs), advantages, mask, clip_low, clip_high)
+
+
+def truncated_is_policy_gradient(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_high: float
+) -> TokenLoss:
+    """CISPO (MiniMax-M1, 2025): REINFORCE on log pi with the importance weight r = pi / pi_old
+    truncated at 1 + clip_high and stopped from the gradient, so no token's gradient is dropped:
+    loss_t = -sg(min(r, 1 + clip_high)) * A * log pi."""
+    ratio = masked_select(logprobs - old_logprobs, mask).exp().detach()
+    weight = ratio.clamp(max=1.0 + clip_high)
+    loss = -weight * advantages * logprobs
+    return TokenLoss(masked_select(loss, mask), masked_select((ratio > 1.0 + clip_high).to(loss.dtype), mask))
+
+
+def aggregation_weights(mask: Tensor, mode: str, sum_fn: SumFn = None, normaliser: Optional[float] = None) -> Tensor:
+    """Weights w (batch, len), zero off the mask, such that sum w * loss_t aggregates per-token
+    losses over the whole (global, with ``sum_fn``) batch:
+
+    - ``token_mean``: 1 / (tokens in the batch): every token counts alike;
+    - ``seq_mean_token_mean``: 1 / (|y_i| * responses): the mean over responses of each one's token mean;
+    - ``seq_mean_token_sum``: 1 / responses: the mean over responses of each one's token sum;
+    - ``constant``: 1 / (responses * normaliser): token sums over a fixed length (Dr. GRPO).
+    """
+    lengths = mask.sum(-1, keepdim=True)
+    tokens, responses = (sum_fn or _identity)(torch.stack([mask.sum(), (lengths > 0).sum().to(mask.dtype)]))
+    if mode == "token_mean":
+        weights = mask / tokens.clamp(min=1)
+    elif mode == "seq_mean_token_mean":
+        weights = mask / (lengths.clamp(min=1) * responses.clamp(min=1))
+    elif mode == "seq_mean_token_sum":
+        weights = mask / responses.clamp(min=1)
+    elif mode == "constant":
+        weights = mask / (responses.clamp(min=1) * normaliser)
+    else:
+        raise ValueError(f"aggregation mode must be token_mean, seq_mean_token_mean, seq_mean_token_sum or constant, got {mode!r}")
+    return weights
+
+
 def policy_loss(
     logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cliprange: float
 ) -> LossStats:
     """PPO clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps)), r = pi/pi_old."""
-    # Mask before exp: an overflowing ratio at a padded position would turn the gradient into NaN.
-    log_ratio = masked_select(logprobs - old_logprobs, mask)
-    ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    clipfrac = masked_mean((clipped > unclipped).float(), mask)
-    approxkl = 0.5 * masked_mean(log_ratio.detach() ** 2, mask)
-    return LossStats(loss, clipfrac.detach(), approxkl)
+    loss, clipped = clipped_surrogate(logprobs, old_logprobs, advantages, mask, cliprange, cliprange)
+    return LossStats(masked_mean(loss, mask), masked_mean(clipped, mask), approx_kl(logprobs, old_logprobs, mask))
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float) -> LossStats:
-    """Clipped value loss: 0.5 * mean over tokens of max((V - R)^2, (V_clipped - R)^2)."""
+def approx_kl(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """0.5 * mean over tokens of (log pi - log pi_old)^2: how far the update moved the policy."""
+    return 0.5 * masked_mean(masked_select(logprobs - old_logprobs, mask).detach() ** 2, mask)
+
+
+def value_loss_terms(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float) -> TokenLoss:
+    """Clipped value loss per token: 0.5 * max((V - R)^2, (V_clipped - R)^2)."""
     values, old_values, returns = masked_select(values, mask), masked_select(old_values, mask), masked_select(returns, mask)
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     unclipped_loss = (values - returns) ** 2
     clipped_loss = (clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped_loss, clipped_loss), mask)
-    clipfrac = masked_mean((clipped_loss > unclipped_loss).float(), mask)
-    return LossStats(loss, clipfrac.detach())
+    loss = 0.5 * torch.maximum(unclipped_loss, clipped_loss)
+    return TokenLoss(masked_select(loss, mask), masked_select((clipped_loss > unclipped_loss).to(loss.dtype), mask).detach())
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, cliprange_value: float) -> LossStats:
+    """Clipped value loss: 0.5 * mean over tokens of max((V - R)^2, (V_clipped - R)^2)."""
+    loss, clipped = value_loss_terms(values, old_values, returns, mask, cliprange_value)
+    return LossStats(masked_mean(loss, mask), masked_mean(clipped, mask))

@@ -62,7 +62,7 @@ def test_dr_grpo_by_hand():
     advantages, returns = DrGRPO()(rewards, mask, None, group_size=3)
     assert returns is None
     assert per_response(advantages, mask) == pytest.approx([-2.0, -1.0, 3.0, 0.0, 0.0, 0.0], abs=1e-6)
-    assert DrGRPO.loss_aggregation == "constant" and GRPO.loss_aggregation == "token_mean"
+    assert DrGRPO.loss_aggregation == "constant" and GRPO.loss_aggregation is None
 
 
 def test_rloo_by_hand():
@@ -151,7 +151,7 @@ def test_contract_shapes_masking_and_returns(name):
     assert (returns is not None) == estimator.needs_critic
     if returns is not None:
         assert returns.shape == rewards.shape and (returns[mask == 0] == 0).all()
-    assert estimator.loss_aggregation in ("token_mean", "constant") and estimator.min_group_size >= 1
+    assert estimator.loss_aggregation in (None, *registry("loss_aggregation").names()) and estimator.min_group_size >= 1
 
 
 def test_builtin_estimators_are_registered_and_listed():
