@@ -80,6 +80,20 @@ class RLOO(AdvantageEstimator):
         return _broadcast(pm.group_advantages(returns, group_size, "leave_one_out"), mask), None
 
 
+@register("advantage_estimator", "reinforce", description="the return-to-go itself: no baseline, no critic (vanilla REINFORCE)")
+class Reinforce(AdvantageEstimator):
+    """REINFORCE without a baseline (Williams 1992): A_t = G_t = sum_{s >= t} gamma^(s-t) R_s.
+    Unbiased and high-variance; the reference point for the baselines above, and the estimator
+    under which a loss aggregation's length bias shows plainly (tools/length_bias.py)."""
+
+    def __init__(self, gamma: float = 1.0) -> None:
+        require(finite_number(gamma) and 0 <= gamma <= 1, "advantage_estimator.gamma", "in [0, 1]", gamma)
+        self.gamma = gamma
+
+    def __call__(self, rewards, mask, values, group_size, sum_fn=None):
+        return pm.reward_to_go(rewards, mask, self.gamma), None
+
+
 @register("advantage_estimator", "reinforce_pp", aliases=("reinforce++",),
           description="return-to-go whitened over the global batch, no critic (REINFORCE++)")  # fmt: skip
 class ReinforcePlusPlus(AdvantageEstimator):

@@ -13,3 +13,8 @@ def char_count(prompts: Sequence[str], responses: Sequence[str], chars: str = "e
 def exclamation_count(prompts: Sequence[str], responses: Sequence[str], cap: int = 10) -> list[float]:
     """A deliberately flawed proxy: counts exclamation marks, up to ``cap`` (the seeds' reward hack)."""
     return [float(min(response.count("!"), cap)) for response in responses]
+
+
+def constant(prompts: Sequence[str], responses: Sequence[str], value: float = 1.0) -> list[float]:
+    """The same score for every response, whatever its length or content (tools/length_bias.py)."""
+    return [value] * len(responses)

@@ -155,7 +155,7 @@ def test_contract_shapes_masking_and_returns(name):
 
 
 def test_builtin_estimators_are_registered_and_listed():
-    assert {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce++"} <= set(registry("advantage_estimator").names())
+    assert {"gae", "grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "reinforce++"} <= set(registry("advantage_estimator").names())
     assert isinstance(registry("advantage_estimator").build("REINFORCE++"), ReinforcePlusPlus)
 
 
@@ -237,3 +237,11 @@ def test_critic_free_estimators_with_k1_in_the_reward_reach_the_optimum(name, nu
     start, end = tracker.rows[0], tracker.last
     assert start["gap"] > 0.3
     assert end["gap"] < 0.02, end
+
+
+def test_reinforce_is_the_plain_return_to_go():
+    rewards = torch.tensor([[-0.5, 0.0, 1.0], [0.0, 2.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    advantages, returns = registry("advantage_estimator").build("reinforce")(rewards, mask, None, group_size=1)
+    assert returns is None
+    torch.testing.assert_close(advantages, torch.tensor([[0.5, 1.0, 1.0], [2.0, 2.0, 0.0]]))  # the sums by hand

@@ -178,14 +178,19 @@ class _GradRecorder(Callback):
         self.grads.append(torch.cat([p.grad.flatten() for g in optimizer.param_groups for p in g["params"]]))
 
 
-def test_gradient_accumulation_equals_one_big_minibatch(tmp_path):
-    """Four accumulated micro-batches of 2 give the gradient of one minibatch of 8 (token-weighted)."""
+@pytest.mark.parametrize(
+    "policy_loss, aggregation",
+    [("ppo_clip", "token_mean"), ("gspo", "seq_mean_token_mean"), ("cispo", "seq_mean_token_sum"), ("dual_clip", "constant")],
+)
+def test_gradient_accumulation_equals_one_big_minibatch(tmp_path, policy_loss, aggregation):
+    """Four accumulated micro-batches of 2 give the gradient of one minibatch of 8, for every
+    aggregation: its weights' denominators are those of the whole minibatch."""
     grads = {}
     for steps in (1, 4):
         recorder = _GradRecorder()
         module = make_module(
             reward_model=char_reward("aeiou "), gradient_accumulation_steps=steps, ppo_epochs=1, optimizers="shared",
-            max_grad_norm=None,
+            max_grad_norm=None, policy_loss=policy_loss, loss_aggregation=aggregation, kl_penalty="both",
         )  # fmt: skip
         fit(module, tmp_path, iterations=1, callbacks=[recorder])
         grads[steps] = recorder.grads[0]
