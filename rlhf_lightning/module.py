@@ -79,6 +79,13 @@ class PPORLHF(LightningModule):
         beta_controller: a registered beta controller name (fixed, adaptive, band, ...) or ``class_path``.
         kl_penalty: where beta * KL goes: into the per-token ``reward`` (PPO-RLHF), a separate
             ``loss`` term (GRPO style), or ``both``.
+        kl_loss_weighting: the KL loss term (``loss``/``both``) of tokens sampled from pi_old while
+            pi_theta moves over the PPO epochs: ``importance`` weights each token's estimate by
+            w_t = pi_theta(y_t) / pi_old(y_t) (ppo_math.importance_weighted_kl: with ``loss`` the
+            ratio carries gradient, which makes value-unbiased estimators (k1, k3, full) follow
+            grad KL(pi_theta || pi_ref) at every epoch; with ``both`` it is detached, the reward
+            carrying the score-function part), ``none`` differentiates the estimate as it is
+            (its on-policy gradient: right for k3+, k1+, k2, full, not for k3 or k1).
         kl_ignore_tokens: tokens left out of the KL penalty wherever they are sampled (e.g.
             ``["<|im_end|>"]``: end-of-turn tokens often dominate the KL); ``eos`` means the EOS token.
         gold_reward_model: an optional second reward backend that is only logged
@@ -122,6 +129,7 @@ class PPORLHF(LightningModule):
         kl_estimator: Union[KLEstimator, str] = "k1",
         beta_controller: Union[BetaController, str] = "fixed",
         kl_penalty: Literal["reward", "loss", "both"] = "reward",
+        kl_loss_weighting: Literal["none", "importance"] = "importance",
         kl_ignore_tokens: Optional[list[str]] = None,
         gold_reward_model: Union[RewardModel, str, None] = None,
         max_new_tokens: int = 32,
@@ -166,6 +174,14 @@ class PPORLHF(LightningModule):
             None if gold_reward_model is None else registry("reward_model").build(gold_reward_model, "model.gold_reward_model")
         )
         require(kl_penalty in ("reward", "loss", "both"), "model.kl_penalty", "one of reward, loss, both", kl_penalty)
+        require(kl_loss_weighting in ("none", "importance"), "model.kl_loss_weighting", "'none' or 'importance'", kl_loss_weighting)
+        # Whitening divides the advantages (the reward's gradient, and with 'both' the reward's part
+        # of the KL's) by their std; a KL loss term is not divided, so beta no longer weighs the KL
+        # against the reward as configured (bandit task, k3+ in the loss: gap 0.50 with whitening,
+        # 0.001 without; README, "KL in the loss over several PPO epochs").
+        require(kl_penalty == "reward" or not whiten_advantages, "model.whiten_advantages",
+                "false when the KL is in the loss (kl_penalty: loss or both): whitening rescales the "
+                "advantages but not the KL loss term", whiten_advantages)  # fmt: skip
         require(max_new_tokens >= 1, "model.max_new_tokens", ">= 1", max_new_tokens)
         require(0 <= min_new_tokens <= max_new_tokens, "model.min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
         require(temperature > 0, "model.temperature", "> 0", temperature)
@@ -183,6 +199,13 @@ class PPORLHF(LightningModule):
                 f"{type(self.kl_estimator).__name__} as a per-token reward gives a biased gradient of the KL "
                 "(only k1's score-function gradient is the KL's); the policy converges away from the "
                 "KL-regularised optimum. Use kl_estimator k1 in the reward, or this estimator with kl_penalty: loss."
+            )
+        if kl_penalty == "loss" and kl_loss_weighting == "importance" and not _gradient_follows_value(self.kl_estimator):
+            rank_zero_warn(
+                f"{type(self.kl_estimator).__name__}'s gradient is not the derivative of its value (a straight-through "
+                "estimator such as k3+ already carries the score-function term k * grad log pi that the importance "
+                "ratio's gradient adds, so it is counted twice and the policy drifts from the KL-regularised optimum). "
+                "Use kl_estimator k3 (or full) with kl_loss_weighting: importance, or this estimator with 'none'."
             )
         self.save_hyperparameters(ignore=["reward_model", "kl_estimator", "beta_controller", "gold_reward_model"])
         self.automatic_optimization = False
@@ -425,6 +448,8 @@ class PPORLHF(LightningModule):
         if hp.kl_penalty in ("loss", "both"):
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
             kl = self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits)
+            if hp.kl_loss_weighting == "importance":  # the ratio's gradient only where no reward carries k's score term
+                kl = pm.importance_weighted_kl(kl, logprobs, rollout.logprobs[idx], mask, ratio_gradient=hp.kl_penalty == "loss")
             kl_loss = pm.masked_mean(kl, self.kl_mask(rollout.response[idx], mask))
             loss = loss + beta * kl_loss
             stats["policy/kl_loss"] = kl_loss
@@ -670,6 +695,21 @@ class PPORLHF(LightningModule):
                   if f in saved and saved.get(f) != self.hparams.get(f)]  # fmt: skip
         if differ:
             raise ValueError("checkpoint is incompatible with this config; " + "; ".join(differ))
+
+
+def _gradient_follows_value(estimator: KLEstimator) -> bool:
+    """Whether autograd through ``estimator`` gives the derivative of its value, probed by central
+    differences at log-ratios x in [-2, 2]; false for straight-through estimators (k3+, k1+), whose
+    gradient is another estimator's. Estimators that need logits are not probed (true)."""
+    if estimator.needs_logits:
+        return True
+    x = torch.linspace(-2.0, 2.0, 9, dtype=torch.float64).unsqueeze(0).requires_grad_()
+    ref = torch.zeros_like(x)
+    (grad,) = torch.autograd.grad(estimator(x, ref).sum(), x)
+    h = 1e-6
+    with torch.no_grad():
+        derivative = (estimator(x + h, ref) - estimator(x - h, ref)) / (2 * h)
+    return torch.allclose(grad, derivative, atol=1e-5)
 
 
 def _position_ids(attention_mask: Tensor) -> Tensor:
