@@ -19,10 +19,10 @@ About 15 s on a 2-core CPU for the defaults.
 parallel processes) and prints one line per cell, then a summary:
 
     OPTIMUM estimator=k3 placement=loss weighting=importance epochs=4 gap=... kl_ref_exact=... kl_opt=... expected=unbiased
-    MATRIX unbiased_max_gap=<largest gap of the cells called unbiased> biased_min_gap=<smallest of those called biased>
+    MATRIX unbiased_max_gap=<largest gap of the cells called unbiased> biased_min_gap=<smallest of those called biased> drift_max_gap=...
 
 kl_opt is KL(pi* || pi_ref), where kl_ref_exact should land. ``expected`` is what the theory
-(:func:`expected_unbiased`, README "KL in the loss over several PPO epochs") says of the cell.
+(:func:`expected_class`, README "KL in the loss over several PPO epochs") says of the cell.
 Advantages are whitened where the KL is only in the reward and not whitened where it is in the
 loss (PPORLHF refuses that combination). The PER_TOKEN line gives the exact gap of the fixed point
 of a per-token KL loss (``exact.backward_induction(soft=False)``), the sequence-level term it
@@ -94,6 +94,7 @@ PLACEMENTS = ("reward", "loss", "both")
 WEIGHTINGS = ("none", "importance")
 VALUE_UNBIASED = {"k1", "k3", "full"}  # E_pi[k] = KL(pi || pi_ref) at each position
 GRADIENT_UNBIASED = {"k2", "k3+", "full"}  # on-policy E_pi[grad k] = grad KL(pi || pi_ref) at each position
+TOKEN_FREE = {"full"}  # the same value whichever token was sampled: exact at pi_theta on pi_old's states
 
 
 def add_matrix_args(parser: argparse.ArgumentParser) -> None:
@@ -106,22 +107,28 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--jobs", type=int, default=1, help="cells trained in parallel processes (default 1)")
 
 
-def expected_unbiased(estimator: str, placement: str, weighting: str) -> bool:
-    """Whether the cell's expected gradient is that of J = E r - beta KL(pi || pi_ref) (the theory of
-    the README's "KL in the loss over several PPO epochs"; estimators other than the five built-in
-    ones are classified by their names' membership in VALUE_UNBIASED / GRADIENT_UNBIASED).
+def expected_class(estimator: str, placement: str, weighting: str) -> str:
+    """What the theory (README, "KL in the loss over several PPO epochs") says of a cell's expected
+    gradient against that of J = E r - beta KL(pi || pi_ref), per token (s = grad log pi):
 
-    reward: PPO follows the score function E[s_t sum_{t'>=t} k_t'], the KL's gradient only for k1.
-    loss, none: E[grad k] per token, right for the estimators whose on-policy gradient is the KL's.
-    loss, importance: grad(w k) = w (k s + grad k), right for the estimators whose value is the KL's.
-    both: the reward carries k s, the loss grad k: right for value-unbiased estimators, either weighting.
-    A per-token loss misses the sequence-level term (PER_TOKEN line: how much that costs the task).
+    ``unbiased``: right at every minibatch of every epoch. ``biased``: wrong even on-policy.
+    ``drift``: right on the rollout's first minibatch only: an unweighted token-dependent loss term
+    evaluated at pi_theta on tokens drawn from pi_old (off by O(how far pi_theta moved)).
+
+    reward: PPO follows E[s_t sum_{t'>=t} k_t'] (importance weighted by its own ratio): the KL's gradient only for k1.
+    loss, none: E_old[grad k]: the KL's for k2, k3+ (on-policy, then drift) and full (its value is every token's).
+    loss, importance: E_old[w (k s + grad k)] = grad E_theta[k]: the KL's for value-unbiased k (k1, k3, full).
+    both: reward k s + loss grad k: the KL's for value-unbiased k; unweighted, k1 and k3 drift.
+    Estimators outside the five built-in ones are classified by membership of the sets above.
     """
     if placement == "reward":
-        return estimator == "k1"
-    if placement == "loss" and weighting == "none":
-        return estimator in GRADIENT_UNBIASED
-    return estimator in VALUE_UNBIASED
+        return "unbiased" if estimator == "k1" else "biased"
+    if estimator in TOKEN_FREE:
+        return "unbiased"
+    right = GRADIENT_UNBIASED if (placement, weighting) == ("loss", "none") else VALUE_UNBIASED
+    if estimator not in right:
+        return "biased"
+    return "drift" if weighting == "none" else "unbiased"
 
 
 def matrix_cells(args: argparse.Namespace) -> list[tuple[str, str, str, int]]:
@@ -163,18 +170,19 @@ def run_matrix(args: argparse.Namespace) -> None:
     print(f"task={args.task} beta={args.beta} iterations={args.iterations} seed={args.seed} cells={len(cells)} jobs={args.jobs}")
     print(f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(args):.4f}", flush=True)
     start = time.perf_counter()
-    gaps: dict[bool, list[float]] = {True: [], False: []}
+    gaps: dict[str, list[float]] = {"unbiased": [], "biased": [], "drift": []}
     with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else _InProcess() as pool:
         for row in pool.map(run_cell, itertools.repeat(args), cells):
             estimator, placement, weighting, epochs = row["cell"]
-            unbiased = expected_unbiased(estimator, placement, weighting)
-            gaps[unbiased].append(row["gap"])
+            expected = expected_class(estimator, placement, weighting)
+            gaps[expected].append(row["gap"])
             print(f"OPTIMUM estimator={estimator} placement={placement} weighting={weighting} epochs={epochs} "
                   f"gap={row['gap']:.4f} kl_ref_exact={row['kl_to_ref']:.4f} kl_opt={row['optimum_kl_to_ref']:.4f} "
-                  f"kl_to_opt={row['kl_to_optimum']:.4f} expected={'unbiased' if unbiased else 'biased'} "
+                  f"kl_to_opt={row['kl_to_optimum']:.4f} expected={expected} "
                   f"seconds={row['seconds']:.1f}", flush=True)  # fmt: skip
-    print(f"MATRIX unbiased_max_gap={max(gaps[True], default=float('nan')):.4f} "
-          f"biased_min_gap={min(gaps[False], default=float('nan')):.4f} wall_s={time.perf_counter() - start:.0f}")
+    nan = float("nan")
+    print(f"MATRIX unbiased_max_gap={max(gaps['unbiased'], default=nan):.4f} biased_min_gap={min(gaps['biased'], default=nan):.4f} "
+          f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f}")
 
 
 class _InProcess:
