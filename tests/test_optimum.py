@@ -233,9 +233,12 @@ def test_matrix_fast_subset_separates_the_biased_cells(capsys):
         assert cells[cell][1] == "biased" and cells[cell][0] > 0.2, (cell, cells[cell])
     assert cells["k3+", "none"][1] == "drift" and cells["k3+", "none"][0] < 0.02
     assert "PER_TOKEN fixed_point_gap=0.0000" in out  # one token: a per-token loss misses nothing
+    # k3 unweighted (forward-KL gradient) is called biased but its fixed point is close to pi* on the
+    # bandit (README: the one biased configuration the gap does not separate), so only the maximum is checked.
+    assert cells["k3", "none"][1] == "biased"
     summary = next(line for line in out.splitlines() if line.startswith("MATRIX "))
     fields = dict(item.split("=") for item in summary.split()[1:])
-    assert float(fields["unbiased_max_gap"]) < 0.02 < 0.2 < float(fields["biased_min_gap"]), summary
+    assert float(fields["unbiased_max_gap"]) < 0.02, summary
 
 
 def test_per_token_fixed_point_by_hand():
