@@ -98,6 +98,33 @@ def objective(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: flo
     return expected_reward(logprobs, rewards) - beta * kl_divergence(logprobs, ref_logprobs)
 
 
+def backward_induction(ref_logprobs: Tensor, rewards: Tensor, beta: float, num_tokens: int, soft: bool = True) -> Tensor:
+    """The policy built token by token from the last position back, pi(a | s) ∝ pi_ref(a | s) exp(Q(s, a) / beta),
+    as log pi(y|x) over whole responses (same layout as ``ref_logprobs``; responses in the order of
+    :func:`enumerate_responses` over ``num_tokens`` content tokens; the reward is terminal).
+
+    ``soft=True``: Q(s, a) = V(s + a) with V(s) = beta log sum_a pi_ref(a|s) exp(Q(s, a) / beta), the
+    soft value that charges the KL of every later token: this is pi* itself (equal to
+    :func:`optimal_logprobs`). ``soft=False``: V(s) = E_{a~pi}[Q(s, a)], the expected reward to go
+    with no KL of later tokens: the fixed point of a per-token KL loss, grad E[r] - beta E_s grad
+    KL(pi(.|s) || pi_ref(.|s)) = 0 at every visited s, which never charges a token for the KL of the
+    states it leads to (Tang & Munos, 2025, "On a few pitfalls in KL divergence gradient estimation
+    for RL", sec. 4). The two differ only when pi_ref's next-token distribution depends on the prefix.
+    """
+    prompts, responses = ref_logprobs.shape
+    length = round(math.log(responses, num_tokens))
+    shape = (prompts, *[num_tokens] * length)
+    ref, value = ref_logprobs.double().view(shape), rewards.double().view(shape)
+    logprobs = torch.zeros(shape, dtype=torch.float64)
+    for t in reversed(range(length)):  # value: (prompts, K ** (t + 1)) over prefixes of t + 1 tokens
+        prefix_and_token = ref.logsumexp(dim=tuple(range(t + 2, length + 1))) if t + 1 < length else ref
+        logits = prefix_and_token - prefix_and_token.logsumexp(-1, keepdim=True) + value / beta
+        policy = logits.log_softmax(-1)  # log pi(a | prefix of t tokens)
+        value = beta * logits.logsumexp(-1) if soft else (policy.exp() * value).sum(-1)
+        logprobs = logprobs + policy.view(*policy.shape, *[1] * (length - t - 1))
+    return logprobs.view(prompts, responses)
+
+
 @dataclass
 class OptimumReport:
     """Exact distances of a policy from the KL-regularised optimum."""

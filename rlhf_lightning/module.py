@@ -99,6 +99,13 @@ class PPORLHF(LightningModule):
             response): the coefficient rises while the rollout's entropy is below the target.
         kl_penalty: where beta * KL goes: into the per-token ``reward`` (PPO-RLHF), a separate
             ``loss`` term (GRPO style), or ``both``.
+        kl_loss_weighting: the KL loss term (``loss``/``both``) of tokens sampled from pi_old while
+            pi_theta moves over the PPO epochs: ``importance`` weights each token's estimate by
+            w_t = pi_theta(y_t) / pi_old(y_t) (ppo_math.importance_weighted_kl: with ``loss`` the
+            ratio carries gradient, which makes value-unbiased estimators (k1, k3, full) follow
+            grad KL(pi_theta || pi_ref) at every epoch; with ``both`` it is detached, the reward
+            carrying the score-function part), ``none`` differentiates the estimate as it is
+            (its on-policy gradient: right for k3+, k1+, k2, full, not for k3 or k1).
         kl_ignore_tokens: tokens left out of the KL penalty wherever they are sampled (e.g.
             ``["<|im_end|>"]``: end-of-turn tokens often dominate the KL); ``eos`` means the EOS token.
         gold_reward_model: an optional second reward backend that is only logged
@@ -118,7 +125,8 @@ class PPORLHF(LightningModule):
             minibatches per pass (one optimizer step each), micro-batches per minibatch.
         cliprange_value: the value clip. vf_coef: value-loss weight.
         whiten_advantages: whiten the advantages over the global batch; null: the estimator's
-            default (gae: yes; the critic-free estimators normalise their own way: no).
+            default (gae: yes; the critic-free estimators normalise their own way: no), and no
+            whenever the KL is in the loss (true is refused there: see the check below).
         lr / critic_lr / weight_decay / max_grad_norm: AdamW settings and gradient clipping.
         optimizers: ``separate`` (one AdamW for the policy, one for the critic) or ``shared``.
         critic: the value head's trunk: a ``separate`` copy of the policy's trunk, ``none`` (no
@@ -151,6 +159,7 @@ class PPORLHF(LightningModule):
         entropy_coef: float = 0.0,
         entropy_controller: Union[BetaController, str, None] = None,
         kl_penalty: Literal["reward", "loss", "both"] = "reward",
+        kl_loss_weighting: Literal["none", "importance"] = "importance",
         kl_ignore_tokens: Optional[list[str]] = None,
         gold_reward_model: Union[RewardModel, str, None] = None,
         max_new_tokens: int = 32,
@@ -204,6 +213,14 @@ class PPORLHF(LightningModule):
             None if gold_reward_model is None else registry("reward_model").build(gold_reward_model, "model.gold_reward_model")
         )
         require(kl_penalty in ("reward", "loss", "both"), "model.kl_penalty", "one of reward, loss, both", kl_penalty)
+        require(kl_loss_weighting in ("none", "importance"), "model.kl_loss_weighting", "'none' or 'importance'", kl_loss_weighting)
+        # Whitening divides the advantages (the reward's gradient, and with 'both' the reward's part
+        # of the KL's) by their std; a KL loss term is not divided, so beta no longer weighs the KL
+        # against the reward as configured (bandit task, k3+ in the loss: gap 0.50 with whitening,
+        # 0.001 without; README, "KL in the loss over several PPO epochs").
+        require(kl_penalty == "reward" or not whiten_advantages, "model.whiten_advantages",
+                "false when the KL is in the loss (kl_penalty: loss or both): whitening rescales the "
+                "advantages but not the KL loss term", whiten_advantages)  # fmt: skip
         require(max_new_tokens >= 1, "model.max_new_tokens", ">= 1", max_new_tokens)
         require(0 <= min_new_tokens <= max_new_tokens, "model.min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
         require(temperature > 0, "model.temperature", "> 0", temperature)
@@ -232,13 +249,22 @@ class PPORLHF(LightningModule):
                 "(only k1's score-function gradient is the KL's); the policy converges away from the "
                 "KL-regularised optimum. Use kl_estimator k1 in the reward, or this estimator with kl_penalty: loss."
             )
+        if kl_penalty == "loss" and kl_loss_weighting == "importance" and not _gradient_follows_value(self.kl_estimator):
+            rank_zero_warn(
+                f"{type(self.kl_estimator).__name__}'s gradient is not the derivative of its value (a straight-through "
+                "estimator such as k3+ already carries the score-function term k * grad log pi that the importance "
+                "ratio's gradient adds, so it is counted twice and the policy drifts from the KL-regularised optimum). "
+                "Use kl_estimator k3 (or full) with kl_loss_weighting: importance, or this estimator with 'none'."
+            )
         self.save_hyperparameters(ignore=[
             "reward_model", "kl_estimator", "beta_controller", "gold_reward_model", "advantage_estimator", "policy_loss",
             "loss_aggregation", "entropy_controller",
         ])  # fmt: skip
         # Stored resolved, so checkpoints and the compatibility check see what was built.
         self.hparams.critic = critic
-        self.hparams.whiten_advantages = self.advantage_estimator.whiten if whiten_advantages is None else whiten_advantages
+        if whiten_advantages is None:  # the estimator's default, off whenever the KL is in the loss (see above)
+            whiten_advantages = self.advantage_estimator.whiten and kl_penalty == "reward"
+        self.hparams.whiten_advantages = whiten_advantages
         self.automatic_optimization = False
 
         self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), trust_remote_code)
@@ -506,7 +532,10 @@ class PPORLHF(LightningModule):
         if hp.kl_penalty in ("loss", "both"):
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
             kl_mask = self.kl_mask(rollout.response[idx], mask)
-            kl = pm.masked_select(self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits), kl_mask)
+            kl = self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits)
+            if hp.kl_loss_weighting == "importance":  # the ratio's gradient only where no reward carries k's score term
+                kl = pm.importance_weighted_kl(kl, logprobs, rollout.logprobs[idx], mask, ratio_gradient=hp.kl_penalty == "loss")
+            kl = pm.masked_select(kl, kl_mask)
             loss = loss + beta * (weights * kl).sum()
             stats["policy/kl_loss"] = pm.masked_mean(kl, kl_mask)
         if self.entropy_controller is not None and self.entropy_controller.beta:
@@ -623,14 +652,15 @@ class PPORLHF(LightningModule):
 
     def _update_entropy_controller(self, metrics: dict[str, float], n_samples: int) -> None:
         """The entropy controller raises its coefficient while the entropy is below its target: it
-        is fed the entropy mirrored about the target, 2 * target - H, which a KL controller (raising
-        beta while its input exceeds the target) turns into exactly that (same error, opposite sign)."""
+        is fed target^2 / H, the entropy mirrored about the target in log space (log(input / target)
+        = -log(H / target)), which a KL controller (raising beta while its input exceeds the target)
+        turns into exactly that: the same log error with the opposite sign, and never negative."""
         controller = self.entropy_controller
         entropy = metrics["objective/entropy"]  # nats per token
         if controller.unit == "sequence_sum":
             entropy *= metrics["response/length"]
         target = getattr(controller, "target", None)
-        controller.update(entropy if target is None else 2 * target - entropy, n_samples=n_samples)
+        controller.update(entropy if target is None else target**2 / max(entropy, 1e-6), n_samples=n_samples)
 
     @property
     def _shared_critic(self) -> bool:
@@ -791,6 +821,21 @@ class PPORLHF(LightningModule):
                   if f in saved and saved.get(f) != self.hparams.get(f)]  # fmt: skip
         if differ:
             raise ValueError("checkpoint is incompatible with this config; " + "; ".join(differ))
+
+
+def _gradient_follows_value(estimator: KLEstimator) -> bool:
+    """Whether autograd through ``estimator`` gives the derivative of its value, probed by central
+    differences at log-ratios x in [-2, 2]; false for straight-through estimators (k3+, k1+), whose
+    gradient is another estimator's. Estimators that need logits are not probed (true)."""
+    if estimator.needs_logits:
+        return True
+    x = torch.linspace(-2.0, 2.0, 9, dtype=torch.float64).unsqueeze(0).requires_grad_()
+    ref = torch.zeros_like(x)
+    (grad,) = torch.autograd.grad(estimator(x, ref).sum(), x)
+    h = 1e-6
+    with torch.no_grad():
+        derivative = (estimator(x + h, ref) - estimator(x - h, ref)) / (2 * h)
+    return torch.allclose(grad, derivative, atol=1e-5)
 
 
 def _position_ids(attention_mask: Tensor) -> Tensor:

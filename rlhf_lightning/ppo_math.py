@@ -233,3 +233,30 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     """Clipped value loss: 0.5 * mean over tokens of max((V - R)^2, (V_clipped - R)^2)."""
     loss, clipped = value_loss_terms(values, old_values, returns, mask, cliprange_value)
     return LossStats(masked_mean(loss, mask), masked_mean(clipped, mask))
+
+
+def importance_weighted_kl(
+    kl: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, ratio_gradient: bool = True
+) -> Tensor:
+    """w_t * kl_t with the per-token importance ratio w_t = pi_theta(y_t) / pi_old(y_t), unclipped.
+
+    The loss path samples y ~ pi_old; reweighting by w_t makes the expectation the current
+    policy's at every PPO epoch: E_{pi_old}[w_t k_t] = E_{pi_theta}[k_t] (per position, the prefix
+    held fixed). Which factors carry gradient (s_t = grad log pi_theta(y_t)):
+
+    - ``ratio_gradient=True`` (the KL only in the loss): grad (w k) = w (k s + grad k), whose mean is
+      grad E_{pi_theta}[k] = grad KL(pi_theta || pi_ref) at the position for every estimator whose
+      VALUE is unbiased (k1, k3, full): the ratio's gradient is the score-function term k s that a
+      loss on k alone misses (for k3 it turns (1 - pi_ref/pi) s into exactly x s, x = log pi - log pi_ref).
+      Token-level form of Zhang (2025) / DeepSeek-V3.2's corrected k3 / TRL ``use_bias_correction_kl``.
+    - ``ratio_gradient=False`` (``kl_penalty: both``): sg(w) grad k. The reward already carries
+      k's score-function term through PPO's ratio w_t A_t; a second one here would count it twice.
+
+    Unclipped: a clipped ratio has no gradient outside the band, which would drop the correction
+    exactly where the policy moved most (PPO's clip already bounds how far an epoch moves it).
+    Per-token, not cumulative: the sequence-level term (earlier tokens steering which later states
+    are visited) is the reward path's job (GAE returns), as with PPO's own per-token ratio.
+    Positions off ``mask`` are 0 (masked before exp, as in policy_loss).
+    """
+    ratio = masked_select(logprobs - old_logprobs, mask).exp()
+    return (ratio if ratio_gradient else ratio.detach()) * masked_select(kl, mask)

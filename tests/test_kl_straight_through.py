@@ -189,3 +189,9 @@ def test_kl_estimator_report_fast(tmp_path):
     assert k3p.expected_grad_rel_err < 1e-3 and k2.expected_grad_rel_err < 1e-3
     assert k3.expected_grad_rel_err > 10 * k3p.expected_grad_rel_err
     assert k1.expected_grad_rel_err == pytest.approx(1.0, abs=1e-3) and k1.expected_grad_norm < 1e-3
+    # off-policy (the policy moved 4 PPO epochs from the sampler): importance weighting gives the
+    # value-unbiased estimators the exact gradient of KL(pi_theta || pi_ref); unweighted k1 is far off
+    for name in ("k1", "k3", "full"):
+        assert rows[name].off_policy_cos_importance > 0.99, rows[name]
+    assert k1.off_policy_cos < 0.5 and k3.off_policy_cos < k3.off_policy_cos_importance
+    assert k3p.off_policy_cos_importance < rows["k3"].off_policy_cos_importance  # the score term twice

@@ -199,7 +199,7 @@ def test_gradient_accumulation_equals_one_big_minibatch(tmp_path, policy_loss, a
 
 
 def test_kl_as_loss_with_full_estimator(tmp_path):
-    module = make_module(kl_penalty="loss", kl_estimator="full")
+    module = make_module(kl_penalty="loss", kl_estimator="full", whiten_advantages=False)
     _, history = fit(module, tmp_path, iterations=2)
     assert history.rows[-1]["policy/kl_loss"] >= 0  # the exact KL is never negative
     # The penalty is not in the reward: the trained reward is the raw score.
@@ -291,3 +291,54 @@ def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_
 def test_unknown_old_logprobs_source_is_refused():
     with pytest.raises(ValueError, match="model.old_logprobs must be 'sampler' or 'forward', got 'cache'"):
         PPORLHF(policy="tiny", reward_model=char_reward(), old_logprobs="cache")
+
+
+@pytest.mark.parametrize("kl_penalty", ["loss", "both"])
+def test_whitening_with_a_kl_loss_term_is_refused(kl_penalty):
+    """Whitening divides the reward's advantages by their std and not the KL loss term: beta then no longer
+    weighs the KL as configured (tests/test_optimum.py, README: gap 0.50 instead of 0.001 on the bandit)."""
+    with pytest.raises(ValueError, match="model.whiten_advantages must be false when the KL is in the loss"):
+        PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty=kl_penalty, kl_estimator="k3", whiten_advantages=True)
+    # By default (null) GAE whitens only while the KL is in the reward alone.
+    assert PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty=kl_penalty, kl_estimator="k3").hparams.whiten_advantages is False
+    assert PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty="reward").hparams.whiten_advantages is True
+
+
+def test_unknown_kl_loss_weighting_is_refused():
+    with pytest.raises(ValueError, match="model.kl_loss_weighting must be 'none' or 'importance', got 'ratio'"):
+        PPORLHF(policy="tiny", reward_model=char_reward(), kl_loss_weighting="ratio")
+
+
+@pytest.mark.parametrize("estimator, warns", [("k3+", True), ("k1+", True), ("k3", False), ("full", False), ("k2", False)])
+def test_straight_through_estimator_with_importance_weighting_warns(estimator, warns):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty="loss", kl_estimator=estimator, whiten_advantages=False)
+        PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty="loss", kl_estimator=estimator,
+                whiten_advantages=False, kl_loss_weighting="none")  # fmt: skip
+    messages = [str(w.message) for w in caught if "not the derivative of its value" in str(w.message)]
+    assert len(messages) == int(warns), messages
+
+
+def test_kl_loss_is_the_importance_weighted_term_and_the_rollout_kl_stays_unweighted(tmp_path):
+    """policy/kl_loss is the mean of w_t k_t over the minibatches; objective/kl is the rollout's own
+    (unweighted) estimate. On the first minibatch w = 1 exactly (old_logprobs: forward), so the loss
+    term there equals the rollout's per-token mean."""
+    module = make_module(kl_penalty="loss", kl_estimator="k3", whiten_advantages=False, ppo_epochs=1)
+    seen = []
+    original = module.ppo_loss
+
+    def recording(rollout, advantages, returns, idx, beta, weights):
+        loss = original(rollout, advantages, returns, idx, beta, weights)
+        seen.append((float(module.update_stats["policy__kl_loss"].compute()), idx))
+        return loss
+
+    module.ppo_loss = recording
+    _, history = fit(module, tmp_path, iterations=1)
+    rollout, kl = module.last_rollout, module.last_kl
+    first_kl_loss, first_idx = seen[0]
+    mask = rollout.mask[first_idx]
+    assert first_kl_loss == pytest.approx(float((kl[first_idx] * mask).sum() / mask.sum()), rel=1e-5)
+    assert history.rows[-1]["objective/kl"] == pytest.approx(float(kl.sum(-1).mean()), rel=1e-5)

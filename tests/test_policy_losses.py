@@ -181,8 +181,9 @@ def test_entropy_bonus_is_minus_coef_times_the_weighted_entropy():
 
 @pytest.mark.parametrize("entropy, expected_coef", [(1.0, 0.1 * (1 + 0.2 / 10)), (3.0, 0.1 * (1 - 0.2 / 10)), (2.0, 0.1)])
 def test_entropy_controller_raises_the_coefficient_below_the_target(entropy, expected_coef):
-    """Adaptive controller, target 2 nats per token, horizon 10, one sample: below the target the
-    mirrored input 4 - H exceeds it (error clipped to +0.2): beta * (1 + 0.2 / 10); above: the reverse."""
+    """Adaptive controller, target 2 nats per token, horizon 10, one sample: the input is 4 / H;
+    H = 1: 4 / 2 - 1 = 1, clipped to +0.2: beta * (1 + 0.2 / 10); H = 3: 4 / 6 - 1 = -1/3, clipped
+    to -0.2: beta * (1 - 0.2 / 10); H = 2: error 0."""
     module = make_module(entropy_controller=AdaptiveBeta(init_beta=0.1, target=2.0, horizon=10, unit="token_mean"))
     module._update_entropy_controller({"objective/entropy": entropy, "response/length": 5.0}, n_samples=1)
     assert module.entropy_controller.beta == pytest.approx(expected_coef)
@@ -209,3 +210,17 @@ def test_a_length_blind_reward_shortens_responses_only_under_the_per_response_to
     assert last < first - 3, summary
     first, last = summary["seq_mean_token_sum"]
     assert abs(last - first) < 2, summary
+
+
+def test_regulariser_frontier_fast_puts_the_kl_penalty_on_the_exact_frontier(tmp_path):
+    """tools/regulariser_frontier.py --fast: the beta = 0.5 run lands on the exact frontier well short
+    of the reward maximiser's KL, while PPO's clip alone (beta = 0) runs to the maximiser (KL ~4)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import regulariser_frontier
+
+    finals = {row["family"]: row for row in regulariser_frontier.main(["--fast", "--out", str(tmp_path)])}
+    assert set(finals) == {"kl_penalty", "clip_higher", "entropy", "none"}
+    assert abs(finals["kl_penalty"]["frontier_gap"]) < 0.05 and finals["kl_penalty"]["kl"] < 2.0, finals
+    assert finals["none"]["kl"] > 3.0 and finals["none"]["reward"] > 2.9, finals
+    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "frontier.csv").read_text().startswith("family,setting,seed,iteration,reward,kl")

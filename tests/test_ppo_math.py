@@ -508,3 +508,52 @@ def test_losses_have_finite_gradients_when_padding_would_overflow():
     loss.backward()
     # 0.5 * (1 - 2)^2 = 0.5 on the one real token; gradient (V - R) = -1 there.
     assert loss.item() == 0.5 and torch.equal(values.grad, torch.tensor([[-1.0, 0.0]]))
+
+
+# ---------------------------------------------------------------------- importance-weighted KL
+def test_importance_weighted_kl_hand_example_value_and_both_gradients():
+    # log pi = log 0.5, log pi_ref = log 0.25, log pi_old = log 0.25: x = log 2, r = pi_ref / pi = 0.5,
+    # k3 = r - 1 - log r = -0.5 + log 2 = 0.193147, w = pi / pi_old = 2, so w k3 = 0.386294.
+    ref, old = torch.tensor([[math.log(0.25)]]), torch.tensor([[math.log(0.25)]])
+    for ratio_gradient, expected_grad in ((True, 2 * math.log(2)), (False, 1.0)):
+        logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+        x = logp - ref
+        k3 = (-x).exp() - 1 + x
+        weighted = pm.importance_weighted_kl(k3, logp, old, torch.ones(1, 1), ratio_gradient)
+        assert weighted.item() == pytest.approx(2 * (math.log(2) - 0.5), abs=1e-6)  # 0.386294
+        (grad,) = torch.autograd.grad(weighted.sum(), logp)
+        # with the ratio's gradient: d(w k3)/d log pi = w k3 + w (1 - r) = w x = 2 log 2 = 1.386294
+        # (the score-function term turns k3's (1 - r) into x); detached: w (1 - r) = 1.0
+        assert grad.item() == pytest.approx(expected_grad, abs=1e-6)
+
+
+def test_importance_weighted_kl_is_zero_and_finite_off_the_mask():
+    logp = torch.tensor([[-1.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -200.0]])  # exp(200) at the padded position would overflow float32
+    kl = torch.tensor([[0.3, float("inf")]])
+    weighted = pm.importance_weighted_kl(kl, logp, old, torch.tensor([[1.0, 0.0]]))
+    assert weighted.tolist() == [[pytest.approx(0.3), 0.0]]
+    (grad,) = torch.autograd.grad(weighted.sum(), logp)
+    assert torch.isfinite(grad).all() and grad[0, 1] == 0
+
+
+@pytest.mark.parametrize("name", ["k1", "k3"])
+def test_importance_weighted_value_unbiased_estimators_have_the_exact_kl_gradient_off_policy(name):
+    """sum_a pi_old(a) grad (w_a k(x_a)) = grad KL(pi_theta || pi_ref) exactly, with pi_old != pi_theta:
+    E_{pi_old}[w k] = E_{pi_theta}[k] = KL for any theta, so their gradients agree (float64, no sampling)."""
+    from rlhf_lightning.registry import registry
+
+    estimator = registry("kl_estimator").get(name)()
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(2, 7, generator=g, dtype=torch.float64).requires_grad_()
+    old = torch.randn(2, 7, generator=g, dtype=torch.float64).log_softmax(-1)
+    ref = torch.randn(2, 7, generator=g, dtype=torch.float64).log_softmax(-1)
+    logp = theta.log_softmax(-1)
+    (exact,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)
+    logp = theta.log_softmax(-1)
+    weighted = pm.importance_weighted_kl(estimator(logp, ref), logp, old, torch.ones(2, 7))
+    (grad,) = torch.autograd.grad((old.exp() * weighted).sum(), theta)
+    torch.testing.assert_close(grad, exact)
+    # Unweighted, the same samples from pi_old give another gradient (k1: E_old[grad log pi] != 0).
+    (unweighted,) = torch.autograd.grad((old.exp() * estimator(theta.log_softmax(-1), ref)).sum(), theta)
+    assert (unweighted - exact).abs().max() > 0.05

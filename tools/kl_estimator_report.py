@@ -29,6 +29,16 @@ and error again for the EXPECTED gradient over the sampled token, sum_a sg(pi(a)
 same states (exact over the vocabulary): this separates an estimator's bias as a loss (plain k3
 follows grad KL(pi_ref || pi)) from the sampling noise that dominates the first two columns.
 
+Off-policy (``kl_penalty: loss`` over several PPO epochs). Each batch is sampled from the pushed
+policy pi_old, then the policy is moved ``--offpolicy-epochs`` PPO epochs away from it (clipped
+surrogate with random +-1 advantages per response, Adam at ``--offpolicy-lr``, as an update driven by
+a reward would move it) and put back after the batch. At the moved pi_theta, on the states sampled
+from pi_old: the exact gradient of KL(pi_theta || pi_ref) (``full`` at pi_theta) against each
+estimator's expected gradient with the token drawn from pi_old, sum_a sg(pi_old(a)) grad L(a), for
+L = est (``kl_loss_weighting: none``) and L = w est with w = pi_theta / pi_old carrying gradient
+(``importance``, ppo_math.importance_weighted_kl). Cosines: the corrected variants (value-unbiased
+estimators weighted) at 1.000, the unweighted ones drifting with the distance moved.
+
 Writes ``--out`` (default runs/kl_estimator_report/report.md) and ``kl_estimates.png`` next to it
 (per-sequence estimate against exact, one marker per estimator); prints the table.
 """
@@ -54,6 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "runs" / "kl_estimator_report" / "report.md"
 DEFAULT_PUSH = {"smollm2": 0.05, "tiny": 0.5}  # smollm2: about 3 nats per 32-token response
 FAST = dict(policy="tiny", samples=32)
+OFFPOLICY_LR = {"smollm2": 1e-3, "tiny": 1e-2}
 EXACT = "full"
 ZERO_GRADIENT = 1e-3  # ||expected gradient|| / ||exact|| below this: a zero vector up to rounding (k1)
 ROUNDING = 1e-5  # negative values of a non-negative estimator no larger than this are float32 rounding
@@ -76,6 +87,8 @@ class EstimatorRow:
     expected_grad_rel_err: float
     expected_grad_norm: float  # ||expected gradient|| / ||exact||
     needs_logits: bool
+    off_policy_cos: float = math.nan  # pi_theta moved by PPO epochs from the sampler: weighting none
+    off_policy_cos_importance: float = math.nan  # ... and importance (ratio carries gradient)
 
 
 # ---------------------------------------------------------------------- setup
@@ -85,7 +98,7 @@ def build_module(policy: str, max_new_tokens: int, push: float, seed: int) -> PP
 
     torch.manual_seed(seed)  # the tiny model's weights and the sampler's seed base
     module = PPORLHF(
-        policy=policy, lora_rank=8, critic="shared", kl_estimator=EXACT, kl_penalty="loss",
+        policy=policy, lora_rank=8, critic="shared", kl_estimator=EXACT, kl_penalty="loss", whiten_advantages=False,
         max_new_tokens=max_new_tokens, seed=seed,
         reward_model=CallableReward(function="rlhf_lightning_plugins.toy_rewards:char_count"),  # unused
     )  # fmt: skip
@@ -167,20 +180,30 @@ def flat_grad(loss: Tensor, params: list[Tensor]) -> Tensor:
     return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params)])
 
 
-def expected_gradient(estimator, logp: Tensor, ref_logp: Tensor, mask: Tensor, params: list[Tensor]) -> Optional[Tensor]:
-    """The gradient of the masked mean of sum_a sg(pi(a)) est(log pi(a), log pi_ref(a)), from the
-    full-vocabulary log-probs (batch, response_len, vocab): E_{a~pi}[grad est] at the sampled
-    states, the sampling noise of the token summed out exactly. None for an estimator that is not
-    elementwise in the log-probs (it needs logits, or fails on them)."""
+def token_values(estimator, logp: Tensor, ref_logp: Tensor) -> Optional[Tensor]:
+    """est(log pi(a), log pi_ref(a)) for every vocabulary entry a, from the full-vocabulary log-probs:
+    (batch, response_len, vocab). None for an estimator that is not elementwise in the log-probs
+    (it needs logits, or fails on them)."""
     if estimator.needs_logits:
         return None
     try:
         values = estimator(logp, ref_logp)
     except Exception:  # a third-party estimator that is not elementwise
         return None
-    if values.shape != logp.shape:
-        return None
-    return flat_grad(pm.masked_mean((logp.detach().exp() * values).sum(-1), mask), params)
+    return values if values.shape == logp.shape else None
+
+
+def expected_gradient(
+    values: Tensor, logp: Tensor, mask: Tensor, params: list[Tensor], old_logp: Optional[Tensor] = None, weighted: bool = False
+) -> Tensor:
+    """The gradient of the masked mean of sum_a sg(pi_s(a)) L(a), L = ``values`` (per vocabulary entry):
+    the expected gradient with the token summed out exactly at the sampled states. pi_s is the policy
+    ``logp`` itself (on-policy) or, given ``old_logp``, the sampler pi_old; ``weighted`` makes L the
+    importance-weighted w_a values(a) of PPORLHF's ``kl_loss_weighting: importance`` (w carries gradient)."""
+    sampler = logp if old_logp is None else old_logp
+    if weighted:
+        values = pm.importance_weighted_kl(values, logp, sampler, mask.unsqueeze(-1).expand_as(values))
+    return flat_grad(pm.masked_mean((sampler.detach().exp() * values).sum(-1), mask), params)
 
 
 def measure(module: PPORLHF, estimators: dict, prompts: Sequence[str], batch_size: int, repeats: int) -> dict:
@@ -206,21 +229,75 @@ def measure(module: PPORLHF, estimators: dict, prompts: Sequence[str], batch_siz
             acc[name].sampled.add(grad)
             if name == EXACT:  # already the expectation over the token at each position
                 acc[name].expected.add(grad)
-            elif (expected := expected_gradient(estimator, logp_all, ref_logp_all, mask, params)) is not None:
-                acc[name].expected.add(expected)
+            elif (values := token_values(estimator, logp_all, ref_logp_all)) is not None:
+                acc[name].expected.add(expected_gradient(values, logp_all, mask, params))
         del logits, logprobs, logp_all, ref_logp_all
     return acc
 
 
-def summarise(acc: dict, estimators: dict) -> list[EstimatorRow]:
+def move_policy(module: PPORLHF, rollout, epochs: int, lr: float, seed: int) -> float:
+    """``epochs`` PPO epochs (one Adam step each) of the clipped surrogate with random +-1 advantages per
+    response, away from pi_old = the policy that sampled ``rollout``; returns the mean
+    |log pi_theta - log pi_old| per response token after them."""
+    generator = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (rollout.mask.shape[0], 1), generator=generator).to(rollout.mask) * 2 - 1
+    advantages = signs.expand_as(rollout.mask)
+    optimizer = torch.optim.Adam(lora_parameters(module), lr=lr)
+
+    def logprobs() -> Tensor:
+        logits = module.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        return pm.logprobs_of(logits, rollout.response)
+
+    for _ in range(epochs):
+        optimizer.zero_grad()
+        loss, _ = module.policy_loss(logprobs(), rollout.logprobs, advantages, rollout.mask)
+        pm.masked_mean(loss, rollout.mask).backward()
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        return float(pm.masked_mean((logprobs() - rollout.logprobs).abs(), rollout.mask))
+
+
+def measure_off_policy(module: PPORLHF, estimators: dict, prompts: Sequence[str], batch_size: int, epochs: int, lr: float) -> dict:
+    """Per batch: sample from pi_old, move the policy ``epochs`` PPO epochs, and accumulate at pi_theta the
+    exact gradient of KL(pi_theta || pi_ref) (key ``exact``) and each estimator's expected gradient
+    under pi_old's tokens, unweighted and importance weighted (keys ``(name, weighting)``), plus the
+    mean |log ratio| per batch (``moved``); the policy is restored after each batch."""
+    params = lora_parameters(module)
+    saved = [p.detach().clone() for p in params]
+    out: dict = {"exact": GradientStats(), "moved": []}
+    for b, start in enumerate(range(0, len(prompts), batch_size)):
+        module.iteration = b
+        rollout = module.rollout(list(prompts[start : start + batch_size]))  # sampled from pi_old
+        mask = rollout.mask.float()
+        with torch.enable_grad():
+            out["moved"].append(move_policy(module, rollout, epochs, lr, seed=b))
+        logits = module.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        logp, ref_logp, old_logp = logits.log_softmax(-1), rollout.ref_logits.log_softmax(-1), rollout.logits.log_softmax(-1)
+        exact = estimators[EXACT](None, None, logits, rollout.ref_logits)  # (batch, response_len)
+        out["exact"].add(flat_grad(pm.masked_mean(exact, mask), params))
+        for name, estimator in estimators.items():
+            # full's value is the same whichever token is drawn: one copy per vocabulary entry
+            values = exact.unsqueeze(-1).expand_as(logp) if name == EXACT else token_values(estimator, logp, ref_logp)
+            if values is None:
+                continue
+            for weighting in ("none", "importance"):
+                grad = expected_gradient(values, logp, mask, params, old_logp, weighted=weighting == "importance")
+                out.setdefault((name, weighting), GradientStats()).add(grad)
+        with torch.no_grad():
+            for param, value in zip(params, saved):
+                param.copy_(value)
+    return out
+
+
+def summarise(acc: dict, estimators: dict, off_policy: dict) -> list[EstimatorRow]:
     exact = acc[EXACT]
     exact_seq, exact_grad = exact.per_sequence, exact.sampled.mean
     exact_norm = float(exact_grad.norm())
 
     def compare(grad: Tensor) -> tuple[float, float]:
         """(cosine, relative norm error) of ``grad`` against the exact mean gradient."""
-        cos = float(grad @ exact_grad) / max(float(grad.norm()) * exact_norm, 1e-300)
-        return cos, float((grad - exact_grad).norm()) / exact_norm
+        return _cosine(grad, exact_grad), float((grad - exact_grad).norm()) / exact_norm
 
     rows = []
     for name, a in acc.items():
@@ -230,14 +307,21 @@ def summarise(acc: dict, estimators: dict) -> list[EstimatorRow]:
         grad_cos, grad_rel_err = compare(a.sampled.mean)
         expected_cos, expected_rel_err = compare(a.expected.mean) if a.expected.n else (math.nan, math.nan)
         expected_norm = float(a.expected.mean.norm()) / exact_norm if a.expected.n else math.nan
+        off_cos = {w: _cosine(off_policy[(name, w)].mean, off_policy["exact"].mean) if (name, w) in off_policy else math.nan
+                   for w in ("none", "importance")}  # fmt: skip
         rows.append(EstimatorRow(
             name=name, bias=float(err.mean()), bias_se=float(err.std()) / math.sqrt(n), std=float(seq.std()),
             error_std=float(err.std()), negative=a.negative / max(a.tokens, 1.0), most_negative=a.most_negative,
             ns_per_token=1e9 * a.seconds / max(a.positions, 1), grad_cos=grad_cos, grad_rel_err=grad_rel_err,
             grad_spread=math.sqrt(a.sampled.variance) / exact_norm, expected_grad_cos=expected_cos,
             expected_grad_rel_err=expected_rel_err, expected_grad_norm=expected_norm, needs_logits=estimators[name].needs_logits,
+            off_policy_cos=off_cos["none"], off_policy_cos_importance=off_cos["importance"],
         ))  # fmt: skip
     return rows
+
+
+def _cosine(a: Tensor, b: Tensor) -> float:
+    return float(a @ b) / max(float(a.norm()) * float(b.norm()), 1e-300)
 
 
 # ---------------------------------------------------------------------- output
@@ -252,8 +336,9 @@ def format_report(rows: Sequence[EstimatorRow], exact_seq: Tensor, setup: dict) 
         f"of the masked token-mean loss, {setup['batches']} batches. Wall time {setup['wall_s']:.0f} s.",
         "",
         "| estimator | bias (nats/seq) | ± s.e. | std of estimate | std of error | negative tokens "
-        "| ns / token | grad cosine | grad rel. error | batch-grad spread | E-grad cosine | E-grad rel. error |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ns / token | grad cosine | grad rel. error | batch-grad spread | E-grad cosine | E-grad rel. error "
+        "| off-policy E-grad cosine, none | off-policy, importance |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -261,7 +346,7 @@ def format_report(rows: Sequence[EstimatorRow], exact_seq: Tensor, setup: dict) 
             f"| {r.std:.3f} | {r.error_std:.3f} | {r.negative:.1%} | {r.ns_per_token:.3g} | {r.grad_cos:.3f} "
             f"| {r.grad_rel_err:.3f} | {r.grad_spread:.3f} "
             f"| {'zero' if r.expected_grad_norm < ZERO_GRADIENT else _num(r.expected_grad_cos)} "
-            f"| {_num(r.expected_grad_rel_err)} |"
+            f"| {_num(r.expected_grad_rel_err)} | {_num(r.off_policy_cos)} | {_num(r.off_policy_cos_importance)} |"
         )
     lines += [
         "",
@@ -274,6 +359,10 @@ def format_report(rows: Sequence[EstimatorRow], exact_seq: Tensor, setup: dict) 
         "exactly, sum_a sg(pi(a)) grad est(x_a) at the same states: the estimator's bias as a loss, without the "
         f"sampling noise (n/a: not elementwise in the log-probs; zero: the expected gradient's norm is below "
         f"{ZERO_GRADIENT:g} of the exact one, its direction is rounding noise).",
+        f"off-policy: the policy moved {setup['offpolicy_epochs']} PPO epochs (Adam, lr {setup['offpolicy_lr']:g}, random "
+        f"+-1 advantages) from the sampler, mean |log pi_theta - log pi_old| = {setup['moved']:.3f} per token; cosine of "
+        "the expected gradient with tokens from pi_old, unweighted (`kl_loss_weighting: none`) or importance weighted "
+        "(`importance`, w = pi_theta / pi_old with gradient), to the exact gradient of KL(pi_theta || pi_ref).",
     ]
     for r in rows:
         if r.negative and r.most_negative > -ROUNDING:
@@ -323,6 +412,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="markdown report path; the PNG goes next to it")
     parser.add_argument("--fast", action="store_true", help="tiny model, 32 samples (seconds)")
+    parser.add_argument("--offpolicy-epochs", type=int, default=4, help="PPO epochs the policy moves from the sampler")
+    parser.add_argument("--offpolicy-lr", type=float, default=None, help=f"their Adam learning rate (default {OFFPOLICY_LR})")
     args = parser.parse_args(argv)
     defaults = dict(FAST) if args.fast else dict(policy="smollm2", samples=64)
     for key, value in defaults.items():
@@ -330,6 +421,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.push is None:
         args.push = DEFAULT_PUSH.get(args.policy, DEFAULT_PUSH["smollm2"])
+    if args.offpolicy_lr is None:
+        args.offpolicy_lr = OFFPOLICY_LR.get(args.policy, OFFPOLICY_LR["smollm2"])
     return args
 
 
@@ -354,7 +447,8 @@ def report(args: argparse.Namespace) -> list[EstimatorRow]:
     pool = load_prompts(BUILTIN_TRAIN)
     prompts = [pool[i % len(pool)] for i in range(args.samples)]
     acc = measure(module, estimators, prompts, args.batch_size, args.repeats)
-    rows = summarise(acc, estimators)
+    off_policy = measure_off_policy(module, estimators, prompts, args.batch_size, args.offpolicy_epochs, args.offpolicy_lr)
+    rows = summarise(acc, estimators, off_policy)
 
     exact_seq = acc[EXACT].per_sequence
     tokens = int(acc[EXACT].tokens)
@@ -362,7 +456,8 @@ def report(args: argparse.Namespace) -> list[EstimatorRow]:
         policy=args.policy, push=args.push, seed=args.seed, samples=args.samples, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, tokens=tokens, kl_per_token=float(exact_seq.sum()) / tokens,
         lora_params=sum(p.numel() for p in lora_parameters(module)), batches=acc[EXACT].sampled.n,
-        wall_s=time.perf_counter() - started,
+        wall_s=time.perf_counter() - started, offpolicy_epochs=args.offpolicy_epochs, offpolicy_lr=args.offpolicy_lr,
+        moved=sum(off_policy["moved"]) / len(off_policy["moved"]),
     )  # fmt: skip
     text = format_report(rows, exact_seq, setup)
     out = Path(args.out)

@@ -14,22 +14,39 @@ beta is fixed (controller ``fixed``). With the penalty in the reward only k1 rea
 optimum: k3 and full in the reward drop part of the KL's gradient and collapse towards the
 reward maximiser; ``--kl-penalty both --no-whiten`` restores the missing term for them.
 About 15 s on a 2-core CPU for the defaults.
+
+``--matrix`` trains every cell of estimator x placement x kl_loss_weighting x ppo_epochs
+(``--estimators``, ``--placements``, ``--weightings``, ``--epochs`` narrow it; ``--jobs`` runs cells in
+parallel processes) and prints one line per cell, then a summary:
+
+    OPTIMUM estimator=k3 placement=loss weighting=importance epochs=4 gap=... kl_ref_exact=... kl_opt=... expected=unbiased
+    MATRIX unbiased_max_gap=<largest gap of the cells called unbiased> biased_min_gap=<smallest of those called biased> drift_max_gap=...
+
+kl_opt is KL(pi* || pi_ref), where kl_ref_exact should land. ``expected`` is what the theory
+(:func:`expected_class`, README "KL in the loss over several PPO epochs") says of the cell.
+Advantages are whitened where the KL is only in the reward and not whitened where it is in the
+loss (PPORLHF refuses that combination). The PER_TOKEN line gives the exact gap of the fixed point
+of a per-token KL loss (``exact.backward_induction(soft=False)``), the sequence-level term it
+misses on this task. About 9 CPU minutes (270 s with --jobs 2) for the whole terminal-task matrix.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 
-from rlhf_lightning.exact import TASKS, train
+from rlhf_lightning.exact import TASKS, ExactPPORLHF, backward_induction, optimum_report, train
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_matrix_args(parser)
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
     parser.add_argument("--beta", type=float, default=0.5, help="fixed KL coefficient (default 0.5)")
     parser.add_argument("--iterations", type=int, default=100, help="PPO iterations (default 100)")
@@ -54,8 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", module="lightning")  # eval-mode reference (on purpose), no val loop, deprecations
+    _quiet()
+    if args.matrix:
+        run_matrix(args)
+        return
     print(f"task={args.task} estimator={args.estimator} kl_penalty={args.kl_penalty} beta={args.beta} "
           f"advantage={args.advantage} num_generations={args.num_generations} iterations={args.iterations} seed={args.seed}")  # fmt: skip
     print(f"{'iter':>5} {'J':>8} {'J*':>8} {'gap':>8} {'kl_to_opt':>10} {'kl_ref_exact':>13} {'kl_ref_logged':>14}")
@@ -76,6 +95,120 @@ def main(argv=None) -> None:
     print(f"KL(pi*||pi_ref)={last['optimum_kl_to_ref']:.4f}  {time.perf_counter() - start:.1f} s")
     print(f"OPTIMUM gap={last['gap']:.4f} kl_to_opt={last['kl_to_optimum']:.4f} "
           f"kl_ref_exact={last['kl_to_ref']:.4f} kl_ref_logged={last['kl_logged']:.4f}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------- --matrix
+MATRIX_ESTIMATORS = ("k1", "k2", "k3", "k3+", "full")
+PLACEMENTS = ("reward", "loss", "both")
+WEIGHTINGS = ("none", "importance")
+VALUE_UNBIASED = {"k1", "k3", "full"}  # E_pi[k] = KL(pi || pi_ref) at each position
+GRADIENT_UNBIASED = {"k2", "k3+", "full"}  # on-policy E_pi[grad k] = grad KL(pi || pi_ref) at each position
+TOKEN_FREE = {"full"}  # the same value whichever token was sampled: exact at pi_theta on pi_old's states
+
+
+def add_matrix_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("matrix (--matrix)")
+    group.add_argument("--matrix", action="store_true", help="train every estimator x placement x weighting x epochs cell")
+    group.add_argument("--estimators", nargs="+", default=list(MATRIX_ESTIMATORS), help="default: k1 k2 k3 k3+ full")
+    group.add_argument("--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS))
+    group.add_argument("--weightings", nargs="+", choices=WEIGHTINGS, default=list(WEIGHTINGS))
+    group.add_argument("--epochs", nargs="+", type=int, default=[1, 4], help="ppo_epochs values (default 1 4)")
+    group.add_argument("--jobs", type=int, default=1, help="cells trained in parallel processes (default 1)")
+
+
+def expected_class(estimator: str, placement: str, weighting: str) -> str:
+    """What the theory (README, "KL in the loss over several PPO epochs") says of a cell's expected
+    gradient against that of J = E r - beta KL(pi || pi_ref), per token (s = grad log pi):
+
+    ``unbiased``: right at every minibatch of every epoch. ``biased``: wrong even on-policy.
+    ``drift``: right on the rollout's first minibatch only: an unweighted token-dependent loss term
+    evaluated at pi_theta on tokens drawn from pi_old (off by O(how far pi_theta moved)).
+
+    reward: PPO follows E[s_t sum_{t'>=t} k_t'] (importance weighted by its own ratio): the KL's gradient only for k1.
+    loss, none: E_old[grad k]: the KL's for k2, k3+ (on-policy, then drift) and full (its value is every token's).
+    loss, importance: E_old[w (k s + grad k)] = grad E_theta[k]: the KL's for value-unbiased k (k1, k3, full).
+    both: reward k s + loss grad k: the KL's for value-unbiased k; unweighted, k1 and k3 drift.
+    Estimators outside the five built-in ones are classified by membership of the sets above.
+    """
+    if placement == "reward":
+        return "unbiased" if estimator == "k1" else "biased"
+    if estimator in TOKEN_FREE:
+        return "unbiased"
+    right = GRADIENT_UNBIASED if (placement, weighting) == ("loss", "none") else VALUE_UNBIASED
+    if estimator not in right:
+        return "biased"
+    return "drift" if weighting == "none" else "unbiased"
+
+
+def matrix_cells(args: argparse.Namespace) -> list[tuple[str, str, str, int]]:
+    """(estimator, placement, weighting, epochs); the weighting only applies where the KL is in the loss."""
+    cells = []
+    for estimator, placement, epochs in itertools.product(args.estimators, args.placements, args.epochs):
+        for weighting in ("n/a",) if placement == "reward" else args.weightings:
+            cells.append((estimator, placement, weighting, epochs))
+    return cells
+
+
+def run_cell(args: argparse.Namespace, cell: tuple[str, str, str, int]) -> dict:
+    """Train one cell with the single run's settings; its last exact row, the seconds it took and the cell."""
+    _quiet()
+    estimator, placement, weighting, epochs = cell
+    start = time.perf_counter()
+    _, tracker = train(
+        TASKS[args.task], args.iterations, batch_size=args.batch_size, every=args.iterations, seed=args.seed,
+        lr_final=args.lr_final, kl_estimator=estimator, beta_controller=FixedBeta(args.beta), kl_penalty=placement,
+        kl_loss_weighting="none" if weighting == "n/a" else weighting, whiten_advantages=placement == "reward",
+        lr=args.lr, critic_lr=args.lr, ppo_epochs=epochs, num_minibatches=2, vf_coef=0.5, advantage_estimator=GAE(lam=args.lam),
+        log_samples_every_n_steps=0,
+    )  # fmt: skip
+    return {**tracker.last, "seconds": time.perf_counter() - start, "cell": cell}
+
+
+def per_token_fixed_point_gap(args: argparse.Namespace) -> float:
+    """Exact gap of the fixed point of a per-token KL loss (no sequence-level term) on the task."""
+    task = TASKS[args.task]
+    module = ExactPPORLHF(task, seed=args.seed)  # the same initialisation, hence the same pi_ref, as train's
+    module.configure_model()
+    ref, rewards = module.exact_ref_logprobs(), task.rewards()
+    fixed_point = backward_induction(ref, rewards, args.beta, len(task.content_tokens), soft=False)
+    return optimum_report(fixed_point, ref, rewards, args.beta).gap
+
+
+def run_matrix(args: argparse.Namespace) -> None:
+    cells = matrix_cells(args)
+    print(f"task={args.task} beta={args.beta} iterations={args.iterations} seed={args.seed} cells={len(cells)} jobs={args.jobs}")
+    print(f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(args):.4f}", flush=True)
+    start = time.perf_counter()
+    gaps: dict[str, list[float]] = {"unbiased": [], "biased": [], "drift": []}
+    with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else _InProcess() as pool:
+        for row in pool.map(run_cell, itertools.repeat(args), cells):
+            estimator, placement, weighting, epochs = row["cell"]
+            expected = expected_class(estimator, placement, weighting)
+            gaps[expected].append(row["gap"])
+            print(f"OPTIMUM estimator={estimator} placement={placement} weighting={weighting} epochs={epochs} "
+                  f"gap={row['gap']:.4f} kl_ref_exact={row['kl_to_ref']:.4f} kl_opt={row['optimum_kl_to_ref']:.4f} "
+                  f"kl_to_opt={row['kl_to_optimum']:.4f} expected={expected} "
+                  f"seconds={row['seconds']:.1f}", flush=True)  # fmt: skip
+    nan = float("nan")
+    print(f"MATRIX unbiased_max_gap={max(gaps['unbiased'], default=nan):.4f} biased_min_gap={min(gaps['biased'], default=nan):.4f} "
+          f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f}")
+
+
+class _InProcess:
+    """``ProcessPoolExecutor``'s map, in this process (``--jobs 1``)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    map = staticmethod(map)
+
+
+def _quiet() -> None:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module="lightning")  # eval-mode reference (on purpose), no val loop, deprecations
 
 
 if __name__ == "__main__":
