@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from helpers import REPO
 from test_resume import run_cli
 
@@ -36,9 +37,12 @@ def betas_by_iteration(lines: list[str]) -> dict[int, dict[int, float]]:
     return betas
 
 
-def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
-    single, _ = run(tmp_path / "single", devices=1)
-    ddp, beta_lines = run(tmp_path / "ddp", devices=2)
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path, aggregation):
+    """Also with a per-response aggregation: its weights' denominators (responses, each response's
+    length) are global, so the sharded loss is the one-process loss."""
+    single, _ = run(tmp_path / "single", 1, f"--model.loss_aggregation={aggregation}")
+    ddp, beta_lines = run(tmp_path / "ddp", 2, f"--model.loss_aggregation={aggregation}")
     betas = betas_by_iteration(beta_lines)
     assert sorted(betas) == [1, 2, 3, 4]
     assert all(by_rank[0] == by_rank[1] for by_rank in betas.values()), betas  # bit-identical on both ranks
