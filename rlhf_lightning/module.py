@@ -386,7 +386,7 @@ class PPORLHF(LightningModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(prompts))
         for key, label in (("objective/reward", "reward"), ("objective/kl", "kl"), ("objective/beta", "beta")):
             self.log(label, metrics[key], prog_bar=True, logger=False, on_step=True, batch_size=len(prompts))
-        if self.hparams.log_samples_every_n_steps and (self.iteration - 1) % self.hparams.log_samples_every_n_steps == 0:
+        if self.hparams.log_samples_every_n_steps and self.step % self.hparams.log_samples_every_n_steps == 0:
             self.log_samples(rollout, raw_scores, kl)
 
     @torch.no_grad()
@@ -663,6 +663,13 @@ class PPORLHF(LightningModule):
         controller.update(entropy if target is None else target**2 / max(entropy, 1e-6), n_samples=n_samples)
 
     @property
+    def step(self) -> int:
+        """The TensorBoard step of the latest iteration, for every record of it (scalars, text,
+        images, warnings): its 0-based index, the step Lightning logs the scalars at. Read it once
+        the iteration has been counted (``iteration`` is then its 1-based number)."""
+        return self.iteration - 1
+
+    @property
     def _shared_critic(self) -> bool:
         """A value head on the policy's own hidden states (no trunk of its own)."""
         return self.critic is not None and self.critic.trunk is None
@@ -685,7 +692,7 @@ class PPORLHF(LightningModule):
         self.faults["skipped_iterations"] += int(iteration_skipped)
         self.faults["skipped_steps"] += steps
         self.faults["consecutive"] += 1
-        rank_zero_warn(f"iteration {self.iteration}: {cause}; skipped (weights untouched)")
+        rank_zero_warn(f"iteration {self.step}: {cause}; skipped (weights untouched)")
         if iteration_skipped:
             self.log_dict({f"faults/{k}": float(v) for k, v in self.faults.items() if k != "consecutive"}, on_step=True)
         if self.faults["consecutive"] >= self.hparams.max_consecutive_faults:
@@ -759,7 +766,7 @@ class PPORLHF(LightningModule):
         for i in range(min(self.hparams.num_logged_samples, len(rollout.prompts))):
             cells = [_md(rollout.prompts[i]), _md(rollout.responses[i]), f"{raw_scores[i]:.3f}", f"{kl[i].sum():.3f}"]
             rows.append("| " + " | ".join(cells) + " |")
-        self.logger.experiment.add_text("samples", "\n".join(rows), global_step=self.iteration)
+        self.logger.experiment.add_text("samples", "\n".join(rows), global_step=self.step)
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, prompts: list[str], batch_idx: int) -> None:
