@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
 from typing import Optional
 
 from rlhf_lightning.registry import REGISTRIES, load_plugins
@@ -26,7 +28,24 @@ def print_plugins() -> None:
                 kind, entry.name, ", ".join(entry.aliases), f"{entry.cls.__module__}.{entry.cls.__qualname__}",
                 entry.description,
             )  # fmt: skip
-    Console(width=200).print(table)
+    Console().print(table)  # the terminal's width; rich wraps the description column to fit
+
+
+class _DropAdvertisements(logging.Filter):
+    """Lightning's start-up tip advertising a hosted logger is not the user's business."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip")
+
+
+def quiet_library_noise() -> None:
+    """Silence what libraries print at start that a user can do nothing about: Lightning's hosted
+    logger tip, and deprecation notices about library internals (transformers' gradient-checkpointing
+    property, torch's pytree LeafSpec as Lightning uses it). Warnings about the user's own settings stay."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_DropAdvertisements())
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*is_gradient_checkpointing.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
@@ -59,6 +78,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
 
 def main(args: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
+    quiet_library_noise()
     if argv[:1] == ["plugins"]:
         load_plugins()
         print_plugins()

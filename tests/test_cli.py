@@ -10,7 +10,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 import yaml
-from helpers import CONFIGS
+from helpers import CONFIGS, REPO
 
 from rlhf_lightning import registry as registry_module
 from rlhf_lightning.cli import build_cli, main
@@ -168,3 +168,25 @@ def test_plugin_bases_are_abstract():
     for base in (KLEstimator, BetaController, RewardModel):
         with pytest.raises(TypeError):
             base()
+
+
+def test_readme_documents_every_plugin_alias_and_argument():
+    """The README's plugin table has a row for every registered plugin (with its aliases), and every
+    argument of the module and the data module is named in it."""
+    import inspect
+    import re
+
+    from rlhf_lightning.data import PromptDataModule
+    from rlhf_lightning.module import PPORLHF
+    from rlhf_lightning.registry import REGISTRIES
+
+    readme = (REPO / "README.md").read_text()
+    rows = {(kind, name): aliases for kind, name, aliases in re.findall(r"^\| (\w+) \| `([^`]+)`( \([^)]*\))? \|", readme, re.M)}
+    for kind, reg in REGISTRIES.items():
+        for entry in reg.entries():
+            assert (kind, entry.name) in rows, f"README plugin table lacks {kind} {entry.name}"
+            for alias in entry.aliases:
+                assert f"`{alias}`" in rows[(kind, entry.name)], f"README lacks alias {alias} of {kind} {entry.name}"
+    for cls, prefix in ((PPORLHF, "model"), (PromptDataModule, "data")):
+        for name in list(inspect.signature(cls.__init__).parameters)[1:]:
+            assert re.search(rf"`{prefix}\.{name}`", readme), f"README does not document {prefix}.{name}"
