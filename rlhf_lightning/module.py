@@ -265,7 +265,8 @@ class PPORLHF(LightningModule):
             )  # fmt: skip
             self.policy = get_peft_model(policy, config)
             if self.reference_update.moves:  # a frozen copy of the (no-op) initial adapter
-                self.policy.add_adapter(REFERENCE_ADAPTER, config)
+                with torch.random.fork_rng(devices=[]):  # its random init is overwritten: draw nothing from the run's RNG
+                    self.policy.add_adapter(REFERENCE_ADAPTER, config)
                 self.policy.set_requires_grad(REFERENCE_ADAPTER, False)
                 move_toward(*self._reference_parameters(), 1.0)
             dtype = next(policy.parameters()).dtype
