@@ -20,7 +20,7 @@ from rlhf_lightning.registry import UnknownPluginError, registry
 TINY = str(CONFIGS / "tiny.yaml")
 PLUGIN_FIELDS = {
     "kl_estimator": "kl_estimator", "beta_controller": "beta_controller", "reward_model": "reward_model",
-    "advantage_estimator": "advantage_estimator",
+    "advantage_estimator": "advantage_estimator", "reference_update": "reference_update",
 }  # fmt: skip
 
 

@@ -7,8 +7,9 @@ import math
 
 import pytest
 import torch
-from helpers import fit, make_module
+from helpers import CONFIGS, fit, make_module
 
+from rlhf_lightning.cli import build_cli
 from rlhf_lightning.exact import ema_reference_logprobs, iterated_optimal_logprobs, optimal_logprobs
 from rlhf_lightning.models import move_toward
 from rlhf_lightning.registry import registry
@@ -186,3 +187,11 @@ def test_checkpoint_holds_a_moved_reference_and_restores_it(tmp_path):
         assert torch.equal(a, b)
     for a, b in zip(restored.initial_model.parameters(), make_module().policy.parameters()):
         assert torch.equal(a, b)  # pi_0 is rebuilt from the config
+
+
+def test_reference_update_from_the_cli_by_short_name_and_class_path():
+    cli = build_cli(["--config", str(CONFIGS / "tiny.yaml"), "--model.reference_update=reset"], run=False)
+    assert type(cli.model.reference_update) is Reset and cli.model.reference_update.every_n_iterations == 1
+    cli = build_cli(["--config", str(CONFIGS / "tiny.yaml"), "--model.reference_update=EMA",
+                     "--model.reference_update.init_args.alpha=0.2"], run=False)  # fmt: skip
+    assert type(cli.model.reference_update) is EMA and cli.model.reference_update.alpha == 0.2
