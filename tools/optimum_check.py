@@ -74,7 +74,10 @@ def reference_settings(args: argparse.Namespace) -> dict:
     """train() arguments for --reference/--resets: total iterations, the update plugin, per-phase lr decay."""
     if args.reference == "none":
         return {"iterations": args.iterations}
-    update = {"sync": Sync, "reset": Reset}[args.reference](args.iterations) if args.reference != "ema" else EMA(args.alpha, args.iterations)
+    if args.reference == "ema":
+        update = EMA(args.alpha, every_n_iterations=args.iterations)
+    else:
+        update = {"sync": Sync, "reset": Reset}[args.reference](args.iterations)
     return {"iterations": args.iterations * args.resets, "reference_update": update, "lr_period": args.iterations}
 
 
