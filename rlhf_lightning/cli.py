@@ -16,19 +16,27 @@ from rlhf_lightning.registry import REGISTRIES, load_plugins
 
 
 def print_plugins() -> None:
+    """Every registered plugin: a table at the terminal's width, or one tab-separated line per
+    plugin (kind, name, aliases, class, description) when the output is a pipe or a file."""
     from rich.console import Console
     from rich.table import Table
 
+    rows = [
+        (kind, entry.name, ", ".join(entry.aliases), f"{entry.cls.__module__}.{entry.cls.__qualname__}", entry.description)
+        for kind, reg in REGISTRIES.items() for entry in reg.entries()
+    ]  # fmt: skip
+    console = Console()
+    if not console.is_terminal:
+        print("\n".join("\t".join(row) for row in rows))
+        return
     table = Table(title="rlhf-lightning plugins")
-    for column in ("kind", "name", "aliases", "class", "description"):
-        table.add_column(column)
-    for kind, reg in REGISTRIES.items():
-        for entry in reg.entries():
-            table.add_row(
-                kind, entry.name, ", ".join(entry.aliases), f"{entry.cls.__module__}.{entry.cls.__qualname__}",
-                entry.description,
-            )  # fmt: skip
-    Console().print(table)  # the terminal's width; rich wraps the description column to fit
+    for column in ("kind", "name", "aliases"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("class", overflow="fold")
+    table.add_column("description", ratio=1)  # wraps to the terminal's width
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
 
 
 class _DropAdvertisements(logging.Filter):

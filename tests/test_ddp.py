@@ -72,3 +72,23 @@ def test_two_process_ddp_with_a_group_estimator_keeps_groups_on_one_rank_and_sta
     assert all((rows, runs) == ("8", "4") for _, _, rows, runs in groups), groups  # 4 prompts, each in one run of 2
     assert ddp["response/count"] == [16.0] * 4
     assert "value/loss" not in ddp and all(math.isfinite(v) for v in ddp["policy/loss"])
+
+
+def test_two_process_ddp_with_a_moving_reference_holds_the_same_reference_on_every_rank(tmp_path):
+    """An EMA reference moved after every iteration (alpha 0.5): the ranks apply the same update to
+    the same all-reduced weights, so their reference parameters hash the same after every iteration,
+    and the DDP run logs what one process with the same global batch logs."""
+    moving = ("--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")
+    single, _ = run(tmp_path / "single", 1, *moving)
+    root = tmp_path / "ddp"
+    ddp, _ = run(root, 2, *moving, "--trainer.callbacks+=fault_callbacks.RecordReference", f"--trainer.callbacks.path={root / 'ref.txt'}")
+    hashes: dict[int, set[str]] = {}
+    for line in (root / "ref.txt").read_text().splitlines():
+        _, iteration, digest = line.split()
+        hashes.setdefault(int(iteration), set()).add(digest)
+    assert sorted(hashes) == [1, 2, 3, 4] and all(len(digests) == 1 for digests in hashes.values()), hashes
+    assert ddp["reference/updates"] == [0.0, 1.0, 2.0, 3.0]
+    for name in ("objective/kl", "objective/kl_to_initial", "objective/reward"):
+        for a, b in zip(single[name], ddp[name], strict=True):
+            assert math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-4), (name, single[name], ddp[name])
+    assert ddp["objective/kl_to_initial"][-1] > ddp["objective/kl"][-1] > 0  # the reference trails the policy

@@ -134,8 +134,7 @@ def plot(trajectories, finals, frontier_kl, frontier_reward, path: Path) -> None
         ax.scatter([], [], color=color, label=family)
     ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
     ax.set_ylabel("exact expected reward")
-    ax.set_title("Regularisers on the enumerable task: final points (dots, mean over seeds), first seed's paths\n"
-                 "(lines) and its exact frontier")
+    ax.set_title("Final points (mean over seeds) and the first seed's paths\nagainst its exact frontier", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

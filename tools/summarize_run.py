@@ -14,7 +14,8 @@ import argparse
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-COLUMNS = ("objective/reward", "objective/gold_reward", "objective/kl", "objective/beta", "objective/net", "objective/entropy", "response/length")
+COLUMNS = ("objective/reward", "objective/gold_reward", "objective/kl", "objective/kl_to_initial", "objective/beta", "objective/net",
+           "objective/entropy", "response/length")  # fmt: skip
 
 
 def read_scalars(log_dirs: str | list[str]) -> dict[str, dict[int, float]]:
@@ -35,7 +36,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, help="print the mean of each block of n iterations instead")
     args = parser.parse_args()
     scalars = read_scalars(args.log_dirs)
-    columns = [c for c in COLUMNS if c in scalars]
+    # kl_to_initial only where the reference moved (with a frozen one it is objective/kl)
+    columns = [c for c in COLUMNS if c in scalars and not (c == "objective/kl_to_initial" and scalars[c] == scalars["objective/kl"])]
     steps = list(scalars[columns[0]])
     if args.blocks:
         print("iters    " + "  ".join(f"{c.split('/')[-1]:>11}" for c in columns))
