@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -190,3 +191,35 @@ def test_readme_documents_every_plugin_alias_and_argument():
     for cls, prefix in ((PPORLHF, "model"), (PromptDataModule, "data")):
         for name in list(inspect.signature(cls.__init__).parameters)[1:]:
             assert re.search(rf"`{prefix}\.{name}`", readme), f"README does not document {prefix}.{name}"
+
+
+def test_the_readme_plugin_package_installs_and_its_plugin_trains(tmp_path):
+    """The README's my_kl.py and pyproject.toml, as printed: built and installed with pip (into a
+    folder of their own, so the test environment is left as it was), then a short fit selects the
+    plugin by its short name through the entry point."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    module = re.search(r"```python\n(# my_kl\.py\n.*?)```", readme, re.S).group(1)
+    pyproject = re.search(r"```toml\n(# pyproject\.toml of your package.*?)```", readme, re.S).group(1)
+    package = tmp_path / "my-kl-package"
+    package.mkdir()
+    (package / "my_kl.py").write_text(module)
+    (package / "pyproject.toml").write_text(pyproject)
+    site = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site), str(package)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    fit = subprocess.run(
+        [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", TINY, "--model.kl_estimator=clipped_k1",
+         "--trainer.limit_train_batches=1", "--trainer.max_epochs=1", "--trainer.limit_val_batches=0",
+         "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]",
+         f"--trainer.default_root_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-3000:]  # an unknown kl_estimator name would stop it before any model loads
+    (config,) = tmp_path.glob("lightning_logs/version_0/config.yaml")
+    assert yaml.safe_load(config.read_text())["model"]["kl_estimator"] == "clipped_k1"
