@@ -106,10 +106,11 @@ class PPORLHF(LightningModule):
         kl_loss_weighting: the KL loss term (``loss``/``both``) of tokens sampled from pi_old while
             pi_theta moves over the PPO epochs: ``importance`` weights each token's estimate by
             w_t = pi_theta(y_t) / pi_old(y_t) (ppo_math.importance_weighted_kl: with ``loss`` the
-            ratio carries gradient, which makes value-unbiased estimators (k1, k3, full) follow
+            ratio carries gradient, which makes value-unbiased estimators (k1, k3) follow
             grad KL(pi_theta || pi_ref) at every epoch; with ``both`` it is detached, the reward
-            carrying the score-function part), ``none`` differentiates the estimate as it is
-            (its on-policy gradient: right for k3+, k1+, k2, full, not for k3 or k1).
+            carrying the score-function part); an estimator whose value does not depend on the
+            sampled token (``full``) takes no ratio either way. ``none`` differentiates the
+            estimate as it is (its on-policy gradient: right for k3+, k1+, k2, full, not for k3 or k1).
         kl_ignore_tokens: tokens left out of the KL penalty wherever they are sampled (e.g.
             ``["<|im_end|>"]``: end-of-turn tokens often dominate the KL); ``eos`` means the EOS token.
         gold_reward_model: an optional second reward backend that is only logged
@@ -226,6 +227,7 @@ class PPORLHF(LightningModule):
             None if gold_reward_model is None else registry("reward_model").build(gold_reward_model, "model.gold_reward_model")
         )
         self.reference_update: ReferenceUpdate = registry("reference_update").build(reference_update, "model.reference_update")
+        self._kl_reads_sampled_token = _depends_on_sampled_token(self.kl_estimator)
         require(kl_penalty in ("reward", "loss", "both"), "model.kl_penalty", "one of reward, loss, both", kl_penalty)
         require(kl_loss_weighting in ("none", "importance"), "model.kl_loss_weighting", "'none' or 'importance'", kl_loss_weighting)
         # Whitening divides the advantages (the reward's gradient, and with 'both' the reward's part
@@ -566,7 +568,10 @@ class PPORLHF(LightningModule):
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
             kl_mask = self.kl_mask(rollout.response[idx], mask)
             kl = self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits)
-            if hp.kl_loss_weighting == "importance":  # the ratio's gradient only where no reward carries k's score term
+            # The ratio corrects the sampling of y_t: an estimator that sums over the vocabulary at t
+            # (full) does not depend on y_t and takes none. Its gradient only where no reward carries
+            # k's score term.
+            if hp.kl_loss_weighting == "importance" and self._kl_reads_sampled_token:
                 kl = pm.importance_weighted_kl(kl, logprobs, rollout.logprobs[idx], mask, ratio_gradient=hp.kl_penalty == "loss")
             kl = pm.masked_select(kl, kl_mask)
             loss = loss + beta * (weights * kl).sum()
@@ -909,6 +914,21 @@ class PPORLHF(LightningModule):
                   if f in saved and saved.get(f) != self.hparams.get(f)]  # fmt: skip
         if differ:
             raise ValueError("checkpoint is incompatible with this config; " + "; ".join(differ))
+
+
+def _depends_on_sampled_token(estimator: KLEstimator) -> bool:
+    """Whether an estimator's value at a position changes with the token sampled there, probed with
+    two different tokens under the same logits; false for ``full``, which sums over the vocabulary.
+    Estimators that read only log-probs of the sampled token are not probed (true)."""
+    if not estimator.needs_logits:
+        return True
+    generator = torch.Generator().manual_seed(0)
+    logits, ref_logits = torch.randn(2, 1, 3, 5, generator=generator, dtype=torch.float64)
+    logps, ref_logps = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+    first, second = (
+        estimator(logps[..., token], ref_logps[..., token], logits, ref_logits) for token in ([0, 1, 2], [3, 4, 0])
+    )  # fmt: skip
+    return not torch.allclose(first, second)
 
 
 def _gradient_follows_value(estimator: KLEstimator) -> bool:

@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "letter; bandit: the same with 1-token responses (default terminal)")  # fmt: skip
     parser.add_argument("--kl-penalty", choices=("reward", "loss", "both"), default="reward", help="where beta * KL goes")
     parser.add_argument("--no-whiten", action="store_true", help="do not whiten advantages (gae)")
+    parser.add_argument("--kl-loss-weighting", choices=("importance", "none"), default="importance",
+                        help="model.kl_loss_weighting of a KL in the loss (default importance)")  # fmt: skip
     parser.add_argument("--advantage", default="gae",
                         help="advantage estimator: gae (critic), grpo, dr_grpo, rloo, reinforce_pp (no critic)")  # fmt: skip
     parser.add_argument("--num-generations", type=int, default=1, help="responses per prompt (>= 2 for group baselines)")
@@ -122,7 +124,8 @@ def main(argv=None) -> None:
     _, tracker = train(
         TASKS[args.task], **reference_settings(args), batch_size=args.batch_size, every=args.every, seed=args.seed,
         lr_final=args.lr_final, kl_estimator=args.estimator, beta_controller=FixedBeta(args.beta),
-        kl_penalty=args.kl_penalty, whiten_advantages=False if args.no_whiten else None, lr=args.lr,
+        kl_penalty=args.kl_penalty, kl_loss_weighting=args.kl_loss_weighting,
+        whiten_advantages=False if args.no_whiten else None, lr=args.lr,
         advantage_estimator=GAE(lam=args.lam) if args.advantage == "gae" else args.advantage,
         num_generations=args.num_generations, ppo_epochs=args.ppo_epochs, num_minibatches=2,
         log_samples_every_n_steps=0, **critic,
