@@ -56,6 +56,18 @@ def quiet_library_noise() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
+def default_logger(root_dir: Optional[str], config_files: list) -> "TensorBoardLogger":
+    """Lightning's default TensorBoardLogger (``<root>/lightning_logs/version_N``) with the run's
+    config files in the path, ``<root>/lightning_logs/quickstart/version_N`` (``tiny+fsdp2`` for two),
+    so runs of different configs are not drawn on one axis, and without the placeholder ``hp_metric``."""
+    from pathlib import Path
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    name = "+".join(Path(str(path)).stem for path in config_files)
+    return TensorBoardLogger(save_dir=Path(root_dir or ".") / "lightning_logs", name=name, default_hp_metric=False)
+
+
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
     """Construct the LightningCLI (it parses and, with ``run``, executes the subcommand)."""
     from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
@@ -70,6 +82,9 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             chosen = [*(config.get("callbacks") or []), *callbacks]
             if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
                 callbacks = [*callbacks, RichProgressBar()]
+            if config.get("logger") in (None, True):  # Lightning's default logger, named after the run's config
+                configs = (self.config.get(self.subcommand) if self.subcommand else self.config).get("config") or []
+                config = {**config, "logger": default_logger(config.get("default_root_dir"), configs)}
             return super()._instantiate_trainer(config, callbacks)
 
     load_plugins()  # before parsing: class_path and short names must resolve

@@ -353,11 +353,29 @@ class PPORLHF(LightningModule):
         ]
 
     def on_fit_start(self) -> None:
+        self._setup_reward_models()
+        if isinstance(self.logger, TensorBoardLogger) and self.global_rank == 0:
+            self.logger.experiment.add_custom_scalars(self._tensorboard_layout())
+
+    def _setup_reward_models(self) -> None:
         self.reward_model.setup(self.device)
         if self.gold_reward_model is not None:
             self.gold_reward_model.setup(self.device)
 
-    on_validation_start = on_test_start = on_fit_start
+    on_validation_start = on_test_start = _setup_reward_models
+
+    def _tensorboard_layout(self) -> dict:
+        """TensorBoard's Custom Scalars page, the first view worth opening: reward, the KL the
+        controller sees beside its target, beta, the largest per-response KL and the entropy."""
+        kl = "objective/kl" if self.beta_controller.unit == "sequence_sum" else "objective/kl_per_token"
+        charts = {
+            "reward": ["objective/reward", "objective/gold_reward", "val/reward"],
+            f"KL ({self.beta_controller.unit}) and the controller's target": [kl, "objective/kl_target"],
+            "beta": ["objective/beta"],
+            "KL max (nats per response)": ["objective/kl_max"],
+            "entropy (nats per token)": ["objective/entropy"],
+        }
+        return {"rlhf-lightning": {title: ["Multiline", [f"^{tag}$" for tag in tags]] for title, tags in charts.items()}}
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self._rng_to_restore is not None:
@@ -825,6 +843,7 @@ class PPORLHF(LightningModule):
             "objective/net": reward / n - beta * kl_mean,
             "objective/entropy": entropy / n_tokens,
             "objective/beta": beta,
+            **({"objective/kl_target": float(self.beta_controller.target)} if hasattr(self.beta_controller, "target") else {}),
             "response/length": n_tokens / n,
             "response/eos_fraction": n_eos / n,
             "response/count": n,

@@ -148,21 +148,27 @@ def test_third_party_plugin_is_selected_from_yaml(external_plugin, tmp_path):
 
 
 def test_console_script_runs_the_tiny_config(tmp_path):
-    """The installed command, as a user runs it: two iterations, metrics in TensorBoard, a checkpoint."""
+    """The installed command, as a user runs it: two iterations, metrics in TensorBoard under a folder
+    named after the config, the Custom Scalars page with the KL target, no placeholder hp_metric, a
+    checkpoint, and none of the libraries' start-up noise."""
     result = subprocess.run(
         [str(Path(sys.executable).parent / "rlhf-lightning"), "fit", "--config", TINY, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.callbacks=[]",
-         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}"],
+         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}", "--model.beta_controller=adaptive"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (run_dir,) = (tmp_path / "lightning_logs").iterdir()
-    events = EventAccumulator(str(run_dir))
+    (run_dir,) = (tmp_path / "lightning_logs" / "tiny").iterdir()
+    assert run_dir.name == "version_0"
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
     events.Reload()
     assert len(events.Scalars("objective/kl")) == 2
-    assert "samples/text_summary" in events.Tags()["tensors"]
+    assert [e.value for e in events.Scalars("objective/kl_target")] == [6.0, 6.0]  # adaptive's default target
+    assert "hp_metric" not in events.Tags()["scalars"]
+    assert "samples/text_summary" in events.Tags()["tensors"] and "custom_scalars__config__" in events.Tags()["tensors"]
     assert list((run_dir / "checkpoints").glob("*.ckpt"))
+    assert "litlogger" not in result.stdout + result.stderr and "FutureWarning" not in result.stderr
 
 
 def test_plugin_bases_are_abstract():
@@ -221,5 +227,5 @@ def test_the_readme_plugin_package_installs_and_its_plugin_trains(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
     )  # fmt: skip
     assert fit.returncode == 0, fit.stderr[-3000:]  # an unknown kl_estimator name would stop it before any model loads
-    (config,) = tmp_path.glob("lightning_logs/version_0/config.yaml")
+    (config,) = tmp_path.glob("lightning_logs/tiny/version_0/config.yaml")
     assert yaml.safe_load(config.read_text())["model"]["kl_estimator"] == "clipped_k1"

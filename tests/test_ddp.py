@@ -25,7 +25,7 @@ def run(root, devices: int, *extra: str):
         "--trainer.callbacks+=fault_callbacks.RecordBeta", f"--trainer.callbacks.path={root / 'beta.txt'}", *extra,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    scalars = read_scalars(str(root / "lightning_logs" / "version_0"))
+    scalars = read_scalars(str(root / "lightning_logs" / "tiny" / "version_0"))
     return {tag: list(by_step.values()) for tag, by_step in scalars.items()}, (root / "beta.txt").read_text().split("\n")
 
 

@@ -210,6 +210,19 @@ def test_recommended_kl_in_the_loss_k3_importance_reaches_the_optimum_over_four_
     assert end["kl_to_optimum"] < 0.06, end
 
 
+def test_recommended_critic_free_kl_in_the_loss_reaches_the_optimum():
+    """The same recommendation without a critic (RLOO, 4 responses per prompt, critic: none): k3 as
+    an importance-weighted loss term; RLOO's leave-one-out advantage has the reward's own scale, so
+    beta weighs the KL as configured (GRPO's std division would not: README, Advantage estimators)."""
+    settings = {k: v for k, v in PPO_SETTINGS.items() if k not in ("critic_lr", "vf_coef", "advantage_estimator")}
+    _, tracker = train(
+        TASKS["terminal"], 100, every=100, seed=0, kl_estimator="k3", beta_controller=FixedBeta(BETA), kl_penalty="loss",
+        advantage_estimator="rloo", num_generations=4, **settings,
+    )  # fmt: skip
+    assert tracker.rows[0]["gap"] > 0.3
+    assert tracker.last["gap"] < 0.02, tracker.last
+
+
 def test_matrix_fast_subset_separates_the_biased_cells(capsys):
     """tools/optimum_check.py --matrix on the bandit task (one token: no sequence-level term), 4 epochs:
     the importance-weighted k1 and k3 losses reach pi*; unweighted k1 (a zero-mean gradient on-policy,

@@ -48,7 +48,7 @@ def test_sigkill_mid_iteration_then_resume_reproduces_the_uninterrupted_run(tmp_
     killed_root = tmp_path / "killed"
     killed = run_cli(killed_root, *extra, "--trainer.callbacks+=fault_callbacks.KillMidIteration", "--trainer.callbacks.iteration=3")
     assert killed.returncode == -9, killed.stderr[-3000:]
-    (ckpt_dir,) = (killed_root / "lightning_logs").glob("version_0/checkpoints")
+    (ckpt_dir,) = (killed_root / "lightning_logs" / "tiny").glob("version_0/checkpoints")
     assert (ckpt_dir / "last.ckpt").exists()
     last = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
     assert last["rlhf_lightning"]["iteration"] == 2  # saved after iteration 2, killed during iteration 4
@@ -58,8 +58,8 @@ def test_sigkill_mid_iteration_then_resume_reproduces_the_uninterrupted_run(tmp_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "dataloader is not resumable" not in resumed.stderr
 
-    logs = killed_root / "lightning_logs"
-    reference = read_scalars(str(tmp_path / "straight" / "lightning_logs" / "version_0"))
+    logs = killed_root / "lightning_logs" / "tiny"
+    reference = read_scalars(str(tmp_path / "straight" / "lightning_logs" / "tiny" / "version_0"))
     after = read_scalars(str(logs / "version_1"))
     # Both folders read as one run: version_1's steps replace the ones version_0 logged before the kill.
     combined = read_scalars([str(logs / "version_0"), str(logs / "version_1")])

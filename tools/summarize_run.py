@@ -1,8 +1,8 @@
 """Print the main metrics of a finished run, iteration by iteration, from its TensorBoard events.
 
-    python tools/summarize_run.py lightning_logs/version_0 [--every 5]
-    python tools/summarize_run.py lightning_logs/version_0 --blocks 5   # means over blocks of 5 iterations
-    python tools/summarize_run.py lightning_logs/version_0 lightning_logs/version_1   # a run and its resumption
+    python tools/summarize_run.py lightning_logs/quickstart/version_0 [--every 5]
+    python tools/summarize_run.py lightning_logs/quickstart/version_0 --blocks 5   # means over blocks of 5 iterations
+    python tools/summarize_run.py lightning_logs/tiny/version_0 lightning_logs/tiny/version_1   # a run and its resumption
 
 Iterations are numbered by the logged step (a resumed run goes on from where it stopped); with
 several log folders, a step logged in a later folder replaces the same step of an earlier one.
