@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Optional
 
 from rlhf_lightning.registry import REGISTRIES, load_plugins
@@ -99,14 +101,51 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     )
 
 
+TRACEBACK_ENV = "RLHF_LIGHTNING_TRACEBACK"
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Every ``--config`` file that exists must hold a mapping of settings: an empty file or a
+    list says so, naming the file (jsonargparse's own message would be "Unexpected config")."""
+    import yaml
+
+    from rlhf_lightning.interfaces import ConfigError
+
+    paths = [b for a, b in zip(argv, argv[1:]) if a == "--config"] + [a[9:] for a in argv if a.startswith("--config=")]
+    for path in map(Path, paths):
+        if not path.is_file():
+            continue  # jsonargparse names a missing file itself
+        try:
+            settings = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise ConfigError(f"--config {path}: not a readable YAML file ({err})") from None
+        if settings is None:
+            raise ConfigError(f"--config {path}: the file is empty; expected settings such as model:, data:, trainer:")
+        if not isinstance(settings, dict):
+            raise ConfigError(f"--config {path}: expected a mapping of settings (model:, data:, trainer:), got a {type(settings).__name__}")
+
+
 def main(args: Optional[list[str]] = None) -> None:
+    """The command. A configuration error (an impossible value, an unknown plugin, a bad file) is
+    printed as ``error: ...`` and exits with status 2, without a traceback unless the environment
+    sets RLHF_LIGHTNING_TRACEBACK=1."""
+    from rlhf_lightning.interfaces import ConfigError
+    from rlhf_lightning.registry import UnknownPluginError
+
     argv = sys.argv[1:] if args is None else list(args)
     quiet_library_noise()
-    if argv[:1] == ["plugins"]:
-        load_plugins()
-        print_plugins()
-        return
-    build_cli(args)
+    try:
+        if argv[:1] == ["plugins"]:
+            load_plugins()
+            print_plugins()
+            return
+        check_config_files(argv)
+        build_cli(args)
+    except (ConfigError, UnknownPluginError) as err:
+        if os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

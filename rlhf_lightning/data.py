@@ -1,4 +1,4 @@
-"""Prompt data: any local prompt file (jsonl, json, parquet, csv or txt) read with `datasets`.
+"""Prompt data: any local prompt file (jsonl, json, csv, tsv, txt, or parquet read with `datasets`).
 
 Batches are lists of prompt strings; the module renders and tokenizes them, so the data
 side never depends on the policy's tokenizer. Under DDP, Lightning adds a distributed
@@ -7,11 +7,16 @@ sampler, so each rank draws its own shard of prompts.
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 from pathlib import Path
 from typing import Optional
 
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, DistributedSampler
+
+from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"  # the built-in prompt files (not the module data.py)
 BUILTIN_TRAIN = PROMPTS_DIR / "prompts_train.jsonl"
@@ -20,29 +25,81 @@ FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "cs
 
 
 def load_prompts(path: str | Path, column: str = "prompt", field: str = "data.train_path") -> list[str]:
-    """Read the prompt column of a local file; clear errors for a missing, empty or malformed file."""
-    from datasets import load_dataset
-
+    """Read the prompt column of a local file. Every problem is a ConfigError naming ``field``, the
+    file and, where there is one, the line: a missing file or a folder, bytes that are not UTF-8, a
+    malformed line, a missing column, a prompt that is not text (never dropped silently), or no
+    prompt at all. Blank prompts are skipped."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"{field}: {str(path)!r} is a folder, not a prompt file")
     if not path.is_file():
-        raise FileNotFoundError(f"{field}: prompt file {str(path)!r} does not exist")
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise ValueError(f"{field}: unsupported prompt file type {path.suffix!r}; use one of {', '.join(FORMATS)}")
+        raise ConfigFileNotFoundError(f"{field}: prompt file {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
+        raise ConfigError(f"{field}: unsupported prompt file type {path.suffix!r}; use one of {', '.join(FORMATS)}")
     if path.stat().st_size == 0:
-        raise ValueError(f"{field}: prompt file {str(path)!r} is empty")
-    kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
-    dataset = load_dataset(fmt, data_files=str(path), split="train", **kwargs)
-    if fmt == "text":
-        column = "text"  # a .txt file is one prompt per line
-    if column not in dataset.column_names:
-        raise ValueError(
-            f"{field}: column {column!r} not found in {path.name}; available columns: {', '.join(dataset.column_names)}"
-        )
-    prompts = [p for p in dataset[column] if isinstance(p, str) and p.strip()]
+        raise ConfigError(f"{field}: prompt file {str(path)!r} is empty")
+    where = f"{field}: prompt file {str(path)!r}"
+    if suffix == ".parquet":
+        from datasets import load_dataset
+
+        table = load_dataset("parquet", data_files=str(path), split="train")
+        records, columns = [(f"row {i + 1}", row) for i, row in enumerate(table)], table.column_names
+    else:
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = path.read_bytes()[: err.start].count(b"\n") + 1
+            raise ConfigError(f"{where} is not valid UTF-8 (line {line}, byte {err.start})") from None
+        records, columns = _records(text, suffix, where, column)
+    if column not in columns:
+        raise ConfigError(f"{field}: column {column!r} not found in {path.name}; available columns: {', '.join(columns)}")
+    prompts = []
+    for place, record in records:
+        prompt = record.get(column)
+        if not isinstance(prompt, str):
+            raise ConfigError(f"{where}, {place}: the prompt in column {column!r} is {type(prompt).__name__} {prompt!r}, not text")
+        if prompt.strip():
+            prompts.append(prompt)
     if not prompts:
-        raise ValueError(f"{field}: prompt file {str(path)!r} has no non-empty prompts in column {column!r}")
+        raise ConfigError(f"{field}: prompt file {str(path)!r} has no non-empty prompts in column {column!r}")
     return prompts
+
+
+def _records(text: str, suffix: str, where: str, column: str) -> tuple[list[tuple[str, dict]], list[str]]:
+    """(place, record) pairs and the column names of a .jsonl, .json, .csv, .tsv or .txt file's text."""
+    if suffix == ".txt":  # one prompt per line, whatever the column
+        return [(f"line {i}", {column: line}) for i, line in enumerate(text.splitlines(), 1)], [column]
+    if suffix in (".csv", ".tsv"):
+        reader = csv.reader(io.StringIO(text), delimiter="\t" if suffix == ".tsv" else ",")
+        header, records = next(reader), []
+        for row in filter(None, reader):  # blank lines are no rows
+            if len(row) != len(header):
+                raise ConfigError(f"{where}, line {reader.line_num}: {len(row)} fields where the header has {len(header)}")
+            records.append((f"line {reader.line_num}", dict(zip(header, row))))
+        return records, header
+    if suffix == ".jsonl":
+        records = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                records.append((f"line {i}", _json_object(line, f"{where}, line {i}")))
+    else:  # .json: a list of objects
+        data = _json_object(text, where, expected=list)
+        records = [(f"item {i}", _json_object(item, f"{where}, item {i}")) for i, item in enumerate(data, 1)]
+    columns = list(dict.fromkeys(key for _, record in records for key in record))
+    return records, columns
+
+
+def _json_object(value, where: str, expected: type = dict):
+    """``value`` (JSON text, or an already parsed item) as a ``expected`` instance, or a ConfigError."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(value, expected):
+        raise ConfigError(f"{where}: expected a JSON {'object' if expected is dict else 'list'}, got {type(value).__name__}")
+    return value
 
 
 class PromptSampler(DistributedSampler):
@@ -113,7 +170,7 @@ class PromptDataModule(LightningDataModule):
         super().__init__()
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"data.{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"data.{name} must be an integer >= 1, got {value!r}")
         self.train_path = train_path or str(BUILTIN_TRAIN)
         self.val_path = val_path or str(BUILTIN_VALIDATION)
         self.prompt_column, self.batch_size, self.val_batch_size = prompt_column, batch_size, val_batch_size
@@ -126,7 +183,7 @@ class PromptDataModule(LightningDataModule):
             self.train_prompts = load_prompts(self.train_path, self.prompt_column, "data.train_path")
             needed = self.batch_size * (self.trainer.world_size if self.trainer else 1)
             if len(self.train_prompts) < needed:
-                raise ValueError(
+                raise ConfigError(
                     f"data.train_path has {len(self.train_prompts)} prompts, fewer than one batch "
                     f"(data.batch_size={self.batch_size} per process x {needed // self.batch_size} processes)"
                 )

@@ -160,3 +160,27 @@ def test_every_prompt_file_format_loads(tmp_path, suffix):
         table = datasets.Dataset.from_dict({"instruction": prompts})
         {".jsonl": table.to_json, ".csv": table.to_csv, ".parquet": table.to_parquet}[suffix](str(path))
     assert load_prompts(path, column="instruction") == prompts
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bad.jsonl", b'{"prompt": "ok"}\n{"prompt": "half\n', r"bad.jsonl', line 2: not valid JSON \(Unterminated string"),
+        ("list.jsonl", b'{"prompt": "ok"}\n["a"]\n', r"list.jsonl', line 2: expected a JSON object, got list"),
+        ("num.jsonl", b'{"prompt": "ok"}\n{"prompt": 7}\n', r"num.jsonl', line 2: the prompt in column 'prompt' is int 7, not text"),
+        ("null.json", b'[{"prompt": "ok"}, {"prompt": null}]', r"null.json', item 2: the prompt in column 'prompt' is NoneType None"),
+        ("latin1.txt", "caf\u00e9\n".encode("latin-1"), r"latin1.txt' is not valid UTF-8 \(line 1, byte 3\)"),
+        ("short.csv", b"prompt,id\nWhy?,1\nHow?\n", r"short.csv', line 3: 1 fields where the header has 2"),
+    ],
+    ids=["malformed-json", "not-an-object", "number", "null", "not-utf8", "short-row"],
+)
+def test_malformed_prompt_files_name_the_field_the_file_and_the_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"data.val_path: prompt file '.*{message}"):
+        load_prompts(path, field="data.val_path")
+
+
+def test_a_folder_is_not_a_prompt_file(tmp_path):
+    with pytest.raises(ValueError, match=r"data.train_path: '.*' is a folder, not a prompt file"):
+        load_prompts(tmp_path)

@@ -229,3 +229,28 @@ def test_the_readme_plugin_package_installs_and_its_plugin_trains(tmp_path):
     assert fit.returncode == 0, fit.stderr[-3000:]  # an unknown kl_estimator name would stop it before any model loads
     (config,) = tmp_path.glob("lightning_logs/tiny/version_0/config.yaml")
     assert yaml.safe_load(config.read_text())["model"]["kl_estimator"] == "clipped_k1"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model.ppo_epochs=0"], "error: model.ppo_epochs must be an integer >= 1, got 0"),
+        (["--model.beta_controller=pdi"], "error: unknown beta_controller 'pdi'; registered beta_controller names: adaptive, band"),
+        (["--config", "EMPTY"], "error: --config EMPTY: the file is empty; expected settings such as model:, data:, trainer:"),
+        (["--config", "LIST"], "error: --config LIST: expected a mapping of settings (model:, data:, trainer:), got a list"),
+    ],
+    ids=["impossible-value", "unknown-plugin", "empty-config", "list-config"],
+)
+def test_configuration_errors_print_one_line_and_exit_2_without_a_traceback(tmp_path, args, message):
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "list.yaml").write_text("- model\n")
+    names = {"EMPTY": str(tmp_path / "empty.yaml"), "LIST": str(tmp_path / "list.yaml")}
+    args = [names.get(a, a) for a in args]
+    command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", TINY, *args]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(message.replace("EMPTY", names["EMPTY"]).replace("LIST", names["LIST"]))
+    assert "Traceback" not in result.stderr
+    debug = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                           env={**os.environ, "RLHF_LIGHTNING_TRACEBACK": "1"})  # fmt: skip
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
