@@ -42,7 +42,8 @@ from torchmetrics import MeanMetric
 
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.interfaces import (
-    AdvantageEstimator, BetaController, KLEstimator, LossAggregation, PolicyLoss, ReferenceUpdate, RewardModel, require,
+    AdvantageEstimator, BetaController, ConfigError, KLEstimator, LossAggregation, PolicyLoss, ReferenceUpdate, RewardModel,
+    require,
 )
 from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer, move_toward
 from rlhf_lightning.registry import registry
@@ -126,6 +127,10 @@ class PPORLHF(LightningModule):
             (~10% of a LoRA iteration on CPU), equal to a fresh forward up to float rounding
             (~1e-6 in fp32, more under bf16 autocast, where cached decoding rounds differently).
         use_chat_template: render prompts with the tokenizer's chat template when it has one.
+        special_tokens_in_prompts: ``refuse`` (default) a prompt whose text contains one of the
+            tokenizer's special-token strings (``<|im_end|>``, ``<|im_start|>``, ...), which the
+            tokenizer would read as real special tokens, so a prompt file could forge chat turns;
+            ``allow`` for prompts that are pre-rendered chat text on purpose.
         ppo_epochs / num_minibatches / gradient_accumulation_steps: passes over each rollout,
             minibatches per pass (one optimizer step each), micro-batches per minibatch.
         cliprange_value: the value clip. vf_coef: value-loss weight.
@@ -182,6 +187,7 @@ class PPORLHF(LightningModule):
         max_prompt_length: int = 256,
         old_logprobs: Literal["sampler", "forward"] = "forward",
         use_chat_template: bool = True,
+        special_tokens_in_prompts: Literal["refuse", "allow"] = "refuse",
         ppo_epochs: int = 4,
         num_minibatches: int = 1,
         gradient_accumulation_steps: int = 1,
@@ -241,6 +247,8 @@ class PPORLHF(LightningModule):
         require(0 <= min_new_tokens <= max_new_tokens, "model.min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
         require(temperature > 0, "model.temperature", "> 0", temperature)
         require(old_logprobs in ("sampler", "forward"), "model.old_logprobs", "'sampler' or 'forward'", old_logprobs)
+        require(special_tokens_in_prompts in ("refuse", "allow"), "model.special_tokens_in_prompts", "'refuse' or 'allow'",
+                special_tokens_in_prompts)  # fmt: skip
         for name in ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults",
                      "num_generations"):  # fmt: skip
             require(locals()[name] >= 1, f"model.{name}", "an integer >= 1", locals()[name])
@@ -603,8 +611,31 @@ class PPORLHF(LightningModule):
         return loss
 
     # ------------------------------------------------------------------ pieces
+    def check_prompt_text(self, prompts: list[str], field: str = "the prompts") -> None:
+        """Prompt text is data: refuse (unless ``special_tokens_in_prompts: allow``) a prompt that
+        contains a special-token string, which the tokenizer would turn into the special token itself."""
+        if self.hparams.special_tokens_in_prompts == "allow":
+            return
+        tok = self.tokenizer
+        specials = {t for t in (*tok.all_special_tokens, *tok.get_added_vocab()) if len(t) > 1}
+        for i, prompt in enumerate(prompts):
+            found = [t for t in sorted(specials) if t in prompt]
+            if found:
+                raise ConfigError(
+                    f"{field}: prompt {i} ({prompt[:60]!r}) contains the special token string(s) {found}, which would be "
+                    "tokenised as real special tokens (a forged chat turn or end of turn); remove them, or set "
+                    "model.special_tokens_in_prompts: allow for pre-rendered chat text"
+                )
+
+    def setup(self, stage: str) -> None:
+        """At start-up, before any model loads: every prompt of the data module's files is checked."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        for name in ("train_prompts", "val_prompts"):
+            self.check_prompt_text(getattr(datamodule, name, None) or [], f"data.{name.split('_')[0]}_path")
+
     def encode_prompts(self, prompts: list[str]) -> dict[str, Tensor]:
         """Render (chat template when available) and left-pad; masks come from the tokenizer."""
+        self.check_prompt_text(prompts)
         tok = self.tokenizer
         use_template = self.hparams.use_chat_template and getattr(tok, "chat_template", None)
         if use_template:
