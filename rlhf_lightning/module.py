@@ -43,7 +43,7 @@ from torchmetrics import MeanMetric
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.interfaces import (
     AdvantageEstimator, BetaController, ConfigError, KLEstimator, LossAggregation, PolicyLoss, ReferenceUpdate, RewardModel,
-    require,
+    finite_number, require,
 )
 from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer, move_toward
 from rlhf_lightning.registry import registry
@@ -245,6 +245,13 @@ class PPORLHF(LightningModule):
                 "advantages but not the KL loss term", whiten_advantages)  # fmt: skip
         require(max_new_tokens >= 1, "model.max_new_tokens", ">= 1", max_new_tokens)
         require(0 <= min_new_tokens <= max_new_tokens, "model.min_new_tokens", "in [0, max_new_tokens]", min_new_tokens)
+        for name in ("temperature", "cliprange_value", "vf_coef", "lr", "critic_lr", "weight_decay", "max_grad_norm",
+                     "lora_alpha", "entropy_coef"):  # fmt: skip
+            value = locals()[name]  # YAML's .inf and .nan parse as floats: refuse them here, before any model loads
+            require(value is None or finite_number(value), f"model.{name}", "a finite number", value)
+        require(vf_coef >= 0 and weight_decay >= 0 and lora_alpha > 0, "model.vf_coef, weight_decay and lora_alpha",
+                ">= 0, >= 0 and > 0", (vf_coef, weight_decay, lora_alpha))  # fmt: skip
+        require(max_grad_norm is None or max_grad_norm > 0, "model.max_grad_norm", "> 0 or null", max_grad_norm)
         require(temperature > 0, "model.temperature", "> 0", temperature)
         require(old_logprobs in ("sampler", "forward"), "model.old_logprobs", "'sampler' or 'forward'", old_logprobs)
         require(special_tokens_in_prompts in ("refuse", "allow"), "model.special_tokens_in_prompts", "'refuse' or 'allow'",

@@ -210,3 +210,17 @@ def test_special_token_strings_in_a_prompt_file_are_refused_before_any_model_loa
     with pytest.raises(ValueError, match=r"data.train_path: prompt 7 \('bad <eos> inside'\) contains the special token"):
         fit(module, tmp_path, iterations=1, batch_size=8, datamodule=PromptDataModule(train_path=str(path)))
     assert module.policy is None  # refused in setup(), before configure_model
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--model.lr=.inf", "model.lr must be a finite number, got inf"),
+        ("--model.temperature=.nan", "model.temperature must be a finite number, got nan"),
+        ("--model.max_grad_norm=-1", r"model.max_grad_norm must be > 0 or null, got -1"),
+        ("--model.vf_coef=-0.5", r"model.vf_coef, weight_decay and lora_alpha must be >= 0, >= 0 and > 0, got \(-0.5"),
+    ],
+)
+def test_non_finite_and_impossible_numbers_are_refused_at_start_up(arg, message):
+    with pytest.raises(ValueError, match=message):
+        build_cli(["--config", TINY, arg], run=False)
