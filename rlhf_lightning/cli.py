@@ -12,9 +12,12 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from rlhf_lightning.registry import REGISTRIES, load_plugins
+
+if TYPE_CHECKING:
+    from lightning.pytorch.loggers import TensorBoardLogger
 
 
 def print_plugins() -> None:
