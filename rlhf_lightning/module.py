@@ -39,6 +39,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from rlhf_lightning import fsdp2
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.interfaces import (
     AdvantageEstimator, BetaController, KLEstimator, LossAggregation, PolicyLoss, RewardModel, require,
@@ -284,6 +285,19 @@ class PPORLHF(LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
+        hp = self.hparams
+        policy = self._load_policy()
+        self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared")
+        if hp.lora_rank > 0:
+            self.policy = self._add_lora(policy)
+        else:
+            self.policy = policy
+            self.ref_model = frozen_copy(policy)
+        if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
+            self._shard_models()
+
+    def _load_policy(self) -> nn.Module:
+        """The policy network as configured, without LoRA and unsharded."""
         from transformers import GenerationConfig
 
         hp = self.hparams
@@ -294,21 +308,37 @@ class PPORLHF(LightningModule):
             temperature=hp.temperature, top_k=0, top_p=1.0,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
         )  # fmt: skip
-        self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared")
-        if hp.lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
+        return policy
 
-            config = LoraConfig(
-                r=hp.lora_rank, lora_alpha=hp.lora_alpha, lora_dropout=0.0,
-                target_modules=hp.lora_target_modules or "all-linear", task_type="CAUSAL_LM",
-            )  # fmt: skip
-            self.policy = get_peft_model(policy, config)
-            dtype = next(policy.parameters()).dtype
-            require(not hp.merge_lora_for_generation or dtype == torch.float32, "model.merge_lora_for_generation",
-                   "false when the base weights are not float32 (merging would round them)", f"true with {dtype} weights")  # fmt: skip
-        else:
-            self.policy = policy
-            self.ref_model = frozen_copy(policy)
+    def _add_lora(self, policy: nn.Module) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        hp = self.hparams
+        config = LoraConfig(
+            r=hp.lora_rank, lora_alpha=hp.lora_alpha, lora_dropout=0.0,
+            target_modules=hp.lora_target_modules or "all-linear", task_type="CAUSAL_LM",
+        )  # fmt: skip
+        dtype = next(policy.parameters()).dtype
+        require(not hp.merge_lora_for_generation or dtype == torch.float32, "model.merge_lora_for_generation",
+               "false when the base weights are not float32 (merging would round them)", f"true with {dtype} weights")  # fmt: skip
+        return get_peft_model(policy, config)
+
+    def _shard_models(self) -> None:
+        """FSDP2: shard the policy (with its LoRA adapter), the critic and the frozen reference per
+        transformer block over the data-parallel mesh. The reference is sharded like the policy
+        (it is as large, and it runs one no-grad forward per iteration: one gather per block);
+        with LoRA it is the policy itself with the adapter disabled. Every trainable parameter
+        must be under ``fully_shard``: ModelParallelStrategy has no DDP to average the rest."""
+        mesh = self.device_mesh
+        require(mesh["tensor_parallel"].size() == 1, "trainer.strategy",
+                "data-parallel sharding (tensor_parallel_size 1, e.g. rlhf_lightning.fsdp2.FSDP2Strategy)",
+                f"tensor_parallel_size {mesh['tensor_parallel'].size()}")  # fmt: skip
+        mesh = mesh["data_parallel"]
+        # With LoRA the base model is the FSDP root: generation calls it directly (see _generator).
+        fsdp2.shard(self.policy.get_base_model() if self.hparams.lora_rank else self.policy, mesh)
+        for model in (self.critic, self.ref_model):
+            if model is not None:
+                fsdp2.shard(model, mesh)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -334,6 +364,12 @@ class PPORLHF(LightningModule):
             self.gold_reward_model.setup(self.device)
 
     on_validation_start = on_test_start = on_fit_start
+
+    def on_train_start(self) -> None:
+        # What this rank holds of policy, critic and reference: its shards under FSDP2.
+        self.param_numel_local = fsdp2.local_numel(self.policy, self.critic, self.ref_model)
+        for logger in self.loggers:
+            logger.log_metrics({"memory/param_numel_local": float(self.param_numel_local)}, step=self.iteration)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self._rng_to_restore is not None:
@@ -402,8 +438,10 @@ class PPORLHF(LightningModule):
         with timer("rollout"), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.generation_seed_base + 7919 * self.global_rank + 104729 * self.iteration)
             with self._generator() as generator:
+                # synced_gpus=False: with gathered weights generate runs no collective (see _generator),
+                # so each rank may stop at its own EOS.
                 out = generator.generate(**enc, return_dict_in_generate=True, output_logits=from_sampler,
-                                         output_hidden_states=from_sampler and self._shared_critic)  # fmt: skip
+                                         output_hidden_states=from_sampler and self._shared_critic, synced_gpus=False)  # fmt: skip
         sequences = out.sequences  # (batch, prompt_len + new), right-padded with pad
         prompt_len = enc["input_ids"].shape[1]
         response = sequences[:, prompt_len:]
@@ -617,18 +655,20 @@ class PPORLHF(LightningModule):
         LoRA layers (PeftModel.generate measured 4-5x slower on CPU), with the adapter merged into
         the base weights while it samples when ``merge_lora_for_generation`` (no LoRA branch in
         each of the hundreds of decode-step linears; unmerging restores fp32 weights to within
-        one rounding step)."""
-        if not self.hparams.lora_rank:
-            yield self.policy
-            return
-        merge = self.hparams.merge_lora_for_generation
-        if merge:
-            self.policy.merge_adapter()
-        try:
+        one rounding step). FSDP2: the policy's full weights are gathered once for the whole
+        rollout (``fsdp2.gathered``; a merge then writes into the gathered copy only, and the
+        shards stay bit-exact), instead of every block being all-gathered again at each of the
+        ``max_new_tokens`` decode steps by FSDP2's forward hooks."""
+        with contextlib.ExitStack() as stack:
+            if self._sharded:
+                stack.enter_context(fsdp2.gathered(fsdp2.fsdp_roots(self.policy)[0]))
+            if not self.hparams.lora_rank:
+                yield self.policy
+                return
+            if self.hparams.merge_lora_for_generation:
+                self.policy.merge_adapter()
+                stack.callback(self.policy.unmerge_adapter)
             yield self.policy.get_base_model()
-        finally:
-            if merge:
-                self.policy.unmerge_adapter()
 
     @contextlib.contextmanager
     def _reference(self):
@@ -661,6 +701,11 @@ class PPORLHF(LightningModule):
             entropy *= metrics["response/length"]
         target = getattr(controller, "target", None)
         controller.update(entropy if target is None else target**2 / max(entropy, 1e-6), n_samples=n_samples)
+
+    @property
+    def _sharded(self) -> bool:
+        """The models are FSDP2-sharded (ModelParallelStrategy)."""
+        return fsdp2.is_sharded(self.policy)
 
     @property
     def _shared_critic(self) -> bool:
@@ -793,7 +838,8 @@ class PPORLHF(LightningModule):
             "faults": dict(self.faults),
         }
         # The frozen reference is rebuilt from the config; do not store a second copy of the weights.
-        for key in [k for k in checkpoint["state_dict"] if k.startswith("ref_model.")]:
+        # A sharded checkpoint keeps its shards: the strategy loads every submodule from it directly.
+        for key in [k for k in checkpoint["state_dict"] if k.startswith("ref_model.") and not self._sharded]:
             del checkpoint["state_dict"][key]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -808,7 +854,7 @@ class PPORLHF(LightningModule):
         self.reward_model.load_state_dict(state["reward_model"])
         # Applied at the next training batch: loading and loader setup in between draw random numbers.
         self._rng_to_restore = state.get("rng")
-        if self.ref_model is not None:
+        if self.ref_model is not None and "state_dict" in checkpoint:  # FSDP2: loaded by the strategy
             checkpoint["state_dict"].update({f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()})
 
 
