@@ -302,10 +302,11 @@ class PPORLHF(LightningModule):
 
         hp = self.hparams
         policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config).train()
-        # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling.
+        # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling
+        # (greedy: no sampling flags, which save_pretrained refuses without do_sample).
+        sampling = dict(temperature=hp.temperature, top_k=0, top_p=1.0) if hp.do_sample else {}
         policy.generation_config = GenerationConfig(
-            do_sample=hp.do_sample, max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens,
-            temperature=hp.temperature, top_k=0, top_p=1.0,
+            do_sample=hp.do_sample, max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens, **sampling,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
         )  # fmt: skip
         return policy
