@@ -13,8 +13,11 @@ The same code runs on CPU processes (gloo) and GPUs (NCCL).
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -47,6 +50,26 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
 
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """A checkpoint folder written whole or not at all: the shards go to ``<name>.partial``,
+        which replaces the folder once every rank has written (a kill in between leaves the
+        previous checkpoint, as Lightning's single-file saves do)."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))
+        partial, previous = path.with_name(path.name + ".partial"), path.with_name(path.name + ".previous")
+        if self.global_rank == 0:
+            _remove(partial)
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()  # every rank's shards are on disk
+        if self.global_rank == 0:
+            if path.exists():
+                os.replace(path, previous)
+            os.replace(partial, path)
+            _remove(previous)
+        self.barrier()
+
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         roots = fsdp_roots(self.lightning_module)
@@ -57,6 +80,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         finally:
             for root in roots:
                 root.set_requires_gradient_sync(True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
 
 
 def is_sharded(model: Optional[nn.Module]) -> bool:
