@@ -112,7 +112,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--strategy", choices=("single", "ddp", "fsdp2"), default="single",
                         help="one process, or --devices processes with DDP or FSDP2 (ModelParallelStrategy)")
     parser.add_argument("--devices", type=int, default=1, help="processes of --strategy ddp/fsdp2")
-    parser.add_argument("--results-dir", help=argparse.SUPPRESS)  # where ranks > 0 leave their results    parser.add_argument("--profile", action="store_true", help="profile one extra iteration per run with torch.profiler")
+    parser.add_argument("--results-dir", help=argparse.SUPPRESS)  # where ranks > 0 leave their results
+    parser.add_argument("--profile", action="store_true", help="profile one extra iteration per run with torch.profiler")
     parser.add_argument("--profile-rows", type=int, default=25, help="ops shown by --profile")
     parser.add_argument("--save", metavar="PATH", help="also write every run's results as JSON (after each run)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one mode's runs
