@@ -14,10 +14,11 @@ from test_ddp import COMPARED, GLOBAL_BATCH, betas_by_iteration
 from test_resume import run_cli  # puts tools/ on sys.path
 from summarize_run import read_scalars  # noqa: I001
 
-# Greedy rollouts and one minibatch, as in test_ddp, so one process and two see the same batches.
+# Greedy rollouts and one minibatch, as in test_ddp, so one process and two see the same batches;
+# two micro-batches per minibatch, so FSDP2's no_sync (block_backward_sync) is on the path.
 COMMON = (
     "--trainer.limit_train_batches=4", "--model.do_sample=false", "--model.num_minibatches=1",
-    "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
+    "--model.gradient_accumulation_steps=2", "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
 )  # fmt: skip
 
 

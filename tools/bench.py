@@ -367,6 +367,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     return {
         "mode": args.mode, "ppo_epochs": ppo_epochs, "num_minibatches": args.num_minibatches,
         "strategy": args.strategy, "devices": args.devices, "rank": trainer.global_rank,
+        "param_numel_local": module.param_numel_local,
         "critic": critic, "old_logprobs": args.old_logprobs, "policy": args.policy, "threads": torch.get_num_threads(),
         "batch": int(enc["input_ids"].shape[0]), "prompt_len": int(enc["input_ids"].shape[1]),
         "prompt_len_mean": float(enc["attention_mask"].sum(-1).float().mean()),
@@ -507,8 +508,8 @@ def format_table(results: Sequence[dict]) -> str:
         f"{len(r0['iterations'])} iterations, floors measured after each (medians need not add up)",
         "",
         "| mode | critic | epochs | iter s | rollout | score | (old+V fwd | ref fwd | reward, KL, rest) | advantages | update | other "
-        "| tokens/s | peak RSS MB | load | strategy, rank |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| tokens/s | peak RSS MB | load | strategy, rank | param numel |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in results:
         p, d = r["phases"], derived(r)
@@ -516,7 +517,7 @@ def format_table(results: Sequence[dict]) -> str:
             f"| {r['mode']} | {r['critic']} | {r['ppo_epochs']} | {r['iter_s']:.3f} | {p['rollout']:.3f} | {d['score']:.3f} "
             f"| {p['score_policy']:.3f} | {p['score_ref']:.3f} | {p['score']:.3f} | {p['advantages']:.4f} "
             f"| {p['update']:.3f} | {p['other']:.4f} | {r['tokens_per_s']:.1f} | {r['peak_rss_mb']:.0f} "
-            f"| {r['load'][0]:.1f} -> {r['load'][1]:.1f} | {rank_label(r)} |"
+            f"| {r['load'][0]:.1f} -> {r['load'][1]:.1f} | {rank_label(r)} | {r.get('param_numel_local', 0) / 1e6:.1f}M |"
         )
     lines += [
         "",
