@@ -60,16 +60,14 @@ class DualClip(PolicyLoss):
 
 
 @register("policy_loss", "gspo", description="GSPO: one length-normalised ratio per sequence, clipped")
-class GSPO(PolicyLoss):
+class GSPO(ClipHigher):
     """GSPO (Zheng et al. 2025): the clip acts on s_i = exp(mean_t log(pi / pi_old)), one ratio per
     response, with GSPO's small clip range; defined with the sequence-mean aggregation."""
 
     loss_aggregation = "seq_mean_token_mean"
 
     def __init__(self, clip_low: float = 3e-4, clip_high: float = 4e-4) -> None:
-        _require_clip("clip_low", clip_low)
-        _require_clip("clip_high", clip_high)
-        self.clip_low, self.clip_high = clip_low, clip_high
+        super().__init__(clip_low, clip_high)
 
     def __call__(self, logprobs, old_logprobs, advantages, mask):
         return pm.sequence_ratio_surrogate(logprobs, old_logprobs, advantages, mask, self.clip_low, self.clip_high)

@@ -7,26 +7,65 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
 from typing import Optional
 
 from rlhf_lightning.registry import REGISTRIES, load_plugins
 
 
 def print_plugins() -> None:
+    """Every registered plugin: a table at the terminal's width, or one tab-separated line per
+    plugin (kind, name, aliases, class, description) when the output is a pipe or a file."""
     from rich.console import Console
     from rich.table import Table
 
+    rows = [
+        (kind, entry.name, ", ".join(entry.aliases), f"{entry.cls.__module__}.{entry.cls.__qualname__}", entry.description)
+        for kind, reg in REGISTRIES.items() for entry in reg.entries()
+    ]  # fmt: skip
+    console = Console()
+    if not console.is_terminal:
+        print("\n".join("\t".join(row) for row in rows))
+        return
     table = Table(title="rlhf-lightning plugins")
-    for column in ("kind", "name", "aliases", "class", "description"):
-        table.add_column(column)
-    for kind, reg in REGISTRIES.items():
-        for entry in reg.entries():
-            table.add_row(
-                kind, entry.name, ", ".join(entry.aliases), f"{entry.cls.__module__}.{entry.cls.__qualname__}",
-                entry.description,
-            )  # fmt: skip
-    Console(width=200).print(table)
+    for column in ("kind", "name", "aliases"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("class", overflow="fold")
+    table.add_column("description", ratio=1)  # wraps to the terminal's width
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+class _DropAdvertisements(logging.Filter):
+    """Lightning's start-up tip advertising a hosted logger is not the user's business."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip")
+
+
+def quiet_library_noise() -> None:
+    """Silence what libraries print at start that a user can do nothing about: Lightning's hosted
+    logger tip, and deprecation notices about library internals (transformers' gradient-checkpointing
+    property, torch's pytree LeafSpec as Lightning uses it). Warnings about the user's own settings stay."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_DropAdvertisements())
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*is_gradient_checkpointing.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+def default_logger(root_dir: Optional[str], config_files: list) -> "TensorBoardLogger":
+    """Lightning's default TensorBoardLogger (``<root>/lightning_logs/version_N``) with the run's
+    config files in the path, ``<root>/lightning_logs/quickstart/version_N`` (``tiny+fsdp2`` for two),
+    so runs of different configs are not drawn on one axis, and without the placeholder ``hp_metric``."""
+    from pathlib import Path
+
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    name = "+".join(Path(str(path)).stem for path in config_files)
+    return TensorBoardLogger(save_dir=Path(root_dir or ".") / "lightning_logs", name=name, default_hp_metric=False)
 
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
@@ -43,6 +82,9 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             chosen = [*(config.get("callbacks") or []), *callbacks]
             if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
                 callbacks = [*callbacks, RichProgressBar()]
+            if config.get("logger") in (None, True):  # Lightning's default logger, named after the run's config
+                configs = (self.config.get(self.subcommand) if self.subcommand else self.config).get("config") or []
+                config = {**config, "logger": default_logger(config.get("default_root_dir"), configs)}
             return super()._instantiate_trainer(config, callbacks)
 
     load_plugins()  # before parsing: class_path and short names must resolve
@@ -59,6 +101,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
 
 def main(args: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
+    quiet_library_noise()
     if argv[:1] == ["plugins"]:
         load_plugins()
         print_plugins()

@@ -13,9 +13,9 @@ from typing import Optional
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, DistributedSampler
 
-DATA_DIR = Path(__file__).parent / "data"
-BUILTIN_TRAIN = DATA_DIR / "prompts_train.jsonl"
-BUILTIN_VALIDATION = DATA_DIR / "prompts_validation.jsonl"
+PROMPTS_DIR = Path(__file__).parent / "prompts"  # the built-in prompt files (not the module data.py)
+BUILTIN_TRAIN = PROMPTS_DIR / "prompts_train.jsonl"
+BUILTIN_VALIDATION = PROMPTS_DIR / "prompts_validation.jsonl"
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".tsv": "csv"}
 
 

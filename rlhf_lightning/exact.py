@@ -26,6 +26,19 @@ never emit EOS, and with ``max_new_tokens = L`` every response is L content toke
 response mask of all ones. The bias is finite rather than -inf so that entropies and the
 ``full`` estimator's sum_a pi(a) (log pi(a) - log pi_ref(a)) stay 0 * finite = 0, not NaN.
 
+A reference that moves (PPORLHF's ``reference_update``): if the policy converges to the optimum
+of its reference before every sync or reset, the reference after k of them is the iterated optimum
+
+    pi_k(y|x) ∝ pi_0(y|x) exp(k r(x, y) / beta),
+
+the optimum of the original objective at beta / k (:func:`iterated_optimal_logprobs`): resets anneal
+beta. An EMA reference ref <- (1 - alpha) ref + alpha pi moves its log-probabilities by the
+geometric mixture (exact when they are linear in the averaged parameters, first order otherwise),
+log ref' = (1 - alpha) log ref + alpha log pi - log norm; with the policy at ref's optimum that is
+ref' ∝ ref exp(alpha r / beta), so n updates give pi_{n alpha} (:func:`ema_reference_logprobs`). Its
+only fixed points (ref = pi*(ref)) are distributions on argmax_y r(x, y): no KL-regularised
+interior optimum survives a reference that keeps following the policy.
+
 What it shows (tests/test_optimum.py, tools/optimum_check.py): with the penalty in the reward
 only k1 reaches pi*. PPO differentiates the rewards only through log pi of the sampled token, so
 E_pi[grad kl_t] is lost; it is 0 for k1, but not for k3 nor for full, which collapse towards the
@@ -73,6 +86,19 @@ def log_partition(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
 def optimal_logprobs(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
     """log pi*(y|x) = log pi_ref(y|x) + r(x, y) / beta - log Z(x)."""
     return ref_logprobs.double() + rewards.double() / beta - log_partition(ref_logprobs, rewards, beta).unsqueeze(-1)
+
+
+def iterated_optimal_logprobs(initial_logprobs: Tensor, rewards: Tensor, beta: float, k: float) -> Tensor:
+    """log pi_k = log pi_0 + k r / beta - log Z_k: the optimum after k converged reference resets
+    (k may be fractional: an EMA reference), i.e. the optimum at beta / k."""
+    return optimal_logprobs(initial_logprobs, rewards, beta / k)
+
+
+def ema_reference_logprobs(ref_logprobs: Tensor, rewards: Tensor, beta: float, alpha: float) -> Tensor:
+    """One EMA update of a reference whose policy sits at its optimum, as a normalised geometric
+    mixture: log ref' = (1 - alpha) log ref + alpha log pi*(ref) - log norm."""
+    mixed = (1 - alpha) * ref_logprobs.double() + alpha * optimal_logprobs(ref_logprobs, rewards, beta)
+    return mixed - torch.logsumexp(mixed, dim=-1, keepdim=True)
 
 
 def optimal_objective(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> float:
@@ -253,7 +279,7 @@ class ExactPPORLHF(PPORLHF):
         if self.policy is not None:
             return
         super().configure_model()
-        for model in (self.policy, self.ref_model):
+        for model in filter(None, (self.policy, self.ref_model, self.initial_model)):
             model.lm_head = MaskedHead(model.lm_head, len(self.tokenizer), self.content_ids)
 
     def _all_responses(self) -> tuple[Tensor, Tensor]:
@@ -292,18 +318,35 @@ class ExactPPORLHF(PPORLHF):
 
 class OptimumTracker(Callback):
     """Every ``every`` PPO iterations (and after the last), the exact OptimumReport of the policy
-    next to ``kl_logged``: the mean of the logged objective/kl over the iterations since the last row.
-    The logged value of an iteration estimates the KL of the policy that sampled its rollout."""
+    against the reference it trained on in that iteration, next to ``kl_logged``: the mean of the
+    logged objective/kl over the iterations since the last row. The logged value of an iteration
+    estimates the KL of the policy that sampled its rollout.
+
+    Each row also measures the policy against the iterated optimum pi_k ∝ pi_0 exp(k r / beta), with
+    k = 1 + the summed weights alpha of the reference updates before that iteration (k = 1, the
+    plain optimum, for a frozen reference): ``k``, ``iterated_gap`` (the gap of J at beta / k with
+    reference pi_0), ``iterated_kl_to_optimum`` = KL(pi || pi_k) and ``kl_to_initial`` = KL(pi || pi_0)."""
 
     def __init__(self, every: int = 10, total: Optional[int] = None) -> None:
         self.every, self.total = every, total
         self.rows: list[dict[str, float]] = []
         self._logged: list[float] = []
         self._rewards: Optional[Tensor] = None
+        self._initial: Optional[Tensor] = None  # log pi_0: (prompts, responses)
+        self._ref: Optional[Tensor] = None  # log pi_ref before the iteration
+        self._k = 1.0
 
     def on_train_start(self, trainer, pl_module: ExactPPORLHF) -> None:
         self._rewards = pl_module.task.rewards()
+        self._initial = pl_module.exact_ref_logprobs()
+        self._ref = self._initial
         self.rows.append(self._row(pl_module, 0, math.nan))
+
+    def on_train_batch_start(self, trainer, pl_module: ExactPPORLHF, batch, batch_idx) -> None:
+        done = pl_module.iteration
+        self._k = 1.0 + sum(pl_module.reference_update.weight(i) for i in range(1, done + 1))
+        if pl_module.reference_update.moves:
+            self._ref = pl_module.exact_ref_logprobs()
 
     def on_train_batch_end(self, trainer, pl_module: ExactPPORLHF, outputs, batch, batch_idx) -> None:
         self._logged.append(float(trainer.callback_metrics["objective/kl"]))
@@ -313,8 +356,12 @@ class OptimumTracker(Callback):
             self._logged = []
 
     def _row(self, pl_module: ExactPPORLHF, iteration: int, kl_logged: float) -> dict[str, float]:
-        report = pl_module.exact_report(self._rewards)
-        return {"iteration": iteration, **vars(report), "kl_logged": kl_logged}
+        logprobs, beta = pl_module.exact_logprobs(), pl_module.beta_controller.beta
+        report = optimum_report(logprobs, self._ref, self._rewards, beta)
+        iterated = optimum_report(logprobs, self._initial, self._rewards, beta / self._k)
+        return {"iteration": iteration, **vars(report), "kl_logged": kl_logged, "k": self._k,
+                "iterated_gap": iterated.gap, "iterated_kl_to_optimum": iterated.kl_to_optimum,
+                "kl_to_initial": iterated.kl_to_ref}  # fmt: skip
 
     @property
     def last(self) -> dict[str, float]:
@@ -323,8 +370,10 @@ class OptimumTracker(Callback):
 
 class LinearLRDecay(Callback):
     """Learning rates fall linearly from their configured values to ``final`` times them over
-    ``iterations`` PPO iterations: with a constant step size stochastic updates only reach a
-    noise ball around the optimum; a decaying one lets the last iterate settle inside it."""
+    ``iterations`` PPO iterations, and start again after each ``iterations`` (one decay per
+    reference phase when the reference is reset every ``iterations``): with a constant step size
+    stochastic updates only reach a noise ball around the optimum; a decaying one lets the last
+    iterate settle inside it."""
 
     def __init__(self, iterations: int, final: float = 0.1) -> None:
         self.iterations, self.final = iterations, final
@@ -334,7 +383,7 @@ class LinearLRDecay(Callback):
         self._initial = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        progress = min(pl_module.iteration / max(self.iterations - 1, 1), 1.0)
+        progress = (pl_module.iteration % self.iterations) / max(self.iterations - 1, 1)
         factor = 1.0 - (1.0 - self.final) * progress
         for opt, initial in zip(trainer.optimizers, self._initial):
             for group, lr in zip(opt.param_groups, initial):
@@ -348,11 +397,13 @@ def train(
     every: int = 10,
     seed: int = 0,
     lr_final: float = 1.0,
+    lr_period: Optional[int] = None,
     **module_kwargs: Any,
 ) -> tuple[ExactPPORLHF, OptimumTracker]:
     """Train ExactPPORLHF with a Lightning Trainer on CPU; return the module and its tracker.
     ``batch_size`` counts responses per iteration (prompts x ``num_generations``).
-    ``lr_final`` < 1 decays the learning rates linearly to that fraction (LinearLRDecay)."""
+    ``lr_final`` < 1 decays the learning rates linearly to that fraction (LinearLRDecay), over
+    the whole run or, restarting, over every ``lr_period`` iterations."""
     from lightning import Trainer, seed_everything
 
     num_generations = module_kwargs.get("num_generations", 1)
@@ -362,7 +413,7 @@ def train(
     seed_everything(seed, verbose=False)
     module = ExactPPORLHF(task, seed=seed, **module_kwargs)
     tracker = OptimumTracker(every=every, total=iterations)
-    callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(iterations, lr_final), tracker]
+    callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(lr_period or iterations, lr_final), tracker]
     trainer = Trainer(
         accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0,

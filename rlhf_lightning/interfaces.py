@@ -141,6 +141,34 @@ class LossAggregation(ABC):
     def weights(self, mask: Tensor, max_new_tokens: int, sum_fn=None) -> Tensor: ...
 
 
+class ReferenceUpdate(ABC):
+    """When, and how far, the KL's reference moves toward the policy.
+
+    After PPO iteration ``i`` (1-based) the module sets ``ref <- (1 - alpha) ref + alpha policy``
+    in the reference's own parameters (the frozen copy under full fine-tuning; a second, frozen
+    LoRA adapter under LoRA), with ``alpha = weight(i)``; 0 leaves the reference where it is.
+    alpha = 1 makes the reference the current policy, so the next rollout's KL is exactly 0.
+    Class attributes declare what the module must build:
+
+    - ``moves``: False only for the frozen reference (no second adapter or initial copy is built,
+      and ``objective/kl_to_initial`` is ``objective/kl``).
+    - ``reset_optimizer``: also clear the optimizer state (Adam moments) of the policy's
+      parameters at each update (ProRL's reference reset, Liu et al. 2025).
+    """
+
+    moves: bool = True
+    reset_optimizer: bool = False
+
+    def __init__(self, every_n_iterations: int = 1) -> None:
+        require(isinstance(every_n_iterations, int) and every_n_iterations >= 1,
+                "reference_update.every_n_iterations", "an integer >= 1", every_n_iterations)  # fmt: skip
+        self.every_n_iterations = every_n_iterations
+
+    @abstractmethod
+    def weight(self, iteration: int) -> float:
+        """alpha in [0, 1] of the update after PPO iteration ``iteration`` (1-based); 0: no update."""
+
+
 class RewardModel(ABC):
     """Scores responses: one float per (prompt, response) pair, from their decoded text.
 
@@ -271,3 +299,4 @@ register_kind("reward_model", RewardModel)
 register_kind("advantage_estimator", AdvantageEstimator)
 register_kind("policy_loss", PolicyLoss)
 register_kind("loss_aggregation", LossAggregation)
+register_kind("reference_update", ReferenceUpdate)

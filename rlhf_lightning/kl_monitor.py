@@ -184,7 +184,7 @@ class KLGuard(Callback):
         values = {name: float(trainer.callback_metrics[name]) for name in WATCHED if name in trainer.callback_metrics}
         if not values:
             return
-        iteration = pl_module.iteration
+        iteration = pl_module.step  # the iteration's TensorBoard step, as its scalars
         spikes = self.spikes(values)
         if spikes:
             self.counts["spikes"] += 1
@@ -261,7 +261,7 @@ class KLGuard(Callback):
             weights[name] = tensor.detach().to("cpu", copy=True)
         controller = getattr(pl_module, "beta_controller", None)
         return {
-            "iteration": pl_module.iteration,
+            "iteration": pl_module.step,
             "state_dict": weights,
             "optimizers": [cpu_copy(opt.state_dict()) for opt in trainer.optimizers],
             "beta_controller": copy.deepcopy(controller.state_dict()) if controller is not None else None,
@@ -341,7 +341,7 @@ class TokenKLView(Callback):
             rank_zero_warn("TokenKLView writes to TensorBoard, but the trainer has no TensorBoardLogger; it draws nothing")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if (pl_module.iteration - 1) % self.every_n_iterations or not trainer.is_global_zero:
+        if pl_module.step % self.every_n_iterations or not trainer.is_global_zero:
             return
         loggers = _tensorboards(trainer)
         rollout, kl = getattr(pl_module, "last_rollout", None), getattr(pl_module, "last_kl", None)
@@ -358,9 +358,9 @@ class TokenKLView(Callback):
         values = kl[mask]
         values = values[torch.isfinite(values)]
         for logger in loggers:
-            logger.experiment.add_image(f"{self.tag}/responses", image, global_step=pl_module.iteration, dataformats="HWC")
+            logger.experiment.add_image(f"{self.tag}/responses", image, global_step=pl_module.step, dataformats="HWC")
             if values.numel():
-                logger.experiment.add_histogram(f"{self.tag}/per_token", values, global_step=pl_module.iteration)
+                logger.experiment.add_histogram(f"{self.tag}/per_token", values, global_step=pl_module.step)
 
     def draw(self, tokenizer, rollout, kl: Tensor, mask: Tensor) -> np.ndarray:
         """The image (height, width, 3) uint8 of the chosen responses."""

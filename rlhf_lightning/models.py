@@ -180,6 +180,18 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return ref
 
 
+@torch.no_grad()
+def move_toward(targets: list[torch.Tensor], sources: list[torch.Tensor], alpha: float) -> None:
+    """targets <- (1 - alpha) targets + alpha sources, in place, tensor by tensor; alpha = 1 copies
+    (bit-identical, not a lerp). For LoRA factors this is not the average of the weight deltas:
+    lerp(B) lerp(A) = lerp(B A) - alpha (1 - alpha) (B_src - B_tgt)(A_src - A_tgt), second order
+    in the factors' difference."""
+    if alpha == 1:
+        torch._foreach_copy_(targets, sources)
+    else:
+        torch._foreach_lerp_(targets, sources, alpha)
+
+
 class ValueModel(nn.Module):
     """Critic: a scalar value head V(s_t) = w . h_t + b on a transformer trunk's last hidden states.
 

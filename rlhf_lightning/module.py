@@ -16,10 +16,11 @@ One ``training_step`` is one PPO iteration on a batch of prompts x:
                term summed with the loss-aggregation plugin's weights (a token mean by default).
 
 Then the beta controller sees the global mean KL (in its declared unit) and updates beta (and an
-entropy controller, if any, the entropy bonus's coefficient).
+entropy controller, if any, the entropy bonus's coefficient), and the reference update plugin
+may move the reference toward the policy (default ``none``: the reference stays the frozen
+starting policy; ``sync``, ``reset`` or ``ema`` every N iterations).
 
-Left out on purpose: reward-model training (tools/), reference-model updates (the
-reference stays the frozen starting policy), and any home-made distributed code: every
+Left out on purpose: reward-model training (tools/) and any home-made distributed code: every
 cross-rank statistic goes through the Lightning strategy's ``reduce``.
 """
 
@@ -43,14 +44,15 @@ from torchmetrics import MeanMetric
 from rlhf_lightning import fsdp2
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.interfaces import (
-    AdvantageEstimator, BetaController, KLEstimator, LossAggregation, PolicyLoss, RewardModel, require,
+    AdvantageEstimator, BetaController, KLEstimator, LossAggregation, PolicyLoss, ReferenceUpdate, RewardModel, require,
 )
-from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer
+from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer, move_toward
 from rlhf_lightning.registry import registry
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
+REFERENCE_ADAPTER = "reference"  # LoRA: the moving reference's own frozen adapter beside "default"
 UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss", "policy/entropy")
 
 
@@ -71,6 +73,8 @@ class Rollout:
     entropy: Tensor
     ref_logits: Optional[Tensor] = None  # (batch, response_len, vocab), only when the estimator needs it
     logits: Optional[Tensor] = None
+    initial_logprobs: Optional[Tensor] = None  # log pi_0, only when the reference moves
+    initial_logits: Optional[Tensor] = None
 
     @property
     def prompt_len(self) -> int:
@@ -104,10 +108,11 @@ class PPORLHF(LightningModule):
         kl_loss_weighting: the KL loss term (``loss``/``both``) of tokens sampled from pi_old while
             pi_theta moves over the PPO epochs: ``importance`` weights each token's estimate by
             w_t = pi_theta(y_t) / pi_old(y_t) (ppo_math.importance_weighted_kl: with ``loss`` the
-            ratio carries gradient, which makes value-unbiased estimators (k1, k3, full) follow
+            ratio carries gradient, which makes value-unbiased estimators (k1, k3) follow
             grad KL(pi_theta || pi_ref) at every epoch; with ``both`` it is detached, the reward
-            carrying the score-function part), ``none`` differentiates the estimate as it is
-            (its on-policy gradient: right for k3+, k1+, k2, full, not for k3 or k1).
+            carrying the score-function part); an estimator whose value does not depend on the
+            sampled token (``full``) takes no ratio either way. ``none`` differentiates the
+            estimate as it is (its on-policy gradient: right for k3+, k1+, k2, full, not for k3 or k1).
         kl_ignore_tokens: tokens left out of the KL penalty wherever they are sampled (e.g.
             ``["<|im_end|>"]``: end-of-turn tokens often dominate the KL); ``eos`` means the EOS token.
         gold_reward_model: an optional second reward backend that is only logged
@@ -140,6 +145,14 @@ class PPORLHF(LightningModule):
         merge_lora_for_generation: merge the adapter into the (fp32) base weights while sampling
             and unmerge after (1.15x -> 1.0x of a plain model's generate time on CPU); each
             merge/unmerge rounds the base weights by at most one ulp.
+        reference_update: how the reference moves toward the policy after an iteration: ``none``
+            (frozen, the default), ``sync`` / ``reset`` (ref <- policy every N iterations; reset also
+            clears the policy's optimizer state), ``ema`` (ref <- (1 - alpha) ref + alpha policy).
+            A moving reference is the frozen copy under full fine-tuning (plus a second frozen copy
+            of the starting policy for ``objective/kl_to_initial``: one more model in memory), or a
+            second, frozen LoRA adapter under LoRA (the starting policy stays the adapter-disabled
+            model: one more adapter in memory). Every rank applies the same update to the same
+            weights, so DDP ranks hold the same reference. Its weights are checkpointed once it has moved.
         tiny_config: overrides of the ``tiny`` model's LlamaConfig.
         seed: initialisation seed of the ``tiny`` model.
         max_consecutive_faults: iterations in a row that may be skipped for a non-finite reward,
@@ -187,6 +200,7 @@ class PPORLHF(LightningModule):
         lora_alpha: float = 16.0,
         lora_target_modules: Optional[list[str]] = None,
         merge_lora_for_generation: bool = True,
+        reference_update: Union[ReferenceUpdate, str] = "none",
         tiny_config: Optional[dict] = None,
         seed: int = 0,
         trust_remote_code: bool = False,
@@ -214,6 +228,8 @@ class PPORLHF(LightningModule):
         self.gold_reward_model: Optional[RewardModel] = (
             None if gold_reward_model is None else registry("reward_model").build(gold_reward_model, "model.gold_reward_model")
         )
+        self.reference_update: ReferenceUpdate = registry("reference_update").build(reference_update, "model.reference_update")
+        self._kl_reads_sampled_token = _depends_on_sampled_token(self.kl_estimator)
         require(kl_penalty in ("reward", "loss", "both"), "model.kl_penalty", "one of reward, loss, both", kl_penalty)
         require(kl_loss_weighting in ("none", "importance"), "model.kl_loss_weighting", "'none' or 'importance'", kl_loss_weighting)
         # Whitening divides the advantages (the reward's gradient, and with 'both' the reward's part
@@ -260,7 +276,7 @@ class PPORLHF(LightningModule):
             )
         self.save_hyperparameters(ignore=[
             "reward_model", "kl_estimator", "beta_controller", "gold_reward_model", "advantage_estimator", "policy_loss",
-            "loss_aggregation", "entropy_controller",
+            "loss_aggregation", "entropy_controller", "reference_update",
         ])  # fmt: skip
         # Stored resolved, so checkpoints and the compatibility check see what was built.
         self.hparams.critic = critic
@@ -275,6 +291,8 @@ class PPORLHF(LightningModule):
         self.last_kl: Optional[Tensor] = None
         self.policy: Optional[nn.Module] = None
         self.ref_model: Optional[nn.Module] = None
+        self.initial_model: Optional[nn.Module] = None  # full fine-tuning with a moving reference: pi_0
+        self.reference_updates = 0  # times the reference has moved (checkpointed)
         self.critic: Optional[ValueModel] = None
         self.update_stats = nn.ModuleDict({name.replace("/", "__"): MeanMetric() for name in UPDATE_STATS})
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
@@ -294,6 +312,7 @@ class PPORLHF(LightningModule):
         else:
             self.policy = policy
             self.ref_model = frozen_copy(policy)
+            self.initial_model = frozen_copy(policy) if self.reference_update.moves else None
         if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
             self._shard_models()
 
@@ -323,13 +342,21 @@ class PPORLHF(LightningModule):
         dtype = next(policy.parameters()).dtype
         require(not hp.merge_lora_for_generation or dtype == torch.float32, "model.merge_lora_for_generation",
                "false when the base weights are not float32 (merging would round them)", f"true with {dtype} weights")  # fmt: skip
-        return get_peft_model(policy, config)
+        policy = get_peft_model(policy, config)
+        if self.reference_update.moves:  # a frozen copy of the (no-op) initial adapter
+            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: draw nothing from the run's RNG
+                policy.add_adapter(REFERENCE_ADAPTER, config)
+            policy.set_requires_grad(REFERENCE_ADAPTER, False)
+            move_toward(*_adapter_pairs(policy), 1.0)
+        return policy
 
     def _shard_models(self) -> None:
-        """FSDP2: shard the policy (with its LoRA adapter), the critic and the frozen reference per
-        transformer block over the data-parallel mesh. The reference is sharded like the policy
-        (it is as large, and it runs one no-grad forward per iteration: one gather per block);
-        with LoRA it is the policy itself with the adapter disabled. Every trainable parameter
+        """FSDP2: shard the policy (with its LoRA adapters), the critic and the reference (and a
+        moving reference's starting policy) per transformer block over the data-parallel mesh.
+        The reference is sharded like the policy (it is as large, and it runs one no-grad forward
+        per iteration: one gather per block); with LoRA it is the policy itself with the adapter
+        disabled (or its frozen reference adapter, sharded with its blocks). A moving reference
+        moves shard by shard: each rank updates its own shards toward the policy's. Every trainable parameter
         must be under ``fully_shard``: ModelParallelStrategy has no DDP to average the rest."""
         mesh = self.device_mesh
         require(mesh["tensor_parallel"].size() == 1, "trainer.strategy",
@@ -338,7 +365,7 @@ class PPORLHF(LightningModule):
         mesh = mesh["data_parallel"]
         # With LoRA the base model is the FSDP root: generation calls it directly (see _generator).
         fsdp2.shard(self.policy.get_base_model() if self.hparams.lora_rank else self.policy, mesh)
-        for model in (self.critic, self.ref_model):
+        for model in (self.critic, self.ref_model, self.initial_model):
             if model is not None:
                 fsdp2.shard(model, mesh)
 
@@ -364,15 +391,33 @@ class PPORLHF(LightningModule):
         ]
 
     def on_fit_start(self) -> None:
+        self._setup_reward_models()
+        if isinstance(self.logger, TensorBoardLogger) and self.global_rank == 0:
+            self.logger.experiment.add_custom_scalars(self._tensorboard_layout())
+
+    def _setup_reward_models(self) -> None:
         self.reward_model.setup(self.device)
         if self.gold_reward_model is not None:
             self.gold_reward_model.setup(self.device)
 
-    on_validation_start = on_test_start = on_fit_start
+    on_validation_start = on_test_start = _setup_reward_models
+
+    def _tensorboard_layout(self) -> dict:
+        """TensorBoard's Custom Scalars page, the first view worth opening: reward, the KL the
+        controller sees beside its target, beta, the largest per-response KL and the entropy."""
+        kl = "objective/kl" if self.beta_controller.unit == "sequence_sum" else "objective/kl_per_token"
+        charts = {
+            "reward": ["objective/reward", "objective/gold_reward", "val/reward"],
+            f"KL ({self.beta_controller.unit}) and the controller's target": [kl, "objective/kl_target"],
+            "beta": ["objective/beta"],
+            "KL max (nats per response)": ["objective/kl_max"],
+            "entropy (nats per token)": ["objective/entropy"],
+        }
+        return {"rlhf-lightning": {title: ["Multiline", [f"^{tag}$" for tag in tags]] for title, tags in charts.items()}}
 
     def on_train_start(self) -> None:
         # What this rank holds of policy, critic and reference: its shards under FSDP2.
-        self.param_numel_local = fsdp2.local_numel(self.policy, self.critic, self.ref_model)
+        self.param_numel_local = fsdp2.local_numel(self.policy, self.critic, self.ref_model, self.initial_model)
         for logger in self.loggers:
             logger.log_metrics({"memory/param_numel_local": float(self.param_numel_local)}, step=self.iteration)
 
@@ -427,8 +472,9 @@ class PPORLHF(LightningModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(prompts))
         for key, label in (("objective/reward", "reward"), ("objective/kl", "kl"), ("objective/beta", "beta")):
             self.log(label, metrics[key], prog_bar=True, logger=False, on_step=True, batch_size=len(prompts))
-        if self.hparams.log_samples_every_n_steps and (self.iteration - 1) % self.hparams.log_samples_every_n_steps == 0:
+        if self.hparams.log_samples_every_n_steps and self.step % self.hparams.log_samples_every_n_steps == 0:
             self.log_samples(rollout, raw_scores, kl)
+        self.update_reference()
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], timer: Optional["_Timer"] = None) -> Rollout:
@@ -464,6 +510,10 @@ class PPORLHF(LightningModule):
                 logits, values = self.policy_outputs(input_ids, attention_mask, response.shape[1])
             with self._reference() as ref:
                 ref_logits = self.response_logits(ref, input_ids, attention_mask, response.shape[1])
+            initial_logits = None
+            if self.reference_update.moves:  # the starting policy, for objective/kl_to_initial
+                with self._initial() as initial:
+                    initial_logits = self.response_logits(initial, input_ids, attention_mask, response.shape[1])
         return Rollout(
             prompts=list(prompts),
             responses=self.tokenizer.batch_decode(response, skip_special_tokens=True),
@@ -478,11 +528,17 @@ class PPORLHF(LightningModule):
             entropy=pm.entropy_of(logits),
             logits=logits if keep_logits else None,
             ref_logits=ref_logits if keep_logits else None,
+            initial_logprobs=None if initial_logits is None else pm.logprobs_of(initial_logits, response),
+            initial_logits=initial_logits if keep_logits else None,
         )
 
-    def kl_per_token(self, rollout: Rollout) -> Tensor:
-        """The penalised per-token KL estimate (batch, response_len), zero off the KL mask."""
-        kl = self.kl_estimator(rollout.logprobs, rollout.ref_logprobs, rollout.logits, rollout.ref_logits)
+    def kl_per_token(self, rollout: Rollout, to_initial: bool = False) -> Tensor:
+        """The penalised per-token KL estimate (batch, response_len), zero off the KL mask; with
+        ``to_initial`` the same estimate against the starting policy (a moving reference only)."""
+        if to_initial:
+            kl = self.kl_estimator(rollout.logprobs, rollout.initial_logprobs, rollout.logits, rollout.initial_logits)
+        else:
+            kl = self.kl_estimator(rollout.logprobs, rollout.ref_logprobs, rollout.logits, rollout.ref_logits)
         return pm.masked_select(kl, self.kl_mask(rollout.response, rollout.mask))
 
     def kl_mask(self, response: Tensor, mask: Tensor) -> Tensor:
@@ -576,7 +632,10 @@ class PPORLHF(LightningModule):
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
             kl_mask = self.kl_mask(rollout.response[idx], mask)
             kl = self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits)
-            if hp.kl_loss_weighting == "importance":  # the ratio's gradient only where no reward carries k's score term
+            # The ratio corrects the sampling of y_t: an estimator that sums over the vocabulary at t
+            # (full) does not depend on y_t and takes none. Its gradient only where no reward carries
+            # k's score term.
+            if hp.kl_loss_weighting == "importance" and self._kl_reads_sampled_token:
                 kl = pm.importance_weighted_kl(kl, logprobs, rollout.logprobs[idx], mask, ratio_gradient=hp.kl_penalty == "loss")
             kl = pm.masked_select(kl, kl_mask)
             loss = loss + beta * (weights * kl).sum()
@@ -677,9 +736,16 @@ class PPORLHF(LightningModule):
 
     @contextlib.contextmanager
     def _reference(self):
-        """The frozen reference: a separate copy, or the LoRA policy with its adapter disabled."""
+        """The reference: a separate copy, or the LoRA policy with its adapter disabled (frozen
+        reference) or with the reference adapter active instead of the policy's (moving reference)."""
         if self.ref_model is not None:
             yield self.ref_model
+        elif self.reference_update.moves:
+            self.policy.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+            try:
+                yield self.policy
+            finally:
+                self.policy.set_adapter("default")  # trainable again; the reference adapter stays frozen
         else:
             with self.policy.disable_adapter():
                 yield self.policy
@@ -713,6 +779,42 @@ class PPORLHF(LightningModule):
         return fsdp2.is_sharded(self.policy)
 
     @property
+    def step(self) -> int:
+        """The TensorBoard step of the latest iteration, for every record of it (scalars, text,
+        images, warnings): its 0-based index, the step Lightning logs the scalars at. Read it once
+        the iteration has been counted (``iteration`` is then its 1-based number)."""
+        return self.iteration - 1
+
+    @contextlib.contextmanager
+    def _initial(self):
+        """The starting policy pi_0 beside a moving reference: its frozen copy, or the adapter-disabled LoRA policy."""
+        if self.initial_model is not None:
+            yield self.initial_model
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    def _reference_parameters(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The moving reference's parameters and the policy's they move toward, in matching order."""
+        if self.ref_model is not None:
+            return list(self.ref_model.parameters()), list(self.policy.parameters())
+        return _adapter_pairs(self.policy)
+
+    def update_reference(self) -> None:
+        """After an iteration, ref <- (1 - alpha) ref + alpha policy when the reference update plugin
+        says alpha > 0 for it; a reset also clears the policy parameters' optimizer state."""
+        alpha = self.reference_update.weight(self.iteration)
+        if not alpha:
+            return
+        move_toward(*self._reference_parameters(), alpha)
+        self.reference_updates += 1
+        if self.reference_update.reset_optimizer:
+            policy_params = {p for p in self.policy.parameters() if p.requires_grad}
+            for opt in self.trainer.optimizers:
+                for param in [p for p in opt.state if p in policy_params]:
+                    del opt.state[param]
+
+    @property
     def _shared_critic(self) -> bool:
         """A value head on the policy's own hidden states (no trunk of its own)."""
         return self.critic is not None and self.critic.trunk is None
@@ -735,7 +837,7 @@ class PPORLHF(LightningModule):
         self.faults["skipped_iterations"] += int(iteration_skipped)
         self.faults["skipped_steps"] += steps
         self.faults["consecutive"] += 1
-        rank_zero_warn(f"iteration {self.iteration}: {cause}; skipped (weights untouched)")
+        rank_zero_warn(f"iteration {self.step}: {cause}; skipped (weights untouched)")
         if iteration_skipped:
             self.log_dict({f"faults/{k}": float(v) for k, v in self.faults.items() if k != "consecutive"}, on_step=True)
         if self.faults["consecutive"] >= self.hparams.max_consecutive_faults:
@@ -777,16 +879,22 @@ class PPORLHF(LightningModule):
         ]).double())  # fmt: skip
         n, reward, reward_trained, kl_total, kl_tokens, n_tokens, entropy, n_eos = sums.tolist()
         kl_mean = kl_total / n
+        kl_to_initial = kl_mean  # the same estimate against pi_0, which is the reference unless it moves
+        if rollout.initial_logprobs is not None:
+            kl_to_initial = float(self._global_sum(self.kl_per_token(rollout, to_initial=True).sum().double().to(self.device))) / n
         return {
             "objective/reward": reward / n,
             "objective/reward_trained": reward_trained / n,
             "objective/kl": kl_mean,
             "objective/kl_per_token": kl_tokens / n_tokens,
             "objective/kl_max": float(self._global_max(kl_seq.max().double())),
+            "objective/kl_to_initial": kl_to_initial,
+            "reference/updates": float(self.reference_updates),
             "objective/non_score_reward": -beta * kl_mean,
             "objective/net": reward / n - beta * kl_mean,
             "objective/entropy": entropy / n_tokens,
             "objective/beta": beta,
+            **({"objective/kl_target": float(self.beta_controller.target)} if hasattr(self.beta_controller, "target") else {}),
             "response/length": n_tokens / n,
             "response/eos_fraction": n_eos / n,
             "response/count": n,
@@ -809,7 +917,7 @@ class PPORLHF(LightningModule):
         for i in range(min(self.hparams.num_logged_samples, len(rollout.prompts))):
             cells = [_md(rollout.prompts[i]), _md(rollout.responses[i]), f"{raw_scores[i]:.3f}", f"{kl[i].sum():.3f}"]
             rows.append("| " + " | ".join(cells) + " |")
-        self.logger.experiment.add_text("samples", "\n".join(rows), global_step=self.iteration)
+        self.logger.experiment.add_text("samples", "\n".join(rows), global_step=self.step)
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, prompts: list[str], batch_idx: int) -> None:
@@ -841,10 +949,13 @@ class PPORLHF(LightningModule):
             "rng": _rng_states(),
             "generation_seed_base": self.generation_seed_base,
             "faults": dict(self.faults),
+            "reference_updates": self.reference_updates,
         }
-        # The frozen reference is rebuilt from the config; do not store a second copy of the weights.
-        # A sharded checkpoint keeps its shards: the strategy loads every submodule from it directly.
-        for key in [k for k in checkpoint["state_dict"] if k.startswith("ref_model.") and not self._sharded]:
+        # The starting policy (and the reference until it first moves) is rebuilt from the config;
+        # do not store a second copy of those weights. A LoRA reference adapter is part of the policy.
+        # A sharded checkpoint keeps them: the strategy loads every submodule from it directly.
+        rebuilt = () if self._sharded else ("initial_model.",) if self.reference_updates else ("initial_model.", "ref_model.")
+        for key in [k for k in checkpoint["state_dict"] if k.startswith(rebuilt)]:
             del checkpoint["state_dict"][key]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -853,14 +964,16 @@ class PPORLHF(LightningModule):
         self.iteration = state["iteration"]
         self.generation_seed_base = state["generation_seed_base"]
         self.faults = dict(state["faults"])
+        self.reference_updates = state.get("reference_updates", 0)
         self.beta_controller.load_state_dict(state["beta_controller"])
         if self.entropy_controller is not None:
             self.entropy_controller.load_state_dict(state["entropy_controller"])
         self.reward_model.load_state_dict(state["reward_model"])
         # Applied at the next training batch: loading and loader setup in between draw random numbers.
         self._rng_to_restore = state.get("rng")
-        if self.ref_model is not None and "state_dict" in checkpoint:  # FSDP2: loaded by the strategy
-            checkpoint["state_dict"].update({f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()})
+        for prefix, model in (("ref_model.", self.ref_model), ("initial_model.", self.initial_model)):
+            for key, value in ({} if model is None or "state_dict" not in checkpoint else model.state_dict()).items():
+                checkpoint["state_dict"].setdefault(prefix + key, value)  # a moved reference comes from the checkpoint
 
 
     def _check_compatible(self, saved: dict) -> None:
@@ -872,6 +985,21 @@ class PPORLHF(LightningModule):
                   if f in saved and saved.get(f) != self.hparams.get(f)]  # fmt: skip
         if differ:
             raise ValueError("checkpoint is incompatible with this config; " + "; ".join(differ))
+
+
+def _depends_on_sampled_token(estimator: KLEstimator) -> bool:
+    """Whether an estimator's value at a position changes with the token sampled there, probed with
+    two different tokens under the same logits; false for ``full``, which sums over the vocabulary.
+    Estimators that read only log-probs of the sampled token are not probed (true)."""
+    if not estimator.needs_logits:
+        return True
+    generator = torch.Generator().manual_seed(0)
+    logits, ref_logits = torch.randn(2, 1, 3, 5, generator=generator, dtype=torch.float64)
+    logps, ref_logps = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+    first, second = (
+        estimator(logps[..., token], ref_logps[..., token], logits, ref_logits) for token in ([0, 1, 2], [3, 4, 0])
+    )  # fmt: skip
+    return not torch.allclose(first, second)
 
 
 def _gradient_follows_value(estimator: KLEstimator) -> bool:
@@ -887,6 +1015,13 @@ def _gradient_follows_value(estimator: KLEstimator) -> bool:
     with torch.no_grad():
         derivative = (estimator(x + h, ref) - estimator(x - h, ref)) / (2 * h)
     return torch.allclose(grad, derivative, atol=1e-5)
+
+
+def _adapter_pairs(policy: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """A LoRA policy's reference-adapter parameters and the trained adapter's, in matching order."""
+    params = dict(policy.named_parameters())
+    names = [name for name in params if f".{REFERENCE_ADAPTER}." in name]
+    return [params[n] for n in names], [params[n.replace(f".{REFERENCE_ADAPTER}.", ".default.")] for n in names]
 
 
 def _position_ids(attention_mask: Tensor) -> Tensor:

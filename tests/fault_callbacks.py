@@ -41,3 +41,19 @@ class RecordGroups(Callback):
         runs = 1 + sum(a != b for a, b in zip(prompts, prompts[1:]))
         with open(self.path, "a") as f:
             f.write(f"{trainer.global_rank} {pl_module.iteration} {len(prompts)} {runs}\n")
+
+
+class RecordReference(Callback):
+    """Append ``rank iteration sha1`` after every iteration: a hash of the reference's parameters'
+    bytes (bit-identical on every rank, or the hashes differ)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import hashlib
+
+        reference, _ = pl_module._reference_parameters()
+        digest = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes() for p in reference)).hexdigest()
+        with open(self.path, "a") as f:
+            f.write(f"{trainer.global_rank} {pl_module.iteration} {digest}\n")

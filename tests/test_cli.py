@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -10,17 +11,17 @@ from importlib.metadata import EntryPoint
 
 import pytest
 import yaml
-from helpers import CONFIGS
+from helpers import CONFIGS, REPO
 
 from rlhf_lightning import registry as registry_module
 from rlhf_lightning.cli import build_cli, main
 from rlhf_lightning.interfaces import BetaController, KLEstimator, RewardModel
-from rlhf_lightning.registry import UnknownPluginError, registry
+from rlhf_lightning.registry import REGISTRIES, UnknownPluginError, registry
 
 TINY = str(CONFIGS / "tiny.yaml")
 PLUGIN_FIELDS = {
     "kl_estimator": "kl_estimator", "beta_controller": "beta_controller", "reward_model": "reward_model",
-    "advantage_estimator": "advantage_estimator",
+    "advantage_estimator": "advantage_estimator", "reference_update": "reference_update",
 }  # fmt: skip
 
 
@@ -106,11 +107,11 @@ def test_impossible_controller_values_are_refused(value, field):
 
 
 def test_plugins_command_lists_every_plugin_by_kind(capsys):
-    main(["plugins"])
-    out = capsys.readouterr().out
-    for kind in ("kl_estimator", "beta_controller", "reward_model"):
-        for name in registry(kind).names():
-            assert name in out
+    main(["plugins"])  # captured: not a terminal, so one tab-separated line per plugin
+    lines = {tuple(line.split("\t")[:3]) for line in capsys.readouterr().out.splitlines()}
+    for kind, reg in REGISTRIES.items():
+        for entry in reg.entries():
+            assert (kind, entry.name, ", ".join(entry.aliases)) in lines, (kind, entry.name)
 
 
 @pytest.fixture
@@ -147,24 +148,84 @@ def test_third_party_plugin_is_selected_from_yaml(external_plugin, tmp_path):
 
 
 def test_console_script_runs_the_tiny_config(tmp_path):
-    """The installed command, as a user runs it: two iterations, metrics in TensorBoard, a checkpoint."""
+    """The installed command, as a user runs it: two iterations, metrics in TensorBoard under a folder
+    named after the config, the Custom Scalars page with the KL target, no placeholder hp_metric, a
+    checkpoint, and none of the libraries' start-up noise."""
     result = subprocess.run(
         [str(Path(sys.executable).parent / "rlhf-lightning"), "fit", "--config", TINY, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.callbacks=[]",
-         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}"],
+         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}", "--model.beta_controller=adaptive"],
         capture_output=True, text=True, cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (run_dir,) = (tmp_path / "lightning_logs").iterdir()
-    events = EventAccumulator(str(run_dir))
+    (run_dir,) = (tmp_path / "lightning_logs" / "tiny").iterdir()
+    assert run_dir.name == "version_0"
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
     events.Reload()
     assert len(events.Scalars("objective/kl")) == 2
-    assert "samples/text_summary" in events.Tags()["tensors"]
+    assert [e.value for e in events.Scalars("objective/kl_target")] == [6.0, 6.0]  # adaptive's default target
+    assert "hp_metric" not in events.Tags()["scalars"]
+    assert "samples/text_summary" in events.Tags()["tensors"] and "custom_scalars__config__" in events.Tags()["tensors"]
     assert list((run_dir / "checkpoints").glob("*.ckpt"))
+    assert "litlogger" not in result.stdout + result.stderr and "FutureWarning" not in result.stderr
 
 
 def test_plugin_bases_are_abstract():
     for base in (KLEstimator, BetaController, RewardModel):
         with pytest.raises(TypeError):
             base()
+
+
+def test_readme_documents_every_plugin_alias_and_argument():
+    """The README's plugin table has a row for every registered plugin (with its aliases), and every
+    argument of the module and the data module is named in it."""
+    import inspect
+    import re
+
+    from rlhf_lightning.data import PromptDataModule
+    from rlhf_lightning.module import PPORLHF
+    from rlhf_lightning.registry import REGISTRIES
+
+    readme = (REPO / "README.md").read_text()
+    rows = {(kind, name): aliases for kind, name, aliases in re.findall(r"^\| (\w+) \| `([^`]+)`( \([^)]*\))? \|", readme, re.M)}
+    for kind, reg in REGISTRIES.items():
+        for entry in reg.entries():
+            assert (kind, entry.name) in rows, f"README plugin table lacks {kind} {entry.name}"
+            for alias in entry.aliases:
+                assert f"`{alias}`" in rows[(kind, entry.name)], f"README lacks alias {alias} of {kind} {entry.name}"
+    for cls, prefix in ((PPORLHF, "model"), (PromptDataModule, "data")):
+        for name in list(inspect.signature(cls.__init__).parameters)[1:]:
+            assert re.search(rf"`{prefix}\.{name}`", readme), f"README does not document {prefix}.{name}"
+
+
+def test_the_readme_plugin_package_installs_and_its_plugin_trains(tmp_path):
+    """The README's my_kl.py and pyproject.toml, as printed: built and installed with pip (into a
+    folder of their own, so the test environment is left as it was), then a short fit selects the
+    plugin by its short name through the entry point."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    module = re.search(r"```python\n(# my_kl\.py\n.*?)```", readme, re.S).group(1)
+    pyproject = re.search(r"```toml\n(# pyproject\.toml of your package.*?)```", readme, re.S).group(1)
+    package = tmp_path / "my-kl-package"
+    package.mkdir()
+    (package / "my_kl.py").write_text(module)
+    (package / "pyproject.toml").write_text(pyproject)
+    site = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site), str(package)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    fit = subprocess.run(
+        [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", TINY, "--model.kl_estimator=clipped_k1",
+         "--trainer.limit_train_batches=1", "--trainer.max_epochs=1", "--trainer.limit_val_batches=0",
+         "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]",
+         f"--trainer.default_root_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-3000:]  # an unknown kl_estimator name would stop it before any model loads
+    (config,) = tmp_path.glob("lightning_logs/tiny/version_0/config.yaml")
+    assert yaml.safe_load(config.read_text())["model"]["kl_estimator"] == "clipped_k1"

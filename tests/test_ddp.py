@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from helpers import REPO
 from test_resume import run_cli
 
@@ -24,7 +25,7 @@ def run(root, devices: int, *extra: str):
         "--trainer.callbacks+=fault_callbacks.RecordBeta", f"--trainer.callbacks.path={root / 'beta.txt'}", *extra,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    scalars = read_scalars(str(root / "lightning_logs" / "version_0"))
+    scalars = read_scalars(str(root / "lightning_logs" / "tiny" / "version_0"))
     return {tag: list(by_step.values()) for tag, by_step in scalars.items()}, (root / "beta.txt").read_text().split("\n")
 
 
@@ -36,9 +37,12 @@ def betas_by_iteration(lines: list[str]) -> dict[int, dict[int, float]]:
     return betas
 
 
-def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path):
-    single, _ = run(tmp_path / "single", devices=1)
-    ddp, beta_lines = run(tmp_path / "ddp", devices=2)
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path, aggregation):
+    """Also with a per-response aggregation: its weights' denominators (responses, each response's
+    length) are global, so the sharded loss is the one-process loss."""
+    single, _ = run(tmp_path / "single", 1, f"--model.loss_aggregation={aggregation}")
+    ddp, beta_lines = run(tmp_path / "ddp", 2, f"--model.loss_aggregation={aggregation}")
     betas = betas_by_iteration(beta_lines)
     assert sorted(betas) == [1, 2, 3, 4]
     assert all(by_rank[0] == by_rank[1] for by_rank in betas.values()), betas  # bit-identical on both ranks
@@ -68,3 +72,23 @@ def test_two_process_ddp_with_a_group_estimator_keeps_groups_on_one_rank_and_sta
     assert all((rows, runs) == ("8", "4") for _, _, rows, runs in groups), groups  # 4 prompts, each in one run of 2
     assert ddp["response/count"] == [16.0] * 4
     assert "value/loss" not in ddp and all(math.isfinite(v) for v in ddp["policy/loss"])
+
+
+def test_two_process_ddp_with_a_moving_reference_holds_the_same_reference_on_every_rank(tmp_path):
+    """An EMA reference moved after every iteration (alpha 0.5): the ranks apply the same update to
+    the same all-reduced weights, so their reference parameters hash the same after every iteration,
+    and the DDP run logs what one process with the same global batch logs."""
+    moving = ("--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")
+    single, _ = run(tmp_path / "single", 1, *moving)
+    root = tmp_path / "ddp"
+    ddp, _ = run(root, 2, *moving, "--trainer.callbacks+=fault_callbacks.RecordReference", f"--trainer.callbacks.path={root / 'ref.txt'}")
+    hashes: dict[int, set[str]] = {}
+    for line in (root / "ref.txt").read_text().splitlines():
+        _, iteration, digest = line.split()
+        hashes.setdefault(int(iteration), set()).add(digest)
+    assert sorted(hashes) == [1, 2, 3, 4] and all(len(digests) == 1 for digests in hashes.values()), hashes
+    assert ddp["reference/updates"] == [0.0, 1.0, 2.0, 3.0]
+    for name in ("objective/kl", "objective/kl_to_initial", "objective/reward"):
+        for a, b in zip(single[name], ddp[name], strict=True):
+            assert math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-4), (name, single[name], ddp[name])
+    assert ddp["objective/kl_to_initial"][-1] > ddp["objective/kl"][-1] > 0  # the reference trails the policy

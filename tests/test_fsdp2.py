@@ -33,8 +33,14 @@ def run(root, devices: int, *extra: str, check: bool = True):
     return result
 
 
+def log_dir(root, version: int = 0):
+    """``lightning_logs/<config names>/version_N`` (``tiny``, ``tiny+fsdp2``)."""
+    (found,) = (root / "lightning_logs").glob(f"*/version_{version}")
+    return found
+
+
 def scalars(root, version: int = 0) -> dict[str, list[float]]:
-    return {tag: list(by_step.values()) for tag, by_step in read_scalars(str(root / "lightning_logs" / f"version_{version}")).items()}
+    return {tag: list(by_step.values()) for tag, by_step in read_scalars(str(log_dir(root, version))).items()}
 
 
 def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharded_checkpoint(tmp_path):
@@ -63,7 +69,7 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
     # single process trained (up to the float drift above).
     from transformers import AutoModelForCausalLM
 
-    exported = [AutoModelForCausalLM.from_pretrained(root / "lightning_logs" / "version_0" / "policy")
+    exported = [AutoModelForCausalLM.from_pretrained(log_dir(root) / "policy")
                 for root in (tmp_path / "single", tmp_path / "fsdp2")]  # fmt: skip
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
@@ -76,7 +82,7 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
     kill = ("--trainer.callbacks+=fault_callbacks.KillMidIteration", "--trainer.callbacks.iteration=3")
     killed = run(killed_root, 2, *kill, check=False)
     assert killed.returncode == -9, killed.stderr[-3000:]
-    ckpt = killed_root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    ckpt = log_dir(killed_root) / "checkpoints" / "last.ckpt"
     assert ckpt.is_dir() and (ckpt / ".metadata").exists() and len(list(ckpt.glob("*.distcp"))) == 2
     assert torch.load(ckpt / "meta.pt", weights_only=True)["rlhf_lightning"]["iteration"] == 2
     run(killed_root, 2, f"--ckpt_path={ckpt}")
@@ -85,23 +91,27 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
         assert resumed[name] == fsdp[name][2:], (name, resumed[name], fsdp[name])  # exactly
 
 
-def test_two_process_fsdp2_with_lora_and_bf16_mixed(tmp_path):
-    """LoRA under FSDP2 (the adapter sharded with its blocks, the reference the adapter-disabled
-    policy) learns and exports a merged model; bf16-mixed autocast on CPU gives the first
-    iteration's losses of the fp32 run within 2e-2 (the rollouts are identical: greedy from the same
-    weights, and the first iteration's argmax survives bf16 rounding on this model)."""
-    lora = ("--model.lora_rank=4", "--model.lora_alpha=8", "--model.critic=shared", "--trainer.limit_train_batches=2")
+def test_two_process_fsdp2_with_lora_a_moving_reference_and_bf16_mixed(tmp_path):
+    """LoRA under FSDP2 (the adapters sharded with their blocks; the reference a second, frozen
+    adapter moved toward the policy's shard by shard, EMA 0.5) learns and exports a merged model;
+    bf16-mixed autocast on CPU gives the first iteration's losses of the fp32 run within 2e-2 (the
+    rollouts are identical: greedy from the same weights, and the first iteration's argmax
+    survives bf16 rounding on this model)."""
+    lora = ("--model.lora_rank=4", "--model.lora_alpha=8", "--model.critic=shared", "--trainer.limit_train_batches=2",
+            "--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")  # fmt: skip
     run(tmp_path / "fp32", 2, *lora, "--trainer.callbacks+=rlhf_lightning.callbacks.ExportPolicy")
     run(tmp_path / "bf16", 2, *lora, "--trainer.precision=bf16-mixed")
     fp32, bf16 = scalars(tmp_path / "fp32"), scalars(tmp_path / "bf16")
-    assert fp32["objective/kl"][-1] > 0  # the adapter moved the policy away from the adapter-disabled reference
+    assert fp32["reference/updates"] == [0.0, 1.0]
+    # The reference moved half way toward the policy after iteration 1: it trails, pi_0 trails more.
+    assert fp32["objective/kl_to_initial"][-1] > fp32["objective/kl"][-1] > 0
     assert fp32["objective/reward"][0] == bf16["objective/reward"][0]
     for name in ("policy/loss", "value/loss"):
         print(f"bf16-mixed vs fp32, first iteration {name}: {bf16[name][0]:.6f} vs {fp32[name][0]:.6f}")
         assert math.isclose(fp32[name][0], bf16[name][0], rel_tol=2e-2, abs_tol=2e-3), (name, fp32[name], bf16[name])
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32" / "lightning_logs" / "version_0" / "policy")
+    loaded = AutoModelForCausalLM.from_pretrained(log_dir(tmp_path / "fp32") / "policy")
     assert not any("lora" in name for name, _ in loaded.named_parameters())
 
 

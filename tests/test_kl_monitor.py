@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.kl_monitor import KLGuard, TokenKLView
 
 
@@ -24,10 +25,12 @@ def one_thread():
 
 
 class FakeModule:
-    """What KLGuard reads from a PPORLHF in warn mode: the iteration counter and log_dict."""
+    """What KLGuard reads from a PPORLHF in warn mode: the iteration counter, its step and log_dict."""
 
     def __init__(self):
         self.iteration, self.logged = 0, []
+
+    step = PPORLHF.step
 
     def log_dict(self, metrics, **kwargs):
         self.logged.append(metrics)
@@ -60,8 +63,8 @@ def test_spikes_over_the_ema_level_warn_once_per_iteration():
     kl_max[4] = 4.0
     messages, trainer, module = feed(guard, kl, kl_max)
     assert [m.split(":")[1].strip() for m in messages] == [
-        "KL spike at iteration 5", "KL spike at iteration 6", "KL spike at iteration 9"
-    ]  # fmt: skip
+        "KL spike at iteration 4", "KL spike at iteration 5", "KL spike at iteration 8"
+    ]  # messages name an iteration by its TensorBoard step (0-based): it5, it6, it9 above  # fmt: skip
     assert "objective/kl = 6 > 3 x running level 0.8125" in messages[1] and "objective/kl_max = 12" in messages[1]
     assert guard.counts == {"spikes": 3, "violations": 0, "rollbacks": 0}
     assert module.logged[-1] == {"kl_guard/spikes": 3.0, "kl_guard/violations": 0.0, "kl_guard/rollbacks": 0.0}
@@ -75,7 +78,7 @@ def test_spikes_over_the_median_level():
     kl = [1, 1, 1, 4, 1, 4, 4, 12]
     messages, _, _ = feed(guard, kl, kl)
     assert len(messages) == 2 and guard.counts["spikes"] == 2
-    assert "iteration 4" in messages[0] and "iteration 6" in messages[1]
+    assert "iteration 3" in messages[0] and "iteration 5" in messages[1]  # it4 and it6, by their 0-based step
 
 
 def test_state_dict_round_trip_continues_the_same_levels():
@@ -166,7 +169,7 @@ def test_budget_exceeded_with_stop_ends_the_run_after_that_iteration(tmp_path):
     script_kl(module, {1: 0.1, 2: 0.2, 3: 50.0})
     guard = KLGuard(max_kl=10.0, action="stop", spike_factor=None)
     logger = TensorBoardLogger(str(tmp_path), name="", version="stop")
-    with pytest.warns(UserWarning, match=r"KLGuard: KL budget exceeded at iteration 3: objective/kl = 50 > max_kl = 10; stopping"):
+    with pytest.warns(UserWarning, match=r"KLGuard: KL budget exceeded at iteration 2: objective/kl = 50 > max_kl = 10; stopping"):
         trainer, history = fit(module, tmp_path, iterations=6, batch_size=4, callbacks=[guard], logger=logger, log_every_n_steps=1)
     assert module.iteration == 3 and len(history.rows) == 3
     assert trainer.should_stop and "stopping the run" in guard.stop_reason
@@ -182,7 +185,7 @@ def test_rollback_restores_the_last_good_weights_optimizer_state_and_beta(tmp_pa
     script_kl(module, {3: 50.0})
     guard = KLGuard(max_kl=10.0, action="rollback", spike_factor=None, snapshot_every=1)
     after = AfterGuard()
-    with pytest.warns(UserWarning, match=r"iteration 3: objective/kl = 50 > max_kl = 10; rolled back to the state after iteration 2"):
+    with pytest.warns(UserWarning, match=r"iteration 2: objective/kl = 50 > max_kl = 10; rolled back to the state after iteration 1"):
         _, history = fit(module, tmp_path, iterations=4, batch_size=4, callbacks=[guard, after])
     assert guard.counts == {"spikes": 0, "violations": 1, "rollbacks": 1}
     # Iteration 3 trained and changed everything; the rollback put back exactly the state after iteration 2.
@@ -205,7 +208,7 @@ def test_token_kl_view_writes_an_image_and_a_histogram(tmp_path):
     assert "kl_tokens/responses" in events.Tags()["images"]
     assert "kl_tokens/per_token" in events.Tags()["histograms"]
     images = events.Images("kl_tokens/responses")
-    assert [i.step for i in images] == [1, 3] and images[0].width > 100 and images[0].height > 50
+    assert [i.step for i in images] == [0, 2] and images[0].width > 100 and images[0].height > 50
     # The last histogram is the per-token KL of the last iteration's response tokens.
     hist = events.Histograms("kl_tokens/per_token")[-1].histogram_value
     mask = module.last_rollout.mask.bool()
@@ -217,6 +220,21 @@ def test_rollbacks_that_do_not_help_stop_the_run(tmp_path):
     module = make_module()
     script_kl(module, {2: 50.0, 3: 50.0})
     guard = KLGuard(max_kl=10.0, action="rollback", spike_factor=None, max_consecutive_rollbacks=1)
-    with pytest.warns(UserWarning, match=r"iteration 3: .*1 rollbacks in a row did not help.*stopping the run"):
+    with pytest.warns(UserWarning, match=r"iteration 2: .*1 rollbacks in a row did not help.*stopping the run"):
         fit(module, tmp_path, iterations=5, batch_size=4, callbacks=[guard])
     assert module.iteration == 3 and guard.counts == {"spikes": 0, "violations": 2, "rollbacks": 1}
+
+
+def test_scalars_text_images_and_histograms_share_one_step_axis(tmp_path):
+    """Every record of an iteration is stamped with its 0-based index, the step of its scalars."""
+    module = make_module(log_samples_every_n_steps=1)
+    logger = TensorBoardLogger(str(tmp_path), name="", version="steps")
+    fit(module, tmp_path, iterations=3, batch_size=4, callbacks=[TokenKLView(every_n_iterations=1)], logger=logger,
+        log_every_n_steps=1)  # fmt: skip
+    events = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "histograms": 0, "tensors": 0, "scalars": 0})
+    events.Reload()
+    steps = [0, 1, 2]
+    assert [e.step for e in events.Scalars("objective/kl")] == steps
+    assert [e.step for e in events.Tensors("samples/text_summary")] == steps
+    assert [e.step for e in events.Images("kl_tokens/responses")] == steps
+    assert [e.step for e in events.Histograms("kl_tokens/per_token")] == steps

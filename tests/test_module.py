@@ -342,3 +342,13 @@ def test_kl_loss_is_the_importance_weighted_term_and_the_rollout_kl_stays_unweig
     mask = rollout.mask[first_idx]
     assert first_kl_loss == pytest.approx(float((kl[first_idx] * mask).sum() / mask.sum()), rel=1e-5)
     assert history.rows[-1]["objective/kl"] == pytest.approx(float(kl.sum(-1).mean()), rel=1e-5)
+
+
+def test_only_estimators_that_read_the_sampled_token_take_the_importance_ratio():
+    """The ratio pi_theta(y_t) / pi_old(y_t) corrects the sampling of y_t; full sums over the whole
+    vocabulary at t, so its value does not depend on y_t and it is left unweighted."""
+    from rlhf_lightning.module import _depends_on_sampled_token
+    from rlhf_lightning.registry import registry
+
+    depends = {name: _depends_on_sampled_token(registry("kl_estimator").build(name)) for name in ("k1", "k3", "k3+", "full")}
+    assert depends == {"k1": True, "k3": True, "k3+": True, "full": False}

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from helpers import REPO, make_module
+from test_ppo_math import _policy_batch
 
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.registry import registry
@@ -33,13 +34,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_da
 
 
 def batch():
-    """Ratios r = pi / pi_old chosen directly (log pi_old = -1), as in test_ppo_math's PPO example."""
-    ratios = torch.tensor([[1.5, 0.5, 1.1, 3.0], [0.5, 1.0, 2.0, 1.0]], dtype=torch.float64)
-    advantages = torch.tensor([[1.0, 1.0, -2.0, 5.0], [-1.0, 3.0, -1.0, 0.0]], dtype=torch.float64)
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float64)
-    old_logprobs = torch.full((2, 4), -1.0, dtype=torch.float64)
-    logprobs = (old_logprobs + ratios.log()).requires_grad_(True)
-    return logprobs, old_logprobs, advantages, mask
+    """test_ppo_math's PPO example: ratios r = pi / pi_old chosen directly (log pi_old = -1)."""
+    return _policy_batch()[:4]
 
 
 # ---------------------------------------------------------------------- policy losses by hand

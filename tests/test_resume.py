@@ -14,7 +14,7 @@ from helpers import CONFIGS, REPO
 sys.path.insert(0, str(REPO / "tools"))
 from summarize_run import read_scalars  # noqa: E402
 
-WATCHED = ("objective/reward", "objective/kl", "objective/beta", "objective/kl_max", "policy/loss", "value/loss")
+WATCHED = ("objective/reward", "objective/kl", "objective/beta", "objective/kl_max", "objective/kl_to_initial", "policy/loss", "value/loss")
 
 
 def run_cli(root, *extra: str) -> subprocess.CompletedProcess:
@@ -32,33 +32,42 @@ def run_cli(root, *extra: str) -> subprocess.CompletedProcess:
 
 # Critic-free: 4 prompts x 2 responses per iteration, GRPO's group baseline, no value loss to watch.
 GROUPED = ("--model.advantage_estimator=grpo", "--model.num_generations=2", "--data.batch_size=4")
+# A moving reference: the checkpoint after iteration 2 holds the reference reset at its end (full
+# fine-tuning: the moved copy), and the resumed run goes through the next reset; LoRA: the EMA
+# reference adapter, moved after every iteration.
+RESET = ("--model.reference_update=Reset", "--model.reference_update.init_args.every_n_iterations=2")
+LORA_EMA = ("--model.lora_rank=4", "--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")
 
 
-@pytest.mark.parametrize("extra", [(), GROUPED], ids=["gae", "grpo-n2"])
+@pytest.mark.parametrize("extra", [(), GROUPED, RESET, LORA_EMA], ids=["gae", "grpo-n2", "reset", "lora-ema"])
 def test_sigkill_mid_iteration_then_resume_reproduces_the_uninterrupted_run(tmp_path, extra):
-    watched = WATCHED if not extra else tuple(name for name in WATCHED if name != "value/loss")
+    watched = WATCHED if extra != GROUPED else tuple(name for name in WATCHED if name != "value/loss")
     straight = run_cli(tmp_path / "straight", *extra)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     killed_root = tmp_path / "killed"
     killed = run_cli(killed_root, *extra, "--trainer.callbacks+=fault_callbacks.KillMidIteration", "--trainer.callbacks.iteration=3")
     assert killed.returncode == -9, killed.stderr[-3000:]
-    (ckpt_dir,) = (killed_root / "lightning_logs").glob("version_0/checkpoints")
+    (ckpt_dir,) = (killed_root / "lightning_logs" / "tiny").glob("version_0/checkpoints")
     assert (ckpt_dir / "last.ckpt").exists()
     last = torch.load(ckpt_dir / "last.ckpt", weights_only=True)
     assert last["rlhf_lightning"]["iteration"] == 2  # saved after iteration 2, killed during iteration 4
+    assert last["rlhf_lightning"]["reference_updates"] == {RESET: 1, LORA_EMA: 2}.get(extra, 0)
 
     resumed = run_cli(killed_root, *extra, f"--ckpt_path={ckpt_dir / 'last.ckpt'}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "dataloader is not resumable" not in resumed.stderr
 
-    logs = killed_root / "lightning_logs"
-    reference = read_scalars(str(tmp_path / "straight" / "lightning_logs" / "version_0"))
+    logs = killed_root / "lightning_logs" / "tiny"
+    reference = read_scalars(str(tmp_path / "straight" / "lightning_logs" / "tiny" / "version_0"))
     after = read_scalars(str(logs / "version_1"))
     # Both folders read as one run: version_1's steps replace the ones version_0 logged before the kill.
     combined = read_scalars([str(logs / "version_0"), str(logs / "version_1")])
-    if extra:
+    if extra == GROUPED:
         assert "value/loss" not in reference and set(reference["response/count"].values()) == {8.0}
+    if extra == RESET:  # exactly 0 on the rollouts right after the resets (steps count iterations from 0)
+        assert reference["objective/kl"][2] == reference["objective/kl"][4] == 0.0
+        assert reference["objective/kl_to_initial"][4] > 0
     for name in watched:
         assert list(reference[name]) == list(range(6))  # the logged step is the iteration
         assert list(after[name]) == [2, 3, 4, 5], name  # iterations 3..6 (1-based) ran again after the resume

@@ -31,7 +31,7 @@ def test_sweep_beta_fast_writes_csv_and_plot_and_larger_beta_keeps_kl_lower(tmp_
     png = tmp_path / "sweep_beta.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     for beta in sweep_beta.FAST_BETAS:  # TensorBoard logs live under --out, one folder per beta
-        assert list((tmp_path / f"beta_{beta:g}" / "lightning_logs").glob("version_*/events.out.tfevents.*"))
+        assert list((tmp_path / f"beta_{beta:g}" / "lightning_logs").glob("tiny/version_*/events.out.tfevents.*"))
 
     unpenalised, penalised = rows[0], rows[-1]
     # The trade-off, not just "it ran": the largest beta ends well below half of beta = 0's KL,

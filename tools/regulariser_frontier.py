@@ -61,9 +61,10 @@ def runs(args: argparse.Namespace) -> list[tuple[str, float, dict]]:
     return out
 
 
-def exact_frontier(betas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(KL, reward) of pi*_beta on the task, for each beta; KL increasing."""
-    module = ExactPPORLHF(TASKS["terminal"], seed=0)  # pi_ref as train() builds it for seed 0
+def exact_frontier(seed: int, betas: np.ndarray = np.geomspace(0.05, 50, 200)) -> tuple[np.ndarray, np.ndarray]:
+    """(KL, reward) of pi*_beta for each beta, KL increasing, against the reference that train()
+    builds for ``seed`` (each seed initialises its own tiny model, hence its own pi_ref)."""
+    module = ExactPPORLHF(TASKS["terminal"], seed=seed)
     module.configure_model()
     ref, rewards = module.exact_ref_logprobs(), TASKS["terminal"].rewards()
     points = [(kl_divergence(opt, ref), expected_reward(opt, rewards)) for opt in (optimal_logprobs(ref, rewards, b) for b in betas)]
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
 
     # Points only exist once every run's policy has an exact reward and KL: the tracker's rows.
+    frontiers = {seed: exact_frontier(seed) for seed in args.seeds}
     trajectories, finals = [], []
     for family, setting, kwargs in runs(args):
         start = time.perf_counter()
@@ -97,23 +99,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for seed in args.seeds:
             _, tracker = train(TASKS["terminal"], args.iterations, every=args.every, seed=seed, kl_estimator="k1", **PPO, **kwargs)
             trajectories += [(family, setting, seed, row["iteration"], row["reward"], row["kl_to_ref"]) for row in tracker.rows]
-            ends.append(tracker.last)
-        finals.append({"family": family, "setting": setting, "reward": statistics.mean(e["reward"] for e in ends),
-                       "kl": statistics.mean(e["kl_to_ref"] for e in ends)})  # fmt: skip
+            end = tracker.last
+            ends.append((end["reward"], end["kl_to_ref"], float(np.interp(end["kl_to_ref"], *frontiers[seed])) - end["reward"]))
+        reward, kl, gap = (statistics.mean(values) for values in zip(*ends))
+        finals.append({"family": family, "setting": setting, "reward": reward, "kl": kl, "frontier_gap": gap})
         print(f"{family} {setting:g}: reward {finals[-1]['reward']:.3f}, KL {finals[-1]['kl']:.3f} "
               f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
 
-    frontier_kl, frontier_reward = exact_frontier(np.geomspace(0.05, 50, 200))
-    for row in finals:
-        row["frontier_gap"] = float(np.interp(row["kl"], frontier_kl, frontier_reward)) - row["reward"]
     with open(out / "frontier.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["family", "setting", "seed", "iteration", "reward", "kl"])
         writer.writerows(trajectories)
-    plot(trajectories, finals, frontier_kl, frontier_reward, out / "frontier.png")
+    plot(trajectories, finals, *frontiers[args.seeds[0]], out / "frontier.png")
     print(f"\nterminal task, {args.iterations} iterations, seeds {args.seeds}; exact expected reward (max 3) and "
-          "KL(pi || pi_ref) of the final policy, mean over seeds; frontier_gap = the exact frontier's reward at that KL "
-          "minus the run's\n")  # fmt: skip
+          "KL(pi || pi_ref) of the final policy; frontier_gap = the exact frontier's reward at that KL minus the run's "
+          "(each against its seed's own pi_ref); means over seeds\n")  # fmt: skip
     print("| family | setting | reward | KL | frontier_gap |\n|---|---:|---:|---:|---:|")
     for row in finals:
         print(f"| {row['family']} | {row['setting']:g} | {row['reward']:.3f} | {row['kl']:.3f} | {row['frontier_gap']:+.3f} |")
@@ -134,7 +134,7 @@ def plot(trajectories, finals, frontier_kl, frontier_reward, path: Path) -> None
         ax.scatter([], [], color=color, label=family)
     ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
     ax.set_ylabel("exact expected reward")
-    ax.set_title("Regularisers on the enumerable task: final points (dots) and training paths (lines)")
+    ax.set_title("Final points (mean over seeds) and the first seed's paths\nagainst its exact frontier", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

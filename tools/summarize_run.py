@@ -1,8 +1,8 @@
 """Print the main metrics of a finished run, iteration by iteration, from its TensorBoard events.
 
-    python tools/summarize_run.py lightning_logs/version_0 [--every 5]
-    python tools/summarize_run.py lightning_logs/version_0 --blocks 5   # means over blocks of 5 iterations
-    python tools/summarize_run.py lightning_logs/version_0 lightning_logs/version_1   # a run and its resumption
+    python tools/summarize_run.py lightning_logs/quickstart/version_0 [--every 5]
+    python tools/summarize_run.py lightning_logs/quickstart/version_0 --blocks 5   # means over blocks of 5 iterations
+    python tools/summarize_run.py lightning_logs/tiny/version_0 lightning_logs/tiny/version_1   # a run and its resumption
 
 Iterations are numbered by the logged step (a resumed run goes on from where it stopped); with
 several log folders, a step logged in a later folder replaces the same step of an earlier one.
@@ -14,7 +14,8 @@ import argparse
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-COLUMNS = ("objective/reward", "objective/gold_reward", "objective/kl", "objective/beta", "objective/net", "objective/entropy", "response/length")
+COLUMNS = ("objective/reward", "objective/gold_reward", "objective/kl", "objective/kl_to_initial", "objective/beta", "objective/net",
+           "objective/entropy", "response/length")  # fmt: skip
 
 
 def read_scalars(log_dirs: str | list[str]) -> dict[str, dict[int, float]]:
@@ -35,7 +36,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, help="print the mean of each block of n iterations instead")
     args = parser.parse_args()
     scalars = read_scalars(args.log_dirs)
-    columns = [c for c in COLUMNS if c in scalars]
+    # kl_to_initial only where the reference moved (with a frozen one it is objective/kl)
+    columns = [c for c in COLUMNS if c in scalars and not (c == "objective/kl_to_initial" and scalars[c] == scalars["objective/kl"])]
     steps = list(scalars[columns[0]])
     if args.blocks:
         print("iters    " + "  ".join(f"{c.split('/')[-1]:>11}" for c in columns))
