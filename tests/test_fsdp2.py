@@ -54,15 +54,17 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
     assert len(set(fsdp["objective/beta"])) > 1
     assert fsdp["objective/kl"][-1] > 1 and fsdp["objective/reward"][-1] > 2 * fsdp["objective/reward"][0]  # it learns
     # Every statistic is global and the loss is the global token mean, as under DDP: the runs differ
-    # by float summation order only (reduce-scatter of gradient shards, gathered weights).
+    # by float summation order only (reduce-scatter of gradient shards, gathered weights): measured
+    # worst relative difference 2.7e-6 over these metrics and iterations.
     worst = max(abs(a - b) / max(abs(a), 1e-4) for name in COMPARED for a, b in zip(single[name], fsdp[name]))
     print(f"worst relative difference, one process vs FSDP2: {worst:.2e}")
     for name in COMPARED:
         for a, b in zip(single[name], fsdp[name], strict=True):
-            assert math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-4), (name, single[name], fsdp[name])
+            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (name, single[name], fsdp[name])
 
     # Policy, critic trunk and reference are sharded in halves (dim 0 padded to even: a few elements more).
     (whole,), (local,) = single["memory/param_numel_local"], fsdp["memory/param_numel_local"]
+    print(f"memory/param_numel_local: {whole:.0f} in one process, {local:.0f} on rank 0 of two")
     assert 0.5 <= local / whole < 0.505, (local, whole)
 
     # The export gathered the full weights: transformers loads them, and they are the weights the
