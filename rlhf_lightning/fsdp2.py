@@ -107,24 +107,35 @@ def fsdp_roots(model: nn.Module) -> list[nn.Module]:
     return roots
 
 
-def shard(model: nn.Module, mesh, mp_policy=None) -> nn.Module:
+def shard(model: nn.Module, mesh, frozen: bool = False) -> nn.Module:
     """``fully_shard`` each transformer block of ``model`` (the classes its Hugging Face config
     declares unsplittable, ``_no_split_modules``: ``LlamaDecoderLayer``, ...), then the root
     (embeddings, final norm, LM or value head). A LoRA adapter's matrices sit inside the blocks'
     linears and are sharded with them; a model without blocks (a value head alone) is one
-    unit. The root keeps its parameters gathered after a forward
-    (FSDP2's default for the root: backward needs them at once)."""
+    unit. The root keeps its parameters gathered after a forward (FSDP2's default for the root:
+    backward needs them at once), except in a ``frozen`` model, which never runs backward: there
+    every unit frees its gathered weights after its forward."""
     from torch.distributed.fsdp import fully_shard
 
     block_names = set()
     for module in model.modules():
         block_names.update(getattr(module, "_no_split_modules", None) or ())
-    kwargs = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
     for module in model.modules():
         if type(module).__name__ in block_names:
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True if frozen else None)
     return model
+
+
+def reshard(*models: Optional[nn.Module]) -> None:
+    """Free every gathered weight of ``models``, so their parameters are the local shards again
+    (a root keeps its weights gathered after a forward without a backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in filter(None, models):
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 @contextlib.contextmanager

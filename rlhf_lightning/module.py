@@ -367,7 +367,7 @@ class PPORLHF(LightningModule):
         fsdp2.shard(self.policy.get_base_model() if self.hparams.lora_rank else self.policy, mesh)
         for model in (self.critic, self.ref_model, self.initial_model):
             if model is not None:
-                fsdp2.shard(model, mesh)
+                fsdp2.shard(model, mesh, frozen=model is not self.critic)
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -806,6 +806,8 @@ class PPORLHF(LightningModule):
         alpha = self.reference_update.weight(self.iteration)
         if not alpha:
             return
+        if self._sharded:  # each rank moves its own shards (not a root's copy still gathered from a forward)
+            fsdp2.reshard(self.policy, self.ref_model)
         move_toward(*self._reference_parameters(), alpha)
         self.reference_updates += 1
         if self.reference_update.reset_optimizer:

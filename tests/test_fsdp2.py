@@ -117,6 +117,21 @@ def test_two_process_fsdp2_with_lora_a_moving_reference_and_bf16_mixed(tmp_path)
     assert not any("lora" in name for name, _ in loaded.named_parameters())
 
 
+def test_two_process_fsdp2_moves_a_sharded_reference_as_one_process_moves_the_whole(tmp_path):
+    """Full fine-tuning with an EMA reference (alpha 0.5): the sharded reference moves shard by
+    shard toward the policy's shards, the sharded starting policy gives objective/kl_to_initial,
+    and the run logs what one process logs."""
+    moving = ("--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")
+    run(tmp_path / "single", 1, *moving)
+    run(tmp_path / "fsdp2", 2, *moving)
+    single, fsdp = scalars(tmp_path / "single"), scalars(tmp_path / "fsdp2")
+    assert fsdp["reference/updates"] == [0.0, 1.0, 2.0, 3.0]
+    for name in ("objective/kl", "objective/kl_to_initial", "objective/reward", "value/loss"):
+        for a, b in zip(single[name], fsdp[name], strict=True):
+            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (name, single[name], fsdp[name])
+    assert fsdp["objective/kl_to_initial"][-1] > fsdp["objective/kl"][-1] > 0  # the reference trails the policy
+
+
 @pytest.mark.parametrize("numel", [7, 8])
 def test_local_numel_counts_shards(numel):
     from rlhf_lightning.fsdp2 import local_numel
