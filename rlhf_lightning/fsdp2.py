@@ -52,8 +52,9 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """A checkpoint folder written whole or not at all: the shards go to ``<name>.partial``,
-        which replaces the folder once every rank has written (a kill in between leaves the
-        previous checkpoint, as Lightning's single-file saves do)."""
+        which replaces the folder once every rank has written: a kill during the writes leaves the
+        previous checkpoint, as Lightning's single-file saves do (a kill in the instant between
+        the two renames leaves it as ``<name>.previous``)."""
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(filepath))
