@@ -6,8 +6,12 @@ import copy
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from lightning import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
+
+from rlhf_lightning.fsdp2 import full_state_dict, is_sharded
 
 
 class ExportPolicy(Callback):
@@ -22,18 +26,32 @@ class ExportPolicy(Callback):
         self.dirpath = dirpath
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if trainer.global_rank != 0:
-            return
         target = Path(self.dirpath or Path(trainer.log_dir or trainer.default_root_dir) / "policy")
-        export_policy(pl_module, target)
-        print(f"exported the trained policy to {target}")
+        if export_policy(pl_module, target) is not None:
+            print(f"exported the trained policy to {target}")
 
 
-def export_policy(module, target: Path) -> Path:
-    """Save ``module.policy`` (merging a LoRA adapter into a copy) and its tokenizer to ``target``."""
+def export_policy(module, target: Path) -> Optional[Path]:
+    """Save ``module.policy`` (merging a LoRA adapter into a copy) and its tokenizer to ``target``
+    from global rank 0; returns None on the other ranks. Call it on every rank: a sharded (FSDP2)
+    policy is first gathered into full weights on CPU, which are loaded into an unsharded copy
+    built from the config."""
     policy = module.policy
+    if is_sharded(policy):
+        state = full_state_dict(policy)  # a collective: every rank takes part
+        if module.global_rank != 0:
+            return None
+        with torch.random.fork_rng():  # building draws random initial weights that are then replaced
+            policy = module._load_policy()
+            if module.hparams.lora_rank:
+                policy = module._add_lora(policy)
+        policy.load_state_dict(state)
+    elif module.global_rank != 0:
+        return None
+    elif hasattr(policy, "merge_and_unload"):
+        policy = copy.deepcopy(policy)
     if hasattr(policy, "merge_and_unload"):
-        policy = copy.deepcopy(policy).merge_and_unload()
+        policy = policy.merge_and_unload()
     policy.save_pretrained(target)
     module.tokenizer.save_pretrained(target)
     return target

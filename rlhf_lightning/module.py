@@ -36,10 +36,12 @@ from typing import Literal, Optional, Union
 import torch
 from lightning import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from rlhf_lightning import fsdp2
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.interfaces import (
     AdvantageEstimator, BetaController, ConfigError, KLEstimator, LossAggregation, PolicyLoss, ReferenceUpdate, RewardModel,
@@ -317,54 +319,90 @@ class PPORLHF(LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        from transformers import GenerationConfig
-
         hp = self.hparams
-        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config).train()
-        # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling.
-        policy.generation_config = GenerationConfig(
-            do_sample=hp.do_sample, max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens,
-            temperature=hp.temperature, top_k=0, top_p=1.0,
-            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
-        )  # fmt: skip
+        policy = self._load_policy()
         self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared")
         if hp.lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
-
-            config = LoraConfig(
-                r=hp.lora_rank, lora_alpha=hp.lora_alpha, lora_dropout=0.0,
-                target_modules=hp.lora_target_modules or "all-linear", task_type="CAUSAL_LM",
-            )  # fmt: skip
-            self.policy = get_peft_model(policy, config)
-            if self.reference_update.moves:  # a frozen copy of the (no-op) initial adapter
-                with torch.random.fork_rng(devices=[]):  # its random init is overwritten: draw nothing from the run's RNG
-                    self.policy.add_adapter(REFERENCE_ADAPTER, config)
-                self.policy.set_requires_grad(REFERENCE_ADAPTER, False)
-                move_toward(*self._reference_parameters(), 1.0)
-            dtype = next(policy.parameters()).dtype
-            require(not hp.merge_lora_for_generation or dtype == torch.float32, "model.merge_lora_for_generation",
-                   "false when the base weights are not float32 (merging would round them)", f"true with {dtype} weights")  # fmt: skip
+            self.policy = self._add_lora(policy)
         else:
             self.policy = policy
             self.ref_model = frozen_copy(policy)
             self.initial_model = frozen_copy(policy) if self.reference_update.moves else None
+        if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
+            self._shard_models()
+
+    def _load_policy(self) -> nn.Module:
+        """The policy network as configured, without LoRA and unsharded."""
+        from transformers import GenerationConfig
+
+        hp = self.hparams
+        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config).train()
+        # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling
+        # (greedy: no sampling flags, which save_pretrained refuses without do_sample).
+        sampling = dict(temperature=hp.temperature, top_k=0, top_p=1.0) if hp.do_sample else {}
+        policy.generation_config = GenerationConfig(
+            do_sample=hp.do_sample, max_new_tokens=hp.max_new_tokens, min_new_tokens=hp.min_new_tokens, **sampling,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
+        )  # fmt: skip
+        return policy
+
+    def _add_lora(self, policy: nn.Module) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        hp = self.hparams
+        config = LoraConfig(
+            r=hp.lora_rank, lora_alpha=hp.lora_alpha, lora_dropout=0.0,
+            target_modules=hp.lora_target_modules or "all-linear", task_type="CAUSAL_LM",
+        )  # fmt: skip
+        dtype = next(policy.parameters()).dtype
+        require(not hp.merge_lora_for_generation or dtype == torch.float32, "model.merge_lora_for_generation",
+               "false when the base weights are not float32 (merging would round them)", f"true with {dtype} weights")  # fmt: skip
+        policy = get_peft_model(policy, config)
+        if self.reference_update.moves:  # a frozen copy of the (no-op) initial adapter
+            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: draw nothing from the run's RNG
+                policy.add_adapter(REFERENCE_ADAPTER, config)
+            policy.set_requires_grad(REFERENCE_ADAPTER, False)
+            move_toward(*_adapter_pairs(policy), 1.0)
+        return policy
+
+    def _shard_models(self) -> None:
+        """FSDP2: shard the policy (with its LoRA adapters), the critic and the reference (and a
+        moving reference's starting policy) per transformer block over the data-parallel mesh.
+        The reference is sharded like the policy (it is as large, and it runs one no-grad forward
+        per iteration: one gather per block); with LoRA it is the policy itself with the adapter
+        disabled (or its frozen reference adapter, sharded with its blocks). A moving reference
+        moves shard by shard: each rank updates its own shards toward the policy's. Every trainable parameter
+        must be under ``fully_shard``: ModelParallelStrategy has no DDP to average the rest."""
+        mesh = self.device_mesh
+        require(mesh["tensor_parallel"].size() == 1, "trainer.strategy",
+                "data-parallel sharding (tensor_parallel_size 1, e.g. rlhf_lightning.fsdp2.FSDP2Strategy)",
+                f"tensor_parallel_size {mesh['tensor_parallel'].size()}")  # fmt: skip
+        mesh = mesh["data_parallel"]
+        # With LoRA the base model is the FSDP root: generation calls it directly (see _generator).
+        fsdp2.shard(self.policy.get_base_model() if self.hparams.lora_rank else self.policy, mesh)
+        for model in (self.critic, self.ref_model, self.initial_model):
+            if model is not None:
+                fsdp2.shard(model, mesh, frozen=model is not self.critic)
 
     def configure_optimizers(self):
         hp = self.hparams
         policy_params = [p for p in self.policy.parameters() if p.requires_grad]
-        # fused: one kernel per step instead of a dozen per tensor (2-3x faster steps on CPU).
+        # fused: one kernel per step instead of a dozen per tensor (2-3x faster steps on CPU). Not under
+        # 16-mixed/bf16-mixed: Lightning refuses to clip a fused optimizer's gradients there (it could
+        # unscale them itself), so the multi-tensor (foreach) AdamW steps instead.
+        fused = not (self._trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision))
         if self.critic is None:
-            return torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=True)
+            return torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=fused)
         critic_params = list(self.critic.parameters())
         critic_lr = hp.critic_lr or hp.lr
         if hp.optimizers == "shared":
             return torch.optim.AdamW(
                 [{"params": policy_params, "lr": hp.lr}, {"params": critic_params, "lr": critic_lr}],
-                weight_decay=hp.weight_decay, fused=True,
+                weight_decay=hp.weight_decay, fused=fused,
             )
         return [
-            torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=True),
-            torch.optim.AdamW(critic_params, lr=critic_lr, weight_decay=hp.weight_decay, fused=True),
+            torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=fused),
+            torch.optim.AdamW(critic_params, lr=critic_lr, weight_decay=hp.weight_decay, fused=fused),
         ]
 
     def on_fit_start(self) -> None:
@@ -391,6 +429,12 @@ class PPORLHF(LightningModule):
             "entropy (nats per token)": ["objective/entropy"],
         }
         return {"rlhf-lightning": {title: ["Multiline", [f"^{tag}$" for tag in tags]] for title, tags in charts.items()}}
+
+    def on_train_start(self) -> None:
+        # What this rank holds of policy, critic and reference: its shards under FSDP2.
+        self.param_numel_local = fsdp2.local_numel(self.policy, self.critic, self.ref_model, self.initial_model)
+        for logger in self.loggers:
+            logger.log_metrics({"memory/param_numel_local": float(self.param_numel_local)}, step=self.iteration)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         if self._rng_to_restore is not None:
@@ -460,8 +504,10 @@ class PPORLHF(LightningModule):
         with timer("rollout"), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.generation_seed_base + 7919 * self.global_rank + 104729 * self.iteration)
             with self._generator() as generator:
+                # synced_gpus=False: with gathered weights generate runs no collective (see _generator),
+                # so each rank may stop at its own EOS.
                 out = generator.generate(**enc, return_dict_in_generate=True, output_logits=from_sampler,
-                                         output_hidden_states=from_sampler and self._shared_critic)  # fmt: skip
+                                         output_hidden_states=from_sampler and self._shared_critic, synced_gpus=False)  # fmt: skip
         sequences = out.sequences  # (batch, prompt_len + new), right-padded with pad
         prompt_len = enc["input_ids"].shape[1]
         response = sequences[:, prompt_len:]
@@ -711,18 +757,20 @@ class PPORLHF(LightningModule):
         LoRA layers (PeftModel.generate measured 4-5x slower on CPU), with the adapter merged into
         the base weights while it samples when ``merge_lora_for_generation`` (no LoRA branch in
         each of the hundreds of decode-step linears; unmerging restores fp32 weights to within
-        one rounding step)."""
-        if not self.hparams.lora_rank:
-            yield self.policy
-            return
-        merge = self.hparams.merge_lora_for_generation
-        if merge:
-            self.policy.merge_adapter()
-        try:
+        one rounding step). FSDP2: the policy's full weights are gathered once for the whole
+        rollout (``fsdp2.gathered``; a merge then writes into the gathered copy only, and the
+        shards stay bit-exact), instead of every block being all-gathered again at each of the
+        ``max_new_tokens`` decode steps by FSDP2's forward hooks."""
+        with contextlib.ExitStack() as stack:
+            if self._sharded:
+                stack.enter_context(fsdp2.gathered(fsdp2.fsdp_roots(self.policy)[0]))
+            if not self.hparams.lora_rank:
+                yield self.policy
+                return
+            if self.hparams.merge_lora_for_generation:
+                self.policy.merge_adapter()
+                stack.callback(self.policy.unmerge_adapter)
             yield self.policy.get_base_model()
-        finally:
-            if merge:
-                self.policy.unmerge_adapter()
 
     @contextlib.contextmanager
     def _reference(self):
@@ -764,6 +812,11 @@ class PPORLHF(LightningModule):
         controller.update(entropy if target is None else target**2 / max(entropy, 1e-6), n_samples=n_samples)
 
     @property
+    def _sharded(self) -> bool:
+        """The models are FSDP2-sharded (ModelParallelStrategy)."""
+        return fsdp2.is_sharded(self.policy)
+
+    @property
     def step(self) -> int:
         """The TensorBoard step of the latest iteration, for every record of it (scalars, text,
         images, warnings): its 0-based index, the step Lightning logs the scalars at. Read it once
@@ -783,9 +836,7 @@ class PPORLHF(LightningModule):
         """The moving reference's parameters and the policy's they move toward, in matching order."""
         if self.ref_model is not None:
             return list(self.ref_model.parameters()), list(self.policy.parameters())
-        params = dict(self.policy.named_parameters())
-        names = [name for name in params if f".{REFERENCE_ADAPTER}." in name]
-        return [params[n] for n in names], [params[n.replace(f".{REFERENCE_ADAPTER}.", ".default.")] for n in names]
+        return _adapter_pairs(self.policy)
 
     def update_reference(self) -> None:
         """After an iteration, ref <- (1 - alpha) ref + alpha policy when the reference update plugin
@@ -793,6 +844,8 @@ class PPORLHF(LightningModule):
         alpha = self.reference_update.weight(self.iteration)
         if not alpha:
             return
+        if self._sharded:  # each rank moves its own shards (not a root's copy still gathered from a forward)
+            fsdp2.reshard(self.policy, self.ref_model)
         move_toward(*self._reference_parameters(), alpha)
         self.reference_updates += 1
         if self.reference_update.reset_optimizer:
@@ -940,7 +993,8 @@ class PPORLHF(LightningModule):
         }
         # The starting policy (and the reference until it first moves) is rebuilt from the config;
         # do not store a second copy of those weights. A LoRA reference adapter is part of the policy.
-        rebuilt = ("initial_model.",) if self.reference_updates else ("initial_model.", "ref_model.")
+        # A sharded checkpoint keeps them: the strategy loads every submodule from it directly.
+        rebuilt = () if self._sharded else ("initial_model.",) if self.reference_updates else ("initial_model.", "ref_model.")
         for key in [k for k in checkpoint["state_dict"] if k.startswith(rebuilt)]:
             del checkpoint["state_dict"][key]
 
@@ -958,7 +1012,7 @@ class PPORLHF(LightningModule):
         # Applied at the next training batch: loading and loader setup in between draw random numbers.
         self._rng_to_restore = state.get("rng")
         for prefix, model in (("ref_model.", self.ref_model), ("initial_model.", self.initial_model)):
-            for key, value in ({} if model is None else model.state_dict()).items():
+            for key, value in ({} if model is None or "state_dict" not in checkpoint else model.state_dict()).items():
                 checkpoint["state_dict"].setdefault(prefix + key, value)  # a moved reference comes from the checkpoint
 
 
@@ -1001,6 +1055,13 @@ def _gradient_follows_value(estimator: KLEstimator) -> bool:
     with torch.no_grad():
         derivative = (estimator(x + h, ref) - estimator(x - h, ref)) / (2 * h)
     return torch.allclose(grad, derivative, atol=1e-5)
+
+
+def _adapter_pairs(policy: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """A LoRA policy's reference-adapter parameters and the trained adapter's, in matching order."""
+    params = dict(policy.named_parameters())
+    names = [name for name in params if f".{REFERENCE_ADAPTER}." in name]
+    return [params[n] for n in names], [params[n.replace(f".{REFERENCE_ADAPTER}.", ".default.")] for n in names]
 
 
 def _position_ids(attention_mask: Tensor) -> Tensor:

@@ -5,6 +5,7 @@
     python tools/bench.py --profile                        # plus torch.profiler's top ops of one iteration
     python tools/bench.py --device cuda --bf16             # GPU, bf16 autocast
     python tools/bench.py --tiny                           # the tiny random model, 2 iterations (the tests)
+    python tools/bench.py --mode full --ppo-epochs 1 --strategy fsdp2 --devices 2 --threads 1   # per rank
 
 The workload is fixed: SmolLM2-135M-Instruct (``--policy``), the first ``--batch-size`` (8)
 built-in prompts every iteration, rendered with the chat template (SmolLM2's adds a system
@@ -48,6 +49,12 @@ full and LoRA runs, iter_s and tokens_per_s those of the slowest of them, lora_v
 peak RSS of the LoRA runs over that of the full runs (nan unless both modes ran); the line reads
 only the ``full`` and ``lora`` runs (the ``grpo`` rows are in the tables), so it means what it did
 before that mode existed, and with ``--mode grpo`` alone it reads the grpo runs.
+
+``--strategy ddp|fsdp2 --devices N`` runs each (mode, epochs) on N processes (gloo on CPU, NCCL
+on GPUs; ``--batch-size`` prompts per rank): one table row per rank, with that rank's peak RSS
+and iteration time. Under ``fsdp2`` the rollout gathers the policy once (the module's way), and
+one more floor is measured: ``generate`` on the sharded policy as FSDP2's hooks run it, every
+block all-gathered again at each decode step (``sharded gen``; full fine-tuning only).
 
 On a CPU shared with other jobs use ``--threads 1``: spinning OpenMP threads on a busy
 2-core machine make a forward pass several times slower and the timings erratic.
@@ -102,6 +109,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (Trainer precision bf16-mixed) for run and floors")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--strategy", choices=("single", "ddp", "fsdp2"), default="single",
+                        help="one process, or --devices processes with DDP or FSDP2 (ModelParallelStrategy)")
+    parser.add_argument("--devices", type=int, default=1, help="processes of --strategy ddp/fsdp2")
+    parser.add_argument("--results-dir", help=argparse.SUPPRESS)  # where ranks > 0 leave their results
     parser.add_argument("--profile", action="store_true", help="profile one extra iteration per run with torch.profiler")
     parser.add_argument("--profile-rows", type=int, default=25, help="ops shown by --profile")
     parser.add_argument("--save", metavar="PATH", help="also write every run's results as JSON (after each run)")
@@ -112,6 +123,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.warmup = 1 if args.warmup is None else args.warmup
     if args.iters < 1 or args.warmup < 0 or min(args.ppo_epochs) < 1 or args.num_minibatches < 1:
         parser.error("--iters, --ppo-epochs and --num-minibatches must be >= 1, --warmup >= 0")
+    if (args.strategy == "single") != (args.devices == 1):
+        parser.error("--strategy ddp/fsdp2 needs --devices >= 2, --devices >= 2 needs --strategy ddp or fsdp2")
     if args.batch_size % args.num_minibatches or args.batch_size % args.num_generations:
         parser.error("--batch-size must be divisible by --num-minibatches and by --num-generations")
     return args
@@ -122,7 +135,7 @@ def worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--ppo-epochs"]
     argv += [str(epochs) for epochs in args.ppo_epochs]
     for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "num_generations", "critic", "old_logprobs",
-                 "lora_rank", "reward", "device", "threads", "profile_rows"):  # fmt: skip
+                 "lora_rank", "reward", "device", "threads", "profile_rows", "strategy", "devices", "results_dir"):  # fmt: skip
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     for flag in ("no_chat_template", "bf16", "profile"):
@@ -314,6 +327,8 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     from lightning import Trainer, seed_everything
     from torch.utils.data import DataLoader
 
+    from rlhf_lightning.fsdp2 import FSDP2Strategy
+
     quiet()
     load_before = os.getloadavg()[0]
     if args.threads:
@@ -331,11 +346,13 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     prompts_per_batch = args.batch_size // module.hparams.num_generations  # the same number of responses in every mode
     prompts = builtin_prompts(prompts_per_batch)
     batches = args.warmup + args.iters + int(args.profile)
-    loader = DataLoader(prompts * batches, batch_size=prompts_per_batch, shuffle=False)
+    # Each rank draws its share of the loader: batches of the same prompts on every rank.
+    loader = DataLoader(prompts * batches * args.devices, batch_size=prompts_per_batch, shuffle=False)
     recorder = iteration_recorder(args)
     with tempfile.TemporaryDirectory(prefix="rlhf_bench_") as root:
         trainer = Trainer(
-            accelerator="gpu" if args.device == "cuda" else "cpu", devices=1, max_epochs=1,
+            accelerator="gpu" if args.device == "cuda" else "cpu", devices=args.devices, max_epochs=1,
+            strategy={"single": "auto", "ddp": "ddp", "fsdp2": FSDP2Strategy()}[args.strategy],
             limit_train_batches=batches, limit_val_batches=0, num_sanity_val_steps=0,
             precision="bf16-mixed" if args.bf16 else "32-true", logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], default_root_dir=root,
@@ -349,6 +366,8 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     enc = module.last_encoding
     return {
         "mode": args.mode, "ppo_epochs": ppo_epochs, "num_minibatches": args.num_minibatches,
+        "strategy": args.strategy, "devices": args.devices, "rank": trainer.global_rank,
+        "param_numel_local": module.param_numel_local,
         "critic": critic, "old_logprobs": args.old_logprobs, "policy": args.policy, "threads": torch.get_num_threads(),
         "batch": int(enc["input_ids"].shape[0]), "prompt_len": int(enc["input_ids"].shape[1]),
         "prompt_len_mean": float(enc["attention_mask"].sum(-1).float().mean()),
@@ -375,9 +394,11 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     """
     import torch
 
+    from rlhf_lightning import fsdp2
     from rlhf_lightning.module import _position_ids
 
     device = module.device
+    sharded = fsdp2.is_sharded(module.policy)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
     lora = module.hparams.lora_rank > 0
     plain = module.policy.get_base_model() if lora else module.policy
@@ -390,14 +411,15 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     positions = _position_ids(attn)
 
     @contextlib.contextmanager
-    def merged():
-        if lora:
-            module.policy.merge_adapter()
-        try:
-            yield
-        finally:
+    def merged():  # FSDP2: on the policy's gathered weights, as the module samples
+        with fsdp2.gathered(plain) if sharded else contextlib.nullcontext():
             if lora:
-                module.policy.unmerge_adapter()
+                module.policy.merge_adapter()
+            try:
+                yield
+            finally:
+                if lora:
+                    module.policy.unmerge_adapter()
 
     def generate():
         with torch.no_grad(), autocast():
@@ -445,6 +467,8 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     with merged():  # merging is not part of the floor
         seconds["generate"], seconds["ref_forward"] = clocked(generate), clocked(reference_forward)
     seconds["fwd_bwd"] = clocked(forward_backward)  # with the adapter unmerged: it trains the adapter
+    if sharded:  # FSDP2's own way: every block all-gathered at each decode step (LoRA: unmerged)
+        seconds["generate_sharded"] = clocked(generate)
     return seconds
 
 
@@ -452,6 +476,9 @@ def worker_main(args: argparse.Namespace) -> None:
     for ppo_epochs in args.ppo_epochs:
         result = run_one(args, ppo_epochs)
         gc.collect()  # the previous run's module and optimizer states go before the next is built
+        if result["rank"]:  # a file, not the shared stdout, where rank 0's lines could cut it in two
+            Path(args.results_dir, f"{args.mode}-{ppo_epochs}-rank{result['rank']}.json").write_text(json.dumps(result))
+            continue
         if result["profile"]:
             print(f"\n== profile: {args.mode}, ppo_epochs={ppo_epochs}: top ops by self CPU time (one iteration)")
             print(result["profile"], flush=True)
@@ -481,8 +508,8 @@ def format_table(results: Sequence[dict]) -> str:
         f"{len(r0['iterations'])} iterations, floors measured after each (medians need not add up)",
         "",
         "| mode | critic | epochs | iter s | rollout | score | (old+V fwd | ref fwd | reward, KL, rest) | advantages | update | other "
-        "| tokens/s | peak RSS MB | load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| tokens/s | peak RSS MB | load | strategy, rank | param numel |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     for r in results:
         p, d = r["phases"], derived(r)
@@ -490,7 +517,7 @@ def format_table(results: Sequence[dict]) -> str:
             f"| {r['mode']} | {r['critic']} | {r['ppo_epochs']} | {r['iter_s']:.3f} | {p['rollout']:.3f} | {d['score']:.3f} "
             f"| {p['score_policy']:.3f} | {p['score_ref']:.3f} | {p['score']:.3f} | {p['advantages']:.4f} "
             f"| {p['update']:.3f} | {p['other']:.4f} | {r['tokens_per_s']:.1f} | {r['peak_rss_mb']:.0f} "
-            f"| {r['load'][0]:.1f} -> {r['load'][1]:.1f} |"
+            f"| {r['load'][0]:.1f} -> {r['load'][1]:.1f} | {rank_label(r)} | {r.get('param_numel_local', 0) / 1e6:.1f}M |"
         )
     lines += [
         "",
@@ -506,9 +533,19 @@ def format_table(results: Sequence[dict]) -> str:
             f"| {r['rollout_vs_generate']:.3f} | {r['iteration_vs_floors']:.3f} "
             f"| {d['beyond_rollout']:+.3f} | {d['beyond_score']:+.3f} | {d['beyond_update']:+.3f} |"
         )
+    sharded = [r for r in results if "generate_sharded" in r["floors"]]
+    if sharded:
+        lines.append("generate on the sharded policy, each block gathered at every decode step (sharded gen) vs gathered "
+                     "once (the generate floor): " + ", ".join(
+                         f"{r['mode']}/{r['ppo_epochs']}/{rank_label(r)}: {r['floors']['generate_sharded']:.3f} s vs "
+                         f"{r['floors']['generate']:.3f} s" for r in sharded))  # fmt: skip
     if any(r["peak_gpu_mb"] for r in results):
         lines.append("peak GPU MB: " + ", ".join(f"{r['mode']}/{r['ppo_epochs']}: {r['peak_gpu_mb']:.0f}" for r in results))
     return "\n".join(lines)
+
+
+def rank_label(r: dict) -> str:
+    return "single" if r.get("devices", 1) == 1 else f"{r['strategy']} x{r['devices']}, rank {r['rank']}"
 
 
 def bench_line(results: Sequence[dict]) -> str:
@@ -554,7 +591,14 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     modes = {"both": ("full", "lora"), "all": ("full", "lora", "grpo")}.get(args.mode, (args.mode,))
     results = []
     for mode in modes:
-        results += run_subprocess(worker_argv(args, mode))
+        if args.devices == 1:
+            results += run_subprocess(worker_argv(args, mode))
+        # Several processes: one worker per run (a second Trainer in a worker would launch its ranks again).
+        for ppo_epochs in args.ppo_epochs if args.devices > 1 else ():
+            with tempfile.TemporaryDirectory(prefix="rlhf_bench_ranks_") as results_dir:
+                one = argparse.Namespace(**{**vars(args), "ppo_epochs": [ppo_epochs], "results_dir": results_dir})
+                results += run_subprocess(worker_argv(one, mode))
+                results += [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
         if args.save:
             Path(args.save).write_text(json.dumps(results, indent=1))
     print(format_table(results))
