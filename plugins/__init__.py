@@ -4,9 +4,15 @@ Importing this package registers every built-in KL estimator, beta controller,
 reward backend, advantage estimator, policy loss, loss aggregation and reference update; each module holds small classes with one idea each.
 """
 
-from rlhf_lightning_plugins import beta_controllers, kl_estimators, reward_models, text_rewards  # noqa: F401
-from rlhf_lightning_plugins import remote_reward  # noqa: F401
-from rlhf_lightning_plugins import control  # noqa: F401
-from rlhf_lightning_plugins import kl_straight_through  # noqa: F401
-from rlhf_lightning_plugins import advantage_estimators, policy_losses  # noqa: F401
-from rlhf_lightning_plugins import reference_updates  # noqa: F401
+from rlhf_lightning_plugins import (  # noqa: F401  # noqa: F401
+    advantage_estimators,
+    beta_controllers,
+    control,  # noqa: F401
+    kl_estimators,
+    kl_straight_through,  # noqa: F401
+    policy_losses,
+    reference_updates,  # noqa: F401
+    remote_reward,  # noqa: F401
+    reward_models,
+    text_rewards,
+)

@@ -21,9 +21,7 @@ class AdaptiveBeta(BetaController):
     error = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + error * n_samples / horizon).
     """
 
-    def __init__(
-        self, init_beta: float = 0.1, target: float = 6.0, horizon: float = 10000, unit: KLUnit = "sequence_sum"
-    ) -> None:
+    def __init__(self, init_beta: float = 0.1, target: float = 6.0, horizon: float = 10000, unit: KLUnit = "sequence_sum") -> None:
         super().__init__(init_beta, unit)
         require(target > 0, "beta_controller.target", "> 0", target)
         require(horizon > 0, "beta_controller.horizon", "> 0", horizon)
@@ -54,7 +52,9 @@ class BandBeta(BetaController):
         require(target > 0, "beta_controller.target", "> 0", target)
         require(factor > 1, "beta_controller.factor", "> 1", factor)
         require(0 <= beta_min <= beta_max, "beta_controller.beta_min and beta_max", "0 <= beta_min <= beta_max", (beta_min, beta_max))
-        require(beta_min <= init_beta <= beta_max, "beta_controller.init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta)
+        require(
+            beta_min <= init_beta <= beta_max, "beta_controller.init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta
+        )
         self.target, self.factor, self.beta_min, self.beta_max = target, factor, beta_min, beta_max
 
     def update(self, observed_kl: float, n_samples: int) -> float:

@@ -60,9 +60,13 @@ class PIDBeta(BetaController):
         require(integral_limit >= 0, "beta_controller.integral_limit", ">= 0", integral_limit)
         require(error_clip > 0, "beta_controller.error_clip", "> 0", error_clip)
         # log(beta) must exist: beta_min > 0, unlike the other controllers.
-        require(finite_number(beta_min) and beta_min > 0, "beta_controller.beta_min", "a finite number > 0 (the PID acts on log beta)", beta_min)
+        require(
+            finite_number(beta_min) and beta_min > 0, "beta_controller.beta_min", "a finite number > 0 (the PID acts on log beta)", beta_min
+        )
         require(finite_number(beta_max) and beta_max >= beta_min, "beta_controller.beta_max", f">= beta_min={beta_min}", beta_max)
-        require(beta_min <= init_beta <= beta_max, "beta_controller.init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta)
+        require(
+            beta_min <= init_beta <= beta_max, "beta_controller.init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta
+        )
         self.target, self.kp, self.ki, self.kd = float(target), float(kp), float(ki), float(kd)
         self.integral_limit, self.error_clip = float(integral_limit), float(error_clip)
         self.beta_min, self.beta_max = float(beta_min), float(beta_max)

@@ -114,9 +114,7 @@ class RemoteReward(RewardModel):
         try:
             answer = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(
-                f"reward_model 'remote': {self.url} did not return JSON ({err}); received {_preview(body)}"
-            ) from None
+            raise ValueError(f"reward_model 'remote': {self.url} did not return JSON ({err}); received {_preview(body)}") from None
         if not isinstance(answer, dict) or self.scores_key not in answer:
             got = f"an object with keys {sorted(answer)}" if isinstance(answer, dict) else f"a JSON {type(answer).__name__}"
             raise ValueError(
@@ -168,8 +166,7 @@ class RemoteReward(RewardModel):
             if err.code >= 500:
                 raise _RetryableError(f"{status}; body: {_preview(body)}", RuntimeError) from None
             raise RuntimeError(
-                f"reward_model 'remote': {self.url} answered {status} (client errors are not retried); "
-                f"body: {_preview(body)}"
+                f"reward_model 'remote': {self.url} answered {status} (client errors are not retried); body: {_preview(body)}"
             ) from None
         except (OSError, http.client.HTTPException) as err:  # URLError and TimeoutError are OSErrors
             reason = err.reason if isinstance(err, urllib.error.URLError) else err

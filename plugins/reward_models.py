@@ -31,7 +31,9 @@ def import_function(spec: str, field: str = "reward_model.function") -> Callable
 class CallableReward(RewardModel):
     """Scores with ``function(prompts, responses, **kwargs)``, named as ``'package.module:function'``."""
 
-    def __init__(self, function: str = "rlhf_lightning_plugins.toy_rewards:char_count", kwargs: Optional[dict[str, Any]] = None, **options: Any) -> None:
+    def __init__(
+        self, function: str = "rlhf_lightning_plugins.toy_rewards:char_count", kwargs: Optional[dict[str, Any]] = None, **options: Any
+    ) -> None:
         super().__init__(**options)
         self.function = function
         self.kwargs = dict(kwargs or {})
@@ -78,17 +80,13 @@ class HFClassifierReward(RewardModel):
 
         if self.model is None:
             self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
-            self.model = AutoModelForSequenceClassification.from_pretrained(
-                self.path, trust_remote_code=self.trust_remote_code
-            )
+            self.model = AutoModelForSequenceClassification.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
             if self.tokenizer.pad_token is None:
                 self.tokenizer.pad_token = self.tokenizer.eos_token
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
             self.model.requires_grad_(False).eval()
             if not 0 <= self.label_index < self.model.config.num_labels:
-                raise ValueError(
-                    f"reward_model.label_index={self.label_index} but {self.path} has {self.model.config.num_labels} labels"
-                )
+                raise ValueError(f"reward_model.label_index={self.label_index} but {self.path} has {self.model.config.num_labels} labels")
         self.device = device
         self.model.to(device)
 

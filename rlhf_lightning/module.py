@@ -44,8 +44,16 @@ from torchmetrics import MeanMetric
 from rlhf_lightning import fsdp2
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.interfaces import (
-    AdvantageEstimator, BetaController, ConfigError, KLEstimator, LossAggregation, PolicyLoss, ReferenceUpdate, RewardModel,
-    finite_number, require,
+    AdvantageEstimator,
+    BetaController,
+    ConfigError,
+    KLEstimator,
+    LossAggregation,
+    PolicyLoss,
+    ReferenceUpdate,
+    RewardModel,
+    finite_number,
+    require,
 )
 from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer, move_toward
 from rlhf_lightning.registry import registry
@@ -398,7 +406,8 @@ class PPORLHF(LightningModule):
         if hp.optimizers == "shared":
             return torch.optim.AdamW(
                 [{"params": policy_params, "lr": hp.lr}, {"params": critic_params, "lr": critic_lr}],
-                weight_decay=hp.weight_decay, fused=fused,
+                weight_decay=hp.weight_decay,
+                fused=fused,
             )
         return [
             torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=fused),
@@ -692,10 +701,7 @@ class PPORLHF(LightningModule):
         tok = self.tokenizer
         use_template = self.hparams.use_chat_template and getattr(tok, "chat_template", None)
         if use_template:
-            texts = [
-                tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                for p in prompts
-            ]
+            texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
         else:
             texts = list(prompts)
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not use_template)
@@ -709,9 +715,7 @@ class PPORLHF(LightningModule):
             )
         return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
-    def response_logits(
-        self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, return_hidden: bool = False
-    ):
+    def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, return_hidden: bool = False):
         """Temperature-scaled logits predicting each response token: (batch, response_len, vocab);
         with ``return_hidden`` also the last hidden states at those positions (batch, response_len, hidden)."""
         out = model(
@@ -1014,7 +1018,6 @@ class PPORLHF(LightningModule):
         for prefix, model in (("ref_model.", self.ref_model), ("initial_model.", self.initial_model)):
             for key, value in ({} if model is None or "state_dict" not in checkpoint else model.state_dict()).items():
                 checkpoint["state_dict"].setdefault(prefix + key, value)  # a moved reference comes from the checkpoint
-
 
     def _check_compatible(self, saved: dict) -> None:
         """Refuse a checkpoint whose model was built differently (the weights or the reference would not match)."""

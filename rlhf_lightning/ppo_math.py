@@ -170,9 +170,7 @@ def sequence_ratio_surrogate(
     return clipped_surrogate(token_log_ratio, torch.zeros_like(logprobs), advantages, mask, clip_low, clip_high)
 
 
-def truncated_is_policy_gradient(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_high: float
-) -> TokenLoss:
+def truncated_is_policy_gradient(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_high: float) -> TokenLoss:
     """CISPO (MiniMax-M1, 2025): REINFORCE on log pi with the importance weight r = pi / pi_old
     truncated at 1 + clip_high and stopped from the gradient, so no token's gradient is dropped:
     loss_t = -sg(min(r, 1 + clip_high)) * A * log pi."""
@@ -206,9 +204,7 @@ def aggregation_weights(mask: Tensor, mode: str, sum_fn: SumFn = None, normalise
     return weights
 
 
-def policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cliprange: float
-) -> LossStats:
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, cliprange: float) -> LossStats:
     """PPO clipped surrogate: mean over tokens of max(-A r, -A clip(r, 1-eps, 1+eps)), r = pi/pi_old."""
     loss, clipped = clipped_surrogate(logprobs, old_logprobs, advantages, mask, cliprange, cliprange)
     return LossStats(masked_mean(loss, mask), masked_mean(clipped, mask), approx_kl(logprobs, old_logprobs, mask))
@@ -235,9 +231,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     return LossStats(masked_mean(loss, mask), masked_mean(clipped, mask))
 
 
-def importance_weighted_kl(
-    kl: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, ratio_gradient: bool = True
-) -> Tensor:
+def importance_weighted_kl(kl: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, ratio_gradient: bool = True) -> Tensor:
     """w_t * kl_t with the per-token importance ratio w_t = pi_theta(y_t) / pi_old(y_t), unclipped.
 
     The loss path samples y ~ pi_old; reweighting by w_t makes the expectation the current

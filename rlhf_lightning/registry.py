@@ -63,10 +63,7 @@ class Registry:
         for key in (name, *aliases):
             if key in self._names and self._entries[self._names[key]].cls is not cls:
                 taken_by = self._entries[self._names[key]].cls
-                raise ValueError(
-                    f"{self.kind} name {key!r} is already registered to "
-                    f"{taken_by.__module__}.{taken_by.__qualname__}"
-                )
+                raise ValueError(f"{self.kind} name {key!r} is already registered to {taken_by.__module__}.{taken_by.__qualname__}")
         description = description or next(iter((cls.__doc__ or "").strip().splitlines()), "")
         self._entries[name] = PluginEntry(name, cls, description, tuple(aliases))
         for key in (name, *aliases):
@@ -77,9 +74,7 @@ class Registry:
         _load_plugins()
         name = _normalise(name)
         if name not in self._names:
-            raise UnknownPluginError(
-                f"unknown {self.kind} {name!r}; registered {self.kind} names: {', '.join(self.names())}"
-            )
+            raise UnknownPluginError(f"unknown {self.kind} {name!r}; registered {self.kind} names: {', '.join(self.names())}")
         return self._entries[self._names[name]].cls
 
     def build(self, spec: Any, field: str | None = None) -> Any:

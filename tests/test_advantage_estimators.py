@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from helpers import fit, make_module
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lightning import ppo_math as pm
@@ -16,6 +15,8 @@ from rlhf_lightning.interfaces import AdvantageEstimator
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE, GRPO, RLOO, DrGRPO, ReinforcePlusPlus
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
+
+from helpers import fit, make_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
 

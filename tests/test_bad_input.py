@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import CONFIGS, char_reward, fit, make_module
 
 from rlhf_lightning.cli import build_cli
 from rlhf_lightning.data import PromptDataModule, load_prompts
@@ -13,11 +12,15 @@ from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import UnknownPluginError
 from rlhf_lightning_plugins.reward_models import CallableReward
 
+from helpers import CONFIGS, char_reward, fit, make_module
+
 TINY = str(CONFIGS / "tiny.yaml")
 
 
 def test_unknown_plugin_name():
-    with pytest.raises(UnknownPluginError, match=r"unknown beta_controller 'pdi'; registered beta_controller names: .*adaptive.*band.*fixed"):
+    with pytest.raises(
+        UnknownPluginError, match=r"unknown beta_controller 'pdi'; registered beta_controller names: .*adaptive.*band.*fixed"
+    ):
         build_cli(["--config", TINY, "--model.beta_controller=pdi"], run=False)
 
 
@@ -31,7 +34,10 @@ def test_wrong_type_for_a_plugin_argument(capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model.beta_controller=FixedBeta", "--model.beta_controller.init_args.init_beta=-0.5"], "init_beta must be a finite number >= 0"),
+        (
+            ["--model.beta_controller=FixedBeta", "--model.beta_controller.init_args.init_beta=-0.5"],
+            "init_beta must be a finite number >= 0",
+        ),
         (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.target=0"], "target must be > 0"),
         (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.horizon=0"], "horizon must be > 0"),
         (["--model.ppo_epochs=0"], "model.ppo_epochs must be an integer >= 1"),
@@ -135,7 +141,9 @@ def test_checkpoint_from_an_incompatible_config(tmp_path):
     path = tmp_path / "a.ckpt"
     trainer.save_checkpoint(path)
     other = make_module(critic="shared", tiny_config={"hidden_size": 32})
-    with pytest.raises(ValueError, match=r"incompatible with this config; model.critic: checkpoint 'separate', config 'shared'; model.tiny_config"):
+    with pytest.raises(
+        ValueError, match=r"incompatible with this config; model.critic: checkpoint 'separate', config 'shared'; model.tiny_config"
+    ):
         fit(other, tmp_path, iterations=1, ckpt_path=str(path))
 
 

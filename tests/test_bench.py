@@ -9,9 +9,7 @@ import sys
 
 from helpers import REPO
 
-BENCH_LINE = re.compile(
-    r"BENCH rollout_vs_generate=(\S+) iteration_vs_floors=(\S+) lora_vs_full_rss=(\S+) iter_s=(\S+) tokens_per_s=(\S+)"
-)
+BENCH_LINE = re.compile(r"BENCH rollout_vs_generate=(\S+) iteration_vs_floors=(\S+) lora_vs_full_rss=(\S+) iter_s=(\S+) tokens_per_s=(\S+)")
 
 
 def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers():

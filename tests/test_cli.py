@@ -6,17 +6,18 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 import yaml
-from helpers import CONFIGS, REPO
 
 from rlhf_lightning import registry as registry_module
 from rlhf_lightning.cli import build_cli, main
 from rlhf_lightning.interfaces import BetaController, KLEstimator, RewardModel
 from rlhf_lightning.registry import REGISTRIES, UnknownPluginError, registry
+
+from helpers import CONFIGS, REPO
 
 TINY = str(CONFIGS / "tiny.yaml")
 PLUGIN_FIELDS = {
@@ -52,9 +53,7 @@ def test_print_config_round_trip(tmp_path, capsys):
 
 
 def test_short_names_and_class_paths_select_plugins():
-    cli = build_cli(
-        ["--config", TINY, "--model.kl_estimator=low_var_kl", "--model.beta_controller=adaptive"], run=False
-    )
+    cli = build_cli(["--config", TINY, "--model.kl_estimator=low_var_kl", "--model.beta_controller=adaptive"], run=False)
     from rlhf_lightning_plugins.beta_controllers import AdaptiveBeta
     from rlhf_lightning_plugins.kl_estimators import K3
 
@@ -103,7 +102,9 @@ def test_wrong_type_for_a_plugin_argument_names_the_field(capsys):
 @pytest.mark.parametrize("value, field", [("-0.1", "init_beta"), ("0", "target")])
 def test_impossible_controller_values_are_refused(value, field):
     with pytest.raises(ValueError, match=field):
-        build_cli(["--config", TINY, "--model.beta_controller=AdaptiveBeta", f"--model.beta_controller.init_args.{field}={value}"], run=False)
+        build_cli(
+            ["--config", TINY, "--model.beta_controller=AdaptiveBeta", f"--model.beta_controller.init_args.{field}={value}"], run=False
+        )
 
 
 def test_plugins_command_lists_every_plugin_by_kind(capsys):
@@ -118,7 +119,8 @@ def test_plugins_command_lists_every_plugin_by_kind(capsys):
 def external_plugin(tmp_path, monkeypatch):
     """A third-party package, installed only as an entry point in the group rlhf_lightning.plugins."""
     package = tmp_path / "rlhf_ext_demo.py"
-    package.write_text(textwrap.dedent('''
+    package.write_text(
+        textwrap.dedent("""
         from rlhf_lightning.interfaces import KLEstimator
         from rlhf_lightning.registry import register
 
@@ -126,7 +128,8 @@ def external_plugin(tmp_path, monkeypatch):
         class HalfK1(KLEstimator):
             def __call__(self, logprobs, ref_logprobs, logits=None, ref_logits=None):
                 return 0.5 * (logprobs - ref_logprobs)
-    '''))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     entry = EntryPoint(name="demo", value="rlhf_ext_demo", group=registry_module.ENTRY_POINT_GROUP)
     monkeypatch.setattr(registry_module, "entry_points", lambda group: [entry] if group == entry.group else [])

@@ -13,6 +13,7 @@ import pytest
 
 from rlhf_lightning.interfaces import BetaController
 from rlhf_lightning.registry import registry
+
 from helpers import REPO
 
 E = math.e
@@ -66,9 +67,7 @@ def test_pid_error_clip_and_kl_floor():
     # error_clip 1, kp 0.1 only.  KL 0 and KL -5 (k1 can be negative): KL / target floored at 1e-6,
     # log = -13.8 -> clipped to -1: beta * e^-0.1 each time.  KL 100 * target: log 100 = 4.6 -> +1.
     ctrl = pid(init_beta=0.5, target=2.0, kp=0.1, ki=0.0, kd=0.0, error_clip=1.0)
-    assert run(ctrl, [0.0, -5.0, 200.0]) == pytest.approx(
-        [0.5 * math.exp(-0.1), 0.5 * math.exp(-0.2), 0.5 * math.exp(-0.1)], rel=1e-12
-    )
+    assert run(ctrl, [0.0, -5.0, 200.0]) == pytest.approx([0.5 * math.exp(-0.1), 0.5 * math.exp(-0.2), 0.5 * math.exp(-0.1)], rel=1e-12)
     # Without a binding clip the floor itself is the error: log(1e-6) = -13.8155..., kp 0.1 -> -1.38155...
     unclipped = pid(init_beta=0.5, target=2.0, kp=0.1, ki=0.0, kd=0.0, error_clip=100.0)
     assert unclipped.update(0.0, 8) == pytest.approx(0.5 * math.exp(0.1 * math.log(1e-6)), rel=1e-12)

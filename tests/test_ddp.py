@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import REPO
+
 from test_resume import run_cli
 
 GLOBAL_BATCH = 8

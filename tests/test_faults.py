@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import fit, make_module
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lightning.interfaces import RewardModel
+
+from helpers import fit, make_module
 
 
 class FlakyReward(RewardModel):

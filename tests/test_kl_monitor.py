@@ -7,13 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import fit, make_module
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.kl_monitor import KLGuard, TokenKLView
+from rlhf_lightning.module import PPORLHF
+
+from helpers import fit, make_module
 
 
 @pytest.fixture(autouse=True)

@@ -15,11 +15,12 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO
 
 from rlhf_lightning.interfaces import KLEstimator
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.kl_straight_through import K1Plus, K3Plus, StraightThroughKL, straight_through
+
+from helpers import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
 import kl_estimator_report  # noqa: E402

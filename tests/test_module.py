@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import char_reward, fit, make_module
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.module import PPORLHF
+
+from helpers import char_reward, fit, make_module
 
 PROMPTS = ["Write a short review of a train journey.", "Hi", "Describe a snowy weekend in two sentences.", "Go"]
 

@@ -154,9 +154,7 @@ def test_rollouts_have_fixed_length_and_the_enumerated_logprobs():
     torch.testing.assert_close(rollout.ref_logprobs.sum(-1).double(), ref_table[prompt_index, response_index], atol=1e-5, rtol=0)
     # And generate samples from that distribution: total variation to the empirical frequencies is
     # what 2000 draws over 27 responses leave (about 0.04), far below a mismatch's.
-    counts = torch.zeros_like(table).index_put_(
-        (prompt_index, response_index), torch.ones(3 * n, dtype=torch.float64), accumulate=True
-    )
+    counts = torch.zeros_like(table).index_put_((prompt_index, response_index), torch.ones(3 * n, dtype=torch.float64), accumulate=True)
     total_variation = 0.5 * (counts / n - table.exp()).abs().sum(-1)
     assert (total_variation < 0.08).all(), total_variation
 

@@ -9,8 +9,6 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, make_module
-from test_ppo_math import _policy_batch
 
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.registry import registry
@@ -26,6 +24,9 @@ from rlhf_lightning_plugins.policy_losses import (
     SeqMeanTokenSum,
     TokenMean,
 )
+
+from helpers import REPO, make_module
+from test_ppo_math import _policy_batch
 
 sys.path.insert(0, str(REPO / "tools"))
 import length_bias  # noqa: E402

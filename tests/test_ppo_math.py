@@ -190,9 +190,7 @@ def test_masked_whiten_ignores_non_finite_masked_values(bad, shift_mean):
     mask = _prefix_mask([3, 1], 4)
     std = math.sqrt(5.0 / 3.0) + EPS
     shift = 0.0 if shift_mean else 2.5
-    expected = torch.tensor(
-        [[-1.5 / std, -0.5 / std, 0.5 / std, 0.0], [1.5 / std, 0.0, 0.0, 0.0]], dtype=torch.float64
-    )
+    expected = torch.tensor([[-1.5 / std, -0.5 / std, 0.5 / std, 0.0], [1.5 / std, 0.0, 0.0, 0.0]], dtype=torch.float64)
     expected = expected + shift * mask
     out = pm.masked_whiten(x, mask, shift_mean=shift_mean)
     assert torch.isfinite(out).all()

@@ -7,13 +7,14 @@ import math
 
 import pytest
 import torch
-from helpers import CONFIGS, fit, make_module
 
 from rlhf_lightning.cli import build_cli
 from rlhf_lightning.exact import ema_reference_logprobs, iterated_optimal_logprobs, optimal_logprobs
 from rlhf_lightning.models import move_toward
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.reference_updates import EMA, NoUpdate, Reset, Sync
+
+from helpers import CONFIGS, fit, make_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
 

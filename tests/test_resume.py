@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from helpers import CONFIGS, REPO
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -79,6 +80,7 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp
     """Lightning writes checkpoints inside an fsspec transaction (a temporary file renamed into
     place on success): a write that dies half way must not touch the existing file."""
     from fsspec.implementations.local import LocalFileOpener
+
     from helpers import fit, make_module
 
     trainer, _ = fit(make_module(), tmp_path, iterations=1)

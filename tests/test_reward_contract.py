@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_remote_reward import Server, length_scores
-from test_reward_models import tiny_classifier  # noqa: F401  (a fixture)
 
 from rlhf_lightning.registry import registry
+
+from test_remote_reward import Server, length_scores
+from test_reward_models import tiny_classifier  # noqa: F401  (a fixture)
 
 PROMPTS = ["Write a happy line.", "Describe rain.", "Say hi.", "Count to three."]
 RESPONSES = ["What a wonderful, sunny day!", "Grey and cold, it falls all night.", "hi", ""]

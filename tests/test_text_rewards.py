@@ -12,8 +12,8 @@ from rlhf_lightning_plugins import text_rewards
 from rlhf_lightning_plugins.text_rewards import (
     EmbeddingSimilarityReward,
     PromptRelevanceReward,
-    SentimentReward,
     SentimentRelevanceReward,
+    SentimentReward,
 )
 
 POSITIVE = "I love this, it is wonderful!"

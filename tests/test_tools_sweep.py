@@ -9,6 +9,7 @@ import math
 import sys
 
 import pytest
+
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "tools"))

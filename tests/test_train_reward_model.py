@@ -10,6 +10,7 @@ import random
 import sys
 
 import pytest
+
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -145,4 +146,7 @@ def test_response_only_pairs_are_the_responses_alone():
     seeing = train_reward_model.collate_pairs(pairs, tokenizer, "\n", 64)
     expected = tokenizer(["hello there", "no"], return_tensors="pt", padding=True)
     assert blind["input_ids"].tolist() == expected["input_ids"].tolist()
-    assert seeing["input_ids"].tolist() == tokenizer(["Say hi.\nhello there", "Say hi.\nno"], return_tensors="pt", padding=True)["input_ids"].tolist()
+    assert (
+        seeing["input_ids"].tolist()
+        == tokenizer(["Say hi.\nhello there", "Say hi.\nno"], return_tensors="pt", padding=True)["input_ids"].tolist()
+    )

@@ -101,16 +101,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--no-chat-template", action="store_true", help="feed the raw prompts, without the chat template")
     parser.add_argument("--num-minibatches", type=int, default=1, help="minibatches (optimizer steps) per PPO epoch")
     parser.add_argument("--num-generations", type=int, default=4, help="--mode grpo: responses per prompt")
-    parser.add_argument("--old-logprobs", choices=("forward", "sampler"), default="forward",
-                        help="model.old_logprobs: recompute log pi_old with a forward pass, or reuse the sampler's logits")
+    parser.add_argument(
+        "--old-logprobs",
+        choices=("forward", "sampler"),
+        default="forward",
+        help="model.old_logprobs: recompute log pi_old with a forward pass, or reuse the sampler's logits",
+    )
     parser.add_argument("--critic", choices=("separate", "shared"), help="critic trunk (default: full separate, lora shared)")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of --mode lora (alpha = 2 * rank)")
     parser.add_argument("--reward", default="sentiment", help="reward backend name")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (Trainer precision bf16-mixed) for run and floors")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--strategy", choices=("single", "ddp", "fsdp2"), default="single",
-                        help="one process, or --devices processes with DDP or FSDP2 (ModelParallelStrategy)")
+    parser.add_argument(
+        "--strategy",
+        choices=("single", "ddp", "fsdp2"),
+        default="single",
+        help="one process, or --devices processes with DDP or FSDP2 (ModelParallelStrategy)",
+    )
     parser.add_argument("--devices", type=int, default=1, help="processes of --strategy ddp/fsdp2")
     parser.add_argument("--results-dir", help=argparse.SUPPRESS)  # where ranks > 0 leave their results
     parser.add_argument("--profile", action="store_true", help="profile one extra iteration per run with torch.profiler")
@@ -285,9 +293,7 @@ def iteration_recorder(args: argparse.Namespace):
             seconds = pl_module.clock.take()
             if self._profiler is not None:
                 self._profiler.__exit__(None, None, None)
-                self.profile_table = self._profiler.key_averages().table(
-                    sort_by="self_cpu_time_total", row_limit=args.profile_rows
-                )
+                self.profile_table = self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
                 self._profiler = None
                 return
             floors = measure_floors(pl_module, args)  # the warm-up iterations warm the floors up too

@@ -175,9 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.controllers:
         start = time.perf_counter()
         ctrl = build_controller(name, args.target, args.init_beta)
-        results[name] = run_controller(
-            ctrl, iterations, args.seed, max_new_tokens, out / "lightning", args.advantage, args.num_generations
-        )
+        results[name] = run_controller(ctrl, iterations, args.seed, max_new_tokens, out / "lightning", args.advantage, args.num_generations)
         print(f"{name}: {len(results[name])} iterations in {time.perf_counter() - start:.1f} s", flush=True)
 
     with open(out / "trajectories.csv", "w", newline="") as f:

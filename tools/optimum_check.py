@@ -234,8 +234,10 @@ def run_matrix(args: argparse.Namespace) -> None:
                   f"kl_to_opt={row['kl_to_optimum']:.4f} expected={expected} "
                   f"seconds={row['seconds']:.1f}", flush=True)  # fmt: skip
     nan = float("nan")
-    print(f"MATRIX unbiased_max_gap={max(gaps['unbiased'], default=nan):.4f} biased_min_gap={min(gaps['biased'], default=nan):.4f} "
-          f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f}")
+    print(
+        f"MATRIX unbiased_max_gap={max(gaps['unbiased'], default=nan):.4f} biased_min_gap={min(gaps['biased'], default=nan):.4f} "
+        f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f}"
+    )
 
 
 class _InProcess:

@@ -88,17 +88,14 @@ def run(name: str, config, overrides: Sequence[str], iterations: int, last: int,
 
 def format_report(rows: Sequence[HackingRow], config: str, iterations: int) -> str:
     lines = [
-        f"Reward hacking on `{Path(config).name}`, {iterations} PPO iterations per run; "
-        "the final policies answer the validation prompts.",
+        f"Reward hacking on `{Path(config).name}`, {iterations} PPO iterations per run; the final policies answer the validation prompts.",
         "",
         f'| run | final beta | "!" share of characters | responses with >= {MIN_EXPLOITS} "!" | proxy reward | KL (nats) | train reward |',
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         beta, train_reward = ("-", "-") if r.beta is None else (f"{r.beta:.3g}", f"{r.train_reward:.2f}")
-        lines.append(
-            f"| {r.run} | {beta} | {r.char_share:.1%} | {r.exploiting:.1%} | {r.proxy_reward:.2f} | {r.kl:.2f} | {train_reward} |"
-        )
+        lines.append(f"| {r.run} | {beta} | {r.char_share:.1%} | {r.exploiting:.1%} | {r.proxy_reward:.2f} | {r.kl:.2f} | {train_reward} |")
     lines += ["", "First validation answer of each run:", ""]
     lines += [f"- {r.run}: `{r.sample[:160]!r}`" for r in rows]
     return "\n".join(lines)

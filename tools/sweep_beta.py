@@ -53,7 +53,8 @@ DEFAULT_BETAS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5)
 FULL_BETAS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 FAST_BETAS = (0.0, 0.5)
 DEFAULT_TASK = (  # applied only when --config is not given; see the docstring
-    '--model.reward_model.init_args.kwargs={"chars": "e", "scale": 0.5}', "--model.lr=6e-3",
+    '--model.reward_model.init_args.kwargs={"chars": "e", "scale": 0.5}',
+    "--model.lr=6e-3",
 )
 DEFAULT_TASK_PROMPTS = 16  # configs/tiny.yaml's data.batch_size
 # Every run: no progress bar or export callbacks, no checkpoints, as many epochs as the iterations need
@@ -186,9 +187,7 @@ def plot(rows: Sequence[SweepRow], path: Path, title: str) -> None:
 def format_table(rows: Sequence[SweepRow]) -> str:
     lines = ["| beta | reward | KL | net | val reward | val KL | seconds |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(
-            f"| {r.beta:g} | {r.reward:.3f} | {r.kl:.3f} | {r.net:.3f} | {r.val_reward:.3f} | {r.val_kl:.3f} | {r.seconds:.0f} |"
-        )
+        lines.append(f"| {r.beta:g} | {r.reward:.3f} | {r.kl:.3f} | {r.net:.3f} | {r.val_reward:.3f} | {r.val_kl:.3f} | {r.seconds:.0f} |")
     return "\n".join(lines)
 
 

@@ -119,9 +119,7 @@ def load_trunk(trunk: str, seed: int = 0):
         elif trunk in ("minilm", "smollm2"):
             folder = str(smollm2_checkpoint() if trunk == "smollm2" else bundled_minilm_path())
             tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                folder, num_labels=1, dtype=torch.float32, local_files_only=True
-            )
+            model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=torch.float32, local_files_only=True)
         else:
             raise ValueError(f"--trunk must be one of {', '.join(TRUNK_DEFAULTS)}, got {trunk!r}")
     if tokenizer.pad_token is None:
@@ -220,7 +218,10 @@ def sample_pairs(
         responses = sampler.tokenizer.batch_decode(sequences[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         labelled, dropped = judge_pairs(batch, responses[0::2], responses[1::2], sampler.reward_model)
         pairs, ties = pairs + labelled, ties + dropped
-        print(f"sampled {min(start + batch_size, len(prompts))}/{len(prompts)} prompts: {len(pairs)} pairs, {ties} ties, {time.perf_counter() - started:.0f} s", flush=True)
+        print(
+            f"sampled {min(start + batch_size, len(prompts))}/{len(prompts)} prompts: {len(pairs)} pairs, {ties} ties, {time.perf_counter() - started:.0f} s",
+            flush=True,
+        )
     return pairs, ties
 
 
@@ -247,7 +248,9 @@ def relabelled_pairs(args: argparse.Namespace) -> list[dict]:
     pairs, ties = judge_pairs([p["prompt"] for p in given], [p["chosen"] for p in given], [p["rejected"] for p in given], gold)
     old_choices = {(g["prompt"], g["chosen"]) for g in given}
     flipped = sum((p["prompt"], p["chosen"]) not in old_choices for p in pairs)
-    print(f"relabelled {len(given)} pairs from {args.pairs} with gold scorer {args.gold}: {len(pairs)} kept, {ties} ties dropped, {flipped} flipped")
+    print(
+        f"relabelled {len(given)} pairs from {args.pairs} with gold scorer {args.gold}: {len(pairs)} kept, {ties} ties dropped, {flipped} flipped"
+    )
     write_jsonl(target, pairs)
     return pairs
 
@@ -309,8 +312,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--train-layers", type=int, help="top transformer blocks to train (default: 2 for smollm2, all otherwise)")
     p.add_argument("--max-length", type=int, default=512, help="truncation length in reward-model tokens")
-    p.add_argument("--response-only", action="store_true",
-                   help="score the response alone, blind to the prompt (use with HFClassifierReward include_prompt: false)")
+    p.add_argument(
+        "--response-only",
+        action="store_true",
+        help="score the response alone, blind to the prompt (use with HFClassifierReward include_prompt: false)",
+    )
     p.add_argument("--separator", default="\n", help="between prompt and response (HFClassifierReward's separator)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
