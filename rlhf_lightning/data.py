@@ -82,15 +82,15 @@ def _records(text: str, suffix: str, where: str, column: str) -> tuple[list[tupl
         records = []
         for i, line in enumerate(text.splitlines(), 1):
             if line.strip():
-                records.append((f"line {i}", _json_object(line, f"{where}, line {i}")))
+                records.append((f"line {i}", json_object(line, f"{where}, line {i}")))
     else:  # .json: a list of objects
-        data = _json_object(text, where, expected=list)
-        records = [(f"item {i}", _json_object(item, f"{where}, item {i}")) for i, item in enumerate(data, 1)]
+        data = json_object(text, where, expected=list)
+        records = [(f"item {i}", json_object(item, f"{where}, item {i}")) for i, item in enumerate(data, 1)]
     columns = list(dict.fromkeys(key for _, record in records for key in record))
     return records, columns
 
 
-def _json_object(value, where: str, expected: type = dict):
+def json_object(value, where: str, expected: type = dict):
     """``value`` (JSON text, or an already parsed item) as a ``expected`` instance, or a ConfigError."""
     if isinstance(value, str):
         try:

@@ -153,6 +153,8 @@ def collate_pairs(pairs: list[dict], tokenizer, separator: str, max_length: int,
 # ------------------------------------------------------------------ preference pairs
 def read_pairs(path: str | Path) -> list[dict]:
     """Pairs from a jsonl file; a clear error for a missing file, a bad line or a missing/non-text field."""
+    from rlhf_lightning.data import json_object
+
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"--pairs: {str(path)!r} does not exist")
@@ -161,12 +163,7 @@ def read_pairs(path: str | Path) -> list[dict]:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                pair = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"--pairs: {path.name} line {lineno} is not valid JSON ({err})") from err
-            if not isinstance(pair, dict):
-                raise ValueError(f"--pairs: {path.name} line {lineno} must be a JSON object with {', '.join(PAIR_FIELDS)}")
+            pair = json_object(line, f"--pairs: {path.name} line {lineno}")
             for field in PAIR_FIELDS:
                 if field not in pair:
                     raise ValueError(
