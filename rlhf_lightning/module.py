@@ -679,9 +679,9 @@ class PPORLHF(LightningModule):
         if self.hparams.special_tokens_in_prompts == "allow":
             return
         tok = self.tokenizer
-        specials = {t for t in (*tok.all_special_tokens, *tok.get_added_vocab()) if len(t) > 1}
+        specials = sorted({t for t in (*tok.all_special_tokens, *tok.get_added_vocab()) if len(t) > 1})
         for i, prompt in enumerate(prompts):
-            found = [t for t in sorted(specials) if t in prompt]
+            found = [t for t in specials if t in prompt]
             if found:
                 raise ConfigError(
                     f"{field}: prompt {i} ({prompt[:60]!r}) contains the special token string(s) {found}, which would be "
