@@ -8,16 +8,9 @@ KL-penalised return, and every token of the response gets the response's advanta
 
 from __future__ import annotations
 
-from torch import Tensor
-
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.interfaces import AdvantageEstimator, finite_number, require
 from rlhf_lightning.registry import register
-
-
-def _broadcast(sequence_advantages: Tensor, mask: Tensor) -> Tensor:
-    """One advantage per response (batch,) -> the same value at each of its real tokens."""
-    return sequence_advantages.unsqueeze(-1).to(mask.dtype) * mask
 
 
 @register("advantage_estimator", "gae", description="GAE(gamma, lambda) on the critic's values (PPO; the default)")
@@ -37,47 +30,47 @@ class GAE(AdvantageEstimator):
         return pm.gae(rewards, values, mask, self.gamma, self.lam)
 
 
+class _GroupBaseline(AdvantageEstimator):
+    """A response's advantage against its group's baseline (``ppo_math.group_advantages`` with
+    ``baseline`` and ``scale``), on its return R = sum_t R_t, the same at every real token."""
+
+    min_group_size = 2
+    baseline, scale, eps = "mean", False, 1e-6
+
+    def __call__(self, rewards, mask, values, group_size, sum_fn=None):
+        returns = pm.masked_select(rewards, mask).sum(-1)
+        advantages = pm.group_advantages(returns, group_size, self.baseline, scale=self.scale, eps=self.eps)
+        return advantages.unsqueeze(-1).to(mask.dtype) * mask, None
+
+
 @register("advantage_estimator", "grpo", description="group mean and std baseline, no critic (GRPO)")
-class GRPO(AdvantageEstimator):
+class GRPO(_GroupBaseline):
     """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (R_i - mean_g R) / (std_g R + eps) over the
     ``num_generations`` responses to one prompt, the same at every token of response i."""
 
-    min_group_size = 2
+    scale = True
 
     def __init__(self, eps: float = 1e-6) -> None:
         require(finite_number(eps) and eps > 0, "advantage_estimator.eps", "a finite number > 0", eps)
         self.eps = eps
 
-    def __call__(self, rewards, mask, values, group_size, sum_fn=None):
-        returns = pm.masked_select(rewards, mask).sum(-1)
-        return _broadcast(pm.group_advantages(returns, group_size, "mean", scale=True, eps=self.eps), mask), None
-
 
 @register("advantage_estimator", "dr_grpo", description="group mean baseline, constant token normaliser (Dr. GRPO)")
-class DrGRPO(AdvantageEstimator):
+class DrGRPO(_GroupBaseline):
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): A_i = R_i - mean_g R, no
     std division, and the policy loss summed over tokens and divided by a constant
     (responses * max_new_tokens) instead of each minibatch's token count, so that a response's
     length does not change its tokens' weight."""
 
-    min_group_size = 2
     loss_aggregation = "constant"  # the registered aggregation, with its default normaliser max_new_tokens
-
-    def __call__(self, rewards, mask, values, group_size, sum_fn=None):
-        returns = pm.masked_select(rewards, mask).sum(-1)
-        return _broadcast(pm.group_advantages(returns, group_size, "mean"), mask), None
 
 
 @register("advantage_estimator", "rloo", description="leave-one-out group baseline, no critic (RLOO)")
-class RLOO(AdvantageEstimator):
+class RLOO(_GroupBaseline):
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024):
     A_i = R_i - 1/(n-1) sum_{j != i} R_j, an unbiased baseline for each response."""
 
-    min_group_size = 2
-
-    def __call__(self, rewards, mask, values, group_size, sum_fn=None):
-        returns = pm.masked_select(rewards, mask).sum(-1)
-        return _broadcast(pm.group_advantages(returns, group_size, "leave_one_out"), mask), None
+    baseline = "leave_one_out"
 
 
 @register("advantage_estimator", "reinforce", description="the return-to-go itself: no baseline, no critic (vanilla REINFORCE)")
