@@ -46,9 +46,16 @@ def straight_through(value: Tensor, gradient: Tensor) -> Tensor:
     return value.detach() + (gradient - gradient.detach())
 
 
+@register("kl_estimator", "straight_through", description="value of one registered estimator, gradient of another")
 class StraightThroughKL(KLEstimator):
     """st(value, gradient): the per-token value of the registered estimator ``value`` with the
     gradient of the registered estimator ``gradient``; for any pair, e.g. ``value: full, gradient: k2``.
+    Two pairs are registered presets:
+
+    - ``k3+`` = st(k3, k2): value exp(-x) - 1 + x, gradient x grad log pi(y_t), whose on-policy
+      mean is grad KL(pi || pi_ref) (plain k3's is grad KL(pi_ref || pi)).
+    - ``k1+`` = st(k1, k2): value x, the same gradient; as a loss it trains like k3+ and logs the
+      plain log-ratio.
 
     Args:
         value: name of the estimator whose per-token value is returned.
@@ -57,7 +64,7 @@ class StraightThroughKL(KLEstimator):
 
     def __init__(self, value: str = "k3", gradient: str = "k2") -> None:
         kl = registry("kl_estimator")
-        self.value_estimator, self.gradient_estimator = kl.get(value)(), kl.get(gradient)()
+        self.value_estimator, self.gradient_estimator = kl.create(value), kl.create(gradient)
         self.needs_logits = self.value_estimator.needs_logits or self.gradient_estimator.needs_logits
 
     def __call__(
@@ -69,25 +76,11 @@ class StraightThroughKL(KLEstimator):
         )
 
 
-@register(
-    "kl_estimator", "k3+", aliases=("k3+k2", "low_var_kl+"),
+registry("kl_estimator").register(
+    "k3+", StraightThroughKL, aliases=("k3+k2", "low_var_kl+"), init_args={"value": "k3", "gradient": "k2"},
     description="value of k3, gradient of k2 (straight-through): unbiased reverse-KL gradient as a loss",
 )  # fmt: skip
-class K3Plus(StraightThroughKL):
-    """k3+ = k3.detach() + (k2 - k2.detach()): value exp(-x) - 1 + x, gradient x grad log pi(y_t),
-    whose on-policy mean is grad KL(pi || pi_ref) (plain k3's is grad KL(pi_ref || pi))."""
-
-    def __init__(self) -> None:
-        super().__init__("k3", "k2")
-
-
-@register(
-    "kl_estimator", "k1+", aliases=("k1+k2",),
+registry("kl_estimator").register(
+    "k1+", StraightThroughKL, aliases=("k1+k2",), init_args={"value": "k1", "gradient": "k2"},
     description="value of k1, gradient of k2 (straight-through): unbiased value and reverse-KL gradient",
 )  # fmt: skip
-class K1Plus(StraightThroughKL):
-    """k1+ = k1.detach() + (k2 - k2.detach()): value x, gradient x grad log pi(y_t); as a loss it
-    trains like k3+ and logs the plain log-ratio."""
-
-    def __init__(self) -> None:
-        super().__init__("k1", "k2")

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from rlhf_lightning.registry import REGISTRIES, load_plugins
+from rlhf_lightning.registry import REGISTRIES, load_plugins, teach_jsonargparse_short_names
 
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -93,6 +93,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             return super()._instantiate_trainer(config, callbacks)
 
     load_plugins()  # before parsing: class_path and short names must resolve
+    teach_jsonargparse_short_names()
     return RLHFLightningCLI(
         PPORLHF,
         PromptDataModule,

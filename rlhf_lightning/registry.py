@@ -8,8 +8,15 @@ registered under a short lowercase name::
     @register("kl_estimator", "my_kl", description="...")
     class MyKL(KLEstimator): ...
 
+A preset binds constructor arguments to a name, the way Lightning's strategy registry names
+``deepspeed_stage_3``::
+
+    registry("kl_estimator").register("k3+", StraightThroughKL, init_args={"value": "k3", "gradient": "k2"})
+
 The module accepts either a short name (``kl_estimator: k3``) or an instance, which
-LightningCLI builds from ``class_path``/``init_args``. Built-in plugins live in
+LightningCLI builds from ``class_path``/``init_args``; a short name of a class (not a preset)
+is a ``class_path`` too (``class_path: adaptive``, or ``--model.beta_controller=adaptive
+--model.beta_controller.target=4``: see ``resolve_short_class_path``). Built-in plugins live in
 ``rlhf_lightning_plugins`` (the repository's ``plugins/`` folder); third-party packages
 register theirs by exposing a module in the entry-point group ``rlhf_lightning.plugins``.
 """
@@ -19,9 +26,10 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable, Iterator
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 ENTRY_POINT_GROUP = "rlhf_lightning.plugins"
 DISABLE_AUTOLOAD_ENV = "RLHF_LIGHTNING_DISABLE_PLUGIN_AUTOLOAD"
@@ -45,6 +53,11 @@ class PluginEntry:
     cls: type
     description: str
     aliases: tuple[str, ...] = ()
+    init_args: Mapping[str, Any] = field(default_factory=dict)  # a preset's bound constructor arguments
+
+    @property
+    def class_path(self) -> str:
+        return f"{self.cls.__module__}.{self.cls.__qualname__}"
 
 
 class Registry:
@@ -56,33 +69,47 @@ class Registry:
         self._entries: dict[str, PluginEntry] = {}
         self._names: dict[str, str] = {}  # name or alias -> canonical name
 
-    def register(self, name: str, cls: type, description: str = "", aliases: tuple[str, ...] = ()) -> type:
+    def register(
+        self, name: str, cls: type, description: str = "", aliases: tuple[str, ...] = (), init_args: Optional[dict] = None
+    ) -> type:
+        """Register ``cls`` under ``name`` and ``aliases``; with ``init_args``, a preset: the name
+        builds ``cls(**init_args)``."""
         name, aliases = _normalise(name), tuple(_normalise(a) for a in aliases)
         if not (isinstance(cls, type) and issubclass(cls, self.base)):
             raise TypeError(f"{self.kind} plugin {name!r} must subclass {self.base.__name__}, got {cls!r}")
+        init_args = dict(init_args or {})
         for key in (name, *aliases):
-            if key in self._names and self._entries[self._names[key]].cls is not cls:
-                taken_by = self._entries[self._names[key]].cls
-                raise ValueError(f"{self.kind} name {key!r} is already registered to {taken_by.__module__}.{taken_by.__qualname__}")
+            taken = self._entries.get(self._names.get(key, ""))
+            if taken is not None and (taken.cls, dict(taken.init_args)) != (cls, init_args):
+                raise ValueError(f"{self.kind} name {key!r} is already registered to {taken.class_path}{_preset(taken.init_args)}")
         description = description or next(iter((cls.__doc__ or "").strip().splitlines()), "")
-        self._entries[name] = PluginEntry(name, cls, description, tuple(aliases))
+        self._entries[name] = PluginEntry(name, cls, description, aliases, MappingProxyType(init_args))
         for key in (name, *aliases):
             self._names[key] = name
         return cls
 
-    def get(self, name: str) -> type:
+    def entry(self, name: str) -> PluginEntry:
         _load_plugins()
         name = _normalise(name)
         if name not in self._names:
             raise UnknownPluginError(f"unknown {self.kind} {name!r}; registered {self.kind} names: {', '.join(self.names())}")
-        return self._entries[self._names[name]].cls
+        return self._entries[self._names[name]]
+
+    def get(self, name: str) -> type:
+        """The class registered under ``name`` (a preset's class, without its arguments: see ``create``)."""
+        return self.entry(name).cls
+
+    def create(self, name: str, **init_args: Any) -> Any:
+        """An instance of the plugin named ``name``: a preset's bound arguments, updated with ``init_args``."""
+        entry = self.entry(name)
+        return entry.cls(**{**entry.init_args, **init_args})
 
     def build(self, spec: Any, field: str | None = None) -> Any:
-        """Return ``spec`` itself if it is already a plugin instance, else instantiate the named class."""
+        """Return ``spec`` itself if it is already a plugin instance, else instantiate the named plugin."""
         if isinstance(spec, self.base):
             return spec
         if isinstance(spec, str):
-            return self.get(spec)()
+            return self.create(spec)
         raise TypeError(
             f"{field or self.kind} must be a registered name ({', '.join(self.names())}) or a "
             f"{self.base.__name__} instance, got {type(spec).__name__}: {spec!r}"
@@ -118,13 +145,54 @@ def registry(kind: str) -> Registry:
     return REGISTRIES[kind]
 
 
-def register(kind: str, name: str, description: str = "", aliases: tuple[str, ...] = ()) -> Callable[[type], type]:
-    """Class decorator: register a plugin of ``kind`` under ``name`` (and ``aliases``)."""
+def register(
+    kind: str, name: str, description: str = "", aliases: tuple[str, ...] = (), init_args: Optional[dict] = None
+) -> Callable[[type], type]:
+    """Class decorator: register a plugin of ``kind`` under ``name`` (and ``aliases``); with
+    ``init_args``, a preset of the class (register the class itself too, under its own name)."""
 
     def decorator(cls: type) -> type:
-        return registry(kind).register(name, cls, description, aliases)
+        return registry(kind).register(name, cls, description, aliases, init_args)
 
     return decorator
+
+
+def _preset(init_args: Mapping[str, Any]) -> str:
+    return f"({', '.join(f'{k}={v!r}' for k, v in init_args.items())})" if init_args else ""
+
+
+def resolve_short_class_path(base: type | tuple, name: str) -> Optional[str]:
+    """The import path of the class registered under the short name ``name`` for the plugin kind
+    whose base is ``base``; None for a preset (its bound arguments are not a ``class_path``'s: the
+    module builds it from the name) or a name no registry knows."""
+    bases = base if isinstance(base, tuple) else (base,)
+    for reg in REGISTRIES.values():
+        if reg.base in bases and name in reg:
+            entry = reg.entry(name)
+            return None if entry.init_args else entry.class_path
+    return None
+
+
+def teach_jsonargparse_short_names() -> None:
+    """Make jsonargparse resolve a registered short name wherever it resolves a bare class name:
+    ``class_path: adaptive`` in YAML and ``--model.beta_controller=adaptive
+    --model.beta_controller.target=4`` on the command line. jsonargparse resolves a bare name
+    among the imported subclasses of the argument's type (``class_path: AdaptiveBeta``) in
+    ``_typehints.resolve_class_path_by_name``, which has no extension point; this wraps it (once),
+    trying the registries first. tests/test_registry.py runs both forms through the CLI, so a
+    jsonargparse release that moves the function fails there, not in a user's run."""
+    from jsonargparse import _typehints
+
+    resolve = _typehints.resolve_class_path_by_name
+    if getattr(resolve, "registry_aware", False):
+        return
+
+    def resolve_class_path_by_name(cls, name: str) -> str:
+        bases = cls if isinstance(cls, tuple) else _typehints.get_class_types(cls)  # cls may be Optional[Base]
+        return ("." not in name and resolve_short_class_path(bases, name)) or resolve(cls, name)
+
+    resolve_class_path_by_name.registry_aware = True
+    _typehints.resolve_class_path_by_name = resolve_class_path_by_name
 
 
 _loaded = False

@@ -49,7 +49,7 @@ def test_print_config_round_trip(tmp_path, capsys):
     saved.write_text(yaml.safe_dump(first))
     second = print_config(["--config", str(saved)], capsys)
     assert first == second
-    assert first["model"]["kl_estimator"] == "k3"
+    assert first["model"]["kl_estimator"] == {"class_path": "rlhf_lightning_plugins.kl_estimators.K3"}
 
 
 def test_short_names_and_class_paths_select_plugins():
@@ -60,6 +60,27 @@ def test_short_names_and_class_paths_select_plugins():
     assert isinstance(cli.model.kl_estimator, K3)
     assert isinstance(cli.model.beta_controller, AdaptiveBeta)
     assert cli.model.policy is None  # models load in configure_model, not at parse time
+
+
+def test_a_short_name_takes_arguments_on_the_command_line_and_in_yaml(tmp_path):
+    cli = build_cli(["--config", TINY, "--model.beta_controller=adaptive", "--model.beta_controller.target=4"], run=False)
+    assert type(cli.model.beta_controller).__name__ == "AdaptiveBeta" and cli.model.beta_controller.target == 4.0
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(
+        textwrap.dedent("""\
+        model:
+          beta_controller: {class_path: pid, init_args: {target: 2.5}}
+          advantage_estimator: {class_path: gae, init_args: {lam: 0.9}}
+          kl_estimator: k1+
+          kl_penalty: loss
+          kl_loss_weighting: none
+    """)
+    )
+    cli = build_cli(["--config", TINY, "--config", str(overlay)], run=False)
+    assert type(cli.model.beta_controller).__name__ == "PIDBeta" and cli.model.beta_controller.target == 2.5
+    assert cli.model.advantage_estimator.lam == 0.9
+    # a preset is a name, not a class_path: the module builds it with its bound arguments
+    assert type(cli.model.kl_estimator.value_estimator).__name__ == "K1"
 
 
 def test_advantage_estimator_by_short_name_and_class_path():
@@ -231,7 +252,8 @@ def test_the_readme_plugin_package_installs_and_its_plugin_trains(tmp_path):
     )  # fmt: skip
     assert fit.returncode == 0, fit.stderr[-3000:]  # an unknown kl_estimator name would stop it before any model loads
     (config,) = tmp_path.glob("lightning_logs/tiny/version_0/config.yaml")
-    assert yaml.safe_load(config.read_text())["model"]["kl_estimator"] == "clipped_k1"
+    # the short name resolved to the plugin's class, recorded with its arguments
+    assert yaml.safe_load(config.read_text())["model"]["kl_estimator"] == {"class_path": "my_kl.ClippedK1", "init_args": {"c": 1.0}}
 
 
 @pytest.mark.parametrize(

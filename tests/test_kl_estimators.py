@@ -16,7 +16,7 @@ from rlhf_lightning.registry import registry
 
 
 def estimator(name: str) -> KLEstimator:
-    return registry("kl_estimator").get(name)()
+    return registry("kl_estimator").create(name)
 
 
 # x = logp - ref_logp = (0.5, -1.0, 0.0, 2.0)

@@ -18,7 +18,7 @@ import torch
 
 from rlhf_lightning.interfaces import KLEstimator
 from rlhf_lightning.registry import registry
-from rlhf_lightning_plugins.kl_straight_through import K1Plus, K3Plus, StraightThroughKL, straight_through
+from rlhf_lightning_plugins.kl_straight_through import StraightThroughKL, straight_through
 
 from helpers import REPO
 
@@ -27,7 +27,7 @@ import kl_estimator_report  # noqa: E402
 
 
 def estimator(name: str) -> KLEstimator:
-    return registry("kl_estimator").get(name)()
+    return registry("kl_estimator").create(name)
 
 
 # x = logp - ref_logp = (0.5, -1.0, 0.0, 2.0)
@@ -35,11 +35,13 @@ LOGP = torch.tensor([[-1.0, -2.0, -0.5, -0.25]], dtype=torch.float64)
 REF_LOGP = torch.tensor([[-1.5, -1.0, -0.5, -2.25]], dtype=torch.float64)
 
 
-def test_names_and_aliases_resolve():
+def test_k3_plus_and_k1_plus_are_presets_of_straight_through():
     reg = registry("kl_estimator")
-    assert reg.get("k3+") is K3Plus and reg.get("k3+k2") is K3Plus and reg.get("low_var_kl+") is K3Plus
-    assert reg.get("k1+") is K1Plus and reg.get("k1+k2") is K1Plus
-    assert not K3Plus().needs_logits and not K3Plus().unbiased_as_reward
+    for name, value in (("k3+", "K3"), ("k3+k2", "K3"), ("low_var_kl+", "K3"), ("k1+", "K1"), ("k1+k2", "K1")):
+        estimator = reg.create(name)
+        assert type(estimator) is StraightThroughKL
+        assert (type(estimator.value_estimator).__name__, type(estimator.gradient_estimator).__name__) == (value, "K2")
+    assert not reg.create("k3+").needs_logits and not reg.create("k3+").unbiased_as_reward
     assert StraightThroughKL("full", "k2").needs_logits  # either side needing logits is enough
 
 

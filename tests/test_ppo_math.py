@@ -541,7 +541,7 @@ def test_importance_weighted_value_unbiased_estimators_have_the_exact_kl_gradien
     E_{pi_old}[w k] = E_{pi_theta}[k] = KL for any theta, so their gradients agree (float64, no sampling)."""
     from rlhf_lightning.registry import registry
 
-    estimator = registry("kl_estimator").get(name)()
+    estimator = registry("kl_estimator").create(name)
     g = torch.Generator().manual_seed(0)
     theta = torch.randn(2, 7, generator=g, dtype=torch.float64).requires_grad_()
     old = torch.randn(2, 7, generator=g, dtype=torch.float64).log_softmax(-1)

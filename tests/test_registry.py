@@ -19,6 +19,7 @@ import torch
 import rlhf_lightning.registry as reg_mod
 from rlhf_lightning.interfaces import BetaController, KLEstimator
 from rlhf_lightning.registry import (
+    resolve_short_class_path,
     DISABLE_AUTOLOAD_ENV,
     ENTRY_POINT_GROUP,
     UnknownPluginError,
@@ -116,6 +117,25 @@ def test_register_decorator_returns_the_class(isolated):
     (entry,) = [e for e in kl.entries() if e.name == "triple_k1"]
     assert entry.description == "Three times k1."  # first docstring line when none is given
     assert entry.aliases == ("k1x3",)
+
+
+def test_a_preset_binds_arguments_and_a_name_cannot_be_rebound(isolated):
+    kl = registry("kl_estimator")
+
+    class Scaled(OtherKL):
+        def __init__(self, scale: float = 1.0) -> None:
+            self.scale = scale
+
+    kl.register("scaled", Scaled)
+    kl.register("double", Scaled, init_args={"scale": 2.0})
+    kl.register("double", Scaled, init_args={"scale": 2.0})  # the same registration again (a re-import): allowed
+    assert kl.create("double").scale == 2.0 and kl.create("double", scale=3.0).scale == 3.0
+    assert kl.build("double").scale == 2.0 and kl.build("scaled").scale == 1.0
+    with pytest.raises(ValueError, match=r"'double' is already registered to .*Scaled\(scale=2.0\)"):
+        kl.register("double", Scaled, init_args={"scale": 4.0})
+    assert resolve_short_class_path(KLEstimator, "scaled").endswith("Scaled")
+    assert resolve_short_class_path(KLEstimator, "double") is None  # a preset is built from its name
+    assert resolve_short_class_path(BetaController, "scaled") is None  # another kind's name
 
 
 # ---------------------------------------------------------------------------------------------
