@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from rlhf_lightning.registry import REGISTRIES, load_plugins, teach_jsonargparse_short_names
+from rlhf_lightning.registry import REGISTRIES, load_plugins, preset_arguments, teach_jsonargparse_short_names
 
 if TYPE_CHECKING:
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -22,12 +22,12 @@ if TYPE_CHECKING:
 
 def print_plugins() -> None:
     """Every registered plugin: a table at the terminal's width, or one tab-separated line per
-    plugin (kind, name, aliases, class, description) when the output is a pipe or a file."""
+    plugin (kind, name, aliases, class with a preset's bound arguments, description) when the output is a pipe or a file."""
     from rich.console import Console
     from rich.table import Table
 
     rows = [
-        (kind, entry.name, ", ".join(entry.aliases), f"{entry.cls.__module__}.{entry.cls.__qualname__}", entry.description)
+        (kind, entry.name, ", ".join(entry.aliases), entry.class_path + preset_arguments(entry.init_args), entry.description)
         for kind, reg in REGISTRIES.items() for entry in reg.entries()
     ]  # fmt: skip
     console = Console()

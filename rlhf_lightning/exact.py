@@ -61,6 +61,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.checks import require
 from rlhf_lightning.module import PPORLHF
 
 BANNED_LOGIT = -1e4  # added to the logits of non-content tokens: probability exactly 0, entropy still finite
@@ -189,8 +190,8 @@ def toy_tokenizer(prompt_tokens: Sequence[str], content_tokens: Sequence[str]):
     from transformers import PreTrainedTokenizerFast
 
     tokens = [*SPECIAL_TOKENS, *prompt_tokens, *content_tokens]
-    if len(set(tokens)) != len(tokens) or any(len(t) != 1 for t in (*prompt_tokens, *content_tokens)):
-        raise ValueError(f"prompt and content tokens must be distinct single characters, got {tokens[3:]}")
+    require(len(set(tokens)) == len(tokens) and all(len(t) == 1 for t in (*prompt_tokens, *content_tokens)),
+            "the task's prompt and content tokens", "distinct single characters", tokens[3:])  # fmt: skip
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -229,8 +230,7 @@ class ExactTask:
     def dataloader(self, iterations: int, batch_size: int) -> DataLoader:
         """``iterations`` batches that each hold every prompt ``batch_size / len(prompts)`` times,
         so each rollout estimates E_x with x uniform, exactly as the exact sums weigh it."""
-        if batch_size % len(self.prompts):
-            raise ValueError(f"batch_size={batch_size} must be a multiple of the {len(self.prompts)} prompts")
+        require(batch_size % len(self.prompts) == 0, "batch_size", f"a multiple of the {len(self.prompts)} prompts", batch_size)
         batch = list(self.prompts) * (batch_size // len(self.prompts))
         return DataLoader(batch * iterations, batch_size=batch_size, shuffle=False, collate_fn=list)
 
@@ -261,9 +261,8 @@ class ExactPPORLHF(PPORLHF):
     (estimator, controller, PPO settings) goes to PPORLHF unchanged."""
 
     def __init__(self, task: ExactTask = TASKS["terminal"], **kwargs: Any) -> None:
-        for fixed in ("policy", "tokenizer", "reward_model", "max_new_tokens", "min_new_tokens", "lora_rank"):
-            if fixed in kwargs:
-                raise ValueError(f"ExactPPORLHF sets {fixed} itself from the task")
+        fixed = {"policy", "tokenizer", "reward_model", "max_new_tokens", "min_new_tokens", "lora_rank"} & set(kwargs)
+        require(not fixed, "ExactPPORLHF's arguments", "free of what the task sets itself", sorted(fixed))
         tiny_config = {**EXACT_TINY_CONFIG, **(kwargs.pop("tiny_config", None) or {})}
         super().__init__(
             policy="tiny", reward_model=task.reward_model(), max_new_tokens=task.response_length,
@@ -405,8 +404,7 @@ def train(
     from lightning import Trainer, seed_everything
 
     num_generations = module_kwargs.get("num_generations", 1)
-    if batch_size % num_generations:
-        raise ValueError(f"batch_size={batch_size} responses must be a multiple of num_generations={num_generations}")
+    require(batch_size % num_generations == 0, "batch_size", f"a multiple of num_generations={num_generations}", batch_size)
 
     seed_everything(seed, verbose=False)
     module = ExactPPORLHF(task, seed=seed, **module_kwargs)

@@ -7,38 +7,17 @@ These are plain ABCs (not ``typing.Protocol``) so that jsonargparse can resolve
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from typing import Any, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from rlhf_lightning.checks import ConfigError, ConfigFileNotFoundError, finite_number, require  # noqa: F401 (re-exported)
 from rlhf_lightning.registry import register_kind
+from rlhf_lightning.reward_shaping import ScoreShaping, check_scores
 
 KLUnit = Literal["sequence_sum", "token_mean"]
-
-
-def finite_number(value: Any) -> bool:
-    """An int or float that is neither inf nor nan (what a numeric setting must be)."""
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-class ConfigError(ValueError):
-    """A setting, a file it names, or a plugin's output that cannot work; its message names the
-    field. The command prints it and exits with status 2, without a traceback."""
-
-
-class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
-    """A file that a setting names does not exist."""
-
-
-def require(condition: bool, field: str, requirement: str, value: Any) -> None:
-    """Unless ``condition``: ``ConfigError("<field> must be <requirement>, got <value>")``, the one
-    shape of every configuration error (``field`` as the user writes it: ``model.lr``,
-    ``beta_controller.target``, ``KLGuard.max_kl``)."""
-    if not condition:
-        raise ConfigError(f"{field} must be {requirement}, got {value!r}")
 
 
 class KLEstimator(ABC):
@@ -197,11 +176,7 @@ class RewardModel(ABC):
         clip: Optional[float] = None,
         missing_eos_penalty: Optional[float] = None,
     ) -> None:
-        require(clip is None or clip > 0, "reward_model.clip", "> 0 or null", clip)
-        self.normalize = normalize
-        self.clip = clip
-        self.missing_eos_penalty = missing_eos_penalty
-        self.stats = RunningMeanStd()
+        self.shaping = ScoreShaping(normalize, clip, missing_eos_penalty)
 
     @abstractmethod
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor | Sequence[float]:
@@ -223,81 +198,18 @@ class RewardModel(ABC):
         return raw, self.shape_scores(raw, ended_with_eos, sum_fn, update_stats)
 
     def checked_scores(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
-        """Raw scores as float32 (batch,) on CPU; ValueError for a wrong shape, FloatingPointError
-        for non-finite scores, each naming the backend."""
-        raw = self.score(prompts, responses)
-        raw = torch.as_tensor(raw.detach().cpu() if isinstance(raw, Tensor) else raw, dtype=torch.float32)
-        name = type(self).__name__
-        if raw.shape != (len(responses),):
-            raise ValueError(
-                f"reward model {name} returned scores of shape {tuple(raw.shape)}; "
-                f"expected one score per response, shape ({len(responses)},)"
-            )
-        bad = (~torch.isfinite(raw)).nonzero().flatten().tolist()
-        if bad:
-            raise FloatingPointError(f"reward model {name} returned non-finite scores for responses {bad}: {raw[bad].tolist()}")
-        return raw
+        """Raw scores as float32 (batch,) on CPU, checked (``reward_shaping.check_scores``)."""
+        return check_scores(self.score(prompts, responses), type(self).__name__, len(responses))
 
     def shape_scores(self, raw: Tensor, ended_with_eos: Tensor, sum_fn=None, update_stats: bool = True) -> Tensor:
-        """Missing-EOS penalty, running normalisation (global when ``sum_fn`` all-reduces; frozen
-        statistics with ``update_stats=False``, as in evaluation), then clipping."""
-        scores = raw.clone()
-        if self.missing_eos_penalty is not None:
-            scores = scores - self.missing_eos_penalty * (~ended_with_eos.cpu()).float()
-        if self.normalize:
-            if update_stats:
-                self.stats.update(scores, sum_fn)
-            scores = (scores - self.stats.mean) / (self.stats.std + 1e-8)
-        if self.clip is not None:
-            scores = scores.clamp(-self.clip, self.clip)
-        return scores
+        """The scores the policy is trained on (``reward_shaping.ScoreShaping``)."""
+        return self.shaping(raw, ended_with_eos, sum_fn, update_stats)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"stats": self.stats.state_dict()}
+        return self.shaping.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stats.load_state_dict(state["stats"])
-
-
-class RunningMeanStd:
-    """Running mean and (population) standard deviation of every value seen, merged batch by
-    batch with Chan et al.'s parallel update; std is 1 until two values have been seen."""
-
-    def __init__(self) -> None:
-        self.count = 0.0
-        self.mean = 0.0
-        self.m2 = 0.0  # sum of squared deviations from the mean
-
-    @property
-    def var(self) -> float:
-        return self.m2 / self.count if self.count >= 2 else 1.0
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.var)
-
-    def update(self, x: Tensor, sum_fn=None) -> None:
-        # Global batch moments from three all-reduced sums, so every rank holds the same stats.
-        x = x.double().flatten()
-        sums = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * x).sum()])
-        if sum_fn is not None:
-            sums = sum_fn(sums)
-        n, s, ss = (float(v) for v in sums)
-        if n == 0:
-            return
-        batch_mean = s / n
-        batch_m2 = max(ss - n * batch_mean**2, 0.0)
-        total = self.count + n
-        delta = batch_mean - self.mean
-        self.m2 += batch_m2 + delta**2 * self.count * n / total
-        self.mean += delta * n / total
-        self.count = total
-
-    def state_dict(self) -> dict[str, float]:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
+        self.shaping.load_state_dict(state)
 
 
 register_kind("kl_estimator", KLEstimator)

@@ -40,11 +40,6 @@ def _tensorboards(trainer) -> list[TensorBoardLogger]:
     return [logger for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
 
 
-def _skipped_iterations(pl_module) -> int:
-    """The module's count of iterations skipped for a fault (they log no KL)."""
-    return getattr(pl_module, "faults", {}).get("skipped_iterations", 0)
-
-
 class RunningLevel:
     """The typical recent value of a metric: an exponential moving average
     ``level <- decay * level + (1 - decay) * x`` started at the first value, or the median of
@@ -77,7 +72,7 @@ class KLGuard(Callback):
     """Watches the KL to the reference after every PPO iteration; warns on spikes and enforces a budget.
 
     After each training batch it reads ``objective/kl`` (mean over responses of the summed
-    per-token KL) and ``objective/kl_max`` (the largest response's) from ``trainer.callback_metrics``.
+    per-token KL) and ``objective/kl_max`` (the largest response's) from the iteration's ``outputs``.
 
     * **Spike**: a watched value ``x > spike_factor * max(level, min_level)``, where ``level`` is
       the metric's running level over the previous iterations (see :class:`RunningLevel`), checked
@@ -161,7 +156,6 @@ class KLGuard(Callback):
         self.good_iterations = 0
         self.snapshot: Optional[dict[str, Any]] = None
         self.stop_reason: Optional[str] = None
-        self._skipped_at_start = 0
 
     @property
     def state_key(self) -> str:
@@ -175,13 +169,9 @@ class KLGuard(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self.snapshot = None  # a full copy of the trainable state; free it
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._skipped_at_start = _skipped_iterations(pl_module)
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if _skipped_iterations(pl_module) != self._skipped_at_start:
-            return  # the module skipped this iteration for a fault: no KL was measured
-        values = {name: float(trainer.callback_metrics[name]) for name in WATCHED if name in trainer.callback_metrics}
+        metrics = outputs.get("metrics") or {}  # empty when the module skipped the iteration for a fault
+        values = {name: float(metrics[name]) for name in WATCHED if name in metrics}
         if not values:
             return
         iteration = pl_module.step  # the iteration's TensorBoard step, as its scalars
@@ -305,8 +295,8 @@ class TokenKLView(Callback):
       ``first`` the first ones of the batch.
     * ``{tag}/per_token`` (Histograms): kl_t of every response token of the batch (rank 0's share).
 
-    Reads the module's ``last_rollout`` (a ``Rollout``) and ``last_kl`` (batch, response_len),
-    set by ``training_step``; an iteration skipped for a fault draws nothing. Iterations 1,
+    Reads the rollout and its per-token KL (batch, response_len) from the iteration's ``outputs``
+    (what ``training_step`` returns); an iteration skipped for a fault draws nothing. Iterations 1,
     1 + n, 1 + 2n, ... are drawn, like the module's sample table.
 
     Args:
@@ -333,8 +323,6 @@ class TokenKLView(Callback):
         require(order in ("max_kl", "first"), "TokenKLView.order", "'max_kl' or 'first'", order)
         self.every_n_iterations, self.num_samples, self.max_tokens = every_n_iterations, num_samples, max_tokens
         self.order, self.line_chars, self.tag = order, line_chars, tag
-        self._last_drawn = None
-        self._warned = False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit" and not _tensorboards(trainer):
@@ -344,15 +332,9 @@ class TokenKLView(Callback):
         if pl_module.step % self.every_n_iterations or not trainer.is_global_zero:
             return
         loggers = _tensorboards(trainer)
-        rollout, kl = getattr(pl_module, "last_rollout", None), getattr(pl_module, "last_kl", None)
-        if rollout is None or kl is None:
-            if not self._warned:
-                rank_zero_warn(f"TokenKLView needs {type(pl_module).__name__}.last_rollout and .last_kl; it draws nothing")
-                self._warned = True
+        if not loggers or outputs.get("skipped", True):
             return
-        if not loggers or rollout is self._last_drawn:  # a skipped iteration leaves the previous rollout
-            return
-        self._last_drawn = rollout
+        rollout, kl = outputs["rollout"], outputs["kl"]
         kl, mask = kl.detach().float().cpu(), rollout.mask.bool().cpu()
         image = self.draw(pl_module.tokenizer, rollout, kl, mask)
         values = kl[mask]

@@ -24,6 +24,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from rlhf_lightning.checks import require
+
 BUILTIN_MODELS = ("tiny", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_CONFIG = dict(
@@ -132,10 +134,9 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
     else:
         location, kwargs = _pretrained_location(spec, tokenizer_only=True)
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
-    if tokenizer.pad_token is None:
-        raise ValueError(f"tokenizer {spec!r} has no pad token; set one (e.g. pad_token = eos_token) in its tokenizer_config.json")
-    if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {spec!r} has no EOS token, so responses could never end")
+    require(tokenizer.pad_token is not None, "model.tokenizer",
+            "a tokenizer with a pad token (set one, e.g. pad_token = eos_token, in its tokenizer_config.json)", spec)  # fmt: skip
+    require(tokenizer.eos_token_id is not None, "model.tokenizer", "a tokenizer with an EOS token (or responses never end)", spec)
     tokenizer.padding_side = "left"
     return tokenizer
 

@@ -31,7 +31,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, TypedDict, Union
 
 import torch
 from lightning import LightningModule
@@ -76,7 +76,7 @@ class Rollout:
     response: Tensor  # response token ids
     mask: Tensor  # 1 on real response tokens, up to and including the first EOS
     ended_with_eos: Tensor  # (batch,) bool
-    logprobs: Tensor  # log pi_old of the sampled tokens
+    old_logprobs: Tensor  # log pi_old of the sampled tokens: the policy that sampled them
     ref_logprobs: Tensor
     values: Optional[Tensor]  # V_old(s_t); None without a critic
     entropy: Tensor
@@ -88,6 +88,27 @@ class Rollout:
     @property
     def prompt_len(self) -> int:
         return self.input_ids.shape[1] - self.response.shape[1]
+
+
+@dataclass
+class Scored:
+    """The score phase's results. Per-token tensors are (batch, response_len); per-response (batch,)."""
+
+    kl: Tensor  # the penalised per-token KL estimate, zero off the KL mask
+    raw_scores: Optional[Tensor]  # r_RM as the backend returned it (None when the backend faulted)
+    scores: Optional[Tensor] = None  # r_RM shaped for training (missing-EOS penalty, normalisation, clip)
+    rewards: Optional[Tensor] = None  # R_t = r_RM * 1[t = T] - beta * kl_t (the KL only when it is in the reward)
+    fault: Optional[str] = None  # why the iteration is skipped: a non-finite reward or KL on some rank
+
+
+class IterationOutputs(TypedDict):
+    """What ``training_step`` returns: callbacks receive it as ``outputs`` in ``on_train_batch_end``."""
+
+    rollout: Rollout
+    kl: Tensor  # (batch, response_len), as in Scored
+    scores: Optional[Tensor]  # r_RM per response, as the backend returned it
+    metrics: dict[str, float]  # the iteration's logged metrics; empty for a skipped iteration
+    skipped: bool  # skipped for a fault (non-finite reward or KL): no update, no metrics
 
 
 class PPORLHF(LightningModule):
@@ -310,8 +331,6 @@ class PPORLHF(LightningModule):
 
         self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), trust_remote_code)
         self.kl_ignore_ids = torch.tensor([self._token_id(t) for t in kl_ignore_tokens or []], dtype=torch.long)
-        self.last_rollout: Optional[Rollout] = None  # for callbacks that inspect the latest iteration
-        self.last_kl: Optional[Tensor] = None
         self.policy: Optional[nn.Module] = None
         self.ref_model: Optional[nn.Module] = None
         self.initial_model: Optional[nn.Module] = None  # full fine-tuning with a moving reference: pi_0
@@ -446,59 +465,89 @@ class PPORLHF(LightningModule):
             logger.log_metrics({"memory/param_numel_local": float(self.param_numel_local)}, step=self.iteration)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        # Lightning logs, at each step, every step value it still holds from earlier steps: a skipped
+        # iteration would repeat the previous one's metrics at its own step (tests/test_faults.py).
+        if self.trainer._results is not None:
+            self.trainer._results.reset(metrics=False, fx="training_step")
         if self._rng_to_restore is not None:
             _set_rng_states(self._rng_to_restore)
             self._rng_to_restore = None
 
     # ------------------------------------------------------------------ the loop
-    def training_step(self, prompts: list[str], batch_idx: int) -> None:
-        self._check_batch_split(len(prompts))
-        # Each prompt's num_generations responses sit in consecutive rows of this rank's batch.
-        prompts = [prompt for prompt in prompts for _ in range(self.hparams.num_generations)]
-        beta = self.beta_controller.beta
-        timer = _Timer(self.device)
-        rollout = self.rollout(prompts, timer)
+    def training_step(self, prompts: list[str], batch_idx: int) -> IterationOutputs:
+        """One PPO iteration. What it returns reaches callbacks' ``on_train_batch_end`` as ``outputs``."""
+        beta, timer = self.current_beta(), _Timer(self.device)
+        rollout = self.rollout(self.repeat_prompts(prompts), timer)
         with timer("score"):
-            fault, raw_scores, kl = None, None, self.kl_per_token(rollout)  # kl: (batch, response_len), masked
-            try:
-                raw_scores = self.reward_model.checked_scores(rollout.prompts, rollout.responses)
-            except FloatingPointError as err:
-                fault = str(err)
-            if fault is None and not torch.isfinite(kl).all():
-                fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite"
-            if self._any_rank(fault is not None):  # every rank skips together, or collectives would hang
-                self.iteration += 1
-                return self._record_fault(fault or "a non-finite reward or KL on another rank", iteration_skipped=True)
-            scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._global_sum)
-            rewards = pm.token_rewards(scores.to(self.device), kl if self._kl_in_reward else torch.zeros_like(kl), rollout.mask, beta)
+            scored = self.score(rollout, beta)
+        if scored.fault is not None:  # on some rank: every rank skips together, or collectives would hang
+            return self.skip_iteration(rollout, scored)
         with timer("update"):
-            advantages, returns = self.compute_advantages(rewards, rollout)
-            skipped = self.ppo_update(rollout, advantages, returns, beta)
-        self.last_rollout, self.last_kl = rollout, kl
-        metrics = self.rollout_metrics(rollout, raw_scores, scores, kl, beta)
-        if self.gold_reward_model is not None:
-            gold = self.gold_reward_model.checked_scores(rollout.prompts, rollout.responses)
-            metrics["objective/gold_reward"] = float(self._global_sum(gold.sum().to(self.device)) / metrics["response/count"])
+            advantages, returns = self.compute_advantages(scored.rewards, rollout)
+            skipped_steps = self.ppo_update(rollout, advantages, returns, beta)
+        return self.end_iteration(rollout, scored, beta, skipped_steps, timer)
+
+    def repeat_prompts(self, prompts: list[str]) -> list[str]:
+        """Each prompt ``num_generations`` times, its group in consecutive rows of this rank's batch."""
+        self._check_batch_split(len(prompts))
+        return [prompt for prompt in prompts for _ in range(self.hparams.num_generations)]
+
+    def current_beta(self) -> float:
+        """The controller's beta for this iteration, checked: a plugin's output the loop relies on."""
+        beta = self.beta_controller.beta
+        require(finite_number(beta) and beta >= 0, f"the beta of beta controller {type(self.beta_controller).__name__}",
+                "a finite number >= 0", beta)  # fmt: skip
+        return float(beta)
+
+    def score(self, rollout: Rollout, beta: float) -> Scored:
+        """r_RM from the reward backend, the per-token KL estimate, and the per-token rewards
+        R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in the reward).
+        A non-finite reward or KL on any rank is a fault, named in ``Scored.fault``."""
+        kl, raw_scores, fault = self.kl_per_token(rollout), None, None
+        try:
+            raw_scores = self.reward_model.checked_scores(rollout.prompts, rollout.responses)
+        except FloatingPointError as err:
+            fault = str(err)
+        if fault is None and not torch.isfinite(kl).all():
+            fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite"
+        if self._any_rank(fault is not None):
+            return Scored(kl, raw_scores, fault=fault or "a non-finite reward or KL on another rank")
+        scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce)
+        kl_in_reward = kl if self._kl_in_reward else torch.zeros_like(kl)
+        return Scored(kl, raw_scores, scores, pm.token_rewards(scores.to(self.device), kl_in_reward, rollout.mask, beta))
+
+    def skip_iteration(self, rollout: Rollout, scored: Scored) -> IterationOutputs:
+        """Count a faulty iteration (weights untouched) and log it as skipped, without stale metrics."""
+        self.iteration += 1
+        self._record_fault(scored.fault, iteration_skipped=True)
+        return {"rollout": rollout, "kl": scored.kl, "scores": scored.raw_scores, "metrics": {}, "skipped": True}
+
+    def end_iteration(self, rollout: Rollout, scored: Scored, beta: float, skipped_steps: int, timer: _Timer) -> IterationOutputs:
+        """The iteration's metrics (README, "Metrics"), the beta and entropy controllers' updates,
+        fault counting, logging, the sample table and the reference update."""
+        metrics = self.rollout_metrics(rollout, scored, beta)
+        n_samples = int(metrics["response/count"])
         observed = metrics["objective/kl"] if self.beta_controller.unit == "sequence_sum" else metrics["objective/kl_per_token"]
-        n_samples = int(self._global_sum(torch.tensor(float(len(prompts)))))
         self.beta_controller.update(observed, n_samples=n_samples)
         if self.entropy_controller is not None:
             metrics["objective/entropy_coef"] = self.entropy_controller.beta
             self._update_entropy_controller(metrics, n_samples)
         self.iteration += 1
-        if skipped:
-            self._record_fault(f"non-finite PPO loss: {skipped} optimizer step(s) skipped", iteration_skipped=False, steps=skipped)
+        if skipped_steps:
+            self._record_fault(f"non-finite PPO loss: {skipped_steps} optimizer step(s) skipped", iteration_skipped=False,
+                               steps=skipped_steps)  # fmt: skip
         else:
             self.faults["consecutive"] = 0
-        metrics.update({f"faults/{k}": float(v) for k, v in self.faults.items() if k != "consecutive"})
+        metrics.update(self._fault_metrics(iteration_skipped=False))
         metrics.update(self.consume_update_stats())
         metrics.update({f"timing/{k}_s": v for k, v in timer.seconds.items()})
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(prompts))
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rollout.prompts))
         for key, label in (("objective/reward", "reward"), ("objective/kl", "kl"), ("objective/beta", "beta")):
-            self.log(label, metrics[key], prog_bar=True, logger=False, on_step=True, batch_size=len(prompts))
+            self.log(label, metrics[key], prog_bar=True, logger=False, on_step=True, batch_size=len(rollout.prompts))
         if self.hparams.log_samples_every_n_steps and self.step % self.hparams.log_samples_every_n_steps == 0:
-            self.log_samples(rollout, raw_scores, kl)
+            self.log_samples(rollout, scored.raw_scores, scored.kl)
         self.update_reference()
+        return {"rollout": rollout, "kl": scored.kl, "scores": scored.raw_scores, "metrics": metrics, "skipped": False}
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], timer: Optional["_Timer"] = None) -> Rollout:
@@ -546,7 +595,7 @@ class PPORLHF(LightningModule):
             response=response,
             mask=mask,
             ended_with_eos=ended,
-            logprobs=pm.logprobs_of(logits, response),
+            old_logprobs=pm.logprobs_of(logits, response),
             ref_logprobs=pm.logprobs_of(ref_logits, response),
             values=None if values is None else values * mask,
             entropy=pm.entropy_of(logits),
@@ -560,9 +609,14 @@ class PPORLHF(LightningModule):
         """The penalised per-token KL estimate (batch, response_len), zero off the KL mask; with
         ``to_initial`` the same estimate against the starting policy (a moving reference only)."""
         if to_initial:
-            kl = self.kl_estimator(rollout.logprobs, rollout.initial_logprobs, rollout.logits, rollout.initial_logits)
+            kl = self.kl_estimator(rollout.old_logprobs, rollout.initial_logprobs, rollout.logits, rollout.initial_logits)
         else:
-            kl = self.kl_estimator(rollout.logprobs, rollout.ref_logprobs, rollout.logits, rollout.ref_logits)
+            kl = self.kl_estimator(rollout.old_logprobs, rollout.ref_logprobs, rollout.logits, rollout.ref_logits)
+        shape = tuple(rollout.old_logprobs.shape)
+        got = f"{type(kl).__name__} {tuple(kl.shape)} {kl.dtype}" if isinstance(kl, Tensor) else type(kl).__name__
+        require(isinstance(kl, Tensor) and tuple(kl.shape) == shape and kl.is_floating_point(),
+                f"the output of KL estimator {type(self.kl_estimator).__name__}",
+                f"a floating-point tensor of shape (batch, response_len) = {shape}", got)  # fmt: skip
         return pm.masked_select(kl, self.kl_mask(rollout.response, rollout.mask))
 
     def kl_mask(self, response: Tensor, mask: Tensor) -> Tensor:
@@ -575,24 +629,21 @@ class PPORLHF(LightningModule):
         if token == "eos":
             return self.tokenizer.eos_token_id
         token_id = self.tokenizer.convert_tokens_to_ids(token)
-        if token_id is None or token_id == self.tokenizer.unk_token_id:
-            raise ValueError(f"model.kl_ignore_tokens: {token!r} is not a single token of this tokenizer")
+        require(token_id is not None and token_id != self.tokenizer.unk_token_id, "each of model.kl_ignore_tokens",
+                "'eos' or a single token of this tokenizer", token)  # fmt: skip
         return token_id
 
     def compute_advantages(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor, Optional[Tensor]]:
         """The advantage estimator on the per-token rewards (and V_old with a critic), checked,
         then whitened over the global batch when ``whiten_advantages``."""
         estimator = self.advantage_estimator
-        advantages, returns = estimator(rewards, rollout.mask, rollout.values, self.hparams.num_generations, self._global_sum)
+        advantages, returns = estimator(rewards, rollout.mask, rollout.values, self.hparams.num_generations, self._reduce)
         expected = (tuple(rewards.shape), tuple(rewards.shape) if estimator.needs_critic else None)
         got = (tuple(advantages.shape), None if returns is None else tuple(returns.shape))
-        if got != expected:
-            raise ValueError(
-                f"advantage estimator {type(estimator).__name__} returned (advantages, returns) of shapes {got}; "
-                f"expected {expected}: (batch, response_len), and returns only when it needs a critic"
-            )
+        require(got == expected, f"the (advantages, returns) shapes of advantage estimator {type(estimator).__name__}",
+                f"{expected}: (batch, response_len), and returns only when it needs a critic", got)  # fmt: skip
         if self.hparams.whiten_advantages:
-            advantages = pm.masked_whiten(advantages, rollout.mask, sum_fn=self._global_sum)
+            advantages = pm.masked_whiten(advantages, rollout.mask, sum_fn=self._reduce)
         return advantages, returns
 
     def ppo_update(self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], beta: float) -> int:
@@ -623,7 +674,7 @@ class PPORLHF(LightningModule):
         size = len(minibatch) // self.hparams.gradient_accumulation_steps
         # The loss of the minibatch is sum w * loss_t over all its tokens on all ranks, with the
         # aggregation's weights w (global denominators), times the world size that DDP divides by.
-        weights = self.loss_aggregation.weights(rollout.mask[minibatch], self.hparams.max_new_tokens, self._global_sum)
+        weights = self.loss_aggregation.weights(rollout.mask[minibatch], self.hparams.max_new_tokens, self._reduce)
         weights = weights * self.trainer.world_size
         micro_batches = list(zip(minibatch.split(size), weights.split(size)))
         for i, (idx, micro_weights) in enumerate(micro_batches):
@@ -644,10 +695,10 @@ class PPORLHF(LightningModule):
         response_len = rollout.response.shape[1]
         logits, values = self.policy_outputs(input_ids, attention_mask, response_len)
         logprobs = pm.logprobs_of(logits, rollout.response[idx])
-        pg_loss, clipped = self.policy_loss(logprobs, rollout.logprobs[idx], advantages[idx], mask)
+        pg_loss, clipped = self.policy_loss(logprobs, rollout.old_logprobs[idx], advantages[idx], mask)
         loss = (weights * pg_loss).sum()
         stats = {"policy/loss": pm.masked_mean(pg_loss, mask), "policy/clipfrac": pm.masked_mean(clipped, mask),
-                 "policy/approxkl": pm.approx_kl(logprobs, rollout.logprobs[idx], mask)}  # fmt: skip
+                 "policy/approxkl": pm.approx_kl(logprobs, rollout.old_logprobs[idx], mask)}  # fmt: skip
         if values is not None:
             vf = pm.value_loss_terms(values, rollout.values[idx], returns[idx], mask, hp.cliprange_value)
             loss = loss + hp.vf_coef * (weights * vf.loss).sum()
@@ -660,7 +711,7 @@ class PPORLHF(LightningModule):
             # (full) does not depend on y_t and takes none. Its gradient only where no reward carries
             # k's score term.
             if hp.kl_loss_weighting == "importance" and self._kl_reads_sampled_token:
-                kl = pm.importance_weighted_kl(kl, logprobs, rollout.logprobs[idx], mask, ratio_gradient=hp.kl_penalty == "loss")
+                kl = pm.importance_weighted_kl(kl, logprobs, rollout.old_logprobs[idx], mask, ratio_gradient=hp.kl_penalty == "loss")
             kl = pm.masked_select(kl, kl_mask)
             loss = loss + beta * (weights * kl).sum()
             stats["policy/kl_loss"] = pm.masked_mean(kl, kl_mask)
@@ -690,14 +741,19 @@ class PPORLHF(LightningModule):
                 )
 
     def setup(self, stage: str) -> None:
-        """At start-up, before any model loads: every prompt of the data module's files is checked."""
+        """At start-up, before any model loads: the batch split and every prompt of the data
+        module's files (special-token strings, rendered length)."""
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if stage == "fit" and getattr(datamodule, "batch_size", None):
+            self._check_batch_split(datamodule.batch_size)
         for name in ("train_prompts", "val_prompts"):
-            self.check_prompt_text(getattr(datamodule, name, None) or [], f"data.{name.split('_')[0]}_path")
+            if getattr(datamodule, name, None):
+                self.encode_prompts(getattr(datamodule, name), f"data.{name.split('_')[0]}_path")
 
-    def encode_prompts(self, prompts: list[str]) -> dict[str, Tensor]:
-        """Render (chat template when available) and left-pad; masks come from the tokenizer."""
-        self.check_prompt_text(prompts)
+    def encode_prompts(self, prompts: list[str], field: str = "the prompts") -> dict[str, Tensor]:
+        """Render (chat template when available) and left-pad; masks come from the tokenizer. A
+        prompt with a special-token string, or longer than ``max_prompt_length``, is an error naming ``field``."""
+        self.check_prompt_text(prompts, field)
         tok = self.tokenizer
         use_template = self.hparams.use_chat_template and getattr(tok, "chat_template", None)
         if use_template:
@@ -709,9 +765,9 @@ class PPORLHF(LightningModule):
         too_long = (lengths > self.hparams.max_prompt_length).nonzero().flatten().tolist()
         if too_long:
             i = too_long[0]
-            raise ValueError(
-                f"prompt {prompts[i][:60]!r}... is {int(lengths[i])} tokens, longer than "
-                f"model.max_prompt_length={self.hparams.max_prompt_length} ({len(too_long)} such prompts in this batch)"
+            raise ConfigError(
+                f"{field}: prompt {i} ({prompts[i][:60]!r}...) is {int(lengths[i])} tokens, longer than "
+                f"model.max_prompt_length={self.hparams.max_prompt_length} ({len(too_long)} such prompts)"
             )
         return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
@@ -867,14 +923,15 @@ class PPORLHF(LightningModule):
     def _kl_in_reward(self) -> bool:
         return self.hparams.kl_penalty in ("reward", "both")
 
-    def _global_sum(self, t: Tensor) -> Tensor:
+    def _reduce(self, t: Tensor, op: Literal["sum", "max"] = "sum") -> Tensor:
+        """``t`` summed (or maxed) over all ranks, through the strategy; ``t`` itself on one process."""
         if self._trainer is None or self.trainer.world_size == 1:
             return t
-        return self.trainer.strategy.reduce(t.to(self.device), reduce_op="sum").to(t.device)
+        return self.trainer.strategy.reduce(t.to(self.device), reduce_op=op).to(t.device)
 
     def _any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank."""
-        return bool(self._global_sum(torch.tensor(float(flag), device=self.device)) > 0)
+        return bool(self._reduce(torch.tensor(float(flag), device=self.device)) > 0)
 
     def _record_fault(self, cause: str, iteration_skipped: bool, steps: int = 0) -> None:
         """Count and report a skipped iteration or update; stop after too many in a row."""
@@ -882,18 +939,18 @@ class PPORLHF(LightningModule):
         self.faults["skipped_steps"] += steps
         self.faults["consecutive"] += 1
         rank_zero_warn(f"iteration {self.step}: {cause}; skipped (weights untouched)")
-        if iteration_skipped:
-            self.log_dict({f"faults/{k}": float(v) for k, v in self.faults.items() if k != "consecutive"}, on_step=True)
+        if iteration_skipped:  # only the fault counts: no metric of an iteration that did not happen
+            self.log_dict(self._fault_metrics(iteration_skipped=True), on_step=True, on_epoch=False, batch_size=1)
         if self.faults["consecutive"] >= self.hparams.max_consecutive_faults:
             raise RuntimeError(
                 f"stopping: {self.faults['consecutive']} iterations in a row had faults "
                 f"(model.max_consecutive_faults={self.hparams.max_consecutive_faults}); last cause: {cause}"
             )
 
-    def _global_max(self, t: Tensor) -> Tensor:
-        if self._trainer is None or self.trainer.world_size == 1:
-            return t
-        return self.trainer.strategy.reduce(t.to(self.device), reduce_op="max").to(t.device)
+    def _fault_metrics(self, iteration_skipped: bool) -> dict[str, float]:
+        """``faults/iteration_skipped`` (1 at a skipped iteration's step, else 0) and the running counts."""
+        counts = {f"faults/{k}": float(v) for k, v in self.faults.items() if k != "consecutive"}
+        return {"faults/iteration_skipped": float(iteration_skipped), **counts}
 
     def _no_grad_sync(self, last: bool):
         """Skip DDP's gradient all-reduce on all but the last micro-batch of a minibatch."""
@@ -904,19 +961,16 @@ class PPORLHF(LightningModule):
     def _check_batch_split(self, batch_size: int) -> None:
         hp = self.hparams
         parts = hp.num_minibatches * hp.gradient_accumulation_steps
-        if batch_size * hp.num_generations % parts:
-            raise ValueError(
-                f"data.batch_size * model.num_generations = {batch_size} * {hp.num_generations} responses must be "
-                f"divisible by model.num_minibatches * model.gradient_accumulation_steps = "
-                f"{hp.num_minibatches} * {hp.gradient_accumulation_steps}"
-            )
+        require(batch_size * hp.num_generations % parts == 0, "data.batch_size * model.num_generations",
+                f"divisible by model.num_minibatches * model.gradient_accumulation_steps = {hp.num_minibatches} * "
+                f"{hp.gradient_accumulation_steps}", f"{batch_size} * {hp.num_generations}")  # fmt: skip
 
     # ------------------------------------------------------------------ metrics
-    def rollout_metrics(self, rollout: Rollout, raw_scores: Tensor, scores: Tensor, kl: Tensor, beta: float) -> dict[str, float]:
+    def rollout_metrics(self, rollout: Rollout, scored: Scored, beta: float) -> dict[str, float]:
         """Global (all-rank) means of what the rollout saw; names are documented in the README."""
-        mask = rollout.mask
+        mask, kl, raw_scores, scores = rollout.mask, scored.kl, scored.raw_scores, scored.scores
         kl_seq = kl.sum(-1)
-        sums = self._global_sum(torch.stack([
+        sums = self._reduce(torch.stack([
             torch.tensor(float(len(raw_scores)), device=self.device),
             raw_scores.to(self.device).sum(), scores.to(self.device).sum(), kl_seq.sum(), kl.sum(), mask.sum(),
             (rollout.entropy * mask).sum(), rollout.ended_with_eos.float().sum(),
@@ -925,13 +979,17 @@ class PPORLHF(LightningModule):
         kl_mean = kl_total / n
         kl_to_initial = kl_mean  # the same estimate against pi_0, which is the reference unless it moves
         if rollout.initial_logprobs is not None:
-            kl_to_initial = float(self._global_sum(self.kl_per_token(rollout, to_initial=True).sum().double().to(self.device))) / n
+            kl_to_initial = float(self._reduce(self.kl_per_token(rollout, to_initial=True).sum().double().to(self.device))) / n
+        gold = {}
+        if self.gold_reward_model is not None:
+            gold_scores = self.gold_reward_model.checked_scores(rollout.prompts, rollout.responses)
+            gold = {"objective/gold_reward": float(self._reduce(gold_scores.sum().double().to(self.device))) / n}
         return {
             "objective/reward": reward / n,
             "objective/reward_trained": reward_trained / n,
             "objective/kl": kl_mean,
             "objective/kl_per_token": kl_tokens / n_tokens,
-            "objective/kl_max": float(self._global_max(kl_seq.max().double())),
+            "objective/kl_max": float(self._reduce(kl_seq.max().double(), op="max")),
             "objective/kl_to_initial": kl_to_initial,
             "reference/updates": float(self.reference_updates),
             "objective/non_score_reward": -beta * kl_mean,
@@ -942,6 +1000,7 @@ class PPORLHF(LightningModule):
             "response/length": n_tokens / n,
             "response/eos_fraction": n_eos / n,
             "response/count": n,
+            **gold,
         }
 
     def consume_update_stats(self) -> dict[str, float]:

@@ -31,6 +31,8 @@ from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional
 
+from rlhf_lightning.checks import require
+
 ENTRY_POINT_GROUP = "rlhf_lightning.plugins"
 DISABLE_AUTOLOAD_ENV = "RLHF_LIGHTNING_DISABLE_PLUGIN_AUTOLOAD"
 
@@ -81,7 +83,7 @@ class Registry:
         for key in (name, *aliases):
             taken = self._entries.get(self._names.get(key, ""))
             if taken is not None and (taken.cls, dict(taken.init_args)) != (cls, init_args):
-                raise ValueError(f"{self.kind} name {key!r} is already registered to {taken.class_path}{_preset(taken.init_args)}")
+                raise ValueError(f"{self.kind} name {key!r} is already registered to {taken.class_path}{preset_arguments(taken.init_args)}")
         description = description or next(iter((cls.__doc__ or "").strip().splitlines()), "")
         self._entries[name] = PluginEntry(name, cls, description, aliases, MappingProxyType(init_args))
         for key in (name, *aliases):
@@ -110,10 +112,8 @@ class Registry:
             return spec
         if isinstance(spec, str):
             return self.create(spec)
-        raise TypeError(
-            f"{field or self.kind} must be a registered name ({', '.join(self.names())}) or a "
-            f"{self.base.__name__} instance, got {type(spec).__name__}: {spec!r}"
-        )
+        require(False, field or self.kind, f"a registered name ({', '.join(self.names())}) or a {self.base.__name__} instance",
+                spec)  # fmt: skip
 
     def names(self) -> list[str]:
         _load_plugins()
@@ -157,7 +157,8 @@ def register(
     return decorator
 
 
-def _preset(init_args: Mapping[str, Any]) -> str:
+def preset_arguments(init_args: Mapping[str, Any]) -> str:
+    """A preset's bound arguments as a call's: ``(value='k3', gradient='k2')``; empty for a class."""
     return f"({', '.join(f'{k}={v!r}' for k, v in init_args.items())})" if init_args else ""
 
 

@@ -37,7 +37,7 @@ class RecordGroups(Callback):
         self.path = path
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        prompts = pl_module.last_rollout.prompts
+        prompts = outputs["rollout"].prompts
         runs = 1 + sum(a != b for a, b in zip(prompts, prompts[1:]))
         with open(self.path, "a") as f:
             f.write(f"{trainer.global_rank} {pl_module.iteration} {len(prompts)} {runs}\n")

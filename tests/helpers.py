@@ -29,13 +29,15 @@ def make_module(**overrides) -> PPORLHF:
 
 
 class MetricsHistory(Callback):
-    """Records the logged metrics after every training batch."""
+    """Records the logged metrics after every training batch, and what ``training_step`` returned."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
+        self.outputs: list[dict] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self.outputs.append(outputs)
 
     def series(self, key: str) -> list[float]:
         return [row[key] for row in self.rows]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from rlhf_lightning.cli import build_cli
 from rlhf_lightning.data import PromptDataModule, load_prompts
+from rlhf_lightning.interfaces import BetaController, ConfigError, KLEstimator, RewardModel
 from rlhf_lightning.models import char_tokenizer, load_tokenizer
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import UnknownPluginError
@@ -102,7 +104,7 @@ def test_tokenizer_without_pad_token(tmp_path):
     tokenizer = char_tokenizer()
     tokenizer.pad_token = None
     tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="has no pad token; set one"):
+    with pytest.raises(ConfigError, match=r"model.tokenizer must be a tokenizer with a pad token \(set one"):
         load_tokenizer(str(tmp_path))
 
 
@@ -232,3 +234,88 @@ def test_special_token_strings_in_a_prompt_file_are_refused_before_any_model_loa
 def test_non_finite_and_impossible_numbers_are_refused_at_start_up(arg, message):
     with pytest.raises(ValueError, match=message):
         build_cli(["--config", TINY, arg], run=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checked at start-up (setup), before any model loads
+
+
+def test_prompt_lengths_and_the_batch_split_are_checked_before_any_model_loads(tmp_path, monkeypatch):
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join(["short"] * 15 + ["x" * 300]) + "\n")  # the long prompt is in no first batch
+
+    def no_models(self):
+        raise AssertionError("a model loaded before the check")
+
+    monkeypatch.setattr(PPORLHF, "_load_policy", no_models)
+    module = PPORLHF(policy="tiny", reward_model=char_reward(), max_prompt_length=64)
+    with pytest.raises(
+        ConfigError, match=r"data.train_path: prompt 15 \('xxx.*is \d+ tokens, longer than model.max_prompt_length=64 \(1 such"
+    ):
+        fit(module, tmp_path, iterations=1, datamodule=PromptDataModule(train_path=str(path), batch_size=8))
+    module = PPORLHF(policy="tiny", reward_model=char_reward(), num_minibatches=3)
+    with pytest.raises(ConfigError, match=r"data.batch_size \* model.num_generations must be divisible by model.num_minibatches \* "
+                       r"model.gradient_accumulation_steps = 3 \* 1, got '8 \* 1'"):  # fmt: skip
+        fit(module, tmp_path, iterations=1, batch_size=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plugin outputs, checked where the loop receives them, naming the plugin
+
+
+class PerResponseKL(KLEstimator):
+    """Sums over the response: one number per response where the loop needs one per token."""
+
+    def __call__(self, logprobs, ref_logprobs, logits=None, ref_logits=None):
+        return (logprobs - ref_logprobs).sum(-1)
+
+
+class NegativeBeta(BetaController):
+    def update(self, observed_kl, n_samples):
+        self.beta = -1.0
+        return self.beta
+
+
+def test_a_kl_estimator_with_the_wrong_output_shape_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"the output of KL estimator PerResponseKL must be a floating-point tensor of shape "
+                       r"\(batch, response_len\) = \(8, 12\), got 'Tensor \(8,\) torch.float32'"):  # fmt: skip
+        fit(make_module(kl_estimator=PerResponseKL()), tmp_path, iterations=1)
+
+
+def test_a_beta_controller_whose_beta_goes_negative_is_named(tmp_path):
+    module = make_module(beta_controller=NegativeBeta(init_beta=0.1))
+    with pytest.raises(ConfigError, match=r"the beta of beta controller NegativeBeta must be a finite number >= 0, got -1.0"):
+        fit(module, tmp_path, iterations=2)
+    assert module.iteration == 1  # the first iteration ran with beta 0.1; the second refused -1
+
+
+def returning(value):
+    class Odd(RewardModel):
+        def score(self, prompts, responses):
+            return value
+
+    return Odd()
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"a": 1.0, "b": 2.0}, "returned a dict; expected a tensor, an array or a list of numbers, one per response \\(2\\)"),
+        ("0.5", "returned a str"),
+        (None, "returned a NoneType"),
+        (["high", "low"], "returned scores that are not numbers"),
+        ([1.0, 2.0, 3.0], r"returned scores of shape \(3,\); expected one score per response, shape \(2,\)"),
+    ],
+    ids=["dict", "str", "None", "strings", "too-many"],
+)
+def test_a_reward_backend_returning_something_else_is_named(value, message):
+    with pytest.raises(ConfigError, match="reward model Odd " + message):
+        returning(value).checked_scores(["p", "q"], ["x", "y"])
+
+
+@pytest.mark.parametrize(
+    "value", [[1, 2.5], (1, 2.5), np.array([1.0, 2.5]), torch.tensor([1.0, 2.5], dtype=torch.float64)],
+    ids=["list", "tuple", "array", "float64-tensor"],
+)  # fmt: skip
+def test_a_reward_backend_may_return_a_tensor_an_array_or_a_list(value):
+    assert torch.equal(returning(value).checked_scores(["p", "q"], ["x", "y"]), torch.tensor([1.0, 2.5]))

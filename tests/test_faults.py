@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rlhf_lightning.interfaces import RewardModel
 
@@ -79,3 +81,20 @@ def test_non_finite_loss_skips_only_that_optimizer_step(tmp_path, monkeypatch):
     assert module.faults["skipped_steps"] == 1 and module.faults["skipped_iterations"] == 0
     assert torch.isfinite(snaps.after[0]).all()
     assert not torch.equal(snaps.before[0], snaps.after[0])  # the first, finite step was taken
+
+
+def test_a_skipped_iteration_shows_in_tensorboard_as_skipped_without_stale_metrics(tmp_path):
+    module = make_module(reward_model=FlakyReward(nan_calls={1}))
+    logger = TensorBoardLogger(str(tmp_path), name="", version="run")
+    with pytest.warns(UserWarning, match=r"iteration 1: reward model FlakyReward returned non-finite scores"):
+        _, history = fit(module, tmp_path, iterations=3, logger=logger, log_every_n_steps=1)
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+
+    def series(tag):
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    assert series("faults/iteration_skipped") == [(0, 0.0), (1, 1.0), (2, 0.0)]  # the step the warning names
+    assert series("faults/skipped_iterations") == [(0, 0.0), (1, 1.0), (2, 1.0)]
+    assert [step for step, _ in series("objective/reward")] == [0, 2]  # nothing logged for the skipped step
+    assert [o["skipped"] for o in history.outputs] == [False, True, False] and history.outputs[1]["metrics"] == {}

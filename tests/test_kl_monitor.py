@@ -45,9 +45,8 @@ def feed(guard: KLGuard, kl: list[float], kl_max: list[float]) -> tuple[list[str
         warnings.simplefilter("always")
         for kl_t, kl_max_t in zip(kl, kl_max):
             module.iteration += 1
-            trainer.callback_metrics = {"objective/kl": torch.tensor(kl_t), "objective/kl_max": torch.tensor(kl_max_t)}
-            guard.on_train_batch_start(trainer, module, None, 0)
-            guard.on_train_batch_end(trainer, module, None, None, 0)
+            metrics = {"objective/kl": kl_t, "objective/kl_max": kl_max_t}
+            guard.on_train_batch_end(trainer, module, {"metrics": metrics, "skipped": False}, None, 0)
     return [str(w.message) for w in caught], trainer, module
 
 
@@ -95,16 +94,14 @@ def test_state_dict_round_trip_continues_the_same_levels():
 
 
 def test_an_iteration_skipped_for_a_fault_is_not_judged():
-    """A skipped iteration logs no KL: callback_metrics still hold the previous iteration's values."""
+    """A skipped iteration returns no metrics (callback_metrics still hold the previous iteration's KL)."""
     guard = KLGuard(max_kl=1.0)
     trainer = SimpleNamespace(callback_metrics={"objective/kl": torch.tensor(5.0)}, loggers=[], is_global_zero=True)
     module = FakeModule()
-    module.faults = {"skipped_iterations": 0}
-    guard.on_train_batch_start(trainer, module, None, 0)
-    module.iteration, module.faults["skipped_iterations"] = 1, 1
+    module.iteration = 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        guard.on_train_batch_end(trainer, module, None, None, 0)
+        guard.on_train_batch_end(trainer, module, {"metrics": {}, "skipped": True}, None, 0)
     assert guard.counts["violations"] == 0 and module.logged == [] and guard.levels["objective/kl"].n == 0
 
 
@@ -203,7 +200,7 @@ def test_token_kl_view_writes_an_image_and_a_histogram(tmp_path):
     module = make_module()
     view = TokenKLView(every_n_iterations=2, num_samples=2)
     logger = TensorBoardLogger(str(tmp_path), name="", version="view")
-    fit(module, tmp_path, iterations=3, batch_size=4, callbacks=[view], logger=logger, log_every_n_steps=1)
+    _, history = fit(module, tmp_path, iterations=3, batch_size=4, callbacks=[view], logger=logger, log_every_n_steps=1)
     events = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "histograms": 0})
     events.Reload()
     assert "kl_tokens/responses" in events.Tags()["images"]
@@ -212,9 +209,10 @@ def test_token_kl_view_writes_an_image_and_a_histogram(tmp_path):
     assert [i.step for i in images] == [0, 2] and images[0].width > 100 and images[0].height > 50
     # The last histogram is the per-token KL of the last iteration's response tokens.
     hist = events.Histograms("kl_tokens/per_token")[-1].histogram_value
-    mask = module.last_rollout.mask.bool()
+    outputs = history.outputs[-1]
+    mask = outputs["rollout"].mask.bool()
     assert hist.num == int(mask.sum())
-    assert hist.sum == pytest.approx(float(module.last_kl[mask].sum()), abs=1e-4)
+    assert hist.sum == pytest.approx(float(outputs["kl"][mask].sum()), abs=1e-4)
 
 
 def test_rollbacks_that_do_not_help_stop_the_run(tmp_path):

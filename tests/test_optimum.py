@@ -150,7 +150,7 @@ def test_rollouts_have_fixed_length_and_the_enumerated_logprobs():
     prompt_index = torch.tensor([task.prompts.index(p) for p in prompts])
     response_index = torch.tensor([task.responses.index(r) for r in rollout.responses])
     table, ref_table = module.exact_logprobs(), module.exact_ref_logprobs()
-    torch.testing.assert_close(rollout.logprobs.sum(-1).double(), table[prompt_index, response_index], atol=1e-5, rtol=0)
+    torch.testing.assert_close(rollout.old_logprobs.sum(-1).double(), table[prompt_index, response_index], atol=1e-5, rtol=0)
     torch.testing.assert_close(rollout.ref_logprobs.sum(-1).double(), ref_table[prompt_index, response_index], atol=1e-5, rtol=0)
     # And generate samples from that distribution: total variation to the empirical frequencies is
     # what 2000 draws over 27 responses leave (about 0.04), far below a mismatch's.

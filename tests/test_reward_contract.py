@@ -57,7 +57,7 @@ def test_one_finite_float_score_per_response_and_the_same_for_the_same_texts(bac
 
 @pytest.mark.parametrize("backend", NAMES, indirect=True)
 def test_shaping_is_applied_on_top_of_the_raw_scores(backend):
-    backend.missing_eos_penalty, backend.clip = 0.5, 0.75
+    backend.shaping.missing_eos_penalty, backend.shaping.clip = 0.5, 0.75
     ended = torch.tensor([True, False, True, False])
     raw, shaped = backend(PROMPTS, RESPONSES, ended)
     expected = (raw - 0.5 * (~ended).float()).clamp(-0.75, 0.75)
@@ -66,11 +66,11 @@ def test_shaping_is_applied_on_top_of_the_raw_scores(backend):
 
 @pytest.mark.parametrize("backend", NAMES, indirect=True)
 def test_state_survives_a_checkpoint(backend):
-    backend.normalize = True
+    backend.shaping.normalize = True
     backend(PROMPTS, RESPONSES, torch.ones(len(RESPONSES), dtype=torch.bool))
     state = backend.state_dict()
     fresh = type(backend).__new__(type(backend))
     fresh.__dict__.update({k: v for k, v in backend.__dict__.items() if k != "stats"})
-    fresh.stats = type(backend.stats)()
+    fresh.shaping.stats = type(backend.shaping.stats)()
     fresh.load_state_dict(state)
-    assert fresh.state_dict() == state and fresh.stats.count == len(RESPONSES)
+    assert fresh.state_dict() == state and fresh.shaping.stats.count == len(RESPONSES)

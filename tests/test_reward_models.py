@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_lightning.interfaces import RewardModel, RunningMeanStd
+from rlhf_lightning.interfaces import RewardModel
+from rlhf_lightning.reward_shaping import RunningMeanStd
 from rlhf_lightning_plugins.reward_models import CallableReward, HFClassifierReward, import_function
 
 # Helper reward functions live in a module under tmp_path (tests/ is not a package, so the
@@ -199,17 +200,17 @@ def test_normalize_uses_running_stats_over_everything_seen():
     seen = np.array(b1 + b2)
     expected2 = (np.array(b2) - seen.mean()) / (seen.std() + 1e-8)  # numpy std: population (ddof=0)
     np.testing.assert_allclose(s2.numpy(), expected2, rtol=1e-6)
-    assert rm.stats.count == 7
-    assert rm.stats.mean == pytest.approx(seen.mean())
-    assert rm.stats.var == pytest.approx(seen.var())
+    assert rm.shaping.stats.count == 7
+    assert rm.shaping.stats.mean == pytest.approx(seen.mean())
+    assert rm.shaping.stats.var == pytest.approx(seen.var())
 
 
 def test_normalize_without_update_uses_stats_so_far():
     rm = ConstantScores([[1.0, 3.0], [100.0, 5.0]], normalize=True)
     _call(rm, 2)  # mean 2, std 1
-    before = rm.stats.state_dict()
+    before = rm.shaping.stats.state_dict()
     _, s = _call(rm, 2, update_stats=False)
-    assert rm.stats.state_dict() == before
+    assert rm.shaping.stats.state_dict() == before
     np.testing.assert_allclose(s.numpy(), [(100.0 - 2.0) / (1 + 1e-8), (5.0 - 2.0) / (1 + 1e-8)], rtol=1e-6)
 
 
@@ -247,7 +248,7 @@ def test_reward_model_state_dict_round_trip():
     _call(a, 3)
     b = ConstantScores([[1.0, 2.0]], normalize=True)
     b.load_state_dict(a.state_dict())
-    assert b.stats.state_dict() == a.stats.state_dict()
+    assert b.shaping.stats.state_dict() == a.shaping.stats.state_dict()
     _, s = _call(b, 2, update_stats=False)
     np.testing.assert_allclose(s.numpy(), (np.array([1.0, 2.0]) - 3.0) / (np.std([1.0, 2.0, 6.0]) + 1e-8), rtol=1e-6)
 

@@ -250,12 +250,12 @@ def move_policy(module: PPORLHF, rollout, epochs: int, lr: float, seed: int) -> 
 
     for _ in range(epochs):
         optimizer.zero_grad()
-        loss, _ = module.policy_loss(logprobs(), rollout.logprobs, advantages, rollout.mask)
+        loss, _ = module.policy_loss(logprobs(), rollout.old_logprobs, advantages, rollout.mask)
         pm.masked_mean(loss, rollout.mask).backward()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
-        return float(pm.masked_mean((logprobs() - rollout.logprobs).abs(), rollout.mask))
+        return float(pm.masked_mean((logprobs() - rollout.old_logprobs).abs(), rollout.mask))
 
 
 def measure_off_policy(module: PPORLHF, estimators: dict, prompts: Sequence[str], batch_size: int, epochs: int, lr: float) -> dict:
