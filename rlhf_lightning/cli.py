@@ -78,6 +78,8 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
     from lightning.pytorch.cli import LightningCLI
 
+    import rlhf_lightning.callbacks  # noqa: F401 (imported, their classes resolve by bare name: class_path: KLGuard)
+    import rlhf_lightning.kl_monitor  # noqa: F401
     from rlhf_lightning.data import PromptDataModule
     from rlhf_lightning.module import PPORLHF
 
