@@ -78,10 +78,10 @@ class Rollout:
     ended_with_eos: Tensor  # (batch,) bool
     old_logprobs: Tensor  # log pi_old of the sampled tokens: the policy that sampled them
     ref_logprobs: Tensor
-    values: Optional[Tensor]  # V_old(s_t); None without a critic
-    entropy: Tensor
+    old_values: Optional[Tensor]  # V_old(s_t), the critic's values at sampling time; None without a critic
+    entropy: Tensor  # of pi_old at each response position
     ref_logits: Optional[Tensor] = None  # (batch, response_len, vocab), only when the estimator needs it
-    logits: Optional[Tensor] = None
+    old_logits: Optional[Tensor] = None  # pi_old's, like ref_logits
     initial_logprobs: Optional[Tensor] = None  # log pi_0, only when the reference moves
     initial_logits: Optional[Tensor] = None
 
@@ -597,9 +597,9 @@ class PPORLHF(LightningModule):
             ended_with_eos=ended,
             old_logprobs=pm.logprobs_of(logits, response),
             ref_logprobs=pm.logprobs_of(ref_logits, response),
-            values=None if values is None else values * mask,
+            old_values=None if values is None else values * mask,
             entropy=pm.entropy_of(logits),
-            logits=logits if keep_logits else None,
+            old_logits=logits if keep_logits else None,
             ref_logits=ref_logits if keep_logits else None,
             initial_logprobs=None if initial_logits is None else pm.logprobs_of(initial_logits, response),
             initial_logits=initial_logits if keep_logits else None,
@@ -609,9 +609,9 @@ class PPORLHF(LightningModule):
         """The penalised per-token KL estimate (batch, response_len), zero off the KL mask; with
         ``to_initial`` the same estimate against the starting policy (a moving reference only)."""
         if to_initial:
-            kl = self.kl_estimator(rollout.old_logprobs, rollout.initial_logprobs, rollout.logits, rollout.initial_logits)
+            kl = self.kl_estimator(rollout.old_logprobs, rollout.initial_logprobs, rollout.old_logits, rollout.initial_logits)
         else:
-            kl = self.kl_estimator(rollout.old_logprobs, rollout.ref_logprobs, rollout.logits, rollout.ref_logits)
+            kl = self.kl_estimator(rollout.old_logprobs, rollout.ref_logprobs, rollout.old_logits, rollout.ref_logits)
         shape = tuple(rollout.old_logprobs.shape)
         got = f"{type(kl).__name__} {tuple(kl.shape)} {kl.dtype}" if isinstance(kl, Tensor) else type(kl).__name__
         require(isinstance(kl, Tensor) and tuple(kl.shape) == shape and kl.is_floating_point(),
@@ -637,7 +637,7 @@ class PPORLHF(LightningModule):
         """The advantage estimator on the per-token rewards (and V_old with a critic), checked,
         then whitened over the global batch when ``whiten_advantages``."""
         estimator = self.advantage_estimator
-        advantages, returns = estimator(rewards, rollout.mask, rollout.values, self.hparams.num_generations, self._reduce)
+        advantages, returns = estimator(rewards, rollout.mask, rollout.old_values, self.hparams.num_generations, self._reduce)
         expected = (tuple(rewards.shape), tuple(rewards.shape) if estimator.needs_critic else None)
         got = (tuple(advantages.shape), None if returns is None else tuple(returns.shape))
         require(got == expected, f"the (advantages, returns) shapes of advantage estimator {type(estimator).__name__}",
@@ -700,7 +700,7 @@ class PPORLHF(LightningModule):
         stats = {"policy/loss": pm.masked_mean(pg_loss, mask), "policy/clipfrac": pm.masked_mean(clipped, mask),
                  "policy/approxkl": pm.approx_kl(logprobs, rollout.old_logprobs[idx], mask)}  # fmt: skip
         if values is not None:
-            vf = pm.value_loss_terms(values, rollout.values[idx], returns[idx], mask, hp.cliprange_value)
+            vf = pm.value_loss_terms(values, rollout.old_values[idx], returns[idx], mask, hp.cliprange_value)
             loss = loss + hp.vf_coef * (weights * vf.loss).sum()
             stats.update({"value/loss": pm.masked_mean(vf.loss, mask), "value/clipfrac": pm.masked_mean(vf.clipped, mask)})
         if hp.kl_penalty in ("loss", "both"):

@@ -76,7 +76,7 @@ def test_rollout_masks_after_eos_and_puts_score_on_last_token():
     for row, length in zip(rollout.response, lengths):
         assert (row[length:] == pad).all()  # nothing after the first EOS survives
         assert (row[: length - 1] != eos).all()
-    assert rollout.ended_with_eos.any() and (rollout.values * (1 - rollout.mask)).abs().sum() == 0
+    assert rollout.ended_with_eos.any() and (rollout.old_values * (1 - rollout.mask)).abs().sum() == 0
     # Every response ends with EOS or runs to max_new_tokens.
     assert ((lengths == 40) | rollout.ended_with_eos).all()
     scores = torch.arange(len(lengths), dtype=torch.float32)
@@ -286,7 +286,7 @@ def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_
     assert torch.equal(sampler.response, forward.response)
     mask = forward.mask
     assert mask.sum() > 10
-    for field in ("old_logprobs", "values", "entropy", "ref_logprobs"):
+    for field in ("old_logprobs", "old_values", "entropy", "ref_logprobs"):
         assert torch.allclose(getattr(sampler, field) * mask, getattr(forward, field) * mask, atol=1e-4), field
     assert forward.values.abs().max() > 1e-3  # a zero value head would make the values check vacuous
 

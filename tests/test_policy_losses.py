@@ -167,7 +167,7 @@ def test_entropy_bonus_is_minus_coef_times_the_weighted_entropy():
     zeros = torch.zeros_like(rollout.mask)
     weights = TokenMean().weights(rollout.mask, max_new_tokens=12)
     with torch.no_grad():
-        loss = module.ppo_loss(rollout, zeros, rollout.values, torch.arange(2), beta=0.0, weights=weights)
+        loss = module.ppo_loss(rollout, zeros, rollout.old_values, torch.arange(2), beta=0.0, weights=weights)
         logits, values = module.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
     # Zero advantages, values equal to their targets: only the bonus is left (on-policy, entropy as sampled).
     entropy = pm.masked_mean(pm.entropy_of(logits), rollout.mask)

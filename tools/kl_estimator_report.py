@@ -273,7 +273,7 @@ def measure_off_policy(module: PPORLHF, estimators: dict, prompts: Sequence[str]
         with torch.enable_grad():
             out["moved"].append(move_policy(module, rollout, epochs, lr, seed=b))
         logits = module.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
-        logp, ref_logp, old_logp = logits.log_softmax(-1), rollout.ref_logits.log_softmax(-1), rollout.logits.log_softmax(-1)
+        logp, ref_logp, old_logp = logits.log_softmax(-1), rollout.ref_logits.log_softmax(-1), rollout.old_logits.log_softmax(-1)
         exact = estimators[EXACT](None, None, logits, rollout.ref_logits)  # (batch, response_len)
         out["exact"].add(flat_grad(pm.masked_mean(exact, mask), params))
         for name, estimator in estimators.items():
