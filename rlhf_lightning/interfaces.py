@@ -41,6 +41,36 @@ def require(condition: bool, field: str, requirement: str, value: Any) -> None:
         raise ConfigError(f"{field} must be {requirement}, got {value!r}")
 
 
+def require_number(
+    field: str,
+    value: Any,
+    *,
+    above: Optional[float] = None,
+    at_least: Optional[float] = None,
+    below: Optional[float] = None,
+    at_most: Optional[float] = None,
+    integer: bool = False,
+    optional: bool = False,
+) -> None:
+    """The one check of a numeric setting: an int or float (an int with ``integer``; never a bool),
+    finite (YAML's ``.inf`` and ``.nan`` parse as floats), within the bounds given, or None with
+    ``optional``. Else ``ConfigError("<field> must be a finite number > 0, got inf")``, the
+    requirement spelt from the bounds (``an integer >= 1``, ``a finite number in (0, 1]``)."""
+    if optional and value is None:
+        return
+    low = (f"> {above}", f"({above}") if above is not None else (f">= {at_least}", f"[{at_least}") if at_least is not None else None
+    high = (f"< {below}", f"{below})") if below is not None else (f"<= {at_most}", f"{at_most}]") if at_most is not None else None
+    bounds = f" in {low[1]}, {high[1]}" if low and high else f" {(low or high)[0]}" if low or high else ""
+    requirement = ("an integer" if integer else "a finite number") + bounds + (", or null" if optional else "")
+    number = isinstance(value, int) if integer else finite_number(value)
+    require(
+        number and not isinstance(value, bool)
+        and (above is None or value > above) and (at_least is None or value >= at_least)
+        and (below is None or value < below) and (at_most is None or value <= at_most),
+        field, requirement, value,
+    )  # fmt: skip
+
+
 class KLEstimator(ABC):
     """Per-token estimate of KL(pi || pi_ref) at the sampled tokens of a response.
 
@@ -75,7 +105,7 @@ class BetaController(ABC):
     """
 
     def __init__(self, init_beta: float = 0.1, unit: KLUnit = "sequence_sum") -> None:
-        require(finite_number(init_beta) and init_beta >= 0, "beta_controller.init_beta", "a finite number >= 0", init_beta)
+        require_number("beta_controller.init_beta", init_beta, at_least=0)
         require(unit in ("sequence_sum", "token_mean"), "beta_controller.unit", "'sequence_sum' or 'token_mean'", unit)
         self.beta = float(init_beta)
         self.unit = unit
@@ -169,8 +199,7 @@ class ReferenceUpdate(ABC):
     reset_optimizer: bool = False
 
     def __init__(self, every_n_iterations: int = 1) -> None:
-        require(isinstance(every_n_iterations, int) and every_n_iterations >= 1,
-                "reference_update.every_n_iterations", "an integer >= 1", every_n_iterations)  # fmt: skip
+        require_number("reference_update.every_n_iterations", every_n_iterations, integer=True, at_least=1)
         self.every_n_iterations = every_n_iterations
 
     @abstractmethod
@@ -197,7 +226,8 @@ class RewardModel(ABC):
         clip: Optional[float] = None,
         missing_eos_penalty: Optional[float] = None,
     ) -> None:
-        require(clip is None or clip > 0, "reward_model.clip", "> 0 or null", clip)
+        require_number("reward_model.clip", clip, above=0, optional=True)
+        require_number("reward_model.missing_eos_penalty", missing_eos_penalty, optional=True)
         self.normalize = normalize
         self.clip = clip
         self.missing_eos_penalty = missing_eos_penalty
