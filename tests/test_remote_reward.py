@@ -278,7 +278,7 @@ def test_an_answer_cut_off_mid_body_is_a_broken_answer_not_a_connection_failure(
 
     server = raw_serve(cut)
     rm = RemoteReward(url=server.url, timeout=5.0, max_retries=1, **FAST)
-    with pytest.raises(RuntimeError, match=r"after 2 attempt\(s\).*connected, but the answer broke off \(IncompleteRead"):
+    with pytest.raises(RuntimeError, match=r"after 2 attempt\(s\).*connected, but the answer broke off"):
         rm.score(["p"], ["r"])
 
 
