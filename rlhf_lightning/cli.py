@@ -144,11 +144,24 @@ def main(args: Optional[list[str]] = None) -> None:
             return
         check_config_files(argv)
         build_cli(args)
-    except (ConfigError, UnknownPluginError) as err:
-        if os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
+    except (ConfigError, UnknownPluginError, ValueError) as err:
+        cause = user_error(err)
+        if cause is None or os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {cause}", file=sys.stderr)
         sys.exit(2)
+
+
+def user_error(err: BaseException) -> Optional[BaseException]:
+    """The configuration error behind ``err``, if any: jsonargparse reports a plugin whose
+    constructor refused a setting as "Does not validate against any of the Union subtypes",
+    caused by our ConfigError, which names the field."""
+    from rlhf_lightning.interfaces import ConfigError
+    from rlhf_lightning.registry import UnknownPluginError
+
+    while err is not None and not isinstance(err, (ConfigError, UnknownPluginError)):
+        err = err.__cause__ or err.__context__
+    return err
 
 
 if __name__ == "__main__":

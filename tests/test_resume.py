@@ -3,14 +3,13 @@ uninterrupted run's per-iteration metrics exactly (CPU, fixed seed)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import CONFIGS, REPO
+from helpers import CONFIGS, REPO, cli
 
 sys.path.insert(0, str(REPO / "tools"))
 from summarize_run import read_scalars  # noqa: E402
@@ -20,15 +19,13 @@ WATCHED = ("objective/reward", "objective/kl", "objective/beta", "objective/kl_m
 
 def run_cli(root, *extra: str) -> subprocess.CompletedProcess:
     args = [
-        sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", str(CONFIGS / "tiny.yaml"),
+        "fit", "--config", str(CONFIGS / "tiny.yaml"),
         "--trainer.max_epochs=1", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={root}", "--model.beta_controller=BandBeta",
         "--model.beta_controller.init_args.target=0.5", "--model.max_new_tokens=10",
         "--trainer.callbacks.every_n_iterations=2", *extra,
     ]  # fmt: skip
-    root.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(args, capture_output=True, text=True, cwd=root, env=env, timeout=600)
+    return cli(root, *args)
 
 
 # Critic-free: 4 prompts x 2 responses per iteration, GRPO's group baseline, no value loss to watch.
