@@ -128,8 +128,10 @@ class PromptLoader(DataLoader):
     """A DataLoader that Lightning saves and restores with the checkpoint (it has
     ``state_dict``/``load_state_dict``), so a resumed run continues with the next unseen prompts.
 
-    The position is the number of batches the training loop has started this epoch, read from
-    the trainer: the loader itself runs one batch ahead because Lightning prefetches.
+    The position is the number of prompts this rank has consumed this epoch (batches the training
+    loop has started, read from the trainer, since the loader runs one batch ahead because
+    Lightning prefetches, times the batch size), so a run resumed with another
+    ``data.batch_size`` still continues with the first prompt it has not trained on.
     """
 
     def __init__(self, *args, trainer=None, **kwargs) -> None:
@@ -138,10 +140,10 @@ class PromptLoader(DataLoader):
 
     def state_dict(self) -> dict[str, int]:
         progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"epoch": self.trainer.current_epoch, "batches_done": progress.ready}
+        return {"epoch": self.trainer.current_epoch, "samples_done": progress.ready * self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.resume_at(state["epoch"], state["batches_done"] * self.batch_size)
+        self.sampler.resume_at(state["epoch"], state["samples_done"])
 
 
 class PromptDataModule(LightningDataModule):
