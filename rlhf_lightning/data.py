@@ -137,12 +137,20 @@ class PromptLoader(DataLoader):
     def __init__(self, *args, trainer=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.trainer = trainer
+        self._resumed: tuple[int, int, int] | None = None  # (epoch, samples done, batches started) at a resume
+
+    def _batches_started(self) -> int:
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
     def state_dict(self) -> dict[str, int]:
-        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"epoch": self.trainer.current_epoch, "samples_done": progress.ready * self.batch_size}
+        epoch, started = self.trainer.current_epoch, self._batches_started()
+        samples = started * self.batch_size
+        if self._resumed is not None and self._resumed[0] == epoch:  # the batches before the resume had the checkpoint's size
+            samples = self._resumed[1] + (started - self._resumed[2]) * self.batch_size
+        return {"epoch": epoch, "samples_done": samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resumed = (state["epoch"], state["samples_done"], self._batches_started())
         self.sampler.resume_at(state["epoch"], state["samples_done"])
 
 
