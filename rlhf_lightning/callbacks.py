@@ -147,17 +147,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        partial = tempfile.NamedTemporaryFile("wb", prefix=f".{target.name}.", suffix=".partial", dir=target.parent, delete=False)
         try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(partial, 0o666 & ~_UMASK)  # mkstemp's file is private; a checkpoint is not
-            os.replace(partial, target)
+            with partial:
+                torch.save(checkpoint, partial)
+                partial.flush()
+                os.fsync(partial.fileno())
+            os.chmod(partial.name, 0o666 & ~_UMASK)  # the temporary file is private; a checkpoint is not
+            os.replace(partial.name, target)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(partial)
+                os.unlink(partial.name)
             raise
         folder = os.open(target.parent, os.O_RDONLY)
         try:
