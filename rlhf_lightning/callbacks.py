@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlhf_lightning.fsdp2 import full_state_dict, is_sharded
-from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError
+from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, require_number
 
 
 class ExportPolicy(Callback):
@@ -79,8 +79,7 @@ class IterationCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, every_n_iterations: int = 10, save_last: bool = True, save_top_k: int = 1, **kwargs) -> None:
-        if every_n_iterations < 1:
-            raise ValueError(f"every_n_iterations must be >= 1, got {every_n_iterations!r}")
+        require_number("IterationCheckpoint.every_n_iterations", every_n_iterations, integer=True, at_least=1)
         super().__init__(save_last=save_last, save_top_k=save_top_k, every_n_train_steps=0, **kwargs)
         self.every_n_iterations = every_n_iterations
         self._stop_signal: Optional[int] = None

@@ -117,7 +117,8 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             # Every checkpoint is written atomically and checked when read, unless the user chose a CheckpointIO.
             plugins = config.get("plugins")
             plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-            if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+            chosen = any(isinstance(plugin, CheckpointIO) for plugin in plugins) or getattr(config.get("strategy"), "_checkpoint_io", None)
+            if not chosen:
                 config = {**config, "plugins": [*plugins, AtomicCheckpointIO()]}
             # A Rich progress bar (reward, KL, beta) unless the user disabled bars or chose one.
             chosen = [*(config.get("callbacks") or []), *callbacks]
