@@ -57,7 +57,7 @@ def test_sigkill_mid_iteration_then_resume_reproduces_the_uninterrupted_run(tmp_
     assert last["rlhf_lightning"]["iteration"] == 2  # saved after iteration 2, killed during iteration 4
     assert last["rlhf_lightning"]["reference_updates"] == {RESET: 1, LORA_EMA: 2}.get(extra, 0)
 
-    resumed = run_cli(killed_root, *extra, f"--ckpt_path={ckpt_dir / 'last.ckpt'}")
+    resumed = run_cli(killed_root, *extra, "--ckpt_path", "last")  # the README's command: finds version_0's last.ckpt
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "dataloader is not resumable" not in resumed.stderr
 
