@@ -9,7 +9,7 @@ KL-penalised return, and every token of the response gets the response's advanta
 from __future__ import annotations
 
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.interfaces import AdvantageEstimator, finite_number, require
+from rlhf_lightning.interfaces import AdvantageEstimator, require_number
 from rlhf_lightning.registry import register
 
 
@@ -23,7 +23,7 @@ class GAE(AdvantageEstimator):
 
     def __init__(self, gamma: float = 1.0, lam: float = 0.95) -> None:
         for name, value in (("gamma", gamma), ("lam", lam)):
-            require(finite_number(value) and 0 <= value <= 1, f"advantage_estimator.{name}", "in [0, 1]", value)
+            require_number(f"advantage_estimator.{name}", value, at_least=0, at_most=1)
         self.gamma, self.lam = gamma, lam
 
     def __call__(self, rewards, mask, values, group_size, sum_fn=None):
@@ -51,7 +51,7 @@ class GRPO(_GroupBaseline):
     scale = True
 
     def __init__(self, eps: float = 1e-6) -> None:
-        require(finite_number(eps) and eps > 0, "advantage_estimator.eps", "a finite number > 0", eps)
+        require_number("advantage_estimator.eps", eps, above=0)
         self.eps = eps
 
 
@@ -80,7 +80,7 @@ class Reinforce(AdvantageEstimator):
     under which a loss aggregation's length bias shows plainly (tools/length_bias.py)."""
 
     def __init__(self, gamma: float = 1.0) -> None:
-        require(finite_number(gamma) and 0 <= gamma <= 1, "advantage_estimator.gamma", "in [0, 1]", gamma)
+        require_number("advantage_estimator.gamma", gamma, at_least=0, at_most=1)
         self.gamma = gamma
 
     def __call__(self, rewards, mask, values, group_size, sum_fn=None):
@@ -94,7 +94,7 @@ class ReinforcePlusPlus(AdvantageEstimator):
     the global batch (all ranks): A_t = (G_t - mean G) / std G. Needs no groups."""
 
     def __init__(self, gamma: float = 1.0) -> None:
-        require(finite_number(gamma) and 0 <= gamma <= 1, "advantage_estimator.gamma", "in [0, 1]", gamma)
+        require_number("advantage_estimator.gamma", gamma, at_least=0, at_most=1)
         self.gamma = gamma
 
     def __call__(self, rewards, mask, values, group_size, sum_fn=None):

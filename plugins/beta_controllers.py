@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlhf_lightning.interfaces import BetaController, KLUnit, require
+from rlhf_lightning.interfaces import BetaController, KLUnit, require_number
 from rlhf_lightning.registry import register
 
 
@@ -23,8 +23,8 @@ class AdaptiveBeta(BetaController):
 
     def __init__(self, init_beta: float = 0.1, target: float = 6.0, horizon: float = 10000, unit: KLUnit = "sequence_sum") -> None:
         super().__init__(init_beta, unit)
-        require(target > 0, "beta_controller.target", "> 0", target)
-        require(horizon > 0, "beta_controller.horizon", "> 0", horizon)
+        require_number("beta_controller.target", target, above=0)
+        require_number("beta_controller.horizon", horizon, above=0)
         self.target = target
         self.horizon = horizon
 
@@ -49,12 +49,11 @@ class BandBeta(BetaController):
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, unit)
-        require(target > 0, "beta_controller.target", "> 0", target)
-        require(factor > 1, "beta_controller.factor", "> 1", factor)
-        require(0 <= beta_min <= beta_max, "beta_controller.beta_min and beta_max", "0 <= beta_min <= beta_max", (beta_min, beta_max))
-        require(
-            beta_min <= init_beta <= beta_max, "beta_controller.init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta
-        )
+        require_number("beta_controller.target", target, above=0)
+        require_number("beta_controller.factor", factor, above=1)
+        require_number("beta_controller.beta_min", beta_min, at_least=0)
+        require_number("beta_controller.beta_max", beta_max, at_least=beta_min)
+        require_number("beta_controller.init_beta", init_beta, at_least=beta_min, at_most=beta_max)
         self.target, self.factor, self.beta_min, self.beta_max = target, factor, beta_min, beta_max
 
     def update(self, observed_kl: float, n_samples: int) -> float:

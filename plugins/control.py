@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from rlhf_lightning.interfaces import BetaController, KLUnit, finite_number, require
+from rlhf_lightning.interfaces import BetaController, KLUnit, require_number
 from rlhf_lightning.registry import register
 
 # KL / target is floored here before the log: the k1 estimator's KL can be 0 or negative,
@@ -54,19 +54,14 @@ class PIDBeta(BetaController):
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, unit)
-        require(finite_number(target) and target > 0, "beta_controller.target", "a finite number > 0", target)
+        require_number("beta_controller.target", target, above=0)
         for name, gain in (("kp", kp), ("ki", ki), ("kd", kd)):
-            require(finite_number(gain) and gain >= 0, f"beta_controller.{name}", "a finite number >= 0", gain)
-        require(integral_limit >= 0, "beta_controller.integral_limit", ">= 0", integral_limit)
-        require(error_clip > 0, "beta_controller.error_clip", "> 0", error_clip)
-        # log(beta) must exist: beta_min > 0, unlike the other controllers.
-        require(
-            finite_number(beta_min) and beta_min > 0, "beta_controller.beta_min", "a finite number > 0 (the PID acts on log beta)", beta_min
-        )
-        require(finite_number(beta_max) and beta_max >= beta_min, "beta_controller.beta_max", f">= beta_min={beta_min}", beta_max)
-        require(
-            beta_min <= init_beta <= beta_max, "beta_controller.init_beta", f"in [beta_min, beta_max] = [{beta_min}, {beta_max}]", init_beta
-        )
+            require_number(f"beta_controller.{name}", gain, at_least=0)
+        require_number("beta_controller.integral_limit", integral_limit, at_least=0)
+        require_number("beta_controller.error_clip", error_clip, above=0)
+        require_number("beta_controller.beta_min", beta_min, above=0)  # log(beta) must exist, unlike the other controllers
+        require_number("beta_controller.beta_max", beta_max, at_least=beta_min)
+        require_number("beta_controller.init_beta", init_beta, at_least=beta_min, at_most=beta_max)
         self.target, self.kp, self.ki, self.kd = float(target), float(kp), float(ki), float(kd)
         self.integral_limit, self.error_clip = float(integral_limit), float(error_clip)
         self.beta_min, self.beta_max = float(beta_min), float(beta_max)
@@ -123,11 +118,9 @@ class DualBeta(BetaController):
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, unit)
-        require(finite_number(target) and target > 0, "beta_controller.target", "a finite number > 0", target)
-        require(finite_number(lr) and lr > 0, "beta_controller.lr", "a finite number > 0", lr)
-        if beta_max is not None:
-            requirement = f"a finite number >= init_beta={init_beta}, or null"
-            require(finite_number(beta_max) and beta_max >= init_beta, "beta_controller.beta_max", requirement, beta_max)
+        require_number("beta_controller.target", target, above=0)
+        require_number("beta_controller.lr", lr, above=0)
+        require_number("beta_controller.beta_max", beta_max, at_least=init_beta, optional=True)
         self.target, self.lr = float(target), float(lr)
         self.beta_max = None if beta_max is None else float(beta_max)
 

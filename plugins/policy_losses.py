@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Optional
 
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.interfaces import LossAggregation, PolicyLoss, finite_number, require
+from rlhf_lightning.interfaces import LossAggregation, PolicyLoss, require_number
 from rlhf_lightning.registry import register
 
 
 def _require_clip(name: str, value: float) -> None:
-    require(finite_number(value) and value > 0, f"policy_loss.{name}", "a finite number > 0", value)
+    require_number(f"policy_loss.{name}", value, above=0)
 
 
 @register("policy_loss", "ppo_clip", description="PPO's clipped surrogate, clip(r, 1 - eps, 1 + eps) (the default)")
@@ -52,7 +52,7 @@ class DualClip(PolicyLoss):
 
     def __init__(self, cliprange: float = 0.2, clip_ratio_c: float = 3.0) -> None:
         _require_clip("cliprange", cliprange)
-        require(finite_number(clip_ratio_c) and clip_ratio_c > 1, "policy_loss.clip_ratio_c", "a finite number > 1", clip_ratio_c)
+        require_number("policy_loss.clip_ratio_c", clip_ratio_c, above=1)
         self.cliprange, self.clip_ratio_c = cliprange, clip_ratio_c
 
     def __call__(self, logprobs, old_logprobs, advantages, mask):
@@ -124,8 +124,7 @@ class ConstantNormaliser(LossAggregation):
     normaliser (Liu et al. 2025), the token sum's direction at a fixed scale."""
 
     def __init__(self, normaliser: Optional[float] = None) -> None:
-        require(normaliser is None or (finite_number(normaliser) and normaliser > 0), "loss_aggregation.normaliser",
-                "a finite number > 0 or null (model.max_new_tokens)", normaliser)  # fmt: skip
+        require_number("loss_aggregation.normaliser", normaliser, above=0, optional=True)  # null: model.max_new_tokens
         self.normaliser = normaliser
 
     def weights(self, mask, max_new_tokens, sum_fn=None):

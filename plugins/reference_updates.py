@@ -8,7 +8,7 @@ updates of weight alpha is, to first order in the parameters, pi_0 exp(n alpha r
 
 from __future__ import annotations
 
-from rlhf_lightning.interfaces import ReferenceUpdate, finite_number, require
+from rlhf_lightning.interfaces import ReferenceUpdate, require_number
 from rlhf_lightning.registry import register
 
 
@@ -47,7 +47,7 @@ class EMA(ReferenceUpdate):
 
     def __init__(self, alpha: float = 0.1, every_n_iterations: int = 1) -> None:
         super().__init__(every_n_iterations)
-        require(finite_number(alpha) and 0 < alpha <= 1, "reference_update.alpha", "in (0, 1]", alpha)
+        require_number("reference_update.alpha", alpha, above=0, at_most=1)
         self.alpha = float(alpha)
 
     def weight(self, iteration: int) -> float:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
-import math
+import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -14,7 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from rlhf_lightning.interfaces import RewardModel
+from rlhf_lightning.interfaces import RewardModel, require, require_number
 from rlhf_lightning.registry import register
 
 BODY_PREVIEW_CHARS = 200  # how much of an unexpected response body an error message quotes
@@ -48,7 +50,7 @@ class RemoteReward(RewardModel):
 
         {"scores": [0.7, -1.2, ...]}
 
-    (the key is ``scores_key``). Unreachable servers, timeouts and HTTP 5xx are retried up to
+    (the key is ``scores_key``). Unreachable servers, timeouts, broken answers and HTTP 5xx are retried up to
     ``max_retries`` times, waiting ``min(backoff * 2**attempt, max_backoff)`` seconds before
     retry ``attempt + 1``; HTTP 4xx, bodies that are not such an object, a wrong number of
     scores or scores that are not numbers fail at once, since repeating would not help.
@@ -56,7 +58,8 @@ class RemoteReward(RewardModel):
     Args:
         url: ``http://`` or ``https://`` address the batches are POSTed to.
         scores_key: key of the score list in the JSON answer.
-        timeout: seconds allowed for each request (connect and read).
+        timeout: seconds allowed for each request as a whole (connecting, the headers and the
+            whole body): a server that keeps trickling bytes is cut off at the deadline.
         max_retries: extra attempts after the first failed one (0: no retry).
         backoff: base of the exponential wait between attempts, in seconds.
         max_backoff: cap on one wait, in seconds.
@@ -80,37 +83,29 @@ class RemoteReward(RewardModel):
         scheme = urllib.parse.urlsplit(url).scheme if isinstance(url, str) else None
         if scheme not in ("http", "https") or not urllib.parse.urlsplit(url).netloc:
             raise ValueError(f"reward_model.url must be an http:// or https:// address, got {url!r}")
-        if not (_is_number(timeout) and timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(f"reward_model.timeout must be a finite number of seconds > 0, got {timeout!r}")
-        if not (isinstance(max_retries, int) and not isinstance(max_retries, bool) and max_retries >= 0):
-            raise ValueError(f"reward_model.max_retries must be an integer >= 0, got {max_retries!r}")
-        for field, value in (("backoff", backoff), ("max_backoff", max_backoff)):
-            if not (_is_number(value) and value >= 0 and math.isfinite(value)):
-                raise ValueError(f"reward_model.{field} must be a finite number of seconds >= 0, got {value!r}")
-        if not (isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1):
-            raise ValueError(f"reward_model.batch_size must be an integer >= 1, got {batch_size!r}")
-        if not (isinstance(scores_key, str) and scores_key):
-            raise ValueError(f"reward_model.scores_key must be a non-empty string, got {scores_key!r}")
+        require_number("reward_model.timeout", timeout, above=0)
+        require_number("reward_model.max_retries", max_retries, integer=True, at_least=0)
+        require_number("reward_model.backoff", backoff, at_least=0)
+        require_number("reward_model.max_backoff", max_backoff, at_least=0)
+        require_number("reward_model.batch_size", batch_size, integer=True, at_least=1)
+        require(isinstance(scores_key, str) and bool(scores_key), "reward_model.scores_key", "a non-empty string", scores_key)
         headers = dict(headers or {})
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
-            raise ValueError("reward_model.headers must map header names to string values")
+        require(all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()), "reward_model.headers",
+                "a mapping of header names to string values", headers)  # fmt: skip
         self.url, self.scores_key = url, scores_key
         self.timeout, self.max_retries = float(timeout), max_retries
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
         self.batch_size, self.headers = batch_size, headers
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
-        # A fresh opener per call picks up the current proxy environment and keeps the
-        # backend picklable (no sockets or handlers stored on it).
-        opener = urllib.request.build_opener()
         scores: list[float] = []
         for start in range(0, len(responses), self.batch_size):
             chunk = slice(start, start + self.batch_size)
-            scores += self._score_chunk(opener, list(prompts[chunk]), list(responses[chunk]))
+            scores += self._score_chunk(list(prompts[chunk]), list(responses[chunk]))
         return torch.tensor(scores, dtype=torch.float64)
 
-    def _score_chunk(self, opener: urllib.request.OpenerDirector, prompts: list[str], responses: list[str]) -> list[float]:
-        body = self._post_with_retries(opener, {"prompts": prompts, "responses": responses})
+    def _score_chunk(self, prompts: list[str], responses: list[str]) -> list[float]:
+        body = self._post_with_retries({"prompts": prompts, "responses": responses})
         try:
             answer = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -138,7 +133,7 @@ class RemoteReward(RewardModel):
             raise ValueError(f"reward_model 'remote': non-numeric scores from {self.url}: {shown}")
         return [float(s) for s in scores]
 
-    def _post_with_retries(self, opener: urllib.request.OpenerDirector, payload: dict[str, list[str]]) -> bytes:
+    def _post_with_retries(self, payload: dict[str, list[str]]) -> bytes:
         data = json.dumps(payload, ensure_ascii=False).encode("utf-8")
         headers = {"Content-Type": "application/json; charset=utf-8", "Accept": "application/json", **self.headers}
         attempts = self.max_retries + 1
@@ -147,7 +142,7 @@ class RemoteReward(RewardModel):
                 time.sleep(min(self.backoff * 2 ** (attempt - 1), self.max_backoff))
             request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
             try:
-                return self._post_once(opener, request)
+                return self._post_once(request)
             except _RetryableError as err:
                 last = err
         raise last.error_type(
@@ -155,11 +150,20 @@ class RemoteReward(RewardModel):
             f"(max_retries={self.max_retries}); last error: {last.description}"
         )
 
-    def _post_once(self, opener: urllib.request.OpenerDirector, request: urllib.request.Request) -> bytes:
-        """The response body of one POST; raises _RetryableError for failures worth repeating."""
+    def _post_once(self, request: urllib.request.Request) -> bytes:
+        """The response body of one POST, all of it within ``timeout`` seconds; raises
+        _RetryableError for failures worth repeating, telling a server that cannot be reached
+        (ConnectionError) from one that answers too slowly (TimeoutError) or breaks off its
+        answer (RuntimeError)."""
+        deadline = _Deadline(self.timeout)
+        # A fresh opener per request picks up the current proxy environment and keeps the
+        # backend picklable (no sockets or handlers stored on it).
+        opener = urllib.request.build_opener(_DeadlineHTTPHandler(deadline), _DeadlineHTTPSHandler(deadline))
         try:
-            with opener.open(request, timeout=self.timeout) as response:
-                return response.read()
+            with deadline, opener.open(request, timeout=self.timeout) as response:
+                body = response.read()
+            if not deadline.expired:
+                return body
         except urllib.error.HTTPError as err:
             body = _read_quietly(err)
             status = f"HTTP {err.code} {err.reason}"
@@ -170,9 +174,81 @@ class RemoteReward(RewardModel):
             ) from None
         except (OSError, http.client.HTTPException) as err:  # URLError and TimeoutError are OSErrors
             reason = err.reason if isinstance(err, urllib.error.URLError) else err
-            if isinstance(reason, TimeoutError):
-                raise _RetryableError(f"no answer within timeout={self.timeout}s", TimeoutError) from None
-            raise _RetryableError(f"cannot connect ({reason!r})", ConnectionError) from None
+            if not deadline.connected:
+                raise _RetryableError(f"cannot connect ({reason!r})", ConnectionError) from None
+            if not (deadline.expired or isinstance(reason, TimeoutError)):
+                raise _RetryableError(f"connected, but the answer broke off ({reason!r})", RuntimeError) from None
+        raise _RetryableError(f"connected, but no complete answer within timeout={self.timeout}s", TimeoutError)
+
+
+class _Deadline:
+    """Bounds one request as a whole. The socket timeout bounds each read, so a server sending a
+    byte every few seconds would never time out; at the deadline a timer shuts the request's
+    socket down, which ends any read blocked on it, whatever stage the request is in."""
+
+    def __init__(self, seconds: float) -> None:
+        self.sockets: list[socket.socket] = []
+        self.expired = False
+        self.lock = threading.Lock()
+        self.timer = threading.Timer(seconds, self._expire)
+        self.timer.daemon = True
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.sockets)
+
+    def watch(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.sockets.append(sock)
+            if self.expired:  # connected just as the deadline passed
+                self._shut(sock)
+
+    def _expire(self) -> None:
+        with self.lock:
+            self.expired = True
+            for sock in self.sockets:
+                self._shut(sock)
+
+    @staticmethod
+    def _shut(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def connection(self, base: type[http.client.HTTPConnection]) -> type[http.client.HTTPConnection]:
+        """``base`` with its socket handed to this deadline as soon as it is connected."""
+        deadline = self
+
+        class Connection(base):
+            def connect(self) -> None:
+                super().connect()
+                deadline.watch(self.sock)
+
+        return Connection
+
+    def __enter__(self) -> "_Deadline":
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.timer.cancel()
+
+
+class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req):
+        return self.do_open(self.deadline.connection(http.client.HTTPConnection), req)
+
+
+class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req):
+        return self.do_open(self.deadline.connection(http.client.HTTPSConnection), req, context=self._context)
 
 
 def _is_number(value: Any) -> bool:

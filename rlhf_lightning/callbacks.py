@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import glob
+import os
+import signal
+import tempfile
+import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from lightning import Callback
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlhf_lightning.fsdp2 import full_state_dict, is_sharded
+from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, require_number
 
 
 class ExportPolicy(Callback):
@@ -57,19 +68,22 @@ def export_policy(module, target: Path) -> Optional[Path]:
 
 
 class IterationCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that saves every ``every_n_iterations`` PPO iterations (plus ``last.ckpt``).
+    """ModelCheckpoint that saves every ``every_n_iterations`` PPO iterations (plus ``last.ckpt``),
+    and ``last.ckpt`` when the run is stopped by SIGTERM or Ctrl+C.
 
     Lightning's ``every_n_train_steps`` counts optimizer steps, of which one PPO iteration takes
     ``ppo_epochs * num_minibatches`` per optimizer; this counts iterations (training batches).
-    Writes are atomic (Lightning saves through a temporary file that is renamed into place), so
-    a kill during a save leaves the previous checkpoint loadable.
+    SIGTERM (what schedulers send before killing a job) and a first Ctrl+C let the current
+    iteration finish, save ``last.ckpt`` and exit with status 128 + the signal number (143, 130),
+    so ``--ckpt_path last`` resumes exactly where the run stopped; a second Ctrl+C stops at once.
     """
 
     def __init__(self, every_n_iterations: int = 10, save_last: bool = True, save_top_k: int = 1, **kwargs) -> None:
-        if every_n_iterations < 1:
-            raise ValueError(f"every_n_iterations must be >= 1, got {every_n_iterations!r}")
+        require_number("IterationCheckpoint.every_n_iterations", every_n_iterations, integer=True, at_least=1)
         super().__init__(save_last=save_last, save_top_k=save_top_k, every_n_train_steps=0, **kwargs)
         self.every_n_iterations = every_n_iterations
+        self._stop_signal: Optional[int] = None
+        self._previous_sigint: Any = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.iteration % self.every_n_iterations or self._should_skip_saving_checkpoint(trainer):
@@ -77,3 +91,125 @@ class IterationCheckpoint(ModelCheckpoint):
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Lightning's SIGTERM handler (set up by now) sets trainer.received_sigterm, and its loop stops
+        # after the current batch; a first Ctrl+C takes the same path instead of raising mid-update.
+        self._stop_signal = None
+        with contextlib.suppress(ValueError):  # not the main thread: leave SIGINT alone
+            self._previous_sigint = signal.signal(signal.SIGINT, lambda signum, frame: self._on_sigint(trainer))
+
+    def _on_sigint(self, trainer) -> None:
+        if self._stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl+C: stop now, without a checkpoint
+        self._stop_signal = signal.SIGINT
+        rank_zero_info("Ctrl+C: finishing this iteration, then saving last.ckpt (Ctrl+C again to stop at once)")
+        trainer._signal_connector.received_sigterm = True
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore_sigint()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore_sigint()
+        if not isinstance(exception, SIGTERMException):
+            return
+        signum = self._stop_signal or signal.SIGTERM
+        if self._last_global_step_saved != trainer.global_step:  # not saved at this iteration's end already
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        rank_zero_info(f"stopped by {signal.Signals(signum).name} after iteration {pl_module.iteration}; saved {self.last_model_path}; "
+                       "resume with --ckpt_path last")  # fmt: skip
+        exception.code = 128 + signum  # the shell's convention for a process ended by a signal
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoint files that are never half written, and damaged ones named when read.
+
+    Save: ``torch.save`` into a temporary file beside the target (same folder, so same file
+    system), flushed and fsync'ed, then renamed onto the target name (``os.replace``, atomic)
+    and the folder fsync'ed. A failure at any point, a full disk or a kill, leaves the previous
+    checkpoint and no partial file. (Lightning's own write goes through a temporary file in the
+    system's temp folder, which a move across file systems copies onto the target name, unsynced.)
+
+    Load: a checkpoint is a zip archive with a CRC-32 per record, checked before ``torch.load``
+    (which does not check them): a truncated, corrupt or missing file is a ConfigError naming it.
+    Remote paths (``s3://``) and sharded checkpoint folders go through Lightning's own code.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None or not _is_local_file_protocol(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = tempfile.NamedTemporaryFile("wb", prefix=f".{target.name}.", suffix=".partial", dir=target.parent, delete=False)
+        try:
+            with partial:
+                torch.save(checkpoint, partial)
+                partial.flush()
+                os.fsync(partial.fileno())
+            os.chmod(partial.name, 0o666 & ~_UMASK)  # the temporary file is private; a checkpoint is not
+            os.replace(partial.name, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial.name)
+            raise
+        folder = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself survives a crash
+        finally:
+            os.close(folder)
+
+    def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if _is_local_file_protocol(path):
+            check_checkpoint_file(Path(path))
+        try:
+            return super().load_checkpoint(path, map_location, weights_only)
+        except Exception as err:  # torch.load's advice (weights_only=False) would be wrong for a damaged file
+            raise ConfigError(f"checkpoint {path} cannot be read: {str(err).splitlines()[0]}") from err
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def check_checkpoint_file(path: Path) -> None:
+    """ConfigError naming ``path`` unless it is a checkpoint folder (FSDP2) or a complete zip
+    archive whose every record matches its CRC-32."""
+    if not path.exists():
+        raise ConfigFileNotFoundError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise ConfigError(f"checkpoint {path} is damaged or not a checkpoint (truncated? {err}); resume from an earlier one") from None
+    if damaged is not None:
+        raise ConfigError(f"checkpoint {path} is damaged: record {damaged!r} fails its CRC-32 check; resume from an earlier one")
+
+
+def find_last_checkpoint(trainer) -> str:
+    """Where ``--ckpt_path last`` resumes from: the newest ``last.ckpt`` among this run's
+    checkpoint folders, all of a logger's ``version_*`` folders included (a resumed run logs to
+    a new one, where Lightning alone would look and find nothing). None is a ConfigError that
+    says where it looked, rather than Lightning's warning and a run from scratch."""
+    patterns = []
+    for callback in trainer.checkpoint_callbacks:
+        name = callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
+        if callback.dirpath is not None:
+            patterns.append(Path(callback.dirpath) / name)
+        elif trainer.loggers:
+            logger = trainer.loggers[0]
+            patterns.append(Path(logger.save_dir or trainer.default_root_dir) / str(logger.name or "") / "*" / "checkpoints" / name)
+        else:
+            patterns.append(Path(trainer.default_root_dir) / "checkpoints" / name)
+    found = [path for pattern in patterns for path in glob.glob(str(pattern))]
+    if not found:
+        looked = ", ".join(map(str, patterns)) or "nowhere: checkpointing is off (trainer.enable_checkpointing)"
+        raise ConfigError(f"--ckpt_path last: no checkpoint to resume from; looked for {looked}")
+    return max(found, key=os.path.getmtime)

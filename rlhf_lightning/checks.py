@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 
 def finite_number(value: Any) -> bool:
@@ -26,3 +26,33 @@ def require(condition: bool, field: str, requirement: str, value: Any) -> None:
     ``beta_controller.target``, ``KLGuard.max_kl``)."""
     if not condition:
         raise ConfigError(f"{field} must be {requirement}, got {value!r}")
+
+
+def require_number(
+    field: str,
+    value: Any,
+    *,
+    above: Optional[float] = None,
+    at_least: Optional[float] = None,
+    below: Optional[float] = None,
+    at_most: Optional[float] = None,
+    integer: bool = False,
+    optional: bool = False,
+) -> None:
+    """The one check of a numeric setting: an int or float (an int with ``integer``; never a bool),
+    finite (YAML's ``.inf`` and ``.nan`` parse as floats), within the bounds given, or None with
+    ``optional``. Else ``ConfigError("<field> must be a finite number > 0, got inf")``, the
+    requirement spelt from the bounds (``an integer >= 1``, ``a finite number in (0, 1]``)."""
+    if optional and value is None:
+        return
+    low = (f"> {above}", f"({above}") if above is not None else (f">= {at_least}", f"[{at_least}") if at_least is not None else None
+    high = (f"< {below}", f"{below})") if below is not None else (f"<= {at_most}", f"{at_most}]") if at_most is not None else None
+    bounds = f" in {low[1]}, {high[1]}" if low and high else f" {(low or high)[0]}" if low or high else ""
+    requirement = ("an integer" if integer else "a finite number") + bounds + (", or null" if optional else "")
+    number = isinstance(value, int) if integer else finite_number(value)
+    require(
+        number and not isinstance(value, bool)
+        and (above is None or value > above) and (at_least is None or value >= at_least)
+        and (below is None or value < below) and (at_most is None or value <= at_most),
+        field, requirement, value,
+    )  # fmt: skip

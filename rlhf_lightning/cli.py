@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -64,27 +65,62 @@ def quiet_library_noise() -> None:
 def default_logger(root_dir: Optional[str], config_files: list) -> "TensorBoardLogger":
     """Lightning's default TensorBoardLogger (``<root>/lightning_logs/version_N``) with the run's
     config files in the path, ``<root>/lightning_logs/quickstart/version_N`` (``tiny+fsdp2`` for two),
-    so runs of different configs are not drawn on one axis, and without the placeholder ``hp_metric``."""
-    from pathlib import Path
+    so runs of different configs are not drawn on one axis, and without the placeholder ``hp_metric``.
 
+    The run claims its ``version_N`` by creating the folder, which fails if it exists: two runs
+    started at once on one root get different folders (Lightning only lists the existing ones, so
+    both would take the same and overwrite each other's config and checkpoints)."""
     from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    class ClaimingTensorBoardLogger(TensorBoardLogger):
+        def _get_next_version(self) -> int:
+            version = super()._get_next_version()
+            if rank_zero_only.rank != 0:  # the other ranks' log_dir is rank 0's, broadcast by the trainer
+                return version
+            Path(self.root_dir).mkdir(parents=True, exist_ok=True)
+            while True:
+                try:
+                    (Path(self.root_dir) / f"version_{version}").mkdir()
+                    return version
+                except FileExistsError:  # another run claimed it since the listing
+                    version += 1
 
     name = "+".join(Path(str(path)).stem for path in config_files)
-    return TensorBoardLogger(save_dir=Path(root_dir or ".") / "lightning_logs", name=name, default_hp_metric=False)
+    return ClaimingTensorBoardLogger(save_dir=Path(root_dir or ".") / "lightning_logs", name=name, default_hp_metric=False)
 
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
     """Construct the LightningCLI (it parses and, with ``run``, executes the subcommand)."""
     from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
     from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.plugins.io import CheckpointIO
 
-    import rlhf_lightning.callbacks  # noqa: F401 (imported, their classes resolve by bare name: class_path: KLGuard)
-    import rlhf_lightning.kl_monitor  # noqa: F401
+    import rlhf_lightning.kl_monitor  # noqa: F401 (imported, its classes resolve by bare name: class_path: KLGuard)
+    from rlhf_lightning.callbacks import AtomicCheckpointIO, find_last_checkpoint
     from rlhf_lightning.data import PromptDataModule
     from rlhf_lightning.module import PPORLHF
 
     class RLHFLightningCLI(LightningCLI):
+        def _parse_ckpt_path(self) -> None:
+            """Nothing: Lightning's would load the checkpoint's saved model settings over the command
+            line's, silently dropping a change. Here the command line and config are what runs; the
+            module compares them with the checkpoint's when it loads (``PPORLHF._check_compatible``)."""
+
+        def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
+            kwargs = super()._prepare_subcommand_kwargs(subcommand)
+            if kwargs.get("ckpt_path") == "last":
+                kwargs["ckpt_path"] = find_last_checkpoint(self.trainer)
+                print(f"--ckpt_path last: {kwargs['ckpt_path']}", file=sys.stderr)
+            return kwargs
+
         def _instantiate_trainer(self, config, callbacks):
+            # Every checkpoint is written atomically and checked when read, unless the user chose a CheckpointIO.
+            plugins = config.get("plugins")
+            plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+            chosen = any(isinstance(plugin, CheckpointIO) for plugin in plugins) or getattr(config.get("strategy"), "_checkpoint_io", None)
+            if not chosen:
+                config = {**config, "plugins": [*plugins, AtomicCheckpointIO()]}
             # A Rich progress bar (reward, KL, beta) unless the user disabled bars or chose one.
             chosen = [*(config.get("callbacks") or []), *callbacks]
             if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
@@ -102,7 +138,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         args=args,
         run=run,
         seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
+        save_config_kwargs={"overwrite": False},  # never another run's config (each run has its own version_N)
         trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0},
     )
 
@@ -135,6 +171,8 @@ def main(args: Optional[list[str]] = None) -> None:
     """The command. A configuration error (an impossible value, an unknown plugin, a bad file) is
     printed as ``error: ...`` and exits with status 2, without a traceback unless the environment
     sets RLHF_LIGHTNING_TRACEBACK=1."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     from rlhf_lightning.interfaces import ConfigError
     from rlhf_lightning.registry import UnknownPluginError
 
@@ -147,11 +185,26 @@ def main(args: Optional[list[str]] = None) -> None:
             return
         check_config_files(argv)
         build_cli(args)
-    except (ConfigError, UnknownPluginError) as err:
-        if os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
+    except SIGTERMException as stop:  # Lightning's, a SystemExit with no status: stopped by a signal is not success
+        sys.exit(128 + signal.SIGTERM if stop.code is None else stop.code)
+    except (ConfigError, UnknownPluginError, ValueError) as err:
+        cause = user_error(err)
+        if cause is None or os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {cause}", file=sys.stderr)
         sys.exit(2)
+
+
+def user_error(err: BaseException) -> Optional[BaseException]:
+    """The configuration error behind ``err``, if any: jsonargparse reports a plugin whose
+    constructor refused a setting as "Does not validate against any of the Union subtypes",
+    caused by our ConfigError, which names the field."""
+    from rlhf_lightning.interfaces import ConfigError
+    from rlhf_lightning.registry import UnknownPluginError
+
+    while err is not None and not isinstance(err, (ConfigError, UnknownPluginError)):
+        err = err.__cause__ or err.__context__
+    return err
 
 
 if __name__ == "__main__":

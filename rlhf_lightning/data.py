@@ -128,20 +128,30 @@ class PromptLoader(DataLoader):
     """A DataLoader that Lightning saves and restores with the checkpoint (it has
     ``state_dict``/``load_state_dict``), so a resumed run continues with the next unseen prompts.
 
-    The position is the number of batches the training loop has started this epoch, read from
-    the trainer: the loader itself runs one batch ahead because Lightning prefetches.
+    The position is the number of prompts this rank has consumed this epoch (batches the training
+    loop has started, read from the trainer, since the loader runs one batch ahead because
+    Lightning prefetches, times the batch size), so a run resumed with another
+    ``data.batch_size`` still continues with the first prompt it has not trained on.
     """
 
     def __init__(self, *args, trainer=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.trainer = trainer
+        self._resumed: tuple[int, int, int] | None = None  # (epoch, samples done, batches started) at a resume
+
+    def _batches_started(self) -> int:
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
     def state_dict(self) -> dict[str, int]:
-        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
-        return {"epoch": self.trainer.current_epoch, "batches_done": progress.ready}
+        epoch, started = self.trainer.current_epoch, self._batches_started()
+        samples = started * self.batch_size
+        if self._resumed is not None and self._resumed[0] == epoch:  # the batches before the resume had the checkpoint's size
+            samples = self._resumed[1] + (started - self._resumed[2]) * self.batch_size
+        return {"epoch": epoch, "samples_done": samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.resume_at(state["epoch"], state["batches_done"] * self.batch_size)
+        self._resumed = (state["epoch"], state["samples_done"], self._batches_started())
+        self.sampler.resume_at(state["epoch"], state["samples_done"])
 
 
 class PromptDataModule(LightningDataModule):

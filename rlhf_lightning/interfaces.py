@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Sequence
 import torch
 from torch import Tensor
 
-from rlhf_lightning.checks import ConfigError, ConfigFileNotFoundError, finite_number, require  # noqa: F401 (re-exported)
+from rlhf_lightning.checks import ConfigError, ConfigFileNotFoundError, finite_number, require, require_number  # noqa: F401 (re-exported)
 from rlhf_lightning.registry import register_kind
 from rlhf_lightning.reward_shaping import ScoreShaping, check_scores
 
@@ -54,7 +54,7 @@ class BetaController(ABC):
     """
 
     def __init__(self, init_beta: float = 0.1, unit: KLUnit = "sequence_sum") -> None:
-        require(finite_number(init_beta) and init_beta >= 0, "beta_controller.init_beta", "a finite number >= 0", init_beta)
+        require_number("beta_controller.init_beta", init_beta, at_least=0)
         require(unit in ("sequence_sum", "token_mean"), "beta_controller.unit", "'sequence_sum' or 'token_mean'", unit)
         self.beta = float(init_beta)
         self.unit = unit
@@ -148,8 +148,7 @@ class ReferenceUpdate(ABC):
     reset_optimizer: bool = False
 
     def __init__(self, every_n_iterations: int = 1) -> None:
-        require(isinstance(every_n_iterations, int) and every_n_iterations >= 1,
-                "reference_update.every_n_iterations", "an integer >= 1", every_n_iterations)  # fmt: skip
+        require_number("reference_update.every_n_iterations", every_n_iterations, integer=True, at_least=1)
         self.every_n_iterations = every_n_iterations
 
     @abstractmethod

@@ -37,7 +37,7 @@ import torch
 from lightning import LightningModule
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
@@ -1053,6 +1053,7 @@ class PPORLHF(LightningModule):
             "generation_seed_base": self.generation_seed_base,
             "faults": dict(self.faults),
             "reference_updates": self.reference_updates,
+            "plugins": {name: _plugin_kind(plugin) for name, plugin in self._plugins().items()},
         }
         # The starting policy (and the reference until it first moves) is rebuilt from the config;
         # do not store a second copy of those weights. A LoRA reference adapter is part of the policy.
@@ -1062,31 +1063,70 @@ class PPORLHF(LightningModule):
             del checkpoint["state_dict"][key]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._check_compatible(checkpoint.get("hyper_parameters", {}))
         state = checkpoint["rlhf_lightning"]
+        self._check_compatible(checkpoint.get("hyper_parameters", {}), state.get("plugins", {}))
         self.iteration = state["iteration"]
         self.generation_seed_base = state["generation_seed_base"]
         self.faults = dict(state["faults"])
         self.reference_updates = state.get("reference_updates", 0)
-        self.beta_controller.load_state_dict(state["beta_controller"])
-        if self.entropy_controller is not None:
-            self.entropy_controller.load_state_dict(state["entropy_controller"])
-        self.reward_model.load_state_dict(state["reward_model"])
+        for name in ("beta_controller", "entropy_controller", "reward_model"):  # the plugins with state
+            if getattr(self, name) is not None:
+                _load_plugin_state(name, getattr(self, name), state.get(name))
         # Applied at the next training batch: loading and loader setup in between draw random numbers.
         self._rng_to_restore = state.get("rng")
         for prefix, model in (("ref_model.", self.ref_model), ("initial_model.", self.initial_model)):
             for key, value in ({} if model is None or "state_dict" not in checkpoint else model.state_dict()).items():
                 checkpoint["state_dict"].setdefault(prefix + key, value)  # a moved reference comes from the checkpoint
+        # The config's optimizer settings (lr, critic_lr, weight_decay) win over those stored beside the
+        # Adam moments, which Lightning loads next: a changed learning rate takes effect on resume.
+        configured = self.configure_optimizers()
+        for saved, optimizer in zip(checkpoint.get("optimizer_states", []), configured if isinstance(configured, list) else [configured]):
+            for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+                saved_group.update({key: value for key, value in group.items() if key != "params"})
 
-    def _check_compatible(self, saved: dict) -> None:
-        """Refuse a checkpoint whose model was built differently (the weights or the reference would not match)."""
-        fields = ["policy", "tokenizer", "lora_rank", "lora_target_modules", "critic", "tiny_config"]
-        if self.hparams.policy == "tiny":
-            fields.append("seed")  # the reference is rebuilt from it
-        differ = [f"model.{f}: checkpoint {saved.get(f)!r}, config {self.hparams.get(f)!r}" for f in fields
-                  if f in saved and saved.get(f) != self.hparams.get(f)]  # fmt: skip
+    def _plugins(self) -> dict:
+        """The plugins whose kind is fixed for a run (the gold reward, a measurement only, may change)."""
+        return {"reward_model": self.reward_model, "beta_controller": self.beta_controller, "entropy_controller": self.entropy_controller,
+                "kl_estimator": self.kl_estimator, "advantage_estimator": self.advantage_estimator, "policy_loss": self.policy_loss,
+                "loss_aggregation": self.loss_aggregation, "reference_update": self.reference_update}  # fmt: skip
+
+    def _check_compatible(self, saved: dict, saved_plugins: dict) -> None:
+        """Resume semantics: the command line and config are what runs, the checkpoint supplies the
+        state. Settings that define the weights, the reference or the optimizers' layout
+        (``RESUME_FIXED``) and every plugin's kind must equal the checkpoint's, else a ConfigError
+        names each; any other changed setting takes effect and is logged."""
+        fixed = [*RESUME_FIXED, "seed"] if self.hparams.policy == "tiny" else RESUME_FIXED  # the tiny model is rebuilt from its seed
+        changed = {f: (saved[f], self.hparams[f]) for f in self.hparams if f in saved and saved[f] != self.hparams[f]}
+        plugins = {name: _plugin_kind(plugin) for name, plugin in self._plugins().items()}
+        differ = [f"model.{f}: checkpoint {old!r}, config {new!r}" for f, (old, new) in changed.items() if f in fixed]
+        differ += [f"model.{name}: checkpoint {saved_plugins[name]}, config {kind}" for name, kind in plugins.items()
+                   if name in saved_plugins and saved_plugins[name] != kind]  # fmt: skip
         if differ:
-            raise ValueError("checkpoint is incompatible with this config; " + "; ".join(differ))
+            raise ConfigError("checkpoint is incompatible with this config (these settings cannot change on resume); " + "; ".join(differ))
+        if changed:
+            rank_zero_info("resuming with changed settings (checkpoint -> config): " + "; ".join(
+                f"model.{f}: {old!r} -> {new!r}" for f, (old, new) in changed.items()))  # fmt: skip
+
+
+# Settings that may not change when a run resumes: they define the weights the checkpoint holds,
+# the reference rebuilt from the config, or the optimizers whose state it holds.
+RESUME_FIXED = ("policy", "tokenizer", "tiny_config", "lora_rank", "lora_alpha", "lora_target_modules", "critic", "optimizers")
+
+
+def _plugin_kind(plugin) -> Optional[str]:
+    return None if plugin is None else f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+
+
+def _load_plugin_state(name: str, plugin, state) -> None:
+    """``plugin.load_state_dict(state)``, or a ConfigError naming the plugin when the checkpoint's
+    state does not fit it (a checkpoint from an older version, or a different plugin)."""
+    try:
+        plugin.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ConfigError(
+            f"checkpoint: the saved state of model.{name} does not fit {type(plugin).__name__} ({type(err).__name__}: {err}); "
+            "resume with the plugin the checkpoint was trained with"
+        ) from None
 
 
 def _depends_on_sampled_token(estimator: KLEstimator) -> bool:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlhf_lightning.checks import ConfigError, finite_number, require
+from rlhf_lightning.checks import ConfigError, require_number
 
 
 def check_scores(raw: Any, backend: str, n_responses: int) -> Tensor:
@@ -51,9 +51,8 @@ class ScoreShaping:
     """
 
     def __init__(self, normalize: bool = False, clip: Optional[float] = None, missing_eos_penalty: Optional[float] = None) -> None:
-        require(clip is None or (finite_number(clip) and clip > 0), "reward_model.clip", "a finite number > 0 or null", clip)
-        require(missing_eos_penalty is None or finite_number(missing_eos_penalty), "reward_model.missing_eos_penalty",
-                "a finite number or null", missing_eos_penalty)  # fmt: skip
+        require_number("reward_model.clip", clip, above=0, optional=True)
+        require_number("reward_model.missing_eos_penalty", missing_eos_penalty, optional=True)
         self.normalize, self.clip, self.missing_eos_penalty = normalize, clip, missing_eos_penalty
         self.stats = RunningMeanStd()
 

@@ -57,3 +57,29 @@ class RecordReference(Callback):
         digest = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes() for p in reference)).hexdigest()
         with open(self.path, "a") as f:
             f.write(f"{trainer.global_rank} {pl_module.iteration} {digest}\n")
+
+
+class RecordPrompts(Callback):
+    """Append one JSON line per iteration: ``[iteration, prompts of this batch]``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        import json
+
+        with open(self.path, "a") as f:
+            f.write(json.dumps([pl_module.iteration + 1, list(batch)]) + "\n")
+
+
+class SignalMidIteration(Callback):
+    """Send ``signal`` (a name: SIGTERM, SIGINT) to this process at the first optimizer step of PPO
+    iteration ``iteration``, in the middle of the update, as a scheduler or Ctrl+C would."""
+
+    def __init__(self, iteration: int, signal: str = "SIGTERM") -> None:
+        self.iteration, self.signal = iteration, signal
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if pl_module.iteration == self.iteration - 1 and not getattr(self, "sent", False):
+            self.sent = True
+            os.kill(os.getpid(), getattr(signal, self.signal))

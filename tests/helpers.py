@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from lightning import Trainer, seed_everything
@@ -13,6 +16,15 @@ from rlhf_lightning_plugins.reward_models import CallableReward
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+
+
+def cli(cwd: Path, *args: str, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
+    """``rlhf-lightning <args>`` as a user runs it, in ``cwd``, with the tests folder importable
+    (for test reward functions and callbacks named in the arguments)."""
+    Path(cwd).mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "rlhf_lightning.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout, **popen)  # fmt: skip
 
 
 def char_reward(chars: str = "e") -> CallableReward:

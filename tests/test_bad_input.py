@@ -14,7 +14,7 @@ from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import UnknownPluginError
 from rlhf_lightning_plugins.reward_models import CallableReward
 
-from helpers import CONFIGS, char_reward, fit, make_module
+from helpers import CONFIGS, char_reward, cli, fit, make_module
 
 TINY = str(CONFIGS / "tiny.yaml")
 
@@ -40,8 +40,8 @@ def test_wrong_type_for_a_plugin_argument(capsys):
             ["--model.beta_controller=FixedBeta", "--model.beta_controller.init_args.init_beta=-0.5"],
             "init_beta must be a finite number >= 0",
         ),
-        (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.target=0"], "target must be > 0"),
-        (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.horizon=0"], "horizon must be > 0"),
+        (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.target=0"], "target must be a finite number > 0"),
+        (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.horizon=0"], "horizon must be a finite number > 0"),
         (["--model.ppo_epochs=0"], "model.ppo_epochs must be an integer >= 1"),
         (["--model.temperature=0"], "model.temperature must be > 0"),
         (["--data.batch_size=0"], "data.batch_size must be an integer >= 1"),
@@ -144,7 +144,8 @@ def test_checkpoint_from_an_incompatible_config(tmp_path):
     trainer.save_checkpoint(path)
     other = make_module(critic="shared", tiny_config={"hidden_size": 32})
     with pytest.raises(
-        ValueError, match=r"incompatible with this config; model.critic: checkpoint 'separate', config 'shared'; model.tiny_config"
+        ValueError,
+        match=r"incompatible with this config \(these settings cannot change on resume\); model.critic: checkpoint 'separate', config 'shared'; model.tiny_config",
     ):
         fit(other, tmp_path, iterations=1, ckpt_path=str(path))
 
@@ -319,3 +320,73 @@ def test_a_reward_backend_returning_something_else_is_named(value, message):
 )  # fmt: skip
 def test_a_reward_backend_may_return_a_tensor_an_array_or_a_list(value):
     assert torch.equal(returning(value).checked_scores(["p", "q"], ["x", "y"]), torch.tensor([1.0, 2.5]))
+
+
+def exiting_reward(prompts, responses, **kwargs):
+    raise SystemExit(0)  # as sys.exit(0) does
+
+
+def interrupted_reward(prompts, responses, **kwargs):
+    raise KeyboardInterrupt
+
+
+def slow_reward(prompts, responses, **kwargs):
+    import time
+
+    time.sleep(30)
+    return [0.0] * len(responses)
+
+
+def fit_tiny(tmp_path, *args: str):
+    """One PPO iteration of configs/tiny.yaml through the command, as a user runs it."""
+    return cli(tmp_path, "fit", "--config", TINY, "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
+               "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.callbacks=[]",
+               "--trainer.enable_checkpointing=false", "--model.max_new_tokens=4", *args)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ("exiting_reward", "reward function test_bad_input:exiting_reward called sys.exit(0); a reward function must return scores"),
+        ("interrupted_reward", "reward function test_bad_input:interrupted_reward raised KeyboardInterrupt"),
+    ],
+)
+def test_a_reward_function_that_exits_stops_the_run_naming_the_function(tmp_path, function, message):
+    result = fit_tiny(tmp_path, f"--model.reward_model.init_args.function=test_bad_input:{function}")
+    assert result.returncode == 1, result.stderr[-3000:]  # not 0: sys.exit(0) in a reward must not look like success
+    assert f"RuntimeError: {message}" in result.stderr
+
+
+def test_a_reward_function_over_its_timeout_stops_the_run(tmp_path):
+    import time
+
+    start = time.monotonic()
+    result = fit_tiny(tmp_path, "--model.reward_model.init_args.function=test_bad_input:slow_reward",
+                      "--model.reward_model.init_args.timeout=1")  # fmt: skip
+    assert result.returncode == 1 and time.monotonic() - start < 25  # slow_reward sleeps 30 s
+    assert "TimeoutError: reward function test_bad_input:slow_reward did not return within reward_model.timeout=1.0s" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--model.reward_model.init_args.kwargs={chars: e, colour: red}"],
+            "error: reward_model.function rlhf_lightning_plugins.toy_rewards:char_count(prompts, responses, chars='e', scale=1.0) cannot be "
+            "called as (prompts, responses, chars=..., colour=...) with reward_model.kwargs {'chars': 'e', 'colour': 'red'}: got an "
+            "unexpected keyword argument 'colour'",
+        ),
+        (
+            ["--model.reward_model.init_args.function=test_bad_input:raising_reward"],
+            "error: reward_model.function test_bad_input:raising_reward(prompts, responses) cannot be called as (prompts, responses, "
+            "chars=...) with reward_model.kwargs {'chars': 'e'}: got an unexpected keyword argument 'chars'",
+        ),
+        (["--model.reward_model.init_args.timeout=.nan"], "error: reward_model.timeout must be a finite number > 0, or null, got nan"),
+    ],
+    ids=["unknown-keyword", "function-without-kwargs", "nan-timeout"],
+)
+def test_reward_function_arguments_are_checked_before_any_model_loads(tmp_path, monkeypatch, args, message):
+    result = fit_tiny(tmp_path, *args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == message
+    assert not (tmp_path / "lightning_logs").exists()  # stopped while parsing, before the trainer or a model was built

@@ -144,7 +144,7 @@ def test_state_dict_round_trip(name, kwargs):
         ("adaptive", {"horizon": -10}, "horizon"),
         ("band", {"factor": 1.0}, "factor"),
         ("band", {"factor": 0.5}, "factor"),
-        ("band", {"beta_min": 1.0, "beta_max": 0.5}, "beta_min"),
+        ("band", {"beta_min": 1.0, "beta_max": 0.5}, "beta_max"),  # beta_max must be >= beta_min
         ("band", {"beta_min": -1.0}, "beta_min"),
         ("fixed", {"unit": "tokens"}, "unit"),
         ("adaptive", {"unit": "sequence_mean"}, "unit"),

@@ -35,9 +35,9 @@ def test_schedules_by_hand():
 @pytest.mark.parametrize(
     "build, message",
     [(lambda: Sync(0), "reference_update.every_n_iterations must be an integer >= 1, got 0"),
-     (lambda: EMA(0.0), "reference_update.alpha must be in (0, 1], got 0.0"),
-     (lambda: EMA(1.5), "reference_update.alpha must be in (0, 1], got 1.5"),
-     (lambda: EMA(math.nan), "reference_update.alpha must be in (0, 1], got nan")],
+     (lambda: EMA(0.0), "reference_update.alpha must be a finite number in (0, 1], got 0.0"),
+     (lambda: EMA(1.5), "reference_update.alpha must be a finite number in (0, 1], got 1.5"),
+     (lambda: EMA(math.nan), "reference_update.alpha must be a finite number in (0, 1], got nan")],
 )  # fmt: skip
 def test_bad_settings_are_refused(build, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

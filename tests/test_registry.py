@@ -353,3 +353,36 @@ def test_mixed_case_registration_is_found_under_any_case(isolated):
     kl = registry("kl_estimator")
     assert kl.get("MyCaseKL") is MyCaseKL and kl.get("mycasekl") is MyCaseKL and kl.get("MY_ALIAS") is MyCaseKL
     assert "MyCaseKL" in kl and " k3 " in kl and "K3" in kl
+
+
+NUMERIC = ("float", "int", "Optional[float]", "Optional[int]")
+REQUIRED = {"remote": {"url": "http://127.0.0.1:1/score"}, "hf_classifier": {"path": "unused"}, "embedding_similarity": {"target": "x"}}
+REWARD_OPTIONS = ("clip", "missing_eos_penalty")  # every reward backend's **options (RewardModel's own arguments)
+
+
+def numeric_arguments():
+    """(kind, name, argument) for every numeric constructor argument of every registered plugin."""
+    import inspect
+
+    load_plugins()
+    for kind, plugins in reg_mod.REGISTRIES.items():
+        for entry in plugins.entries():
+            parameters = inspect.signature(entry.cls.__init__).parameters
+            numbers = [n for n, p in parameters.items() if str(p.annotation) in NUMERIC]
+            if kind == "reward_model" and any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+                numbers += REWARD_OPTIONS
+            yield from ((kind, entry.name, argument) for argument in numbers)
+
+
+NUMERIC_ARGUMENTS = list(numeric_arguments())
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("kind, name, argument", NUMERIC_ARGUMENTS, ids=[f"{name}.{argument}" for _, name, argument in NUMERIC_ARGUMENTS])
+def test_every_numeric_plugin_argument_refuses_non_finite_values_naming_it(kind, name, argument, value):
+    """One check (interfaces.require_number) in every plugin constructor: YAML's .inf and .nan are
+    refused at start-up with a ConfigError naming <kind>.<argument>, never accepted silently."""
+    from rlhf_lightning.interfaces import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^{kind}\.{argument} must be (a finite number|an integer).*, got {value}$"):
+        registry(kind).get(name)(**REQUIRED.get(name, {}), **{argument: value})

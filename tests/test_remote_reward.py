@@ -202,6 +202,86 @@ def test_closed_port_is_a_connection_error_naming_url_and_attempts(closed_port_u
     assert closed_port_url in message and "after 2 attempt(s)" in message and "cannot connect" in message
 
 
+class RawServer:
+    """A TCP server that reads one request per connection and then runs ``answer(conn)``: for
+    answers no well-behaved HTTP server gives (bytes trickled forever, a connection cut mid-body)."""
+
+    def __init__(self, answer: Callable[[socket.socket], None]) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/score"
+        self.stop = threading.Event()
+        self.connections = 0
+
+        def serve() -> None:
+            while not self.stop.is_set():
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                self.connections += 1
+                with conn:
+                    conn.recv(65536)
+                    try:
+                        answer(conn, self.stop)
+                    except OSError:  # the client hung up
+                        pass
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.fixture
+def raw_serve():
+    servers: list[RawServer] = []
+    yield lambda answer: servers.append(RawServer(answer)) or servers[-1]
+    for server in servers:
+        server.close()
+
+
+def trickle(prefix: bytes):
+    """Send ``prefix`` then one more byte every 0.05 s until stopped: each read gets data well
+    within any socket timeout, so only a deadline on the whole request ends it."""
+
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(prefix)
+        while not stop.wait(0.05):
+            conn.sendall(b"x")
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [b"HTTP/1.1 200 OK\r\nX-Slow: ", b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n"],
+    ids=["headers", "body"],
+)
+def test_a_server_that_trickles_bytes_forever_is_cut_off_at_the_timeout(raw_serve, prefix):
+    import time
+
+    server = raw_serve(trickle(prefix))
+    rm = RemoteReward(url=server.url, timeout=0.5, max_retries=1, **FAST)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"connected, but no complete answer within timeout=0.5s") as info:
+        rm.score(["p"], ["r"])
+    elapsed = time.monotonic() - start
+    # two attempts of 0.5 s each plus one backoff wait of 0.01 s; a per-read timeout would never end
+    assert 1.0 <= elapsed < 3.0, elapsed
+    assert "after 2 attempt(s)" in str(info.value) and server.connections == 2
+
+
+def test_an_answer_cut_off_mid_body_is_a_broken_answer_not_a_connection_failure(raw_serve):
+    def cut(conn: socket.socket, stop: threading.Event) -> None:
+        conn.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n{"scores": [')
+
+    server = raw_serve(cut)
+    rm = RemoteReward(url=server.url, timeout=5.0, max_retries=1, **FAST)
+    with pytest.raises(RuntimeError, match=r"after 2 attempt\(s\).*connected, but the answer broke off"):
+        rm.score(["p"], ["r"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Client errors and malformed answers: not retried
 

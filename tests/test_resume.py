@@ -3,14 +3,16 @@ uninterrupted run's per-iteration metrics exactly (CPU, fixed seed)."""
 
 from __future__ import annotations
 
-import os
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from helpers import CONFIGS, REPO
+from helpers import CONFIGS, REPO, cli
 
 sys.path.insert(0, str(REPO / "tools"))
 from summarize_run import read_scalars  # noqa: E402
@@ -18,17 +20,17 @@ from summarize_run import read_scalars  # noqa: E402
 WATCHED = ("objective/reward", "objective/kl", "objective/beta", "objective/kl_max", "objective/kl_to_initial", "policy/loss", "value/loss")
 
 
+# configs/tiny.yaml for 6 iterations, a checkpoint every 2, a beta controller with state to restore.
+RUN_ARGS = (
+    "--trainer.max_epochs=1", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+    "--model.beta_controller=BandBeta", "--model.beta_controller.init_args.target=0.5", "--model.max_new_tokens=10",
+    "--trainer.callbacks.every_n_iterations=2",
+)  # fmt: skip
+
+
 def run_cli(root, *extra: str) -> subprocess.CompletedProcess:
-    args = [
-        sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", str(CONFIGS / "tiny.yaml"),
-        "--trainer.max_epochs=1", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={root}", "--model.beta_controller=BandBeta",
-        "--model.beta_controller.init_args.target=0.5", "--model.max_new_tokens=10",
-        "--trainer.callbacks.every_n_iterations=2", *extra,
-    ]  # fmt: skip
-    root.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(args, capture_output=True, text=True, cwd=root, env=env, timeout=600)
+    """``rlhf-lightning fit --config configs/tiny.yaml`` with ``RUN_ARGS`` run in ``root`` (its default_root_dir)."""
+    return cli(root, "fit", "--config", str(CONFIGS / "tiny.yaml"), *RUN_ARGS, *extra)
 
 
 # Critic-free: 4 prompts x 2 responses per iteration, GRPO's group baseline, no value loss to watch.
@@ -55,7 +57,7 @@ def test_sigkill_mid_iteration_then_resume_reproduces_the_uninterrupted_run(tmp_
     assert last["rlhf_lightning"]["iteration"] == 2  # saved after iteration 2, killed during iteration 4
     assert last["rlhf_lightning"]["reference_updates"] == {RESET: 1, LORA_EMA: 2}.get(extra, 0)
 
-    resumed = run_cli(killed_root, *extra, f"--ckpt_path={ckpt_dir / 'last.ckpt'}")
+    resumed = run_cli(killed_root, *extra, "--ckpt_path", "last")  # the README's command: finds version_0's last.ckpt
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "dataloader is not resumable" not in resumed.stderr
 
@@ -76,29 +78,182 @@ def test_sigkill_mid_iteration_then_resume_reproduces_the_uninterrupted_run(tmp_
     assert len(set(reference["objective/beta"].values())) > 1  # the controller state had something to restore
 
 
-def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path, monkeypatch):
-    """Lightning writes checkpoints inside an fsspec transaction (a temporary file renamed into
-    place on success): a write that dies half way must not touch the existing file."""
-    from fsspec.implementations.local import LocalFileOpener
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run of ``run_cli``: its per-iteration metrics and the prompts of each iteration."""
+    root = tmp_path_factory.mktemp("straight")
+    result = run_cli(root, "--trainer.callbacks+=fault_callbacks.RecordPrompts", f"--trainer.callbacks.path={root / 'prompts.jsonl'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_scalars(str(root / "lightning_logs" / "tiny" / "version_0")), read_prompts(root / "prompts.jsonl")
 
-    from helpers import fit, make_module
 
-    trainer, _ = fit(make_module(), tmp_path, iterations=1)
-    path = tmp_path / "last.ckpt"
-    trainer.save_checkpoint(path)
-    before = path.read_bytes()
+def read_prompts(path) -> list[list[str]]:
+    return [json.loads(line)[1] for line in Path(path).read_text().splitlines()]
 
-    def die_half_way(self, data):
-        self.f.write(data[: len(data) // 2])
-        raise KeyboardInterrupt("killed during the write")
 
-    trainer.lightning_module.iteration = 99
-    monkeypatch.setattr(LocalFileOpener, "write", die_half_way)
-    try:
-        trainer.save_checkpoint(path)
-    except KeyboardInterrupt:
-        pass
-    monkeypatch.undo()
-    assert path.read_bytes() == before
-    assert torch.load(path, weights_only=True)["rlhf_lightning"]["iteration"] == 1
-    assert not [p for p in tmp_path.iterdir() if p.name not in ("last.ckpt",) and p.is_file()]  # no stray partial file
+def last_checkpoint(root, version: int = 0) -> dict:
+    return torch.load(root / "lightning_logs" / "tiny" / f"version_{version}" / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+@pytest.mark.parametrize("name, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_sigterm_or_ctrl_c_mid_iteration_saves_at_its_end_and_resume_last_reproduces_the_run(tmp_path, straight, name, status):
+    """What a scheduler (SIGTERM) or a user (Ctrl+C) does mid-run: the iteration under way finishes,
+    last.ckpt is saved, the exit status says a signal stopped it (128 + signal number), and the
+    README's ``--ckpt_path last`` continues as if nothing had happened."""
+    stopped = run_cli(tmp_path, "--trainer.callbacks+=fault_callbacks.SignalMidIteration", "--trainer.callbacks.iteration=3",
+                      f"--trainer.callbacks.signal={name}")  # fmt: skip
+    assert stopped.returncode == status, stopped.stderr[-3000:]
+    path = tmp_path / "lightning_logs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    assert f"stopped by {name} after iteration 3; saved {path.relative_to(tmp_path)}; resume with --ckpt_path last" in stopped.stderr
+    assert last_checkpoint(tmp_path)["rlhf_lightning"]["iteration"] == 3  # not 2, the periodic checkpoint's
+
+    resumed = run_cli(tmp_path, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"--ckpt_path last: {path.relative_to(tmp_path)}" in resumed.stderr
+    logs = tmp_path / "lightning_logs" / "tiny"
+    reference, after = straight[0], read_scalars(str(logs / "version_1"))
+    combined = read_scalars([str(logs / "version_0"), str(logs / "version_1")])
+    for metric in WATCHED:
+        assert list(after[metric]) == [3, 4, 5], metric  # iterations 4..6 (1-based): none repeated, none skipped
+        assert combined[metric] == reference[metric], (metric, combined[metric], reference[metric])
+
+
+@pytest.mark.parametrize("command", ["fit", "validate"])
+def test_ckpt_path_last_without_a_checkpoint_is_an_error_that_says_where_it_looked(tmp_path, command):
+    result = cli(tmp_path, command, "--config", str(CONFIGS / "tiny.yaml"), "--ckpt_path", "last")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --ckpt_path last: no checkpoint to resume from; looked for lightning_logs/tiny/*/checkpoints/last.ckpt"
+    )
+    assert not list(tmp_path.glob("lightning_logs/tiny/*/events.*"))  # nothing trained or evaluated from scratch
+
+
+def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are_refused_naming_each(tmp_path):
+    first = run_cli(tmp_path, "--trainer.limit_train_batches=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    refused = run_cli(tmp_path, "--ckpt_path", "last", "--model.critic=shared", "--model.beta_controller=PIDBeta",
+                      "--model.beta_controller.init_args.target=0.5", "--model.lora_rank=4")  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: checkpoint is incompatible with this config (these settings cannot change on resume); "
+        "model.critic: checkpoint 'separate', config 'shared'; model.lora_rank: checkpoint 0, config 4; "
+        "model.beta_controller: checkpoint rlhf_lightning_plugins.beta_controllers.BandBeta, config rlhf_lightning_plugins.control.PIDBeta"
+    )
+
+    changed = run_cli(tmp_path, "--ckpt_path", "last", "--trainer.limit_train_batches=2", "--trainer.max_epochs=2", "--model.lr=0.001",
+                      "--model.max_new_tokens=8")  # fmt: skip
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    assert (
+        "resuming with changed settings (checkpoint -> config): model.max_new_tokens: 10 -> 8; model.lr: 0.003 -> 0.001" in changed.stderr
+    )
+    (resumed,) = [
+        v for v in (tmp_path / "lightning_logs" / "tiny").iterdir() if (v / "checkpoints" / "last.ckpt").exists() and v.name != "version_0"
+    ]
+    state = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
+    assert state["rlhf_lightning"]["iteration"] == 4 and state["hyper_parameters"]["lr"] == 0.001
+    assert [group["lr"] for group in state["optimizer_states"][0]["param_groups"]] == [0.001]  # the policy's AdamW: the new lr ran
+
+
+def test_a_plugin_state_that_does_not_fit_is_an_error_naming_the_plugin(tmp_path):
+    first = run_cli(tmp_path, "--trainer.limit_train_batches=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    path = tmp_path / "lightning_logs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    del checkpoint["rlhf_lightning"]["beta_controller"]["beta"]  # as a checkpoint of another version of the plugin might
+    torch.save(checkpoint, path)
+    resumed = run_cli(tmp_path, f"--ckpt_path={path}")
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert resumed.stderr.strip().splitlines()[-1] == (
+        "error: checkpoint: the saved state of model.beta_controller does not fit BandBeta (KeyError: 'beta'); "
+        "resume with the plugin the checkpoint was trained with"
+    )
+
+
+def test_a_changed_batch_size_on_resume_continues_with_the_first_unseen_prompt(tmp_path, straight):
+    """The data position is stored in prompts, not batches: 3 iterations of 16 prompts, resumed
+    with batches of 8, go on with prompt 49 of the epoch's permutation (not 25)."""
+    record = ("--trainer.callbacks+=fault_callbacks.RecordPrompts", f"--trainer.callbacks.path={tmp_path / 'prompts.jsonl'}")
+    stopped = run_cli(tmp_path, *record, "--trainer.callbacks+=fault_callbacks.SignalMidIteration", "--trainer.callbacks.iteration=3")
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    resumed = run_cli(tmp_path, *record, "--ckpt_path", "last", "--data.batch_size=8")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    order = [prompt for batch in straight[1] for prompt in batch]  # the epoch's permutation, 16 per iteration
+    seen = read_prompts(tmp_path / "prompts.jsonl")
+    assert [len(batch) for batch in seen] == [16, 16, 16, 8, 8, 8]
+    assert [prompt for batch in seen for prompt in batch] == order[: 3 * 16 + 3 * 8]
+    (loader,) = last_checkpoint(tmp_path, version=1)["loops"]["fit_loop"]["state_dict"].values()
+    assert loader == [{"epoch": 0, "samples_done": 3 * 16 + 3 * 8}]  # the next resume, at any batch size, starts at prompt 73
+
+
+def test_a_truncated_or_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path):
+    first = run_cli(tmp_path, "--trainer.limit_train_batches=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    good = (tmp_path / "lightning_logs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt").read_bytes()
+    truncated, flipped = tmp_path / "truncated.ckpt", tmp_path / "flipped.ckpt"
+    truncated.write_bytes(good[: len(good) // 2])  # what a full disk left before writes were atomic
+    flipped.write_bytes(good[:100_000] + bytes([good[100_000] ^ 0xFF]) + good[100_001:])  # torch.load alone accepts this one
+    for path, message in (
+        (truncated, f"error: checkpoint {truncated} is damaged or not a checkpoint (truncated? File is not a zip file)"),
+        (flipped, f"error: checkpoint {flipped} is damaged: record 'archive/data/"),
+        (tmp_path / "nope.ckpt", f"error: checkpoint {tmp_path / 'nope.ckpt'} does not exist"),
+    ):
+        result = run_cli(tmp_path, f"--ckpt_path={path}")
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-500:]
+        assert "weights_only" not in result.stderr
+
+
+def test_a_checkpoint_write_that_fails_leaves_the_previous_checkpoint_and_no_partial_file(tmp_path, monkeypatch):
+    """A full disk during the second save (iteration 4), half the bytes written: the command fails
+    with the OSError, and the folder holds the complete checkpoint of iteration 2 and nothing else.
+    The bytes went to a temporary file beside the target (same file system, so the rename that
+    publishes it is atomic), removed after the failure."""
+    import errno
+
+    from rlhf_lightning import callbacks
+    from rlhf_lightning.cli import main
+
+    real_save, saves, partial = torch.save, [], []
+
+    def disk_full_at_iteration_4(obj, f, *args, **kwargs):
+        if not (isinstance(obj, dict) and "rlhf_lightning" in obj):  # not a checkpoint
+            return real_save(obj, f, *args, **kwargs)
+        if obj["rlhf_lightning"]["iteration"] == 4:
+            partial.append(Path(getattr(f, "name", "")))  # an in-memory buffer has no name
+            f.write(b"PK\x03\x04 half a checkpoint")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        saves.append(obj["rlhf_lightning"]["iteration"])
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(callbacks.torch, "save", disk_full_at_iteration_4)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError, match="No space left on device"):
+        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), *RUN_ARGS])
+    folder = tmp_path / "lightning_logs" / "tiny" / "version_0" / "checkpoints"
+    assert saves == [2, 2]  # top-1 and last after iteration 2
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=32.ckpt", "last.ckpt"]  # no partial file left
+    assert partial[0].parent == folder and partial[0].name.endswith(".partial") and not partial[0].exists()
+    assert torch.load(folder / "last.ckpt", weights_only=True)["rlhf_lightning"]["iteration"] == 2
+
+
+def test_two_runs_started_together_on_one_root_dir_never_share_a_version_folder(tmp_path):
+    runs = [subprocess.Popen([sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", str(CONFIGS / "tiny.yaml"), *RUN_ARGS,
+                              "--trainer.limit_train_batches=2", f"--model.lr={lr}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True) for lr in (0.001, 0.002)]  # fmt: skip
+    for run in runs:
+        assert run.wait(timeout=600) == 0, run.stderr.read()[-3000:]
+    versions = sorted((tmp_path / "lightning_logs" / "tiny").iterdir())
+    assert [v.name for v in versions] == ["version_0", "version_1"]
+    lrs = {yaml.safe_load((v / "config.yaml").read_text())["model"]["lr"] for v in versions}
+    assert lrs == {0.001, 0.002}  # each run's own config, neither overwritten
+    for version in versions:
+        assert torch.load(version / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["lr"] in lrs
+
+
+def test_the_version_folder_is_claimed_before_anything_is_written_in_it(tmp_path):
+    from rlhf_lightning.cli import default_logger
+
+    first, second = default_logger(str(tmp_path), ["tiny.yaml"]), default_logger(str(tmp_path), ["tiny.yaml"])
+    assert (first.version, second.version) == (0, 1)  # the first has written nothing yet; the second still takes 1
+    assert sorted(p.name for p in (tmp_path / "lightning_logs" / "tiny").iterdir()) == ["version_0", "version_1"]
