@@ -80,9 +80,9 @@ class RemoteReward(RewardModel):
         **options: Any,
     ) -> None:
         super().__init__(**options)
-        scheme = urllib.parse.urlsplit(url).scheme if isinstance(url, str) else None
-        if scheme not in ("http", "https") or not urllib.parse.urlsplit(url).netloc:
-            raise ValueError(f"reward_model.url must be an http:// or https:// address, got {url!r}")
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        require(parts is not None and parts.scheme in ("http", "https") and bool(parts.netloc), "reward_model.url",
+                "an http:// or https:// address", url)  # fmt: skip
         require_number("reward_model.timeout", timeout, above=0)
         require_number("reward_model.max_retries", max_retries, integer=True, at_least=0)
         require_number("reward_model.backoff", backoff, at_least=0)

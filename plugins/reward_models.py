@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from rlhf_lightning.interfaces import ConfigError, RewardModel, require_number
+from rlhf_lightning.interfaces import ConfigError, RewardModel, require, require_number
 from rlhf_lightning.registry import register
 
 
@@ -138,8 +138,8 @@ class HFClassifierReward(RewardModel):
                 self.tokenizer.pad_token = self.tokenizer.eos_token
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
             self.model.requires_grad_(False).eval()
-            if not 0 <= self.label_index < self.model.config.num_labels:
-                raise ValueError(f"reward_model.label_index={self.label_index} but {self.path} has {self.model.config.num_labels} labels")
+            require(0 <= self.label_index < self.model.config.num_labels, "reward_model.label_index",
+                    f"in [0, {self.model.config.num_labels}): {self.path} has {self.model.config.num_labels} labels", self.label_index)  # fmt: skip
         self.device = device
         self.model.to(device)
 

