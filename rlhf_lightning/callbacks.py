@@ -68,14 +68,16 @@ def export_policy(module, target: Path) -> Optional[Path]:
 
 
 class IterationCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint that saves every ``every_n_iterations`` PPO iterations (plus ``last.ckpt``),
-    and ``last.ckpt`` when the run is stopped by SIGTERM or Ctrl+C.
+    """Saves ``last.ckpt`` every ``every_n_iterations`` PPO iterations, and when the run is stopped
+    by SIGTERM or Ctrl+C; otherwise a plain ModelCheckpoint (its end-of-epoch checkpoints, its
+    folder, ``--ckpt_path last``), through Lightning's public API only (``trainer.save_checkpoint``).
 
     Lightning's ``every_n_train_steps`` counts optimizer steps, of which one PPO iteration takes
-    ``ppo_epochs * num_minibatches`` per optimizer; this counts iterations (training batches).
-    SIGTERM (what schedulers send before killing a job) and a first Ctrl+C let the current
-    iteration finish, save ``last.ckpt`` and exit with status 128 + the signal number (143, 130),
-    so ``--ckpt_path last`` resumes exactly where the run stopped; a second Ctrl+C stops at once.
+    ``ppo_epochs * num_minibatches`` per optimizer (and fewer when a step is skipped for a fault);
+    this counts iterations (training batches). SIGTERM (what schedulers send before killing a job)
+    and a first Ctrl+C let the current iteration finish, save ``last.ckpt`` and exit with status
+    128 + the signal number (143, 130), so ``--ckpt_path last`` resumes exactly where the run
+    stopped; a second Ctrl+C stops at once.
     """
 
     def __init__(self, every_n_iterations: int = 10, save_last: bool = True, save_top_k: int = 1, **kwargs) -> None:
@@ -84,27 +86,34 @@ class IterationCheckpoint(ModelCheckpoint):
         self.every_n_iterations = every_n_iterations
         self._stop_signal: Optional[int] = None
         self._previous_sigint: Any = None
+        self._saved_at: Optional[int] = None  # the iteration last.ckpt was last written after
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if pl_module.iteration % self.every_n_iterations or self._should_skip_saving_checkpoint(trainer):
-            return
-        candidates = self._monitor_candidates(trainer)
-        self._save_topk_checkpoint(trainer, candidates)
-        self._save_last_checkpoint(trainer, candidates)
+        if not pl_module.iteration % self.every_n_iterations and not trainer.fast_dev_run:
+            self._save_last(trainer, pl_module)
+
+    def _last_path(self, trainer) -> Path:
+        return Path(self.dirpath or Path(trainer.default_root_dir) / "checkpoints") / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+
+    def _save_last(self, trainer, pl_module) -> Path:
+        path = self._last_path(trainer)
+        trainer.save_checkpoint(path)  # every rank takes part (sharded checkpoints); rank 0 writes a single file
+        self._saved_at = pl_module.iteration
+        return path
 
     def on_train_start(self, trainer, pl_module) -> None:
-        # Lightning's SIGTERM handler (set up by now) sets trainer.received_sigterm, and its loop stops
-        # after the current batch; a first Ctrl+C takes the same path instead of raising mid-update.
+        # A first Ctrl+C takes SIGTERM's path (Lightning's own handling: the loop stops after the
+        # current batch, its metrics logged, and raises SIGTERMException) instead of raising mid-update.
         self._stop_signal = None
         with contextlib.suppress(ValueError):  # not the main thread: leave SIGINT alone
-            self._previous_sigint = signal.signal(signal.SIGINT, lambda signum, frame: self._on_sigint(trainer))
+            self._previous_sigint = signal.signal(signal.SIGINT, lambda signum, frame: self._on_sigint())
 
-    def _on_sigint(self, trainer) -> None:
+    def _on_sigint(self) -> None:
         if self._stop_signal == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl+C: stop now, without a checkpoint
         self._stop_signal = signal.SIGINT
         rank_zero_info("Ctrl+C: finishing this iteration, then saving last.ckpt (Ctrl+C again to stop at once)")
-        trainer._signal_connector.received_sigterm = True
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore_sigint()
@@ -113,10 +122,9 @@ class IterationCheckpoint(ModelCheckpoint):
         self._restore_sigint()
         if not isinstance(exception, SIGTERMException):
             return
-        signum = self._stop_signal or signal.SIGTERM
-        if self._last_global_step_saved != trainer.global_step:  # not saved at this iteration's end already
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-        rank_zero_info(f"stopped by {signal.Signals(signum).name} after iteration {pl_module.iteration}; saved {self.last_model_path}; "
+        signum, self._stop_signal = self._stop_signal or signal.SIGTERM, None
+        path = self._save_last(trainer, pl_module) if self._saved_at != pl_module.iteration else self._last_path(trainer)
+        rank_zero_info(f"stopped by {signal.Signals(signum).name} after iteration {pl_module.iteration}; saved {path}; "
                        "resume with --ckpt_path last")  # fmt: skip
         exception.code = 128 + signum  # the shell's convention for a process ended by a signal
 

@@ -231,8 +231,8 @@ def test_a_checkpoint_write_that_fails_leaves_the_previous_checkpoint_and_no_par
     with pytest.raises(OSError, match="No space left on device"):
         main(["fit", "--config", str(CONFIGS / "tiny.yaml"), *RUN_ARGS])
     folder = tmp_path / "lightning_logs" / "tiny" / "version_0" / "checkpoints"
-    assert saves == [2, 2]  # top-1 and last after iteration 2
-    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=32.ckpt", "last.ckpt"]  # no partial file left
+    assert saves == [2]  # last.ckpt after iteration 2
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"]  # no partial file left
     assert partial[0].parent == folder and partial[0].name.endswith(".partial") and not partial[0].exists()
     assert torch.load(folder / "last.ckpt", weights_only=True)["rlhf_lightning"]["iteration"] == 2
 
