@@ -34,6 +34,8 @@ def backend(request, tiny_classifier, monkeypatch):  # noqa: F811
         rm = cls(target="a happy, sunny day")
     elif name == "hf_classifier":
         rm = cls(path=str(tiny_classifier[0]))
+    elif name == "ensemble":
+        rm = cls(paths=[str(tiny_classifier[0])] * 2, combine="mean_minus_std", standardize=False)
     elif name == "remote":
         servers.append(Server(length_scores))
         rm = cls(url=servers[0].url)
