@@ -104,6 +104,8 @@ class PassAtK(Callback):
 
     @torch.no_grad()
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.sanity_checking:  # Lightning discards what the sanity check logs: spare the sampling
+            return
         prompts = [prompt for prompt in batch for _ in range(self.n)]  # a prompt's n samples adjacent
         rollout = pl_module.rollout(prompts)
         scores = pl_module.reward_model.checked_scores(rollout.prompts, rollout.responses)  # (prompts * n,)

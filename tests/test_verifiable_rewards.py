@@ -101,7 +101,7 @@ def test_pass_at_k_callback_samples_max_k_answers_per_question_and_averages_over
         reward_model=ExactAnswerReward(),
         log_dict=lambda metrics, **kwargs: logged.update(metrics),
     )
-    PassAtK(ks=[1, 2, 4]).on_validation_batch_end(None, module, None, list(answers), 0)
+    PassAtK(ks=[1, 2, 4]).on_validation_batch_end(SimpleNamespace(sanity_checking=False), module, None, list(answers), 0)
     assert logged == pytest.approx({"val/pass@1": 0.5, "val/pass@2": 0.75, "val/pass@4": 1.0})
 
 
