@@ -129,7 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         writer.writerows(rows)
     print("run               alpha    beta    R^2  fit peak KL  peak gold (iters, KL)     end gold (KL)")
     for r in rows:
-        print(f"{r['run']:<16} {r['alpha']:6.3f}  {r['beta']:6.3f}  {r['r2']:5.2f}  {r['fit_peak_kl']:11.1f}  "
+        print(f"{r['run']:<16} {r['alpha']:6.3f}  {r['beta']:6.3f}  {r['r2']:5.2f}  {r['fit_peak_kl']:11.3g}  "
               f"{r['peak_gold']:.3f} ({r['peak_block']}, {r['peak_kl']:.1f})  {r['end_gold']:.3f} ({r['end_kl']:.1f})")  # fmt: skip
     print(f"wrote {args.out} and {table}")
     return rows
