@@ -15,4 +15,5 @@ from rlhf_lightning_plugins import (  # noqa: F401  # noqa: F401
     remote_reward,  # noqa: F401
     reward_models,
     text_rewards,
+    verifiable_rewards,  # noqa: F401
 )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import threading
-from typing import Any, Callable, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -159,3 +161,88 @@ class HFClassifierReward(RewardModel):
             ).to(self.device)
             scores.append(self.model(**enc).logits[:, self.label_index].float().cpu())
         return torch.cat(scores)
+
+
+# How K member scores r_1..r_K of one response become its reward (Coste et al. 2023, section 3).
+ENSEMBLE_COMBINATIONS = ("mean", "min", "mean_minus_std")
+REWARD_STATS_FILE = "reward_stats.json"  # written beside each model by tools/train_reward_model.py
+
+
+@register("reward_model", "ensemble", description="K reward-model checkpoints combined by mean, min or mean - lambda std")
+class EnsembleReward(RewardModel):
+    """A conservative ensemble of K Bradley-Terry reward models (Coste et al. 2023, "Reward Model
+    Ensembles Help Mitigate Overoptimization"), each a frozen :class:`HFClassifierReward`:
+
+        mean:            R = mean_k r_k                      (mean optimisation)
+        min:             R = min_k r_k                       (worst-case optimisation, WCO)
+        mean_minus_std:  R = mean_k r_k - lambda * std_k r_k (uncertainty-weighted, UWO)
+
+    with std the population standard deviation over the K members. Coste et al.'s UWO subtracts
+    lambda times the variance; the std keeps the penalty in reward units, so lambda reads as "how
+    many member disagreements". A Bradley-Terry reward is only defined up to a shift (and, across
+    seeds, its scale differs), so with ``standardize`` each member is first mapped to
+    ``(r_k - mu_k) / sigma_k``, with mu_k, sigma_k its scores' mean and std on the reference
+    policy's answers it was trained on (``reward_stats.json`` beside the model, written by
+    ``tools/train_reward_model.py``): otherwise ``min`` would follow whichever member happens to
+    sit lowest and ``std`` would measure offsets, not disagreement.
+
+    Each member is loaded once in :meth:`setup` and scores the whole batch in its own batched pass.
+
+    Args:
+        paths: the K >= 2 model folders (``tools/train_reward_model.py --ensemble K`` prints them).
+        combine: ``mean``, ``min`` or ``mean_minus_std``.
+        std_coef: lambda of ``mean_minus_std`` (ignored otherwise).
+        standardize: standardise members by their ``reward_stats.json`` first.
+        include_prompt, separator, batch_size, max_length: as in :class:`HFClassifierReward`, for every member.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        combine: Literal["mean", "min", "mean_minus_std"] = "mean",
+        std_coef: float = 1.0,
+        standardize: bool = True,
+        include_prompt: bool = True,
+        separator: str = "\n",
+        batch_size: int = 32,
+        max_length: int = 512,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        require(not isinstance(paths, str) and len(paths) >= 2, "reward_model.paths", "a list of at least 2 model folders", paths)
+        require(combine in ENSEMBLE_COMBINATIONS, "reward_model.combine", f"one of {', '.join(ENSEMBLE_COMBINATIONS)}", combine)
+        require(isinstance(std_coef, (int, float)) and std_coef >= 0, "reward_model.std_coef", "a number >= 0", std_coef)
+        self.paths, self.combine, self.std_coef, self.standardize = list(paths), combine, float(std_coef), standardize
+        self.members = [
+            HFClassifierReward(path, include_prompt=include_prompt, separator=separator, batch_size=batch_size, max_length=max_length)
+            for path in self.paths
+        ]
+        self.member_mean = torch.zeros(len(self.paths))  # (K,) mu_k
+        self.member_std = torch.ones(len(self.paths))  # (K,) sigma_k
+        if standardize:
+            stats = [json.loads(self._stats_file(path).read_text()) for path in self.paths]
+            self.member_mean = torch.tensor([s["mean"] for s in stats])
+            self.member_std = torch.tensor([s["std"] for s in stats])
+
+    @staticmethod
+    def _stats_file(path: str) -> Path:
+        stats = Path(path) / REWARD_STATS_FILE
+        require(stats.is_file(), "reward_model.paths", f"model folders with a {REWARD_STATS_FILE} (or standardize: false)", path)
+        return stats
+
+    def setup(self, device: torch.device) -> None:
+        for member in self.members:
+            member.setup(device)
+
+    def member_scores(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
+        """Standardised member scores, shape (K, batch)."""
+        raw = torch.stack([member.score(prompts, responses) for member in self.members])  # (K, batch)
+        return (raw - self.member_mean[:, None]) / self.member_std[:, None]
+
+    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
+        scores = self.member_scores(prompts, responses)  # (K, batch)
+        if self.combine == "min":
+            return scores.min(0).values
+        if self.combine == "mean_minus_std":
+            return scores.mean(0) - self.std_coef * scores.std(0, unbiased=False)
+        return scores.mean(0)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import glob
+import math
 import os
 import signal
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from lightning import Callback
@@ -21,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlhf_lightning.fsdp2 import full_state_dict, is_sharded
-from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, require_number
+from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, require, require_number
 
 
 class ExportPolicy(Callback):
@@ -221,3 +222,36 @@ def find_last_checkpoint(trainer) -> str:
         looked = ", ".join(map(str, patterns)) or "nowhere: checkpointing is off (trainer.enable_checkpointing)"
         raise ConfigError(f"--ckpt_path last: no checkpoint to resume from; looked for {looked}")
     return max(found, key=os.path.getmtime)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al. 2021, "Evaluating
+    Large Language Models Trained on Code", eq. 1): the chance that k of the n, drawn without
+    replacement, hold at least one correct, 1 - C(n - c, k) / C(n, k)."""
+    require(1 <= k <= n, "PassAtK.ks", f"integers in [1, n] (n = {n} samples)", k)
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+class PassAtK(Callback):
+    """Logs ``val/pass@k`` for each k in ``ks``: after each validation batch, max(ks) responses are
+    sampled for every held-out prompt (as a rollout samples, at the policy's temperature) and
+    scored by the training reward; a response counts as correct when its raw score is at least
+    ``threshold`` (1 for ``exact_answer``). pass@k is :func:`pass_at_k` averaged over prompts, so
+    pass@1 is the accuracy of one sample (the mean reward when the reward is 0/1).
+    """
+
+    def __init__(self, ks: Sequence[int] = (1, 4), threshold: float = 1.0) -> None:
+        ks = list(ks)
+        require(len(ks) > 0 and all(isinstance(k, int) and k >= 1 for k in ks), "PassAtK.ks", "a list of integers >= 1", ks)
+        self.ks, self.threshold, self.n = ks, threshold, max(ks)
+
+    @torch.no_grad()
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.sanity_checking:  # Lightning discards what the sanity check logs: spare the sampling
+            return
+        prompts = [prompt for prompt in batch for _ in range(self.n)]  # a prompt's n samples adjacent
+        rollout = pl_module.rollout(prompts)
+        scores = pl_module.reward_model.checked_scores(rollout.prompts, rollout.responses)  # (prompts * n,)
+        correct = (scores >= self.threshold).view(len(batch), self.n).sum(-1).tolist()  # per prompt
+        metrics = {f"val/pass@{k}": sum(pass_at_k(self.n, c, k) for c in correct) / len(correct) for k in self.ks}
+        pl_module.log_dict(metrics, batch_size=len(batch), sync_dist=True)

@@ -481,3 +481,117 @@ def test_hf_classifier_label_index_out_of_range(tiny_classifier):
         rm(["p"], ["r"], torch.ones(1, dtype=torch.bool))
     with pytest.raises(ValueError, match="label_index"):
         HFClassifierReward(path=str(path), label_index=-1).setup(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# EnsembleReward: K classifiers combined by mean, min or mean - lambda std (Coste et al. 2023)
+
+
+class FixedScores(RewardModel):
+    """A member whose scores are given (the ensemble's combination checked against hand values)."""
+
+    def __init__(self, scores):
+        super().__init__()
+        self.scores = torch.tensor(scores)
+
+    def score(self, prompts, responses):
+        return self.scores
+
+
+def ensemble_of(tmp_path, member_scores, stats=None, **options):
+    """An EnsembleReward over folders holding only ``reward_stats.json``, its members replaced by fixed scores."""
+    import json
+
+    from rlhf_lightning_plugins.reward_models import EnsembleReward
+
+    paths = []
+    for k, scores in enumerate(member_scores):
+        (tmp_path / f"m{k}").mkdir(parents=True)
+        (tmp_path / f"m{k}" / "reward_stats.json").write_text(json.dumps(stats[k] if stats else {"mean": 0.0, "std": 1.0}))
+        paths.append(str(tmp_path / f"m{k}"))
+    ensemble = EnsembleReward(paths=paths, **options)
+    ensemble.members = [FixedScores(scores) for scores in member_scores]
+    return ensemble
+
+
+# Three members, two responses: column 1 holds 1, 3, 2 (mean 2, population variance 2/3), column 2
+# holds 4, 0, 2 (mean 2, variance 8/3).
+MEMBERS = [[1.0, 4.0], [3.0, 0.0], [2.0, 2.0]]
+
+
+@pytest.mark.parametrize(
+    "combine, std_coef, expected",
+    [
+        ("mean", 1.0, [2.0, 2.0]),
+        ("min", 1.0, [1.0, 0.0]),
+        # 2 - 0.5 sqrt(2/3) = 1.591752, 2 - 0.5 sqrt(8/3) = 1.183503: the same mean, the more
+        # disputed response pays more.
+        ("mean_minus_std", 0.5, [1.591752, 1.183503]),
+        ("mean_minus_std", 0.0, [2.0, 2.0]),
+    ],
+)
+def test_ensemble_combines_members_as_derived_by_hand(tmp_path, combine, std_coef, expected):
+    ensemble = ensemble_of(tmp_path, MEMBERS, combine=combine, std_coef=std_coef)
+    np.testing.assert_allclose(ensemble.checked_scores(["a", "b"], ["x", "y"]).numpy(), expected, rtol=1e-6)
+
+
+def test_ensemble_standardises_each_member_by_its_reward_stats(tmp_path):
+    # Member 1 is member 0 shifted by +10 and scaled by 3: standardised, the two agree exactly,
+    # so their std is 0 and min = mean = (r - 1) / 2.
+    stats = [{"mean": 1.0, "std": 2.0}, {"mean": 13.0, "std": 6.0}]
+    members = [[1.0, 5.0], [13.0, 25.0]]
+    for combine in ("min", "mean_minus_std"):
+        ensemble = ensemble_of(tmp_path / combine, members, stats, combine=combine)
+        np.testing.assert_allclose(ensemble.checked_scores(["a", "b"], ["x", "y"]).numpy(), [0.0, 2.0], atol=1e-6)
+    # Unstandardised, the offset decides the minimum: member 0's raw scores.
+    raw = ensemble_of(tmp_path / "raw", members, stats, combine="min", standardize=False)
+    np.testing.assert_allclose(raw.checked_scores(["a", "b"], ["x", "y"]).numpy(), [1.0, 5.0])
+
+
+def test_ensemble_of_classifiers_loads_each_member_once_and_scores_in_one_pass_each(tiny_classifier, tmp_path):
+    import json
+    import shutil
+
+    from rlhf_lightning_plugins.reward_models import EnsembleReward
+
+    path, model, tokenizer = tiny_classifier
+    prompts, responses = ["Say hi.", "Describe rain.", "Count.", "Hm."], ["hello there", "wet", "one two three", ""]
+    single = HFClassifierReward(path=str(path))
+    single.setup(torch.device("cpu"))
+    raw = single.checked_scores(prompts, responses)
+    # Two copies of one model, the second's stats saying its scores are raw * 2 + 1 relative to the first.
+    paths = [tmp_path / "a", tmp_path / "b"]
+    for folder, stats in zip(paths, [{"mean": 0.0, "std": 1.0}, {"mean": -1.0, "std": 2.0}]):
+        shutil.copytree(path, folder)
+        (folder / "reward_stats.json").write_text(json.dumps(stats))
+    ensemble = EnsembleReward(paths=[str(p) for p in paths], combine="mean_minus_std", std_coef=2.0)
+    ensemble.setup(torch.device("cpu"))
+    loaded = [member.model for member in ensemble.members]
+    ensemble.setup(torch.device("cpu"))  # a second setup (a resumed fit) keeps the loaded models
+    assert [member.model for member in ensemble.members] == loaded
+    calls = []
+    for member in ensemble.members:
+        member.model.register_forward_hook(lambda module, args, out: calls.append(len(out.logits)))
+    scores = ensemble.checked_scores(prompts, responses)
+    assert calls == [4, 4]  # one forward per member, the whole batch in it
+    # Standardised: raw and (raw + 1) / 2; mean (3 raw + 1) / 4, std |raw - 1| / 4, minus 2 std.
+    expected = (3 * raw + 1) / 4 - 2 * (raw - 1).abs() / 4
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"paths": ["only_one"]}, r"reward_model.paths must be a list of at least 2 model folders"),
+        ({"paths": "a,b"}, r"reward_model.paths must be a list"),
+        ({"paths": ["a", "b"], "combine": "median"}, r"reward_model.combine must be one of mean, min, mean_minus_std, got 'median'"),
+        ({"paths": ["a", "b"], "std_coef": -1}, r"reward_model.std_coef must be a number >= 0"),
+        ({"paths": ["no/such/folder", "b"]}, r"reward_model.paths must be model folders with a reward_stats.json.*no/such/folder"),
+    ],
+)
+def test_ensemble_config_errors_name_the_field(options, message):
+    from rlhf_lightning.interfaces import ConfigError
+    from rlhf_lightning_plugins.reward_models import EnsembleReward
+
+    with pytest.raises(ConfigError, match=message):
+        EnsembleReward(**options)

@@ -10,6 +10,7 @@ import random
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO
 
@@ -150,3 +151,41 @@ def test_response_only_pairs_are_the_responses_alone():
         seeing["input_ids"].tolist()
         == tokenizer(["Say hi.\nhello there", "Say hi.\nno"], return_tensors="pt", padding=True)["input_ids"].tolist()
     )
+
+
+def test_ensemble_trains_k_members_with_their_own_seeds_and_reward_stats(tmp_path):
+    from rlhf_lightning_plugins.reward_models import EnsembleReward
+
+    pairs = tmp_path / "pairs.jsonl"
+    write_toy_pairs(pairs)
+    common = ["--trunk", "tiny", "--pairs", str(pairs), "--epochs", "2", "--batch-size", "8", "--threads", "1"]
+    result = train_reward_model.main([*common, "--out", str(tmp_path / "ens"), "--ensemble", "2"])
+    single = train_reward_model.main([*common, "--out", str(tmp_path / "one")])
+
+    assert result["paths"] == [str(tmp_path / "ens" / f"member_{k}" / "model") for k in range(2)]
+    prompts, responses = ["Say 1.", "Say 2.", "Say 3."], ["e" * 25, "x" * 25, "eex ex"]
+    member_0, member_1, alone = (HFClassifierReward(path=str(p)) for p in (*result["paths"], single["path"]))
+    # Member 0 has the single run's seed, so it is that model; member 1's seed gives another.
+    torch.testing.assert_close(member_0.checked_scores(prompts, responses), alone.checked_scores(prompts, responses))
+    assert not torch.allclose(member_0.checked_scores(prompts, responses), member_1.checked_scores(prompts, responses), atol=1e-3)
+
+    # reward_stats.json: the mean and population std of the member's scores on every training
+    # response, chosen and rejected, as HFClassifierReward scores them.
+    train_pairs, _ = train_reward_model.split_by_prompt(train_reward_model.read_pairs(pairs), 0.2, 0)
+    texts = [(p["prompt"], p[side]) for p in train_pairs for side in ("chosen", "rejected")]
+    for path, member in zip(result["paths"], (member_0, member_1)):
+        scores = member.checked_scores([t[0] for t in texts], [t[1] for t in texts])
+        stats = json.loads((train_reward_model.Path(path) / train_reward_model.REWARD_STATS_FILE).read_text())
+        assert stats["responses"] == 2 * 96
+        assert stats["mean"] == pytest.approx(scores.mean().item(), abs=1e-4)
+        assert stats["std"] == pytest.approx(scores.std(unbiased=False).item(), rel=1e-4)
+    # Standardised by those stats, each member scores its training responses with mean 0, std 1.
+    ensemble = EnsembleReward(paths=result["paths"], combine="mean")
+    standardised = ensemble.member_scores([t[0] for t in texts], [t[1] for t in texts])  # (2, responses)
+    torch.testing.assert_close(standardised.mean(1), torch.zeros(2), atol=1e-4, rtol=0)
+    torch.testing.assert_close(standardised.std(1, unbiased=False), torch.ones(2), atol=1e-4, rtol=0)
+
+
+def test_ensemble_of_fewer_than_two_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        train_reward_model.parse_args(["--ensemble", "1", "--out", str(tmp_path)])

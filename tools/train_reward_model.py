@@ -4,6 +4,7 @@
     python tools/train_reward_model.py --trunk smollm2 --train-layers 2 --pairs my_pairs.jsonl --out runs/rm_mine
     python tools/train_reward_model.py --trunk minilm --pairs runs/rm_sentiment/pairs.jsonl --relabel --gold sentiment_relevance --out runs/rm_relevance
     python tools/train_reward_model.py --trunk tiny --pairs toy.jsonl --out /tmp/rm     # seconds (the tests)
+    python tools/train_reward_model.py --trunk minilm --gold sentiment_relevance --response-only --ensemble 3 --out runs/rm_ens
 
 The reward model r(x, y) is the single logit of a sequence classifier on ``x + separator + y``,
 the text ``HFClassifierReward(include_prompt=True)`` scores (with ``--response-only``: on ``y``
@@ -36,8 +37,17 @@ Writes ``<out>/model`` (classifier and tokenizer, pad token set) and TensorBoard
 ``<out>/lightning_logs``: ``train/loss``, ``train/accuracy`` per step, ``val/loss`` and
 ``val/accuracy`` (fraction of held-out pairs with r(chosen) > r(rejected)) before training,
 after every epoch and after training. The last line printed is
-``REWARD_MODEL val_accuracy=<a> train_pairs=<n> val_pairs=<m> path=<out>/model``.
+``REWARD_MODEL val_accuracy=<a> train_pairs=<n> val_pairs=<m> path=<out>/model``. Beside the
+model, ``reward_stats.json`` holds the mean and std of its scores on the training pairs' responses
+(the reference policy's answers), by which the ``ensemble`` backend standardises its members.
 Use the model in PPO with ``reward_model: {class_path: HFClassifierReward, init_args: {path: <out>/model}}``.
+
+``--ensemble K`` trains K reward models on the same pairs and held-out split, member k with seed
+``--seed + k`` (its score head's initialisation and its data order), into ``<out>/member_<k>/model``
+(member 0 is the model a run without ``--ensemble`` trains), each printing its ``REWARD_MODEL``
+line; the last line is ``ENSEMBLE members=K val_accuracy=<a0>,<a1>,... paths=<p0>,<p1>,...``.
+Use them with ``reward_model: {class_path: EnsembleReward, init_args: {paths: [<p0>, <p1>, ...], combine: min}}``
+(Coste et al. 2023: conservative reward-model ensembles against over-optimisation).
 """
 
 from __future__ import annotations
@@ -56,6 +66,8 @@ import torch.nn.functional as F
 from lightning import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
+
+from rlhf_lightning_plugins.reward_models import REWARD_STATS_FILE
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 # Per trunk: learning rate and transformer blocks trained (None: all), unless given on the command line.
@@ -316,12 +328,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--separator", default="\n", help="between prompt and response (HFClassifierReward's separator)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ensemble",
+        type=int,
+        metavar="K",
+        help="train K reward models (seeds --seed .. --seed+K-1: score head and data order) into <out>/member_<k>/model",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args(argv)
     if args.relabel and not args.pairs:
         p.error("--relabel needs --pairs (the pairs whose responses --gold judges again)")
     if not 0 < args.val_fraction < 1:
         p.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    if args.ensemble is not None and args.ensemble < 2:
+        p.error(f"--ensemble must be >= 2 (members of an ensemble), got {args.ensemble}")
     for name in ("epochs", "batch_size", "num_prompts", "max_new_tokens", "sample_batch_size", "max_length"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -331,7 +351,53 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def member_reward_stats(model: torch.nn.Module, loader: DataLoader) -> dict[str, float]:
+    """Mean and (population) std of r over every response in ``loader``'s pairs, chosen and rejected:
+    the reference policy's answers, whose scores an ensemble standardises each member by."""
+    model.eval()
+    with torch.no_grad():
+        rewards = torch.cat([model(**batch).logits[:, 0].float() for batch in loader])
+    return {"mean": rewards.mean().item(), "std": rewards.std(unbiased=False).item(), "responses": len(rewards)}
+
+
+def train_member(args: argparse.Namespace, seed: int, path: Path, train_pairs: list[dict], val_pairs: list[dict]) -> dict:
+    """One Bradley-Terry reward model: ``seed`` sets its score head's initialisation and its data
+    order; it is saved to ``path`` with ``reward_stats.json`` (see :func:`member_reward_stats`)."""
+    started = time.perf_counter()
+    seed_everything(seed, verbose=False)
+    model, tokenizer = load_trunk(args.trunk, seed)
+    freeze_lower_layers(model, args.train_layers)
+    collate = partial(collate_pairs, tokenizer=tokenizer, separator=args.separator, max_length=args.max_length,
+                      include_prompt=not args.response_only)  # fmt: skip
+    train_loader = DataLoader(train_pairs, batch_size=args.batch_size, shuffle=True, collate_fn=collate)
+    val_loader = DataLoader(val_pairs, batch_size=2 * args.batch_size, collate_fn=collate)
+    module = BradleyTerryRewardModel(model, args.lr, args.weight_decay)
+    trainer = Trainer(
+        devices=1, max_epochs=args.epochs, logger=TensorBoardLogger(path.parent), log_every_n_steps=1,
+        enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=str(path.parent),
+    )  # fmt: skip
+
+    before = trainer.validate(module, val_loader, verbose=False)[0]["val/accuracy"]
+    print(f"held-out accuracy before training: {before:.3f} ({len(val_pairs)} pairs)")
+    trainer.fit(module, train_loader, val_loader)
+    after = trainer.validate(module, val_loader, verbose=False)[0]["val/accuracy"]
+    print(f"held-out accuracy after training:  {after:.3f} (before: {before:.3f})")
+
+    stats = member_reward_stats(model, DataLoader(train_pairs, batch_size=2 * args.batch_size, collate_fn=collate))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    (path / REWARD_STATS_FILE).write_text(json.dumps(stats, indent=1))
+    print(f"wall time {time.perf_counter() - started:.0f} s")
+    print(f"REWARD_MODEL val_accuracy={after:.4f} train_pairs={len(train_pairs)} val_pairs={len(val_pairs)} path={path}"
+          + (" include_prompt=false" if args.response_only else ""))  # fmt: skip
+    return {"val_accuracy_before": before, "val_accuracy": after, "train_pairs": len(train_pairs),
+            "val_pairs": len(val_pairs), "path": path, "reward_stats": stats}  # fmt: skip
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Train one reward model (``<out>/model``) or, with ``--ensemble K``, K of them on the same
+    pairs and held-out split (``<out>/member_<k>/model``, seed ``--seed + k``); returns the one
+    model's summary, or ``{"members": [...], "paths": [...]}``."""
     args = parse_args(argv)
     started = time.perf_counter()
     if args.threads:
@@ -341,35 +407,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         pairs = relabelled_pairs(args)
     else:
         pairs = read_pairs(args.pairs) if args.pairs else cached_or_sampled_pairs(args)
+    # One held-out split for every member, so their accuracies compare.
     train_pairs, val_pairs = split_by_prompt(pairs, args.val_fraction, args.seed)
-
-    seed_everything(args.seed, verbose=False)
-    model, tokenizer = load_trunk(args.trunk, args.seed)
-    freeze_lower_layers(model, args.train_layers)
-    collate = partial(collate_pairs, tokenizer=tokenizer, separator=args.separator, max_length=args.max_length,
-                      include_prompt=not args.response_only)  # fmt: skip
-    train_loader = DataLoader(train_pairs, batch_size=args.batch_size, shuffle=True, collate_fn=collate)
-    val_loader = DataLoader(val_pairs, batch_size=2 * args.batch_size, collate_fn=collate)
-    module = BradleyTerryRewardModel(model, args.lr, args.weight_decay)
-    trainer = Trainer(
-        devices=1, max_epochs=args.epochs, logger=TensorBoardLogger(args.out), log_every_n_steps=1,
-        enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=str(args.out),
-    )  # fmt: skip
-
-    before = trainer.validate(module, val_loader, verbose=False)[0]["val/accuracy"]
-    print(f"held-out accuracy before training: {before:.3f} ({len(val_pairs)} pairs)")
-    trainer.fit(module, train_loader, val_loader)
-    after = trainer.validate(module, val_loader, verbose=False)[0]["val/accuracy"]
-    print(f"held-out accuracy after training:  {after:.3f} (before: {before:.3f})")
-
-    path = args.out / "model"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    print(f"wall time {time.perf_counter() - started:.0f} s")
-    print(f"REWARD_MODEL val_accuracy={after:.4f} train_pairs={len(train_pairs)} val_pairs={len(val_pairs)} path={path}"
-          + (" include_prompt=false" if args.response_only else ""))  # fmt: skip
-    return {"val_accuracy_before": before, "val_accuracy": after, "train_pairs": len(train_pairs),
-            "val_pairs": len(val_pairs), "path": path}  # fmt: skip
+    if args.ensemble is None:
+        return train_member(args, args.seed, args.out / "model", train_pairs, val_pairs)
+    members = [train_member(args, args.seed + k, args.out / f"member_{k}" / "model", train_pairs, val_pairs) for k in range(args.ensemble)]
+    paths = [str(m["path"]) for m in members]
+    print(f"total wall time {time.perf_counter() - started:.0f} s")
+    accuracies = ",".join(f"{m['val_accuracy']:.4f}" for m in members)
+    print(f"ENSEMBLE members={len(members)} val_accuracy={accuracies} paths={','.join(paths)}")
+    return {"members": members, "paths": paths}
 
 
 if __name__ == "__main__":

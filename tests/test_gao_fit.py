@@ -1,0 +1,78 @@
+"""tools/gao_fit.py: the least-squares fit of R(d) = d (alpha - beta log d) (Gao et al. 2022)
+recovers known coefficients, its R^2 is 1 - SS_res / SS_tot, and a logged run is read, made
+relative to its first iteration, summarised by blocks and plotted."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+import gao_fit  # noqa: E402
+
+
+def test_fit_recovers_known_alpha_and_beta_from_exact_points():
+    d = np.array([0.0, 0.5, 1.0, 2.0, 3.0, 4.0, 5.5])
+    gold = gao_fit.gao_curve(d, alpha=0.3, beta=0.12)
+    fit = gao_fit.gao_fit(d, gold)
+    assert fit["alpha"] == pytest.approx(0.3, abs=1e-12) and fit["beta"] == pytest.approx(0.12, abs=1e-12)
+    assert fit["r2"] == pytest.approx(1.0, abs=1e-12)
+    # The curve itself: R(1) = alpha (log 1 = 0), R(e) = e (alpha - beta).
+    np.testing.assert_allclose(gao_fit.gao_curve(np.array([0.0, 1.0, math.e]), 0.3, 0.12), [0.0, 0.3, math.e * 0.18])
+
+
+def test_fit_with_residual_orthogonal_to_the_model_keeps_the_coefficients_and_r2_is_one_minus_ss_res_over_ss_tot():
+    # Three points: the columns d = (1, e, e^2) and d log d = (0, e, 2 e^2) span a plane; a residual
+    # along their cross product is orthogonal to it, so least squares returns the coefficients that
+    # made the points and leaves exactly that residual.
+    d = np.array([1.0, math.e, math.e**2])
+    columns = np.stack([d, -d * np.log(d)], axis=1)
+    residual = np.cross(columns[:, 0], columns[:, 1])
+    residual *= 0.05 / np.linalg.norm(residual)
+    gold = columns @ np.array([0.4, 0.1]) + residual
+    fit = gao_fit.gao_fit(d, gold)
+    assert (fit["alpha"], fit["beta"]) == pytest.approx((0.4, 0.1), abs=1e-12)
+    ss_tot = ((gold - gold.mean()) ** 2).sum()
+    assert fit["r2"] == pytest.approx(1 - 0.05**2 / ss_tot, abs=1e-12) and fit["r2"] < 1
+
+
+def test_a_logged_run_is_made_relative_to_its_first_iteration_and_summarised_by_blocks(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    # 10 iterations on the curve alpha 0.2, beta 0.1 (d = 0 .. 9, peak at d* = e), gold of the
+    # initial policy 0.25; one KL estimate below zero, which counts as d = 0.
+    d = np.arange(10.0)
+    kl, gold = d**2, 0.25 + gao_fit.gao_curve(d, 0.2, 0.1)
+    kl[0] = -0.01
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in range(10):
+        writer.add_scalar("objective/gold_reward", gold[step], step)
+        writer.add_scalar("objective/kl", kl[step], step)
+    writer.close()
+    out = tmp_path / "fig" / "gao.png"
+    (row,) = gao_fit.main([f"single={tmp_path / 'run'}", "--blocks", "5", "--out", str(out)])
+    assert row["alpha"] == pytest.approx(0.2, abs=1e-6) and row["beta"] == pytest.approx(0.1, abs=1e-6)
+    assert row["gold_initial"] == pytest.approx(0.25, abs=1e-6)
+    # Fitted peak: d* = exp(0.2 / 0.1 - 1) = e, KL e^2, gain beta d* = 0.1 e.
+    assert row["fit_peak_kl"] == pytest.approx(math.e**2, rel=1e-5) and row["fit_peak_gain"] == pytest.approx(0.1 * math.e, rel=1e-5)
+    # Blocks 0-4 and 5-9: means of the logged gold and KL.
+    assert row["peak_block"] == "0-4" and row["peak_gold"] == pytest.approx(gold[:5].mean(), abs=1e-6)
+    assert row["peak_kl"] == pytest.approx(kl[:5].mean(), abs=1e-6)
+    assert (row["end_gold"], row["end_kl"]) == pytest.approx((gold[5:].mean(), kl[5:].mean()), abs=1e-6)
+    assert gold[5:].mean() < gold[:5].mean()  # past the peak, the gold falls
+    assert out.stat().st_size > 0 and out.with_suffix(".csv").read_text().startswith("run,iterations")
+
+
+def test_a_run_without_gold_is_refused(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    writer.add_scalar("objective/kl", 1.0, 0)
+    writer.close()
+    with pytest.raises(ValueError, match="no objective/gold_reward"):
+        gao_fit.main([f"x={tmp_path / 'run'}", "--out", str(tmp_path / "g.png")])

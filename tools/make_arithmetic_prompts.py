@@ -1,0 +1,57 @@
+"""Write arithmetic questions with integer answers, for the ``exact_answer`` reward backend.
+
+    python tools/make_arithmetic_prompts.py --out-dir rlhf_lightning/prompts     # the shipped files
+
+Each line of ``<out-dir>/arithmetic_train.jsonl`` and ``arithmetic_validation.jsonl`` is
+``{"prompt": "What is 17 + 25? Answer with the number only.", "answer": 42}``: the prompt is what
+the policy reads and what ``exact_answer`` computes the answer from; ``answer`` is there for a
+reader (the reward does not read it). Questions ``a OP b`` draw a and b uniformly from
+``[0, --max-operand]`` and OP from ``--ops``; the held-out questions are distinct from every
+training question (as the pair a, b and the operation), so pass@k on them measures arithmetic,
+not recall. The default (sums and differences of numbers up to 20) is what SmolLM2-135M-Instruct
+gets right a fraction of the time, so sampled answers both succeed and fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Optional, Sequence
+
+TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
+
+
+def arithmetic_questions(n_train: int, n_val: int, max_operand: int, ops: Sequence[str], seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, validation) lists of {"prompt", "answer"}, no question in both or twice in one."""
+    from rlhf_lightning_plugins.verifiable_rewards import question_answer
+
+    space = [(a, op, b) for op in ops for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    if n_train + n_val > len(space):
+        raise ValueError(f"{n_train} + {n_val} distinct questions asked, but --max-operand and --ops allow only {len(space)}")
+    picked = random.Random(seed).sample(space, n_train + n_val)
+    rows = [{"prompt": (prompt := TEMPLATE.format(a=a, op=op, b=b)), "answer": question_answer(prompt)} for a, op, b in picked]
+    return rows[:n_train], rows[n_train:]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> tuple[Path, Path]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=Path("runs/arithmetic"))
+    p.add_argument("--train", type=int, default=400, help="training questions")
+    p.add_argument("--val", type=int, default=64, help="held-out questions")
+    p.add_argument("--max-operand", type=int, default=20)
+    p.add_argument("--ops", nargs="+", default=["+", "-"], choices=["+", "-", "*"])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    train, val = arithmetic_questions(args.train, args.val, args.max_operand, args.ops, args.seed)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    paths = args.out_dir / "arithmetic_train.jsonl", args.out_dir / "arithmetic_validation.jsonl"
+    for path, rows in zip(paths, (train, val)):
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        print(f"wrote {len(rows)} questions to {path}")
+    return paths
+
+
+if __name__ == "__main__":
+    main()
