@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -77,3 +78,25 @@ class IterationCheckpoint(ModelCheckpoint):
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
+
+
+class IterationTimer(Callback):
+    """Logs ``timing/iteration_s``: wall-clock seconds of each PPO iteration (training batch),
+    from the end of the previous one (the first: from its own start), so everything a user waits
+    for between two iterations counts, logging and callbacks included. The module's ``timing/*``
+    phases add up to a little less. ``tools/compare_trl.py`` reads it."""
+
+    def __init__(self) -> None:
+        self._since: Optional[float] = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        now = time.perf_counter()
+        for logger in trainer.loggers:
+            logger.log_metrics({"timing/iteration_s": now - self._since}, step=pl_module.iteration)
+        self._since = now
