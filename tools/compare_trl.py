@@ -111,7 +111,6 @@ def peak_rss_mb() -> float:
 # ---------------------------------------------------------------------------------- workers
 def run_trl(args: argparse.Namespace) -> list[float]:
     """TRL's PPOTrainer for warmup + iters iterations; seconds of each iteration."""
-    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
