@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -255,3 +256,25 @@ class PassAtK(Callback):
         correct = (scores >= self.threshold).view(len(batch), self.n).sum(-1).tolist()  # per prompt
         metrics = {f"val/pass@{k}": sum(pass_at_k(self.n, c, k) for c in correct) / len(correct) for k in self.ks}
         pl_module.log_dict(metrics, batch_size=len(batch), sync_dist=True)
+
+
+class IterationTimer(Callback):
+    """Logs ``timing/iteration_s``: wall-clock seconds of each PPO iteration (training batch),
+    from the end of the previous one (the first: from its own start), so everything a user waits
+    for between two iterations counts, logging and callbacks included. The module's ``timing/*``
+    phases add up to a little less. ``tools/compare_trl.py`` reads it."""
+
+    def __init__(self) -> None:
+        self._since: Optional[float] = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._since is None:
+            self._since = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        now = time.perf_counter()
+        for logger in trainer.loggers:
+            logger.log_metrics({"timing/iteration_s": now - self._since}, step=pl_module.step)  # the iteration's step, as its other scalars
+        self._since = now

@@ -153,10 +153,12 @@ class PPORLHF(LightningModule):
         max_prompt_length: longest rendered prompt in tokens; longer prompts are an error.
         old_logprobs: where log pi_old (and a shared critic's V_old) come from: ``forward``, one
             batched forward of the policy, bit-identical to the update's first forward (so the
-            KL to an identical reference is exactly 0 and the first ratio exactly 1), or
-            ``sampler``, the logits ``generate`` computed while sampling: no extra forward pass
-            (~10% of a LoRA iteration on CPU), equal to a fresh forward up to float rounding
-            (~1e-6 in fp32, more under bf16 autocast, where cached decoding rounds differently).
+            first ratio is exactly 1), or ``sampler``, the logits ``generate`` computed while
+            sampling: no extra forward pass (~10% of a LoRA iteration on CPU), equal to a fresh
+            forward up to float rounding (~1e-6 in fp32, more under bf16 autocast, where cached
+            decoding rounds differently). Either way the KL to a reference whose weights equal the
+            policy's (iteration 0, right after a sync) is exactly 0: its log-probs are then the
+            policy's own, and its forward is skipped (``_reference_is_policy``).
         use_chat_template: render prompts with the tokenizer's chat template when it has one.
         special_tokens_in_prompts: ``refuse`` (default) a prompt whose text contains one of the
             tokenizer's special-token strings (``<|im_end|>``, ``<|im_start|>``, ...), which the
@@ -581,8 +583,11 @@ class PPORLHF(LightningModule):
                 logits, values = self._sampler_outputs(out, input_ids, attention_mask, response.shape[1])
             else:
                 logits, values = self.policy_outputs(input_ids, attention_mask, response.shape[1])
-            with self._reference() as ref:
-                ref_logits = self.response_logits(ref, input_ids, attention_mask, response.shape[1])
+            if self._reference_is_policy():  # the same function: the log-probs just computed, and a KL of exactly 0
+                ref_logits = logits
+            else:
+                with self._reference() as ref:
+                    ref_logits = self.response_logits(ref, input_ids, attention_mask, response.shape[1])
             initial_logits = None
             if self.reference_update.moves:  # the starting policy, for objective/kl_to_initial
                 with self._initial() as initial:
@@ -897,6 +902,23 @@ class PPORLHF(LightningModule):
         if self.ref_model is not None:
             return list(self.ref_model.parameters()), list(self.policy.parameters())
         return _adapter_pairs(self.policy)
+
+    def _reference_is_policy(self) -> bool:
+        """Whether the reference computes the policy's very function, its weights equal bit for bit:
+        a full copy before the first optimizer step or right after a sync; under LoRA the reference
+        adapter equal to the policy's, or the adapter-disabled reference while the policy's adapter
+        is still the identity (every lora_B zero: x + 0 = x exactly). Its log-probs are then the
+        policy's own (from the sampler or a forward), so the KL is exactly 0 and no reference
+        forward runs; compared smallest tensors first, so a trained policy differs within a few."""
+        if self.ref_model is not None:
+            pairs = list(zip(self.ref_model.parameters(), self.policy.parameters()))
+        elif self.reference_update.moves:
+            pairs = list(zip(*_adapter_pairs(self.policy)))
+        else:
+            pairs = [(p, torch.zeros_like(p)) for name, p in self.policy.named_parameters() if ".lora_B.default." in name]
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # FSDP2: each rank its shards
+        same = all(torch.equal(local(a), local(b)) for a, b in sorted(pairs, key=lambda pair: pair[0].numel()))
+        return not self._any_rank(not same)
 
     def update_reference(self) -> None:
         """After an iteration, ref <- (1 - alpha) ref + alpha policy when the reference update plugin

@@ -1,4 +1,5 @@
-"""tools/bench.py in --tiny mode (full, LoRA and GRPO): every run finishes and the BENCH line carries finite, positive numbers."""
+"""tools/bench.py: in --tiny mode (full, LoRA and GRPO) every run finishes and the BENCH line carries finite, positive numbers; the
+roofline's FLOP and byte counts against hand-derived values on the tiny model."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO
 
-BENCH_LINE = re.compile(r"BENCH rollout_vs_generate=(\S+) iteration_vs_floors=(\S+) lora_vs_full_rss=(\S+) iter_s=(\S+) tokens_per_s=(\S+)")
+BENCH_LINE = re.compile(
+    r"BENCH rollout_vs_generate=(\S+) iteration_vs_floors=(\S+) lora_vs_full_rss=(\S+) iter_s=(\S+) tokens_per_s=(\S+) iteration_vs_roofline=(\S+)"
+)
 
 
 def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers():
@@ -28,3 +33,71 @@ def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers():
     for mode, critic in (("full", "separate"), ("lora", "shared"), ("grpo", "none")):
         for epochs in (1, 4):
             assert any(line.startswith((f"| {mode} | {epochs} |", f"| {mode} | {critic} | {epochs} |")) for line in lines), (mode, epochs)
+
+
+# ------------------------------------------------------------------ the roofline's counting
+sys.path.insert(0, str(REPO / "tools"))
+import bench  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_shape():
+    from rlhf_lightning.models import load_causal_lm
+
+    return bench.ModelShape.of(load_causal_lm("tiny", vocab_size=100))
+
+
+def test_model_shape_of_the_tiny_llama(tiny_shape):
+    # TINY_CONFIG: hidden 64, MLP 128, 2 layers, 4 heads of 16 (as many KV heads).
+    # One block's matmul weights: q, k, v, o 4 * 64 * 64 = 16384, gate, up, down 3 * 64 * 128 = 24576.
+    assert tiny_shape == bench.ModelShape(layers=2, hidden=64, attn_dim=64, kv_dim=64, vocab=100, layer_matmul_params=40960)
+    assert tiny_shape.matmul_params == 81920
+
+
+def test_forward_cost_prefill_and_decode_step_by_hand(tiny_shape):
+    # Prefill of 2 rows x 3 positions, logits at the last: matmuls 2 * 81920 * 6 = 983040; causal
+    # pairs 2 * (1 + 2 + 3) = 12, attention 4 * 2 layers * 64 * 12 = 6144; LM head 2 * 64 * 100 * 2 = 25600.
+    # Bytes: 4 * (81920 + 64 * 100) = 353280, no cache yet.
+    assert bench.forward_cost(tiny_shape, rows=2, new=3, past=0, logits=1) == (1014784.0, 353280.0)
+    # A decode step after 5 cached positions: matmuls 2 * 81920 * 2 = 327680; pairs 2 * 6 = 12, 6144;
+    # LM head 25600. Bytes: the weights, plus the KV cache 4 * 2 (K, V) * 2 layers * 64 * 2 rows * 5 = 10240.
+    assert bench.forward_cost(tiny_shape, rows=2, new=1, past=5, logits=1) == (359424.0, 363520.0)
+    # A trunk without LM head (a separate critic): no vocab term in either.
+    assert bench.forward_cost(tiny_shape, rows=2, new=3) == (983040.0 + 6144.0, 4.0 * 81920)
+
+
+def test_backward_cost_full_and_lora_by_hand(tiny_shape):
+    # Full: input grads (forward minus attention: 1008640) + weight grads (the same) + 2 * 6144 attention;
+    # bytes: the weights read again (353280) and their gradients written (353280).
+    assert bench.backward_cost(tiny_shape, rows=2, seq=3, logits=1, trains_base=True) == (2029568.0, 706560.0)
+    # LoRA with 1000 adapter weights: the forward gains 2 * 1000 * 6 = 12000 FLOPs (1026784), input
+    # grads 1020640, weight grads only the adapter's 12000, attention 12288; bytes 4 * (81920 + 1000 + 6400)
+    # read and 4 * 1000 written.
+    assert bench.backward_cost(tiny_shape, rows=2, seq=3, logits=1, trains_base=False, lora_params=1000) == (1044928.0, 361280.0)
+    assert bench.adamw_cost(1000) == (12000.0, 28000.0)
+
+
+def test_iteration_costs_count_each_pass_once(tiny_shape):
+    common = dict(batch=4, prompt_len=3, response_len=2, ppo_epochs=2, num_minibatches=2, policy_trainable=500)
+    full = bench.iteration_costs(tiny_shape, **common, critic_trainable=400)
+    # Rollout: the prefill and response_len - 1 = 1 decode step.
+    assert full["rollout"] == [bench.forward_cost(tiny_shape, 4, 3, 0, 1), bench.forward_cost(tiny_shape, 4, 1, 3, 1)]
+    # Score: log pi_old, log pi_ref (3 logits each: response_len + 1) and the critic's trunk.
+    assert full["score"] == [bench.forward_cost(tiny_shape, 4, 5, 0, 3)] * 2 + [bench.forward_cost(tiny_shape, 4, 5)]
+    # Update: 2 epochs x 2 minibatches of 2 rows, each: policy fwd + bwd, critic fwd + bwd + AdamW, policy AdamW.
+    minibatch = [bench.forward_cost(tiny_shape, 2, 5, 0, 3), bench.backward_cost(tiny_shape, 2, 5, 3, True),
+                 bench.forward_cost(tiny_shape, 2, 5), bench.backward_cost(tiny_shape, 2, 5, 0, True),
+                 bench.adamw_cost(400), bench.adamw_cost(500)]  # fmt: skip
+    assert full["update"] == minibatch * 4
+    # LoRA, shared critic, old log-probs from the sampler: the score phase is the reference alone,
+    # the policy's passes run the adapter unmerged, and one AdamW step per minibatch.
+    lora = bench.iteration_costs(tiny_shape, **common, lora_params=300, critic="shared", old_logprobs="sampler")
+    assert lora["rollout"] == full["rollout"]
+    assert lora["score"] == [bench.forward_cost(tiny_shape, 4, 5, 0, 3)]
+    assert lora["update"] == [bench.forward_cost(tiny_shape, 2, 5, 0, 3, 300), bench.backward_cost(tiny_shape, 2, 5, 3, False, 300),
+                              bench.adamw_cost(500)] * 4  # fmt: skip
+
+
+def test_floor_seconds_takes_the_slower_of_compute_and_traffic_per_pass():
+    # 2 FLOP/s, 4 B/s: (10 FLOPs, 4 B) is compute-bound at 5 s, (1 FLOP, 8 B) memory-bound at 2 s.
+    assert bench.floor_seconds([(10.0, 4.0), (1.0, 8.0)], flops_per_s=2.0, bytes_per_s=4.0) == 7.0

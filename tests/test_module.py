@@ -355,3 +355,24 @@ def test_only_estimators_that_read_the_sampled_token_take_the_importance_ratio()
 
     depends = {name: _depends_on_sampled_token(registry("kl_estimator").build(name)) for name in ("k1", "k3", "k3+", "full")}
     assert depends == {"k1": True, "k3": True, "k3+": True, "full": False}
+
+
+def test_iteration_timer_logs_the_wall_clock_between_batch_ends(monkeypatch):
+    """timing/iteration_s: the first iteration from its own start, each later one from the end of
+    the one before (so the time between batches counts), at the module's iteration as step."""
+    from types import SimpleNamespace
+
+    from rlhf_lightning import callbacks
+
+    clock = iter([10.0, 12.5, 17.0])  # start of batch 0, its end, the end of batch 1 (no read at its start)
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: next(clock))
+    logged = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append((step, metrics)))
+    trainer, module = SimpleNamespace(loggers=[logger]), SimpleNamespace(device=torch.device("cpu"), iteration=1)
+    timer = callbacks.IterationTimer()
+    timer.on_train_batch_start(trainer, module, None, 0)
+    timer.on_train_batch_end(trainer, module, None, None, 0)
+    module.iteration = 2
+    timer.on_train_batch_start(trainer, module, None, 1)
+    timer.on_train_batch_end(trainer, module, None, None, 1)
+    assert logged == [(1, {"timing/iteration_s": 2.5}), (2, {"timing/iteration_s": 4.5})]

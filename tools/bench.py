@@ -43,8 +43,18 @@ the sampler's own logits, and the optimizer step is not a floor. The ratios are 
 each iteration's ratio to the floors measured right after it, so a machine load that drifts
 during the run hits both sides alike.
 
-Prints a table, and last a line ``BENCH rollout_vs_generate=<r> iteration_vs_floors=<r>
-lora_vs_full_rss=<r> iter_s=<s> tokens_per_s=<t>``: the two ratios are the worst over the
+The floors above are what the software stack does at best, not what the machine can do. The
+roofline is the machine's: before the runs this process measures the sustained matmul rate
+(2048 x 2048 products) and read bandwidth (a 512 MB sum) once, with the workers' threads; each
+run counts its passes over the weights from the model's shape (``iteration_costs``: the prefill
+and each decode step of the rollout, each scoring forward, each forward, backward and AdamW step
+of the update; FLOPs of matmuls and attention, bytes of weights, KV cache and gradients), and a
+pass's floor is the longer of its FLOPs at the matmul rate and its bytes at the bandwidth. The
+roofline table gives each phase's GFLOPs, GB, floor and measured seconds; the score phase's
+floor leaves out the reward backend (VADER: no model) and the text decoding.
+
+Prints the tables, and last a line ``BENCH rollout_vs_generate=<r> iteration_vs_floors=<r>
+lora_vs_full_rss=<r> iter_s=<s> tokens_per_s=<t> iteration_vs_roofline=<r>``: the ratios are the worst over the
 full and LoRA runs, iter_s and tokens_per_s those of the slowest of them, lora_vs_full_rss the
 peak RSS of the LoRA runs over that of the full runs (nan unless both modes ran); the line reads
 only the ``full`` and ``lora`` runs (the ``grpo`` rows are in the tables), so it means what it did
@@ -64,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -323,6 +334,10 @@ def builtin_prompts(n: int) -> list[str]:
         return [json.loads(line)["prompt"] for line in f if line.strip()][:n]
 
 
+def trainable_numel(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad) if model is not None else 0
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -370,6 +385,13 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     totals = [sum(it.values()) for it in recorder.iterations]
     median = statistics.median
     enc = module.last_encoding
+    costs = iteration_costs(
+        ModelShape.of(module.policy), batch=int(enc["input_ids"].shape[0]), prompt_len=int(enc["input_ids"].shape[1]),
+        response_len=int(module.last_rollout.response.shape[1]), ppo_epochs=ppo_epochs, num_minibatches=args.num_minibatches,
+        policy_trainable=trainable_numel(module.policy) + (trainable_numel(module.critic) if module._shared_critic else 0),
+        critic_trainable=trainable_numel(module.critic) if critic == "separate" else 0,
+        lora_params=trainable_numel(module.policy) if lora else 0, critic=critic, old_logprobs=args.old_logprobs,
+    )  # fmt: skip
     return {
         "mode": args.mode, "ppo_epochs": ppo_epochs, "num_minibatches": args.num_minibatches,
         "strategy": args.strategy, "devices": args.devices, "rank": trainer.global_rank,
@@ -386,7 +408,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         "rollout_vs_generate": median(it["rollout"] / f["generate"] for it, f in zip(recorder.iterations, recorder.floors)),
         "iteration_vs_floors": median(t / f for t, f in zip(totals, floor_sums)),
         "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": gpu_mb, "iterations": recorder.iterations,
-        "load": [load_before, os.getloadavg()[0]], "profile": recorder.profile_table,
+        "load": [load_before, os.getloadavg()[0]], "profile": recorder.profile_table, "roofline_costs": costs,
     }  # fmt: skip
 
 
@@ -478,6 +500,18 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     return seconds
 
 
+def measure_peaks(args: argparse.Namespace) -> dict[str, float]:
+    """``machine_peaks`` once, in this process, with the workers' threads and dtype."""
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    peaks = machine_peaks(args.device, "bfloat16" if args.bf16 else "float32", seconds=0.2 if args.tiny else 1.0)
+    print(f"machine: {peaks['flops_per_s'] / 1e9:.1f} GFLOP/s sustained matmul, {peaks['bytes_per_s'] / 1e9:.1f} GB/s read "
+          f"({torch.get_num_threads()} thread(s))", flush=True)  # fmt: skip
+    return peaks
+
+
 def worker_main(args: argparse.Namespace) -> None:
     for ppo_epochs in args.ppo_epochs:
         result = run_one(args, ppo_epochs)
@@ -489,6 +523,154 @@ def worker_main(args: argparse.Namespace) -> None:
             print(f"\n== profile: {args.mode}, ppo_epochs={ppo_epochs}: top ops by self CPU time (one iteration)")
             print(result["profile"], flush=True)
         print(RESULT_PREFIX + json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+
+
+# ---------------------------------------------------------------------------------- roofline
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What a decoder-only transformer's cost depends on. ``layer_matmul_params``: the weights of
+    one block's matrix multiplies (attention q, k, v, o and the MLP); ``kv_dim``: key/value heads x
+    head dim; ``attn_dim``: query heads x head dim. Norms, biases and the embedding lookup are left
+    out: O(hidden) per token against O(hidden^2)."""
+
+    layers: int
+    hidden: int
+    attn_dim: int
+    kv_dim: int
+    vocab: int
+    layer_matmul_params: int
+
+    @classmethod
+    def of(cls, model) -> "ModelShape":
+        """From a Hugging Face causal LM (or its PEFT wrapper): the config's sizes and the
+        ``nn.Linear`` weights of its first block (LoRA factors excluded: see ``lora_params``)."""
+        from torch import nn
+
+        config = model.config
+        layer = next(m for m in model.modules() if type(m).__name__.endswith("DecoderLayer"))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        matmul = sum(m.weight.numel() for name, m in layer.named_modules() if isinstance(m, nn.Linear) and "lora_" not in name)
+        return cls(
+            layers=config.num_hidden_layers, hidden=config.hidden_size, attn_dim=config.num_attention_heads * head_dim,
+            kv_dim=config.num_key_value_heads * head_dim, vocab=config.vocab_size, layer_matmul_params=matmul,
+        )  # fmt: skip
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights read by one trunk forward (all blocks), without the LM head."""
+        return self.layers * self.layer_matmul_params
+
+
+def forward_cost(shape: ModelShape, rows: int, new: int, past: int = 0, logits: int = 0, extra_params: int = 0,
+                 word_bytes: int = 4) -> tuple[float, float]:  # fmt: skip
+    """(FLOPs, bytes read) of one forward of ``rows`` sequences over ``new`` positions after ``past``
+    cached ones, with the LM head on the last ``logits`` positions of each row:
+
+        FLOPs = 2 (P + p) rows new + 4 L a rows (new past + new (new + 1) / 2) + 2 h V rows logits
+        bytes = w (P + p + [logits > 0] h V) + w 2 L k rows past
+
+    with P = ``layers * layer_matmul_params``, p = ``extra_params`` (LoRA factors run unmerged),
+    a = ``attn_dim``, k = ``kv_dim``, w = ``word_bytes``: a multiply-add is 2 FLOPs; causal
+    attention costs 2 a FLOPs per (query, key) pair for the scores and 2 a for the weighted sum
+    (keys of a position: itself and those before); weights are read once per forward and the KV
+    cache of the ``past`` positions once (activations stay in cache: a floor, not an estimate).
+    Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Table 1, counts the same terms."""
+    tokens = rows * new
+    pairs = rows * (new * past + new * (new + 1) // 2)
+    flops = 2 * (shape.matmul_params + extra_params) * tokens + 4 * shape.layers * shape.attn_dim * pairs
+    flops += 2 * shape.hidden * shape.vocab * rows * logits
+    weights = shape.matmul_params + extra_params + (shape.hidden * shape.vocab if logits else 0)
+    return float(flops), float(word_bytes * (weights + 2 * shape.layers * shape.kv_dim * rows * past))
+
+
+def backward_cost(shape: ModelShape, rows: int, seq: int, logits: int, trains_base: bool, lora_params: int = 0,
+                  word_bytes: int = 4) -> tuple[float, float]:  # fmt: skip
+    """(FLOPs, bytes) of the backward of ``forward_cost(shape, rows, seq, 0, logits, lora_params)``:
+    every matmul's input gradient (the forward's matmul FLOPs once more), its weight gradient where
+    the weight trains (the base weights with ``trains_base``, the LoRA factors always: the same
+    count again), and attention's four products (twice its forward). Bytes: the weights read again
+    and the trained ones' gradients written."""
+    flops, weight_bytes = forward_cost(shape, rows, seq, 0, logits, lora_params, word_bytes)
+    attention = 4 * shape.layers * shape.attn_dim * rows * seq * (seq + 1) // 2
+    matmuls = flops - attention
+    if trains_base:
+        weight_grads, grad_words = matmuls, weight_bytes / word_bytes
+    else:
+        weight_grads, grad_words = 2 * lora_params * rows * seq, lora_params
+    return matmuls + weight_grads + 2.0 * attention, weight_bytes + word_bytes * grad_words
+
+
+def adamw_cost(trainable: int, word_bytes: int = 4) -> tuple[float, float]:
+    """AdamW's step: parameter, gradient and two moments read, parameter and moments written (7
+    words per trainable weight); about a dozen FLOPs per weight, memory-bound everywhere."""
+    return 12.0 * trainable, 7.0 * word_bytes * trainable
+
+
+def iteration_costs(shape: ModelShape, batch: int, prompt_len: int, response_len: int, ppo_epochs: int, num_minibatches: int,
+                    policy_trainable: int, critic_trainable: int = 0, lora_params: int = 0, critic: str = "separate",
+                    old_logprobs: str = "forward", word_bytes: int = 4) -> dict[str, list[tuple[float, float]]]:  # fmt: skip
+    """Each phase's passes as (FLOPs, bytes) pairs, one per pass over the weights (a decode step,
+    a forward, a backward, an optimizer step): what one PPO iteration must compute at least.
+
+    - rollout: the prefill (logits for the last prompt position only, as ``generate`` asks) and
+      ``response_len - 1`` decode steps, LoRA merged (no adapter work);
+    - score: log pi_old (+ V_old with a shared critic) unless it comes from the sampler, the
+      reference (LoRA: the adapter-disabled base), a separate critic's trunk;
+    - update: per minibatch and epoch the policy's forward and backward, a separate critic's,
+      and one AdamW step per optimizer.
+    ``lora_params``: the adapter's weights (0: full fine-tuning), run unmerged in the policy's
+    forwards; ``policy_trainable`` / ``critic_trainable``: the weights each AdamW steps (LoRA: the
+    adapter's; a shared critic's head counts with the policy)."""
+    w, seq, rows = word_bytes, prompt_len + response_len, batch // num_minibatches
+    rollout = [forward_cost(shape, batch, prompt_len, 0, 1, 0, w)]
+    rollout += [forward_cost(shape, batch, 1, prompt_len + step, 1, 0, w) for step in range(response_len - 1)]
+    score = [] if old_logprobs == "sampler" else [forward_cost(shape, batch, seq, 0, response_len + 1, lora_params, w)]
+    score.append(forward_cost(shape, batch, seq, 0, response_len + 1, 0, w))
+    if critic == "separate":
+        score.append(forward_cost(shape, batch, seq, 0, 0, 0, w))
+    minibatch = [forward_cost(shape, rows, seq, 0, response_len + 1, lora_params, w),
+                 backward_cost(shape, rows, seq, response_len + 1, not lora_params, lora_params, w)]  # fmt: skip
+    if critic == "separate":  # its own trunk: the policy's without the LM head
+        minibatch += [
+            forward_cost(shape, rows, seq, 0, 0, 0, w),
+            backward_cost(shape, rows, seq, 0, True, 0, w),
+            adamw_cost(critic_trainable, w),
+        ]
+    minibatch.append(adamw_cost(policy_trainable, w))
+    return {"rollout": rollout, "score": score, "update": minibatch * (ppo_epochs * num_minibatches)}
+
+
+def floor_seconds(passes: Sequence[tuple[float, float]], flops_per_s: float, bytes_per_s: float) -> float:
+    """The roofline: each pass takes at least the longer of its compute and its weight traffic."""
+    return sum(max(flops / flops_per_s, nbytes / bytes_per_s) for flops, nbytes in passes)
+
+
+def machine_peaks(device: str = "cpu", dtype_name: str = "float32", seconds: float = 1.0) -> dict[str, float]:
+    """This machine's sustained matmul FLOP/s (2048 x 2048 products, best of repeated rounds) and
+    read bandwidth (sum over a 512 MB tensor, best of rounds), each over about ``seconds``."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+
+    def best(run, rounds_for: float) -> float:
+        run()  # warm-up
+        times, start = [], time.perf_counter()
+        while not times or time.perf_counter() - start < rounds_for:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            run()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    n = 2048
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    flops_per_s = 2 * n**3 / best(lambda: torch.mm(a, b), seconds)
+    big = torch.ones(2**27, device=device, dtype=torch.float32)  # 512 MB: far beyond any cache
+    bytes_per_s = big.numel() * 4 / best(lambda: big.sum(), seconds)
+    return {"flops_per_s": flops_per_s, "bytes_per_s": bytes_per_s}
 
 
 # ---------------------------------------------------------------------------------- report
@@ -550,11 +732,48 @@ def format_table(results: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+ROOFLINE_PHASES = ("rollout", "score", "update")
+
+
+def roofline(r: dict, peaks: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per phase and for the iteration: GFLOPs, GB of weight traffic, the floor (s), the measured
+    seconds and their ratio. The iteration's floor is the sum of the three phases' (advantages
+    and bookkeeping have none)."""
+    measured = {"rollout": r["phases"]["rollout"], "score": derived(r)["score"], "update": r["phases"]["update"]}
+    rows = {}
+    for phase in ROOFLINE_PHASES:
+        passes = r["roofline_costs"][phase]
+        floor = floor_seconds(passes, peaks["flops_per_s"], peaks["bytes_per_s"])
+        rows[phase] = {"gflop": sum(f for f, _ in passes) / 1e9, "gb": sum(b for _, b in passes) / 1e9, "floor_s": floor,
+                       "measured_s": measured[phase]}  # fmt: skip
+    rows["iteration"] = {key: sum(rows[p][key] for p in ROOFLINE_PHASES) for key in ("gflop", "gb", "floor_s")}
+    rows["iteration"]["measured_s"] = r["iter_s"]
+    for row in rows.values():
+        row["ratio"] = row["measured_s"] / row["floor_s"]
+    return rows
+
+
+def format_roofline(results: Sequence[dict], peaks: dict[str, float]) -> str:
+    lines = [
+        f"roofline: sustained matmul {peaks['flops_per_s'] / 1e9:.1f} GFLOP/s, read bandwidth {peaks['bytes_per_s'] / 1e9:.1f} GB/s "
+        "(measured once, same threads); a pass's floor is max(FLOPs / matmul rate, bytes / bandwidth), a phase's the sum "
+        "over its passes (rollout: prefill + each decode step; score: each forward; update: each forward, backward, AdamW step)",
+        "",
+        "| mode | epochs | phase | GFLOP | GB moved | floor s | measured s | measured / floor |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        for phase, row in roofline(r, peaks).items():
+            lines.append(f"| {r['mode']} | {r['ppo_epochs']} | {phase} | {row['gflop']:.1f} | {row['gb']:.2f} | {row['floor_s']:.3f} "
+                         f"| {row['measured_s']:.3f} | {row['ratio']:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def rank_label(r: dict) -> str:
     return "single" if r.get("devices", 1) == 1 else f"{r['strategy']} x{r['devices']}, rank {r['rank']}"
 
 
-def bench_line(results: Sequence[dict]) -> str:
+def bench_line(results: Sequence[dict], peaks: dict[str, float]) -> str:
     """Worst ratios over the full and LoRA runs (any runs when there are none), the slowest run's
     seconds and throughput, LoRA/full peak RSS."""
     results = [r for r in results if r["mode"] in ("full", "lora")] or results
@@ -564,7 +783,8 @@ def bench_line(results: Sequence[dict]) -> str:
         f"BENCH rollout_vs_generate={max(r['rollout_vs_generate'] for r in results):.3f} "
         f"iteration_vs_floors={max(r['iteration_vs_floors'] for r in results):.3f} "
         f"lora_vs_full_rss={rss['lora'] / rss['full']:.3f} "
-        f"iter_s={slowest['iter_s']:.4g} tokens_per_s={slowest['tokens_per_s']:.4g}"
+        f"iter_s={slowest['iter_s']:.4g} tokens_per_s={slowest['tokens_per_s']:.4g} "
+        f"iteration_vs_roofline={max(roofline(r, peaks)['iteration']['ratio'] for r in results):.3f}"
     )
 
 
@@ -595,6 +815,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         worker_main(args)
         return []
     modes = {"both": ("full", "lora"), "all": ("full", "lora", "grpo")}.get(args.mode, (args.mode,))
+    peaks = measure_peaks(args)
     results = []
     for mode in modes:
         if args.devices == 1:
@@ -608,7 +829,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         if args.save:
             Path(args.save).write_text(json.dumps(results, indent=1))
     print(format_table(results))
-    print(bench_line(results), flush=True)
+    print(format_roofline(results, peaks))
+    print(bench_line(results, peaks), flush=True)
     return results
 
 

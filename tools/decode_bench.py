@@ -1,0 +1,111 @@
+"""The rollout's decode: ``generate`` against a hand-written KV-cached sampling loop, same workload.
+
+    python tools/decode_bench.py                   # SmolLM2, 8 chat prompts, 32 new tokens, 4 rounds
+    python tools/decode_bench.py --threads 1 --rounds 6
+
+Both draw from the untruncated distribution (top_k = 0, top_p = 1, temperature 1) with the same
+seed: the loop is ``generate``'s sampling step without its generality (logits processors,
+stopping criteria, output bookkeeping), so it must draw the very same tokens: a difference is
+reported, and the timing is then meaningless. Rounds alternate the two (generate, loop,
+generate, ...) so a drifting load hits both; the table gives each one's median seconds and the
+decode floor of the roofline (``tools/bench.py``: prefill compute, then each step's weights and
+KV cache read, at this machine's measured rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+
+
+@__import__("torch").no_grad()
+def sample_loop(model, input_ids, attention_mask, max_new_tokens: int, eos_token_id: int):
+    """Sampled tokens (batch, max_new_tokens): prefill with the LM head on the last position,
+    then one cached forward per token, drawing each from softmax(logits) with ``multinomial``
+    (``generate``'s draw). Every row samples ``max_new_tokens`` tokens, EOS banned as
+    min_new_tokens = max_new_tokens bans it in ``generate`` (its logit set to -inf)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, logits_to_keep=1)  # fmt: skip
+    tokens = []
+    for step in range(max_new_tokens):
+        logits = out.logits[:, -1].float()
+        logits[:, eos_token_id] = -math.inf
+        token = torch.multinomial(logits.softmax(-1), num_samples=1)
+        tokens.append(token)
+        if step + 1 == max_new_tokens:
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(attention_mask.shape[0], 1)], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=token, attention_mask=attention_mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    return torch.cat(tokens, dim=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    import torch
+    from transformers import GenerationConfig
+
+    from rlhf_lightning.models import load_causal_lm, load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bench.quiet()
+    tokenizer = load_tokenizer("smollm2")
+    tokenizer.padding_side = "left"
+    model = load_causal_lm("smollm2", vocab_size=len(tokenizer)).eval()
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in bench.builtin_prompts(args.batch_size)]  # fmt: skip
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=args.max_new_tokens,
+                              min_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    prompt_len = enc["input_ids"].shape[1]
+    runs = {
+        "generate": lambda: model.generate(**enc, generation_config=config)[:, prompt_len:],
+        "loop": lambda: sample_loop(model, enc["input_ids"], enc["attention_mask"], args.max_new_tokens, tokenizer.eos_token_id),
+    }
+    seconds, tokens = {name: [] for name in runs}, {}
+    for round_ in range(args.rounds + 1):  # round 0 warms up
+        for name, run in runs.items():
+            torch.manual_seed(round_)
+            start = time.perf_counter()
+            tokens[name] = run()
+            if round_:
+                seconds[name].append(time.perf_counter() - start)
+        same = torch.equal(tokens["generate"], tokens["loop"])
+        print(
+            f"round {round_}: " + ", ".join(f"{n} {s[-1]:.3f} s" for n, s in seconds.items() if round_) + f"; same tokens: {same}",
+            flush=True,
+        )
+    peaks = bench.machine_peaks()
+    shape = bench.ModelShape.of(model)
+    passes = bench.iteration_costs(shape, args.batch_size, prompt_len, args.max_new_tokens, 1, 1, 0)["rollout"]
+    floor = bench.floor_seconds(passes, peaks["flops_per_s"], peaks["bytes_per_s"])
+    print(f"\n{torch.get_num_threads()} thread(s), {peaks['flops_per_s'] / 1e9:.1f} GFLOP/s, {peaks['bytes_per_s'] / 1e9:.1f} GB/s; "
+          f"batch {args.batch_size}, prompt {prompt_len} tokens padded, {args.max_new_tokens} new tokens; medians of {args.rounds}")  # fmt: skip
+    print("| decode | s (median) | vs generate | vs roofline floor |\n|---|---:|---:|---:|")
+    base = statistics.median(seconds["generate"])
+    for name, values in seconds.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:.3f} | {median / base:.3f} | {median / floor:.2f} ({floor:.3f} s) |")
+
+
+if __name__ == "__main__":
+    main()
