@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from fsspec.utils import get_protocol
 from lightning import Callback
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
@@ -152,7 +152,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
-        if storage_options is not None or not _is_local_file_protocol(path):
+        if storage_options is not None or get_protocol(str(path)) != "file":
             return super().save_checkpoint(checkpoint, path, storage_options)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +175,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.close(folder)
 
     def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if _is_local_file_protocol(path):
+        if get_protocol(str(path)) == "file":
             check_checkpoint_file(Path(path))
         try:
             return super().load_checkpoint(path, map_location, weights_only)
