@@ -211,7 +211,7 @@ class EnsembleReward(RewardModel):
         super().__init__(**options)
         require(not isinstance(paths, str) and len(paths) >= 2, "reward_model.paths", "a list of at least 2 model folders", paths)
         require(combine in ENSEMBLE_COMBINATIONS, "reward_model.combine", f"one of {', '.join(ENSEMBLE_COMBINATIONS)}", combine)
-        require(isinstance(std_coef, (int, float)) and std_coef >= 0, "reward_model.std_coef", "a number >= 0", std_coef)
+        require_number("reward_model.std_coef", std_coef, at_least=0)
         self.paths, self.combine, self.std_coef, self.standardize = list(paths), combine, float(std_coef), standardize
         self.members = [
             HFClassifierReward(path, include_prompt=include_prompt, separator=separator, batch_size=batch_size, max_length=max_length)

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from rlhf_lightning.interfaces import RewardModel, require
+from rlhf_lightning.interfaces import RewardModel, require, require_number
 from rlhf_lightning.registry import register
 
 # "a OP b" in a question; x and × read as multiplication, the minus sign and the en dash as minus.
@@ -83,7 +83,7 @@ class ExactAnswerReward(RewardModel):
 
     def __init__(self, wrong_score: float = 0.0, **options: Any) -> None:
         super().__init__(**options)
-        require(isinstance(wrong_score, (int, float)) and wrong_score < 1, "reward_model.wrong_score", "a number < 1", wrong_score)
+        require_number("reward_model.wrong_score", wrong_score, below=1)
         self.wrong_score = float(wrong_score)
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:

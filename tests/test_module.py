@@ -288,7 +288,7 @@ def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_
     assert mask.sum() > 10
     for field in ("old_logprobs", "old_values", "entropy", "ref_logprobs"):
         assert torch.allclose(getattr(sampler, field) * mask, getattr(forward, field) * mask, atol=1e-4), field
-    assert forward.values.abs().max() > 1e-3  # a zero value head would make the values check vacuous
+    assert forward.old_values.abs().max() > 1e-3  # a zero value head would make the values check vacuous
 
 
 def test_unknown_old_logprobs_source_is_refused():
@@ -359,7 +359,7 @@ def test_only_estimators_that_read_the_sampled_token_take_the_importance_ratio()
 
 def test_iteration_timer_logs_the_wall_clock_between_batch_ends(monkeypatch):
     """timing/iteration_s: the first iteration from its own start, each later one from the end of
-    the one before (so the time between batches counts), at the module's iteration as step."""
+    the one before (so the time between batches counts), at the iteration's step (0-based, as its other scalars)."""
     from types import SimpleNamespace
 
     from rlhf_lightning import callbacks
@@ -368,11 +368,11 @@ def test_iteration_timer_logs_the_wall_clock_between_batch_ends(monkeypatch):
     monkeypatch.setattr(callbacks.time, "perf_counter", lambda: next(clock))
     logged = []
     logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append((step, metrics)))
-    trainer, module = SimpleNamespace(loggers=[logger]), SimpleNamespace(device=torch.device("cpu"), iteration=1)
+    trainer, module = SimpleNamespace(loggers=[logger]), SimpleNamespace(device=torch.device("cpu"), step=0)
     timer = callbacks.IterationTimer()
     timer.on_train_batch_start(trainer, module, None, 0)
     timer.on_train_batch_end(trainer, module, None, None, 0)
-    module.iteration = 2
+    module.step = 1
     timer.on_train_batch_start(trainer, module, None, 1)
     timer.on_train_batch_end(trainer, module, None, None, 1)
-    assert logged == [(1, {"timing/iteration_s": 2.5}), (2, {"timing/iteration_s": 4.5})]
+    assert logged == [(0, {"timing/iteration_s": 2.5}), (1, {"timing/iteration_s": 4.5})]

@@ -585,7 +585,7 @@ def test_ensemble_of_classifiers_loads_each_member_once_and_scores_in_one_pass_e
         ({"paths": ["only_one"]}, r"reward_model.paths must be a list of at least 2 model folders"),
         ({"paths": "a,b"}, r"reward_model.paths must be a list"),
         ({"paths": ["a", "b"], "combine": "median"}, r"reward_model.combine must be one of mean, min, mean_minus_std, got 'median'"),
-        ({"paths": ["a", "b"], "std_coef": -1}, r"reward_model.std_coef must be a number >= 0"),
+        ({"paths": ["a", "b"], "std_coef": -1}, r"reward_model.std_coef must be a finite number >= 0"),
         ({"paths": ["no/such/folder", "b"]}, r"reward_model.paths must be model folders with a reward_stats.json.*no/such/folder"),
     ],
 )
