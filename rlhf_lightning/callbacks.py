@@ -94,11 +94,11 @@ class IterationCheckpoint(ModelCheckpoint):
         if not pl_module.iteration % self.every_n_iterations and not trainer.fast_dev_run:
             self._save_last(trainer, pl_module)
 
-    def _last_path(self, trainer) -> Path:
-        return Path(self.dirpath or Path(trainer.default_root_dir) / "checkpoints") / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+    def _last_path(self) -> Path:
+        return Path(self.dirpath) / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)  # dirpath: resolved by ModelCheckpoint.setup
 
     def _save_last(self, trainer, pl_module) -> Path:
-        path = self._last_path(trainer)
+        path = self._last_path()
         trainer.save_checkpoint(path)  # every rank takes part (sharded checkpoints); rank 0 writes a single file
         self._saved_at = pl_module.iteration
         return path
@@ -125,7 +125,7 @@ class IterationCheckpoint(ModelCheckpoint):
         if not isinstance(exception, SIGTERMException):
             return
         signum, self._stop_signal = self._stop_signal or signal.SIGTERM, None
-        path = self._save_last(trainer, pl_module) if self._saved_at != pl_module.iteration else self._last_path(trainer)
+        path = self._save_last(trainer, pl_module) if self._saved_at != pl_module.iteration else self._last_path()
         rank_zero_info(f"stopped by {signal.Signals(signum).name} after iteration {pl_module.iteration}; saved {path}; "
                        "resume with --ckpt_path last")  # fmt: skip
         exception.code = 128 + signum  # the shell's convention for a process ended by a signal

@@ -16,7 +16,7 @@ from typing import Optional
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError
+from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, require_number
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"  # the built-in prompt files (not the module data.py)
 BUILTIN_TRAIN = PROMPTS_DIR / "prompts_train.jsonl"
@@ -179,8 +179,7 @@ class PromptDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
-            if not (isinstance(value, int) and value >= 1):
-                raise ConfigError(f"data.{name} must be an integer >= 1, got {value!r}")
+            require_number(f"data.{name}", value, integer=True, at_least=1)
         self.train_path = train_path or str(BUILTIN_TRAIN)
         self.val_path = val_path or str(BUILTIN_VALIDATION)
         self.prompt_column, self.batch_size, self.val_batch_size = prompt_column, batch_size, val_batch_size

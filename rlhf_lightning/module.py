@@ -56,7 +56,7 @@ from rlhf_lightning.interfaces import (
     require,
 )
 from rlhf_lightning.models import ValueModel, frozen_copy, load_causal_lm, load_tokenizer, move_toward
-from rlhf_lightning.registry import registry
+from rlhf_lightning.registry import class_path, registry
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -910,10 +910,8 @@ class PPORLHF(LightningModule):
         is still the identity (every lora_B zero: x + 0 = x exactly). Its log-probs are then the
         policy's own (from the sampler or a forward), so the KL is exactly 0 and no reference
         forward runs; compared smallest tensors first, so a trained policy differs within a few."""
-        if self.ref_model is not None:
-            pairs = list(zip(self.ref_model.parameters(), self.policy.parameters()))
-        elif self.reference_update.moves:
-            pairs = list(zip(*_adapter_pairs(self.policy)))
+        if self.ref_model is not None or self.reference_update.moves:
+            pairs = list(zip(*self._reference_parameters()))
         else:
             pairs = [(p, torch.zeros_like(p)) for name, p in self.policy.named_parameters() if ".lora_B.default." in name]
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # FSDP2: each rank its shards
@@ -1136,7 +1134,7 @@ RESUME_FIXED = ("policy", "tokenizer", "tiny_config", "lora_rank", "lora_alpha",
 
 
 def _plugin_kind(plugin) -> Optional[str]:
-    return None if plugin is None else f"{type(plugin).__module__}.{type(plugin).__qualname__}"
+    return None if plugin is None else class_path(type(plugin))
 
 
 def _load_plugin_state(name: str, plugin, state) -> None:

@@ -59,7 +59,12 @@ class PluginEntry:
 
     @property
     def class_path(self) -> str:
-        return f"{self.cls.__module__}.{self.cls.__qualname__}"
+        return class_path(self.cls)
+
+
+def class_path(cls: type) -> str:
+    """``package.module.Class``: what a ``class_path`` names and a checkpoint records of a plugin."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class Registry:
@@ -180,7 +185,7 @@ def teach_jsonargparse_short_names() -> None:
     --model.beta_controller.target=4`` on the command line. jsonargparse resolves a bare name
     among the imported subclasses of the argument's type (``class_path: AdaptiveBeta``) in
     ``_typehints.resolve_class_path_by_name``, which has no extension point; this wraps it (once),
-    trying the registries first. tests/test_registry.py runs both forms through the CLI, so a
+    trying the registries first. tests/test_cli.py runs both forms through the CLI, so a
     jsonargparse release that moves the function fails there, not in a user's run."""
     from jsonargparse import _typehints
 
