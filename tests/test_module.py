@@ -329,7 +329,7 @@ def test_kl_loss_is_the_importance_weighted_term_and_the_rollout_kl_stays_unweig
     """policy/kl_loss is the mean of w_t k_t over the minibatches; objective/kl is the rollout's own
     (unweighted) estimate. On the first minibatch w = 1 exactly (old_logprobs: forward), so the loss
     term there equals the rollout's per-token mean."""
-    module = make_module(kl_penalty="loss", kl_estimator="k3", whiten_advantages=False, ppo_epochs=1)
+    module = make_module(kl_penalty="loss", kl_estimator="k3", whiten_advantages=False, ppo_epochs=1, old_logprobs="forward")
     seen = []
     original = module.ppo_loss
 

@@ -118,6 +118,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default="forward",
         help="model.old_logprobs: recompute log pi_old with a forward pass, or reuse the sampler's logits",
     )
+    parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), default="auto", help="model.cpu_linear: CPU linear kernel")
     parser.add_argument("--critic", choices=("separate", "shared"), help="critic trunk (default: full separate, lora shared)")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of --mode lora (alpha = 2 * rank)")
     parser.add_argument("--reward", default="sentiment", help="reward backend name")
@@ -134,6 +135,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--results-dir", help=argparse.SUPPRESS)  # where ranks > 0 leave their results
     parser.add_argument("--profile", action="store_true", help="profile one extra iteration per run with torch.profiler")
     parser.add_argument("--profile-rows", type=int, default=25, help="ops shown by --profile")
+    parser.add_argument("--profile-shapes", action="store_true", help="--profile: one row per (op, input shapes)")
     parser.add_argument("--save", metavar="PATH", help="also write every run's results as JSON (after each run)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one mode's runs
     args = parser.parse_args(argv)
@@ -153,11 +155,11 @@ def worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
     """The command line of one mode's runs: this script with every setting spelled out."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--ppo-epochs"]
     argv += [str(epochs) for epochs in args.ppo_epochs]
-    for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "num_generations", "critic", "old_logprobs",
+    for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "num_generations", "critic", "old_logprobs", "cpu_linear",
                  "lora_rank", "reward", "device", "threads", "profile_rows", "strategy", "devices", "results_dir"):  # fmt: skip
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for flag in ("no_chat_template", "bf16", "profile"):
+    for flag in ("no_chat_template", "bf16", "profile", "profile_shapes"):
         if getattr(args, flag):
             argv.append(f"--{flag.replace('_', '-')}")
     return argv
@@ -293,7 +295,7 @@ def iteration_recorder(args: argparse.Namespace):
                 activities = [torch.profiler.ProfilerActivity.CPU]
                 if pl_module.device.type == "cuda":
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
-                self._profiler = torch.profiler.profile(activities=activities)
+                self._profiler = torch.profiler.profile(activities=activities, record_shapes=args.profile_shapes)
                 self._profiler.__enter__()
             pl_module.clock.take()
             self._phase = pl_module.clock("other")
@@ -304,7 +306,9 @@ def iteration_recorder(args: argparse.Namespace):
             seconds = pl_module.clock.take()
             if self._profiler is not None:
                 self._profiler.__exit__(None, None, None)
-                self.profile_table = self._profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
+                self.profile_table = self._profiler.key_averages(group_by_input_shape=args.profile_shapes).table(
+                    sort_by="self_cpu_time_total", row_limit=args.profile_rows
+                )
                 self._profiler = None
                 return
             floors = measure_floors(pl_module, args)  # the warm-up iterations warm the floors up too
@@ -362,7 +366,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         policy=args.policy, reward_model=args.reward, max_new_tokens=args.max_new_tokens,
         min_new_tokens=args.max_new_tokens, use_chat_template=not args.no_chat_template,
         ppo_epochs=ppo_epochs, num_minibatches=args.num_minibatches, critic=critic, old_logprobs=args.old_logprobs,
-        lora_rank=args.lora_rank if lora else 0, lora_alpha=2.0 * args.lora_rank, log_samples_every_n_steps=0, **group,
+        cpu_linear=args.cpu_linear, lora_rank=args.lora_rank if lora else 0, lora_alpha=2.0 * args.lora_rank, log_samples_every_n_steps=0, **group,
     )  # fmt: skip
     prompts_per_batch = args.batch_size // module.hparams.num_generations  # the same number of responses in every mode
     prompts = builtin_prompts(prompts_per_batch)
@@ -396,7 +400,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         "mode": args.mode, "ppo_epochs": ppo_epochs, "num_minibatches": args.num_minibatches,
         "strategy": args.strategy, "devices": args.devices, "rank": trainer.global_rank,
         "param_numel_local": module.param_numel_local,
-        "critic": critic, "old_logprobs": args.old_logprobs, "policy": args.policy, "threads": torch.get_num_threads(),
+        "critic": critic, "old_logprobs": args.old_logprobs, "cpu_linear": args.cpu_linear, "policy": args.policy, "threads": torch.get_num_threads(),
         "batch": int(enc["input_ids"].shape[0]), "prompt_len": int(enc["input_ids"].shape[1]),
         "prompt_len_mean": float(enc["attention_mask"].sum(-1).float().mean()),
         "response_len": int(module.last_rollout.response.shape[1]),
@@ -491,12 +495,13 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
                 torch.cuda.synchronize(device)
             return time.perf_counter() - start
 
-    seconds = {"critic_forward": clocked(critic_forward) if separate_critic else 0.0}
-    with merged():  # merging is not part of the floor
-        seconds["generate"], seconds["ref_forward"] = clocked(generate), clocked(reference_forward)
-    seconds["fwd_bwd"] = clocked(forward_backward)  # with the adapter unmerged: it trains the adapter
-    if sharded:  # FSDP2's own way: every block all-gathered at each decode step (LoRA: unmerged)
-        seconds["generate_sharded"] = clocked(generate)
+    with module._linear_kernels():  # the module's linear kernel (model.cpu_linear), as in its iteration
+        seconds = {"critic_forward": clocked(critic_forward) if separate_critic else 0.0}
+        with merged():  # merging is not part of the floor
+            seconds["generate"], seconds["ref_forward"] = clocked(generate), clocked(reference_forward)
+        seconds["fwd_bwd"] = clocked(forward_backward)  # with the adapter unmerged: it trains the adapter
+        if sharded:  # FSDP2's own way: every block all-gathered at each decode step (LoRA: unmerged)
+            seconds["generate_sharded"] = clocked(generate)
     return seconds
 
 
@@ -646,9 +651,12 @@ def floor_seconds(passes: Sequence[tuple[float, float]], flops_per_s: float, byt
 
 
 def machine_peaks(device: str = "cpu", dtype_name: str = "float32", seconds: float = 1.0) -> dict[str, float]:
-    """This machine's sustained matmul FLOP/s (2048 x 2048 products, best of repeated rounds) and
-    read bandwidth (sum over a 512 MB tensor, best of rounds), each over about ``seconds``."""
+    """This machine's sustained matmul FLOP/s (2048 x 2048 products, best of repeated rounds, with
+    the faster of PyTorch's own kernel and, on a CPU, oneDNN's: ``model.cpu_linear``) and read
+    bandwidth (sum over a 512 MB tensor, best of rounds), each over about ``seconds``."""
     import torch
+
+    from rlhf_lightning import cpu
 
     dtype = getattr(torch, dtype_name)
 
@@ -668,6 +676,8 @@ def machine_peaks(device: str = "cpu", dtype_name: str = "float32", seconds: flo
     n = 2048
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     flops_per_s = 2 * n**3 / best(lambda: torch.mm(a, b), seconds)
+    if device == "cpu" and dtype == torch.float32 and cpu.onednn_available():
+        flops_per_s = max(flops_per_s, 2 * n**3 / best(lambda: cpu.linear(a, b), seconds))
     big = torch.ones(2**27, device=device, dtype=torch.float32)  # 512 MB: far beyond any cache
     bytes_per_s = big.numel() * 4 / best(lambda: big.sum(), seconds)
     return {"flops_per_s": flops_per_s, "bytes_per_s": bytes_per_s}
@@ -692,7 +702,7 @@ def format_table(results: Sequence[dict]) -> str:
     lines = [
         f"policy {r0['policy']}, batch {r0['batch']}, prompt {r0['prompt_len']} tokens padded "
         f"({r0['prompt_len_mean']:.1f} real on average), {r0['response_len']} new tokens, "
-        f"{r0['num_minibatches']} minibatch(es), old log-probs from {r0['old_logprobs']}, {r0['threads']} thread(s); seconds are medians over "
+        f"{r0['num_minibatches']} minibatch(es), old log-probs from {r0['old_logprobs']}, CPU linear kernel {r0['cpu_linear']}, {r0['threads']} thread(s); seconds are medians over "
         f"{len(r0['iterations'])} iterations, floors measured after each (medians need not add up)",
         "",
         "| mode | critic | epochs | iter s | rollout | score | (old+V fwd | ref fwd | reward, KL, rest) | advantages | update | other "

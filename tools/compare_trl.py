@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -66,6 +67,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--full-critic", choices=("separate", "shared"), default="separate", help="the full setup's critic trunk")
     parser.add_argument("--old-logprobs", choices=("forward", "sampler"), help="model.old_logprobs of our runs (default: the module's)")
+    parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), help="model.cpu_linear of our runs (default: the module's)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0), help="torch threads (0: default)")
     parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.12 installed")
     parser.add_argument("--save", metavar="PATH", help="also write the results as JSON")
@@ -109,8 +111,8 @@ def peak_rss_mb() -> float:
 
 
 # ---------------------------------------------------------------------------------- workers
-def run_trl(args: argparse.Namespace) -> list[float]:
-    """TRL's PPOTrainer for warmup + iters iterations; seconds of each iteration."""
+def run_trl(args: argparse.Namespace) -> tuple[list[float], dict]:
+    """TRL's PPOTrainer for warmup + iters iterations; seconds of each iteration (no phases)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 
@@ -154,7 +156,7 @@ def run_trl(args: argparse.Namespace) -> list[float]:
     )  # fmt: skip
     clock.ends = [time.perf_counter()]
     trainer.train()
-    return [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+    return [b - a for a, b in zip(clock.ends, clock.ends[1:])], {}
 
 
 def our_config(args: argparse.Namespace) -> dict:
@@ -169,8 +171,9 @@ def our_config(args: argparse.Namespace) -> dict:
         "reward_model": {"class_path": "rlhf_lightning_plugins.reward_models.HFClassifierReward", "init_args": {"path": args.reward_path}},
         "lora_rank": 16 if lora else 0, "lora_alpha": 32.0, "critic": "shared" if lora else args.full_critic,
     }  # fmt: skip
-    if args.old_logprobs:
-        model["old_logprobs"] = args.old_logprobs
+    for option in ("old_logprobs", "cpu_linear"):
+        if getattr(args, option):
+            model[option] = getattr(args, option)
     trainer = {
         "accelerator": "cpu", "devices": 1, "max_epochs": 1, "limit_val_batches": 0, "enable_checkpointing": False,
         "enable_progress_bar": False, "enable_model_summary": False, "default_root_dir": str(work),
@@ -181,8 +184,9 @@ def our_config(args: argparse.Namespace) -> dict:
     return {"seed_everything": 0, "trainer": trainer, "model": model, "data": data}
 
 
-def run_ours(args: argparse.Namespace) -> list[float]:
-    """``rlhf-lightning fit`` on the run's config; seconds of each iteration (timing/iteration_s)."""
+def run_ours(args: argparse.Namespace) -> tuple[list[float], dict[str, list[float]]]:
+    """``rlhf-lightning fit`` on the run's config; seconds of each iteration (timing/iteration_s),
+    and of each of the module's phases per iteration (its ``timing/<phase>_s`` metrics)."""
     import csv
 
     from rlhf_lightning.cli import main as cli_main
@@ -192,7 +196,13 @@ def run_ours(args: argparse.Namespace) -> list[float]:
     cli_main(["fit", "--config", str(config)])
     (metrics,) = Path(args.workdir).glob("csv/version_*/metrics.csv")
     with metrics.open() as f:
-        return [float(row["timing/iteration_s"]) for row in csv.DictReader(f) if row.get("timing/iteration_s")]
+        rows = list(csv.DictReader(f))
+    phases = defaultdict(list)
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("timing/") and key != "timing/iteration_s" and value:
+                phases[key[len("timing/") : -len("_s")]].append(float(value))
+    return [float(row["timing/iteration_s"]) for row in rows if row.get("timing/iteration_s")], dict(phases)
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -201,10 +211,11 @@ def worker_main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    seconds = (run_trl if args.worker == "trl" else run_ours)(args)
+    seconds, phases = run_trl(args) if args.worker == "trl" else run_ours(args)
     if len(seconds) != args.warmup + args.iters:
         raise SystemExit(f"{args.worker}: expected {args.warmup + args.iters} iterations, timed {len(seconds)}")
     result = {"setup": args.worker, "ppo_epochs": args.epochs, "seconds": seconds[args.warmup :], "warmup_s": seconds[: args.warmup],
+              "phases": {name: values[args.warmup :] for name, values in phases.items()},
               "peak_rss_mb": peak_rss_mb(), "threads": torch.get_num_threads(), "load": [load_before, os.getloadavg()[0]]}  # fmt: skip
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
@@ -216,8 +227,9 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
     argv = [python, str(Path(__file__).resolve()), "--worker", setup, "--epochs", str(epochs), "--reward-path", str(reward_path),
             "--workdir", str(workdir), "--warmup", str(args.warmup), "--iters", str(args.iters), "--batch-size", str(args.batch_size),
             "--max-new-tokens", str(args.max_new_tokens), "--full-critic", args.full_critic, "--threads", str(args.threads)]  # fmt: skip
-    if args.old_logprobs:
-        argv += ["--old-logprobs", args.old_logprobs]
+    for option in ("old_logprobs", "cpu_linear"):
+        if getattr(args, option):
+            argv += ["--" + option.replace("_", "-"), getattr(args, option)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / ".pp"), str(REPO), env.get("PYTHONPATH")]))
     start = time.perf_counter()
@@ -226,9 +238,10 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
     if proc.returncode or not lines:
         raise SystemExit(f"{setup} ({epochs} epochs) failed, exit code {proc.returncode}:\n{proc.stderr[-4000:]}")
     result = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    phases = ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in result["phases"].items())
     print(f"{setup}, {epochs} epoch(s): {', '.join(f'{s:.2f}' for s in result['seconds'])} s per iteration "
-          f"(warm-up {result['warmup_s']}), peak RSS {result['peak_rss_mb']:.0f} MB, load {result['load']}, "
-          f"process {time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+          f"(warm-up {result['warmup_s']}){f'; phases (median s): {phases}' if phases else ''}, peak RSS "
+          f"{result['peak_rss_mb']:.0f} MB, load {result['load']}, process {time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
     return result
 
 
