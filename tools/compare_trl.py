@@ -24,7 +24,10 @@ iteration costs), one minibatch, 1 and 4 PPO epochs.
 
 Our side runs as a user runs it: ``rlhf_lightning.cli.main(["fit", "--config", <yaml>, ...])`` in
 a fresh process, with the ``IterationTimer`` callback logging ``timing/iteration_s`` to a CSV
-logger. Every (framework, setup, epochs) run is its own process (so its peak RSS is its own),
+logger, with the module's defaults (log pi_old from the sampler, oneDNN linear layers on a CPU,
+the tuned malloc) unless ``--old-logprobs``, ``--cpu-linear`` or ``--cpu-malloc`` say otherwise
+(``--cpu-linear aten --cpu-malloc default`` runs PyTorch as TRL does); each of our runs also
+prints its phases' median seconds (``timing/<phase>_s``). Every (framework, setup, epochs) run is its own process (so its peak RSS is its own),
 and the runs alternate within each round (trl, full, lora for 1 epoch, then for 4 epochs; the
 next round again), so a drifting machine load hits every framework alike. The table gives each
 run's median seconds per iteration over the timed iterations of all rounds, its peak RSS and its
@@ -68,6 +71,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--full-critic", choices=("separate", "shared"), default="separate", help="the full setup's critic trunk")
     parser.add_argument("--old-logprobs", choices=("forward", "sampler"), help="model.old_logprobs of our runs (default: the module's)")
     parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), help="model.cpu_linear of our runs (default: the module's)")
+    parser.add_argument("--cpu-malloc", choices=("tuned", "default"), help="model.cpu_malloc of our runs (default: the module's)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0), help="torch threads (0: default)")
     parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.12 installed")
     parser.add_argument("--save", metavar="PATH", help="also write the results as JSON")
@@ -171,7 +175,7 @@ def our_config(args: argparse.Namespace) -> dict:
         "reward_model": {"class_path": "rlhf_lightning_plugins.reward_models.HFClassifierReward", "init_args": {"path": args.reward_path}},
         "lora_rank": 16 if lora else 0, "lora_alpha": 32.0, "critic": "shared" if lora else args.full_critic,
     }  # fmt: skip
-    for option in ("old_logprobs", "cpu_linear"):
+    for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
         if getattr(args, option):
             model[option] = getattr(args, option)
     trainer = {
@@ -227,7 +231,7 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
     argv = [python, str(Path(__file__).resolve()), "--worker", setup, "--epochs", str(epochs), "--reward-path", str(reward_path),
             "--workdir", str(workdir), "--warmup", str(args.warmup), "--iters", str(args.iters), "--batch-size", str(args.batch_size),
             "--max-new-tokens", str(args.max_new_tokens), "--full-critic", args.full_critic, "--threads", str(args.threads)]  # fmt: skip
-    for option in ("old_logprobs", "cpu_linear"):
+    for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
         if getattr(args, option):
             argv += ["--" + option.replace("_", "-"), getattr(args, option)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}

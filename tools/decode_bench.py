@@ -1,15 +1,21 @@
-"""The rollout's decode: ``generate`` against a hand-written KV-cached sampling loop, same workload.
+"""The rollout's decode: ``generate`` against its alternatives on the same workload.
 
     python tools/decode_bench.py                   # SmolLM2, 8 chat prompts, 32 new tokens, 4 rounds
     python tools/decode_bench.py --threads 1 --rounds 6
+    python tools/decode_bench.py --compile         # also a torch.compile'd decode step (minutes to compile)
 
-Both draw from the untruncated distribution (top_k = 0, top_p = 1, temperature 1) with the same
-seed: the loop is ``generate``'s sampling step without its generality (logits processors,
-stopping criteria, output bookkeeping), so it must draw the very same tokens: a difference is
-reported, and the timing is then meaningless. Rounds alternate the two (generate, loop,
-generate, ...) so a drifting load hits both; the table gives each one's median seconds and the
-decode floor of the roofline (``tools/bench.py``: prefill compute, then each step's weights and
-KV cache read, at this machine's measured rates).
+The rows: ``generate`` with PyTorch's own CPU linear kernel (MKL) and with oneDNN's
+(``model.cpu_linear``, what the module uses on a CPU), ``generate`` with a preallocated (static)
+KV cache, a hand-written KV-cached sampling loop over the model's forward, and with
+``--compile`` the static-cache ``generate`` with the model's forward compiled by ``torch.compile``
+(inductor; its first call, the compilation, is reported on its own and left out of the median).
+All draw from the untruncated distribution (top_k = 0, top_p = 1, temperature 1) with the same
+seed, so under one kernel they must draw the very same tokens as that kernel's ``generate``: a
+difference is reported (under the other kernel the logits differ by rounding, and a token may
+too). Rounds alternate the rows so a drifting load hits all alike; the table gives each one's
+median seconds, its ratio to ``generate`` with the default kernel, and the decode floor of the
+roofline (``tools/bench.py``: prefill compute, then each step's weights and KV cache read, at
+this machine's measured rates).
 """
 
 from __future__ import annotations
@@ -58,15 +64,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="also time generate with a torch.compile'd forward")
     args = parser.parse_args()
+    import contextlib
+
     import torch
     from transformers import GenerationConfig
 
+    from rlhf_lightning import cpu
     from rlhf_lightning.models import load_causal_lm, load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     bench.quiet()
+    cpu.tune_malloc()  # as the module does
     tokenizer = load_tokenizer("smollm2")
     tokenizer.padding_side = "left"
     model = load_causal_lm("smollm2", vocab_size=len(tokenizer)).eval()
@@ -76,35 +87,57 @@ def main() -> None:
     config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=args.max_new_tokens,
                               min_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                               eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    static = GenerationConfig(**{**config.to_dict(), "cache_implementation": "static"})
     prompt_len = enc["input_ids"].shape[1]
-    runs = {
-        "generate": lambda: model.generate(**enc, generation_config=config)[:, prompt_len:],
-        "loop": lambda: sample_loop(model, enc["input_ids"], enc["attention_mask"], args.max_new_tokens, tokenizer.eos_token_id),
-    }
-    seconds, tokens = {name: [] for name in runs}, {}
-    for round_ in range(args.rounds + 1):  # round 0 warms up
-        for name, run in runs.items():
+    default_kernel = cpu.resolve_cpu_linear("auto")
+    kernels = {"aten": contextlib.nullcontext, "onednn": cpu.onednn_linear}
+    compiled = torch.compile(model.forward, dynamic=False) if args.compile else None
+
+    def generate(generation_config, forward=None):
+        def run():
+            if forward is not None:
+                model.forward = forward  # an instance attribute: generate calls it
+            try:
+                return model.generate(**enc, generation_config=generation_config)[:, prompt_len:]
+            finally:
+                model.__dict__.pop("forward", None)
+
+        return run
+
+    runs = {("generate", kernel): (kernel, generate(config)) for kernel in kernels if kernel == "aten" or cpu.onednn_available()}
+    runs[("generate, static cache", default_kernel)] = (default_kernel, generate(static))
+    runs[("loop", default_kernel)] = (default_kernel, lambda: sample_loop(model, enc["input_ids"], enc["attention_mask"],
+                                                                          args.max_new_tokens, tokenizer.eos_token_id))  # fmt: skip
+    if compiled is not None:
+        runs[("generate, static cache, torch.compile", "aten")] = ("aten", generate(static, compiled))
+    seconds, tokens, compile_s = {name: [] for name in runs}, {}, None
+    for round_ in range(args.rounds + 1):  # round 0 warms up (and compiles)
+        for name, (kernel, run) in runs.items():
             torch.manual_seed(round_)
             start = time.perf_counter()
-            tokens[name] = run()
+            with torch.no_grad(), kernels[kernel]():
+                tokens[name] = run()
+            elapsed = time.perf_counter() - start
             if round_:
-                seconds[name].append(time.perf_counter() - start)
-        same = torch.equal(tokens["generate"], tokens["loop"])
-        print(
-            f"round {round_}: " + ", ".join(f"{n} {s[-1]:.3f} s" for n, s in seconds.items() if round_) + f"; same tokens: {same}",
-            flush=True,
-        )
+                seconds[name].append(elapsed)
+            elif "torch.compile" in name[0]:
+                compile_s = elapsed
+        same = {f"{n[0]} [{n[1]}]": torch.equal(tokens[n], tokens[("generate", runs[n][0])]) for n in runs if n[0] != "generate"}
+        print(f"round {round_}: " + ", ".join(f"{n[0]} [{n[1]}] {s[-1]:.3f} s" for n, s in seconds.items() if round_)
+              + f"; same tokens as generate under the same kernel: {same}", flush=True)  # fmt: skip
     peaks = bench.machine_peaks()
     shape = bench.ModelShape.of(model)
     passes = bench.iteration_costs(shape, args.batch_size, prompt_len, args.max_new_tokens, 1, 1, 0)["rollout"]
     floor = bench.floor_seconds(passes, peaks["flops_per_s"], peaks["bytes_per_s"])
     print(f"\n{torch.get_num_threads()} thread(s), {peaks['flops_per_s'] / 1e9:.1f} GFLOP/s, {peaks['bytes_per_s'] / 1e9:.1f} GB/s; "
           f"batch {args.batch_size}, prompt {prompt_len} tokens padded, {args.max_new_tokens} new tokens; medians of {args.rounds}")  # fmt: skip
-    print("| decode | s (median) | vs generate | vs roofline floor |\n|---|---:|---:|---:|")
-    base = statistics.median(seconds["generate"])
-    for name, values in seconds.items():
+    if compile_s is not None:
+        print(f"torch.compile: first call (compilation) {compile_s:.1f} s")
+    print(f"| decode [linear kernel] | s (median) | vs generate [{default_kernel}] | vs roofline floor |\n|---|---:|---:|---:|")
+    base = statistics.median(seconds[("generate", default_kernel)])
+    for (name, kernel), values in seconds.items():
         median = statistics.median(values)
-        print(f"| {name} | {median:.3f} | {median / base:.3f} | {median / floor:.2f} ({floor:.3f} s) |")
+        print(f"| {name} [{kernel}] | {median:.3f} | {median / base:.3f} | {median / floor:.2f} ({floor:.3f} s) |")
 
 
 if __name__ == "__main__":
