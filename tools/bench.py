@@ -115,8 +115,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--old-logprobs",
         choices=("forward", "sampler"),
-        default="forward",
-        help="model.old_logprobs: recompute log pi_old with a forward pass, or reuse the sampler's logits",
+        default="sampler",
+        help="model.old_logprobs (the module's default: sampler): reuse the sampler's logits, or recompute log pi_old with a forward",
     )
     parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), default="auto", help="model.cpu_linear: CPU linear kernel")
     parser.add_argument("--critic", choices=("separate", "shared"), help="critic trunk (default: full separate, lora shared)")
