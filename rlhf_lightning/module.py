@@ -3,11 +3,12 @@
 One ``training_step`` is one PPO iteration on a batch of prompts x:
 
 1. rollout     y ~ pi_theta(. | x), ``num_generations`` responses per prompt: KV-cached ``generate``
-               without gradients, sampling from the untruncated policy (top_k = 0, top_p = 1) so
-               log-probs match the sampler.
+               without gradients, sampling from the untruncated policy (top_k = 0, top_p = 1);
+               its logits are log pi_old (``old_logprobs: sampler``, default).
 2. score       r_RM(x, y) from the reward backend on the decoded text; one batched forward
-               each for log pi_old, log pi_ref and the critic's V_old (if there is a critic);
-               per-token KL estimate kl_t and per-token reward  R_t = r_RM * 1[t = T] - beta * kl_t.
+               each for log pi_ref and a separate critic's V_old (and log pi_old with
+               ``old_logprobs: forward``); per-token KL estimate kl_t and per-token reward
+               R_t = r_RM * 1[t = T] - beta * kl_t.
 3. advantages  the advantage estimator plugin: GAE(gamma, lambda) on R_t and V_old, whitened over
                the global batch (default), or a critic-free group / batch baseline (grpo, rloo, ...).
 4. update      ppo_epochs passes over num_minibatches: the policy-loss plugin (PPO's clipped
@@ -19,6 +20,8 @@ Then the beta controller sees the global mean KL (in its declared unit) and upda
 entropy controller, if any, the entropy bonus's coefficient), and the reference update plugin
 may move the reference toward the policy (default ``none``: the reference stays the frozen
 starting policy; ``sync``, ``reset`` or ``ema`` every N iterations).
+
+On a CPU every step runs its fp32 linear layers through oneDNN (``cpu_linear``, cpu.py).
 
 Left out on purpose: reward-model training (tools/) and any home-made distributed code: every
 cross-rank statistic goes through the Lightning strategy's ``reduce``.
@@ -492,7 +495,7 @@ class PPORLHF(LightningModule):
     def training_step(self, prompts: list[str], batch_idx: int) -> IterationOutputs:
         """One PPO iteration. What it returns reaches callbacks' ``on_train_batch_end`` as ``outputs``."""
         beta, timer = self.current_beta(), _Timer(self.device)
-        with self._linear_kernels():
+        with self.linear_kernels():
             rollout = self.rollout(self.repeat_prompts(prompts), timer)
             with timer("score"):
                 scored = self.score(rollout, beta)
@@ -853,7 +856,7 @@ class PPORLHF(LightningModule):
                 stack.callback(self.policy.unmerge_adapter)
             yield self.policy.get_base_model()
 
-    def _linear_kernels(self):
+    def linear_kernels(self):
         """``model.cpu_linear``: on a CPU, fp32 linear layers (every model's, the reward backend's
         too) run through oneDNN inside this context (``cpu.py``: 1.4-2x MKL's AVX2 path)."""
         return cpu.onednn_linear(self.device.type == "cpu" and cpu.resolve_cpu_linear(self.hparams.cpu_linear) == "onednn")
@@ -1071,7 +1074,7 @@ class PPORLHF(LightningModule):
         self._evaluate(prompts, "test")
 
     def _evaluate(self, prompts: list[str], stage: str) -> None:
-        with self._linear_kernels():
+        with self.linear_kernels():
             rollout = self.rollout(prompts)
             raw_scores, _ = self.reward_model(rollout.prompts, rollout.responses, rollout.ended_with_eos, update_stats=False)
         reward = raw_scores.mean().item()

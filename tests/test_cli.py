@@ -279,3 +279,14 @@ def test_configuration_errors_print_one_line_and_exit_2_without_a_traceback(tmp_
     debug = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300,
                            env={**os.environ, "RLHF_LIGHTNING_TRACEBACK": "1"})  # fmt: skip
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_an_unknown_choice_is_refused_at_parse_time_naming_the_field_and_the_choices(tmp_path):
+    """A Literal argument (jsonargparse's own check, before any model loads): exit 2, the key and every valid value."""
+    command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", TINY, "--model.cpu_linear=fast"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-2:] == [
+        'error: Parser key "model.cpu_linear":',
+        "  Expected a typing.Literal['auto', 'onednn', 'aten']. Got value: fast",
+    ]

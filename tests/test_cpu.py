@@ -122,3 +122,14 @@ def test_tuned_malloc_reuses_freed_memory_without_page_faults():
     faults = {mode: int(subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, env=env,
                                        check=True).stdout) for mode in ("default", "tuned")}  # fmt: skip
     assert faults["default"] > 10000 and faults["tuned"] < faults["default"] / 10, faults
+
+
+def test_module_refuses_unknown_kernel_and_malloc_choices_naming_the_field():
+    from rlhf_lightning.module import PPORLHF
+
+    from helpers import char_reward
+
+    with pytest.raises(ValueError, match=r"model.cpu_linear must be 'auto', 'aten', or 'onednn' .*, got 'fast'"):
+        PPORLHF(policy="tiny", reward_model=char_reward(), cpu_linear="fast")
+    with pytest.raises(ValueError, match=r"model.cpu_malloc must be 'tuned' or 'default', got 'jemalloc'"):
+        PPORLHF(policy="tiny", reward_model=char_reward(), cpu_malloc="jemalloc")

@@ -495,7 +495,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
                 torch.cuda.synchronize(device)
             return time.perf_counter() - start
 
-    with module._linear_kernels():  # the module's linear kernel (model.cpu_linear), as in its iteration
+    with module.linear_kernels():  # the module's linear kernel (model.cpu_linear), as in its iteration
         seconds = {"critic_forward": clocked(critic_forward) if separate_critic else 0.0}
         with merged():  # merging is not part of the floor
             seconds["generate"], seconds["ref_forward"] = clocked(generate), clocked(reference_forward)
