@@ -6,18 +6,6 @@ import signal
 from lightning.pytorch.callbacks import Callback
 
 
-class KillMidIteration(Callback):
-    """SIGKILL this process at the first optimizer step of PPO iteration ``iteration``:
-    after the rollout and scoring, in the middle of the update."""
-
-    def __init__(self, iteration: int) -> None:
-        self.iteration = iteration
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if pl_module.iteration == self.iteration:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
 class RecordBeta(Callback):
     """Append ``rank iteration beta`` lines to a file after every iteration (every rank)."""
 
@@ -73,13 +61,22 @@ class RecordPrompts(Callback):
 
 
 class SignalMidIteration(Callback):
-    """Send ``signal`` (a name: SIGTERM, SIGINT) to this process at the first optimizer step of PPO
-    iteration ``iteration``, in the middle of the update, as a scheduler or Ctrl+C would."""
+    """Send ``signal`` (a name: SIGTERM, SIGINT, SIGKILL) to this process once, at the first
+    optimizer step of the ``iteration``-th PPO iteration (counted from 1), in the middle of its
+    update, as a scheduler, Ctrl+C or a kill would."""
 
     def __init__(self, iteration: int, signal: str = "SIGTERM") -> None:
-        self.iteration, self.signal = iteration, signal
+        self.iteration, self.signal, self.sent = iteration, signal, False
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if pl_module.iteration == self.iteration - 1 and not getattr(self, "sent", False):
+        if pl_module.iteration == self.iteration - 1 and not self.sent:  # pl_module.iteration: iterations done
             self.sent = True
             os.kill(os.getpid(), getattr(signal, self.signal))
+
+
+class KillMidIteration(SignalMidIteration):
+    """SIGKILL in the middle of the update after ``iteration`` completed iterations (the
+    ``iteration + 1``-th): after its rollout and scoring, at its first optimizer step."""
+
+    def __init__(self, iteration: int) -> None:
+        super().__init__(iteration + 1, "SIGKILL")

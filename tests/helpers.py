@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from lightning import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback
@@ -18,13 +19,13 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
-def cli(cwd: Path, *args: str, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
+def cli(cwd: Path, *args: str, timeout: float = 600, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """``rlhf-lightning <args>`` as a user runs it, in ``cwd``, with the tests folder importable
-    (for test reward functions and callbacks named in the arguments)."""
+    (for test reward functions and callbacks named in the arguments), ``env`` added to the environment."""
     Path(cwd).mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     return subprocess.run([sys.executable, "-m", "rlhf_lightning.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout, **popen)  # fmt: skip
+                          env=env, timeout=timeout)  # fmt: skip
 
 
 def char_reward(chars: str = "e") -> CallableReward:
@@ -32,9 +33,12 @@ def char_reward(chars: str = "e") -> CallableReward:
 
 
 def make_module(**overrides) -> PPORLHF:
-    """A configured PPORLHF on the tiny model with the char-count reward."""
+    """A configured PPORLHF on the tiny model with the char-count reward. Seeded first: the module
+    draws its sampling seed from torch's at construction, which would otherwise be whatever the
+    previous test left."""
     kwargs = dict(policy="tiny", reward_model=char_reward(), max_new_tokens=12, ppo_epochs=2, lr=3e-3, critic_lr=3e-3)
     kwargs.update(overrides)
+    seed_everything(0, verbose=False)
     module = PPORLHF(**kwargs)
     module.configure_model()
     return module

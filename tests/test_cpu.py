@@ -56,14 +56,16 @@ def test_frozen_weight_gets_no_gradient_and_input_gradient_is_right():
 def test_not_routed_outside_the_context_or_when_disabled_or_not_cpu_fp32():
     layer = torch.nn.Linear(8, 4)
     x = torch.randn(2, 8, requires_grad=True)
+    bf16 = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    expected_bf16 = F.linear(x.to(torch.bfloat16), bf16.weight, bf16.bias)  # PyTorch's own kernel, outside the context
     assert not _routed(layer(x))
     with cpu.onednn_linear(enabled=False):
         assert not _routed(layer(x))
     with cpu.onednn_linear():
         assert _routed(layer(x))
-        y = layer.to(torch.bfloat16)(x.to(torch.bfloat16))  # bf16: PyTorch's kernel, bit for bit
+        y = bf16(x.to(torch.bfloat16))  # bf16: PyTorch's kernel, bit for bit
         assert not _routed(y)
-        assert torch.equal(y, F.linear(x.to(torch.bfloat16), layer.weight, layer.bias))
+        assert torch.equal(y, expected_bf16)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 tensors, but autocast runs the product in bf16
             y = layer.float()(x)
         assert not _routed(y) and y.dtype == torch.bfloat16
