@@ -19,18 +19,17 @@ per "e" and twice its learning rate (DEFAULT_TASK). ``--advantage NAME`` trains 
 estimator (``--num-generations`` responses per prompt, default 4 for the group baselines; with
 the default task the prompts per iteration are divided by it, so every run sees 16 responses). With one point per "e", every beta up to 0.1
 has the same optimum (nothing but "e"s: a point outweighs beta * ~4 nats of KL per "e"), so those
-runs differ only in how fast they get there and their order is noise; and at lr 3e-3 beta = 0
-collapses its entropy on a plateau of about 19 "e"s (measured: 19 of 24 after 100 iterations,
-below beta = 0.01's 24). At half a point the optima spread over the default betas and 80
-iterations reach them: reward and KL fall together as beta rises, from all "e"s at
-beta <= 0.01 (12 points, KL about 103 nats) through beta = 0.05 (11 points, 90 nats) and
-0.1 (1.7 points, 10 nats) to the reference's neighbourhood at beta >= 0.2 (KL about 1 nat or less).
+runs differ only in how fast they get there and their order is noise; and at a high learning rate
+beta = 0 collapses its entropy on a plateau short of all "e"s. At half a point the optima spread
+over the default betas and 80 iterations reach them: reward and KL fall together as beta rises,
+from all "e"s at the smallest betas to the reference's neighbourhood at the largest. The measured
+sweeps: docs/results.md ("The beta frontier").
 
 Writes ``<out>/sweep_beta.csv``, ``<out>/sweep_beta.png`` (reward, KL and net per beta; the
 reward-vs-KL frontier) and each run's TensorBoard logs under ``<out>/beta_<beta>/``, and prints
 a table. The sweep drops the config's callbacks (progress bar, policy export) and checkpoints,
 and runs torch with ``--threads`` intra-op threads (default 1): the tiny model gains nothing
-from more, and on a busy 2-core CPU spinning OpenMP threads make it about ten times slower.
+from more, and on a busy CPU spinning OpenMP threads make it many times slower.
 """
 
 from __future__ import annotations
