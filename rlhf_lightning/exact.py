@@ -50,7 +50,6 @@ prompt, each row a distribution over all responses in the order of :func:`enumer
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -63,6 +62,7 @@ from torch.utils.data import DataLoader
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
 from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.tabular import enumerate_responses
 
 BANNED_LOGIT = -1e4  # added to the logits of non-content tokens: probability exactly 0, entropy still finite
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -73,12 +73,6 @@ EXACT_TINY_CONFIG = dict(
 
 
 # ---------------------------------------------------------------------- pure functions
-def enumerate_responses(num_tokens: int, length: int) -> Tensor:
-    """Every response of ``length`` tokens over ``num_tokens`` content tokens, lexicographic:
-    (num_tokens ** length, length) token indices."""
-    return torch.tensor(list(itertools.product(range(num_tokens), repeat=length)), dtype=torch.long).view(-1, length)
-
-
 def log_partition(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
     """log Z(x) = log sum_y pi_ref(y|x) exp(r(x, y) / beta): (prompts, responses) -> (prompts,)."""
     return torch.logsumexp(ref_logprobs.double() + rewards.double() / beta, dim=-1)
@@ -136,7 +130,15 @@ def backward_induction(ref_logprobs: Tensor, rewards: Tensor, beta: float, num_t
     with no KL of later tokens: the fixed point of a per-token KL loss, grad E[r] - beta E_s grad
     KL(pi(.|s) || pi_ref(.|s)) = 0 at every visited s, which never charges a token for the KL of the
     states it leads to (Tang & Munos, 2025, "On a few pitfalls in KL divergence gradient estimation
-    for RL", sec. 4). The two differ only when pi_ref's next-token distribution depends on the prefix.
+    for RL", sec. 4).
+
+    The two differ whenever the KL still to be paid after a token depends on the tokens already chosen:
+    soft Q(s, a) = E[r | s, a] - beta * (the KL the optimal continuation of s + a pays), and the
+    per-token fixed point drops the second part. That is so for almost every reward that depends on
+    token order (pairs, transitions, positions), even under a reference that ignores the prefix, a
+    uniform one included (:meth:`ExactTask.random` tasks: gaps of 0.05-0.15); it vanishes when the
+    continuation's optimal KL is the same after every token, as on a one-token bandit or with a terminal
+    reward that counts tokens under a prefix-independent reference.
     """
     prompts, responses = ref_logprobs.shape
     length = round(math.log(responses, num_tokens))
@@ -198,16 +200,82 @@ def toy_tokenizer(prompt_tokens: Sequence[str], content_tokens: Sequence[str]):
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left")
 
 
+def order_reward(prompts: Sequence[str], responses: Sequence[str], tokens: str, tables: dict[str, dict]) -> list[float]:
+    """Reward for the ``callable`` backend that depends on token order: with the prompt's ``tables``
+    (``position`` (L, K), ``transition`` (K, K), ``pair`` (K, K) as nested lists, ``offset`` a number)
+    and y_t the index of the t-th character in ``tokens``,
+
+        r(x, y) = offset + sum_t position[t][y_t] + sum_t transition[y_t][y_{t+1}] + sum_{t < t'} pair[y_t][y_t'].
+
+    Positions reward a token at one place, transitions one token right after another, pairs one
+    token anywhere before another (asymmetric: "a..b" is not "b..a")."""
+    scores = []
+    for prompt, response in zip(prompts, responses):
+        table = tables[prompt]
+        y = [tokens.index(c) for c in response]
+        score = table["offset"] + sum(table["position"][t][a] for t, a in enumerate(y))
+        score += sum(table["transition"][a][b] for a, b in zip(y, y[1:]))
+        score += sum(table["pair"][y[t]][b] for t in range(len(y)) for b in y[t + 1 :])
+        scores.append(score)
+    return scores
+
+
 @dataclass(frozen=True)
 class ExactTask:
     """Prompts, content tokens and a fixed response length; the reward is a ``module:function``
-    for the ``callable`` backend, so training and the exact sums score with the same code."""
+    for the ``callable`` backend, so training and the exact sums score with the same code.
+
+    ``model_seed`` seeds the tiny model's initialisation, which is the reference pi_ref = pi_0 and so
+    part of the task; None (the hand-made tasks) leaves it to the run's seed, as before tasks had one."""
 
     prompts: tuple[str, ...] = ("A", "B", "C")
     content_tokens: tuple[str, ...] = ("a", "b", "c")
     response_length: int = 3
     reward_function: str = "rlhf_lightning.exact:target_count"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_seed: Optional[int] = None
+
+    @classmethod
+    def random(cls, seed: int, num_prompts: int = 2, num_tokens: int = 4, length: int = 4, scale: float = 1.0) -> "ExactTask":
+        """A seeded task whose reward depends on token order (:func:`order_reward`). Per prompt, times
+        ``scale``: position weights 0.25 N(0, 1); sparse transitions, a quarter of the (a, b) pairs
+        (drawn at random) worth +-(1 + 0.5 |N(0, 1)|), the others 0; pair weights 0.5 N(0, 1) / (length - 1).
+        The reference is the tiny model initialised from ``seed`` (non-uniform and prefix-dependent),
+        so one seed fixes the whole task; training samples with a seed of its own (:func:`train`).
+        ``offset`` centres each prompt's reward under the reference, E_ref[r | x] = 0: J(pi_ref) = 0 and
+        the gap (J* - J) / J* is the fraction of the attainable improvement a policy misses.
+
+        A sparse transition makes the KL still to be paid depend on the token just chosen (after a token
+        with a rewarded successor the optimal continuation leaves pi_ref, elsewhere it stays close), so
+        the per-token fixed point (:func:`backward_induction`, ``soft=False``) lies away from pi*: at beta
+        1 its gap (:func:`per_token_fixed_point_gap`) is 0.210, 0.050, 0.025, 0.072, 0.095, 0.080, 0.057,
+        0.156, 0.152, 0.141 for seeds 1-10, with KL(pi* || pi_ref) 0.3-1.3 nats."""
+        require(1 <= num_prompts <= 26 and 1 <= num_tokens <= 26 and length >= 1, "a random task's size",
+                "1-26 prompts, 1-26 tokens, length >= 1", (num_prompts, num_tokens, length))  # fmt: skip
+        generator = torch.Generator().manual_seed(seed)
+        prompts = tuple(chr(ord("A") + i) for i in range(num_prompts))
+        tokens = tuple(chr(ord("a") + i) for i in range(num_tokens))
+
+        def normal(*shape: int) -> Tensor:
+            return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+        tables = {}
+        for prompt in prompts:
+            position, transition, pair = (
+                0.25 * normal(length, num_tokens),
+                0.5 * normal(num_tokens, num_tokens),
+                normal(num_tokens, num_tokens),
+            )
+            kept = torch.rand(num_tokens, num_tokens, generator=generator) < 0.25
+            transition = torch.where(kept, transition + transition.sign(), torch.zeros((), dtype=torch.float64))
+            tables[prompt] = {"offset": 0.0, "position": (scale * position).tolist(), "transition": (scale * transition).tolist(),
+                              "pair": (scale * 0.5 * pair / max(length - 1, 1)).tolist()}  # fmt: skip
+        task = cls(prompts=prompts, content_tokens=tokens, response_length=length, reward_function="rlhf_lightning.exact:order_reward",
+                   reward_kwargs={"tokens": "".join(tokens), "tables": tables}, model_seed=seed)  # fmt: skip
+        centres = (reference_logprobs(task).exp() * task.rewards()).sum(-1)  # E_ref[r | x] with offset 0
+        for prompt, centre in zip(prompts, centres.tolist()):
+            tables[prompt]["offset"] = -centre  # the task's own reward_kwargs: set before anyone else sees it
+        return task
 
     @property
     def responses(self) -> list[str]:
@@ -241,6 +309,16 @@ TASKS = {
 }
 
 
+def task_named(name: str) -> ExactTask:
+    """A task of :data:`TASKS` by name, or ``random:SEED`` for ``ExactTask.random(SEED)``."""
+    if name.startswith("random:"):
+        seed = name.split(":", 1)[1]
+        require(seed.isdigit(), "a random task", "random:SEED with SEED a non-negative integer", name)
+        return ExactTask.random(int(seed))
+    require(name in TASKS, "the task", f"one of {sorted(TASKS)} or random:SEED", name)
+    return TASKS[name]
+
+
 class MaskedHead(nn.Module):
     """The LM head plus a constant bias of BANNED_LOGIT on every id outside ``allowed_ids``."""
 
@@ -263,6 +341,9 @@ class ExactPPORLHF(PPORLHF):
     def __init__(self, task: ExactTask = TASKS["terminal"], **kwargs: Any) -> None:
         fixed = {"policy", "tokenizer", "reward_model", "max_new_tokens", "min_new_tokens", "lora_rank"} & set(kwargs)
         require(not fixed, "ExactPPORLHF's arguments", "free of what the task sets itself", sorted(fixed))
+        if task.model_seed is not None:  # the task's reference: the initialisation is the task's, not the run's
+            require(kwargs.setdefault("seed", task.model_seed) == task.model_seed, "ExactPPORLHF's seed",
+                    f"the task's model_seed {task.model_seed} (it defines pi_ref)", kwargs["seed"])  # fmt: skip
         tiny_config = {**EXACT_TINY_CONFIG, **(kwargs.pop("tiny_config", None) or {})}
         super().__init__(
             policy="tiny", reward_model=task.reward_model(), max_new_tokens=task.response_length,
@@ -311,6 +392,23 @@ class ExactPPORLHF(PPORLHF):
         """The policy's exact distances from the optimum at the current (fixed) beta."""
         rewards = self.task.rewards() if rewards is None else rewards
         return optimum_report(self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.beta_controller.beta)
+
+
+def reference_logprobs(task: ExactTask, seed: int = 0) -> Tensor:
+    """log pi_ref(y|x) of ``task`` exactly as :func:`train` builds it (the tiny model initialised from
+    ``task.model_seed``, else from ``seed``): (prompts, responses), float64."""
+    init = task.model_seed if task.model_seed is not None else seed
+    module = ExactPPORLHF(task, seed=init)
+    module.configure_model()
+    return module.exact_ref_logprobs()
+
+
+def per_token_fixed_point_gap(task: ExactTask, beta: float, seed: int = 0) -> float:
+    """Exact gap (J* - J) / |J*| of the fixed point of a per-token KL loss on ``task`` at ``beta``
+    (:func:`backward_induction`, ``soft=False``): what a loss path without the sequence term converges to."""
+    ref, rewards = reference_logprobs(task, seed), task.rewards()
+    fixed_point = backward_induction(ref, rewards, beta, len(task.content_tokens), soft=False)
+    return optimum_report(fixed_point, ref, rewards, beta).gap
 
 
 class OptimumTracker(Callback):
@@ -400,14 +498,18 @@ def train(
     """Train ExactPPORLHF with a Lightning Trainer on CPU; return the module and its tracker.
     ``batch_size`` counts responses per iteration (prompts x ``num_generations``).
     ``lr_final`` < 1 decays the learning rates linearly to that fraction (LinearLRDecay), over
-    the whole run or, restarting, over every ``lr_period`` iterations."""
+    the whole run or, restarting, over every ``lr_period`` iterations.
+
+    ``seed`` is the sampling seed (rollouts, and the critic's head): one task can be trained with
+    several. The policy's initialisation, hence pi_ref, is the task's (``task.model_seed``); for a task
+    without one (``terminal``, ``bandit``) ``seed`` sets it too, as it always has."""
     from lightning import Trainer, seed_everything
 
     num_generations = module_kwargs.get("num_generations", 1)
     require(batch_size % num_generations == 0, "batch_size", f"a multiple of num_generations={num_generations}", batch_size)
 
-    seed_everything(seed, verbose=False)
-    module = ExactPPORLHF(task, seed=seed, **module_kwargs)
+    seed_everything(seed, verbose=False)  # the module draws its sampling seed base from torch's initial seed
+    module = ExactPPORLHF(task, seed=seed if task.model_seed is None else task.model_seed, **module_kwargs)
     tracker = OptimumTracker(every=every, total=iterations)
     callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(lr_period or iterations, lr_final), tracker]
     trainer = Trainer(

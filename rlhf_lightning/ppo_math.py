@@ -248,9 +248,70 @@ def importance_weighted_kl(kl: Tensor, logprobs: Tensor, old_logprobs: Tensor, m
 
     Unclipped: a clipped ratio has no gradient outside the band, which would drop the correction
     exactly where the policy moved most (PPO's clip already bounds how far an epoch moves it).
-    Per-token, not cumulative: the sequence-level term (earlier tokens steering which later states
-    are visited) is the reward path's job (GAE returns), as with PPO's own per-token ratio.
+    Per token only: this is grad KL(pi_theta(.|s_t) || pi_ref(.|s_t)) at each visited state, not the
+    gradient of the whole response's KL, which also charges y_t for the KL of the states it leads to.
+    That sequence term is :func:`kl_to_go_loss` (the loss path) or the returns (the reward path).
     Positions off ``mask`` are 0 (masked before exp, as in policy_loss).
     """
     ratio = masked_select(logprobs - old_logprobs, mask).exp()
     return (ratio if ratio_gradient else ratio.detach()) * masked_select(kl, mask)
+
+
+def kl_to_go_loss(logprobs: Tensor, old_logprobs: Tensor, kl: Tensor, mask: Tensor, future_weights: str = "cumulative") -> Tensor:
+    """The sequence term of a KL in the loss, per token (batch, len): value 0, gradient
+
+        grad_t = rho_t * G_t * s_t,   G_t = sum_{t' > t} W_{t,t'} k_t'   (G detached),
+
+    with s_t = grad log pi_theta(y_t | s_t), rho_t = pi_theta(y_t | s_t) / pi_old(y_t | s_t) (carrying
+    gradient), k = ``kl`` the estimator's per-token values (only their values are used) and
+    W_{t,t'} = prod_{t < tau <= t'} rho_tau (``cumulative``) or rho_t' (``token``), both detached.
+    Computed as (rho_t - sg(rho_t)) * sg(G_t), DiCE's "magic box": adding it changes no logged value.
+
+    Why. With y ~ pi_theta and an estimator whose VALUE is unbiased at every state, E[k_t | s_t] =
+    KL_t(s_t) := KL(pi_theta(.|s_t) || pi_ref(.|s_t)) (k1, k3, full; the values of k1+, k3+), the chain
+    rule of KL makes the response's KL KL(pi_theta(.|x) || pi_ref(.|x)) = E[sum_t k_t], and its gradient
+    (pathwise plus score function; E[s_t k_t'] = 0 for t' < t since E[s_t | s_t] = 0) is
+
+        grad KL_seq = E[ sum_t grad k_t + s_t k_t + s_t sum_{t' > t} k_t' ].
+
+    The per-token loss w_t k_t with its ratio carrying gradient (:func:`importance_weighted_kl`) gives
+    the first two terms. The third, the sequence term, is the KL still to be paid after y_t, which
+    depends on y_t whenever the later conditionals' distance to pi_ref depends on the prefix (almost
+    always): a per-token loss alone has the fixed point of ``exact.backward_induction(soft=False)``,
+    not pi*. Which factors carry gradient:
+
+    - rho_t: it is the score function of the token y_t at s_t (grad rho_t = rho_t s_t; s_t at epoch 1);
+    - G_t: not. Each grad k_t' is counted once, by the per-token term at t'; each later token's own
+      score terms by its own rho_t'. A G_t with gradient would count them again for every t < t'.
+
+    Several PPO epochs: the tokens come from pi_old. Given s_t, E_old[rho_t s_t W_{t,t'} k_t' | s_t] with
+    the cumulative W equals E_theta[s_t k_t' | s_t] (each ratio turns one token's pi_old into
+    pi_theta), so the term is the exact sequence term at every visited state. The visited states
+    themselves come from pi_old, the approximation PPO makes for its policy loss and the per-token KL
+    loss alike (the prefix ratio prod_{tau < t} rho_tau is dropped): the total expected gradient is
+    sum_s d_old(s) grad_{theta at s} of pi_theta's whole KL from s on, which at epoch 1 (d_old =
+    d_theta) is grad KL_seq exactly. ``token`` weights evaluate the future on pi_old's states instead
+    (right at epoch 1, off by O(how far the epochs moved pi) after), with a variance that does not grow
+    with the response: the cumulative product over a long response can (weights near exp(+-sqrt(T) *
+    |log rho|)).
+
+    Scaling. The sum with the per-token term, beta * (w_t k_t + this), aggregated with weights that are
+    the same for every token of every response (``token_mean``, ``seq_mean_token_sum``, ``constant``),
+    has expected gradient c * beta * grad KL_seq, c the weight: aggregate it with the policy loss's
+    weights, so that beta keeps its ratio to the reward. Not for estimators whose value is biased
+    (k2: E[k2] != KL, so E[s_t sum k2] is the score term of another quantity), and not next to a KL in the
+    reward (``both``): PPO's ratio times returns that contain the KL already carries this term.
+    Positions off ``mask`` contribute 0 (masked before exp; the KL there must be 0 or masked too).
+    """
+    ratio = masked_select(logprobs - old_logprobs, mask).exp()  # (batch, len)
+    kl, weight = masked_select(kl, mask).detach(), ratio.detach()
+    if future_weights == "token":
+        weighted = weight * kl
+        to_go = weighted.flip(-1).cumsum(-1).flip(-1) - weighted  # sum over t' > t
+    elif future_weights == "cumulative":
+        to_go = torch.zeros_like(kl)
+        for t in reversed(range(kl.shape[-1] - 1)):  # G_t = rho_{t+1} (k_{t+1} + G_{t+1}), G past the end 0
+            to_go[:, t] = weight[:, t + 1] * (kl[:, t + 1] + to_go[:, t + 1])
+    else:
+        raise ValueError(f"future_weights must be 'cumulative' or 'token', got {future_weights!r}")
+    return masked_select((ratio - weight) * to_go, mask)
