@@ -97,7 +97,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     from lightning.pytorch.plugins.io import CheckpointIO
 
     import rlhf_lightning.kl_monitor  # noqa: F401 (imported, its classes resolve by bare name: class_path: KLGuard)
-    from rlhf_lightning.callbacks import AtomicCheckpointIO, find_last_checkpoint
+    from rlhf_lightning.checkpoints import AtomicCheckpointIO, find_last_checkpoint
     from rlhf_lightning.data import PromptDataModule
     from rlhf_lightning.module import PPORLHF
 
@@ -105,7 +105,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         def _parse_ckpt_path(self) -> None:
             """Nothing: Lightning's would load the checkpoint's saved model settings over the command
             line's, silently dropping a change. Here the command line and config are what runs; the
-            module compares them with the checkpoint's when it loads (``PPORLHF._check_compatible``)."""
+            module compares them with the checkpoint's when it loads (``checkpoints.check_compatible``)."""
 
         def _prepare_subcommand_kwargs(self, subcommand: str) -> dict:
             kwargs = super()._prepare_subcommand_kwargs(subcommand)

@@ -3,10 +3,9 @@ that keeps freed memory (``model.cpu_malloc``).
 
 **oneDNN linear.** On a CPU, PyTorch runs every fp32 ``linear`` (and the two products of its
 backward) as an MKL sgemm. MKL runs its AVX-512 kernels only on Intel processors: on others
-(this project's AMD EPYC) it takes its AVX2 path and tops out near the AVX2 FMA peak, about
-95 GFLOP/s a core. oneDNN, built into every x86 PyTorch and what ``torch.compile``'s CPU backend
-calls for linear layers, runs AVX-512 there: 1.4-2x per layer on SmolLM2's shapes, batch-8
-decode steps and 600-token forwards alike (README, "Performance"). :func:`onednn_linear` is a
+(AMD's EPYC, say) it takes its AVX2 path and tops out near the AVX2 FMA peak. oneDNN, built
+into every x86 PyTorch and what ``torch.compile``'s CPU backend calls for linear layers, runs
+AVX-512 where the CPU has it (measured: docs/performance.md). :func:`onednn_linear` is a
 torch function mode: inside it each ``F.linear`` on plain CPU fp32 tensors runs as
 :class:`OneDNNLinear`; anything else (a GPU, bf16, a DTensor or other tensor subclass) runs as
 it would have. Results equal MKL's to float rounding (about 1e-6 relative, ``tests/test_cpu.py``),
@@ -17,8 +16,8 @@ a given shape and thread count.
 and returns it on free, and trims the heap top: a training step's tensors (activations,
 gradients, AdamW's temporaries, 1-100 MB each) then come back as fresh pages, each first write
 a page fault. :func:`tune_malloc` raises the threshold to glibc's maximum (32 MB), stops trimming
-and pads heap growth, so freed memory is reused in place: 5x fewer page faults per PPO update on
-SmolLM2 (131k -> 28k), where a fault can cost tens of microseconds (a virtual machine backing
+and pads heap growth, so freed memory is reused in place: far fewer page faults per PPO update
+(docs/performance.md), where a fault can cost tens of microseconds (a virtual machine backing
 guest memory lazily). This is PyTorch's CPU tuning advice (jemalloc or tcmalloc) done with the
 allocator already loaded. The process keeps its peak heap instead of returning it to the system.
 """
@@ -31,6 +30,7 @@ from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -79,9 +79,12 @@ def _eligible(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     return (
         not torch.is_autocast_enabled("cpu")
         and all(type(t) in _PLAIN and t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and weight.dim() == 2 and weight.is_contiguous() and x.dim() >= 1 and x.numel() > 0
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and x.dim() >= 1
+        and x.numel() > 0
         and (bias is None or bias.is_contiguous())
-    )  # fmt: skip
+    )
 
 
 def _linear_arguments(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> tuple:
@@ -108,6 +111,31 @@ def resolve_cpu_linear(choice: CpuLinear) -> Literal["onednn", "aten"]:
 def onednn_linear(enabled: bool = True):
     """Context in which CPU fp32 ``F.linear`` calls run through oneDNN (a no-op when not ``enabled``)."""
     return _OneDNNLinearMode() if enabled else contextlib.nullcontext()
+
+
+class OneDNNPrecision(Precision):
+    """Lightning's full-precision plugin (``32-true``) whose step contexts (training, validation,
+    test, predict: Lightning enters them around each ``*_step``) run CPU fp32 linear layers
+    through oneDNN: every model's, the reward backend's too."""
+
+    def forward_context(self):
+        return onednn_linear()
+
+
+def apply_cpu_settings(trainer, cpu_linear: CpuLinear, cpu_malloc: Literal["tuned", "default"]) -> None:
+    """``model.cpu_linear`` and ``model.cpu_malloc`` for a run: tune malloc, and on a CPU in full
+    precision swap the strategy's precision plugin for :class:`OneDNNPrecision`. Other precisions
+    keep their plugin: oneDNN's route only serves plain fp32 outside autocast."""
+    if cpu_malloc == "tuned":
+        tune_malloc()
+    strategy = trainer.strategy
+    if type(strategy.precision_plugin) is Precision and uses_onednn(strategy.root_device, cpu_linear):
+        strategy.precision_plugin = OneDNNPrecision()
+
+
+def uses_onednn(device: torch.device, cpu_linear: CpuLinear) -> bool:
+    """Whether ``model.cpu_linear`` routes fp32 linear layers on ``device`` through oneDNN."""
+    return device.type == "cpu" and resolve_cpu_linear(cpu_linear) == "onednn"
 
 
 # mallopt(3) parameters; the values are C ints.

@@ -13,10 +13,12 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import torch
 from lightning import LightningDataModule
+from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, require_number
+from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, require, require_number
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"  # the built-in prompt files (not the module data.py)
 BUILTIN_TRAIN = PROMPTS_DIR / "prompts_train.jsonl"
@@ -100,6 +102,51 @@ def json_object(value, where: str, expected: type = dict):
     if not isinstance(value, expected):
         raise ConfigError(f"{where}: expected a JSON {'object' if expected is dict else 'list'}, got {type(value).__name__}")
     return value
+
+
+def encode_prompts(
+    tokenizer, prompts: list[str], use_chat_template: bool, max_prompt_length: int, special_tokens: str, field: str
+) -> dict[str, Tensor]:
+    """Render (the chat template when the tokenizer has one and ``use_chat_template``) and left-pad;
+    the attention mask comes from the tokenizer (never ``ids != pad``: a chat model's pad token
+    is often its end-of-turn token, inside every prompt). A ConfigError naming ``field``:
+    a prompt longer than ``max_prompt_length`` tokens, and (``special_tokens: refuse``) a prompt
+    whose text contains a special-token string (``<|im_end|>``, ...), which the tokenizer would
+    turn into the special token itself, so a prompt file could forge chat turns."""
+    if special_tokens != "allow":
+        specials = sorted({t for t in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if len(t) > 1})
+        for i, prompt in enumerate(prompts):
+            found = [t for t in specials if t in prompt]
+            if found:
+                raise ConfigError(
+                    f"{field}: prompt {i} ({prompt[:60]!r}) contains the special token string(s) {found}, which would be "
+                    "tokenised as real special tokens (a forged chat turn or end of turn); remove them, or set "
+                    "model.special_tokens_in_prompts: allow for pre-rendered chat text"
+                )
+    template = use_chat_template and getattr(tokenizer, "chat_template", None)
+    if template:
+        chat = [[{"role": "user", "content": p}] for p in prompts]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chat]
+    else:
+        texts = list(prompts)
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not template)
+    lengths = enc["attention_mask"].sum(-1)
+    too_long = (lengths > max_prompt_length).nonzero().flatten().tolist()
+    if too_long:
+        i = too_long[0]
+        raise ConfigError(
+            f"{field}: prompt {i} ({prompts[i][:60]!r}...) is {int(lengths[i])} tokens, longer than "
+            f"model.max_prompt_length={max_prompt_length} ({len(too_long)} such prompts)"
+        )
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+
+
+def token_ids(tokenizer, tokens: list[str], field: str) -> Tensor:
+    """The ids of ``tokens``, each ``eos`` (the EOS token) or a single token of ``tokenizer``."""
+    ids = [tokenizer.eos_token_id if token == "eos" else tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    for token, token_id in zip(tokens, ids):
+        require(token_id is not None and token_id != tokenizer.unk_token_id, field, "'eos' or a single token of this tokenizer", token)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 class PromptSampler(DistributedSampler):
@@ -201,13 +248,22 @@ class PromptDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         sampler = PromptSampler(
-            self.train_prompts, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
-            shuffle=self.shuffle, seed=self.seed, drop_last=True,
-        )  # fmt: skip
+            self.train_prompts,
+            num_replicas=self.trainer.world_size,
+            rank=self.trainer.global_rank,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=True,
+        )
         return PromptLoader(
-            self.train_prompts, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-            num_workers=self.num_workers, collate_fn=list, trainer=self.trainer,
-        )  # fmt: skip
+            self.train_prompts,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=self.num_workers,
+            collate_fn=list,
+            trainer=self.trainer,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_prompts, batch_size=self.val_batch_size, num_workers=self.num_workers, collate_fn=list)

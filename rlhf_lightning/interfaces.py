@@ -43,6 +43,50 @@ class KLEstimator(ABC):
         ref_logits: Optional[Tensor] = None,
     ) -> Tensor: ...
 
+    def checked(
+        self, logprobs: Tensor, ref_logprobs: Tensor, logits: Optional[Tensor] = None, ref_logits: Optional[Tensor] = None
+    ) -> Tensor:
+        """The estimate, refused (ConfigError naming the estimator) unless it is a floating-point
+        tensor shaped like ``logprobs``: the loop masks and sums it as one."""
+        kl = self(logprobs, ref_logprobs, logits, ref_logits)
+        shape = tuple(logprobs.shape)
+        got = f"{type(kl).__name__} {tuple(kl.shape)} {kl.dtype}" if isinstance(kl, Tensor) else type(kl).__name__
+        require(
+            isinstance(kl, Tensor) and tuple(kl.shape) == shape and kl.is_floating_point(),
+            f"the output of KL estimator {type(self).__name__}",
+            f"a floating-point tensor of shape (batch, response_len) = {shape}",
+            got,
+        )
+        return kl
+
+    def reads_sampled_token(self) -> bool:
+        """Whether the value at a position changes with the token sampled there, probed with two
+        different tokens under the same logits; false for ``full``, which sums over the vocabulary
+        (and so takes no importance ratio). Estimators that read only the sampled token's
+        log-probs are not probed (true)."""
+        if not self.needs_logits:
+            return True
+        generator = torch.Generator().manual_seed(0)
+        logits, ref_logits = torch.randn(2, 1, 3, 5, generator=generator, dtype=torch.float64)
+        logps, ref_logps = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+        first, second = (self(logps[..., token], ref_logps[..., token], logits, ref_logits) for token in ([0, 1, 2], [3, 4, 0]))
+        return not torch.allclose(first, second)
+
+    def gradient_follows_value(self) -> bool:
+        """Whether autograd through the estimator gives the derivative of its value, probed by
+        central differences at log-ratios x in [-2, 2]; false for straight-through estimators
+        (k3+, k1+), whose gradient is another estimator's. Estimators that need logits are not
+        probed (true)."""
+        if self.needs_logits:
+            return True
+        x = torch.linspace(-2.0, 2.0, 9, dtype=torch.float64).unsqueeze(0).requires_grad_()
+        ref = torch.zeros_like(x)
+        (grad,) = torch.autograd.grad(self(x, ref).sum(), x)
+        h = 1e-6
+        with torch.no_grad():
+            derivative = (self(x + h, ref) - self(x - h, ref)) / (2 * h)
+        return torch.allclose(grad, derivative, atol=1e-5)
+
 
 class BetaController(ABC):
     """Holds the KL coefficient beta and updates it from the observed KL after every iteration.
@@ -62,6 +106,16 @@ class BetaController(ABC):
     @abstractmethod
     def update(self, observed_kl: float, n_samples: int) -> float:
         """Update from this iteration's observed KL over ``n_samples`` responses; return the new beta."""
+
+    def checked_beta(self) -> float:
+        """``beta``, refused unless a finite number >= 0 (a plugin's output the loop relies on)."""
+        require(
+            finite_number(self.beta) and self.beta >= 0,
+            f"the beta of beta controller {type(self).__name__}",
+            "a finite number >= 0",
+            self.beta,
+        )
+        return float(self.beta)
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta}
@@ -99,6 +153,22 @@ class AdvantageEstimator(ABC):
         """``(advantages, returns)``, each (batch, response_len) and zero off ``mask``; ``returns``
         (the critic's targets) is None for a critic-free estimator. ``sum_fn`` all-reduces sums
         across ranks, for estimators that normalise over the global batch."""
+
+    def checked(
+        self, rewards: Tensor, mask: Tensor, values: Optional[Tensor], group_size: int, sum_fn=None
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """``self(...)``, refused (ConfigError naming the estimator) unless the shapes are the
+        contract's: advantages like ``rewards``, returns like them only when it needs a critic."""
+        advantages, returns = self(rewards, mask, values, group_size, sum_fn)
+        expected = (tuple(rewards.shape), tuple(rewards.shape) if self.needs_critic else None)
+        got = (tuple(advantages.shape), None if returns is None else tuple(returns.shape))
+        require(
+            got == expected,
+            f"the (advantages, returns) shapes of advantage estimator {type(self).__name__}",
+            f"{expected}: (batch, response_len), and returns only when it needs a critic",
+            got,
+        )
+        return advantages, returns
 
 
 class PolicyLoss(ABC):

@@ -12,6 +12,7 @@ or any folder/GGUF path; ``None`` means the model's own tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
@@ -22,16 +23,23 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch import nn
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import Tensor, nn
 
+from rlhf_lightning import fsdp2
 from rlhf_lightning.checks import require
 
 BUILTIN_MODELS = ("tiny", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_CONFIG = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-    max_position_embeddings=512, tie_word_embeddings=False,
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def cache_dir() -> Path:
@@ -80,7 +88,7 @@ def _build_atomically(target: Path, build) -> Path:
 
 
 def smollm2_tokenizer_dir() -> Path:
-    """The SmolLM2 tokenizer, extracted once from the packaged GGUF (about 10 s) into the cache."""
+    """The SmolLM2 tokenizer, extracted once from the packaged GGUF into the cache."""
     from transformers import AutoTokenizer
 
     gguf = smollm2_gguf_path()
@@ -98,7 +106,7 @@ def smollm2_checkpoint() -> Path:
         from rich.console import Console
 
         gguf = smollm2_gguf_path()
-        with Console(stderr=True).status(f"converting {gguf.name} to safetensors in {cache_dir()} (once, ~30 s)"):
+        with Console(stderr=True).status(f"converting {gguf.name} to safetensors in {cache_dir()} (once)"):
             loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             # transformers refuses save_pretrained on a GGUF-loaded model: rebuild from its config.
             config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -134,8 +142,12 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
     else:
         location, kwargs = _pretrained_location(spec, tokenizer_only=True)
         tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
-    require(tokenizer.pad_token is not None, "model.tokenizer",
-            "a tokenizer with a pad token (set one, e.g. pad_token = eos_token, in its tokenizer_config.json)", spec)  # fmt: skip
+    require(
+        tokenizer.pad_token is not None,
+        "model.tokenizer",
+        "a tokenizer with a pad token (set one, e.g. pad_token = eos_token, in its tokenizer_config.json)",
+        spec,
+    )
     require(tokenizer.eos_token_id is not None, "model.tokenizer", "a tokenizer with an EOS token (or responses never end)", spec)
     tokenizer.padding_side = "left"
     return tokenizer
@@ -216,3 +228,293 @@ class ValueModel(nn.Module):
         if hidden is None:
             hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
+
+
+REFERENCE_ADAPTER = "reference"  # LoRA: the moving reference's own frozen adapter beside "default"
+
+
+class PolicyNetworks:
+    """The networks of ``PPORLHF`` (a mixin of it): the policy, its critic, the reference and the
+    starting policy; how they are built (``configure_model``: LoRA, FSDP2 sharding), the forward
+    passes the loop reads (``response_logits``, ``policy_outputs``), the model that samples
+    (``_generator``) and the reference (``_reference``, ``_initial``, ``_reference_is_policy``,
+    ``_move_reference``). The algorithm itself is in ``module.py``.
+
+    A reference whose weights equal the policy's (iteration 0, right after a sync) computes the
+    policy's very function: its forward is skipped and the KL is exactly 0 (``_reference_is_policy``).
+    Under LoRA the reference is the same weights with the adapter disabled (no second copy in
+    memory), or, when it moves, a second frozen adapter.
+    """
+
+    policy: Optional[nn.Module]
+    ref_model: Optional[nn.Module]
+    initial_model: Optional[nn.Module]
+    critic: Optional[ValueModel]
+
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        hp = self.hparams
+        policy = self._load_policy()
+        self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared")
+        if hp.lora_rank > 0:
+            self.policy = self._add_lora(policy)
+        else:
+            self.policy = policy
+            self.ref_model = frozen_copy(policy)
+            self.initial_model = frozen_copy(policy) if self.reference_update.moves else None
+        if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
+            self._shard_models()
+
+    def _load_policy(self) -> nn.Module:
+        """The policy network as configured, without LoRA and unsharded."""
+        from transformers import GenerationConfig
+
+        hp = self.hparams
+        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config).train()
+        # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling
+        # (greedy: no sampling flags, which save_pretrained refuses without do_sample).
+        sampling = dict(temperature=hp.temperature, top_k=0, top_p=1.0) if hp.do_sample else {}
+        policy.generation_config = GenerationConfig(
+            do_sample=hp.do_sample,
+            max_new_tokens=hp.max_new_tokens,
+            min_new_tokens=hp.min_new_tokens,
+            **sampling,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        return policy
+
+    def _add_lora(self, policy: nn.Module) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        hp = self.hparams
+        config = LoraConfig(
+            r=hp.lora_rank,
+            lora_alpha=hp.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=hp.lora_target_modules or "all-linear",
+            task_type="CAUSAL_LM",
+        )
+        dtype = next(policy.parameters()).dtype
+        require(
+            not hp.merge_lora_for_generation or dtype == torch.float32,
+            "model.merge_lora_for_generation",
+            "false when the base weights are not float32 (merging would round them)",
+            f"true with {dtype} weights",
+        )
+        policy = get_peft_model(policy, config)
+        if self.reference_update.moves:  # a frozen copy of the (no-op) initial adapter
+            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: draw nothing from the run's RNG
+                policy.add_adapter(REFERENCE_ADAPTER, config)
+            policy.set_requires_grad(REFERENCE_ADAPTER, False)
+            move_toward(*adapter_pairs(policy), 1.0)
+        return policy
+
+    def _shard_models(self) -> None:
+        """FSDP2: shard the policy (with its LoRA adapters), the critic and the reference (and a
+        moving reference's starting policy) per transformer block over the data-parallel mesh.
+        The reference is sharded like the policy (it is as large, and it runs one no-grad forward
+        per iteration: one gather per block); with LoRA it is the policy itself with the adapter
+        disabled (or its frozen reference adapter, sharded with its blocks). A moving reference
+        moves shard by shard: each rank updates its own shards toward the policy's. Every trainable parameter
+        must be under ``fully_shard``: ModelParallelStrategy has no DDP to average the rest."""
+        mesh = self.device_mesh
+        require(
+            mesh["tensor_parallel"].size() == 1,
+            "trainer.strategy",
+            "data-parallel sharding (tensor_parallel_size 1, e.g. rlhf_lightning.fsdp2.FSDP2Strategy)",
+            f"tensor_parallel_size {mesh['tensor_parallel'].size()}",
+        )
+        mesh = mesh["data_parallel"]
+        # With LoRA the base model is the FSDP root: generation calls it directly (see _generator).
+        fsdp2.shard(self.policy.get_base_model() if self.hparams.lora_rank else self.policy, mesh)
+        for model in (self.critic, self.ref_model, self.initial_model):
+            if model is not None:
+                fsdp2.shard(model, mesh, frozen=model is not self.critic)
+
+    def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, return_hidden: bool = False):
+        """Temperature-scaled logits predicting each response token: (batch, response_len, vocab);
+        with ``return_hidden`` also the last hidden states at those positions (batch, response_len, hidden)."""
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            use_cache=False,
+            logits_to_keep=response_len + 1,
+            output_hidden_states=return_hidden,
+        )
+        logits = out.logits[:, :-1].float() / self.hparams.temperature
+        if return_hidden:
+            return logits, out.hidden_states[-1][:, -response_len - 1 : -1]
+        return logits
+
+    def policy_outputs(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Optional[Tensor]]:
+        """Policy logits and critic values V(s_t) before each response token, (batch, response_len);
+        values are None without a critic."""
+        if self.critic is None:
+            return self.response_logits(self.policy, input_ids, attention_mask, response_len), None
+        if self._shared_critic:  # one forward pass gives both
+            logits, hidden = self.response_logits(self.policy, input_ids, attention_mask, response_len, True)
+            return logits, self.critic(hidden=hidden)
+        logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
+        return logits, self._critic_values(input_ids, attention_mask, response_len)
+
+    def _critic_values(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
+        """A separate critic's V(s_t) before each response token, (batch, response_len)."""
+        values = self.critic(input_ids, attention_mask, position_ids(attention_mask))
+        return values[:, -response_len - 1 : -1]
+
+    def _sampler_outputs(self, out, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Optional[Tensor]]:
+        """``policy_outputs`` from what ``generate`` already computed: its raw logits at each step,
+        and (shared critic) the last hidden state that produced them; a separate critic still
+        runs its own forward."""
+        logits = torch.stack(out.logits, dim=1).float() / self.hparams.temperature
+        if self.critic is None:
+            return logits, None
+        if self._shared_critic:  # step 0 holds the whole prompt, later steps one position
+            hidden = torch.stack([step[-1][:, -1] for step in out.hidden_states], dim=1)
+            return logits, self.critic(hidden=hidden)
+        return logits, self._critic_values(input_ids, attention_mask, response_len)
+
+    def on_train_start(self) -> None:
+        # What this rank holds of policy, critic and reference: its shards under FSDP2.
+        self.param_numel_local = fsdp2.local_numel(self.policy, self.critic, self.ref_model, self.initial_model)
+        for logger in self.loggers:
+            logger.log_metrics({"memory/param_numel_local": float(self.param_numel_local)}, step=self.iteration)
+
+    @torch.no_grad()
+    def _sample(self, enc: dict[str, Tensor], seed: int):
+        """``generate`` on the prompts ``enc`` with the sampling RNG seeded by ``seed`` (forked: the
+        run's own RNG is untouched), returning the sampler's logits (``old_logprobs: sampler``) and,
+        with a shared critic, the hidden states that produced them. ``synced_gpus=False``: with
+        gathered weights generate runs no collective (see ``_generator``), so each rank may stop
+        at its own EOS."""
+        from_sampler = self.hparams.old_logprobs == "sampler"
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self._generator() as generator:
+            torch.manual_seed(seed)
+            return generator.generate(
+                **enc,
+                return_dict_in_generate=True,
+                output_logits=from_sampler,
+                output_hidden_states=from_sampler and self._shared_critic,
+                synced_gpus=False,
+            )
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        policy_params = [p for p in self.policy.parameters() if p.requires_grad]
+        # fused: one kernel per step instead of a dozen per tensor. Not under
+        # 16-mixed/bf16-mixed: Lightning refuses to clip a fused optimizer's gradients there (it could
+        # unscale them itself), so the multi-tensor (foreach) AdamW steps instead.
+        fused = not (self._trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision))
+        if self.critic is None:
+            return torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=fused)
+        critic_params = list(self.critic.parameters())
+        critic_lr = hp.critic_lr or hp.lr
+        if hp.optimizers == "shared":
+            return torch.optim.AdamW(
+                [{"params": policy_params, "lr": hp.lr}, {"params": critic_params, "lr": critic_lr}],
+                weight_decay=hp.weight_decay,
+                fused=fused,
+            )
+        return [
+            torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=fused),
+            torch.optim.AdamW(critic_params, lr=critic_lr, weight_decay=hp.weight_decay, fused=fused),
+        ]
+
+    @contextlib.contextmanager
+    def _generator(self):
+        """The model that samples. LoRA: the PeftModel's base model, which carries the injected
+        LoRA layers (PeftModel.generate adds its own overhead per decode step), with the adapter merged into
+        the base weights while it samples when ``merge_lora_for_generation`` (no LoRA branch in
+        each of the hundreds of decode-step linears; unmerging restores fp32 weights to within
+        one rounding step). FSDP2: the policy's full weights are gathered once for the whole
+        rollout (``fsdp2.gathered``; a merge then writes into the gathered copy only, and the
+        shards stay bit-exact), instead of every block being all-gathered again at each of the
+        ``max_new_tokens`` decode steps by FSDP2's forward hooks."""
+        with contextlib.ExitStack() as stack:
+            if self._sharded:
+                stack.enter_context(fsdp2.gathered(fsdp2.fsdp_roots(self.policy)[0]))
+            if not self.hparams.lora_rank:
+                yield self.policy
+                return
+            if self.hparams.merge_lora_for_generation:
+                self.policy.merge_adapter()
+                stack.callback(self.policy.unmerge_adapter)
+            yield self.policy.get_base_model()
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The reference: a separate copy, or the LoRA policy with its adapter disabled (frozen
+        reference) or with the reference adapter active instead of the policy's (moving reference)."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        elif self.reference_update.moves:
+            self.policy.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+            try:
+                yield self.policy
+            finally:
+                self.policy.set_adapter("default")  # trainable again; the reference adapter stays frozen
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    @property
+    def _sharded(self) -> bool:
+        """The models are FSDP2-sharded (ModelParallelStrategy)."""
+        return fsdp2.is_sharded(self.policy)
+
+    @contextlib.contextmanager
+    def _initial(self):
+        """The starting policy pi_0 beside a moving reference: its frozen copy, or the adapter-disabled LoRA policy."""
+        if self.initial_model is not None:
+            yield self.initial_model
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    def _reference_parameters(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The moving reference's parameters and the policy's they move toward, in matching order."""
+        if self.ref_model is not None:
+            return list(self.ref_model.parameters()), list(self.policy.parameters())
+        return adapter_pairs(self.policy)
+
+    def _reference_is_policy(self) -> bool:
+        """Whether the reference computes the policy's very function, its weights equal bit for bit:
+        a full copy before the first optimizer step or right after a sync; under LoRA the reference
+        adapter equal to the policy's, or the adapter-disabled reference while the policy's adapter
+        is still the identity (every lora_B zero: x + 0 = x exactly). Its log-probs are then the
+        policy's own (from the sampler or a forward), so the KL is exactly 0 and no reference
+        forward runs; compared smallest tensors first, so a trained policy differs within a few."""
+        if self.ref_model is not None or self.reference_update.moves:
+            pairs = list(zip(*self._reference_parameters()))
+        else:
+            pairs = [(p, torch.zeros_like(p)) for name, p in self.policy.named_parameters() if ".lora_B.default." in name]
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # FSDP2: each rank its shards
+        same = all(torch.equal(local(a), local(b)) for a, b in sorted(pairs, key=lambda pair: pair[0].numel()))
+        return not self._any_rank(not same)
+
+    @property
+    def _shared_critic(self) -> bool:
+        """A value head on the policy's own hidden states (no trunk of its own)."""
+        return self.critic is not None and self.critic.trunk is None
+
+    def _move_reference(self, alpha: float) -> None:
+        """ref <- (1 - alpha) ref + alpha policy, on every rank the same update of the same weights
+        (under FSDP2 each rank moves its own shards, not a root's copy still gathered from a forward)."""
+        if self._sharded:
+            fsdp2.reshard(self.policy, self.ref_model)
+        move_toward(*self._reference_parameters(), alpha)
+
+
+def adapter_pairs(policy: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """A LoRA policy's reference-adapter parameters and the trained adapter's, in matching order."""
+    params = dict(policy.named_parameters())
+    names = [name for name in params if f".{REFERENCE_ADAPTER}." in name]
+    return [params[n] for n in names], [params[n.replace(f".{REFERENCE_ADAPTER}.", ".default.")] for n in names]
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions counted over real tokens only, as ``generate`` does for left-padded prompts."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -129,10 +129,10 @@ def test_lora_generation_with_merged_adapter_samples_the_policy_and_restores_the
 
 
 def test_merging_lora_into_half_precision_weights_is_refused(monkeypatch):
-    import rlhf_lightning.module as module_py
+    import rlhf_lightning.models as models_py
 
-    load = module_py.load_causal_lm
-    monkeypatch.setattr(module_py, "load_causal_lm", lambda *args: load(*args).to(torch.bfloat16))
+    load = models_py.load_causal_lm
+    monkeypatch.setattr(models_py, "load_causal_lm", lambda *args: load(*args).to(torch.bfloat16))
     module = PPORLHF(policy="tiny", reward_model=char_reward(), lora_rank=4)
     with pytest.raises(ValueError, match="merge_lora_for_generation must be false when the base weights are not float32"):
         module.configure_model()
@@ -350,10 +350,9 @@ def test_kl_loss_is_the_importance_weighted_term_and_the_rollout_kl_stays_unweig
 def test_only_estimators_that_read_the_sampled_token_take_the_importance_ratio():
     """The ratio pi_theta(y_t) / pi_old(y_t) corrects the sampling of y_t; full sums over the whole
     vocabulary at t, so its value does not depend on y_t and it is left unweighted."""
-    from rlhf_lightning.module import _depends_on_sampled_token
     from rlhf_lightning.registry import registry
 
-    depends = {name: _depends_on_sampled_token(registry("kl_estimator").build(name)) for name in ("k1", "k3", "k3+", "full")}
+    depends = {name: registry("kl_estimator").build(name).reads_sampled_token() for name in ("k1", "k3", "k3+", "full")}
     assert depends == {"k1": True, "k3": True, "k3+": True, "full": False}
 
 

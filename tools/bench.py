@@ -426,8 +426,8 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     """
     import torch
 
-    from rlhf_lightning import fsdp2
-    from rlhf_lightning.module import _position_ids
+    from rlhf_lightning import cpu, fsdp2
+    from rlhf_lightning.models import position_ids
 
     device = module.device
     sharded = fsdp2.is_sharded(module.policy)
@@ -440,7 +440,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     response_len = rollout.response.shape[1]
     rows = slice(0, rollout.input_ids.shape[0] // args.num_minibatches)
     ids, attn = rollout.input_ids, rollout.attention_mask
-    positions = _position_ids(attn)
+    positions = position_ids(attn)
 
     @contextlib.contextmanager
     def merged():  # FSDP2: on the policy's gathered weights, as the module samples
@@ -495,7 +495,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
                 torch.cuda.synchronize(device)
             return time.perf_counter() - start
 
-    with module.linear_kernels():  # the module's linear kernel (model.cpu_linear), as in its iteration
+    with cpu.onednn_linear(cpu.uses_onednn(device, module.hparams.cpu_linear)):  # the module's linear kernel, as in its iteration
         seconds = {"critic_forward": clocked(critic_forward) if separate_critic else 0.0}
         with merged():  # merging is not part of the floor
             seconds["generate"], seconds["ref_forward"] = clocked(generate), clocked(reference_forward)

@@ -1,0 +1,174 @@
+"""The module's arguments: its plugins built from their names, and every check of a setting,
+all before any model loads. ``PPORLHF.__init__`` calls :func:`build_plugins` then
+:func:`check_arguments`; each refusal is a ConfigError naming the field (``model.lr``) and what
+it must be. The arguments themselves are documented on ``PPORLHF``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from rlhf_lightning import cpu
+from rlhf_lightning.checks import finite_number, require
+from rlhf_lightning.interfaces import LossAggregation
+from rlhf_lightning.registry import registry
+
+# Arguments that name plugins: built here, kept out of the saved hyperparameters (the config
+# file has them as written; checkpoints store each plugin's class path and state instead).
+PLUGIN_ARGUMENTS = {
+    "reward_model": "reward_model",
+    "kl_estimator": "kl_estimator",
+    "beta_controller": "beta_controller",
+    "advantage_estimator": "advantage_estimator",
+    "policy_loss": "policy_loss",
+    "loss_aggregation": "loss_aggregation",
+    "entropy_controller": "beta_controller",
+    "gold_reward_model": "reward_model",
+    "reference_update": "reference_update",
+}
+FINITE = ("temperature", "cliprange_value", "vf_coef", "lr", "critic_lr", "weight_decay", "max_grad_norm", "lora_alpha", "entropy_coef")
+AT_LEAST_ONE = ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults")
+CHOICES = {
+    "kl_penalty": ("reward", "loss", "both"),
+    "kl_loss_weighting": ("none", "importance"),
+    "old_logprobs": ("sampler", "forward"),
+    "cpu_malloc": ("tuned", "default"),
+    "special_tokens_in_prompts": ("refuse", "allow"),
+    "optimizers": ("separate", "shared"),
+}
+
+
+def build_plugins(args: dict[str, Any]) -> dict[str, Any]:
+    """Every plugin argument as an instance (unknown names fail here, naming the field and the
+    registered choices): ``entropy_coef`` becomes a fixed entropy controller, and a null
+    ``loss_aggregation`` the one the policy loss or advantage estimator is defined with."""
+    build = {name: lambda name=name: registry(PLUGIN_ARGUMENTS[name]).build(args[name], f"model.{name}") for name in PLUGIN_ARGUMENTS}
+    plugins = {name: build[name]() for name in ("reward_model", "kl_estimator", "beta_controller", "advantage_estimator", "policy_loss")}
+    plugins["loss_aggregation"] = _loss_aggregation(args["loss_aggregation"], plugins)
+    coef = args["entropy_coef"]
+    require(
+        coef >= 0 and not (coef and args["entropy_controller"] is not None),
+        "model.entropy_coef",
+        ">= 0, and 0 when model.entropy_controller is set",
+        coef,
+    )
+    if args["entropy_controller"] is not None:
+        plugins["entropy_controller"] = build["entropy_controller"]()
+    else:
+        plugins["entropy_controller"] = registry("beta_controller").get("fixed")(init_beta=coef, unit="token_mean") if coef else None
+    plugins["gold_reward_model"] = None if args["gold_reward_model"] is None else build["gold_reward_model"]()
+    plugins["reference_update"] = build["reference_update"]()
+    return plugins
+
+
+def _loss_aggregation(spec: Optional[LossAggregation | str], plugins: dict[str, Any]) -> LossAggregation:
+    """``model.loss_aggregation``, or (null) the one the policy loss or the advantage estimator
+    is defined with, else token_mean; two different such preferences must be settled by the user."""
+    policy_loss, estimator = plugins["policy_loss"], plugins["advantage_estimator"]
+    if spec is None:
+        preferred = {p for p in (policy_loss.loss_aggregation, estimator.loss_aggregation) if p}
+        require(
+            len(preferred) <= 1,
+            "model.loss_aggregation",
+            f"set when model.policy_loss {type(policy_loss).__name__} and model.advantage_estimator "
+            f"{type(estimator).__name__} are defined with different aggregations",
+            sorted(preferred),
+        )
+        spec = preferred.pop() if preferred else "token_mean"
+    return registry("loss_aggregation").build(spec, "model.loss_aggregation")
+
+
+def check_arguments(args: dict[str, Any], plugins: dict[str, Any]) -> dict[str, Any]:
+    """Refuse impossible settings and combinations; warn of biased KL recipes. Returns the settings
+    resolved from the plugins (``critic``, ``whiten_advantages``), stored resolved so that
+    checkpoints and the resume check see what was built."""
+    a = SimpleNamespace(**args)
+    advantage, kl_estimator = plugins["advantage_estimator"], plugins["kl_estimator"]
+    for name, choices in CHOICES.items():
+        requirement = f"'{choices[0]}' or '{choices[1]}'" if len(choices) == 2 else "one of " + ", ".join(choices)
+        require(args[name] in choices, f"model.{name}", requirement, args[name])
+    # Whitening divides the advantages (the reward's gradient, and with 'both' the reward's part
+    # of the KL's) by their std; a KL loss term is not divided, so beta would no longer weigh the
+    # KL against the reward as configured (docs/kl-estimators.md).
+    require(
+        a.kl_penalty == "reward" or not a.whiten_advantages,
+        "model.whiten_advantages",
+        "false when the KL is in the loss (kl_penalty: loss or both): whitening rescales the advantages but not the KL loss term",
+        a.whiten_advantages,
+    )
+    require(a.max_new_tokens >= 1, "model.max_new_tokens", ">= 1", a.max_new_tokens)
+    require(0 <= a.min_new_tokens <= a.max_new_tokens, "model.min_new_tokens", "in [0, max_new_tokens]", a.min_new_tokens)
+    for name in FINITE:  # YAML's .inf and .nan parse as floats: refuse them here, before any model loads
+        require(args[name] is None or finite_number(args[name]), f"model.{name}", "a finite number", args[name])
+    require(
+        a.vf_coef >= 0 and a.weight_decay >= 0 and a.lora_alpha > 0,
+        "model.vf_coef, weight_decay and lora_alpha",
+        ">= 0, >= 0 and > 0",
+        (a.vf_coef, a.weight_decay, a.lora_alpha),
+    )
+    require(a.max_grad_norm is None or a.max_grad_norm > 0, "model.max_grad_norm", "> 0 or null", a.max_grad_norm)
+    require(a.temperature > 0, "model.temperature", "> 0", a.temperature)
+    require(
+        a.cpu_linear in ("auto", "aten") or (a.cpu_linear == "onednn" and cpu.onednn_available()),
+        "model.cpu_linear",
+        "'auto', 'aten', or 'onednn' where this torch build has oneDNN",
+        a.cpu_linear,
+    )
+    for name in (*AT_LEAST_ONE, "num_generations"):
+        require(args[name] >= 1, f"model.{name}", "an integer >= 1", args[name])
+    require(a.cliprange_value > 0, "model.cliprange_value", "> 0", a.cliprange_value)
+    require(a.lr > 0 and (a.critic_lr is None or a.critic_lr > 0), "model.lr and critic_lr", "> 0", (a.lr, a.critic_lr))
+    estimator = type(advantage).__name__
+    critic = a.critic or ("separate" if advantage.needs_critic else "none")
+    require(critic in ("separate", "shared", "none"), "model.critic", "'separate', 'shared', 'none' or null", critic)
+    require(
+        (critic != "none") == advantage.needs_critic,
+        "model.critic",
+        f"{'separate or shared' if advantage.needs_critic else 'none'} with model.advantage_estimator {estimator}",
+        critic,
+    )
+    require(
+        critic != "none" or (a.critic_lr is None and a.optimizers == "separate"),
+        "model.critic_lr and optimizers",
+        "unset without a critic (model.critic: none)",
+        (a.critic_lr, a.optimizers),
+    )
+    require(
+        a.num_generations >= advantage.min_group_size,
+        "model.num_generations",
+        f">= {advantage.min_group_size} with model.advantage_estimator {estimator} (its baseline is taken over each prompt's responses)",
+        a.num_generations,
+    )
+    require(a.lora_rank >= 0, "model.lora_rank", ">= 0", a.lora_rank)
+    if a.kl_penalty == "reward" and not kl_estimator.unbiased_as_reward:
+        rank_zero_warn(
+            f"{type(kl_estimator).__name__} as a per-token reward gives a biased gradient of the KL "
+            "(only k1's score-function gradient is the KL's); the policy converges away from the "
+            "KL-regularised optimum. Use kl_estimator k1 in the reward, or this estimator with kl_penalty: loss."
+        )
+    if a.kl_penalty == "loss" and a.kl_loss_weighting == "importance" and not kl_estimator.gradient_follows_value():
+        rank_zero_warn(
+            f"{type(kl_estimator).__name__}'s gradient is not the derivative of its value (a straight-through "
+            "estimator such as k3+ already carries the score-function term k * grad log pi that the importance "
+            "ratio's gradient adds, so it is counted twice and the policy drifts from the KL-regularised optimum). "
+            "Use kl_estimator k3 (or full) with kl_loss_weighting: importance, or this estimator with 'none'."
+        )
+    whiten = a.whiten_advantages
+    if whiten is None:  # the estimator's default, off whenever the KL is in the loss (see above)
+        whiten = advantage.whiten and a.kl_penalty == "reward"
+    return {"critic": critic, "whiten_advantages": whiten}
+
+
+def check_batch_split(batch_size: int, hparams) -> None:
+    """Each rank's rollout (``batch_size`` prompts x ``num_generations``) splits evenly into minibatches and micro-batches."""
+    parts = hparams.num_minibatches * hparams.gradient_accumulation_steps
+    require(
+        batch_size * hparams.num_generations % parts == 0,
+        "data.batch_size * model.num_generations",
+        f"divisible by model.num_minibatches * model.gradient_accumulation_steps = {hparams.num_minibatches} * "
+        f"{hparams.gradient_accumulation_steps}",
+        f"{batch_size} * {hparams.num_generations}",
+    )

@@ -1,0 +1,294 @@
+"""Checkpoints and resume: what a checkpoint holds beside Lightning's own state, how a run
+resumes from one, when it is written, and how it is written and read.
+
+- ``save_state`` / ``load_state``: the module's part of a checkpoint (iteration, plugin states,
+  RNG, faults, a moved reference's weights), called from ``PPORLHF.on_save_checkpoint`` /
+  ``on_load_checkpoint``. Resume semantics: the command line and config are what runs, the
+  checkpoint supplies the state; settings that define the weights may not change (``RESUME_FIXED``).
+- ``IterationCheckpoint``: ``last.ckpt`` every N PPO iterations and on SIGTERM / Ctrl+C.
+- ``AtomicCheckpointIO``: files that are never half written, damaged ones named when read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import random
+import signal
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from fsspec.utils import get_protocol
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from rlhf_lightning.checks import ConfigError, ConfigFileNotFoundError, require_number
+from rlhf_lightning.registry import class_path
+
+# Settings that may not change when a run resumes: they define the weights the checkpoint holds,
+# the reference rebuilt from the config, or the optimizers whose state it holds.
+RESUME_FIXED = ("policy", "tokenizer", "tiny_config", "lora_rank", "lora_alpha", "lora_target_modules", "critic", "optimizers")
+STATEFUL_PLUGINS = ("beta_controller", "entropy_controller", "reward_model")
+
+
+def save_state(module, checkpoint: dict) -> None:
+    """Add the module's run state to ``checkpoint`` and drop the weights rebuilt from the config:
+    the starting policy, and the reference until it first moves (a LoRA reference adapter is part
+    of the policy). A sharded checkpoint keeps them: the strategy loads every submodule from it."""
+    checkpoint["rlhf_lightning"] = {
+        "iteration": module.iteration,
+        **{name: _state_of(getattr(module, name)) for name in STATEFUL_PLUGINS},
+        "rng": _rng_states(),
+        "generation_seed_base": module.generation_seed_base,
+        "faults": dict(module.faults),
+        "reference_updates": module.reference_updates,
+        "plugins": plugin_kinds(module),
+    }
+    rebuilt = () if module._sharded else ("initial_model.",) if module.reference_updates else ("initial_model.", "ref_model.")
+    for key in [k for k in checkpoint["state_dict"] if k.startswith(rebuilt)]:
+        del checkpoint["state_dict"][key]
+
+
+def load_state(module, checkpoint: dict) -> None:
+    """Restore the module's run state from ``checkpoint`` after checking that the config can resume
+    it (``check_compatible``). The RNG state is applied at the next training batch (loading and
+    loader setup in between draw random numbers); the config's optimizer settings (lr, critic_lr,
+    weight_decay) win over those stored beside the Adam moments, which Lightning loads next."""
+    state = checkpoint["rlhf_lightning"]
+    check_compatible(module, checkpoint.get("hyper_parameters", {}), state.get("plugins", {}))
+    module.iteration = state["iteration"]
+    module.generation_seed_base = state["generation_seed_base"]
+    module.faults = dict(state["faults"])
+    module.reference_updates = state.get("reference_updates", 0)
+    for name in STATEFUL_PLUGINS:
+        if getattr(module, name) is not None:
+            _load_plugin_state(name, getattr(module, name), state.get(name))
+    module._rng_to_restore = state.get("rng")
+    for prefix, model in (("ref_model.", module.ref_model), ("initial_model.", module.initial_model)):
+        for key, value in ({} if model is None or "state_dict" not in checkpoint else model.state_dict()).items():
+            checkpoint["state_dict"].setdefault(prefix + key, value)  # a moved reference comes from the checkpoint
+    configured = module.configure_optimizers()
+    for saved, optimizer in zip(checkpoint.get("optimizer_states", []), configured if isinstance(configured, list) else [configured]):
+        for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+            saved_group.update({key: value for key, value in group.items() if key != "params"})
+
+
+def plugin_kinds(module) -> dict[str, Optional[str]]:
+    """The class path of each plugin whose kind is fixed for a run (the gold reward, a measurement
+    only, may change)."""
+    names = ("reward_model", "beta_controller", "entropy_controller", "kl_estimator", "advantage_estimator", "policy_loss")
+    names += ("loss_aggregation", "reference_update")
+    return {name: None if getattr(module, name) is None else class_path(type(getattr(module, name))) for name in names}
+
+
+def check_compatible(module, saved: dict, saved_plugins: dict) -> None:
+    """Settings that define the weights, the reference or the optimizers' layout (``RESUME_FIXED``)
+    and every plugin's kind must equal the checkpoint's, else a ConfigError names each; any other
+    changed setting takes effect and is logged."""
+    hparams = module.hparams
+    fixed = [*RESUME_FIXED, "seed"] if hparams.policy == "tiny" else RESUME_FIXED  # the tiny model is rebuilt from its seed
+    changed = {f: (saved[f], hparams[f]) for f in hparams if f in saved and saved[f] != hparams[f]}
+    differ = [f"model.{f}: checkpoint {old!r}, config {new!r}" for f, (old, new) in changed.items() if f in fixed]
+    differ += [
+        f"model.{name}: checkpoint {saved_plugins[name]}, config {kind}"
+        for name, kind in plugin_kinds(module).items()
+        if name in saved_plugins and saved_plugins[name] != kind
+    ]
+    if differ:
+        raise ConfigError("checkpoint is incompatible with this config (these settings cannot change on resume); " + "; ".join(differ))
+    if changed:
+        settings = "; ".join(f"model.{f}: {old!r} -> {new!r}" for f, (old, new) in changed.items())
+        rank_zero_info("resuming with changed settings (checkpoint -> config): " + settings)
+
+
+def _state_of(plugin) -> Optional[dict]:
+    return None if plugin is None else plugin.state_dict()
+
+
+def _load_plugin_state(name: str, plugin, state) -> None:
+    """``plugin.load_state_dict(state)``, or a ConfigError naming the plugin when the checkpoint's
+    state does not fit it (a checkpoint from an older version, or a different plugin)."""
+    try:
+        plugin.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ConfigError(
+            f"checkpoint: the saved state of model.{name} does not fit {type(plugin).__name__} ({type(err).__name__}: {err}); "
+            "resume with the plugin the checkpoint was trained with"
+        ) from None
+
+
+def _rng_states() -> dict:
+    states = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class IterationCheckpoint(ModelCheckpoint):
+    """Saves ``last.ckpt`` every ``every_n_iterations`` PPO iterations, and when the run is stopped
+    by SIGTERM or Ctrl+C; otherwise a plain ModelCheckpoint (its end-of-epoch checkpoints, its
+    folder, ``--ckpt_path last``), through Lightning's public API only (``trainer.save_checkpoint``).
+
+    Lightning's ``every_n_train_steps`` counts optimizer steps, of which one PPO iteration takes
+    ``ppo_epochs * num_minibatches`` per optimizer (and fewer when a step is skipped for a fault);
+    this counts iterations (training batches). SIGTERM (what schedulers send before killing a job)
+    and a first Ctrl+C let the current iteration finish, save ``last.ckpt`` and exit with status
+    128 + the signal number (143, 130), so ``--ckpt_path last`` resumes exactly where the run
+    stopped; a second Ctrl+C stops at once.
+    """
+
+    def __init__(self, every_n_iterations: int = 10, save_last: bool = True, save_top_k: int = 1, **kwargs) -> None:
+        require_number("IterationCheckpoint.every_n_iterations", every_n_iterations, integer=True, at_least=1)
+        super().__init__(save_last=save_last, save_top_k=save_top_k, every_n_train_steps=0, **kwargs)
+        self.every_n_iterations = every_n_iterations
+        self._stop_signal: Optional[int] = None
+        self._previous_sigint: Any = None
+        self._saved_at: Optional[int] = None  # the iteration last.ckpt was last written after
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not pl_module.iteration % self.every_n_iterations and not trainer.fast_dev_run:
+            self._save_last(trainer, pl_module)
+
+    def _last_path(self) -> Path:
+        return Path(self.dirpath) / (self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)  # dirpath: resolved by ModelCheckpoint.setup
+
+    def _save_last(self, trainer, pl_module) -> Path:
+        path = self._last_path()
+        trainer.save_checkpoint(path)  # every rank takes part (sharded checkpoints); rank 0 writes a single file
+        self._saved_at = pl_module.iteration
+        return path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # A first Ctrl+C takes SIGTERM's path (Lightning's own handling: the loop stops after the
+        # current batch, its metrics logged, and raises SIGTERMException) instead of raising mid-update.
+        self._stop_signal = None
+        with contextlib.suppress(ValueError):  # not the main thread: leave SIGINT alone
+            self._previous_sigint = signal.signal(signal.SIGINT, lambda signum, frame: self._on_sigint())
+
+    def _on_sigint(self) -> None:
+        if self._stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl+C: stop now, without a checkpoint
+        self._stop_signal = signal.SIGINT
+        rank_zero_info("Ctrl+C: finishing this iteration, then saving last.ckpt (Ctrl+C again to stop at once)")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore_sigint()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._restore_sigint()
+        if not isinstance(exception, SIGTERMException):
+            return
+        signum, self._stop_signal = self._stop_signal or signal.SIGTERM, None
+        path = self._save_last(trainer, pl_module) if self._saved_at != pl_module.iteration else self._last_path()
+        rank_zero_info(
+            f"stopped by {signal.Signals(signum).name} after iteration {pl_module.iteration}; saved {path}; resume with --ckpt_path last"
+        )
+        exception.code = 128 + signum  # the shell's convention for a process ended by a signal
+
+    def _restore_sigint(self) -> None:
+        if self._previous_sigint is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoint files that are never half written, and damaged ones named when read.
+
+    Save: ``torch.save`` into a temporary file beside the target (same folder, so same file
+    system), flushed and fsync'ed, then renamed onto the target name (``os.replace``, atomic)
+    and the folder fsync'ed. A failure at any point, a full disk or a kill, leaves the previous
+    checkpoint and no partial file. (Lightning's own write goes through a temporary file in the
+    system's temp folder, which a move across file systems copies onto the target name, unsynced.)
+
+    Load: a checkpoint is a zip archive with a CRC-32 per record, checked before ``torch.load``
+    (which does not check them): a truncated, corrupt or missing file is a ConfigError naming it.
+    Remote paths (``s3://``) and sharded checkpoint folders go through Lightning's own code.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None or get_protocol(str(path)) != "file":
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = tempfile.NamedTemporaryFile("wb", prefix=f".{target.name}.", suffix=".partial", dir=target.parent, delete=False)
+        try:
+            with partial:
+                torch.save(checkpoint, partial)
+                partial.flush()
+                os.fsync(partial.fileno())
+            os.chmod(partial.name, 0o666 & ~_UMASK)  # the temporary file is private; a checkpoint is not
+            os.replace(partial.name, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(partial.name)
+            raise
+        folder = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the rename itself survives a crash
+        finally:
+            os.close(folder)
+
+    def load_checkpoint(self, path, map_location=lambda storage, loc: storage, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if get_protocol(str(path)) == "file":
+            check_checkpoint_file(Path(path))
+        try:
+            return super().load_checkpoint(path, map_location, weights_only)
+        except Exception as err:  # torch.load's advice (weights_only=False) would be wrong for a damaged file
+            raise ConfigError(f"checkpoint {path} cannot be read: {str(err).splitlines()[0]}") from err
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def check_checkpoint_file(path: Path) -> None:
+    """ConfigError naming ``path`` unless it is a checkpoint folder (FSDP2) or a complete zip
+    archive whose every record matches its CRC-32."""
+    if not path.exists():
+        raise ConfigFileNotFoundError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise ConfigError(f"checkpoint {path} is damaged or not a checkpoint (truncated? {err}); resume from an earlier one") from None
+    if damaged is not None:
+        raise ConfigError(f"checkpoint {path} is damaged: record {damaged!r} fails its CRC-32 check; resume from an earlier one")
+
+
+def find_last_checkpoint(trainer) -> str:
+    """Where ``--ckpt_path last`` resumes from: the newest ``last.ckpt`` among this run's
+    checkpoint folders, all of a logger's ``version_*`` folders included (a resumed run logs to
+    a new one, where Lightning alone would look and find nothing). None is a ConfigError that
+    says where it looked, rather than Lightning's warning and a run from scratch."""
+    patterns = []
+    for callback in trainer.checkpoint_callbacks:
+        name = callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
+        if callback.dirpath is not None:
+            patterns.append(Path(callback.dirpath) / name)
+        elif trainer.loggers:
+            logger = trainer.loggers[0]
+            patterns.append(Path(logger.save_dir or trainer.default_root_dir) / str(logger.name or "") / "*" / "checkpoints" / name)
+        else:
+            patterns.append(Path(trainer.default_root_dir) / "checkpoints" / name)
+    found = [path for pattern in patterns for path in glob.glob(str(pattern))]
+    if not found:
+        looked = ", ".join(map(str, patterns)) or "nowhere: checkpointing is off (trainer.enable_checkpointing)"
+        raise ConfigError(f"--ckpt_path last: no checkpoint to resume from; looked for {looked}")
+    return max(found, key=os.path.getmtime)
