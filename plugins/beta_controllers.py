@@ -1,9 +1,47 @@
-"""Built-in beta controllers: how the KL coefficient moves with the observed KL."""
+"""Built-in beta controllers: how the KL coefficient beta moves with the observed KL.
+
+``fixed`` keeps it; ``adaptive`` (Ziegler et al., 2019) and ``band`` scale it toward a KL target;
+from control theory, ``pid`` steers log(beta) with a PID controller and ``dual`` treats beta as the
+Lagrange multiplier of the hard constraint KL <= target.
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Any, Optional
+
 from rlhf_lightning.interfaces import BetaController, KLUnit, require_number
 from rlhf_lightning.registry import register
+
+# KL / target is floored here before the log: the k1 estimator's KL can be 0 or negative,
+# and it is exactly 0 on the first iteration, when the policy still equals the reference.
+KL_RATIO_FLOOR = 1e-6
+
+
+class TargetBeta(BetaController):
+    """Base of the controllers that steer the observed KL toward ``target`` (a KL in ``unit``)."""
+
+    def __init__(self, init_beta: float, target: float, unit: KLUnit) -> None:
+        super().__init__(init_beta, unit)
+        require_number("beta_controller.target", target, above=0)
+        self.target = float(target)
+
+
+class ClampedTargetBeta(TargetBeta):
+    """A :class:`TargetBeta` that keeps beta in [beta_min, beta_max] (:meth:`clamp`), init_beta included."""
+
+    # pid steps log(beta), which must exist: its beta_min must be > 0, the others' >= 0.
+    beta_min_positive: bool = False
+
+    def __init__(self, init_beta: float, target: float, beta_min: float, beta_max: float, unit: KLUnit) -> None:
+        super().__init__(init_beta, target, unit)
+        require_number("beta_controller.beta_min", beta_min, **({"above": 0} if self.beta_min_positive else {"at_least": 0}))
+        require_number("beta_controller.beta_max", beta_max, at_least=beta_min)
+        require_number("beta_controller.init_beta", init_beta, at_least=beta_min, at_most=beta_max)
+        self.beta_min, self.beta_max = float(beta_min), float(beta_max)
+
+    def clamp(self, beta: float) -> float:
+        return min(max(beta, self.beta_min), self.beta_max)
 
 
 @register("beta_controller", "fixed", description="beta never changes")
@@ -15,17 +53,15 @@ class FixedBeta(BetaController):
 
 
 @register("beta_controller", "adaptive", description="Ziegler et al. (2019) proportional controller toward a KL target")
-class AdaptiveBeta(BetaController):
+class AdaptiveBeta(TargetBeta):
     """Proportional control of beta (Ziegler et al., 2019, "Fine-Tuning LMs from Human Preferences").
 
     error = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + error * n_samples / horizon).
     """
 
     def __init__(self, init_beta: float = 0.1, target: float = 6.0, horizon: float = 10000, unit: KLUnit = "sequence_sum") -> None:
-        super().__init__(init_beta, unit)
-        require_number("beta_controller.target", target, above=0)
+        super().__init__(init_beta, target, unit)
         require_number("beta_controller.horizon", horizon, above=0)
-        self.target = target
         self.horizon = horizon
 
     def update(self, observed_kl: float, n_samples: int) -> float:
@@ -35,7 +71,7 @@ class AdaptiveBeta(BetaController):
 
 
 @register("beta_controller", "band", description="x1.5 above 1.5*target, /1.5 below 0.5*target, clamped")
-class BandBeta(BetaController):
+class BandBeta(ClampedTargetBeta):
     """Multiplicative band controller: beta * factor when KL > 1.5 * target,
     beta / factor when KL < 0.5 * target, else unchanged; clamped to [beta_min, beta_max]."""
 
@@ -48,18 +84,126 @@ class BandBeta(BetaController):
         beta_max: float = 10.0,
         unit: KLUnit = "sequence_sum",
     ) -> None:
-        super().__init__(init_beta, unit)
-        require_number("beta_controller.target", target, above=0)
+        super().__init__(init_beta, target, beta_min, beta_max, unit)
         require_number("beta_controller.factor", factor, above=1)
-        require_number("beta_controller.beta_min", beta_min, at_least=0)
-        require_number("beta_controller.beta_max", beta_max, at_least=beta_min)
-        require_number("beta_controller.init_beta", init_beta, at_least=beta_min, at_most=beta_max)
-        self.target, self.factor, self.beta_min, self.beta_max = target, factor, beta_min, beta_max
+        self.factor = factor
 
     def update(self, observed_kl: float, n_samples: int) -> float:
         if observed_kl > 1.5 * self.target:
             self.beta *= self.factor
         elif observed_kl < 0.5 * self.target:
             self.beta /= self.factor
-        self.beta = min(max(self.beta, self.beta_min), self.beta_max)
+        self.beta = self.clamp(self.beta)
+        return self.beta
+
+
+@register("beta_controller", "pid", description="PID controller on log(beta) toward a KL target, with anti-windup")
+class PIDBeta(ClampedTargetBeta):
+    """Discrete PID control of log(beta) toward a KL target, in incremental (velocity) form.
+
+    With the error in log space, clipped to [-error_clip, error_clip],
+
+        e_t = clip(log(max(KL_t / target, 1e-6)), -error_clip, error_clip)
+        I_t = clip(I_{t-1} + e_t, -integral_limit, integral_limit)      (anti-windup)
+        log beta <- clip(log beta + kp * e_t + ki * I_t + kd * (e_t - e_{t-1}), log beta_min, log beta_max)
+
+    and e_{t-1} = e_t on the first update (no derivative kick). The log error is symmetric
+    (KL at twice and at half the target give +-log 2) and, for a KL that scales like a power of
+    1/beta, linear in log beta; the clip keeps the first iterations, where KL is 0 by
+    construction, from driving beta to beta_min at once. Because the step is added to log beta,
+    ``kp`` alone is a multiplicative controller like Ziegler et al.'s ``adaptive``
+    (log beta += kp * e_t); ``ki`` adds the accumulated error, which removes the lag behind a
+    KL that keeps drifting upward as the policy learns; ``kd`` reacts at once to a change of the
+    error and damps the oscillation. Summed up, log beta = const + kd * e_t + kp * sum e +
+    ki * sum sum e (ignoring the clamps): a standard discrete PID
+    (Astrom & Murray, "Feedback Systems", chapter "PID Control") one order up, so that the plain
+    gain ``kp`` reproduces the KL controller of the RLHF literature (Ziegler et al., 2019,
+    "Fine-Tuning Language Models from Human Preferences", whose KL-penalised PPO Stiennon et al.,
+    2020, "Learning to summarize from human feedback", build on). The integral and the previous
+    error are state: ``state_dict`` carries them, so a resumed run continues identically.
+    """
+
+    beta_min_positive = True
+
+    def __init__(
+        self,
+        init_beta: float = 0.1,
+        target: float = 6.0,
+        kp: float = 0.1,
+        ki: float = 0.005,
+        kd: float = 0.2,
+        integral_limit: float = 2.0,
+        error_clip: float = 1.0,
+        beta_min: float = 1e-4,
+        beta_max: float = 10.0,
+        unit: KLUnit = "sequence_sum",
+    ) -> None:
+        super().__init__(init_beta, target, beta_min, beta_max, unit)
+        for name, gain in (("kp", kp), ("ki", ki), ("kd", kd)):
+            require_number(f"beta_controller.{name}", gain, at_least=0)
+        require_number("beta_controller.integral_limit", integral_limit, at_least=0)
+        require_number("beta_controller.error_clip", error_clip, above=0)
+        self.kp, self.ki, self.kd = float(kp), float(ki), float(kd)
+        self.integral_limit, self.error_clip = float(integral_limit), float(error_clip)
+        self.integral = 0.0
+        self.prev_error: Optional[float] = None
+
+    def error(self, observed_kl: float) -> float:
+        """e_t = clip(log(KL_t / target), -error_clip, error_clip), KL / target floored at 1e-6."""
+        e = math.log(max(observed_kl / self.target, KL_RATIO_FLOOR))
+        return min(max(e, -self.error_clip), self.error_clip)
+
+    def update(self, observed_kl: float, n_samples: int) -> float:
+        e = self.error(observed_kl)
+        self.integral = min(max(self.integral + e, -self.integral_limit), self.integral_limit)
+        derivative = e - (e if self.prev_error is None else self.prev_error)
+        self.prev_error = e
+        log_beta = math.log(self.beta) + self.kp * e + self.ki * self.integral + self.kd * derivative
+        self.beta = self.clamp(math.exp(log_beta))
+        return self.beta
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"beta": self.beta, "integral": self.integral, "prev_error": self.prev_error}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.integral = float(state["integral"])
+        self.prev_error = None if state["prev_error"] is None else float(state["prev_error"])
+
+
+@register("beta_controller", "dual", description="beta as a Lagrange multiplier for KL <= target (projected dual ascent)")
+class DualBeta(TargetBeta):
+    """beta as the Lagrange multiplier of the hard constraint KL <= target.
+
+    The Lagrangian relaxation  max_pi min_{beta >= 0}  E[r] - beta * (KL - target)  is solved by
+    alternating a policy step with projected gradient ascent on beta, the constraint violation
+    being the gradient:
+
+        beta <- min(max(0, beta + lr * (KL_t - target)), beta_max)
+
+    (``beta_max`` optional). beta grows while the constraint is violated and shrinks toward 0,
+    where the penalty switches off, while it holds with slack. As Stooke et al. (2020) show,
+    this is pure integral control of the constraint: it overshoots and oscillates when lr is
+    large relative to how fast KL responds. ``lr`` is in beta per unit of KL, so it depends on
+    ``unit``. References: Tessler et al. (2019), "Reward Constrained Policy Optimization";
+    Stooke et al. (2020), "Responsive Safety in Reinforcement Learning by PID Lagrangian Methods".
+    """
+
+    def __init__(
+        self,
+        init_beta: float = 0.1,
+        target: float = 6.0,
+        lr: float = 0.01,
+        beta_max: Optional[float] = None,
+        unit: KLUnit = "sequence_sum",
+    ) -> None:
+        super().__init__(init_beta, target, unit)
+        require_number("beta_controller.lr", lr, above=0)
+        require_number("beta_controller.beta_max", beta_max, at_least=init_beta, optional=True)
+        self.lr = float(lr)
+        self.beta_max = None if beta_max is None else float(beta_max)
+
+    def update(self, observed_kl: float, n_samples: int) -> float:
+        beta = max(0.0, self.beta + self.lr * (observed_kl - self.target))
+        self.beta = beta if self.beta_max is None else min(beta, self.beta_max)
         return self.beta

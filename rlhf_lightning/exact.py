@@ -284,7 +284,7 @@ class ExactTask:
         return ["".join(self.content_tokens[i] for i in row) for row in indices.tolist()]
 
     def reward_model(self):
-        from rlhf_lightning_plugins.reward_models import CallableReward
+        from rlhf_lightning_plugins.rewards.function import CallableReward
 
         return CallableReward(function=self.reward_function, kwargs=dict(self.reward_kwargs))
 

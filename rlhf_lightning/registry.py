@@ -67,6 +67,35 @@ def class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# Built-in plugin modules that moved (old -> new module; the classes and functions in them kept
+# their names): configs and checkpoints written before the move name the old paths.
+MOVED_MODULES = {
+    "rlhf_lightning_plugins.control": "rlhf_lightning_plugins.beta_controllers",
+    "rlhf_lightning_plugins.kl_straight_through": "rlhf_lightning_plugins.kl_estimators",
+    "rlhf_lightning_plugins.reward_models": "rlhf_lightning_plugins.rewards.function",  # CallableReward, import_function
+    "rlhf_lightning_plugins.toy_rewards": "rlhf_lightning_plugins.rewards.toy",
+    "rlhf_lightning_plugins.text_rewards": "rlhf_lightning_plugins.rewards.text",
+    "rlhf_lightning_plugins.remote_reward": "rlhf_lightning_plugins.rewards.remote",
+    "rlhf_lightning_plugins.verifiable_rewards": "rlhf_lightning_plugins.rewards.verifiable",
+}
+# The classes of rlhf_lightning_plugins.reward_models that went elsewhere than its CallableReward.
+MOVED_CLASSES = {
+    "rlhf_lightning_plugins.reward_models.HFClassifierReward": "rlhf_lightning_plugins.rewards.classifier.HFClassifierReward",
+    "rlhf_lightning_plugins.reward_models.EnsembleReward": "rlhf_lightning_plugins.rewards.classifier.EnsembleReward",
+}
+
+
+def canonical_class_path(path: str) -> str:
+    """The current path of a ``class_path`` (``package.module.Class``) or a reward function
+    (``package.module:function``) that may name a built-in plugin where it lived before it moved
+    (``MOVED_MODULES``, ``MOVED_CLASSES``); any other path unchanged. A checkpoint's recorded
+    plugin class paths are compared through it."""
+    if path in MOVED_CLASSES:
+        return MOVED_CLASSES[path]
+    module, sep, name = path.partition(":") if ":" in path else path.rpartition(".")
+    return f"{MOVED_MODULES[module]}{sep}{name}" if module in MOVED_MODULES else path
+
+
 class Registry:
     """Name -> plugin class for one plugin kind, refusing duplicate names."""
 
@@ -185,8 +214,10 @@ def teach_jsonargparse_short_names() -> None:
     --model.beta_controller.target=4`` on the command line. jsonargparse resolves a bare name
     among the imported subclasses of the argument's type (``class_path: AdaptiveBeta``) in
     ``_typehints.resolve_class_path_by_name``, which has no extension point; this wraps it (once),
-    trying the registries first. tests/test_cli.py runs both forms through the CLI, so a
-    jsonargparse release that moves the function fails there, not in a user's run."""
+    trying the registries first, and maps the dotted ``class_path`` of a moved built-in plugin
+    (``rlhf_lightning_plugins.control.PIDBeta``) to where it lives now (``canonical_class_path``).
+    tests/test_cli.py runs these forms through the CLI, so a jsonargparse release that moves the
+    function fails there, not in a user's run."""
     from jsonargparse import _typehints
 
     resolve = _typehints.resolve_class_path_by_name
@@ -195,7 +226,7 @@ def teach_jsonargparse_short_names() -> None:
 
     def resolve_class_path_by_name(cls, name: str) -> str:
         bases = cls if isinstance(cls, tuple) else _typehints.get_class_types(cls)  # cls may be Optional[Base]
-        return ("." not in name and resolve_short_class_path(bases, name)) or resolve(cls, name)
+        return ("." not in name and resolve_short_class_path(bases, name)) or resolve(cls, canonical_class_path(name))
 
     resolve_class_path_by_name.registry_aware = True
     _typehints.resolve_class_path_by_name = resolve_class_path_by_name

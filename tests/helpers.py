@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.module import PPORLHF
-from rlhf_lightning_plugins.reward_models import CallableReward
+from rlhf_lightning_plugins.rewards.function import CallableReward
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -29,7 +29,7 @@ def cli(cwd: Path, *args: str, timeout: float = 600, env: Optional[dict] = None)
 
 
 def char_reward(chars: str = "e") -> CallableReward:
-    return CallableReward(function="rlhf_lightning_plugins.toy_rewards:char_count", kwargs={"chars": chars})
+    return CallableReward(function="rlhf_lightning_plugins.rewards.toy:char_count", kwargs={"chars": chars})
 
 
 def make_module(**overrides) -> PPORLHF:

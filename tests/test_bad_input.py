@@ -12,7 +12,7 @@ from rlhf_lightning.interfaces import BetaController, ConfigError, KLEstimator, 
 from rlhf_lightning.models import char_tokenizer, load_tokenizer
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import UnknownPluginError
-from rlhf_lightning_plugins.reward_models import CallableReward
+from rlhf_lightning_plugins.rewards.function import CallableReward
 
 from helpers import CONFIGS, char_reward, cli, fit, make_module
 
@@ -372,7 +372,7 @@ def test_a_reward_function_over_its_timeout_stops_the_run(tmp_path):
     [
         (
             ["--model.reward_model.init_args.kwargs={chars: e, colour: red}"],
-            "error: reward_model.function rlhf_lightning_plugins.toy_rewards:char_count(prompts, responses, chars='e', scale=1.0) cannot be "
+            "error: reward_model.function rlhf_lightning_plugins.rewards.toy:char_count(prompts, responses, chars='e', scale=1.0) cannot be "
             "called as (prompts, responses, chars=..., colour=...) with reward_model.kwargs {'chars': 'e', 'colour': 'red'}: got an "
             "unexpected keyword argument 'colour'",
         ),

@@ -1,4 +1,4 @@
-"""The pid and dual beta controllers (plugins/control.py): hand-computed beta sequences, clamps,
+"""The pid and dual beta controllers (plugins/beta_controllers.py): hand-computed beta sequences, clamps,
 state round trip, validation, closed-loop behaviour on a toy plant, and tools/compare_controllers.py."""
 
 from __future__ import annotations

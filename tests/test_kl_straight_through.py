@@ -1,4 +1,4 @@
-"""Straight-through KL estimators (plugins/kl_straight_through.py) and tools/kl_estimator_report.py.
+"""Straight-through KL estimators (plugins/kl_estimators.py) and tools/kl_estimator_report.py.
 
 k3+ = k3.detach() + (k2 - k2.detach()): the value of k3 = exp(-x) - 1 + x, the gradient of
 k2 = x^2 / 2, with x = log p(y) - log q(y). On a categorical p = softmax(theta) with samples y ~ p,
@@ -18,7 +18,7 @@ import torch
 
 from rlhf_lightning.interfaces import KLEstimator
 from rlhf_lightning.registry import registry
-from rlhf_lightning_plugins.kl_straight_through import StraightThroughKL, straight_through
+from rlhf_lightning_plugins.kl_estimators import StraightThroughKL, straight_through
 
 from helpers import REPO
 

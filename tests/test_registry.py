@@ -389,3 +389,33 @@ def test_every_numeric_plugin_argument_refuses_non_finite_values_naming_it(kind,
 
     with pytest.raises(ConfigError, match=rf"^{kind}\.{argument} must be (a finite number|an integer).*, got {value}$"):
         registry(kind).get(name)(**REQUIRED.get(name, {}), **{argument: value})
+
+
+def test_moved_plugin_paths_resolve_to_where_they_live_now():
+    """Configs and checkpoints written before plugins/ was arranged by kind name the old modules
+    (``rlhf_lightning_plugins.control.PIDBeta``): class paths, reward functions and YAML's
+    ``class_path`` all reach the same objects."""
+    import importlib
+
+    from jsonargparse import _typehints
+
+    from rlhf_lightning.registry import MOVED_CLASSES, MOVED_MODULES, canonical_class_path, class_path, teach_jsonargparse_short_names
+    from rlhf_lightning_plugins.beta_controllers import PIDBeta
+    from rlhf_lightning_plugins.rewards.classifier import EnsembleReward
+    from rlhf_lightning_plugins.rewards.function import CallableReward, import_function
+    from rlhf_lightning_plugins.rewards.toy import char_count
+
+    for module in MOVED_MODULES.values():
+        importlib.import_module(module)
+    for path in MOVED_CLASSES.values():
+        module, _, name = path.rpartition(".")
+        assert isinstance(getattr(importlib.import_module(module), name), type)
+    assert canonical_class_path("rlhf_lightning_plugins.control.PIDBeta") == class_path(PIDBeta)
+    assert canonical_class_path("rlhf_lightning_plugins.reward_models.EnsembleReward") == class_path(EnsembleReward)
+    assert canonical_class_path("rlhf_lightning_plugins.reward_models.CallableReward") == class_path(CallableReward)
+    assert canonical_class_path("rlhf_lightning_plugins.kl_straight_through.StraightThroughKL").endswith("kl_estimators.StraightThroughKL")
+    for current in (class_path(PIDBeta), class_path(K3), "my_package.plugins.MyKL", "PIDBeta", "k3+"):
+        assert canonical_class_path(current) == current
+    assert import_function("rlhf_lightning_plugins.toy_rewards:char_count") is char_count
+    teach_jsonargparse_short_names()
+    assert _typehints.resolve_class_path_by_name(BetaController, "rlhf_lightning_plugins.control.PIDBeta") == class_path(PIDBeta)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rlhf_lightning.registry import registry
-from rlhf_lightning_plugins import remote_reward
-from rlhf_lightning_plugins.remote_reward import RemoteReward
+from rlhf_lightning_plugins.rewards import remote as remote_reward
+from rlhf_lightning_plugins.rewards.remote import RemoteReward
 
 FAST = dict(backoff=0.01, max_backoff=0.05)  # keeps retries quick
 

@@ -138,7 +138,7 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
     assert refused.stderr.strip().splitlines()[-1] == (
         "error: checkpoint is incompatible with this config (these settings cannot change on resume); "
         "model.critic: checkpoint 'separate', config 'shared'; model.lora_rank: checkpoint 0, config 4; "
-        "model.beta_controller: checkpoint rlhf_lightning_plugins.beta_controllers.BandBeta, config rlhf_lightning_plugins.control.PIDBeta"
+        "model.beta_controller: checkpoint rlhf_lightning_plugins.beta_controllers.BandBeta, config rlhf_lightning_plugins.beta_controllers.PIDBeta"
     )
 
     changed = run_cli(tmp_path, "--ckpt_path", "last", "--trainer.limit_train_batches=2", "--trainer.max_epochs=2", "--model.lr=0.001",

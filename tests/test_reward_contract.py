@@ -35,7 +35,7 @@ def backend(request, tiny_classifier, monkeypatch):  # noqa: F811
     name = request.param
     cls = registry("reward_model").get(name)
     if name == "callable":
-        rm = cls(function="rlhf_lightning_plugins.toy_rewards:char_count", kwargs={"chars": "aeiou"})
+        rm = cls(function="rlhf_lightning_plugins.rewards.toy:char_count", kwargs={"chars": "aeiou"})
     elif name == "embedding_similarity":
         rm = cls(target="a happy, sunny day")
     elif name == "hf_classifier":

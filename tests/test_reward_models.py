@@ -1,4 +1,4 @@
-"""Reward backends (rlhf_lightning_plugins.reward_models) and the RewardModel post-processing."""
+"""Reward backends (rlhf_lightning_plugins.rewards) and the RewardModel post-processing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 from rlhf_lightning.interfaces import RewardModel
 from rlhf_lightning.reward_shaping import RunningMeanStd
-from rlhf_lightning_plugins.reward_models import CallableReward, HFClassifierReward, import_function
+from rlhf_lightning_plugins.rewards.classifier import HFClassifierReward
+from rlhf_lightning_plugins.rewards.function import CallableReward, import_function
 
 # Helper reward functions live in a module under tmp_path (tests/ is not a package, so the
 # test module itself has no stable 'module:function' name).
@@ -61,7 +62,7 @@ def eos(*flags: bool) -> torch.Tensor:
 
 
 def test_char_count_gives_exact_counts():
-    rm = CallableReward(function="rlhf_lightning_plugins.toy_rewards:char_count")
+    rm = CallableReward(function="rlhf_lightning_plugins.rewards.toy:char_count")
     responses = ["eee", "hello", "", "EeE", "the cheese"]
     raw, scores = rm(["p"] * 5, responses, eos(True, True, True, True, True))
     # lowercase 'e' only: 3, 1, 0, 1 ('E' does not count), 'the cheese' -> 1 + 3 = 4
@@ -72,7 +73,7 @@ def test_char_count_gives_exact_counts():
 
 def test_callable_reward_passes_kwargs():
     # chars 'lo' in 'hello' -> l, l, o = 3, times scale 0.5 = 1.5; 'wool' -> o, o, l = 3 -> 1.5; 'x' -> 0
-    rm = CallableReward(function="rlhf_lightning_plugins.toy_rewards:char_count", kwargs={"chars": "lo", "scale": 0.5})
+    rm = CallableReward(function="rlhf_lightning_plugins.rewards.toy:char_count", kwargs={"chars": "lo", "scale": 0.5})
     raw, _ = rm(["", "", ""], ["hello", "wool", "x"], eos(True, True, True))
     assert raw.tolist() == [1.5, 1.5, 0.0]
 
@@ -84,7 +85,7 @@ def test_callable_reward_receives_prompts(helpers):
 
 
 def test_exclamation_count_caps():
-    rm = CallableReward(function="rlhf_lightning_plugins.toy_rewards:exclamation_count", kwargs={"cap": 3})
+    rm = CallableReward(function="rlhf_lightning_plugins.rewards.toy:exclamation_count", kwargs={"cap": 3})
     raw, _ = rm(["", "", ""], ["hi!", "!!!!!!", "none"], eos(True, True, True))
     assert raw.tolist() == [1.0, 3.0, 0.0]
 
@@ -101,10 +102,10 @@ def test_tensor_scores_are_detached_float32(helpers):
     [
         ("no_colon_here", "package.module:function"),
         (":char_count", "package.module:function"),
-        ("rlhf_lightning_plugins.toy_rewards:", "package.module:function"),
+        ("rlhf_lightning_plugins.rewards.toy:", "package.module:function"),
         ("definitely_not_a_module_xyz:fn", "cannot import module 'definitely_not_a_module_xyz'"),
-        ("rlhf_lightning_plugins.toy_rewards:no_such_fn", "no callable 'no_such_fn'"),
-        ("rlhf_lightning_plugins.toy_rewards:__doc__", "no callable '__doc__'"),
+        ("rlhf_lightning_plugins.rewards.toy:no_such_fn", "no callable 'no_such_fn'"),
+        ("rlhf_lightning_plugins.rewards.toy:__doc__", "no callable '__doc__'"),
     ],
 )
 def test_bad_function_spec_mentions_the_field(spec, fragment):
@@ -502,7 +503,7 @@ def ensemble_of(tmp_path, member_scores, stats=None, **options):
     """An EnsembleReward over folders holding only ``reward_stats.json``, its members replaced by fixed scores."""
     import json
 
-    from rlhf_lightning_plugins.reward_models import EnsembleReward
+    from rlhf_lightning_plugins.rewards.classifier import EnsembleReward
 
     paths = []
     for k, scores in enumerate(member_scores):
@@ -552,7 +553,7 @@ def test_ensemble_of_classifiers_loads_each_member_once_and_scores_in_one_pass_e
     import json
     import shutil
 
-    from rlhf_lightning_plugins.reward_models import EnsembleReward
+    from rlhf_lightning_plugins.rewards.classifier import EnsembleReward
 
     path, model, tokenizer = tiny_classifier
     prompts, responses = ["Say hi.", "Describe rain.", "Count.", "Hm."], ["hello there", "wet", "one two three", ""]
@@ -591,7 +592,7 @@ def test_ensemble_of_classifiers_loads_each_member_once_and_scores_in_one_pass_e
 )
 def test_ensemble_config_errors_name_the_field(options, message):
     from rlhf_lightning.interfaces import ConfigError
-    from rlhf_lightning_plugins.reward_models import EnsembleReward
+    from rlhf_lightning_plugins.rewards.classifier import EnsembleReward
 
     with pytest.raises(ConfigError, match=message):
         EnsembleReward(**options)

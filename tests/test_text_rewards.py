@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_lightning.registry import registry
-from rlhf_lightning_plugins import text_rewards
-from rlhf_lightning_plugins.text_rewards import (
+from rlhf_lightning_plugins.rewards import text as text_rewards
+from rlhf_lightning_plugins.rewards.text import (
     EmbeddingSimilarityReward,
     PromptRelevanceReward,
     SentimentRelevanceReward,

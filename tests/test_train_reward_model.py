@@ -17,7 +17,7 @@ from helpers import REPO
 sys.path.insert(0, str(REPO / "tools"))
 import train_reward_model  # noqa: E402
 
-from rlhf_lightning_plugins.reward_models import HFClassifierReward  # noqa: E402
+from rlhf_lightning_plugins.rewards.classifier import HFClassifierReward  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 OTHER_LETTERS = "abcdfghijklmnopqrstuvwxyz"
@@ -77,7 +77,7 @@ def test_sampled_pairs_are_labelled_by_the_gold_scorer_and_cached(tmp_path, caps
     prompts.write_text("".join(json.dumps({"prompt": f"Write {i} words."}) + "\n" for i in range(12)))
     out = tmp_path / "rm"
     args = [
-        "--trunk", "tiny", "--policy", "tiny", "--gold", "rlhf_lightning_plugins.toy_rewards:char_count",
+        "--trunk", "tiny", "--policy", "tiny", "--gold", "rlhf_lightning_plugins.rewards.toy:char_count",
         "--prompts", str(prompts), "--num-prompts", "10", "--max-new-tokens", "40", "--epochs", "1",
         "--val-fraction", "0.3", "--out", str(out), "--threads", "1",
     ]  # fmt: skip
@@ -104,7 +104,7 @@ def test_relabel_orders_the_given_responses_by_the_new_gold(tmp_path, capsys):
     ]
     pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "rm"
-    args = ["--trunk", "tiny", "--pairs", str(pairs), "--relabel", "--gold", "rlhf_lightning_plugins.toy_rewards:char_count",
+    args = ["--trunk", "tiny", "--pairs", str(pairs), "--relabel", "--gold", "rlhf_lightning_plugins.rewards.toy:char_count",
             "--val-fraction", "0.5", "--epochs", "1", "--out", str(out), "--threads", "1"]  # fmt: skip
     result = train_reward_model.main(args)
 
@@ -122,7 +122,7 @@ def test_relabel_never_overwrites_the_pairs_it_reads_or_a_sampled_cache(tmp_path
     out.mkdir()
     pairs = out / "pairs.jsonl"
     pairs.write_text(json.dumps({"prompt": "A.", "chosen": "eee", "rejected": "e"}) + "\n")
-    args = ["--trunk", "tiny", "--relabel", "--gold", "rlhf_lightning_plugins.toy_rewards:char_count", "--out", str(out)]
+    args = ["--trunk", "tiny", "--relabel", "--gold", "rlhf_lightning_plugins.rewards.toy:char_count", "--out", str(out)]
     with pytest.raises(ValueError, match="would overwrite the pairs"):
         train_reward_model.main([*args, "--pairs", str(pairs)])
     elsewhere = tmp_path / "given.jsonl"
@@ -154,7 +154,7 @@ def test_response_only_pairs_are_the_responses_alone():
 
 
 def test_ensemble_trains_k_members_with_their_own_seeds_and_reward_stats(tmp_path):
-    from rlhf_lightning_plugins.reward_models import EnsembleReward
+    from rlhf_lightning_plugins.rewards.classifier import EnsembleReward
 
     pairs = tmp_path / "pairs.jsonl"
     write_toy_pairs(pairs)

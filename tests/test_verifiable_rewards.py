@@ -13,7 +13,7 @@ import torch
 from rlhf_lightning.callbacks import PassAtK, pass_at_k
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.interfaces import ConfigError
-from rlhf_lightning_plugins.verifiable_rewards import ExactAnswerReward, parse_answer, question_answer
+from rlhf_lightning_plugins.rewards.verifiable import ExactAnswerReward, parse_answer, question_answer
 
 from helpers import REPO, fit, make_module
 

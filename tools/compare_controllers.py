@@ -5,7 +5,7 @@
 
 Runs fixed, adaptive, band, pid and dual through the real training loop on the same task and
 seed: the tiny random Llama (``policy: tiny``) learning to write the letter "e" (reward =
-number of "e"s, ``rlhf_lightning_plugins.toy_rewards:char_count``), k1 KL in the reward, 8
+number of "e"s, ``rlhf_lightning_plugins.rewards.toy:char_count``), k1 KL in the reward, 8
 prompts per iteration. With beta fixed at the tiny config's 0.05 the KL of this task runs far
 past a few nats within 20 iterations, so a target of a few nats gives the controllers work.
 Every controller starts from the same beta (``--init-beta``); the controllers' other settings
@@ -40,7 +40,7 @@ from rlhf_lightning.data import PromptDataModule  # noqa: E402
 from rlhf_lightning.interfaces import BetaController  # noqa: E402
 from rlhf_lightning.module import PPORLHF  # noqa: E402
 from rlhf_lightning.registry import registry  # noqa: E402
-from rlhf_lightning_plugins.reward_models import CallableReward  # noqa: E402
+from rlhf_lightning_plugins.rewards.function import CallableReward  # noqa: E402
 
 BATCH_SIZE = 8
 # name -> extra init_args beyond init_beta and target
@@ -81,7 +81,7 @@ def run_controller(
     module = PPORLHF(
         policy="tiny", seed=seed, kl_estimator="k1", beta_controller=ctrl, advantage_estimator=advantage,
         num_generations=num_generations,
-        reward_model=CallableReward(function="rlhf_lightning_plugins.toy_rewards:char_count", kwargs={"chars": "e"}),
+        reward_model=CallableReward(function="rlhf_lightning_plugins.rewards.toy:char_count", kwargs={"chars": "e"}),
         max_new_tokens=max_new_tokens, ppo_epochs=2, num_minibatches=1, lr=3e-3, vf_coef=0.5,
         log_samples_every_n_steps=0,
     )  # fmt: skip

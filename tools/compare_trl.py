@@ -172,7 +172,7 @@ def our_config(args: argparse.Namespace) -> dict:
     model = {
         "policy": "smollm2", "max_new_tokens": args.max_new_tokens, "min_new_tokens": args.max_new_tokens,
         "ppo_epochs": args.epochs, "num_minibatches": 1, "log_samples_every_n_steps": 0,
-        "reward_model": {"class_path": "rlhf_lightning_plugins.reward_models.HFClassifierReward", "init_args": {"path": args.reward_path}},
+        "reward_model": {"class_path": "rlhf_lightning_plugins.rewards.classifier.HFClassifierReward", "init_args": {"path": args.reward_path}},
         "lora_rank": 16 if lora else 0, "lora_alpha": 32.0, "critic": "shared" if lora else args.full_critic,
     }  # fmt: skip
     for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):

@@ -106,7 +106,7 @@ class EstimatorRow:
 # ---------------------------------------------------------------------- setup
 def build_module(policy: str, max_new_tokens: int, push: float, seed: int) -> PPORLHF:
     """PPORLHF with a LoRA adapter whose B matrices are pushed randomly away from zero."""
-    from rlhf_lightning_plugins.reward_models import CallableReward
+    from rlhf_lightning_plugins.rewards.function import CallableReward
 
     torch.manual_seed(seed)  # the tiny model's weights and the sampler's seed base
     module = PPORLHF(

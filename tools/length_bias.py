@@ -5,7 +5,7 @@ still move the response length.
     python tools/length_bias.py --fast               # the test's version
 
 The tiny random Llama (``policy: tiny``) is trained with REINFORCE without a baseline
-(``advantage_estimator: reinforce``) on a constant reward of +1 (``toy_rewards:constant``), no KL
+(``advantage_estimator: reinforce``) on a constant reward of +1 (``rewards.toy:constant``), no KL
 penalty: the true gradient of E[r] = 1 is zero, and every response's advantage is +1. The
 policy-gradient term of response y_i is then w_i * grad log pi(y_i), with w_i its aggregation's
 weight per token:
@@ -34,7 +34,7 @@ from lightning import Callback, Trainer, seed_everything
 
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.module import PPORLHF
-from rlhf_lightning_plugins.reward_models import CallableReward
+from rlhf_lightning_plugins.rewards.function import CallableReward
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
@@ -54,7 +54,7 @@ def run(aggregation: str, seed: int, iterations: int, reward: float, workdir: Pa
     seed_everything(seed, verbose=False)
     module = PPORLHF(
         policy="tiny", seed=seed, advantage_estimator="reinforce", loss_aggregation=aggregation,
-        reward_model=CallableReward(function="rlhf_lightning_plugins.toy_rewards:constant", kwargs={"value": reward}),
+        reward_model=CallableReward(function="rlhf_lightning_plugins.rewards.toy:constant", kwargs={"value": reward}),
         beta_controller="fixed", kl_penalty="reward", max_new_tokens=24, ppo_epochs=2, num_minibatches=1, lr=3e-3,
         log_samples_every_n_steps=0,
     )  # fmt: skip

@@ -25,7 +25,7 @@ TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
 
 def arithmetic_questions(n_train: int, n_val: int, max_operand: int, ops: Sequence[str], seed: int) -> tuple[list[dict], list[dict]]:
     """(train, validation) lists of {"prompt", "answer"}, no question in both or twice in one."""
-    from rlhf_lightning_plugins.verifiable_rewards import question_answer
+    from rlhf_lightning_plugins.rewards.verifiable import question_answer
 
     space = [(a, op, b) for op in ops for a in range(max_operand + 1) for b in range(max_operand + 1)]
     if n_train + n_val > len(space):

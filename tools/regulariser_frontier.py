@@ -41,8 +41,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from rlhf_lightning.exact import TASKS, ExactPPORLHF, expected_reward, kl_divergence, optimal_logprobs, train  # noqa: E402
-from rlhf_lightning_plugins.beta_controllers import FixedBeta  # noqa: E402
-from rlhf_lightning_plugins.control import PIDBeta  # noqa: E402
+from rlhf_lightning_plugins.beta_controllers import FixedBeta, PIDBeta  # noqa: E402
 from rlhf_lightning_plugins.policy_losses import ClipHigher  # noqa: E402
 
 PPO = dict(batch_size=48, lr=2e-3, critic_lr=2e-3, lr_final=0.1, ppo_epochs=4, num_minibatches=2, vf_coef=0.5,

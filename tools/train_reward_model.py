@@ -67,7 +67,7 @@ from lightning import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
-from rlhf_lightning_plugins.reward_models import REWARD_STATS_FILE
+from rlhf_lightning_plugins.rewards.classifier import REWARD_STATS_FILE
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 # Per trunk: learning rate and transformer blocks trained (None: all), unless given on the command line.
@@ -120,7 +120,7 @@ def load_trunk(trunk: str, seed: int = 0):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
     from rlhf_lightning.models import TINY_CONFIG, char_tokenizer, smollm2_checkpoint
-    from rlhf_lightning_plugins.text_rewards import bundled_minilm_path
+    from rlhf_lightning_plugins.rewards.text import bundled_minilm_path
 
     with torch.random.fork_rng():
         torch.manual_seed(seed)  # the new score head's initialisation
@@ -200,7 +200,7 @@ def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
 def build_gold(spec: str):
     """The gold scorer, set up on the CPU: a registered reward backend name, or ``module:function``."""
     from rlhf_lightning.registry import registry
-    from rlhf_lightning_plugins.reward_models import CallableReward
+    from rlhf_lightning_plugins.rewards.function import CallableReward
 
     gold = CallableReward(function=spec) if ":" in spec else registry("reward_model").build(spec, "--gold")
     gold.setup(torch.device("cpu"))

