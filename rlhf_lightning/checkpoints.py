@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlhf_lightning.checks import ConfigError, ConfigFileNotFoundError, require_number
-from rlhf_lightning.registry import class_path
+from rlhf_lightning.registry import canonical_class_path, class_path
 
 # Settings that may not change when a run resumes: they define the weights the checkpoint holds,
 # the reference rebuilt from the config, or the optimizers whose state it holds.
@@ -90,7 +90,8 @@ def plugin_kinds(module) -> dict[str, Optional[str]]:
 def check_compatible(module, saved: dict, saved_plugins: dict) -> None:
     """Settings that define the weights, the reference or the optimizers' layout (``RESUME_FIXED``)
     and every plugin's kind must equal the checkpoint's, else a ConfigError names each; any other
-    changed setting takes effect and is logged."""
+    changed setting takes effect and is logged. A plugin class that has moved since the checkpoint
+    was written is the same kind (``registry.canonical_class_path``)."""
     hparams = module.hparams
     fixed = [*RESUME_FIXED, "seed"] if hparams.policy == "tiny" else RESUME_FIXED  # the tiny model is rebuilt from its seed
     changed = {f: (saved[f], hparams[f]) for f in hparams if f in saved and saved[f] != hparams[f]}
@@ -98,7 +99,7 @@ def check_compatible(module, saved: dict, saved_plugins: dict) -> None:
     differ += [
         f"model.{name}: checkpoint {saved_plugins[name]}, config {kind}"
         for name, kind in plugin_kinds(module).items()
-        if name in saved_plugins and saved_plugins[name] != kind
+        if name in saved_plugins and canonical_class_path(saved_plugins[name] or "") != (kind or "")
     ]
     if differ:
         raise ConfigError("checkpoint is incompatible with this config (these settings cannot change on resume); " + "; ".join(differ))
