@@ -42,6 +42,10 @@ class _GroupBaseline(AdvantageEstimator):
         advantages = pm.group_advantages(returns, group_size, self.baseline, scale=self.scale, eps=self.eps)
         return advantages.unsqueeze(-1).to(mask.dtype) * mask, None
 
+    def gradient_scale(self, rewards, mask, group_size, sum_fn=None):
+        returns = pm.masked_select(rewards, mask).sum(-1)
+        return pm.group_gradient_scale(returns, group_size, self.baseline, scale=self.scale, eps=self.eps)
+
 
 @register("advantage_estimator", "grpo", description="group mean and std baseline, no critic (GRPO)")
 class GRPO(_GroupBaseline):
@@ -99,3 +103,8 @@ class ReinforcePlusPlus(AdvantageEstimator):
 
     def __call__(self, rewards, mask, values, group_size, sum_fn=None):
         return pm.masked_whiten(pm.reward_to_go(rewards, mask, self.gamma), mask, sum_fn=sum_fn), None
+
+    def gradient_scale(self, rewards, mask, group_size, sum_fn=None):
+        """1 / the batch std the whitening divides by (its mean shift is a baseline: unbiased to first order)."""
+        std = pm.masked_var(pm.reward_to_go(rewards, mask, self.gamma), mask, sum_fn).clamp(min=0).sqrt()
+        return (1 / (std + 1e-8)).expand(rewards.shape[0])

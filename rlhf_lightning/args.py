@@ -34,6 +34,7 @@ AT_LEAST_ONE = ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", 
 CHOICES = {
     "kl_penalty": ("reward", "loss", "both"),
     "kl_loss_weighting": ("none", "importance"),
+    "kl_loss_scope": ("sequence", "per_token"),
     "old_logprobs": ("sampler", "forward"),
     "cpu_malloc": ("tuned", "default"),
     "special_tokens_in_prompts": ("refuse", "allow"),
@@ -98,6 +99,13 @@ def check_arguments(args: dict[str, Any], plugins: dict[str, Any]) -> dict[str, 
         "model.whiten_advantages",
         "false when the KL is in the loss (kl_penalty: loss or both): whitening rescales the advantages but not the KL loss term",
         a.whiten_advantages,
+    )
+    require(
+        a.kl_penalty != "loss" or a.kl_loss_scope == "per_token" or kl_estimator.unbiased_value,
+        "model.kl_loss_scope",
+        f"'per_token' with model.kl_estimator {type(kl_estimator).__name__}, whose value is not an unbiased per-token KL "
+        "(the KL still to come in the response cannot be estimated from it); or use k1, k3 or full",
+        a.kl_loss_scope,
     )
     require(a.max_new_tokens >= 1, "model.max_new_tokens", ">= 1", a.max_new_tokens)
     require(0 <= a.min_new_tokens <= a.max_new_tokens, "model.min_new_tokens", "in [0, max_new_tokens]", a.min_new_tokens)

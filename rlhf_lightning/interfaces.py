@@ -30,6 +30,10 @@ class KLEstimator(ABC):
     """
 
     needs_logits: bool = False
+    # True when the value is an unbiased estimate of the per-token KL at the sampled state
+    # (E_{y_t ~ pi}[k_t] = KL(pi(.|s_t) || pi_ref(.|s_t))): k1, k3, full. Only then is the response's KL
+    # the expected sum of the values, and the KL still to come (ppo_math.kl_to_go_loss) its score term.
+    unbiased_value: bool = False
     # True when, as a per-token reward, its policy gradient (score function times return) is the
     # gradient of the KL: only the log-ratio k1 has this property.
     unbiased_as_reward: bool = False
@@ -153,6 +157,13 @@ class AdvantageEstimator(ABC):
         """``(advantages, returns)``, each (batch, response_len) and zero off ``mask``; ``returns``
         (the critic's targets) is None for a critic-free estimator. ``sum_fn`` all-reduces sums
         across ranks, for estimators that normalise over the global batch."""
+
+    def gradient_scale(self, rewards: Tensor, mask: Tensor, group_size: int, sum_fn=None) -> Tensor:
+        """Per response (batch,): the factor by which the advantages scale the expected policy
+        gradient of each response's return (1: an unbiased estimator, unnormalised). A KL in the
+        loss is scaled by it too (``PPORLHF.ppo_update``'s ``kl_coef``), so that beta weighs the KL
+        against the reward as configured whatever the estimator normalises by."""
+        return torch.ones(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
 
     def checked(
         self, rewards: Tensor, mask: Tensor, values: Optional[Tensor], group_size: int, sum_fn=None

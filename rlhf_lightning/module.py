@@ -137,6 +137,11 @@ class PPORLHF(PolicyNetworks, LightningModule):
             the PPO epochs: ``importance`` weights each token's estimate by w_t = pi_theta(y_t) /
             pi_old(y_t) (``ppo_math.importance_weighted_kl``); ``none`` differentiates the estimate
             as it is. Which estimators each is right for: docs/kl-estimators.md.
+        kl_loss_scope: what the KL loss term's gradient is the gradient of (``loss`` only):
+            ``sequence``, the whole response's KL (the per-token term plus the KL still to come
+            after each token, ``ppo_math.kl_to_go_loss``; needs an estimator with an unbiased value:
+            k1, k3, full), or ``per_token``, each visited state's own KL, whose fixed point is
+            ``exact.backward_induction(soft=False)``, not the KL-regularised optimum.
         kl_ignore_tokens: tokens left out of the KL penalty wherever they are sampled (e.g.
             ``["<|im_end|>"]``: end-of-turn tokens often dominate the KL); ``eos`` means the EOS token.
         gold_reward_model: an optional second reward backend that is only logged
@@ -195,6 +200,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         entropy_controller: Union[BetaController, str, None] = None,
         kl_penalty: Literal["reward", "loss", "both"] = "reward",
         kl_loss_weighting: Literal["none", "importance"] = "importance",
+        kl_loss_scope: Literal["sequence", "per_token"] = "sequence",
         kl_ignore_tokens: Optional[list[str]] = None,
         gold_reward_model: Union[RewardModel, str, None] = None,
         max_new_tokens: int = 32,
@@ -297,7 +303,8 @@ class PPORLHF(PolicyNetworks, LightningModule):
             return self.skip_iteration(rollout, scored)
         with timer("update"):
             advantages, returns = self.compute_advantages(scored.rewards, rollout)
-            skipped_steps = self.ppo_update(rollout, advantages, returns, beta)
+            scale = self.advantage_estimator.gradient_scale(scored.rewards, rollout.mask, self.hparams.num_generations, self._reduce)
+            skipped_steps = self.ppo_update(rollout, advantages, returns, beta * scale)
         metrics = self.rollout_metrics(rollout, scored, beta)
         self.update_controllers(metrics)
         outputs = self.end_iteration(rollout, scored, metrics, skipped_steps, timer)
@@ -438,9 +445,11 @@ class PPORLHF(PolicyNetworks, LightningModule):
             advantages = pm.masked_whiten(advantages, rollout.mask, sum_fn=self._reduce)
         return advantages, returns
 
-    def ppo_update(self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], beta: float) -> int:
-        """All PPO epochs over the rollout, one optimizer step per minibatch. Returns how many steps
-        were skipped because a loss was not finite on some rank (gradients dropped, weights untouched)."""
+    def ppo_update(self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], kl_coef: Tensor) -> int:
+        """All PPO epochs over the rollout, one optimizer step per minibatch; ``kl_coef`` (batch,) is
+        beta times the advantage estimator's gradient scale of each response (a KL in the loss is
+        weighed against the reward as configured). Returns how many steps were skipped because a
+        loss was not finite on some rank (gradients dropped, weights untouched)."""
         hp = self.hparams
         optimizers = self.optimizers()
         optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
@@ -448,7 +457,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         for _ in range(hp.ppo_epochs):
             order = torch.randperm(rollout.input_ids.shape[0], device=self.device)
             for minibatch in order.chunk(hp.num_minibatches):
-                if self._accumulate_gradients(rollout, advantages, returns, minibatch, beta):
+                if self._accumulate_gradients(rollout, advantages, returns, minibatch, kl_coef):
                     for opt in optimizers:
                         if hp.max_grad_norm:
                             self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
@@ -460,7 +469,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         return skipped
 
     def _accumulate_gradients(
-        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], minibatch: Tensor, beta: float
+        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], minibatch: Tensor, kl_coef: Tensor
     ) -> bool:
         """Backward over the minibatch's micro-batches; False (and stop) at a non-finite loss."""
         size = len(minibatch) // self.hparams.gradient_accumulation_steps
@@ -471,28 +480,30 @@ class PPORLHF(PolicyNetworks, LightningModule):
         micro_batches = list(zip(minibatch.split(size), weights.split(size)))
         for i, (idx, micro_weights) in enumerate(micro_batches):
             with self._no_grad_sync(last=i == len(micro_batches) - 1):
-                loss = self.ppo_loss(rollout, advantages, returns, idx, beta, micro_weights)
+                loss = self.ppo_loss(rollout, advantages, returns, idx, kl_coef, micro_weights)
                 if self._any_rank(not torch.isfinite(loss)):
                     return False
                 self.manual_backward(loss)
         return True
 
     def ppo_loss(
-        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, beta: float, weights: Tensor
+        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, kl_coef: Tensor, weights: Tensor
     ) -> Tensor:
         """On the rows ``idx``: the policy loss (+ vf_coef * clipped value loss with a critic)
-        (+ beta * KL in the loss) (- entropy bonus), each per-token term summed with ``weights``."""
+        (+ kl_coef * KL in the loss) (- entropy bonus), each per-token term summed with ``weights``.
+        The critic (gae) learns the returns of the reward alone when the KL is in the loss: the
+        KL's future is carried by the loss's sequence term, not by the values."""
         hp = self.hparams
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
         response_len = rollout.response.shape[1]
         logits, values = self.policy_outputs(input_ids, attention_mask, response_len)
-        logprobs = pm.logprobs_of(logits, rollout.response[idx])
-        pg_loss, clipped = self.policy_loss(logprobs, rollout.old_logprobs[idx], advantages[idx], mask)
+        logprobs, old_logprobs = pm.logprobs_of(logits, rollout.response[idx]), rollout.old_logprobs[idx]
+        pg_loss, clipped = self.policy_loss(logprobs, old_logprobs, advantages[idx], mask)
         loss = (weights * pg_loss).sum()
         stats = {
             "policy/loss": pm.masked_mean(pg_loss, mask),
             "policy/clipfrac": pm.masked_mean(clipped, mask),
-            "policy/approxkl": pm.approx_kl(logprobs, rollout.old_logprobs[idx], mask),
+            "policy/approxkl": pm.approx_kl(logprobs, old_logprobs, mask),
         }
         if values is not None:
             vf = pm.value_loss_terms(values, rollout.old_values[idx], returns[idx], mask, hp.cliprange_value)
@@ -501,15 +512,21 @@ class PPORLHF(PolicyNetworks, LightningModule):
         if hp.kl_penalty in ("loss", "both"):
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
             kl_mask = self.kl_mask(rollout.response[idx], mask)
-            kl = self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits)
+            kl = pm.masked_select(self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits), kl_mask)
+            kl_loss = kl
             # The ratio corrects the sampling of y_t: an estimator that sums over the vocabulary at t
             # (full) does not depend on y_t and takes none. Its gradient only where no reward carries
             # k's score term.
             if hp.kl_loss_weighting == "importance" and self._kl_reads_sampled_token:
-                kl = pm.importance_weighted_kl(kl, logprobs, rollout.old_logprobs[idx], mask, ratio_gradient=hp.kl_penalty == "loss")
-            kl = pm.masked_select(kl, kl_mask)
-            loss = loss + beta * (weights * kl).sum()
-            stats["policy/kl_loss"] = pm.masked_mean(kl, kl_mask)
+                kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs, kl_mask, ratio_gradient=hp.kl_penalty == "loss")
+            # The KL still to come after each token (ppo_math.kl_to_go_loss): the term that makes the
+            # gradient the whole response's KL's. With 'both' the reward's returns carry it already.
+            if hp.kl_penalty == "loss" and hp.kl_loss_scope == "sequence":
+                kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs, kl, kl_mask)
+            # The advantage estimator's gradient scale (a group std, a mean baseline's (n - 1) / n) on
+            # the KL as on the reward, so that beta weighs one against the other as configured.
+            loss = loss + (weights * kl_coef[idx, None] * kl_loss).sum()
+            stats["policy/kl_loss"] = pm.masked_mean(kl_loss, kl_mask)
         if self.entropy_controller is not None and self.entropy_controller.beta:
             entropy = pm.masked_select(pm.entropy_of(logits), mask)
             loss = loss - self.entropy_controller.beta * (weights * entropy).sum()

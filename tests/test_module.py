@@ -318,11 +318,22 @@ def test_straight_through_estimator_with_importance_weighting_warns(estimator, w
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty="loss", kl_estimator=estimator, whiten_advantages=False)
-        PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty="loss", kl_estimator=estimator,
-                whiten_advantages=False, kl_loss_weighting="none")  # fmt: skip
+        for weighting in ("importance", "none"):
+            PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty="loss", kl_estimator=estimator, kl_loss_weighting=weighting,
+                    kl_loss_scope="per_token", whiten_advantages=False)  # fmt: skip
     messages = [str(w.message) for w in caught if "not the derivative of its value" in str(w.message)]
     assert len(messages) == int(warns), messages
+
+
+@pytest.mark.parametrize("estimator, refused", [("k2", True), ("abs", True), ("k1", False), ("k3", False), ("full", False), ("k3+", False)])
+def test_the_sequence_kl_loss_needs_an_estimator_whose_value_is_unbiased(estimator, refused):
+    """The KL still to come is estimated from the estimator's values: k2 and abs estimate another quantity."""
+    build = lambda: PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty="loss", kl_estimator=estimator)
+    if refused:
+        with pytest.raises(ValueError, match=r"model.kl_loss_scope must be 'per_token' with model.kl_estimator .* or use k1, k3 or full"):
+            build()
+    else:
+        assert build().hparams.kl_loss_scope == "sequence"
 
 
 def test_kl_loss_is_the_importance_weighted_term_and_the_rollout_kl_stays_unweighted(tmp_path):

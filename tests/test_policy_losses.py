@@ -5,7 +5,6 @@ registry, the entropy bonus and its controller, and the length bias of the aggre
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
@@ -25,18 +24,15 @@ from rlhf_lightning_plugins.policy_losses import (
     TokenMean,
 )
 
-from helpers import REPO, make_module
-from test_ppo_math import _policy_batch
-
-sys.path.insert(0, str(REPO / "tools"))
-import length_bias  # noqa: E402
+import length_bias
+from helpers import make_module, policy_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
 
 
 def batch():
-    """test_ppo_math's PPO example: ratios r = pi / pi_old chosen directly (log pi_old = -1)."""
-    return _policy_batch()[:4]
+    """helpers.policy_batch, test_ppo_math's PPO example: ratios r = pi / pi_old chosen directly (log pi_old = -1)."""
+    return policy_batch()[:4]
 
 
 # ---------------------------------------------------------------------- policy losses by hand
@@ -167,7 +163,7 @@ def test_entropy_bonus_is_minus_coef_times_the_weighted_entropy():
     zeros = torch.zeros_like(rollout.mask)
     weights = TokenMean().weights(rollout.mask, max_new_tokens=12)
     with torch.no_grad():
-        loss = module.ppo_loss(rollout, zeros, rollout.old_values, torch.arange(2), beta=0.0, weights=weights)
+        loss = module.ppo_loss(rollout, zeros, rollout.old_values, torch.arange(2), kl_coef=torch.zeros(2), weights=weights)
         logits, values = module.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
     # Zero advantages, values equal to their targets: only the bonus is left (on-policy, entropy as sampled).
     entropy = pm.masked_mean(pm.entropy_of(logits), rollout.mask)
@@ -212,7 +208,6 @@ def test_a_length_blind_reward_shortens_responses_only_under_the_per_response_to
 def test_regulariser_frontier_fast_puts_the_kl_penalty_on_the_exact_frontier(tmp_path):
     """tools/regulariser_frontier.py --fast: the beta = 0.5 run lands on the exact frontier well short
     of the reward maximiser's KL, while PPO's clip alone (beta = 0) runs to the maximiser (KL ~4)."""
-    sys.path.insert(0, str(REPO / "tools"))
     import regulariser_frontier
 
     finals = {row["family"]: row for row in regulariser_frontier.main(["--fast", "--out", str(tmp_path)])}
