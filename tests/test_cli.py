@@ -201,9 +201,9 @@ def test_plugin_bases_are_abstract():
             base()
 
 
-def test_readme_documents_every_plugin_alias_and_argument():
-    """The README's plugin table has a row for every registered plugin (with its aliases), and every
-    argument of the module and the data module is named in it."""
+def test_docs_document_every_plugin_alias_and_argument():
+    """docs/plugins.md's table has a row for every registered plugin (with its aliases), and
+    docs/configuration.md names every argument of the module and the data module."""
     import inspect
     import re
 
@@ -211,27 +211,29 @@ def test_readme_documents_every_plugin_alias_and_argument():
     from rlhf_lightning.module import PPORLHF
     from rlhf_lightning.registry import REGISTRIES
 
-    readme = (REPO / "README.md").read_text()
-    rows = {(kind, name): aliases for kind, name, aliases in re.findall(r"^\| (\w+) \| `([^`]+)`( \([^)]*\))? \|", readme, re.M)}
+    table = (REPO / "docs" / "plugins.md").read_text()
+    rows = {(kind, name): aliases for kind, name, aliases in re.findall(r"^\| (\w+) \| `([^`]+)`( \([^)]*\))? \|", table, re.M)}
     for kind, reg in REGISTRIES.items():
         for entry in reg.entries():
-            assert (kind, entry.name) in rows, f"README plugin table lacks {kind} {entry.name}"
+            assert (kind, entry.name) in rows, f"docs/plugins.md's table lacks {kind} {entry.name}"
             for alias in entry.aliases:
-                assert f"`{alias}`" in rows[(kind, entry.name)], f"README lacks alias {alias} of {kind} {entry.name}"
+                assert f"`{alias}`" in rows[(kind, entry.name)], f"docs/plugins.md lacks alias {alias} of {kind} {entry.name}"
+    configuration = (REPO / "docs" / "configuration.md").read_text()
     for cls, prefix in ((PPORLHF, "model"), (PromptDataModule, "data")):
         for name in list(inspect.signature(cls.__init__).parameters)[1:]:
-            assert re.search(rf"`{prefix}\.{name}`", readme), f"README does not document {prefix}.{name}"
+            assert re.search(rf"`{prefix}\.{name}`", configuration), f"docs/configuration.md does not document {prefix}.{name}"
 
 
-def test_the_readme_plugin_package_installs_and_its_plugin_trains(tmp_path):
-    """The README's my_kl.py and pyproject.toml, as printed: built and installed with pip (into a
+def test_the_documented_plugin_package_installs_and_its_plugin_trains(tmp_path):
+    """docs/plugins.md's my_kl.py and pyproject.toml, as printed: built and installed with pip (into a
     folder of their own, so the test environment is left as it was), then a short fit selects the
     plugin by its short name through the entry point."""
     import re
 
-    readme = (REPO / "README.md").read_text()
-    module = re.search(r"```python\n(# my_kl\.py\n.*?)```", readme, re.S).group(1)
-    pyproject = re.search(r"```toml\n(# pyproject\.toml of your package.*?)```", readme, re.S).group(1)
+    page = (REPO / "docs" / "plugins.md").read_text()
+    module = re.search(r"```python\n(# my_kl\.py\n.*?)```", page, re.S).group(1)
+    pyproject = re.search(r"```toml\n(# pyproject\.toml of your package.*?)```", page, re.S).group(1)
+    assert module in (REPO / "README.md").read_text(), "the README's my_kl.py is not docs/plugins.md's"
     package = tmp_path / "my-kl-package"
     package.mkdir()
     (package / "my_kl.py").write_text(module)
