@@ -1,13 +1,20 @@
-"""Helpers for tests: tiny randomly initialised modules and short CPU fits."""
+"""Helpers shared by the tests: tiny randomly initialised modules and short CPU fits, the
+command-line runs of configs/tiny.yaml, a hand-made PPO batch, and a scripted HTTP scoring server.
+(Fixtures live in conftest.py; callbacks the command-line runs name by class path live in
+fault_callbacks.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
+import torch
 from lightning import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback
 
@@ -26,6 +33,33 @@ def cli(cwd: Path, *args: str, timeout: float = 600, env: Optional[dict] = None)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     return subprocess.run([sys.executable, "-m", "rlhf_lightning.cli", *args], capture_output=True, text=True, cwd=cwd,
                           env=env, timeout=timeout)  # fmt: skip
+
+
+# configs/tiny.yaml for 6 iterations, a checkpoint every 2, a beta controller with state to restore.
+RUN_ARGS = (
+    "--trainer.max_epochs=1", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+    "--model.beta_controller=BandBeta", "--model.beta_controller.init_args.target=0.5", "--model.max_new_tokens=10",
+    "--trainer.callbacks.every_n_iterations=2",
+)  # fmt: skip
+
+
+def run_cli(root, *extra: str) -> subprocess.CompletedProcess:
+    """``rlhf-lightning fit --config configs/tiny.yaml`` with ``RUN_ARGS`` run in ``root`` (its default_root_dir)."""
+    return cli(root, "fit", "--config", str(CONFIGS / "tiny.yaml"), *RUN_ARGS, *extra)
+
+
+# Multi-process runs against one process: the global batch and the metrics compared.
+GLOBAL_BATCH = 8
+COMPARED = ("objective/reward", "objective/kl", "objective/kl_max", "objective/beta", "objective/entropy", "response/length", "value/loss")
+
+
+def betas_by_iteration(lines: list[str]) -> dict[int, dict[int, float]]:
+    """``{iteration: {rank: beta}}`` from the lines fault_callbacks.RecordBeta writes."""
+    betas = {}
+    for line in filter(None, lines):
+        rank, iteration, beta = line.split()
+        betas.setdefault(int(iteration), {})[int(rank)] = float(beta)
+    return betas
 
 
 def char_reward(chars: str = "e") -> CallableReward:
@@ -75,3 +109,76 @@ def fit(
     trainer = Trainer(**kwargs)
     trainer.fit(module, datamodule=datamodule or PromptDataModule(batch_size=batch_size), ckpt_path=ckpt_path)
     return trainer, history
+
+
+def policy_batch():
+    """A hand-made PPO batch: ``(logprobs, old_logprobs, advantages, mask, ratios)`` with the ratios
+    r = exp(logprobs - old_logprobs) chosen directly (log pi_old = -1); cliprange 0.2 clips to [0.8, 1.2]."""
+    ratios = torch.tensor([[1.5, 0.5, 1.1, 3.0], [0.5, 1.0, 2.0, 1.0]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0, 1.0, -2.0, 5.0], [-1.0, 3.0, -1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    old_logprobs = torch.full((2, 4), -1.0, dtype=torch.float64)
+    logprobs = (old_logprobs + ratios.log()).requires_grad_(True)
+    return logprobs, old_logprobs, advantages, mask, ratios
+
+
+def length_scores(n: int, payload: dict) -> tuple[int, Any]:
+    """The correct scoring server: score = number of characters of each response."""
+    return 200, {"scores": [len(r) for r in payload["responses"]]}
+
+
+class Server:
+    """A ThreadingHTTPServer whose answer to the n-th POST (from 0) is ``respond(n, payload)``.
+
+    ``respond`` returns ``(status, body)`` or ``(status, body, delay_seconds)``; a dict body is
+    sent as JSON, a str as-is. Every request's parsed payload and headers are recorded.
+    """
+
+    def __init__(self, respond: Callable[[int, dict], tuple]) -> None:
+        self.respond = respond
+        self.payloads: list[dict] = []
+        self.headers: list[dict[str, str]] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()  # wakes handlers that are still delaying at teardown
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                payload = json.loads(raw.decode("utf-8"))
+                with server.lock:
+                    n = len(server.payloads)
+                    server.payloads.append(payload)
+                    server.headers.append(dict(self.headers))
+                status, body, *delay = server.respond(n, payload)
+                if delay:
+                    server.stop.wait(delay[0])
+                data = (json.dumps(body) if isinstance(body, (dict, list)) else body).encode("utf-8")
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client gave up (timeout) and closed the socket
+                    pass
+
+            def log_message(self, *args: Any) -> None:  # keep pytest output clean
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    @property
+    def count(self) -> int:
+        with self.lock:
+            return len(self.payloads)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)

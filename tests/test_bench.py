@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import bench
 from helpers import REPO
 
 BENCH_LINE = re.compile(
@@ -36,8 +37,6 @@ def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers():
 
 
 # ------------------------------------------------------------------ the roofline's counting
-sys.path.insert(0, str(REPO / "tools"))
-import bench  # noqa: E402
 
 
 @pytest.fixture(scope="module")

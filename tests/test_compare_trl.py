@@ -4,14 +4,10 @@ options a user would set reach ``model:``)."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 import pytest
 
-from helpers import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-import compare_trl  # noqa: E402
+import compare_trl
 
 
 def test_summary_is_the_median_over_all_rounds_and_its_ratio_to_trl_with_the_same_epochs():

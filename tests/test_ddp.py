@@ -7,10 +7,7 @@ import math
 
 import pytest
 
-from test_resume import run_cli
-
-GLOBAL_BATCH = 8
-COMPARED = ("objective/reward", "objective/kl", "objective/kl_max", "objective/beta", "objective/entropy", "response/length", "value/loss")
+from helpers import COMPARED, GLOBAL_BATCH, betas_by_iteration, run_cli
 
 
 def run(root, devices: int, *extra: str):
@@ -27,14 +24,6 @@ def run(root, devices: int, *extra: str):
     assert result.returncode == 0, result.stderr[-4000:]
     scalars = read_scalars(str(root / "lightning_logs" / "tiny" / "version_0"))
     return {tag: list(by_step.values()) for tag, by_step in scalars.items()}, (root / "beta.txt").read_text().split("\n")
-
-
-def betas_by_iteration(lines: list[str]) -> dict[int, dict[int, float]]:
-    betas = {}
-    for line in filter(None, lines):
-        rank, iteration, beta = line.split()
-        betas.setdefault(int(iteration), {})[int(rank)] = float(beta)
-    return betas
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])

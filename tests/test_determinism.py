@@ -3,13 +3,10 @@ a user types (the README's reproducibility claim)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from helpers import CONFIGS, REPO, cli
-
-sys.path.insert(0, str(REPO / "tools"))
-from summarize_run import read_scalars  # noqa: E402
+from helpers import CONFIGS, cli
+from summarize_run import read_scalars
 
 
 def scalars_of_a_tiny_run(root: Path, seed: int) -> dict[str, dict[int, float]]:

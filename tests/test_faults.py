@@ -3,8 +3,6 @@ too many in a row stop the run with the cause."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -12,10 +10,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from rlhf_lightning.interfaces import RewardModel
 
-from helpers import REPO, fit, make_module
-
-sys.path.insert(0, str(REPO / "tools"))
-from summarize_run import read_scalars  # noqa: E402
+from helpers import fit, make_module
+from summarize_run import read_scalars
 
 
 class FlakyReward(RewardModel):

@@ -9,11 +9,9 @@ import math
 
 import pytest
 import torch
-from test_ddp import COMPARED, GLOBAL_BATCH, betas_by_iteration
 
-from helpers import CONFIGS
-from summarize_run import read_scalars  # noqa: I001
-from test_resume import run_cli  # puts tools/ on sys.path
+from helpers import COMPARED, CONFIGS, GLOBAL_BATCH, betas_by_iteration, run_cli
+from summarize_run import read_scalars
 
 # Greedy rollouts and one minibatch, as in test_ddp, so one process and two see the same batches;
 # two micro-batches per minibatch, so FSDP2's no_sync (block_backward_sync) is on the path.

@@ -5,15 +5,11 @@ relative to its first iteration, summarised by blocks and plotted."""
 from __future__ import annotations
 
 import math
-import sys
 
 import numpy as np
 import pytest
 
-from helpers import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-import gao_fit  # noqa: E402
+import gao_fit
 
 
 def test_fit_recovers_known_alpha_and_beta_from_exact_points():

@@ -11,7 +11,6 @@ grad_theta log p(y) = e_y - p, and the expected gradients used as a loss are (de
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
@@ -20,10 +19,7 @@ from rlhf_lightning.interfaces import KLEstimator
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.kl_estimators import StraightThroughKL, straight_through
 
-from helpers import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-import kl_estimator_report  # noqa: E402
+import kl_estimator_report
 
 
 def estimator(name: str) -> KLEstimator:

@@ -225,10 +225,6 @@ def test_matrix_fast_subset_separates_the_biased_cells(capsys):
     """tools/optimum_check.py --matrix on the bandit task (one token: no sequence-level term), 4 epochs:
     the importance-weighted k1 and k3 losses reach pi*; unweighted k1 (a zero-mean gradient on-policy,
     E_old[grad log pi_theta] off-policy) and importance-weighted k3+ (the score term counted twice) do not."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import optimum_check
 
     optimum_check.main(["--matrix", "--task", "bandit", "--iterations", "40", "--estimators", "k1", "k3", "k3+",

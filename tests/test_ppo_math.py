@@ -13,6 +13,8 @@ import torch
 
 from rlhf_lightning import ppo_math as pm
 
+from helpers import policy_batch
+
 EPS = 1e-8  # the constant masked_whiten adds to the std
 
 
@@ -402,16 +404,6 @@ def test_gae_with_nan_and_inf_padding_equals_the_clean_case():
 # policy_loss
 
 
-def _policy_batch():
-    # ratios r = exp(logprobs - old_logprobs), chosen directly; cliprange 0.2 -> clip to [0.8, 1.2]
-    ratios = torch.tensor([[1.5, 0.5, 1.1, 3.0], [0.5, 1.0, 2.0, 1.0]], dtype=torch.float64)
-    advantages = torch.tensor([[1.0, 1.0, -2.0, 5.0], [-1.0, 3.0, -1.0, 0.0]], dtype=torch.float64)
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float64)
-    old_logprobs = torch.full((2, 4), -1.0, dtype=torch.float64)
-    logprobs = (old_logprobs + ratios.log()).requires_grad_(True)
-    return logprobs, old_logprobs, advantages, mask, ratios
-
-
 def test_policy_loss_hand_example():
     # per token: unclipped = -A r, clipped = -A clip(r, 0.8, 1.2), loss_t = max(unclipped, clipped)
     # row 0:
@@ -426,7 +418,7 @@ def test_policy_loss_hand_example():
     #   r=1.0, A= 0:  0   vs  0     ->  0                         0
     # loss = (-1.2 - 0.5 + 2.2 + 0.8 - 3.0 + 2.0 + 0) / 7 = 0.3 / 7; clipfrac = 2 / 7
     # approxkl = 0.5 * mean(log r ^ 2) over the 7 real tokens
-    logprobs, old_logprobs, advantages, mask, ratios = _policy_batch()
+    logprobs, old_logprobs, advantages, mask, ratios = policy_batch()
     stats = pm.policy_loss(logprobs, old_logprobs, advantages, mask, cliprange=0.2)
     assert stats.loss.item() == pytest.approx(0.3 / 7)
     assert stats.clipfrac.item() == pytest.approx(2 / 7)
@@ -439,7 +431,7 @@ def test_policy_loss_gradient_is_zero_on_clipped_tokens():
     # d loss / d logprob_t = -A_t r_t / 7 where the unclipped term is active, 0 where clipped
     # (and 0 on masked tokens):
     # row 0: (0, -0.5/7, 2.2/7, 0); row 1: (0, -3/7, 2/7, 0)
-    logprobs, old_logprobs, advantages, mask, _ = _policy_batch()
+    logprobs, old_logprobs, advantages, mask, _ = policy_batch()
     pm.policy_loss(logprobs, old_logprobs, advantages, mask, cliprange=0.2).loss.backward()
     expected = torch.tensor([[0.0, -0.5, 2.2, 0.0], [0.0, -3.0, 2.0, 0.0]], dtype=torch.float64) / 7
     torch.testing.assert_close(logprobs.grad, expected)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
@@ -16,69 +14,9 @@ from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.rewards import remote as remote_reward
 from rlhf_lightning_plugins.rewards.remote import RemoteReward
 
+from helpers import Server, length_scores
+
 FAST = dict(backoff=0.01, max_backoff=0.05)  # keeps retries quick
-
-
-def length_scores(n: int, payload: dict) -> tuple[int, Any]:
-    """The correct server: score = number of characters of each response."""
-    return 200, {"scores": [len(r) for r in payload["responses"]]}
-
-
-class Server:
-    """A ThreadingHTTPServer whose answer to the n-th POST (from 0) is ``respond(n, payload)``.
-
-    ``respond`` returns ``(status, body)`` or ``(status, body, delay_seconds)``; a dict body is
-    sent as JSON, a str as-is. Every request's parsed payload and headers are recorded.
-    """
-
-    def __init__(self, respond: Callable[[int, dict], tuple]) -> None:
-        self.respond = respond
-        self.payloads: list[dict] = []
-        self.headers: list[dict[str, str]] = []
-        self.lock = threading.Lock()
-        self.stop = threading.Event()  # wakes handlers that are still delaying at teardown
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers["Content-Length"]))
-                payload = json.loads(raw.decode("utf-8"))
-                with server.lock:
-                    n = len(server.payloads)
-                    server.payloads.append(payload)
-                    server.headers.append(dict(self.headers))
-                status, body, *delay = server.respond(n, payload)
-                if delay:
-                    server.stop.wait(delay[0])
-                data = (json.dumps(body) if isinstance(body, (dict, list)) else body).encode("utf-8")
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except OSError:  # the client gave up (timeout) and closed the socket
-                    pass
-
-            def log_message(self, *args: Any) -> None:  # keep pytest output clean
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    @property
-    def count(self) -> int:
-        with self.lock:
-            return len(self.payloads)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
 
 
 @pytest.fixture(autouse=True)

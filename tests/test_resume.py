@@ -12,25 +12,10 @@ import pytest
 import torch
 import yaml
 
-from helpers import CONFIGS, REPO, cli
-
-sys.path.insert(0, str(REPO / "tools"))
-from summarize_run import read_scalars  # noqa: E402
+from helpers import CONFIGS, RUN_ARGS, cli, run_cli
+from summarize_run import read_scalars
 
 WATCHED = ("objective/reward", "objective/kl", "objective/beta", "objective/kl_max", "objective/kl_to_initial", "policy/loss", "value/loss")
-
-
-# configs/tiny.yaml for 6 iterations, a checkpoint every 2, a beta controller with state to restore.
-RUN_ARGS = (
-    "--trainer.max_epochs=1", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-    "--model.beta_controller=BandBeta", "--model.beta_controller.init_args.target=0.5", "--model.max_new_tokens=10",
-    "--trainer.callbacks.every_n_iterations=2",
-)  # fmt: skip
-
-
-def run_cli(root, *extra: str) -> subprocess.CompletedProcess:
-    """``rlhf-lightning fit --config configs/tiny.yaml`` with ``RUN_ARGS`` run in ``root`` (its default_root_dir)."""
-    return cli(root, "fit", "--config", str(CONFIGS / "tiny.yaml"), *RUN_ARGS, *extra)
 
 
 # Critic-free: 4 prompts x 2 responses per iteration, GRPO's group baseline, no value loss to watch.

@@ -12,8 +12,7 @@ import torch
 
 from rlhf_lightning.registry import registry
 
-from test_remote_reward import Server, length_scores
-from test_reward_models import tiny_classifier  # noqa: F401  (a fixture)
+from helpers import Server, length_scores
 
 PROMPTS = ["Write a happy line.", "Describe rain.", "Say hi.", "Count to three."]
 RESPONSES = ["What a wonderful, sunny day!", "Grey and cold, it falls all night.", "hi", ""]
@@ -27,7 +26,7 @@ def prompts_for(backend) -> list[str]:
 
 
 @pytest.fixture
-def backend(request, tiny_classifier, monkeypatch):  # noqa: F811
+def backend(request, tiny_classifier, monkeypatch):
     """The registered backend ``request.param``, with the small resource it needs, set up on CPU."""
     for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)

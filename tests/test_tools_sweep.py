@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import csv
 import math
-import sys
 
 import pytest
 
-from helpers import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-import reward_hacking_report  # noqa: E402
-import sweep_beta  # noqa: E402
+import reward_hacking_report
+import sweep_beta
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

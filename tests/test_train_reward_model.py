@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO
+from rlhf_lightning_plugins.rewards.classifier import HFClassifierReward
 
-sys.path.insert(0, str(REPO / "tools"))
-import train_reward_model  # noqa: E402
-
-from rlhf_lightning_plugins.rewards.classifier import HFClassifierReward  # noqa: E402
+import train_reward_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 OTHER_LETTERS = "abcdfghijklmnopqrstuvwxyz"

@@ -4,7 +4,6 @@ prompt), the unbiased pass@k and its callback, and the arithmetic prompt generat
 from __future__ import annotations
 
 import json
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +14,8 @@ from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.interfaces import ConfigError
 from rlhf_lightning_plugins.rewards.verifiable import ExactAnswerReward, parse_answer, question_answer
 
-from helpers import REPO, fit, make_module
-
-sys.path.insert(0, str(REPO / "tools"))
-import make_arithmetic_prompts  # noqa: E402
+import make_arithmetic_prompts
+from helpers import fit, make_module
 
 
 @pytest.mark.parametrize(
