@@ -1,0 +1,41 @@
+"""Checkpoints written before the built-in plugins were regrouped by kind (plugins/control.py,
+reward_models.py, ... until 2026-11-25) resume: their recorded plugin class paths name the old
+modules, and the resume check compares them through registry.canonical_class_path."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import run_cli
+from summarize_run import read_scalars
+
+# What a checkpoint of the previous layout recorded for configs/tiny.yaml with RUN_ARGS's BandBeta.
+OLD_PLUGINS = {
+    "reward_model": "rlhf_lightning_plugins.reward_models.CallableReward",
+    "beta_controller": "rlhf_lightning_plugins.beta_controllers.BandBeta",
+}
+
+
+def test_a_checkpoint_naming_the_old_plugin_modules_resumes_and_another_kind_is_still_refused(tmp_path):
+    first = run_cli(tmp_path, "--trainer.limit_train_batches=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    (ckpt,) = tmp_path.glob("lightning_logs/*/version_0/checkpoints/last.ckpt")
+    checkpoint = torch.load(ckpt, weights_only=False)
+    assert checkpoint["rlhf_lightning"]["plugins"]["reward_model"] == "rlhf_lightning_plugins.rewards.function.CallableReward"
+    resume = ("--trainer.limit_train_batches=2", "--trainer.max_epochs=2", "--ckpt_path", str(ckpt))
+
+    checkpoint["rlhf_lightning"]["plugins"]["beta_controller"] = "rlhf_lightning_plugins.control.PIDBeta"  # moved, and another kind
+    torch.save(checkpoint, ckpt)
+    refused = run_cli(tmp_path / "refused", *resume)
+    assert refused.returncode == 2
+    assert (
+        "model.beta_controller: checkpoint rlhf_lightning_plugins.control.PIDBeta, config rlhf_lightning_plugins.beta_controllers.BandBeta"
+        in refused.stderr
+    )
+
+    checkpoint["rlhf_lightning"]["plugins"].update(OLD_PLUGINS)
+    torch.save(checkpoint, ckpt)
+    resumed = run_cli(tmp_path / "resumed", *resume)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (log,) = (tmp_path / "resumed").glob("lightning_logs/*/version_0")
+    assert sorted(read_scalars(str(log))["objective/beta"]) == [2, 3]  # the second epoch's iterations, 0-based steps
