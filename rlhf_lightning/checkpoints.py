@@ -74,8 +74,11 @@ def load_state(module, checkpoint: dict) -> None:
         for key, value in ({} if model is None or "state_dict" not in checkpoint else model.state_dict()).items():
             checkpoint["state_dict"].setdefault(prefix + key, value)  # a moved reference comes from the checkpoint
     configured = module.configure_optimizers()
-    for saved, optimizer in zip(checkpoint.get("optimizer_states", []), configured if isinstance(configured, list) else [configured]):
-        for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+    optimizers = configured if isinstance(configured, list) else [configured]
+    # Not strict: a checkpoint without optimizer states has none to update, and a count that
+    # differs is refused by the optimizer's own load_state_dict with its message.
+    for saved, optimizer in zip(checkpoint.get("optimizer_states", []), optimizers, strict=False):
+        for saved_group, group in zip(saved["param_groups"], optimizer.param_groups, strict=False):
             saved_group.update({key: value for key, value in group.items() if key != "params"})
 
 
@@ -139,9 +142,10 @@ def set_rng_states(states: dict) -> None:
 
 
 class IterationCheckpoint(ModelCheckpoint):
-    """Saves ``last.ckpt`` every ``every_n_iterations`` PPO iterations, and when the run is stopped
-    by SIGTERM or Ctrl+C; otherwise a plain ModelCheckpoint (its end-of-epoch checkpoints, its
-    folder, ``--ckpt_path last``), through Lightning's public API only (``trainer.save_checkpoint``).
+    """Saves ``last.ckpt`` every ``every_n_iterations`` PPO iterations, at the end of the run (so its
+    last iteration is always in a checkpoint, whatever its length), and when the run is stopped by
+    SIGTERM or Ctrl+C; otherwise a plain ModelCheckpoint (its end-of-epoch checkpoints, its folder,
+    ``--ckpt_path last``), through Lightning's public API only (``trainer.save_checkpoint``).
 
     Lightning's ``every_n_train_steps`` counts optimizer steps, of which one PPO iteration takes
     ``ppo_epochs * num_minibatches`` per optimizer (and fewer when a step is skipped for a fault);
@@ -153,6 +157,9 @@ class IterationCheckpoint(ModelCheckpoint):
 
     def __init__(self, every_n_iterations: int = 10, save_last: bool = True, save_top_k: int = 1, **kwargs) -> None:
         require_number("IterationCheckpoint.every_n_iterations", every_n_iterations, integer=True, at_least=1)
+        # Given every_n_train_steps, Lightning turns its end-of-epoch save off unless asked for it (0: off).
+        if kwargs.get("every_n_epochs") is None:
+            kwargs["every_n_epochs"] = 1
         super().__init__(save_last=save_last, save_top_k=save_top_k, every_n_train_steps=0, **kwargs)
         self.every_n_iterations = every_n_iterations
         self._stop_signal: Optional[int] = None
@@ -168,6 +175,9 @@ class IterationCheckpoint(ModelCheckpoint):
 
     def _save_last(self, trainer, pl_module) -> Path:
         path = self._last_path()
+        # Set before saving, as Lightning does (it is part of the state), so that its own end-of-epoch
+        # save of last.ckpt overwrites this file instead of versioning a last-v1.ckpt beside it.
+        self.last_model_path = str(path)
         trainer.save_checkpoint(path)  # every rank takes part (sharded checkpoints); rank 0 writes a single file
         self._saved_at = pl_module.iteration
         return path
@@ -186,8 +196,13 @@ class IterationCheckpoint(ModelCheckpoint):
         rank_zero_info("Ctrl+C: finishing this iteration, then saving last.ckpt (Ctrl+C again to stop at once)")
         os.kill(os.getpid(), signal.SIGTERM)
 
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        self._saved_at = pl_module.iteration  # every save of this run (last.ckpt is written beside an epoch's)
+
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore_sigint()
+        if self.save_last and pl_module.iteration and self._saved_at != pl_module.iteration and not trainer.fast_dev_run:
+            self._save_last(trainer, pl_module)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._restore_sigint()
@@ -226,7 +241,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = tempfile.NamedTemporaryFile("wb", prefix=f".{target.name}.", suffix=".partial", dir=target.parent, delete=False)
+        # Opened outside the ``with`` below: the except clause needs its name to remove it.
+        partial = tempfile.NamedTemporaryFile("wb", prefix=f".{target.name}.", suffix=".partial", dir=target.parent, delete=False)  # noqa: SIM115
         try:
             with partial:
                 torch.save(checkpoint, partial)

@@ -1,4 +1,5 @@
-"""Checkpoints written before the built-in plugins were regrouped by kind (plugins/control.py,
+"""Checkpoints through the command: the last iteration of every run is in last.ckpt, and
+checkpoints written before the built-in plugins were regrouped by kind (plugins/control.py,
 reward_models.py, ... until 2026-11-25) resume: their recorded plugin class paths name the old
 modules, and the resume check compares them through registry.canonical_class_path."""
 
@@ -39,3 +40,16 @@ def test_a_checkpoint_naming_the_old_plugin_modules_resumes_and_another_kind_is_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (log,) = (tmp_path / "resumed").glob("lightning_logs/*/version_0")
     assert sorted(read_scalars(str(log))["objective/beta"]) == [2, 3]  # the second epoch's iterations, 0-based steps
+
+
+def test_the_last_iteration_is_in_last_ckpt_whatever_the_run_length(tmp_path):
+    """3 iterations with a checkpoint every 2 (RUN_ARGS): last.ckpt holds the third, and the
+    resumed run continues after it."""
+    first = run_cli(tmp_path, "--trainer.limit_train_batches=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    (ckpt,) = tmp_path.glob("lightning_logs/*/version_0/checkpoints/last.ckpt")
+    assert torch.load(ckpt, weights_only=False)["rlhf_lightning"]["iteration"] == 3
+    resumed = run_cli(tmp_path, "--trainer.limit_train_batches=3", "--trainer.max_epochs=2", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (log,) = tmp_path.glob("lightning_logs/*/version_1")
+    assert sorted(read_scalars(str(log))["objective/beta"]) == [3, 4, 5]
