@@ -91,8 +91,12 @@ class Reinforce(AdvantageEstimator):
         return pm.reward_to_go(rewards, mask, self.gamma), None
 
 
-@register("advantage_estimator", "reinforce_pp", aliases=("reinforce++",),
-          description="return-to-go whitened over the global batch, no critic (REINFORCE++)")  # fmt: skip
+@register(
+    "advantage_estimator",
+    "reinforce_pp",
+    aliases=("reinforce++",),
+    description="return-to-go whitened over the global batch, no critic (REINFORCE++)",
+)
 class ReinforcePlusPlus(AdvantageEstimator):
     """REINFORCE++ (Hu 2025): G_t = sum_{s >= t} gamma^(s-t) R_s, whitened over every real token of
     the global batch (all ranks): A_t = (G_t - mean G) / std G. Needs no groups."""

@@ -6,8 +6,9 @@ import contextlib
 import copy
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from lightning import Callback

@@ -50,9 +50,8 @@ def require_number(
     bounds = f" in {low[1]}, {high[1]}" if low and high else f" {(low or high)[0]}" if low or high else ""
     requirement = ("an integer" if integer else "a finite number") + bounds + (", or null" if optional else "")
     number = isinstance(value, int) if integer else finite_number(value)
-    require(
-        number and not isinstance(value, bool)
-        and (above is None or value > above) and (at_least is None or value >= at_least)
-        and (below is None or value < below) and (at_most is None or value <= at_most),
-        field, requirement, value,
-    )  # fmt: skip
+    # Short-circuit: the bounds are compared only once the value is a number.
+    ok = number and not isinstance(value, bool)
+    ok = ok and (above is None or value > above) and (at_least is None or value >= at_least)
+    ok = ok and (below is None or value < below) and (at_most is None or value <= at_most)
+    require(ok, field, requirement, value)

@@ -7,6 +7,7 @@ rlhf-lightning plugins      # every registered plugin, by kind
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -29,8 +30,9 @@ def print_plugins() -> None:
 
     rows = [
         (kind, entry.name, ", ".join(entry.aliases), entry.class_path + preset_arguments(entry.init_args), entry.description)
-        for kind, reg in REGISTRIES.items() for entry in reg.entries()
-    ]  # fmt: skip
+        for kind, reg in REGISTRIES.items()
+        for entry in reg.entries()
+    ]
     console = Console()
     if not console.is_terminal:
         print("\n".join("\t".join(row) for row in rows))
@@ -62,7 +64,7 @@ def quiet_library_noise() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
-def default_logger(root_dir: Optional[str], config_files: list) -> "TensorBoardLogger":
+def default_logger(root_dir: Optional[str], config_files: list) -> TensorBoardLogger:
     """Lightning's default TensorBoardLogger (``<root>/lightning_logs/version_N``) with the run's
     config files in the path, ``<root>/lightning_logs/quickstart/version_N`` (``tiny+fsdp2`` for two),
     so runs of different configs are not drawn on one axis, and without the placeholder ``hp_metric``.
@@ -153,7 +155,7 @@ def check_config_files(argv: list[str]) -> None:
 
     from rlhf_lightning.interfaces import ConfigError
 
-    paths = [b for a, b in zip(argv, argv[1:]) if a == "--config"] + [a[9:] for a in argv if a.startswith("--config=")]
+    paths = [b for a, b in itertools.pairwise(argv) if a == "--config"] + [a[9:] for a in argv if a.startswith("--config=")]
     for path in map(Path, paths):
         if not path.is_file():
             continue  # jsonargparse names a missing file itself

@@ -78,7 +78,7 @@ def _records(text: str, suffix: str, where: str, column: str) -> tuple[list[tupl
         for row in filter(None, reader):  # blank lines are no rows
             if len(row) != len(header):
                 raise ConfigError(f"{where}, line {reader.line_num}: {len(row)} fields where the header has {len(header)}")
-            records.append((f"line {reader.line_num}", dict(zip(header, row))))
+            records.append((f"line {reader.line_num}", dict(zip(header, row, strict=True))))
         return records, header
     if suffix == ".jsonl":
         records = []
@@ -144,7 +144,7 @@ def encode_prompts(
 def token_ids(tokenizer, tokens: list[str], field: str) -> Tensor:
     """The ids of ``tokens``, each ``eos`` (the EOS token) or a single token of ``tokenizer``."""
     ids = [tokenizer.eos_token_id if token == "eos" else tokenizer.convert_tokens_to_ids(token) for token in tokens]
-    for token, token_id in zip(tokens, ids):
+    for token, token_id in zip(tokens, ids, strict=True):
         require(token_id is not None and token_id != tokenizer.unk_token_id, field, "'eos' or a single token of this tokenizer", token)
     return torch.tensor(ids, dtype=torch.long)
 

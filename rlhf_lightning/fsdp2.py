@@ -43,8 +43,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     """
 
     def __init__(self, save_distributed_checkpoint: bool = True, **kwargs) -> None:
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
-                         save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)  # fmt: skip
+        super().__init__(
+            data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=save_distributed_checkpoint, **kwargs
+        )
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes
@@ -159,7 +160,7 @@ def gathered(model: nn.Module) -> Iterator[nn.Module]:
     try:
         yield model
     finally:
-        for m, reshard in zip(modules, _reshard_flags(modules, model)):
+        for m, reshard in zip(modules, _reshard_flags(modules, model), strict=True):
             m.set_reshard_after_forward(reshard, recurse=False)
             m.reshard()
 

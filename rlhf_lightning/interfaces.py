@@ -8,7 +8,8 @@ These are plain ABCs (not ``typing.Protocol``) so that jsonargparse can resolve
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Literal, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -262,7 +263,8 @@ class RewardModel(ABC):
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor | Sequence[float]:
         """Raw scores, one per response."""
 
-    def setup(self, device: torch.device) -> None:
+    # Not abstract: an optional hook, kept empty by a backend with nothing to load.
+    def setup(self, device: torch.device) -> None:  # noqa: B027
         """Called once before use with the device the policy runs on (load or move models here)."""
 
     def __call__(

@@ -129,17 +129,16 @@ class KLGuard(Callback):
         snapshot_every: int = 1,
         max_consecutive_rollbacks: int = 3,
     ) -> None:
+        args = dict(locals())  # the settings by name, for the messages
+
         def check(ok: bool, field: str, requirement: str) -> None:
             require(ok, f"KLGuard.{field}", requirement, args[field])
 
-        args = dict(max_kl=max_kl, max_kl_max=max_kl_max, action=action, spike_factor=spike_factor, level=level,
-                    ema_decay=ema_decay, window=window, warmup=warmup, min_level=min_level,
-                    snapshot_every=snapshot_every, max_consecutive_rollbacks=max_consecutive_rollbacks)  # fmt: skip
         check(max_kl is None or max_kl > 0, "max_kl", "> 0 or None")
         check(max_kl_max is None or max_kl_max > 0, "max_kl_max", "> 0 or None")
         check(action in ("warn", "stop", "rollback"), "action", "one of warn, stop, rollback")
-        check(action == "warn" or max_kl is not None or max_kl_max is not None, "action",
-              "'warn' when neither max_kl nor max_kl_max is set")  # fmt: skip
+        has_budget = max_kl is not None or max_kl_max is not None
+        check(action == "warn" or has_budget, "action", "'warn' when neither max_kl nor max_kl_max is set")
         check(spike_factor is None or spike_factor > 1, "spike_factor", "> 1 or None")
         check(level in ("ema", "median"), "level", "'ema' or 'median'")
         check(0 <= ema_decay < 1, "ema_decay", "in [0, 1)")
@@ -179,8 +178,11 @@ class KLGuard(Callback):
         if spikes:
             self.counts["spikes"] += 1
             self._report(trainer, iteration, f"KL spike at iteration {iteration}: " + "; ".join(spikes))
-        violations = [f"{name} = {values[name]:.4g} > {'max_kl' if name == 'objective/kl' else 'max_kl_max'} = {limit:g}"
-                      for name, limit in self.budgets.items() if limit is not None and values.get(name, -np.inf) > limit]  # fmt: skip
+        violations = [
+            f"{name} = {values[name]:.4g} > {'max_kl' if name == 'objective/kl' else 'max_kl_max'} = {limit:g}"
+            for name, limit in self.budgets.items()
+            if limit is not None and values.get(name, -np.inf) > limit
+        ]
         rolled_back = False
         if violations:
             self.counts["violations"] += 1
@@ -240,7 +242,7 @@ class KLGuard(Callback):
     @staticmethod
     def take_snapshot(trainer, pl_module) -> dict[str, Any]:
         """CPU copies of what a rollback restores: trainable module tensors, optimizer and beta state."""
-        cpu_copy = lambda obj: apply_to_collection(obj, Tensor, lambda t: t.detach().to("cpu", copy=True))  # noqa: E731
+        cpu_copy = lambda obj: apply_to_collection(obj, Tensor, lambda t: t.detach().to("cpu", copy=True))
         # Frozen parameters cannot change, and tied weights share storage: copy each storage once.
         seen = {p.data_ptr() for p in pl_module.parameters() if not p.requires_grad}
         weights = {}
@@ -377,7 +379,7 @@ def token_kl_image(samples: list[tuple[str, list[str], list[float]]], line_chars
     for header, texts, kls in samples:
         items.append(("header", 0, line, header[:line_chars], 0.0))
         line, column = line + 1, 0
-        for text, value in zip(texts, kls):
+        for text, value in zip(texts, kls, strict=True):
             text = (text.replace("\n", "\\n").replace("\t", "\\t") or "''")[:line_chars]
             if column + len(text) > line_chars:
                 line, column = line + 1, 0
@@ -398,16 +400,15 @@ def token_kl_image(samples: list[tuple[str, list[str], list[float]]], line_chars
     ax.set_xlim(0, line_chars)
     ax.set_ylim(n_lines, 0)
     ax.axis("off")
+    text_style = dict(va="center", ha="left", fontsize=fontsize, family="monospace", parse_math=False)
     for kind, column, row, text, value in items:
         if kind == "header":
-            ax.text(0, row + 0.5, text, va="center", ha="left", fontsize=fontsize, family="monospace",
-                    color="0.3", parse_math=False)  # fmt: skip
+            ax.text(0, row + 0.5, text, color="0.3", **text_style)
             continue
         color = cmap(norm(value)) if np.isfinite(value) else (0.6, 0.6, 0.6, 1.0)
         ax.add_patch(Rectangle((column, row + 0.08), len(text), 0.84, facecolor=color, edgecolor="0.85", linewidth=0.4))
         dark = np.isfinite(value) and abs(norm(value) - 0.5) > 0.35
-        ax.text(column, row + 0.5, text, va="center", ha="left", fontsize=fontsize, family="monospace",
-                color="white" if dark else "black", parse_math=False)  # fmt: skip
+        ax.text(column, row + 0.5, text, color="white" if dark else "black", **text_style)
     cax = fig.add_axes((0.25, (margin + 0.4) / height, 0.5, 0.12 / height))
     fig.colorbar(ScalarMappable(norm, cmap), cax=cax, orientation="horizontal", label="per-token KL estimate (nats)")
     with warnings.catch_warnings():

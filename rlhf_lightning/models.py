@@ -216,7 +216,7 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_policy(cls, policy: nn.Module, shared: bool = False) -> "ValueModel":
+    def from_policy(cls, policy: nn.Module, shared: bool = False) -> ValueModel:
         if shared:
             return cls(policy.config.hidden_size)
         trunk = copy.deepcopy(getattr(policy, policy.base_model_prefix))
@@ -488,7 +488,7 @@ class PolicyNetworks:
         policy's own (from the sampler or a forward), so the KL is exactly 0 and no reference
         forward runs; compared smallest tensors first, so a trained policy differs within a few."""
         if self.ref_model is not None or self.reference_update.moves:
-            pairs = list(zip(*self._reference_parameters()))
+            pairs = list(zip(*self._reference_parameters(), strict=True))
         else:
             pairs = [(p, torch.zeros_like(p)) for name, p in self.policy.named_parameters() if ".lora_B.default." in name]
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # FSDP2: each rank its shards

@@ -368,7 +368,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         return {"rollout": rollout, "kl": scored.kl, "scores": scored.raw_scores, "metrics": metrics, "skipped": False}
 
     @torch.no_grad()
-    def rollout(self, prompts: list[str], timer: Optional["Timer"] = None) -> Rollout:
+    def rollout(self, prompts: list[str], timer: Optional[Timer] = None) -> Rollout:
         """Sample one response per prompt (timed as ``rollout``), then log pi_old and V_old (from
         the sampler's logits, or a batched forward) and log pi_ref (one batched forward of the
         reference), timed as ``forward``."""
@@ -477,7 +477,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         # aggregation's weights w (global denominators), times the world size that DDP divides by.
         weights = self.loss_aggregation.weights(rollout.mask[minibatch], self.hparams.max_new_tokens, self._reduce)
         weights = weights * self.trainer.world_size
-        micro_batches = list(zip(minibatch.split(size), weights.split(size)))
+        micro_batches = list(zip(minibatch.split(size), weights.split(size), strict=True))
         for i, (idx, micro_weights) in enumerate(micro_batches):
             with self._no_grad_sync(last=i == len(micro_batches) - 1):
                 loss = self.ppo_loss(rollout, advantages, returns, idx, kl_coef, micro_weights)

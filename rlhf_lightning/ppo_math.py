@@ -9,7 +9,8 @@ variances are global under DDP; the default is the identity (single process).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -149,9 +150,14 @@ class TokenLoss(NamedTuple):
 
 
 def clipped_surrogate(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
     clip_ratio_c: Optional[float] = None,
-) -> TokenLoss:  # fmt: skip
+) -> TokenLoss:
     """PPO's clipped surrogate per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),
     r = pi / pi_old (Schulman et al. 2017; clip_high > clip_low is DAPO's clip-higher). With
     ``clip_ratio_c`` (dual clip, Ye et al. 2020) tokens with A < 0 are also capped at -A * c."""

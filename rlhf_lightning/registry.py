@@ -26,10 +26,11 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Optional
 
 from rlhf_lightning.checks import require
 
@@ -146,8 +147,7 @@ class Registry:
             return spec
         if isinstance(spec, str):
             return self.create(spec)
-        require(False, field or self.kind, f"a registered name ({', '.join(self.names())}) or a {self.base.__name__} instance",
-                spec)  # fmt: skip
+        require(False, field or self.kind, f"a registered name ({', '.join(self.names())}) or a {self.base.__name__} instance", spec)
 
     def names(self) -> list[str]:
         _load_plugins()

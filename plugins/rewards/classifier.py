@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -51,8 +52,9 @@ class HFClassifierReward(EncoderReward):
                 self.tokenizer.pad_token = self.tokenizer.eos_token
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
             self.model.requires_grad_(False).eval()
-            require(0 <= self.label_index < self.model.config.num_labels, "reward_model.label_index",
-                    f"in [0, {self.model.config.num_labels}): {self.path} has {self.model.config.num_labels} labels", self.label_index)  # fmt: skip
+            labels = self.model.config.num_labels
+            requirement = f"in [0, {labels}): {self.path} has {labels} labels"
+            require(0 <= self.label_index < labels, "reward_model.label_index", requirement, self.label_index)
         self.device = device
         self.model.to(device)
 
@@ -60,7 +62,7 @@ class HFClassifierReward(EncoderReward):
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
         if self.model is None:
             self.setup(self.device)
-        texts = [p + self.separator + r if self.include_prompt else r for p, r in zip(prompts, responses)]
+        texts = [p + self.separator + r if self.include_prompt else r for p, r in zip(prompts, responses, strict=True)]
         return torch.cat([self.model(**enc).logits[:, self.label_index].float().cpu() for enc in self.batches(texts)])
 
 

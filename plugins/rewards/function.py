@@ -7,7 +7,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import threading
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 from torch import Tensor
 
@@ -64,8 +65,9 @@ class CallableReward(RewardModel):
                 signature.bind(["prompt"], ["response"], **self.kwargs)
             except TypeError as err:
                 empty = inspect.Parameter.empty  # shown without annotations: the names are what must match
-                signature = signature.replace(parameters=[q.replace(annotation=empty) for q in signature.parameters.values()],
-                                              return_annotation=empty)  # fmt: skip
+                signature = signature.replace(
+                    parameters=[q.replace(annotation=empty) for q in signature.parameters.values()], return_annotation=empty
+                )
                 raise ConfigError(
                     f"reward_model.function {function}{signature} cannot be called as (prompts, responses"
                     f"{''.join(f', {k}=...' for k in self.kwargs)}) with reward_model.kwargs {self.kwargs}: {err}"

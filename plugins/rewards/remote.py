@@ -11,7 +11,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -81,8 +82,8 @@ class RemoteReward(RewardModel):
     ) -> None:
         super().__init__(**options)
         parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
-        require(parts is not None and parts.scheme in ("http", "https") and bool(parts.netloc), "reward_model.url",
-                "an http:// or https:// address", url)  # fmt: skip
+        web_address = parts is not None and parts.scheme in ("http", "https") and bool(parts.netloc)
+        require(web_address, "reward_model.url", "an http:// or https:// address", url)
         require_number("reward_model.timeout", timeout, above=0)
         require_number("reward_model.max_retries", max_retries, integer=True, at_least=0)
         require_number("reward_model.backoff", backoff, at_least=0)
@@ -90,8 +91,8 @@ class RemoteReward(RewardModel):
         require_number("reward_model.batch_size", batch_size, integer=True, at_least=1)
         require(isinstance(scores_key, str) and bool(scores_key), "reward_model.scores_key", "a non-empty string", scores_key)
         headers = dict(headers or {})
-        require(all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()), "reward_model.headers",
-                "a mapping of header names to string values", headers)  # fmt: skip
+        string_headers = all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())
+        require(string_headers, "reward_model.headers", "a mapping of header names to string values", headers)
         self.url, self.scores_key = url, scores_key
         self.timeout, self.max_retries = float(timeout), max_retries
         self.backoff, self.max_backoff = float(backoff), float(max_backoff)
@@ -225,7 +226,7 @@ class _Deadline:
 
         return Connection
 
-    def __enter__(self) -> "_Deadline":
+    def __enter__(self) -> _Deadline:
         self.timer.start()
         return self
 

@@ -8,8 +8,9 @@ any local folder), never from the Hugging Face Hub.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ class SentimentReward(RewardModel):
         self.analyzer = SentimentIntensityAnalyzer()  # reads a small lexicon file
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
-        texts = [p + self.separator + r if self.include_prompt else r for p, r in zip(prompts, responses)]
+        texts = [p + self.separator + r if self.include_prompt else r for p, r in zip(prompts, responses, strict=True)]
         return torch.tensor([self.analyzer.polarity_scores(t)["compound"] for t in texts], dtype=torch.float64)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def char_count(prompts: Sequence[str], responses: Sequence[str], chars: str = "e", scale: float = 1.0) -> list[float]:

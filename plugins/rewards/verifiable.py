@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -35,8 +36,8 @@ def question_answer(prompt: str) -> int:
     """The integer answer of the first ``a OP b`` in ``prompt`` (OP one of + - * x ×); a ConfigError
     naming the prompt when it holds none."""
     match = QUESTION.search(prompt)
-    require(match is not None, "each prompt scored by reward_model exact_answer",
-            "an arithmetic question 'a + b', 'a - b' or 'a * b'", prompt)  # fmt: skip
+    requirement = "an arithmetic question 'a + b', 'a - b' or 'a * b'"
+    require(match is not None, "each prompt scored by reward_model exact_answer", requirement, prompt)
     a, op, b = match.groups()
     return OPERATIONS[op](int(a), int(b))
 
@@ -87,5 +88,5 @@ class ExactAnswerReward(RewardModel):
         self.wrong_score = float(wrong_score)
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
-        correct = [parse_answer(response) == question_answer(prompt) for prompt, response in zip(prompts, responses)]
+        correct = [parse_answer(response) == question_answer(prompt) for prompt, response in zip(prompts, responses, strict=True)]
         return torch.tensor([1.0 if ok else self.wrong_score for ok in correct])
