@@ -54,6 +54,20 @@ class _DropAdvertisements(logging.Filter):
         return not record.getMessage().startswith("💡 Tip")
 
 
+# Trainer settings of a scripted run (the tools' runs): one CPU process with no logger, checkpoints,
+# progress bar, model summary, sanity check or validation. Trainer(**QUIET_TRAINER, callbacks=...).
+QUIET_TRAINER: dict = dict(
+    accelerator="cpu",
+    devices=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    limit_val_batches=0,
+)
+
+
 def quiet_library_noise() -> None:
     """Silence what libraries print at start that a user can do nothing about: Lightning's hosted
     logger tip, and deprecation notices about library internals (transformers' gradient-checkpointing

@@ -88,8 +88,9 @@ import tempfile
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_RESULT "
@@ -99,9 +100,12 @@ PHASES = ("rollout", "score", "score_policy", "score_ref", "advantages", "update
 # ---------------------------------------------------------------------------------- arguments
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("full", "lora", "grpo", "both", "all"), default="all",
-                        help="full fine-tuning, LoRA (with a shared critic), critic-free GRPO on LoRA; both: full and "
-                             "lora; all (default): the three")  # fmt: skip
+    parser.add_argument(
+        "--mode",
+        choices=("full", "lora", "grpo", "both", "all"),
+        default="all",
+        help="full fine-tuning, LoRA (with a shared critic), critic-free GRPO on LoRA; both: full and lora; all (default): the three",
+    )
     parser.add_argument("--ppo-epochs", type=int, nargs="+", default=[1, 4], help="PPO epochs per iteration (one run each)")
     parser.add_argument("--iters", type=int, help="timed iterations per run (default 5; --tiny: 2)")
     parser.add_argument("--warmup", type=int, help="untimed iterations first (default 1)")
@@ -151,12 +155,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+# The settings a worker is given on its command line when set (--name-with-dashes VALUE).
+WORKER_SETTINGS = [
+    "iters",
+    "warmup",
+    "policy",
+    "batch_size",
+    "max_new_tokens",
+    "num_minibatches",
+    "num_generations",
+    "critic",
+    "old_logprobs",
+    "cpu_linear",
+    "lora_rank",
+    "reward",
+    "device",
+    "threads",
+    "profile_rows",
+    "strategy",
+    "devices",
+    "results_dir",
+]
+
+
 def worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
     """The command line of one mode's runs: this script with every setting spelled out."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--ppo-epochs"]
     argv += [str(epochs) for epochs in args.ppo_epochs]
-    for name in ("iters", "warmup", "policy", "batch_size", "max_new_tokens", "num_minibatches", "num_generations", "critic", "old_logprobs", "cpu_linear",
-                 "lora_rank", "reward", "device", "threads", "profile_rows", "strategy", "devices", "results_dir"):  # fmt: skip
+    for name in WORKER_SETTINGS:
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     for flag in ("no_chat_template", "bf16", "profile", "profile_shapes"):
@@ -352,6 +378,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     from lightning import Trainer, seed_everything
     from torch.utils.data import DataLoader
 
+    from rlhf_lightning.cli import QUIET_TRAINER
     from rlhf_lightning.fsdp2 import FSDP2Strategy
 
     quiet()
@@ -363,11 +390,21 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     critic = "none" if grpo else args.critic or ("shared" if lora else "separate")
     group = dict(advantage_estimator="grpo", num_generations=args.num_generations) if grpo else {}
     module = bench_module_class()(
-        policy=args.policy, reward_model=args.reward, max_new_tokens=args.max_new_tokens,
-        min_new_tokens=args.max_new_tokens, use_chat_template=not args.no_chat_template,
-        ppo_epochs=ppo_epochs, num_minibatches=args.num_minibatches, critic=critic, old_logprobs=args.old_logprobs,
-        cpu_linear=args.cpu_linear, lora_rank=args.lora_rank if lora else 0, lora_alpha=2.0 * args.lora_rank, log_samples_every_n_steps=0, **group,
-    )  # fmt: skip
+        policy=args.policy,
+        reward_model=args.reward,
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.max_new_tokens,
+        use_chat_template=not args.no_chat_template,
+        ppo_epochs=ppo_epochs,
+        num_minibatches=args.num_minibatches,
+        critic=critic,
+        old_logprobs=args.old_logprobs,
+        cpu_linear=args.cpu_linear,
+        lora_rank=args.lora_rank if lora else 0,
+        lora_alpha=2.0 * args.lora_rank,
+        log_samples_every_n_steps=0,
+        **group,
+    )
     prompts_per_batch = args.batch_size // module.hparams.num_generations  # the same number of responses in every mode
     prompts = builtin_prompts(prompts_per_batch)
     batches = args.warmup + args.iters + int(args.profile)
@@ -376,12 +413,14 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     recorder = iteration_recorder(args)
     with tempfile.TemporaryDirectory(prefix="rlhf_bench_") as root:
         trainer = Trainer(
-            accelerator="gpu" if args.device == "cuda" else "cpu", devices=args.devices, max_epochs=1,
+            **{**QUIET_TRAINER, "accelerator": "gpu" if args.device == "cuda" else "cpu", "devices": args.devices},
+            max_epochs=1,
             strategy={"single": "auto", "ddp": "ddp", "fsdp2": FSDP2Strategy()}[args.strategy],
-            limit_train_batches=batches, limit_val_batches=0, num_sanity_val_steps=0,
-            precision="bf16-mixed" if args.bf16 else "32-true", logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], default_root_dir=root,
-        )  # fmt: skip
+            limit_train_batches=batches,
+            precision="bf16-mixed" if args.bf16 else "32-true",
+            callbacks=[recorder],
+            default_root_dir=root,
+        )
         trainer.fit(module, train_dataloaders=loader)
     gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else 0.0
     updates = ppo_epochs * args.num_minibatches
@@ -390,30 +429,50 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     median = statistics.median
     enc = module.last_encoding
     costs = iteration_costs(
-        ModelShape.of(module.policy), batch=int(enc["input_ids"].shape[0]), prompt_len=int(enc["input_ids"].shape[1]),
-        response_len=int(module.last_rollout.response.shape[1]), ppo_epochs=ppo_epochs, num_minibatches=args.num_minibatches,
+        ModelShape.of(module.policy),
+        batch=int(enc["input_ids"].shape[0]),
+        prompt_len=int(enc["input_ids"].shape[1]),
+        response_len=int(module.last_rollout.response.shape[1]),
+        ppo_epochs=ppo_epochs,
+        num_minibatches=args.num_minibatches,
         policy_trainable=trainable_numel(module.policy) + (trainable_numel(module.critic) if module._shared_critic else 0),
         critic_trainable=trainable_numel(module.critic) if critic == "separate" else 0,
-        lora_params=trainable_numel(module.policy) if lora else 0, critic=critic, old_logprobs=args.old_logprobs,
-    )  # fmt: skip
+        lora_params=trainable_numel(module.policy) if lora else 0,
+        critic=critic,
+        old_logprobs=args.old_logprobs,
+    )
     return {
-        "mode": args.mode, "ppo_epochs": ppo_epochs, "num_minibatches": args.num_minibatches,
-        "strategy": args.strategy, "devices": args.devices, "rank": trainer.global_rank,
+        "mode": args.mode,
+        "ppo_epochs": ppo_epochs,
+        "num_minibatches": args.num_minibatches,
+        "strategy": args.strategy,
+        "devices": args.devices,
+        "rank": trainer.global_rank,
         "param_numel_local": module.param_numel_local,
-        "critic": critic, "old_logprobs": args.old_logprobs, "cpu_linear": args.cpu_linear, "policy": args.policy, "threads": torch.get_num_threads(),
-        "batch": int(enc["input_ids"].shape[0]), "prompt_len": int(enc["input_ids"].shape[1]),
+        "critic": critic,
+        "old_logprobs": args.old_logprobs,
+        "cpu_linear": args.cpu_linear,
+        "policy": args.policy,
+        "threads": torch.get_num_threads(),
+        "batch": int(enc["input_ids"].shape[0]),
+        "prompt_len": int(enc["input_ids"].shape[1]),
         "prompt_len_mean": float(enc["attention_mask"].sum(-1).float().mean()),
         "response_len": int(module.last_rollout.response.shape[1]),
-        "iter_s": median(totals), "tokens_per_s": median(t / s for t, s in zip(recorder.tokens, totals)),
+        "iter_s": median(totals),
+        "tokens_per_s": median(t / s for t, s in zip(recorder.tokens, totals, strict=True)),
         "phases": {p: median(it.get(p, 0.0) for it in recorder.iterations) for p in PHASES},
         "floors": {name: median(f[name] for f in recorder.floors) for name in recorder.floors[0]},
         "floor_sum": median(floor_sums),
         # Each iteration against the floors measured right after it: a changing load hits both alike.
-        "rollout_vs_generate": median(it["rollout"] / f["generate"] for it, f in zip(recorder.iterations, recorder.floors)),
-        "iteration_vs_floors": median(t / f for t, f in zip(totals, floor_sums)),
-        "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": gpu_mb, "iterations": recorder.iterations,
-        "load": [load_before, os.getloadavg()[0]], "profile": recorder.profile_table, "roofline_costs": costs,
-    }  # fmt: skip
+        "rollout_vs_generate": median(it["rollout"] / f["generate"] for it, f in zip(recorder.iterations, recorder.floors, strict=True)),
+        "iteration_vs_floors": median(t / f for t, f in zip(totals, floor_sums, strict=True)),
+        "peak_rss_mb": peak_rss_mb(),
+        "peak_gpu_mb": gpu_mb,
+        "iterations": recorder.iterations,
+        "load": [load_before, os.getloadavg()[0]],
+        "profile": recorder.profile_table,
+        "roofline_costs": costs,
+    }
 
 
 def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
@@ -459,8 +518,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
 
     def reference_forward():
         with torch.no_grad(), autocast():
-            reference(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False,
-                      logits_to_keep=response_len + 1)  # fmt: skip
+            reference(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=False, logits_to_keep=response_len + 1)
 
     def critic_forward():
         with torch.no_grad(), autocast():
@@ -469,9 +527,13 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     def forward_backward():
         with autocast():
             out = module.policy(
-                input_ids=ids[rows], attention_mask=attn[rows], position_ids=positions[rows], use_cache=False,
-                logits_to_keep=response_len + 1, output_hidden_states=module.critic is not None and not separate_critic,
-            )  # fmt: skip
+                input_ids=ids[rows],
+                attention_mask=attn[rows],
+                position_ids=positions[rows],
+                use_cache=False,
+                logits_to_keep=response_len + 1,
+                output_hidden_states=module.critic is not None and not separate_critic,
+            )
             logprobs = out.logits[:, :-1].float().log_softmax(-1).gather(-1, rollout.response[rows, :, None])
             if module.critic is None:
                 values = torch.zeros(())
@@ -512,8 +574,11 @@ def measure_peaks(args: argparse.Namespace) -> dict[str, float]:
     if args.threads:
         torch.set_num_threads(args.threads)
     peaks = machine_peaks(args.device, "bfloat16" if args.bf16 else "float32", seconds=0.2 if args.tiny else 1.0)
-    print(f"machine: {peaks['flops_per_s'] / 1e9:.1f} GFLOP/s sustained matmul, {peaks['bytes_per_s'] / 1e9:.1f} GB/s read "
-          f"({torch.get_num_threads()} thread(s))", flush=True)  # fmt: skip
+    print(
+        f"machine: {peaks['flops_per_s'] / 1e9:.1f} GFLOP/s sustained matmul, {peaks['bytes_per_s'] / 1e9:.1f} GB/s read "
+        f"({torch.get_num_threads()} thread(s))",
+        flush=True,
+    )
     return peaks
 
 
@@ -546,7 +611,7 @@ class ModelShape:
     layer_matmul_params: int
 
     @classmethod
-    def of(cls, model) -> "ModelShape":
+    def of(cls, model) -> ModelShape:
         """From a Hugging Face causal LM (or its PEFT wrapper): the config's sizes and the
         ``nn.Linear`` weights of its first block (LoRA factors excluded: see ``lora_params``)."""
         from torch import nn
@@ -556,9 +621,13 @@ class ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         matmul = sum(m.weight.numel() for name, m in layer.named_modules() if isinstance(m, nn.Linear) and "lora_" not in name)
         return cls(
-            layers=config.num_hidden_layers, hidden=config.hidden_size, attn_dim=config.num_attention_heads * head_dim,
-            kv_dim=config.num_key_value_heads * head_dim, vocab=config.vocab_size, layer_matmul_params=matmul,
-        )  # fmt: skip
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            attn_dim=config.num_attention_heads * head_dim,
+            kv_dim=config.num_key_value_heads * head_dim,
+            vocab=config.vocab_size,
+            layer_matmul_params=matmul,
+        )
 
     @property
     def matmul_params(self) -> int:
@@ -566,8 +635,9 @@ class ModelShape:
         return self.layers * self.layer_matmul_params
 
 
-def forward_cost(shape: ModelShape, rows: int, new: int, past: int = 0, logits: int = 0, extra_params: int = 0,
-                 word_bytes: int = 4) -> tuple[float, float]:  # fmt: skip
+def forward_cost(
+    shape: ModelShape, rows: int, new: int, past: int = 0, logits: int = 0, extra_params: int = 0, word_bytes: int = 4
+) -> tuple[float, float]:
     """(FLOPs, bytes read) of one forward of ``rows`` sequences over ``new`` positions after ``past``
     cached ones, with the LM head on the last ``logits`` positions of each row:
 
@@ -588,8 +658,9 @@ def forward_cost(shape: ModelShape, rows: int, new: int, past: int = 0, logits: 
     return float(flops), float(word_bytes * (weights + 2 * shape.layers * shape.kv_dim * rows * past))
 
 
-def backward_cost(shape: ModelShape, rows: int, seq: int, logits: int, trains_base: bool, lora_params: int = 0,
-                  word_bytes: int = 4) -> tuple[float, float]:  # fmt: skip
+def backward_cost(
+    shape: ModelShape, rows: int, seq: int, logits: int, trains_base: bool, lora_params: int = 0, word_bytes: int = 4
+) -> tuple[float, float]:
     """(FLOPs, bytes) of the backward of ``forward_cost(shape, rows, seq, 0, logits, lora_params)``:
     every matmul's input gradient (the forward's matmul FLOPs once more), its weight gradient where
     the weight trains (the base weights with ``trains_base``, the LoRA factors always: the same
@@ -611,9 +682,20 @@ def adamw_cost(trainable: int, word_bytes: int = 4) -> tuple[float, float]:
     return 12.0 * trainable, 7.0 * word_bytes * trainable
 
 
-def iteration_costs(shape: ModelShape, batch: int, prompt_len: int, response_len: int, ppo_epochs: int, num_minibatches: int,
-                    policy_trainable: int, critic_trainable: int = 0, lora_params: int = 0, critic: str = "separate",
-                    old_logprobs: str = "forward", word_bytes: int = 4) -> dict[str, list[tuple[float, float]]]:  # fmt: skip
+def iteration_costs(
+    shape: ModelShape,
+    batch: int,
+    prompt_len: int,
+    response_len: int,
+    ppo_epochs: int,
+    num_minibatches: int,
+    policy_trainable: int,
+    critic_trainable: int = 0,
+    lora_params: int = 0,
+    critic: str = "separate",
+    old_logprobs: str = "forward",
+    word_bytes: int = 4,
+) -> dict[str, list[tuple[float, float]]]:
     """Each phase's passes as (FLOPs, bytes) pairs, one per pass over the weights (a decode step,
     a forward, a backward, an optimizer step): what one PPO iteration must compute at least.
 
@@ -633,8 +715,10 @@ def iteration_costs(shape: ModelShape, batch: int, prompt_len: int, response_len
     score.append(forward_cost(shape, batch, seq, 0, response_len + 1, 0, w))
     if critic == "separate":
         score.append(forward_cost(shape, batch, seq, 0, 0, 0, w))
-    minibatch = [forward_cost(shape, rows, seq, 0, response_len + 1, lora_params, w),
-                 backward_cost(shape, rows, seq, response_len + 1, not lora_params, lora_params, w)]  # fmt: skip
+    minibatch = [
+        forward_cost(shape, rows, seq, 0, response_len + 1, lora_params, w),
+        backward_cost(shape, rows, seq, response_len + 1, not lora_params, lora_params, w),
+    ]
     if critic == "separate":  # its own trunk: the policy's without the LM head
         minibatch += [
             forward_cost(shape, rows, seq, 0, 0, 0, w),
@@ -733,10 +817,12 @@ def format_table(results: Sequence[dict]) -> str:
         )
     sharded = [r for r in results if "generate_sharded" in r["floors"]]
     if sharded:
-        lines.append("generate on the sharded policy, each block gathered at every decode step (sharded gen) vs gathered "
-                     "once (the generate floor): " + ", ".join(
-                         f"{r['mode']}/{r['ppo_epochs']}/{rank_label(r)}: {r['floors']['generate_sharded']:.3f} s vs "
-                         f"{r['floors']['generate']:.3f} s" for r in sharded))  # fmt: skip
+        seconds = (f"{r['floors']['generate_sharded']:.3f} s vs {r['floors']['generate']:.3f} s" for r in sharded)
+        labels = (f"{r['mode']}/{r['ppo_epochs']}/{rank_label(r)}" for r in sharded)
+        lines.append(
+            "generate on the sharded policy, each block gathered at every decode step (sharded gen) vs gathered "
+            "once (the generate floor): " + ", ".join(f"{label}: {s}" for label, s in zip(labels, seconds, strict=True))
+        )
     if any(r["peak_gpu_mb"] for r in results):
         lines.append("peak GPU MB: " + ", ".join(f"{r['mode']}/{r['ppo_epochs']}: {r['peak_gpu_mb']:.0f}" for r in results))
     return "\n".join(lines)
@@ -754,8 +840,12 @@ def roofline(r: dict, peaks: dict[str, float]) -> dict[str, dict[str, float]]:
     for phase in ROOFLINE_PHASES:
         passes = r["roofline_costs"][phase]
         floor = floor_seconds(passes, peaks["flops_per_s"], peaks["bytes_per_s"])
-        rows[phase] = {"gflop": sum(f for f, _ in passes) / 1e9, "gb": sum(b for _, b in passes) / 1e9, "floor_s": floor,
-                       "measured_s": measured[phase]}  # fmt: skip
+        rows[phase] = {
+            "gflop": sum(f for f, _ in passes) / 1e9,
+            "gb": sum(b for _, b in passes) / 1e9,
+            "floor_s": floor,
+            "measured_s": measured[phase],
+        }
     rows["iteration"] = {key: sum(rows[p][key] for p in ROOFLINE_PHASES) for key in ("gflop", "gb", "floor_s")}
     rows["iteration"]["measured_s"] = r["iter_s"]
     for row in rows.values():
@@ -774,8 +864,10 @@ def format_roofline(results: Sequence[dict], peaks: dict[str, float]) -> str:
     ]
     for r in results:
         for phase, row in roofline(r, peaks).items():
-            lines.append(f"| {r['mode']} | {r['ppo_epochs']} | {phase} | {row['gflop']:.1f} | {row['gb']:.2f} | {row['floor_s']:.3f} "
-                         f"| {row['measured_s']:.3f} | {row['ratio']:.2f} |")  # fmt: skip
+            lines.append(
+                f"| {r['mode']} | {r['ppo_epochs']} | {phase} | {row['gflop']:.1f} | {row['gb']:.2f} | {row['floor_s']:.3f} "
+                f"| {row['measured_s']:.3f} | {row['ratio']:.2f} |"
+            )
     return "\n".join(lines)
 
 

@@ -32,15 +32,16 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from lightning import Callback, Trainer, seed_everything  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
+from lightning import Callback, Trainer, seed_everything
 
-from rlhf_lightning.data import PromptDataModule  # noqa: E402
-from rlhf_lightning.interfaces import BetaController  # noqa: E402
-from rlhf_lightning.module import PPORLHF  # noqa: E402
-from rlhf_lightning.registry import registry  # noqa: E402
-from rlhf_lightning_plugins.rewards.function import CallableReward  # noqa: E402
+from rlhf_lightning.cli import QUIET_TRAINER
+from rlhf_lightning.data import PromptDataModule
+from rlhf_lightning.interfaces import BetaController
+from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.registry import registry
+from rlhf_lightning_plugins.rewards.function import CallableReward
 
 BATCH_SIZE = 8
 # name -> extra init_args beyond init_beta and target
@@ -73,24 +74,33 @@ def build_controller(name: str, target: float, init_beta: float) -> BetaControll
 
 
 def run_controller(
-    ctrl: BetaController, iterations: int, seed: int, max_new_tokens: int, workdir: Path, advantage: str = "gae",
+    ctrl: BetaController,
+    iterations: int,
+    seed: int,
+    max_new_tokens: int,
+    workdir: Path,
+    advantage: str = "gae",
     num_generations: int = 1,
-) -> list[tuple]:  # fmt: skip
+) -> list[tuple]:
     """One fit of the tiny task (as tests/helpers.py ``fit``) with ``ctrl``; returns per-iteration rows."""
     seed_everything(seed, verbose=False)
     module = PPORLHF(
-        policy="tiny", seed=seed, kl_estimator="k1", beta_controller=ctrl, advantage_estimator=advantage,
+        policy="tiny",
+        seed=seed,
+        kl_estimator="k1",
+        beta_controller=ctrl,
+        advantage_estimator=advantage,
         num_generations=num_generations,
         reward_model=CallableReward(function="rlhf_lightning_plugins.rewards.toy:char_count", kwargs={"chars": "e"}),
-        max_new_tokens=max_new_tokens, ppo_epochs=2, num_minibatches=1, lr=3e-3, vf_coef=0.5,
+        max_new_tokens=max_new_tokens,
+        ppo_epochs=2,
+        num_minibatches=1,
+        lr=3e-3,
+        vf_coef=0.5,
         log_samples_every_n_steps=0,
-    )  # fmt: skip
+    )
     recorder = Recorder(iterations)
-    trainer = Trainer(
-        accelerator="cpu", devices=1, max_epochs=-1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder], default_root_dir=str(workdir),
-        num_sanity_val_steps=0,
-    )  # fmt: skip
+    trainer = Trainer(**QUIET_TRAINER, max_epochs=-1, callbacks=[recorder], default_root_dir=str(workdir))
     trainer.fit(module, datamodule=PromptDataModule(batch_size=BATCH_SIZE // num_generations))
     return recorder.rows
 
@@ -114,7 +124,7 @@ def summary_table(results: dict[str, list[tuple]], target: float, tolerance: flo
         "|---|---|---|---|---|---|",
     ]
     for name, rows in results.items():
-        kls, betas, rewards = zip(*rows)
+        kls, betas, rewards = zip(*rows, strict=True)
         settle = settling_time(list(kls), target, tolerance, window)
         tail = slice(-min(10, len(rows)), None)
         lines.append(
@@ -127,7 +137,7 @@ def summary_table(results: dict[str, list[tuple]], target: float, tolerance: flo
 def plot(results: dict[str, list[tuple]], target: float, tolerance: float, path: Path, advantage: str = "gae") -> None:
     fig, (ax_kl, ax_beta) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     for name, rows in results.items():
-        kls, betas, _ = zip(*rows)
+        kls, betas, _ = zip(*rows, strict=True)
         ax_kl.plot(range(len(kls)), kls, label=name, linewidth=1.3)
         ax_beta.plot(range(len(betas)), betas, label=name, linewidth=1.3)
     ax_kl.axhline(target, color="black", linestyle="--", linewidth=1, label="target")

@@ -41,6 +41,7 @@ dependency: ``--trl-python`` names a Python that has it (default: this one).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -50,8 +51,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "COMPARE_RESULT "
@@ -134,12 +136,23 @@ def run_trl(args: argparse.Namespace) -> tuple[list[float], dict]:
     dataset = Dataset.from_dict({"input_ids": [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]})
     iterations = args.warmup + args.iters
     config = PPOConfig(
-        output_dir=str(Path(args.workdir) / "trl"), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
-        num_mini_batches=1, num_ppo_epochs=args.epochs, response_length=args.max_new_tokens, stop_token=None,
-        total_episodes=args.batch_size * iterations, local_rollout_forward_batch_size=args.batch_size,
-        num_sample_generations=0, report_to="none", save_strategy="no", use_cpu=True, seed=0, logging_steps=1,
+        output_dir=str(Path(args.workdir) / "trl"),
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=args.epochs,
+        response_length=args.max_new_tokens,
+        stop_token=None,
+        total_episodes=args.batch_size * iterations,
+        local_rollout_forward_batch_size=args.batch_size,
+        num_sample_generations=0,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        logging_steps=1,
         disable_tqdm=True,
-    )  # fmt: skip
+    )
     models = [AutoModelForCausalLM.from_pretrained(path) for _ in range(2)]
     value_model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
     reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_path)
@@ -155,12 +168,18 @@ def run_trl(args: argparse.Namespace) -> tuple[list[float], dict]:
 
     clock = StepClock()
     trainer = PPOTrainer(
-        args=config, processing_class=tokenizer, model=models[0], ref_model=models[1], reward_model=reward_model,
-        train_dataset=dataset, value_model=value_model, callbacks=[clock],
-    )  # fmt: skip
+        args=config,
+        processing_class=tokenizer,
+        model=models[0],
+        ref_model=models[1],
+        reward_model=reward_model,
+        train_dataset=dataset,
+        value_model=value_model,
+        callbacks=[clock],
+    )
     clock.ends = [time.perf_counter()]
     trainer.train()
-    return [b - a for a, b in zip(clock.ends, clock.ends[1:])], {}
+    return [b - a for a, b in itertools.pairwise(clock.ends)], {}
 
 
 def our_config(args: argparse.Namespace) -> dict:
@@ -170,20 +189,35 @@ def our_config(args: argparse.Namespace) -> dict:
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(args.batch_size) * (args.warmup + args.iters)))
     lora = args.worker == "lora"
     model = {
-        "policy": "smollm2", "max_new_tokens": args.max_new_tokens, "min_new_tokens": args.max_new_tokens,
-        "ppo_epochs": args.epochs, "num_minibatches": 1, "log_samples_every_n_steps": 0,
-        "reward_model": {"class_path": "rlhf_lightning_plugins.rewards.classifier.HFClassifierReward", "init_args": {"path": args.reward_path}},
-        "lora_rank": 16 if lora else 0, "lora_alpha": 32.0, "critic": "shared" if lora else args.full_critic,
-    }  # fmt: skip
+        "policy": "smollm2",
+        "max_new_tokens": args.max_new_tokens,
+        "min_new_tokens": args.max_new_tokens,
+        "ppo_epochs": args.epochs,
+        "num_minibatches": 1,
+        "log_samples_every_n_steps": 0,
+        "reward_model": {
+            "class_path": "rlhf_lightning_plugins.rewards.classifier.HFClassifierReward",
+            "init_args": {"path": args.reward_path},
+        },
+        "lora_rank": 16 if lora else 0,
+        "lora_alpha": 32.0,
+        "critic": "shared" if lora else args.full_critic,
+    }
     for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
         if getattr(args, option):
             model[option] = getattr(args, option)
     trainer = {
-        "accelerator": "cpu", "devices": 1, "max_epochs": 1, "limit_val_batches": 0, "enable_checkpointing": False,
-        "enable_progress_bar": False, "enable_model_summary": False, "default_root_dir": str(work),
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 1,
+        "limit_val_batches": 0,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(work),
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(work), "name": "csv"}},
         "callbacks": [{"class_path": "rlhf_lightning.callbacks.IterationTimer"}],
-    }  # fmt: skip
+    }
     data = {"train_path": str(prompt_file), "batch_size": args.batch_size, "shuffle": False}
     return {"seed_everything": 0, "trainer": trainer, "model": model, "data": data}
 
@@ -218,9 +252,16 @@ def worker_main(args: argparse.Namespace) -> None:
     seconds, phases = run_trl(args) if args.worker == "trl" else run_ours(args)
     if len(seconds) != args.warmup + args.iters:
         raise SystemExit(f"{args.worker}: expected {args.warmup + args.iters} iterations, timed {len(seconds)}")
-    result = {"setup": args.worker, "ppo_epochs": args.epochs, "seconds": seconds[args.warmup :], "warmup_s": seconds[: args.warmup],
-              "phases": {name: values[args.warmup :] for name, values in phases.items()},
-              "peak_rss_mb": peak_rss_mb(), "threads": torch.get_num_threads(), "load": [load_before, os.getloadavg()[0]]}  # fmt: skip
+    result = {
+        "setup": args.worker,
+        "ppo_epochs": args.epochs,
+        "seconds": seconds[args.warmup :],
+        "warmup_s": seconds[: args.warmup],
+        "phases": {name: values[args.warmup :] for name, values in phases.items()},
+        "peak_rss_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(),
+        "load": [load_before, os.getloadavg()[0]],
+    }
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
@@ -228,9 +269,19 @@ def worker_main(args: argparse.Namespace) -> None:
 def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: Path, root: Path) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"{setup}{epochs}_", dir=root))
     python = args.trl_python if setup == "trl" else sys.executable
-    argv = [python, str(Path(__file__).resolve()), "--worker", setup, "--epochs", str(epochs), "--reward-path", str(reward_path),
-            "--workdir", str(workdir), "--warmup", str(args.warmup), "--iters", str(args.iters), "--batch-size", str(args.batch_size),
-            "--max-new-tokens", str(args.max_new_tokens), "--full-critic", args.full_critic, "--threads", str(args.threads)]  # fmt: skip
+    settings = {
+        "--epochs": epochs,
+        "--reward-path": reward_path,
+        "--workdir": workdir,
+        "--warmup": args.warmup,
+        "--iters": args.iters,
+        "--batch-size": args.batch_size,
+        "--max-new-tokens": args.max_new_tokens,
+        "--full-critic": args.full_critic,
+        "--threads": args.threads,
+    }
+    argv = [python, str(Path(__file__).resolve()), "--worker", setup]
+    argv += [word for flag, value in settings.items() for word in (flag, str(value))]
     for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
         if getattr(args, option):
             argv += ["--" + option.replace("_", "-"), getattr(args, option)]
@@ -243,9 +294,12 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
         raise SystemExit(f"{setup} ({epochs} epochs) failed, exit code {proc.returncode}:\n{proc.stderr[-4000:]}")
     result = json.loads(lines[-1][len(RESULT_PREFIX) :])
     phases = ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in result["phases"].items())
-    print(f"{setup}, {epochs} epoch(s): {', '.join(f'{s:.2f}' for s in result['seconds'])} s per iteration "
-          f"(warm-up {result['warmup_s']}){f'; phases (median s): {phases}' if phases else ''}, peak RSS "
-          f"{result['peak_rss_mb']:.0f} MB, load {result['load']}, process {time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+    print(
+        f"{setup}, {epochs} epoch(s): {', '.join(f'{s:.2f}' for s in result['seconds'])} s per iteration "
+        f"(warm-up {result['warmup_s']}){f'; phases (median s): {phases}' if phases else ''}, peak RSS "
+        f"{result['peak_rss_mb']:.0f} MB, load {result['load']}, process {time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
     return result
 
 
@@ -257,8 +311,15 @@ def summarise(results: Sequence[dict]) -> list[dict]:
             runs = [r for r in results if r["setup"] == setup and r["ppo_epochs"] == epochs]
             if runs:
                 seconds = [s for r in runs for s in r["seconds"]]
-                rows.append({"setup": setup, "ppo_epochs": epochs, "median_s": statistics.median(seconds), "n": len(seconds),
-                             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)})  # fmt: skip
+                rows.append(
+                    {
+                        "setup": setup,
+                        "ppo_epochs": epochs,
+                        "median_s": statistics.median(seconds),
+                        "n": len(seconds),
+                        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+                    }
+                )
     trl = {row["ppo_epochs"]: row["median_s"] for row in rows if row["setup"] == "trl"}
     for row in rows:
         row["vs_trl"] = row["median_s"] / trl[row["ppo_epochs"]] if row["ppo_epochs"] in trl else float("nan")
@@ -271,7 +332,7 @@ def format_table(rows: Sequence[dict]) -> str:
         f"| {r['setup']} | {r['ppo_epochs']} | {r['median_s']:.2f} | {r['n']} | {r['vs_trl']:.2f}x | {r['peak_rss_mb']:.0f} |" for r in rows
     ]
     ratios = " ".join(f"{r['setup']}_{r['ppo_epochs']}={r['vs_trl']:.3f}" for r in rows if r["setup"] != "trl")
-    return "\n".join(lines + ["", f"COMPARE {ratios}"])
+    return "\n".join([*lines, "", f"COMPARE {ratios}"])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
@@ -279,8 +340,11 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     if args.worker:
         worker_main(args)
         return []
-    print(f"threads {args.threads or 'default'}, {args.rounds} round(s) of {args.warmup} warm-up + {args.iters} timed iterations, "
-          f"load {os.getloadavg()}", flush=True)  # fmt: skip
+    print(
+        f"threads {args.threads or 'default'}, {args.rounds} round(s) of {args.warmup} warm-up + {args.iters} timed iterations, "
+        f"load {os.getloadavg()}",
+        flush=True,
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="compare_trl_") as root:
         reward_path = build_reward_model(Path(root) / "reward_model")

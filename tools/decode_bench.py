@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
+import bench
 
 
 @__import__("torch").no_grad()
@@ -42,8 +42,9 @@ def sample_loop(model, input_ids, attention_mask, max_new_tokens: int, eos_token
 
     cache = DynamicCache(config=model.config)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)  # fmt: skip
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+    )
     tokens = []
     for step in range(max_new_tokens):
         logits = out.logits[:, -1].float()
@@ -81,12 +82,21 @@ def main() -> None:
     tokenizer = load_tokenizer("smollm2")
     tokenizer.padding_side = "left"
     model = load_causal_lm("smollm2", vocab_size=len(tokenizer)).eval()
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-             for p in bench.builtin_prompts(args.batch_size)]  # fmt: skip
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in bench.builtin_prompts(args.batch_size)
+    ]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=1.0, max_new_tokens=args.max_new_tokens,
-                              min_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = GenerationConfig(
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     static = GenerationConfig(**{**config.to_dict(), "cache_implementation": "static"})
     prompt_len = enc["input_ids"].shape[1]
     default_kernel = cpu.resolve_cpu_linear("auto")
@@ -106,8 +116,10 @@ def main() -> None:
 
     runs = {("generate", kernel): (kernel, generate(config)) for kernel in kernels if kernel == "aten" or cpu.onednn_available()}
     runs[("generate, static cache", default_kernel)] = (default_kernel, generate(static))
-    runs[("loop", default_kernel)] = (default_kernel, lambda: sample_loop(model, enc["input_ids"], enc["attention_mask"],
-                                                                          args.max_new_tokens, tokenizer.eos_token_id))  # fmt: skip
+    runs[("loop", default_kernel)] = (
+        default_kernel,
+        lambda: sample_loop(model, enc["input_ids"], enc["attention_mask"], args.max_new_tokens, tokenizer.eos_token_id),
+    )
     if compiled is not None:
         runs[("generate, static cache, torch.compile", "aten")] = ("aten", generate(static, compiled))
     seconds, tokens, compile_s = {name: [] for name in runs}, {}, None
@@ -123,14 +135,20 @@ def main() -> None:
             elif "torch.compile" in name[0]:
                 compile_s = elapsed
         same = {f"{n[0]} [{n[1]}]": torch.equal(tokens[n], tokens[("generate", runs[n][0])]) for n in runs if n[0] != "generate"}
-        print(f"round {round_}: " + ", ".join(f"{n[0]} [{n[1]}] {s[-1]:.3f} s" for n, s in seconds.items() if round_)
-              + f"; same tokens as generate under the same kernel: {same}", flush=True)  # fmt: skip
+        print(
+            f"round {round_}: "
+            + ", ".join(f"{n[0]} [{n[1]}] {s[-1]:.3f} s" for n, s in seconds.items() if round_)
+            + f"; same tokens as generate under the same kernel: {same}",
+            flush=True,
+        )
     peaks = bench.machine_peaks()
     shape = bench.ModelShape.of(model)
     passes = bench.iteration_costs(shape, args.batch_size, prompt_len, args.max_new_tokens, 1, 1, 0)["rollout"]
     floor = bench.floor_seconds(passes, peaks["flops_per_s"], peaks["bytes_per_s"])
-    print(f"\n{torch.get_num_threads()} thread(s), {peaks['flops_per_s'] / 1e9:.1f} GFLOP/s, {peaks['bytes_per_s'] / 1e9:.1f} GB/s; "
-          f"batch {args.batch_size}, prompt {prompt_len} tokens padded, {args.max_new_tokens} new tokens; medians of {args.rounds}")  # fmt: skip
+    print(
+        f"\n{torch.get_num_threads()} thread(s), {peaks['flops_per_s'] / 1e9:.1f} GFLOP/s, {peaks['bytes_per_s'] / 1e9:.1f} GB/s; "
+        f"batch {args.batch_size}, prompt {prompt_len} tokens padded, {args.max_new_tokens} new tokens; medians of {args.rounds}"
+    )
     if compile_s is not None:
         print(f"torch.compile: first call (compilation) {compile_s:.1f} s")
     print(f"| decode [linear kernel] | s (median) | vs generate [{default_kernel}] | vs roofline floor |\n|---|---:|---:|---:|")

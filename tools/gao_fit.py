@@ -29,16 +29,17 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from summarize_run import read_scalars  # noqa: E402
+from summarize_run import read_scalars
 
 
 def gao_fit(d: np.ndarray, gold: np.ndarray) -> dict[str, float]:
@@ -79,20 +80,31 @@ def summarise(label: str, kl: np.ndarray, gold: np.ndarray, blocks: int) -> dict
     block_gold, block_kl = gold[:n].reshape(-1, blocks).mean(1), kl[:n].reshape(-1, blocks).mean(1)
     peak = int(block_gold.argmax())
     return {
-        "run": label, "iterations": len(gold), "gold_initial": float(gold[0]), **fit,
-        "fit_peak_kl": d_star**2, "fit_peak_gain": fit["beta"] * d_star,
-        "peak_block": f"{peak * blocks}-{(peak + 1) * blocks - 1}", "peak_gold": float(block_gold[peak]),
-        "peak_kl": float(block_kl[peak]), "end_gold": float(block_gold[-1]), "end_kl": float(block_kl[-1]),
-    }  # fmt: skip
+        "run": label,
+        "iterations": len(gold),
+        "gold_initial": float(gold[0]),
+        **fit,
+        "fit_peak_kl": d_star**2,
+        "fit_peak_gain": fit["beta"] * d_star,
+        "peak_block": f"{peak * blocks}-{(peak + 1) * blocks - 1}",
+        "peak_gold": float(block_gold[peak]),
+        "peak_kl": float(block_kl[peak]),
+        "end_gold": float(block_gold[-1]),
+        "end_kl": float(block_kl[-1]),
+    }
 
 
 def plot(curves: list[tuple[str, np.ndarray, np.ndarray, dict]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for (label, d, relative, fit), color in zip(curves, plt.cm.tab10.colors):
+    for (label, d, relative, fit), color in zip(curves, plt.cm.tab10.colors, strict=False):
         ax.scatter(d, relative, s=12, alpha=0.55, color=color)
         grid = np.linspace(0, d.max() * 1.05, 200)
-        ax.plot(grid, gao_curve(grid, fit["alpha"], fit["beta"]), color=color,
-                label=f"{label}: alpha {fit['alpha']:.3f}, beta {fit['beta']:.3f}, R^2 {fit['r2']:.2f}")  # fmt: skip
+        ax.plot(
+            grid,
+            gao_curve(grid, fit["alpha"], fit["beta"]),
+            color=color,
+            label=f"{label}: alpha {fit['alpha']:.3f}, beta {fit['beta']:.3f}, R^2 {fit['r2']:.2f}",
+        )
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.set_xlabel("d = sqrt(KL to the initial policy) (sqrt nats)")
     ax.set_ylabel("gold reward - gold of the initial policy")
@@ -129,8 +141,10 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         writer.writerows(rows)
     print("run               alpha    beta    R^2  fit peak KL  peak gold (iters, KL)     end gold (KL)")
     for r in rows:
-        print(f"{r['run']:<16} {r['alpha']:6.3f}  {r['beta']:6.3f}  {r['r2']:5.2f}  {r['fit_peak_kl']:11.3g}  "
-              f"{r['peak_gold']:.3f} ({r['peak_block']}, {r['peak_kl']:.1f})  {r['end_gold']:.3f} ({r['end_kl']:.1f})")  # fmt: skip
+        print(
+            f"{r['run']:<16} {r['alpha']:6.3f}  {r['beta']:6.3f}  {r['r2']:5.2f}  {r['fit_peak_kl']:11.3g}  "
+            f"{r['peak_gold']:.3f} ({r['peak_block']}, {r['peak_kl']:.1f})  {r['end_gold']:.3f} ({r['end_kl']:.1f})"
+        )
     print(f"wrote {args.out} and {table}")
     return rows
 

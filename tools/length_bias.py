@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from lightning import Callback, Trainer, seed_everything
 
+from rlhf_lightning.cli import QUIET_TRAINER
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning_plugins.rewards.function import CallableReward
@@ -53,18 +54,29 @@ def run(aggregation: str, seed: int, iterations: int, reward: float, workdir: Pa
     """One fit; returns the mean response length of every iteration."""
     seed_everything(seed, verbose=False)
     module = PPORLHF(
-        policy="tiny", seed=seed, advantage_estimator="reinforce", loss_aggregation=aggregation,
+        policy="tiny",
+        seed=seed,
+        advantage_estimator="reinforce",
+        loss_aggregation=aggregation,
         reward_model=CallableReward(function="rlhf_lightning_plugins.rewards.toy:constant", kwargs={"value": reward}),
-        beta_controller="fixed", kl_penalty="reward", max_new_tokens=24, ppo_epochs=2, num_minibatches=1, lr=3e-3,
+        beta_controller="fixed",
+        kl_penalty="reward",
+        max_new_tokens=24,
+        ppo_epochs=2,
+        num_minibatches=1,
+        lr=3e-3,
         log_samples_every_n_steps=0,
-    )  # fmt: skip
+    )
     module.beta_controller.beta = 0.0
     lengths = Lengths()
     trainer = Trainer(
-        accelerator="cpu", devices=1, max_epochs=-1, max_steps=iterations * 2, limit_train_batches=iterations,
-        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[lengths], default_root_dir=str(workdir), num_sanity_val_steps=0,
-    )  # fmt: skip
+        **QUIET_TRAINER,
+        max_epochs=-1,
+        max_steps=iterations * 2,
+        limit_train_batches=iterations,
+        callbacks=[lengths],
+        default_root_dir=str(workdir),
+    )
     trainer.fit(module, datamodule=PromptDataModule(batch_size=16))
     return lengths.lengths
 
@@ -91,14 +103,16 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
         first = statistics.mean(statistics.mean(r[: args.window]) for r in runs)
         last = statistics.mean(statistics.mean(r[-args.window :]) for r in runs)
         summary[aggregation] = (first, last)
-        rows += [(aggregation, seed, i, length) for seed, r in zip(seeds, runs) for i, length in enumerate(r)]
+        rows += [(aggregation, seed, i, length) for seed, r in zip(seeds, runs, strict=True) for i, length in enumerate(r)]
         print(f"{aggregation}: {len(seeds)} runs in {time.perf_counter() - start:.0f} s", flush=True)
     with open(out / "length_bias.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["aggregation", "seed", "iteration", "length"])
         writer.writerows(rows)
-    print(f"\nconstant reward {args.reward:+g}, REINFORCE without a baseline, no KL; {iterations} iterations, "
-          f"seeds {seeds}; mean response length (tokens, max 24) over the first and last {args.window} iterations\n")  # fmt: skip
+    print(
+        f"\nconstant reward {args.reward:+g}, REINFORCE without a baseline, no KL; {iterations} iterations, "
+        f"seeds {seeds}; mean response length (tokens, max 24) over the first and last {args.window} iterations\n"
+    )
     print("| aggregation | first | last | change |\n|---|---:|---:|---:|")
     for aggregation, (first, last) in summary.items():
         print(f"| {aggregation} | {first:.2f} | {last:.2f} | {last - first:+.2f} |")

@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
 
@@ -47,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> tuple[Path, Path]:
     train, val = arithmetic_questions(args.train, args.val, args.max_operand, args.ops, args.seed)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     paths = args.out_dir / "arithmetic_train.jsonl", args.out_dir / "arithmetic_validation.jsonl"
-    for path, rows in zip(paths, (train, val)):
+    for path, rows in zip(paths, (train, val), strict=True):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         print(f"wrote {len(rows)} questions to {path}")
     return paths

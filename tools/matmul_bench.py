@@ -14,6 +14,7 @@ forward+backward of every layer over the summed aten time.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -21,8 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576), "gate/up_proj": (1536, 576), "down_proj": (576, 1536),
-          "lm_head": (49152, 576)}  # fmt: skip
+SHAPES = {
+    "q_proj/o_proj": (576, 576),
+    "k_proj/v_proj": (192, 576),
+    "gate/up_proj": (1536, 576),
+    "down_proj": (576, 1536),
+    "lm_head": (49152, 576),
+}
 LAYERS_PER_MODEL = {"q_proj/o_proj": 60, "k_proj/v_proj": 60, "gate/up_proj": 60, "down_proj": 30, "lm_head": 1}
 
 
@@ -55,23 +61,26 @@ def main() -> None:
     print("| layer (out x in) | use | rows | aten ms | oneDNN ms | aten GFLOP/s | oneDNN GFLOP/s | oneDNN / aten |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     totals = {"aten": 0.0, "onednn": 0.0}
+    # Per use: (MKL, oneDNN) as functions of (x, grad, weight).
+    kernels = {
+        "decode step": (lambda x, g, w: F.linear(x, w), lambda x, g, w: cpu.linear(x, w)),
+        "forward": (lambda x, g, w: F.linear(x, w), lambda x, g, w: cpu.linear(x, w)),
+        "backward dx": (lambda x, g, w: torch.mm(g, w), lambda x, g, w: cpu.linear(g, w.t())),
+        "backward dW": (lambda x, g, w: torch.mm(g.t(), x), lambda x, g, w: cpu.linear(g.t(), x.t())),
+    }
     for name, (out_features, in_features) in SHAPES.items():
         weight = torch.randn(out_features, in_features)
         for use, rows in (("decode step", 8), ("forward", args.tokens), ("backward dx", args.tokens), ("backward dW", args.tokens)):
             x, grad = torch.randn(rows, in_features), torch.randn(rows, out_features)
-            runs = {
-                "decode step": (lambda: F.linear(x, weight), lambda: cpu.linear(x, weight)),
-                "forward": (lambda: F.linear(x, weight), lambda: cpu.linear(x, weight)),
-                "backward dx": (lambda: torch.mm(grad, weight), lambda: cpu.linear(grad, weight.t())),
-                "backward dW": (lambda: torch.mm(grad.t(), x), lambda: cpu.linear(grad.t(), x.t())),
-            }[use]
-            aten, onednn = (median_seconds(run, args.rounds) for run in runs)
+            aten, onednn = (median_seconds(functools.partial(run, x, grad, weight), args.rounds) for run in kernels[use])
             flops = 2 * rows * out_features * in_features
             if use != "decode step":
                 totals["aten"] += aten * LAYERS_PER_MODEL[name]
                 totals["onednn"] += onednn * LAYERS_PER_MODEL[name]
-            print(f"| {name} ({out_features} x {in_features}) | {use} | {rows} | {aten * 1e3:.3f} | {onednn * 1e3:.3f} | "
-                  f"{flops / aten / 1e9:.0f} | {flops / onednn / 1e9:.0f} | {onednn / aten:.2f} |")  # fmt: skip
+            print(
+                f"| {name} ({out_features} x {in_features}) | {use} | {rows} | {aten * 1e3:.3f} | {onednn * 1e3:.3f} | "
+                f"{flops / aten / 1e9:.0f} | {flops / onednn / 1e9:.0f} | {onednn / aten:.2f} |"
+            )
     print(f"\none SmolLM2 forward+backward's linear layers: aten {totals['aten']:.2f} s, oneDNN {totals['onednn']:.2f} s")
     print(f"MATMUL onednn_vs_aten={totals['onednn'] / totals['aten']:.3f}")
 

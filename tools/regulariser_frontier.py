@@ -36,38 +36,52 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
 
-from rlhf_lightning.exact import TASKS, ExactPPORLHF, expected_reward, kl_divergence, optimal_logprobs, train  # noqa: E402
-from rlhf_lightning_plugins.beta_controllers import FixedBeta, PIDBeta  # noqa: E402
-from rlhf_lightning_plugins.policy_losses import ClipHigher  # noqa: E402
+from rlhf_lightning.exact import TASKS, ExactPPORLHF, expected_reward, kl_divergence, optimal_logprobs, train
+from rlhf_lightning_plugins.beta_controllers import FixedBeta, PIDBeta
+from rlhf_lightning_plugins.policy_losses import ClipHigher
 
-PPO = dict(batch_size=48, lr=2e-3, critic_lr=2e-3, lr_final=0.1, ppo_epochs=4, num_minibatches=2, vf_coef=0.5,
-           log_samples_every_n_steps=0)  # fmt: skip
+PPO = dict(batch_size=48, lr=2e-3, critic_lr=2e-3, lr_final=0.1, ppo_epochs=4, num_minibatches=2, vf_coef=0.5, log_samples_every_n_steps=0)
 
 
 def runs(args: argparse.Namespace) -> list[tuple[str, float, dict]]:
     """(family, setting, module arguments) of every run."""
     out = [("kl_penalty", beta, dict(beta_controller=FixedBeta(beta))) for beta in args.betas]
-    out += [("clip_higher", eps, dict(beta_controller=FixedBeta(0.0), policy_loss=ClipHigher(clip_low=0.2, clip_high=eps)))
-            for eps in args.eps_high]  # fmt: skip
-    out += [("entropy", target, dict(beta_controller=FixedBeta(0.0), entropy_controller=PIDBeta(
-        init_beta=0.05, target=target, kp=0.3, ki=0.02, kd=0.2, beta_min=1e-4, beta_max=10.0, unit="token_mean")))
-        for target in args.entropy_targets]  # fmt: skip
+    out += [
+        ("clip_higher", eps, dict(beta_controller=FixedBeta(0.0), policy_loss=ClipHigher(clip_low=0.2, clip_high=eps)))
+        for eps in args.eps_high
+    ]
+    out += [
+        (
+            "entropy",
+            target,
+            dict(
+                beta_controller=FixedBeta(0.0),
+                entropy_controller=PIDBeta(
+                    init_beta=0.05, target=target, kp=0.3, ki=0.02, kd=0.2, beta_min=1e-4, beta_max=10.0, unit="token_mean"
+                ),
+            ),
+        )
+        for target in args.entropy_targets
+    ]
     out.append(("none", 0.0, dict(beta_controller=FixedBeta(0.0))))
     return out
 
 
-def exact_frontier(seed: int, betas: np.ndarray = np.geomspace(0.05, 50, 200)) -> tuple[np.ndarray, np.ndarray]:
+FRONTIER_BETAS = np.geomspace(0.05, 50, 200)
+
+
+def exact_frontier(seed: int, betas: np.ndarray = FRONTIER_BETAS) -> tuple[np.ndarray, np.ndarray]:
     """(KL, reward) of pi*_beta for each beta, KL increasing, against the reference that train()
     builds for ``seed`` (each seed initialises its own tiny model, hence its own pi_ref)."""
     module = ExactPPORLHF(TASKS["terminal"], seed=seed)
     module.configure_model()
     ref, rewards = module.exact_ref_logprobs(), TASKS["terminal"].rewards()
     points = [(kl_divergence(opt, ref), expected_reward(opt, rewards)) for opt in (optimal_logprobs(ref, rewards, b) for b in betas)]
-    kls, reward = map(np.array, zip(*sorted(points)))
+    kls, reward = map(np.array, zip(*sorted(points), strict=True))
     return kls, reward
 
 
@@ -100,19 +114,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
             trajectories += [(family, setting, seed, row["iteration"], row["reward"], row["kl_to_ref"]) for row in tracker.rows]
             end = tracker.last
             ends.append((end["reward"], end["kl_to_ref"], float(np.interp(end["kl_to_ref"], *frontiers[seed])) - end["reward"]))
-        reward, kl, gap = (statistics.mean(values) for values in zip(*ends))
+        reward, kl, gap = (statistics.mean(values) for values in zip(*ends, strict=True))
         finals.append({"family": family, "setting": setting, "reward": reward, "kl": kl, "frontier_gap": gap})
-        print(f"{family} {setting:g}: reward {finals[-1]['reward']:.3f}, KL {finals[-1]['kl']:.3f} "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+        print(
+            f"{family} {setting:g}: reward {finals[-1]['reward']:.3f}, KL {finals[-1]['kl']:.3f} ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
 
     with open(out / "frontier.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["family", "setting", "seed", "iteration", "reward", "kl"])
         writer.writerows(trajectories)
     plot(trajectories, finals, *frontiers[args.seeds[0]], out / "frontier.png")
-    print(f"\nterminal task, {args.iterations} iterations, seeds {args.seeds}; exact expected reward (max 3) and "
-          "KL(pi || pi_ref) of the final policy; frontier_gap = the exact frontier's reward at that KL minus the run's "
-          "(each against its seed's own pi_ref); means over seeds\n")  # fmt: skip
+    print(
+        f"\nterminal task, {args.iterations} iterations, seeds {args.seeds}; exact expected reward (max 3) and "
+        "KL(pi || pi_ref) of the final policy; frontier_gap = the exact frontier's reward at that KL minus the run's "
+        "(each against its seed's own pi_ref); means over seeds\n"
+    )
     print("| family | setting | reward | KL | frontier_gap |\n|---|---:|---:|---:|---:|")
     for row in finals:
         print(f"| {row['family']} | {row['setting']:g} | {row['reward']:.3f} | {row['kl']:.3f} | {row['frontier_gap']:+.3f} |")

@@ -17,9 +17,10 @@ TensorBoard logs go under ``<out>/<run>/``.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from sweep_beta import REPO, RUN_OVERRIDES, fixed_beta, prepare, train
 
@@ -81,9 +82,12 @@ def reference_row(config) -> HackingRow:
 def run(name: str, config, overrides: Sequence[str], iterations: int, last: int, out: Path) -> HackingRow:
     cli, history = train(config, overrides, iterations, out / name)
     return report_row(
-        name, cli.model, cli.datamodule, beta=cli.model.beta_controller.beta,
+        name,
+        cli.model,
+        cli.datamodule,
+        beta=cli.model.beta_controller.beta,
         train_reward=history.last_mean("objective/reward", last),
-    )  # fmt: skip
+    )
 
 
 def format_report(rows: Sequence[HackingRow], config: str, iterations: int) -> str:

@@ -14,8 +14,16 @@ import argparse
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-COLUMNS = ("objective/reward", "objective/gold_reward", "objective/kl", "objective/kl_to_initial", "objective/beta", "objective/net",
-           "objective/entropy", "response/length")  # fmt: skip
+COLUMNS = (
+    "objective/reward",
+    "objective/gold_reward",
+    "objective/kl",
+    "objective/kl_to_initial",
+    "objective/beta",
+    "objective/net",
+    "objective/entropy",
+    "response/length",
+)
 
 
 def read_scalars(log_dirs: str | list[str]) -> dict[str, dict[int, float]]:

@@ -40,9 +40,10 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
@@ -59,10 +60,15 @@ DEFAULT_TASK_PROMPTS = 16  # configs/tiny.yaml's data.batch_size
 # Every run: no progress bar or export callbacks, no checkpoints, as many epochs as the iterations need
 # (StopAfter ends it), and one validation, after training, on every validation prompt.
 RUN_OVERRIDES = (
-    "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
-    "--trainer.enable_model_summary=false", "--trainer.max_epochs=-1", "--trainer.limit_train_batches=1.0",
-    "--trainer.limit_val_batches=1.0", "--trainer.check_val_every_n_epoch=1000000",
-)  # fmt: skip
+    "--trainer.callbacks=[]",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.max_epochs=-1",
+    "--trainer.limit_train_batches=1.0",
+    "--trainer.limit_val_batches=1.0",
+    "--trainer.check_val_every_n_epoch=1000000",
+)
 
 
 class StopAfter(Callback):
@@ -120,9 +126,15 @@ def run_beta(beta: float, config, iterations: int, last: int, out: Path, extra: 
     (val,) = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
     reward, kl = history.last_mean("objective/reward", last), history.last_mean("objective/kl", last)
     return SweepRow(
-        beta=beta, reward=reward, kl=kl, net=reward - beta * kl, val_reward=val["val/reward"], val_kl=val["val/kl"],
-        iterations=iterations, seconds=time.perf_counter() - start,
-    )  # fmt: skip
+        beta=beta,
+        reward=reward,
+        kl=kl,
+        net=reward - beta * kl,
+        val_reward=val["val/reward"],
+        val_kl=val["val/kl"],
+        iterations=iterations,
+        seconds=time.perf_counter() - start,
+    )
 
 
 def write_csv(rows: Sequence[SweepRow], path: Path) -> None:
@@ -171,8 +183,14 @@ def plot(rows: Sequence[SweepRow], path: Path, title: str) -> None:
 
     right.plot([r.kl for r in rows], [r.reward for r in rows], "o", color="tab:purple")
     for i, (row, betas) in enumerate(frontier_labels(rows)):  # alternate sides: neighbours often sit close
-        right.annotate(f"beta={betas}", (row.kl, row.reward), textcoords="offset points", fontsize=8,
-                       xytext=(8, -12) if i % 2 else (-8, 6), ha="left" if i % 2 else "right")  # fmt: skip
+        right.annotate(
+            f"beta={betas}",
+            (row.kl, row.reward),
+            textcoords="offset points",
+            fontsize=8,
+            xytext=(8, -12) if i % 2 else (-8, 6),
+            ha="left" if i % 2 else "right",
+        )
     right.set_xlabel("KL to the reference (nats per response)")
     right.set_ylabel("raw reward per response")
     right.set_title("reward-KL frontier: higher beta stays closer to the reference")
@@ -198,11 +216,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--last", type=int, default=5, help="average the training metrics over the last K iterations")
     parser.add_argument("--out", default="runs/sweep_beta", help="folder for the CSV, the PNG and the TensorBoard logs")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--override", action="append", default=[], metavar="ARG",
-                        help="extra CLI argument for every run, e.g. --override=--model.kl_estimator=k3")  # fmt: skip
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra CLI argument for every run, e.g. --override=--model.kl_estimator=k3",
+    )
     parser.add_argument("--advantage", help="advantage estimator for every run (gae, grpo, dr_grpo, rloo, reinforce_pp)")
-    parser.add_argument("--num-generations", type=int,
-                        help="responses per prompt (default: 4 for an estimator with a group baseline, else 1)")  # fmt: skip
+    parser.add_argument(
+        "--num-generations", type=int, help="responses per prompt (default: 4 for an estimator with a group baseline, else 1)"
+    )
     speed = parser.add_mutually_exclusive_group()
     speed.add_argument("--fast", action="store_true", help=f"betas {FAST_BETAS}, 10 iterations (for tests)")
     speed.add_argument("--full", action="store_true", help=f"betas {FULL_BETAS}, 80 iterations")

@@ -57,9 +57,10 @@ import json
 import os
 import random
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -214,8 +215,7 @@ def sample_pairs(
     from rlhf_lightning.module import PPORLHF
 
     # The PPO module renders prompts and samples exactly as rollouts do; the shared critic adds no trunk copy.
-    sampler = PPORLHF(policy=policy, reward_model=build_gold(gold), critic="shared",
-                      max_new_tokens=max_new_tokens, temperature=temperature)  # fmt: skip
+    sampler = PPORLHF(policy=policy, reward_model=build_gold(gold), critic="shared", max_new_tokens=max_new_tokens, temperature=temperature)
     sampler.configure_model()
     pairs, ties, started = [], 0, time.perf_counter()
     torch.manual_seed(seed)
@@ -236,9 +236,9 @@ def sample_pairs(
 
 def judge_pairs(prompts: Sequence[str], first: Sequence[str], second: Sequence[str], gold) -> tuple[list[dict], int]:
     """Pairs ordered by the gold scorer (the higher score is ``chosen``); returns (pairs, ties dropped)."""
-    scores = gold.checked_scores([p for p in prompts for _ in range(2)], [r for ab in zip(first, second) for r in ab])
+    scores = gold.checked_scores([p for p in prompts for _ in range(2)], [r for ab in zip(first, second, strict=True) for r in ab])
     pairs, ties = [], 0
-    for prompt, a, b, (score_a, score_b) in zip(prompts, first, second, scores.view(-1, 2).tolist()):
+    for prompt, a, b, (score_a, score_b) in zip(prompts, first, second, scores.view(-1, 2).tolist(), strict=True):
         if score_a == score_b:
             ties += 1
             continue
@@ -367,15 +367,21 @@ def train_member(args: argparse.Namespace, seed: int, path: Path, train_pairs: l
     seed_everything(seed, verbose=False)
     model, tokenizer = load_trunk(args.trunk, seed)
     freeze_lower_layers(model, args.train_layers)
-    collate = partial(collate_pairs, tokenizer=tokenizer, separator=args.separator, max_length=args.max_length,
-                      include_prompt=not args.response_only)  # fmt: skip
+    collate = partial(
+        collate_pairs, tokenizer=tokenizer, separator=args.separator, max_length=args.max_length, include_prompt=not args.response_only
+    )
     train_loader = DataLoader(train_pairs, batch_size=args.batch_size, shuffle=True, collate_fn=collate)
     val_loader = DataLoader(val_pairs, batch_size=2 * args.batch_size, collate_fn=collate)
     module = BradleyTerryRewardModel(model, args.lr, args.weight_decay)
     trainer = Trainer(
-        devices=1, max_epochs=args.epochs, logger=TensorBoardLogger(path.parent), log_every_n_steps=1,
-        enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=str(path.parent),
-    )  # fmt: skip
+        devices=1,
+        max_epochs=args.epochs,
+        logger=TensorBoardLogger(path.parent),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(path.parent),
+    )
 
     before = trainer.validate(module, val_loader, verbose=False)[0]["val/accuracy"]
     print(f"held-out accuracy before training: {before:.3f} ({len(val_pairs)} pairs)")
@@ -388,10 +394,18 @@ def train_member(args: argparse.Namespace, seed: int, path: Path, train_pairs: l
     tokenizer.save_pretrained(path)
     (path / REWARD_STATS_FILE).write_text(json.dumps(stats, indent=1))
     print(f"wall time {time.perf_counter() - started:.0f} s")
-    print(f"REWARD_MODEL val_accuracy={after:.4f} train_pairs={len(train_pairs)} val_pairs={len(val_pairs)} path={path}"
-          + (" include_prompt=false" if args.response_only else ""))  # fmt: skip
-    return {"val_accuracy_before": before, "val_accuracy": after, "train_pairs": len(train_pairs),
-            "val_pairs": len(val_pairs), "path": path, "reward_stats": stats}  # fmt: skip
+    print(
+        f"REWARD_MODEL val_accuracy={after:.4f} train_pairs={len(train_pairs)} val_pairs={len(val_pairs)} path={path}"
+        + (" include_prompt=false" if args.response_only else "")
+    )
+    return {
+        "val_accuracy_before": before,
+        "val_accuracy": after,
+        "train_pairs": len(train_pairs),
+        "val_pairs": len(val_pairs),
+        "path": path,
+        "reward_stats": stats,
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
