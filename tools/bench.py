@@ -781,6 +781,38 @@ def derived(r: dict) -> dict[str, float]:
     }
 
 
+def phase_cells(r: dict) -> list[str]:
+    """One run's row of the phase table: seconds per phase, throughput, memory, load."""
+    p, d = r["phases"], derived(r)
+    seconds = [r["iter_s"], p["rollout"], d["score"], p["score_policy"], p["score_ref"], p["score"]]
+    return [
+        r["mode"],
+        r["critic"],
+        str(r["ppo_epochs"]),
+        *(f"{x:.3f}" for x in seconds),
+        f"{p['advantages']:.4f}",
+        f"{p['update']:.3f}",
+        f"{p['other']:.4f}",
+        f"{r['tokens_per_s']:.1f}",
+        f"{r['peak_rss_mb']:.0f}",
+        f"{r['load'][0]:.1f} -> {r['load'][1]:.1f}",
+        rank_label(r),
+        f"{r.get('param_numel_local', 0) / 1e6:.1f}M",
+    ]
+
+
+def floor_cells(r: dict) -> list[str]:
+    """One run's row of the floor table: each pass alone, and what the loop adds beyond them."""
+    f, d = r["floors"], derived(r)
+    seconds = [f["generate"], f["ref_forward"], f["critic_forward"], f["fwd_bwd"], r["floor_sum"], r["rollout_vs_generate"]]
+    beyond = [d["beyond_rollout"], d["beyond_score"], d["beyond_update"]]
+    return [r["mode"], str(r["ppo_epochs"]), *(f"{x:.3f}" for x in [*seconds, r["iteration_vs_floors"]]), *(f"{x:+.3f}" for x in beyond)]
+
+
+def markdown_rows(results: Sequence[dict], cells) -> list[str]:
+    return ["| " + " | ".join(cells(r)) + " |" for r in results]
+
+
 def format_table(results: Sequence[dict]) -> str:
     r0 = results[0]
     lines = [
@@ -792,29 +824,13 @@ def format_table(results: Sequence[dict]) -> str:
         "| mode | critic | epochs | iter s | rollout | score | (old+V fwd | ref fwd | reward, KL, rest) | advantages | update | other "
         "| tokens/s | peak RSS MB | load | strategy, rank | param numel |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|",
-    ]
-    for r in results:
-        p, d = r["phases"], derived(r)
-        lines.append(
-            f"| {r['mode']} | {r['critic']} | {r['ppo_epochs']} | {r['iter_s']:.3f} | {p['rollout']:.3f} | {d['score']:.3f} "
-            f"| {p['score_policy']:.3f} | {p['score_ref']:.3f} | {p['score']:.3f} | {p['advantages']:.4f} "
-            f"| {p['update']:.3f} | {p['other']:.4f} | {r['tokens_per_s']:.1f} | {r['peak_rss_mb']:.0f} "
-            f"| {r['load'][0]:.1f} -> {r['load'][1]:.1f} | {rank_label(r)} | {r.get('param_numel_local', 0) / 1e6:.1f}M |"
-        )
-    lines += [
+        *markdown_rows(results, phase_cells),
         "",
         "| mode | epochs | generate | ref fwd | critic fwd | fwd+bwd | sum of floors | rollout / generate "
         "| iteration / floors | beyond: rollout | score | update |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *markdown_rows(results, floor_cells),
     ]
-    for r in results:
-        f, d = r["floors"], derived(r)
-        lines.append(
-            f"| {r['mode']} | {r['ppo_epochs']} | {f['generate']:.3f} | {f['ref_forward']:.3f} "
-            f"| {f['critic_forward']:.3f} | {f['fwd_bwd']:.3f} | {r['floor_sum']:.3f} "
-            f"| {r['rollout_vs_generate']:.3f} | {r['iteration_vs_floors']:.3f} "
-            f"| {d['beyond_rollout']:+.3f} | {d['beyond_score']:+.3f} | {d['beyond_update']:+.3f} |"
-        )
     sharded = [r for r in results if "generate_sharded" in r["floors"]]
     if sharded:
         seconds = (f"{r['floors']['generate_sharded']:.3f} s vs {r['floors']['generate']:.3f} s" for r in sharded)
