@@ -18,6 +18,7 @@ BENCH_LINE = re.compile(
 )
 
 
+@pytest.mark.convergence
 def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers():
     # One thread: on a busy 2-core CPU spinning OpenMP threads only add noise (and minutes).
     result = subprocess.run(

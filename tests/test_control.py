@@ -285,6 +285,7 @@ def test_closed_loop_adaptive_moves_toward_the_target(init_beta, above):
 # tools/compare_controllers.py
 
 
+@pytest.mark.convergence
 def test_compare_controllers_tool_fast(tmp_path):
     out = tmp_path / "compare"
     result = subprocess.run(

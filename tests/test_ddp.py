@@ -26,6 +26,7 @@ def run(root, devices: int, *extra: str):
     return {tag: list(by_step.values()) for tag, by_step in scalars.items()}, (root / "beta.txt").read_text().split("\n")
 
 
+@pytest.mark.convergence
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch(tmp_path, aggregation):
     """Also with a per-response aggregation: its weights' denominators (responses, each response's
@@ -63,6 +64,7 @@ def test_two_process_ddp_with_a_group_estimator_keeps_groups_on_one_rank_and_sta
     assert "value/loss" not in ddp and all(math.isfinite(v) for v in ddp["policy/loss"])
 
 
+@pytest.mark.convergence
 def test_two_process_ddp_with_a_moving_reference_holds_the_same_reference_on_every_rank(tmp_path):
     """An EMA reference moved after every iteration (alpha 0.5): the ranks apply the same update to
     the same all-reduced weights, so their reference parameters hash the same after every iteration,

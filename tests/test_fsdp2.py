@@ -42,6 +42,7 @@ def scalars(root, version: int = 0) -> dict[str, list[float]]:
     return {tag: list(by_step.values()) for tag, by_step in read_scalars(str(log_dir(root, version))).items()}
 
 
+@pytest.mark.convergence
 def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharded_checkpoint(tmp_path):
     export = ("--trainer.callbacks+=rlhf_lightning.callbacks.ExportPolicy",)
     run(tmp_path / "single", 1, *export)
@@ -116,6 +117,7 @@ def test_two_process_fsdp2_with_lora_a_moving_reference_and_bf16_mixed(tmp_path)
     assert not any("lora" in name for name, _ in loaded.named_parameters())
 
 
+@pytest.mark.convergence
 def test_two_process_fsdp2_moves_a_sharded_reference_as_one_process_moves_the_whole(tmp_path):
     """Full fine-tuning with an EMA reference (alpha 0.5): the sharded reference moves shard by
     shard toward the policy's shards, the sharded starting policy gives objective/kl_to_initial,

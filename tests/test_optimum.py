@@ -184,6 +184,7 @@ def test_k3_and_full_reach_the_optimum_with_the_missing_gradient_term(estimator)
     assert end["kl_to_optimum"] < 0.1, end
 
 
+@pytest.mark.convergence
 def test_kl_to_reference_follows_the_optimum_across_beta():
     """KL(pi || pi_ref) falls as beta rises and lands within 30% of KL(pi* || pi_ref) at each beta
     (the optima's are 2.81, 1.06 and 0.32 nats: each step of the sweep is a factor > 2.5)."""
@@ -221,6 +222,7 @@ def test_recommended_critic_free_kl_in_the_loss_reaches_the_optimum():
     assert tracker.last["gap"] < 0.02, tracker.last
 
 
+@pytest.mark.convergence
 def test_matrix_fast_subset_separates_the_biased_cells(capsys):
     """tools/optimum_check.py --matrix on the bandit task (one token: no sequence-level term), 4 epochs:
     the importance-weighted k1 and k3 losses reach pi*; unweighted k1 (a zero-mean gradient on-policy,
@@ -274,6 +276,7 @@ def test_per_token_fixed_point_by_hand():
 PHASE = 30  # iterations per reference, the learning rate decaying within each
 
 
+@pytest.mark.convergence
 def test_three_resets_reach_the_iterated_optimum():
     """Converge, reset, three times at beta 1.5: the reference walks pi_0 -> pi_1 -> pi_2 and the policy
     lands on pi_3 ∝ pi_0 exp(3 r / 1.5), the plain optimum at beta 0.5 (a reset anneals beta by 1 / k).
@@ -289,6 +292,7 @@ def test_three_resets_reach_the_iterated_optimum():
     assert end["kl_to_initial"] > 4 * end["kl_to_ref"], end  # most of the drift is behind the last reference
 
 
+@pytest.mark.convergence
 def test_ema_reference_moves_the_optimum_by_alpha_per_update():
     """Three phases with ref <- (ref + pi) / 2 after the first two: the policy converges to its own
     reference's optimum, and the reference has moved by about alpha = 1/2 of a reset per update, so

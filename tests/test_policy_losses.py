@@ -205,6 +205,7 @@ def test_a_length_blind_reward_shortens_responses_only_under_the_per_response_to
     assert abs(last - first) < 2, summary
 
 
+@pytest.mark.convergence
 def test_regulariser_frontier_fast_puts_the_kl_penalty_on_the_exact_frontier(tmp_path):
     """tools/regulariser_frontier.py --fast: the beta = 0.5 run lands on the exact frontier well short
     of the reward maximiser's KL, while PPO's clip alone (beta = 0) runs to the maximiser (KL ~4)."""

@@ -27,7 +27,16 @@ RESET = ("--model.reference_update=Reset", "--model.reference_update.init_args.e
 LORA_EMA = ("--model.lora_rank=4", "--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")
 
 
-@pytest.mark.parametrize("extra", [(), GROUPED, RESET, LORA_EMA], ids=["gae", "grpo-n2", "reset", "lora-ema"])
+# gae in the fast tier; the others (minutes on 2 cores) in the convergence tier.
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param((), id="gae"),
+        pytest.param(GROUPED, id="grpo-n2", marks=pytest.mark.convergence),
+        pytest.param(RESET, id="reset", marks=pytest.mark.convergence),
+        pytest.param(LORA_EMA, id="lora-ema", marks=pytest.mark.convergence),
+    ],
+)
 def test_sigkill_mid_iteration_then_resume_reproduces_the_uninterrupted_run(tmp_path, extra):
     watched = WATCHED if extra != GROUPED else tuple(name for name in WATCHED if name != "value/loss")
     straight = run_cli(tmp_path / "straight", *extra)
@@ -80,7 +89,7 @@ def last_checkpoint(root, version: int = 0) -> dict:
     return torch.load(root / "lightning_logs" / "tiny" / f"version_{version}" / "checkpoints" / "last.ckpt", weights_only=True)
 
 
-@pytest.mark.parametrize("name, status", [("SIGTERM", 143), ("SIGINT", 130)])
+@pytest.mark.parametrize("name, status", [("SIGTERM", 143), pytest.param("SIGINT", 130, marks=pytest.mark.convergence)])
 def test_sigterm_or_ctrl_c_mid_iteration_saves_at_its_end_and_resume_last_reproduces_the_run(tmp_path, straight, name, status):
     """What a scheduler (SIGTERM) or a user (Ctrl+C) does mid-run: the iteration under way finishes,
     last.ckpt is saved, the exit status says a signal stopped it (128 + signal number), and the
@@ -155,6 +164,7 @@ def test_a_plugin_state_that_does_not_fit_is_an_error_naming_the_plugin(tmp_path
     )
 
 
+@pytest.mark.convergence
 def test_a_changed_batch_size_on_resume_continues_with_the_first_unseen_prompt(tmp_path, straight):
     """The data position is stored in prompts, not batches: 3 iterations of 16 prompts, resumed
     with batches of 8, go on with prompt 49 of the epoch's permutation (not 25)."""

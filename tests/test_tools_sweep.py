@@ -15,6 +15,7 @@ import sweep_beta
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
+@pytest.mark.convergence
 def test_sweep_beta_fast_writes_csv_and_plot_and_larger_beta_keeps_kl_lower(tmp_path):
     sweep_beta.main(["--fast", "--out", str(tmp_path)])
 
@@ -37,6 +38,7 @@ def test_sweep_beta_fast_writes_csv_and_plot_and_larger_beta_keeps_kl_lower(tmp_
     assert float(penalised["reward"]) < float(unpenalised["reward"])
 
 
+@pytest.mark.convergence
 def test_reward_hacking_report_fast_shows_the_kl_penalty_prevents_the_exploit(tmp_path):
     reference, unpenalised, penalised = reward_hacking_report.main(["--fast", "--out", str(tmp_path)])
 
