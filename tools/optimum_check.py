@@ -4,10 +4,12 @@ closed-form optimum of the KL-regularised objective (see rlhf_lightning/exact.py
     python tools/optimum_check.py --estimator k1 --beta 0.5 --iterations 100
     python tools/optimum_check.py --advantage rloo --num-generations 4     # critic-free
     python tools/optimum_check.py --beta 1.5 --reference reset --resets 3  # 3 phases, reset after each
-    python tools/optimum_check.py --task random:1 --beta 1 --kl-penalty loss --estimator k3 --seed 0 1 2
+    python tools/optimum_check.py --task random:3 --kl-penalty loss --estimator k3 --kl-loss-scope per_token --seed 0 1 2
 
 ``--task`` names a hand-made task (terminal, bandit) or ``random:SEED``, ``ExactTask.random(SEED)``: 2 prompts,
-4 tokens, responses of 4, a reward that depends on token order and a reference initialised from SEED.
+4 tokens, responses of 3, a reward that depends on token order and a reference initialised from SEED.
+Each kind of task has its own defaults for what the command line leaves out (:data:`TASK_SETTINGS`:
+beta 0.5, 100 iterations of 48 responses hand-made; beta 1, 150 iterations of 192 responses random).
 Several tasks, and several sampling ``--seed`` values (the task's reference stays the same), train one
 after another; with more than one seed a ``SEEDS task=... gap_mean= gap_std=`` line follows each task.
 Every run first prints
@@ -15,8 +17,8 @@ Every run first prints
     PER_TOKEN fixed_point_gap=<gap> task=<task> seed=<seed>
 
 the exact gap of the fixed point of a per-token KL loss (``exact.backward_induction(soft=False)``): where a
-KL in the loss without the sequence term converges. Random tasks where it is >= 0.05 at beta 1: seeds 1
-(0.210), 4 (0.072), 5 (0.095), 6 (0.080), 7 (0.057), 8 (0.156), 9 (0.152), 10 (0.141).
+KL in the loss with ``--kl-loss-scope per_token`` converges. At beta 1 it is >= 0.05 on random tasks 1-7
+(their values: ``ExactTask.random``'s docstring).
 
 Every ``--every`` iterations it prints the exact objective J(pi), the relative gap
 (J* - J(pi)) / |J*|, KL(pi || pi*), the exact KL(pi || pi_ref) and the mean logged estimate
@@ -27,22 +29,27 @@ of it (objective/kl over the iterations since the previous row). The last line r
 beta is fixed (controller ``fixed``). With the penalty in the reward only k1 reaches the
 optimum: k3 and full in the reward drop part of the KL's gradient and collapse towards the
 reward maximiser; ``--kl-penalty both --no-whiten`` restores the missing term for them.
-About 15 s on a 2-core CPU for the defaults.
 
-``--matrix`` trains every cell of task x estimator x placement x kl_loss_weighting x ppo_epochs x seed
-(``--task``, ``--estimators``, ``--placements``, ``--weightings``, ``--epochs``, ``--seed`` narrow it; ``--jobs``
-runs cells in parallel processes; ``--advantage`` and ``--num-generations`` as for a single run) and prints
-the PER_TOKEN line of each task (of each seed, for a hand-made task), one line per cell, then a summary:
+``--matrix`` trains every cell of task x advantage x estimator x placement x kl_loss_weighting x
+kl_loss_scope x ppo_epochs x seed (``--task``, ``--advantage``, ``--estimators``, ``--placements``,
+``--weightings``, ``--scopes``, ``--epochs``, ``--seed`` narrow it; the estimators, placements and
+weightings default to the task kind's, the full product on hand-made tasks and k1 k3 x reward loss x
+importance on random ones; ``--jobs`` runs cells in parallel processes) and prints the PER_TOKEN line
+of each task (of each seed, for a hand-made task), one line per cell, then a summary:
 
-    OPTIMUM task=terminal seed=0 estimator=k3 placement=loss weighting=importance epochs=4 gap=... kl_ref_exact=... kl_opt=... expected=unbiased
-    MATRIX unbiased_max_gap=<largest gap of the cells called unbiased> biased_min_gap=<smallest of those called biased> drift_max_gap=...
+    OPTIMUM task=random:1 seed=0 advantage=gae estimator=k3 placement=loss weighting=importance scope=sequence epochs=4 gap=... expected=unbiased
+    OPTIMUM ... scope=per_token epochs=4 gap=... expected=per_token fixed_point_gap=<that task's PER_TOKEN gap>
+    MATRIX unbiased_max_gap=<largest gap of the cells called unbiased> biased_min_gap=<smallest of those called biased>
            per_token_min_fixed_point_gap=<smallest PER_TOKEN gap over the tasks>
+           per_token_max_deviation=<largest |gap - fixed_point_gap| of the per_token cells> drift_max_gap=...
 
 kl_opt is KL(pi* || pi_ref), where kl_ref_exact should land. ``expected`` is what the theory
-(:func:`expected_class`, README "KL in the loss over several PPO epochs") says of the cell.
-Advantages are whitened where the KL is only in the reward and not whitened where it is in the
-loss (PPORLHF refuses that combination). About 9 CPU minutes (270 s with --jobs 2) for the whole
-terminal-task matrix.
+(:func:`expected_class`, docs/kl-estimators.md "Which recipe reaches which optimum") says of the cell.
+The scope only varies where the KL is in the loss (with ``both`` the reward carries the sequence
+term) and on responses of more than one token; k2 (a biased value) is refused with the sequence scope.
+Advantages are whitened by the estimator's default where the KL is only in the reward and never
+where it is in the loss (PPORLHF refuses that combination). Measured matrices, with their time:
+docs/kl-estimators.md and docs/results.md.
 
 ``--reference sync|reset|ema --resets k`` trains k phases of ``--iterations`` iterations (the learning
 rate decays within each phase) and moves the reference after each phase, the last at the very end.
@@ -61,8 +68,10 @@ import statistics
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 
 from rlhf_lightning.exact import TASKS, per_token_fixed_point_gap, task_named, train
+from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 from rlhf_lightning_plugins.reference_updates import EMA, Reset, Sync
@@ -72,8 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_matrix_args(parser)
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
-    parser.add_argument("--beta", type=float, default=0.5, help="fixed KL coefficient (default 0.5)")
-    parser.add_argument("--iterations", type=int, default=100, help="PPO iterations (default 100)")
+    parser.add_argument("--beta", type=float, help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
+    parser.add_argument("--iterations", type=int, help="PPO iterations (default: the task's, 100 hand-made, 150 random)")
     parser.add_argument("--seed", type=int, nargs="+", default=[0],
                         help="sampling seeds, one run each (default 0); a hand-made task's initialisation too")  # fmt: skip
     parser.add_argument("--task", type=_task, nargs="+", default=["terminal"],
@@ -83,11 +92,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-whiten", action="store_true", help="do not whiten advantages (gae)")
     parser.add_argument("--kl-loss-weighting", choices=("importance", "none"), default="importance",
                         help="model.kl_loss_weighting of a KL in the loss (default importance)")  # fmt: skip
-    parser.add_argument("--advantage", default="gae",
-                        help="advantage estimator: gae (critic), grpo, dr_grpo, rloo, reinforce_pp (no critic)")  # fmt: skip
-    parser.add_argument("--num-generations", type=int, default=1, help="responses per prompt (>= 2 for group baselines)")
-    parser.add_argument("--batch-size", type=int, default=48,
-                        help="responses per iteration, a multiple of the prompts times --num-generations")  # fmt: skip
+    parser.add_argument(
+        "--kl-loss-scope", choices=SCOPES, default="sequence", help="model.kl_loss_scope of a KL in the loss (default sequence)"
+    )
+    parser.add_argument(
+        "--advantage",
+        nargs="+",
+        default=["gae"],
+        help="advantage estimator: gae (critic), grpo, dr_grpo, rloo, reinforce_pp (no critic); "
+        "several: one matrix dimension (a single run takes the first)",
+    )
+    parser.add_argument("--num-generations", type=int, help="responses per prompt (default 1 with gae, 4 without a critic)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="responses per iteration, a multiple of the prompts times --num-generations (default: the task's, 48 hand-made, 96 random)",
+    )
     parser.add_argument("--lr", type=float, default=2e-3, help="policy and critic learning rate")
     parser.add_argument("--lr-final", type=float, default=0.1, help="linear decay of the learning rate to this fraction")
     parser.add_argument("--ppo-epochs", type=int, default=4)
@@ -105,15 +125,15 @@ def add_reference_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--alpha", type=float, default=0.5, help="EMA weight of the policy in each update (default 0.5)")
 
 
-def reference_settings(args: argparse.Namespace) -> dict:
+def reference_settings(args: argparse.Namespace, iterations: int) -> dict:
     """train() arguments for --reference/--resets: total iterations, the update plugin, per-phase lr decay."""
     if args.reference == "none":
-        return {"iterations": args.iterations}
+        return {"iterations": iterations}
     if args.reference == "ema":
-        update = EMA(args.alpha, every_n_iterations=args.iterations)
+        update = EMA(args.alpha, every_n_iterations=iterations)
     else:
-        update = {"sync": Sync, "reset": Reset}[args.reference](args.iterations)
-    return {"iterations": args.iterations * args.resets, "reference_update": update, "lr_period": args.iterations}
+        update = {"sync": Sync, "reset": Reset}[args.reference](iterations)
+    return {"iterations": iterations * args.resets, "reference_update": update, "lr_period": iterations}
 
 
 def print_iterated(rows: list[dict]) -> None:
@@ -138,11 +158,16 @@ def _task(name: str) -> str:
     return name
 
 
-def advantage_settings(args: argparse.Namespace) -> dict:
-    """train() arguments for --advantage: the estimator, its critic (gae) or its group size."""
-    if args.advantage == "gae":
-        return {"advantage_estimator": GAE(lam=args.lam), "critic_lr": args.lr, "vf_coef": 0.5}
-    return {"advantage_estimator": args.advantage, "num_generations": args.num_generations}
+def advantage_settings(args: argparse.Namespace, advantage: str) -> dict:
+    """train() arguments for an advantage estimator: its critic (gae) or its group size."""
+    if advantage == "gae":
+        return {
+            "advantage_estimator": GAE(lam=args.lam),
+            "critic_lr": args.lr,
+            "vf_coef": 0.5,
+            "num_generations": args.num_generations or 1,
+        }
+    return {"advantage_estimator": advantage, "num_generations": args.num_generations or 4}
 
 
 def main(argv=None) -> None:
@@ -152,9 +177,11 @@ def main(argv=None) -> None:
         run_matrix(args)
         return
     for name in args.task:
-        task = task_named(name)
-        print(f"task={name} estimator={args.estimator} kl_penalty={args.kl_penalty} beta={args.beta} advantage={args.advantage} "
-              f"num_generations={args.num_generations} iterations={args.iterations} seeds={args.seed}")  # fmt: skip
+        task, settings = task_named(name), task_settings(args, name)
+        print(
+            f"task={name} estimator={args.estimator} kl_penalty={args.kl_penalty} kl_loss_scope={args.kl_loss_scope} "
+            f"advantage={args.advantage[0]} num_generations={args.num_generations} {settings} seeds={args.seed}"
+        )
         gaps = [run_single(args, name, task, seed) for seed in args.seed]
         if len(gaps) > 1:
             print(f"SEEDS task={name} n={len(gaps)} gap_mean={statistics.mean(gaps):.4f} gap_std={statistics.stdev(gaps):.4f} "
@@ -163,15 +190,16 @@ def main(argv=None) -> None:
 
 def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     """Train one run with the command line's settings and sampling ``seed``; print its rows; its final gap."""
-    print(f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, args.beta, seed):.4f} task={name} seed={seed}", flush=True)
+    settings = task_settings(args, name)
+    print(f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True)
     print(f"{'iter':>5} {'J':>8} {'J*':>8} {'gap':>8} {'kl_to_opt':>10} {'kl_ref_exact':>13} {'kl_ref_logged':>14}")
     start = time.perf_counter()
     _, tracker = train(
-        task, **reference_settings(args), batch_size=args.batch_size, every=args.every, seed=seed,
-        lr_final=args.lr_final, kl_estimator=args.estimator, beta_controller=FixedBeta(args.beta),
-        kl_penalty=args.kl_penalty, kl_loss_weighting=args.kl_loss_weighting,
+        task, **reference_settings(args, settings["iterations"]), batch_size=settings["batch_size"], every=args.every,
+        seed=seed, lr_final=args.lr_final, kl_estimator=args.estimator, beta_controller=FixedBeta(settings["beta"]),
+        kl_penalty=args.kl_penalty, kl_loss_weighting=args.kl_loss_weighting, kl_loss_scope=args.kl_loss_scope,
         whiten_advantages=False if args.no_whiten else None, lr=args.lr, ppo_epochs=args.ppo_epochs, num_minibatches=2,
-        log_samples_every_n_steps=0, **advantage_settings(args),
+        log_samples_every_n_steps=0, **advantage_settings(args, args.advantage[0]),
     )  # fmt: skip
     for row in tracker.rows:
         print(f"{row['iteration']:5d} {row['objective']:8.4f} {row['optimum']:8.4f} {row['gap']:8.4f} "
@@ -189,98 +217,192 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
 MATRIX_ESTIMATORS = ("k1", "k2", "k3", "k3+", "full")
 PLACEMENTS = ("reward", "loss", "both")
 WEIGHTINGS = ("none", "importance")
-VALUE_UNBIASED = {"k1", "k3", "full"}  # E_pi[k] = KL(pi || pi_ref) at each position
+SCOPES = ("sequence", "per_token")
+CLASSES = ("unbiased", "per_token", "drift", "biased")
+VALUE_UNBIASED = {"k1", "k3", "full"}  # E_pi[k] = KL(pi || pi_ref) and w k an unbiased gradient (k3+: score term twice)
 GRADIENT_UNBIASED = {"k2", "k3+", "full"}  # on-policy E_pi[grad k] = grad KL(pi || pi_ref) at each position
 TOKEN_FREE = {"full"}  # the same value whichever token was sampled: exact at pi_theta on pi_old's states
+
+# What each kind of task was tuned with. A random task at beta 1 (where seeds 1-5 have a per-token
+# fixed-point gap >= 0.05) needs more responses per iteration to settle within 0.02 of pi*; its matrix
+# keeps the cells that separate the three classes (the full one: --estimators/--placements/--weightings).
+TASK_SETTINGS = {
+    "hand-made": {
+        "beta": 0.5,
+        "iterations": 100,
+        "batch_size": 48,
+        "estimators": list(MATRIX_ESTIMATORS),
+        "placements": list(PLACEMENTS),
+        "weightings": list(WEIGHTINGS),
+    },
+    "random": {
+        "beta": 1.0,
+        "iterations": 150,
+        "batch_size": 192,
+        "estimators": ["k1", "k3"],
+        "placements": ["reward", "loss"],
+        "weightings": ["importance"],
+    },
+}
+
+
+def task_settings(args: argparse.Namespace, name: str) -> dict:
+    """beta, iterations, batch size and the matrix's estimators, placements and weightings for task
+    ``name``: the command line's where given, else the task kind's."""
+    defaults = TASK_SETTINGS["random" if name.startswith("random:") else "hand-made"]
+    return {key: default if getattr(args, key) is None else getattr(args, key) for key, default in defaults.items()}
 
 
 def add_matrix_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("matrix (--matrix)")
-    group.add_argument("--matrix", action="store_true", help="train every estimator x placement x weighting x epochs cell")
-    group.add_argument("--estimators", nargs="+", default=list(MATRIX_ESTIMATORS), help="default: k1 k2 k3 k3+ full")
-    group.add_argument("--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS))
-    group.add_argument("--weightings", nargs="+", choices=WEIGHTINGS, default=list(WEIGHTINGS))
+    group.add_argument(
+        "--matrix", action="store_true", help="train every advantage x estimator x placement x weighting x scope x epochs cell"
+    )
+    group.add_argument("--estimators", nargs="+", help="default: the task's (k1 k2 k3 k3+ full hand-made, k1 k3 random)")
+    group.add_argument(
+        "--placements", nargs="+", choices=PLACEMENTS, help="default: the task's (reward loss both hand-made, reward loss random)"
+    )
+    group.add_argument(
+        "--weightings", nargs="+", choices=WEIGHTINGS, help="default: the task's (none importance hand-made, importance random)"
+    )
+    group.add_argument(
+        "--scopes",
+        nargs="+",
+        choices=SCOPES,
+        default=list(SCOPES),
+        help="model.kl_loss_scope of the 'loss' cells (default both; one-token tasks: sequence only)",
+    )
     group.add_argument("--epochs", nargs="+", type=int, default=[1, 4], help="ppo_epochs values (default 1 4)")
     group.add_argument("--jobs", type=int, default=1, help="cells trained in parallel processes (default 1)")
 
 
-def expected_class(estimator: str, placement: str, weighting: str) -> str:
-    """What the theory (README, "KL in the loss over several PPO epochs") says of a cell's expected
-    gradient against that of J = E r - beta KL(pi || pi_ref), per token (s = grad log pi):
+def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence") -> str:
+    """What the theory (docs/kl-estimators.md, "Which recipe reaches which optimum") says of a cell's
+    expected gradient against that of J = E r - beta KL(pi(.|x) || pi_ref(.|x)) (s = grad log pi):
 
-    ``unbiased``: right at every minibatch of every epoch. ``biased``: wrong even on-policy.
+    ``unbiased``: the whole response's KL gradient at every minibatch of every epoch: converges to pi*.
+    ``per_token``: grad KL(pi(.|s) || pi_ref(.|s)) at each visited state and nothing of the KL still
+    to come after the token: converges to ``exact.backward_induction(soft=False)``, not pi*.
     ``drift``: right on the rollout's first minibatch only: an unweighted token-dependent loss term
     evaluated at pi_theta on tokens drawn from pi_old (off by O(how far pi_theta moved)).
+    ``biased``: wrong even on-policy.
 
-    reward: PPO follows E[s_t sum_{t'>=t} k_t'] (importance weighted by its own ratio): the KL's gradient only for k1.
-    loss, none: E_old[grad k]: the KL's for k2, k3+ (on-policy, then drift) and full (its value is every token's).
-    loss, importance: E_old[w (k s + grad k)] = grad E_theta[k]: the KL's for value-unbiased k (k1, k3, full).
-    both: reward k s + loss grad k: the KL's for value-unbiased k; unweighted, k1 and k3 drift.
-    Estimators outside the five built-in ones are classified by membership of the sets above.
+    reward: PPO follows E[s_t sum_{t'>=t} k_t'] (importance weighted by its own ratio), the sequence term
+    included: the whole KL's gradient for k1 only.
+    loss, per token, none: E_old[grad k]: the state's KL gradient for k2, k3+ (on-policy, then drift) and
+    full (its value is every token's). importance: E_old[w (k s + grad k)] = grad E_theta[k]: for
+    value-unbiased k (k1, k3, full). The ``sequence`` scope adds E[s_t sum_{t'>t} k_t']
+    (ppo_math.kl_to_go_loss), the rest of the response's KL gradient for value-unbiased k (k2 is refused).
+    both: reward k s + loss grad k, the reward's returns carrying the sequence term: the KL's for
+    value-unbiased k; unweighted, k1 and k3 drift. Estimators outside the five built-in ones are
+    classified by membership of the sets above.
     """
     if placement == "reward":
         return "unbiased" if estimator == "k1" else "biased"
     if estimator in TOKEN_FREE:
-        return "unbiased"
-    right = GRADIENT_UNBIASED if (placement, weighting) == ("loss", "none") else VALUE_UNBIASED
-    if estimator not in right:
-        return "biased"
-    return "drift" if weighting == "none" else "unbiased"
+        token = "unbiased"
+    else:
+        right = GRADIENT_UNBIASED if (placement, weighting) == ("loss", "none") else VALUE_UNBIASED
+        token = "biased" if estimator not in right else "drift" if weighting == "none" else "unbiased"
+    if placement == "loss" and scope == "per_token" and token == "unbiased":
+        return "per_token"
+    return token
 
 
-Cell = tuple[str, str, str, str, int, int]  # (task, estimator, placement, weighting, epochs, sampling seed)
+@dataclass(frozen=True)
+class Cell:
+    task: str
+    advantage: str
+    estimator: str
+    placement: str
+    weighting: str  # n/a: the KL is in the reward, or the estimator does not read the sampled token (full)
+    scope: str  # n/a: no KL in the loss, or the reward carries the sequence term ('both')
+    epochs: int
+    seed: int
+
+    @property
+    def expected(self) -> str:
+        return expected_class(self.estimator, self.placement, self.weighting, self.scope)
 
 
 def matrix_cells(args: argparse.Namespace) -> list[Cell]:
-    """Every (task, estimator, placement, weighting, epochs, seed); the weighting only applies where the KL is in the loss."""
+    """Every (task, advantage, estimator, placement, weighting, scope, epochs, seed) that differs from the
+    others: the weighting only where the KL is in the loss and the estimator reads the sampled token, the
+    scope only with ``loss``, on responses of more than one token (one token has no KL to come), and an
+    estimator with a biased value (k2) only per token (PPORLHF refuses it with the sequence scope)."""
     cells = []
-    for task, estimator, placement, epochs, seed in itertools.product(args.task, args.estimators, args.placements, args.epochs, args.seed):
-        for weighting in ("n/a",) if placement == "reward" else args.weightings:
-            cells.append((task, estimator, placement, weighting, epochs, seed))
+    for task in args.task:
+        cells += _task_cells(args, task)
     return cells
 
 
+def _task_cells(args: argparse.Namespace, task: str) -> list[Cell]:
+    settings, cells = task_settings(args, task), []
+    for advantage, estimator, placement, epochs, seed in itertools.product(
+        args.advantage, settings["estimators"], settings["placements"], args.epochs, args.seed
+    ):
+        weightings = ("n/a",) if placement == "reward" or estimator in TOKEN_FREE else settings["weightings"]
+        scopes = ("n/a",) if placement != "loss" else ("sequence",) if _one_token(task) else args.scopes
+        for weighting, scope in itertools.product(weightings, scopes):
+            if scope == "sequence" and not registry("kl_estimator").create(estimator).unbiased_value:
+                continue
+            cells.append(Cell(task, advantage, estimator, placement, weighting, scope, epochs, seed))
+    return cells
+
+
+def _one_token(task: str) -> bool:
+    return not task.startswith("random:") and task_named(task).response_length == 1
+
+
 def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
-    """Train one cell with the single run's settings; its last exact row, the seconds it took and the cell.
+    """Train one cell with the task's settings; its last exact row, the seconds it took and the cell.
     The task is built in the worker (a random task builds its reference model), from its name."""
     _quiet()
-    task, estimator, placement, weighting, epochs, seed = cell
+    settings = task_settings(args, cell.task)
     start = time.perf_counter()
     _, tracker = train(
-        task_named(task), args.iterations, batch_size=args.batch_size, every=args.iterations, seed=seed,
-        lr_final=args.lr_final, kl_estimator=estimator, beta_controller=FixedBeta(args.beta), kl_penalty=placement,
-        kl_loss_weighting="none" if weighting == "n/a" else weighting, whiten_advantages=placement == "reward",
-        lr=args.lr, ppo_epochs=epochs, num_minibatches=2, log_samples_every_n_steps=0, **advantage_settings(args),
+        task_named(cell.task), settings["iterations"], batch_size=settings["batch_size"], every=settings["iterations"],
+        seed=cell.seed, lr_final=args.lr_final, kl_estimator=cell.estimator, beta_controller=FixedBeta(settings["beta"]),
+        kl_penalty=cell.placement, kl_loss_weighting="importance" if cell.weighting == "importance" else "none",
+        kl_loss_scope="per_token" if cell.scope == "per_token" else "sequence", lr=args.lr, ppo_epochs=cell.epochs,
+        num_minibatches=2, log_samples_every_n_steps=0, **advantage_settings(args, cell.advantage),
     )  # fmt: skip
     return {**tracker.last, "seconds": time.perf_counter() - start, "cell": cell}
 
 
 def run_matrix(args: argparse.Namespace) -> None:
     cells = matrix_cells(args)
-    print(f"tasks={args.task} beta={args.beta} iterations={args.iterations} seeds={args.seed} advantage={args.advantage} "
-          f"cells={len(cells)} jobs={args.jobs}")  # fmt: skip
+    print(f"tasks={args.task} advantages={args.advantage} seeds={args.seed} cells={len(cells)} jobs={args.jobs}")
+    for name in args.task:
+        print(f"SETTINGS task={name} " + " ".join(f"{key}={value}" for key, value in task_settings(args, name).items()))
     per_token = {}
     for name in args.task:
         task = task_named(name)
         for seed in args.seed if task.model_seed is None else args.seed[:1]:  # a hand-made task's reference is the seed's
-            per_token[name, seed] = per_token_fixed_point_gap(task, args.beta, seed)
+            per_token[name, seed] = per_token_fixed_point_gap(task, task_settings(args, name)["beta"], seed)
             print(f"PER_TOKEN fixed_point_gap={per_token[name, seed]:.4f} task={name} seed={seed}", flush=True)
     start = time.perf_counter()
-    gaps: dict[str, list[float]] = {"unbiased": [], "biased": [], "drift": []}
+    gaps: dict[str, list[float]] = {name: [] for name in CLASSES}
+    deviations = []  # |gap - the per-token fixed point's gap| of the per_token cells
     with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else _InProcess() as pool:
         for row in pool.map(run_cell, itertools.repeat(args), cells):
-            task, estimator, placement, weighting, epochs, seed = row["cell"]
-            expected = expected_class(estimator, placement, weighting)
-            gaps[expected].append(row["gap"])
-            print(f"OPTIMUM task={task} seed={seed} estimator={estimator} placement={placement} weighting={weighting} "
-                  f"epochs={epochs} gap={row['gap']:.4f} kl_ref_exact={row['kl_to_ref']:.4f} kl_opt={row['optimum_kl_to_ref']:.4f} "
-                  f"kl_to_opt={row['kl_to_optimum']:.4f} expected={expected} "
+            cell = row["cell"]
+            gaps[cell.expected].append(row["gap"])
+            fixed_point = per_token.get((cell.task, cell.seed), per_token.get((cell.task, args.seed[0])))
+            extra = ""
+            if cell.expected == "per_token":
+                deviations.append(abs(row["gap"] - fixed_point))
+                extra = f" fixed_point_gap={fixed_point:.4f}"
+            print(f"OPTIMUM task={cell.task} seed={cell.seed} advantage={cell.advantage} estimator={cell.estimator} "
+                  f"placement={cell.placement} weighting={cell.weighting} scope={cell.scope} epochs={cell.epochs} "
+                  f"gap={row['gap']:.4f} kl_ref_exact={row['kl_to_ref']:.4f} kl_opt={row['optimum_kl_to_ref']:.4f} "
+                  f"kl_to_opt={row['kl_to_optimum']:.4f} expected={cell.expected}{extra} "
                   f"seconds={row['seconds']:.1f}", flush=True)  # fmt: skip
     nan = float("nan")
     print(
         f"MATRIX unbiased_max_gap={max(gaps['unbiased'], default=nan):.4f} biased_min_gap={min(gaps['biased'], default=nan):.4f} "
-        f"drift_max_gap={max(gaps['drift'], default=nan):.4f} per_token_min_fixed_point_gap={min(per_token.values()):.4f} "
-        f"wall_s={time.perf_counter() - start:.0f}"
+        f"per_token_min_fixed_point_gap={min(per_token.values()):.4f} per_token_max_deviation={max(deviations, default=nan):.4f} "
+        f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f}"
     )
 
 

@@ -1,0 +1,172 @@
+"""model.kl_loss_scope against the closed-form optimum, on random order-dependent tasks (ExactTask.random)
+where the per-token fixed point lies far from pi*.
+
+With the KL in the loss, ``kl_loss_scope: per_token`` follows grad KL(pi(.|s) || pi_ref(.|s)) at each
+visited state and never charges a token for the KL of the states it leads to: it converges to
+``exact.backward_induction(soft=False)``. ``sequence`` (the default) adds that KL still to come
+(ppo_math.kl_to_go_loss) and converges to pi*. On random:3 at beta 1 the two lie 0.229 apart in gap.
+
+The fast tier trains both scopes briefly and checks that they separate; the runs that check convergence
+within 0.02 of pi* (every recommended configuration) and the tool's matrix are marked ``convergence``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_lightning.exact import ExactTask, per_token_fixed_point_gap, train
+from rlhf_lightning_plugins.advantage_estimators import GAE
+from rlhf_lightning_plugins.beta_controllers import FixedBeta
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
+
+TASK = ExactTask.random(3)  # per-token fixed point at gap 0.2291, KL(pi* || pi_ref) = 1.32 nats
+BETA = 1.0
+
+
+def run(iterations: int, batch_size: int, advantage: str = "rloo", **overrides) -> dict:
+    """Train on TASK with the KL in the loss (k3, importance weighted) unless ``overrides`` say otherwise;
+    the last exact row."""
+    settings = dict(
+        kl_estimator="k3",
+        kl_penalty="loss",
+        kl_loss_weighting="importance",
+        lr=2e-3,
+        lr_final=0.1,
+        ppo_epochs=4,
+        num_minibatches=2,
+        log_samples_every_n_steps=0,
+    )
+    if advantage == "gae":
+        settings.update(advantage_estimator=GAE(lam=1.0), critic_lr=2e-3, vf_coef=0.5)
+    else:
+        settings.update(advantage_estimator=advantage, num_generations=4)
+    settings.update(overrides)
+    _, tracker = train(TASK, iterations, batch_size=batch_size, every=iterations, seed=0, beta_controller=FixedBeta(BETA), **settings)
+    return tracker.last
+
+
+def test_the_task_has_a_large_per_token_gap():
+    assert per_token_fixed_point_gap(TASK, BETA) == pytest.approx(0.2291, abs=1e-3)
+
+
+def test_sequence_scope_separates_from_per_token_in_a_short_run():
+    """RLOO, 4 responses per prompt, k3 in the loss, importance weighted, one PPO epoch, 60 iterations of
+    192 responses (several seconds each): the sequence scope is already well inside the per-token fixed
+    point's gap, the per-token scope close to it and overpaying KL (measured: gaps 0.057 and 0.206, KL to
+    pi_ref 1.42 and 1.96 against the optimum's 1.32)."""
+    sequence = run(60, 192, ppo_epochs=1)
+    per_token = run(60, 192, ppo_epochs=1, kl_loss_scope="per_token")
+    assert sequence["gap"] < 0.1, sequence
+    assert per_token["gap"] > 0.15, per_token
+    assert per_token["kl_to_ref"] > sequence["kl_to_ref"] + 0.3, (sequence, per_token)
+
+
+def test_matrix_classes_follow_the_theory():
+    """tools/optimum_check.py's expected class of a cell: k1 in the reward and value-unbiased estimators
+    in the loss with the sequence scope are right for the whole response; the same losses per token reach
+    the per-token fixed point; k3+ importance (its score term twice) and k2 importance (a biased value) are
+    wrong even on-policy; the reward's returns carry the sequence term with 'both'."""
+    from optimum_check import expected_class
+
+    table = {
+        ("k1", "reward", "n/a", "n/a"): "unbiased",
+        ("k3", "reward", "n/a", "n/a"): "biased",
+        ("k1", "loss", "importance", "sequence"): "unbiased",
+        ("k3", "loss", "importance", "sequence"): "unbiased",
+        ("full", "loss", "n/a", "sequence"): "unbiased",
+        ("k1", "loss", "importance", "per_token"): "per_token",
+        ("k3", "loss", "importance", "per_token"): "per_token",
+        ("full", "loss", "n/a", "per_token"): "per_token",
+        ("k3+", "loss", "importance", "sequence"): "biased",
+        ("k2", "loss", "importance", "per_token"): "biased",
+        ("k3+", "loss", "none", "sequence"): "drift",
+        ("k3+", "loss", "none", "per_token"): "drift",
+        ("k1", "loss", "none", "sequence"): "biased",
+        ("k3", "both", "importance", "n/a"): "unbiased",
+    }
+    assert {cell: expected_class(*cell) for cell in table} == table
+
+
+def test_matrix_cells_leave_out_what_cannot_differ_or_is_refused():
+    """The scope only with 'loss' and only on responses longer than one token; no weighting where the
+    estimator ignores the sampled token (full); no sequence scope for a biased value (k2, refused)."""
+    import optimum_check
+
+    def cells(*argv):
+        args = optimum_check.parse_args(["--matrix", "--epochs", "1", *argv])
+        return {(c.estimator, c.placement, c.weighting, c.scope) for c in optimum_check.matrix_cells(args)}
+
+    bandit = cells("--task", "bandit", "--estimators", "k1", "--placements", "loss", "--weightings", "importance")
+    assert bandit == {("k1", "loss", "importance", "sequence")}
+    terminal = cells("--task", "terminal", "--estimators", "k2", "full", "--placements", "loss", "both")
+    assert terminal == {
+        ("k2", "loss", "none", "per_token"),
+        ("k2", "loss", "importance", "per_token"),
+        ("full", "loss", "n/a", "sequence"),
+        ("full", "loss", "n/a", "per_token"),
+        ("k2", "both", "none", "n/a"),
+        ("k2", "both", "importance", "n/a"),
+        ("full", "both", "n/a", "n/a"),
+    }
+    assert len(cells("--task", "random:1")) == 6  # the random tasks' default: k1 k3 x reward loss x importance
+
+
+# ---------------------------------------------------------------------- convergence (minutes)
+# (advantage, overrides of the k3-in-the-loss settings, bound on the gap after 150 iterations of 192
+# responses, 4 epochs). Measured 2026-11-25: 0.0038, 0.0138, 0.0234 (0.0213 after 300 iterations: the
+# critic-free loss path is the noisiest), 0.37 (grpo).
+RECOMMENDED = [
+    pytest.param("gae", dict(kl_estimator="k1", kl_penalty="reward"), 0.02, id="gae-k1-reward"),
+    pytest.param("gae", {}, 0.02, id="gae-k3-loss-sequence"),
+    pytest.param("rloo", {}, 0.03, id="rloo-k3-loss-sequence"),
+    pytest.param("gae", dict(kl_penalty="both", whiten_advantages=False), 0.02, id="gae-k3-both"),
+    pytest.param(
+        "grpo",
+        {},
+        0.03,
+        id="grpo-k3-loss-sequence",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="GRPO.gradient_scale divides the KL loss by the group's sample std + 1e-6: a group of 4 identical "
+            "responses (common once the policy is peaked) weighs its KL 750000 beta and drags the policy to pi_ref "
+            "(measured gap 0.37)",
+        ),
+    ),
+]
+
+
+@pytest.mark.convergence
+@pytest.mark.parametrize("advantage, overrides, bound", RECOMMENDED)
+def test_recommended_configurations_reach_the_optimum(advantage, overrides, bound):
+    """Every recommended configuration (docs/kl-estimators.md) at the random tasks' matrix settings: near
+    pi*, an order of magnitude inside the per-token fixed point's gap (0.229)."""
+    end = run(150, 192, advantage, **overrides)
+    assert end["gap"] < bound, end
+
+
+@pytest.mark.convergence
+@pytest.mark.parametrize("advantage, iterations, epochs", [("gae", 150, 1), ("rloo", 300, 4)])
+def test_per_token_scope_lands_at_its_fixed_point(advantage, iterations, epochs):
+    """The explicit per-token option converges where backward_induction(soft=False) says, within 0.02 of its
+    gap 0.2291 (measured 0.2228 and 0.2404; gae at 4 epochs, 150 iterations: 0.2641, not yet settled)."""
+    end = run(iterations, 192, advantage, ppo_epochs=epochs, kl_loss_scope="per_token")
+    assert end["gap"] == pytest.approx(per_token_fixed_point_gap(TASK, BETA), abs=0.02), end
+
+
+@pytest.mark.convergence
+def test_matrix_on_a_random_task_separates_the_classes(capsys):
+    """tools/optimum_check.py --matrix on random:3 with k3, one epoch: the unbiased cell within 0.02 of pi*,
+    the per-token cell within 0.02 of its fixed point, the biased one (k3 in the reward) far off (measured
+    0.0096, 0.2228 against 0.2291, 0.63)."""
+    import optimum_check
+
+    optimum_check.main(["--matrix", "--task", "random:3", "--estimators", "k3", "--epochs", "1", "--jobs", "2"])
+    out = capsys.readouterr().out
+    cells = [dict(item.split("=", 1) for item in line.split()[1:]) for line in out.splitlines() if line.startswith("OPTIMUM ")]
+    classes = {(c["placement"], c["scope"]): c["expected"] for c in cells}
+    assert classes == {("reward", "n/a"): "biased", ("loss", "sequence"): "unbiased", ("loss", "per_token"): "per_token"}
+    summary = dict(item.split("=") for item in next(line for line in out.splitlines() if line.startswith("MATRIX ")).split()[1:])
+    assert float(summary["unbiased_max_gap"]) <= 0.02, summary
+    assert float(summary["per_token_max_deviation"]) <= 0.02, summary
+    assert float(summary["biased_min_gap"]) > 0.2, summary
