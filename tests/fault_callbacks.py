@@ -1,5 +1,6 @@
 """Callbacks that simulate faults in subprocess runs (imported by class_path from the tests)."""
 
+import itertools
 import os
 import signal
 
@@ -26,7 +27,7 @@ class RecordGroups(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         prompts = outputs["rollout"].prompts
-        runs = 1 + sum(a != b for a, b in zip(prompts, prompts[1:]))
+        runs = 1 + sum(a != b for a, b in itertools.pairwise(prompts))
         with open(self.path, "a") as f:
             f.write(f"{trainer.global_rank} {pl_module.iteration} {len(prompts)} {runs}\n")
 

@@ -10,9 +10,10 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from lightning import Trainer, seed_everything
@@ -31,16 +32,22 @@ def cli(cwd: Path, *args: str, timeout: float = 600, env: Optional[dict] = None)
     (for test reward functions and callbacks named in the arguments), ``env`` added to the environment."""
     Path(cwd).mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "rlhf_lightning.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf_lightning.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
+    )
 
 
 # configs/tiny.yaml for 6 iterations, a checkpoint every 2, a beta controller with state to restore.
 RUN_ARGS = (
-    "--trainer.max_epochs=1", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-    "--model.beta_controller=BandBeta", "--model.beta_controller.init_args.target=0.5", "--model.max_new_tokens=10",
+    "--trainer.max_epochs=1",
+    "--trainer.limit_train_batches=6",
+    "--trainer.limit_val_batches=0",
+    "--trainer.enable_progress_bar=false",
+    "--model.beta_controller=BandBeta",
+    "--model.beta_controller.init_args.target=0.5",
+    "--model.max_new_tokens=10",
     "--trainer.callbacks.every_n_iterations=2",
-)  # fmt: skip
+)
 
 
 def run_cli(root, *extra: str) -> subprocess.CompletedProcess:
@@ -94,17 +101,33 @@ class MetricsHistory(Callback):
 
 
 def fit(
-    module: PPORLHF, tmp_path, iterations: int, batch_size: int = 8, seed: int = 0, callbacks=(), datamodule=None,
-    ckpt_path=None, **trainer_kwargs,
-):  # fmt: skip
+    module: PPORLHF,
+    tmp_path,
+    iterations: int,
+    batch_size: int = 8,
+    seed: int = 0,
+    callbacks=(),
+    datamodule=None,
+    ckpt_path=None,
+    **trainer_kwargs,
+):
     """Run ``iterations`` PPO iterations on CPU; return (trainer, metrics history)."""
     seed_everything(seed, verbose=False)
     history = MetricsHistory()
     kwargs = dict(
-        accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=iterations, limit_val_batches=0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[history, *callbacks], default_root_dir=str(tmp_path), num_sanity_val_steps=0,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=iterations,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[history, *callbacks],
+        default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0,
+    )
     kwargs.update(trainer_kwargs)
     trainer = Trainer(**kwargs)
     trainer.fit(module, datamodule=datamodule or PromptDataModule(batch_size=batch_size), ckpt_path=ckpt_path)

@@ -24,17 +24,27 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_da
 def grouped_batch():
     """Two prompts x 3 responses. Per-token rewards whose masked sums (the returns) are
     group 1: 1, 2, 6 and group 2: 0.5, 0.5, 0.5; the 99s sit after each response's end and must not count."""
-    rewards = torch.tensor([
-        [0.0, 0.0, 1.0, 99.0],
-        [0.5, 1.5, 99.0, 99.0],
-        [-1.0, 2.0, 5.0, 0.0],
-        [0.5, 99.0, 99.0, 99.0],
-        [0.25, 0.25, 99.0, 99.0],
-        [0.0, 0.0, 0.25, 0.25],
-    ])  # fmt: skip
-    mask = torch.tensor([
-        [1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1],
-    ], dtype=torch.float32)  # fmt: skip
+    rewards = torch.tensor(
+        [
+            [0.0, 0.0, 1.0, 99.0],
+            [0.5, 1.5, 99.0, 99.0],
+            [-1.0, 2.0, 5.0, 0.0],
+            [0.5, 99.0, 99.0, 99.0],
+            [0.25, 0.25, 99.0, 99.0],
+            [0.0, 0.0, 0.25, 0.25],
+        ]
+    )
+    mask = torch.tensor(
+        [
+            [1, 1, 1, 0],
+            [1, 1, 0, 0],
+            [1, 1, 1, 1],
+            [1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 1, 1, 1],
+        ],
+        dtype=torch.float32,
+    )
     return rewards, mask
 
 
@@ -164,15 +174,27 @@ def test_builtin_estimators_are_registered_and_listed():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(advantage_estimator="gae", critic="none"), r"model.critic must be separate or shared with model.advantage_estimator GAE, got 'none'"),
-        (dict(advantage_estimator="rloo", num_generations=4, critic="shared"), r"model.critic must be none with model.advantage_estimator RLOO, got 'shared'"),
+        (
+            dict(advantage_estimator="gae", critic="none"),
+            r"model.critic must be separate or shared with model.advantage_estimator GAE, got 'none'",
+        ),
+        (
+            dict(advantage_estimator="rloo", num_generations=4, critic="shared"),
+            r"model.critic must be none with model.advantage_estimator RLOO, got 'shared'",
+        ),
         (dict(advantage_estimator="grpo"), r"model.num_generations must be >= 2 with model.advantage_estimator GRPO .*, got 1"),
-        (dict(advantage_estimator="rloo", num_generations=2, critic_lr=1e-3), r"model.critic_lr and optimizers must be unset without a critic"),
+        (
+            dict(advantage_estimator="rloo", num_generations=2, critic_lr=1e-3),
+            r"model.critic_lr and optimizers must be unset without a critic",
+        ),
         (dict(num_generations=0), r"model.num_generations must be an integer >= 1, got 0"),
-        (dict(advantage_estimator="median"), r"unknown advantage_estimator 'median'; registered advantage_estimator names: dr_grpo, gae, grpo"),
+        (
+            dict(advantage_estimator="median"),
+            r"unknown advantage_estimator 'median'; registered advantage_estimator names: dr_grpo, gae, grpo",
+        ),
         (dict(advantage_estimator="gae", critic="tiny"), r"model.critic must be 'separate', 'shared', 'none' or null, got 'tiny'"),
     ],
-)  # fmt: skip
+)
 def test_start_up_checks_name_both_fields(kwargs, message):
     from rlhf_lightning.module import PPORLHF
 
@@ -207,8 +229,13 @@ def test_rollout_groups_each_prompts_responses_in_consecutive_rows(tmp_path):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             seen.append((list(batch), outputs["rollout"].prompts, list(outputs["rollout"].responses)))
 
-    fit(make_module(advantage_estimator="rloo", num_generations=3, critic_lr=None), tmp_path, iterations=1, batch_size=2,
-        callbacks=[Record()])  # fmt: skip
+    fit(
+        make_module(advantage_estimator="rloo", num_generations=3, critic_lr=None),
+        tmp_path,
+        iterations=1,
+        batch_size=2,
+        callbacks=[Record()],
+    )
     ((batch, prompts, responses),) = seen
     assert prompts == [batch[0]] * 3 + [batch[1]] * 3
     assert len(set(responses)) > 1  # each response of a group is its own sample
@@ -231,10 +258,21 @@ def test_critic_free_estimators_with_k1_in_the_reward_reach_the_optimum(name, nu
     """The fast version of tools/optimum_check.py --advantage NAME: 60 iterations of 48 responses
     on the enumerable task (a few seconds each); measured gaps 0.0027 (rloo), 0.0044 (grpo), 0.0133 (reinforce_pp)."""
     _, tracker = train(
-        TASKS["terminal"], 60, batch_size=48, every=60, seed=0, lr_final=0.1, lr=2e-3, ppo_epochs=4, num_minibatches=2,
-        kl_estimator="k1", beta_controller=FixedBeta(0.5), advantage_estimator=name, num_generations=num_generations,
+        TASKS["terminal"],
+        60,
+        batch_size=48,
+        every=60,
+        seed=0,
+        lr_final=0.1,
+        lr=2e-3,
+        ppo_epochs=4,
+        num_minibatches=2,
+        kl_estimator="k1",
+        beta_controller=FixedBeta(0.5),
+        advantage_estimator=name,
+        num_generations=num_generations,
         log_samples_every_n_steps=0,
-    )  # fmt: skip
+    )
     start, end = tracker.rows[0], tracker.last
     assert start["gap"] > 0.3
     assert end["gap"] < 0.02, end

@@ -75,7 +75,7 @@ def test_prompt_file_with_only_blank_prompts(tmp_path):
 def test_missing_prompt_column(tmp_path):
     path = tmp_path / "p.csv"
     path.write_text("question,id\nWhy?,1\nHow?,2\n")
-    with pytest.raises(ValueError, match="column 'prompt' not found in p.csv; available columns: question, id"):
+    with pytest.raises(ValueError, match=r"column 'prompt' not found in p.csv; available columns: question, id"):
         load_prompts(path)
     assert load_prompts(path, column="question") == ["Why?", "How?"]
 
@@ -83,7 +83,7 @@ def test_missing_prompt_column(tmp_path):
 def test_unsupported_prompt_file_type(tmp_path):
     path = tmp_path / "p.xlsx"
     path.write_text("x")
-    with pytest.raises(ValueError, match="unsupported prompt file type '.xlsx'"):
+    with pytest.raises(ValueError, match=r"unsupported prompt file type '.xlsx'"):
         load_prompts(path)
 
 
@@ -134,7 +134,7 @@ def test_reward_function_with_the_wrong_number_of_scores(tmp_path):
 
 def test_reward_function_that_returns_nan(tmp_path):
     module = make_module(reward_model=CallableReward(function="test_bad_input:nan_reward"), max_consecutive_faults=2)
-    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="2 iterations in a row had faults.*non-finite scores"):
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match=r"2 iterations in a row had faults.*non-finite scores"):
         fit(module, tmp_path, iterations=3)
 
 
@@ -205,8 +205,11 @@ def test_special_token_strings_in_prompt_text_are_refused_by_default(smollm2_tok
     """On SmolLM2's tokenizer a prompt containing "<|im_end|>" would close the user turn and forge an
     assistant turn; the default refuses it, naming the tokens; ``allow`` tokenises them as special tokens."""
     module = PPORLHF(policy="tiny", tokenizer="smollm2", reward_model=char_reward())
-    with pytest.raises(ValueError, match=r"prompt 1 \('Say hi.<\|im_end\|>.*contains the special token string\(s\) "
-                                         r"\['<\|im_end\|>', '<\|im_start\|>'\].*model.special_tokens_in_prompts: allow"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"prompt 1 \('Say hi.<\|im_end\|>.*contains the special token string\(s\) "
+        r"\['<\|im_end\|>', '<\|im_start\|>'\].*model.special_tokens_in_prompts: allow",
+    ):
         module.encode_prompts(["A fine prompt.", FORGED])
     allowed = PPORLHF(policy="tiny", tokenizer="smollm2", reward_model=char_reward(), special_tokens_in_prompts="allow")
     ids = allowed.encode_prompts([FORGED])["input_ids"][0].tolist()
@@ -255,8 +258,11 @@ def test_prompt_lengths_and_the_batch_split_are_checked_before_any_model_loads(t
     ):
         fit(module, tmp_path, iterations=1, datamodule=PromptDataModule(train_path=str(path), batch_size=8))
     module = PPORLHF(policy="tiny", reward_model=char_reward(), num_minibatches=3)
-    with pytest.raises(ConfigError, match=r"data.batch_size \* model.num_generations must be divisible by model.num_minibatches \* "
-                       r"model.gradient_accumulation_steps = 3 \* 1, got '8 \* 1'"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"data.batch_size \* model.num_generations must be divisible by model.num_minibatches \* "
+        r"model.gradient_accumulation_steps = 3 \* 1, got '8 \* 1'",
+    ):
         fit(module, tmp_path, iterations=1, batch_size=8)
 
 
@@ -278,8 +284,11 @@ class NegativeBeta(BetaController):
 
 
 def test_a_kl_estimator_with_the_wrong_output_shape_is_named(tmp_path):
-    with pytest.raises(ConfigError, match=r"the output of KL estimator PerResponseKL must be a floating-point tensor of shape "
-                       r"\(batch, response_len\) = \(8, 12\), got 'Tensor \(8,\) torch.float32'"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"the output of KL estimator PerResponseKL must be a floating-point tensor of shape "
+        r"\(batch, response_len\) = \(8, 12\), got 'Tensor \(8,\) torch.float32'",
+    ):
         fit(make_module(kl_estimator=PerResponseKL()), tmp_path, iterations=1)
 
 
@@ -315,9 +324,10 @@ def test_a_reward_backend_returning_something_else_is_named(value, message):
 
 
 @pytest.mark.parametrize(
-    "value", [[1, 2.5], (1, 2.5), np.array([1.0, 2.5]), torch.tensor([1.0, 2.5], dtype=torch.float64)],
+    "value",
+    [[1, 2.5], (1, 2.5), np.array([1.0, 2.5]), torch.tensor([1.0, 2.5], dtype=torch.float64)],
     ids=["list", "tuple", "array", "float64-tensor"],
-)  # fmt: skip
+)
 def test_a_reward_backend_may_return_a_tensor_an_array_or_a_list(value):
     assert torch.equal(returning(value).checked_scores(["p", "q"], ["x", "y"]), torch.tensor([1.0, 2.5]))
 
@@ -339,9 +349,20 @@ def slow_reward(prompts, responses, **kwargs):
 
 def fit_tiny(tmp_path, *args: str):
     """One PPO iteration of configs/tiny.yaml through the command, as a user runs it."""
-    return cli(tmp_path, "fit", "--config", TINY, "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
-               "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.callbacks=[]",
-               "--trainer.enable_checkpointing=false", "--model.max_new_tokens=4", *args)  # fmt: skip
+    return cli(
+        tmp_path,
+        "fit",
+        "--config",
+        TINY,
+        "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=1",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks=[]",
+        "--trainer.enable_checkpointing=false",
+        "--model.max_new_tokens=4",
+        *args,
+    )
 
 
 @pytest.mark.parametrize(
@@ -361,8 +382,9 @@ def test_a_reward_function_over_its_timeout_stops_the_run(tmp_path):
     import time
 
     start = time.monotonic()
-    result = fit_tiny(tmp_path, "--model.reward_model.init_args.function=test_bad_input:slow_reward",
-                      "--model.reward_model.init_args.timeout=1")  # fmt: skip
+    result = fit_tiny(
+        tmp_path, "--model.reward_model.init_args.function=test_bad_input:slow_reward", "--model.reward_model.init_args.timeout=1"
+    )
     assert result.returncode == 1 and time.monotonic() - start < 25  # slow_reward sleeps 30 s
     assert "TimeoutError: reward function test_bad_input:slow_reward did not return within reward_model.timeout=1.0s" in result.stderr
 

@@ -23,8 +23,11 @@ def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers():
     # One thread: on a busy 2-core CPU spinning OpenMP threads only add noise (and minutes).
     result = subprocess.run(
         [sys.executable, str(REPO / "tools" / "bench.py"), "--tiny", "--threads", "1"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     match = BENCH_LINE.fullmatch(lines[-1])
@@ -85,17 +88,25 @@ def test_iteration_costs_count_each_pass_once(tiny_shape):
     # Score: log pi_old, log pi_ref (3 logits each: response_len + 1) and the critic's trunk.
     assert full["score"] == [bench.forward_cost(tiny_shape, 4, 5, 0, 3)] * 2 + [bench.forward_cost(tiny_shape, 4, 5)]
     # Update: 2 epochs x 2 minibatches of 2 rows, each: policy fwd + bwd, critic fwd + bwd + AdamW, policy AdamW.
-    minibatch = [bench.forward_cost(tiny_shape, 2, 5, 0, 3), bench.backward_cost(tiny_shape, 2, 5, 3, True),
-                 bench.forward_cost(tiny_shape, 2, 5), bench.backward_cost(tiny_shape, 2, 5, 0, True),
-                 bench.adamw_cost(400), bench.adamw_cost(500)]  # fmt: skip
+    minibatch = [
+        bench.forward_cost(tiny_shape, 2, 5, 0, 3),
+        bench.backward_cost(tiny_shape, 2, 5, 3, True),
+        bench.forward_cost(tiny_shape, 2, 5),
+        bench.backward_cost(tiny_shape, 2, 5, 0, True),
+        bench.adamw_cost(400),
+        bench.adamw_cost(500),
+    ]
     assert full["update"] == minibatch * 4
     # LoRA, shared critic, old log-probs from the sampler: the score phase is the reference alone,
     # the policy's passes run the adapter unmerged, and one AdamW step per minibatch.
     lora = bench.iteration_costs(tiny_shape, **common, lora_params=300, critic="shared", old_logprobs="sampler")
     assert lora["rollout"] == full["rollout"]
     assert lora["score"] == [bench.forward_cost(tiny_shape, 4, 5, 0, 3)]
-    assert lora["update"] == [bench.forward_cost(tiny_shape, 2, 5, 0, 3, 300), bench.backward_cost(tiny_shape, 2, 5, 3, False, 300),
-                              bench.adamw_cost(500)] * 4  # fmt: skip
+    assert (
+        lora["update"]
+        == [bench.forward_cost(tiny_shape, 2, 5, 0, 3, 300), bench.backward_cost(tiny_shape, 2, 5, 3, False, 300), bench.adamw_cost(500)]
+        * 4
+    )
 
 
 def test_floor_seconds_takes_the_slower_of_compute_and_traffic_per_pass():

@@ -21,9 +21,12 @@ from helpers import CONFIGS, REPO
 
 TINY = str(CONFIGS / "tiny.yaml")
 PLUGIN_FIELDS = {
-    "kl_estimator": "kl_estimator", "beta_controller": "beta_controller", "reward_model": "reward_model",
-    "advantage_estimator": "advantage_estimator", "reference_update": "reference_update",
-}  # fmt: skip
+    "kl_estimator": "kl_estimator",
+    "beta_controller": "beta_controller",
+    "reward_model": "reward_model",
+    "advantage_estimator": "advantage_estimator",
+    "reference_update": "reference_update",
+}
 
 
 def print_config(args: list[str], capsys) -> dict:
@@ -88,8 +91,9 @@ def test_advantage_estimator_by_short_name_and_class_path():
 
     cli = build_cli(["--config", TINY, "--model.advantage_estimator=rloo", "--model.num_generations=4"], run=False)
     assert isinstance(cli.model.advantage_estimator, RLOO) and cli.model.critic is None
-    cli = build_cli(["--config", TINY, "--model.advantage_estimator.class_path=GAE",
-                     "--model.advantage_estimator.init_args.lam=1.0"], run=False)  # fmt: skip
+    cli = build_cli(
+        ["--config", TINY, "--model.advantage_estimator.class_path=GAE", "--model.advantage_estimator.init_args.lam=1.0"], run=False
+    )
     assert isinstance(cli.model.advantage_estimator, GAE) and cli.model.advantage_estimator.lam == 1.0
 
     cli = build_cli(
@@ -176,10 +180,23 @@ def test_console_script_runs_the_tiny_config(tmp_path):
     named after the config, the Custom Scalars page with the KL target, no placeholder hp_metric, a
     checkpoint, and none of the libraries' start-up noise."""
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "rlhf-lightning"), "fit", "--config", TINY, "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.callbacks=[]",
-         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}", "--model.beta_controller=adaptive"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).parent / "rlhf-lightning"),
+            "fit",
+            "--config",
+            TINY,
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=2",
+            "--trainer.callbacks=[]",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--model.beta_controller=adaptive",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -241,17 +258,35 @@ def test_the_documented_plugin_package_installs_and_its_plugin_trains(tmp_path):
     site = tmp_path / "site"
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site), str(package)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stderr[-3000:]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     fit = subprocess.run(
-        [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", TINY, "--model.kl_estimator=clipped_k1",
-         "--trainer.limit_train_batches=1", "--trainer.max_epochs=1", "--trainer.limit_val_batches=0",
-         "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]",
-         f"--trainer.default_root_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlhf_lightning.cli",
+            "fit",
+            "--config",
+            TINY,
+            "--model.kl_estimator=clipped_k1",
+            "--trainer.limit_train_batches=1",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.callbacks=[]",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
     assert fit.returncode == 0, fit.stderr[-3000:]  # an unknown kl_estimator name would stop it before any model loads
     (config,) = tmp_path.glob("lightning_logs/tiny/version_0/config.yaml")
     # the short name resolved to the plugin's class, recorded with its arguments
@@ -278,8 +313,9 @@ def test_configuration_errors_print_one_line_and_exit_2_without_a_traceback(tmp_
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith(message.replace("EMPTY", names["EMPTY"]).replace("LIST", names["LIST"]))
     assert "Traceback" not in result.stderr
-    debug = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                           env={**os.environ, "RLHF_LIGHTNING_TRACEBACK": "1"})  # fmt: skip
+    debug = subprocess.run(
+        command, capture_output=True, text=True, cwd=tmp_path, timeout=300, env={**os.environ, "RLHF_LIGHTNING_TRACEBACK": "1"}
+    )
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 

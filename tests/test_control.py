@@ -4,6 +4,7 @@ state round trip, validation, closed-loop behaviour on a toy plant, and tools/co
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import subprocess
@@ -29,8 +30,7 @@ def run(ctrl: BetaController, kls, n_samples: int = 64) -> list[float]:
 
 def pid(**kwargs) -> BetaController:
     """A PID controller with round gains and no error clip or beta clamp in the way."""
-    defaults = dict(init_beta=1.0, target=1.0, kp=0.5, ki=0.1, kd=0.2, integral_limit=100.0,
-                    error_clip=100.0, beta_min=1e-6, beta_max=1e6)  # fmt: skip
+    defaults = dict(init_beta=1.0, target=1.0, kp=0.5, ki=0.1, kd=0.2, integral_limit=100.0, error_clip=100.0, beta_min=1e-6, beta_max=1e6)
     return controller("pid", **{**defaults, **kwargs})
 
 
@@ -276,7 +276,7 @@ def test_closed_loop_adaptive_moves_toward_the_target(init_beta, above):
     ctrl = controller("adaptive", init_beta=init_beta, target=4.0, horizon=100)
     kls = closed_loop(ctrl, 50)
     gaps = [abs(math.log(k / 4.0)) for k in kls]
-    assert all(b < a for a, b in zip(gaps, gaps[1:]))
+    assert all(b < a for a, b in itertools.pairwise(gaps))
     assert all((k > 4.0) == above for k in kls)
     assert (ctrl.beta > init_beta) == above
 
@@ -290,8 +290,11 @@ def test_compare_controllers_tool_fast(tmp_path):
     out = tmp_path / "compare"
     result = subprocess.run(
         [sys.executable, str(REPO / "tools" / "compare_controllers.py"), "--fast", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     with open(out / "trajectories.csv") as f:
         rows = list(csv.DictReader(f))

@@ -36,7 +36,7 @@ def test_forward_and_gradients_match_f_linear(shape, with_bias):
     expected = [g2 @ weight, g2.T @ x2] + ([g2.sum(0)] if with_bias else [])
     expected_y = x @ weight.T + (bias if with_bias else 0)
     torch.testing.assert_close(y.double(), expected_y, rtol=1e-5, atol=1e-5)
-    for got, want in zip([t.grad.reshape(want.shape) for t, want in zip(inputs, expected)], expected):
+    for got, want in zip([t.grad.reshape(want.shape) for t, want in zip(inputs, expected, strict=True)], expected, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -76,8 +76,9 @@ def test_tiny_llama_under_onednn_matches_aten():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4))  # fmt: skip
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    )
     ids = torch.randint(0, 50, (3, 9))
     expected = model(input_ids=ids).logits
     expected.logsumexp(-1).sum().backward()
@@ -121,8 +122,10 @@ def test_tuned_malloc_reuses_freed_memory_without_page_faults():
     mmap or a trimmed heap each round (one page fault per 4 KB written: 5-15k a round here),
     the tuned malloc reuses the freed heap (0 after the first rounds)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    faults = {mode: int(subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, env=env,
-                                       check=True).stdout) for mode in ("default", "tuned")}  # fmt: skip
+    faults = {
+        mode: int(subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, env=env, check=True).stdout)
+        for mode in ("default", "tuned")
+    }
     assert faults["default"] > 10000 and faults["tuned"] < faults["default"] / 10, faults
 
 

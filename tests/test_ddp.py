@@ -14,13 +14,20 @@ def run(root, devices: int, *extra: str):
     from summarize_run import read_scalars
 
     result = run_cli(
-        root, f"--trainer.devices={devices}", "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
-        f"--data.batch_size={GLOBAL_BATCH // devices}", "--trainer.limit_train_batches=4", "--model.do_sample=false",
+        root,
+        f"--trainer.devices={devices}",
+        "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
+        f"--data.batch_size={GLOBAL_BATCH // devices}",
+        "--trainer.limit_train_batches=4",
+        "--model.do_sample=false",
         # One minibatch: with more, one process and two draw differently composed minibatches.
         # A reward the greedy answers earn from the start, so the policy really moves.
-        "--model.num_minibatches=1", "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
-        "--trainer.callbacks+=fault_callbacks.RecordBeta", f"--trainer.callbacks.path={root / 'beta.txt'}", *extra,
-    )  # fmt: skip
+        "--model.num_minibatches=1",
+        "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
+        "--trainer.callbacks+=fault_callbacks.RecordBeta",
+        f"--trainer.callbacks.path={root / 'beta.txt'}",
+        *extra,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     scalars = read_scalars(str(root / "lightning_logs" / "tiny" / "version_0"))
     return {tag: list(by_step.values()) for tag, by_step in scalars.items()}, (root / "beta.txt").read_text().split("\n")
@@ -51,9 +58,14 @@ def test_two_process_ddp_with_a_group_estimator_keeps_groups_on_one_rank_and_sta
     bit-identical on both ranks although the ranks sample different responses."""
     root = tmp_path / "grpo"
     ddp, beta_lines = run(
-        root, 2, "--model.do_sample=true", "--model.advantage_estimator=grpo", "--model.num_generations=2",
-        "--trainer.callbacks+=fault_callbacks.RecordGroups", f"--trainer.callbacks.path={root / 'groups.txt'}",
-    )  # fmt: skip
+        root,
+        2,
+        "--model.do_sample=true",
+        "--model.advantage_estimator=grpo",
+        "--model.num_generations=2",
+        "--trainer.callbacks+=fault_callbacks.RecordGroups",
+        f"--trainer.callbacks.path={root / 'groups.txt'}",
+    )
     betas = betas_by_iteration(beta_lines)
     assert sorted(betas) == [1, 2, 3, 4] and all(by_rank[0] == by_rank[1] for by_rank in betas.values()), betas
     assert len(set(ddp["objective/beta"])) > 1

@@ -11,10 +11,21 @@ from summarize_run import read_scalars
 
 def scalars_of_a_tiny_run(root: Path, seed: int) -> dict[str, dict[int, float]]:
     """Three PPO iterations of configs/tiny.yaml in ``root``; every scalar (timings aside) by step."""
-    result = cli(root, "fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.max_epochs=1", "--trainer.limit_train_batches=3",
-                 "--trainer.limit_val_batches=0", "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false",
-                 "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={root}", f"--seed_everything={seed}",
-                 env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    result = cli(
+        root,
+        "fit",
+        "--config",
+        str(CONFIGS / "tiny.yaml"),
+        "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=3",
+        "--trainer.limit_val_batches=0",
+        "--trainer.callbacks=[]",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={root}",
+        f"--seed_everything={seed}",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     scalars = read_scalars(str(root / "lightning_logs" / "tiny" / "version_0"))
     return {tag: by_step for tag, by_step in scalars.items() if not tag.startswith("timing/")}

@@ -60,7 +60,7 @@ def test_nan_reward_skips_that_iteration_and_leaves_weights_untouched(tmp_path):
 
 def test_consecutive_faults_stop_the_run_naming_the_cause(tmp_path):
     module = make_module(reward_model=FlakyReward(nan_calls={0, 1}), max_consecutive_faults=2)
-    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="2 iterations in a row.*FlakyReward returned non-finite"):
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match=r"2 iterations in a row.*FlakyReward returned non-finite"):
         fit(module, tmp_path, iterations=4)
 
 

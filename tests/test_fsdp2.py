@@ -16,17 +16,26 @@ from summarize_run import read_scalars
 # Greedy rollouts and one minibatch, as in test_ddp, so one process and two see the same batches;
 # two micro-batches per minibatch, so FSDP2's no_sync (block_backward_sync) is on the path.
 COMMON = (
-    "--trainer.limit_train_batches=4", "--model.do_sample=false", "--model.num_minibatches=1",
-    "--model.gradient_accumulation_steps=2", "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
-)  # fmt: skip
+    "--trainer.limit_train_batches=4",
+    "--model.do_sample=false",
+    "--model.num_minibatches=1",
+    "--model.gradient_accumulation_steps=2",
+    "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
+)
 
 
 def run(root, devices: int, *extra: str, check: bool = True):
     strategy = ("--config", str(CONFIGS / "fsdp2.yaml")) if devices > 1 else ("--trainer.strategy=auto",)
     result = run_cli(
-        root, f"--trainer.devices={devices}", *strategy, f"--data.batch_size={GLOBAL_BATCH // devices}", *COMMON,
-        "--trainer.callbacks+=fault_callbacks.RecordBeta", f"--trainer.callbacks.path={root / 'beta.txt'}", *extra,
-    )  # fmt: skip
+        root,
+        f"--trainer.devices={devices}",
+        *strategy,
+        f"--data.batch_size={GLOBAL_BATCH // devices}",
+        *COMMON,
+        "--trainer.callbacks+=fault_callbacks.RecordBeta",
+        f"--trainer.callbacks.path={root / 'beta.txt'}",
+        *extra,
+    )
     if check:
         assert result.returncode == 0, result.stderr[-4000:]
     return result
@@ -56,7 +65,7 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
     # Every statistic is global and the loss is the global token mean, as under DDP: the runs differ
     # by float summation order only (reduce-scatter of gradient shards, gathered weights): measured
     # worst relative difference 2.7e-6 over these metrics and iterations.
-    worst = max(abs(a - b) / max(abs(a), 1e-4) for name in COMPARED for a, b in zip(single[name], fsdp[name]))
+    worst = max(abs(a - b) / max(abs(a), 1e-4) for name in COMPARED for a, b in zip(single[name], fsdp[name], strict=True))
     print(f"worst relative difference, one process vs FSDP2: {worst:.2e}")
     for name in COMPARED:
         for a, b in zip(single[name], fsdp[name], strict=True):
@@ -71,8 +80,7 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
     # single process trained (up to the float drift above).
     from transformers import AutoModelForCausalLM
 
-    exported = [AutoModelForCausalLM.from_pretrained(log_dir(root) / "policy")
-                for root in (tmp_path / "single", tmp_path / "fsdp2")]  # fmt: skip
+    exported = [AutoModelForCausalLM.from_pretrained(log_dir(root) / "policy") for root in (tmp_path / "single", tmp_path / "fsdp2")]
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
         logits = [model(ids).logits for model in exported]
@@ -99,8 +107,14 @@ def test_two_process_fsdp2_with_lora_a_moving_reference_and_bf16_mixed(tmp_path)
     bf16-mixed autocast on CPU gives the first iteration's losses of the fp32 run within 2e-2 (the
     rollouts are identical: greedy from the same weights, and the first iteration's argmax
     survives bf16 rounding on this model)."""
-    lora = ("--model.lora_rank=4", "--model.lora_alpha=8", "--model.critic=shared", "--trainer.limit_train_batches=2",
-            "--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")  # fmt: skip
+    lora = (
+        "--model.lora_rank=4",
+        "--model.lora_alpha=8",
+        "--model.critic=shared",
+        "--trainer.limit_train_batches=2",
+        "--model.reference_update=EMA",
+        "--model.reference_update.init_args.alpha=0.5",
+    )
     run(tmp_path / "fp32", 2, *lora, "--trainer.callbacks+=rlhf_lightning.callbacks.ExportPolicy")
     run(tmp_path / "bf16", 2, *lora, "--trainer.precision=bf16-mixed")
     fp32, bf16 = scalars(tmp_path / "fp32"), scalars(tmp_path / "bf16")

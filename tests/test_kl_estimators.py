@@ -48,7 +48,7 @@ def _full_kl_brute_force(logits: torch.Tensor, ref_logits: torch.Tensor) -> torc
         for t in range(logits.shape[1]):
             p = torch.softmax(logits[b, t].double(), -1).tolist()
             q = torch.softmax(ref_logits[b, t].double(), -1).tolist()
-            out[b, t] = sum(pa * (math.log(pa) - math.log(qa)) for pa, qa in zip(p, q))
+            out[b, t] = sum(pa * (math.log(pa) - math.log(qa)) for pa, qa in zip(p, q, strict=True))
     return out
 
 

@@ -43,7 +43,7 @@ def feed(guard: KLGuard, kl: list[float], kl_max: list[float]) -> tuple[list[str
     module = FakeModule()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for kl_t, kl_max_t in zip(kl, kl_max):
+        for kl_t, kl_max_t in zip(kl, kl_max, strict=True):
             module.iteration += 1
             metrics = {"objective/kl": kl_t, "objective/kl_max": kl_max_t}
             guard.on_train_batch_end(trainer, module, {"metrics": metrics, "skipped": False}, None, 0)
@@ -63,8 +63,10 @@ def test_spikes_over_the_ema_level_warn_once_per_iteration():
     kl_max[4] = 4.0
     messages, trainer, module = feed(guard, kl, kl_max)
     assert [m.split(":")[1].strip() for m in messages] == [
-        "KL spike at iteration 4", "KL spike at iteration 5", "KL spike at iteration 8"
-    ]  # messages name an iteration by its TensorBoard step (0-based): it5, it6, it9 above  # fmt: skip
+        "KL spike at iteration 4",
+        "KL spike at iteration 5",
+        "KL spike at iteration 8",
+    ]  # messages name an iteration by its TensorBoard step (0-based): it5, it6, it9 above
     assert "objective/kl = 6 > 3 x running level 0.8125" in messages[1] and "objective/kl_max = 12" in messages[1]
     assert guard.counts == {"spikes": 3, "violations": 0, "rollbacks": 0}
     assert module.logged[-1] == {"kl_guard/spikes": 3.0, "kl_guard/violations": 0.0, "kl_guard/rollbacks": 0.0}
@@ -228,8 +230,7 @@ def test_scalars_text_images_and_histograms_share_one_step_axis(tmp_path):
     """Every record of an iteration is stamped with its 0-based index, the step of its scalars."""
     module = make_module(log_samples_every_n_steps=1)
     logger = TensorBoardLogger(str(tmp_path), name="", version="steps")
-    fit(module, tmp_path, iterations=3, batch_size=4, callbacks=[TokenKLView(every_n_iterations=1)], logger=logger,
-        log_every_n_steps=1)  # fmt: skip
+    fit(module, tmp_path, iterations=3, batch_size=4, callbacks=[TokenKLView(every_n_iterations=1)], logger=logger, log_every_n_steps=1)
     events = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "histograms": 0, "tensors": 0, "scalars": 0})
     events.Reload()
     steps = [0, 1, 2]

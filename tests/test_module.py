@@ -73,7 +73,7 @@ def test_rollout_masks_after_eos_and_puts_score_on_last_token():
     rollout = module.rollout(PROMPTS * 4)
     eos, pad = module.tokenizer.eos_token_id, module.tokenizer.pad_token_id
     lengths = rollout.mask.sum(-1).long()
-    for row, length in zip(rollout.response, lengths):
+    for row, length in zip(rollout.response, lengths, strict=True):
         assert (row[length:] == pad).all()  # nothing after the first EOS survives
         assert (row[: length - 1] != eos).all()
     assert rollout.ended_with_eos.any() and (rollout.old_values * (1 - rollout.mask)).abs().sum() == 0
@@ -147,10 +147,24 @@ def test_fit_raises_reward_and_logs_every_metric(tmp_path):
     first, last = sum(reward[:6]) / 6, sum(reward[-6:]) / 6
     assert last > first + 1.5, (first, last)
     for name in (
-        "objective/kl", "objective/kl_max", "objective/kl_per_token", "objective/non_score_reward", "objective/net",
-        "objective/entropy", "objective/beta", "policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss",
-        "value/clipfrac", "response/length", "timing/rollout_s", "timing/forward_s", "timing/score_s", "timing/update_s",
-    ):  # fmt: skip
+        "objective/kl",
+        "objective/kl_max",
+        "objective/kl_per_token",
+        "objective/non_score_reward",
+        "objective/net",
+        "objective/entropy",
+        "objective/beta",
+        "policy/loss",
+        "policy/clipfrac",
+        "policy/approxkl",
+        "value/loss",
+        "value/clipfrac",
+        "response/length",
+        "timing/rollout_s",
+        "timing/forward_s",
+        "timing/score_s",
+        "timing/update_s",
+    ):
         assert all(torch.isfinite(torch.tensor(history.series(name)))), name
     row = history.rows[-1]
     assert abs(row["objective/net"] - (row["objective/reward"] - row["objective/beta"] * row["objective/kl"])) < 1e-4
@@ -192,9 +206,15 @@ def test_gradient_accumulation_equals_one_big_minibatch(tmp_path, policy_loss, a
     for steps in (1, 4):
         recorder = _GradRecorder()
         module = make_module(
-            reward_model=char_reward("aeiou "), gradient_accumulation_steps=steps, ppo_epochs=1, optimizers="shared",
-            max_grad_norm=None, policy_loss=policy_loss, loss_aggregation=aggregation, kl_penalty="both",
-        )  # fmt: skip
+            reward_model=char_reward("aeiou "),
+            gradient_accumulation_steps=steps,
+            ppo_epochs=1,
+            optimizers="shared",
+            max_grad_norm=None,
+            policy_loss=policy_loss,
+            loss_aggregation=aggregation,
+            kl_penalty="both",
+        )
         fit(module, tmp_path, iterations=1, callbacks=[recorder])
         grads[steps] = recorder.grads[0]
     assert grads[1].abs().sum() > 0
@@ -225,7 +245,7 @@ def test_checkpoint_round_trip_restores_beta_weights_and_iteration(tmp_path):
     restored.load_state_dict(checkpoint["state_dict"], strict=True)
     assert restored.beta_controller.beta == module.beta_controller.beta
     assert restored.iteration == 3
-    for (name, a), b in zip(module.state_dict().items(), restored.state_dict().values()):
+    for (name, a), b in zip(module.state_dict().items(), restored.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -239,7 +259,7 @@ def test_kl_ignore_tokens_leaves_those_positions_out_of_the_penalty():
     assert ignored[rollout.mask.bool()].any()
     assert torch.equal(kl[ignored], torch.zeros_like(kl[ignored]))
     assert torch.equal(kl[~ignored], full[~ignored])
-    with pytest.raises(ValueError, match="each of model.kl_ignore_tokens must be 'eos' or a single token of this tokenizer, got 'ee'"):
+    with pytest.raises(ValueError, match=r"each of model.kl_ignore_tokens must be 'eos' or a single token of this tokenizer, got 'ee'"):
         make_module(kl_ignore_tokens=["ee"])
 
 
@@ -276,8 +296,15 @@ def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_
     rollouts = {}
     for source in ("sampler", "forward"):
         torch.manual_seed(0)
-        module = make_module(tokenizer="smollm2", tiny_config={"hidden_size": 32, "intermediate_size": 64},
-                             max_new_tokens=6, temperature=0.7, critic=critic, lora_rank=lora_rank, old_logprobs=source)  # fmt: skip
+        module = make_module(
+            tokenizer="smollm2",
+            tiny_config={"hidden_size": 32, "intermediate_size": 64},
+            max_new_tokens=6,
+            temperature=0.7,
+            critic=critic,
+            lora_rank=lora_rank,
+            old_logprobs=source,
+        )
         with torch.no_grad():
             module.critic.head.weight.copy_(torch.linspace(-1, 1, module.critic.head.weight.numel()).view_as(module.critic.head.weight))
         push_adapter(module)
@@ -292,7 +319,7 @@ def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_
 
 
 def test_unknown_old_logprobs_source_is_refused():
-    with pytest.raises(ValueError, match="model.old_logprobs must be 'sampler' or 'forward', got 'cache'"):
+    with pytest.raises(ValueError, match=r"model.old_logprobs must be 'sampler' or 'forward', got 'cache'"):
         PPORLHF(policy="tiny", reward_model=char_reward(), old_logprobs="cache")
 
 
@@ -300,7 +327,7 @@ def test_unknown_old_logprobs_source_is_refused():
 def test_whitening_with_a_kl_loss_term_is_refused(kl_penalty):
     """Whitening divides the reward's advantages by their std and not the KL loss term: beta then no longer
     weighs the KL as configured (tests/test_optimum.py, README: gap 0.50 instead of 0.001 on the bandit)."""
-    with pytest.raises(ValueError, match="model.whiten_advantages must be false when the KL is in the loss"):
+    with pytest.raises(ValueError, match=r"model.whiten_advantages must be false when the KL is in the loss"):
         PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty=kl_penalty, kl_estimator="k3", whiten_advantages=True)
     # By default (null) GAE whitens only while the KL is in the reward alone.
     assert PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty=kl_penalty, kl_estimator="k3").hparams.whiten_advantages is False
@@ -308,7 +335,7 @@ def test_whitening_with_a_kl_loss_term_is_refused(kl_penalty):
 
 
 def test_unknown_kl_loss_weighting_is_refused():
-    with pytest.raises(ValueError, match="model.kl_loss_weighting must be 'none' or 'importance', got 'ratio'"):
+    with pytest.raises(ValueError, match=r"model.kl_loss_weighting must be 'none' or 'importance', got 'ratio'"):
         PPORLHF(policy="tiny", reward_model=char_reward(), kl_loss_weighting="ratio")
 
 
@@ -319,8 +346,15 @@ def test_straight_through_estimator_with_importance_weighting_warns(estimator, w
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for weighting in ("importance", "none"):
-            PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty="loss", kl_estimator=estimator, kl_loss_weighting=weighting,
-                    kl_loss_scope="per_token", whiten_advantages=False)  # fmt: skip
+            PPORLHF(
+                policy="tiny",
+                reward_model=char_reward(),
+                kl_penalty="loss",
+                kl_estimator=estimator,
+                kl_loss_weighting=weighting,
+                kl_loss_scope="per_token",
+                whiten_advantages=False,
+            )
     messages = [str(w.message) for w in caught if "not the derivative of its value" in str(w.message)]
     assert len(messages) == int(warns), messages
 

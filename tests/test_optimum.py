@@ -44,9 +44,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_da
 BETA = 0.5
 ITERATIONS = 60
 PPO_SETTINGS = dict(
-    batch_size=48, lr_final=0.1, lr=2e-3, critic_lr=2e-3, ppo_epochs=4, num_minibatches=2, vf_coef=0.5,
-    advantage_estimator=GAE(lam=1.0), log_samples_every_n_steps=0,
-)  # fmt: skip
+    batch_size=48,
+    lr_final=0.1,
+    lr=2e-3,
+    critic_lr=2e-3,
+    ppo_epochs=4,
+    num_minibatches=2,
+    vf_coef=0.5,
+    advantage_estimator=GAE(lam=1.0),
+    log_samples_every_n_steps=0,
+)
 
 
 def run(estimator: str, beta: float = BETA, iterations: int = ITERATIONS, task: str = "terminal", **overrides):
@@ -215,9 +222,17 @@ def test_recommended_critic_free_kl_in_the_loss_reaches_the_optimum():
     beta weighs the KL as configured (GRPO's std division would not: README, Advantage estimators)."""
     settings = {k: v for k, v in PPO_SETTINGS.items() if k not in ("critic_lr", "vf_coef", "advantage_estimator")}
     _, tracker = train(
-        TASKS["terminal"], 100, every=100, seed=0, kl_estimator="k3", beta_controller=FixedBeta(BETA), kl_penalty="loss",
-        advantage_estimator="rloo", num_generations=4, **settings,
-    )  # fmt: skip
+        TASKS["terminal"],
+        100,
+        every=100,
+        seed=0,
+        kl_estimator="k3",
+        beta_controller=FixedBeta(BETA),
+        kl_penalty="loss",
+        advantage_estimator="rloo",
+        num_generations=4,
+        **settings,
+    )
     assert tracker.rows[0]["gap"] > 0.3
     assert tracker.last["gap"] < 0.02, tracker.last
 
@@ -229,8 +244,9 @@ def test_matrix_fast_subset_separates_the_biased_cells(capsys):
     E_old[grad log pi_theta] off-policy) and importance-weighted k3+ (the score term counted twice) do not."""
     import optimum_check
 
-    optimum_check.main(["--matrix", "--task", "bandit", "--iterations", "40", "--estimators", "k1", "k3", "k3+",
-                        "--placements", "loss", "--epochs", "4"])  # fmt: skip
+    optimum_check.main(
+        ["--matrix", "--task", "bandit", "--iterations", "40", "--estimators", "k1", "k3", "k3+", "--placements", "loss", "--epochs", "4"]
+    )
     out = capsys.readouterr().out
     cells = {}
     for line in out.splitlines():
@@ -300,7 +316,7 @@ def test_ema_reference_moves_the_optimum_by_alpha_per_update():
     is the geometric mixture of the exact map only to first order (measured: gap 0.031 to pi_2, 0.0042
     to its own reference's optimum); the exact map's fixed points, the reward maximisers, are in
     tests/test_reference_update.py."""
-    start, end = run("k1", beta=1.5, iterations=3 * PHASE, reference_update=EMA(0.5, every_n_iterations=PHASE), lr_period=PHASE)
+    _start, end = run("k1", beta=1.5, iterations=3 * PHASE, reference_update=EMA(0.5, every_n_iterations=PHASE), lr_period=PHASE)
     assert end["k"] == 2.0
     assert end["gap"] < 0.02, end
     assert end["iterated_gap"] < 0.05, end

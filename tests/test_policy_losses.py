@@ -147,8 +147,11 @@ def test_loss_aggregation_defaults_follow_the_plugins_and_conflicts_are_refused(
     assert isinstance(PPORLHF(policy="tiny", advantage_estimator="dr_grpo", num_generations=2).loss_aggregation, ConstantNormaliser)
     explicit = PPORLHF(policy="tiny", advantage_estimator="dr_grpo", num_generations=2, loss_aggregation="token_mean")
     assert isinstance(explicit.loss_aggregation, TokenMean)
-    with pytest.raises(ValueError, match=r"model.loss_aggregation must be set when model.policy_loss GSPO and "
-                                         r"model.advantage_estimator DrGRPO are defined with different aggregations"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"model.loss_aggregation must be set when model.policy_loss GSPO and "
+        r"model.advantage_estimator DrGRPO are defined with different aggregations",
+    ):
         PPORLHF(policy="tiny", policy_loss="gspo", advantage_estimator="dr_grpo", num_generations=2)
     with pytest.raises(KeyError, match=r"unknown policy_loss 'ppo'; registered policy_loss names: cispo, clip_higher"):
         PPORLHF(policy="tiny", policy_loss="ppo")
@@ -164,7 +167,7 @@ def test_entropy_bonus_is_minus_coef_times_the_weighted_entropy():
     weights = TokenMean().weights(rollout.mask, max_new_tokens=12)
     with torch.no_grad():
         loss = module.ppo_loss(rollout, zeros, rollout.old_values, torch.arange(2), kl_coef=torch.zeros(2), weights=weights)
-        logits, values = module.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        logits, _values = module.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
     # Zero advantages, values equal to their targets: only the bonus is left (on-policy, entropy as sampled).
     entropy = pm.masked_mean(pm.entropy_of(logits), rollout.mask)
     assert loss.item() == pytest.approx(-0.5 * entropy.item(), rel=1e-5)
@@ -197,8 +200,9 @@ def test_a_length_blind_reward_shortens_responses_only_under_the_per_response_to
     """tools/length_bias.py --fast: constant reward +1, REINFORCE without a baseline. The 1/|y|
     weights make short responses likelier (measured 18.5 -> 12.8 tokens in 12 iterations); the
     length-independent token sum does not move the length (19.2 -> 19.3)."""
-    summary = length_bias.main(["--fast", "--seeds", "0", "--aggregations", "seq_mean_token_mean", "seq_mean_token_sum",
-                                "--out", str(tmp_path)])  # fmt: skip
+    summary = length_bias.main(
+        ["--fast", "--seeds", "0", "--aggregations", "seq_mean_token_mean", "seq_mean_token_sum", "--out", str(tmp_path)]
+    )
     first, last = summary["seq_mean_token_mean"]
     assert last < first - 3, summary
     first, last = summary["seq_mean_token_sum"]

@@ -122,14 +122,14 @@ def test_masked_positions_do_not_matter(masked_batch, fn):
 def test_sum_fn_doubling_leaves_mean_unchanged(masked_batch):
     # Two identical ranks: all_reduce doubles every sum; the mean of two copies is the same mean.
     x, mask = masked_batch
-    double = lambda t: 2 * t  # noqa: E731
+    double = lambda t: 2 * t
     torch.testing.assert_close(pm.masked_mean(x, mask, sum_fn=double), pm.masked_mean(x, mask))
 
 
 def test_sum_fn_doubling_gives_variance_of_two_copies(masked_batch):
     # Unbiased variance of the 32 values of two copies = pop_var * 32 / 31, not the local 16 / 15.
     x, mask = masked_batch
-    double = lambda t: 2 * t  # noqa: E731
+    double = lambda t: 2 * t
     valid = x[mask.bool()]
     both = torch.cat([valid, valid])
     torch.testing.assert_close(pm.masked_var(x, mask, sum_fn=double), both.var(unbiased=True))
@@ -350,7 +350,7 @@ def test_gae_ignores_rewards_and_values_after_the_last_real_token():
     garbage_values = torch.where(mask.bool(), values, torch.full_like(values, 50.0))
     garbage_rewards = torch.where(mask.bool(), rewards, torch.full_like(rewards, -30.0))
     noisy = pm.gae(garbage_rewards, garbage_values, mask, 0.99, 0.95)
-    for a, b in zip(base, noisy):
+    for a, b in zip(base, noisy, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # last real token of row 0 (t=1): A = r_1 - V_1 exactly (no bootstrap)
     assert noisy[0][0, 1].item() == pytest.approx((rewards[0, 1] - values[0, 1]).item())
@@ -392,7 +392,7 @@ def test_gae_with_nan_and_inf_padding_equals_the_clean_case():
     dirty_values[0, 2] = float("-inf")
     dirty_values[3, 1] = float("nan")
     dirty = pm.gae(dirty_rewards, dirty_values, mask, 0.99, 0.95)
-    for a, b in zip(clean, dirty):
+    for a, b in zip(clean, dirty, strict=True):
         assert torch.isfinite(b).all()
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     exp_adv, exp_ret = _gae_reference(rewards, values, mask, 0.99, 0.95)
@@ -418,7 +418,7 @@ def test_policy_loss_hand_example():
     #   r=1.0, A= 0:  0   vs  0     ->  0                         0
     # loss = (-1.2 - 0.5 + 2.2 + 0.8 - 3.0 + 2.0 + 0) / 7 = 0.3 / 7; clipfrac = 2 / 7
     # approxkl = 0.5 * mean(log r ^ 2) over the 7 real tokens
-    logprobs, old_logprobs, advantages, mask, ratios = policy_batch()
+    logprobs, old_logprobs, advantages, mask, _ratios = policy_batch()
     stats = pm.policy_loss(logprobs, old_logprobs, advantages, mask, cliprange=0.2)
     assert stats.loss.item() == pytest.approx(0.3 / 7)
     assert stats.clipfrac.item() == pytest.approx(2 / 7)

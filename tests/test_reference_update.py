@@ -3,6 +3,7 @@ KL right after a sync, the LoRA reference adapter, the optimizer reset, and chec
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -34,11 +35,13 @@ def test_schedules_by_hand():
 
 @pytest.mark.parametrize(
     "build, message",
-    [(lambda: Sync(0), "reference_update.every_n_iterations must be an integer >= 1, got 0"),
-     (lambda: EMA(0.0), "reference_update.alpha must be a finite number in (0, 1], got 0.0"),
-     (lambda: EMA(1.5), "reference_update.alpha must be a finite number in (0, 1], got 1.5"),
-     (lambda: EMA(math.nan), "reference_update.alpha must be a finite number in (0, 1], got nan")],
-)  # fmt: skip
+    [
+        (lambda: Sync(0), "reference_update.every_n_iterations must be an integer >= 1, got 0"),
+        (lambda: EMA(0.0), "reference_update.alpha must be a finite number in (0, 1], got 0.0"),
+        (lambda: EMA(1.5), "reference_update.alpha must be a finite number in (0, 1], got 1.5"),
+        (lambda: EMA(math.nan), "reference_update.alpha must be a finite number in (0, 1], got nan"),
+    ],
+)
 def test_bad_settings_are_refused(build, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         build()
@@ -93,7 +96,7 @@ def test_ema_reference_follows_the_iterated_optimum_and_only_stops_on_the_reward
         ref = ema_reference_logprobs(ref, rewards, 0.5, 0.25)
         rewards_seen.append(float((ref.exp() * rewards).sum(-1).mean()))
     torch.testing.assert_close(ref, iterated_optimal_logprobs(pi_0, rewards, 0.5, 8 * 0.25))
-    assert all(a < b for a, b in zip(rewards_seen, rewards_seen[1:]))  # every update raises the reward
+    assert all(a < b for a, b in itertools.pairwise(rewards_seen))  # every update raises the reward
     # A fixed point needs ref = pi*(ref) = ref exp(r / beta) / Z: an interior reference always moves, ...
     assert (ema_reference_logprobs(pi_0, rewards, 0.5, 0.25) - pi_0).abs().max() > 0.01
     # ... a reference on the reward's maximisers stays, and the iteration tends to it.
@@ -119,11 +122,11 @@ def test_update_reference_applies_the_ema_by_hand(lora_rank):
     before = [r.clone() for r in refs]
     module.iteration = 1  # not an update iteration
     module.update_reference()
-    assert all(torch.equal(r, b) for r, b in zip(refs, before)) and module.reference_updates == 0
+    assert all(torch.equal(r, b) for r, b in zip(refs, before, strict=True)) and module.reference_updates == 0
     module.iteration = 2
     module.update_reference()
     assert module.reference_updates == 1
-    for r, b, p in zip(refs, before, policy):
+    for r, b, p in zip(refs, before, policy, strict=True):
         torch.testing.assert_close(r, b + 0.25 * (p - b), rtol=0, atol=1e-7)
 
 
@@ -188,15 +191,16 @@ def test_checkpoint_holds_a_moved_reference_and_restores_it(tmp_path):
     restored.on_load_checkpoint(checkpoint)
     restored.load_state_dict(checkpoint["state_dict"])
     assert restored.reference_updates == 1
-    for a, b in zip(restored.ref_model.parameters(), module.policy.parameters()):
+    for a, b in zip(restored.ref_model.parameters(), module.policy.parameters(), strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(restored.initial_model.parameters(), make_module().policy.parameters()):
+    for a, b in zip(restored.initial_model.parameters(), make_module().policy.parameters(), strict=True):
         assert torch.equal(a, b)  # pi_0 is rebuilt from the config
 
 
 def test_reference_update_from_the_cli_by_short_name_and_class_path():
     cli = build_cli(["--config", str(CONFIGS / "tiny.yaml"), "--model.reference_update=reset"], run=False)
     assert type(cli.model.reference_update) is Reset and cli.model.reference_update.every_n_iterations == 1
-    cli = build_cli(["--config", str(CONFIGS / "tiny.yaml"), "--model.reference_update=EMA",
-                     "--model.reference_update.init_args.alpha=0.2"], run=False)  # fmt: skip
+    cli = build_cli(
+        ["--config", str(CONFIGS / "tiny.yaml"), "--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.2"], run=False
+    )
     assert type(cli.model.reference_update) is EMA and cli.model.reference_update.alpha == 0.2

@@ -357,9 +357,11 @@ def test_mixed_case_registration_is_found_under_any_case(isolated):
 
 NUMERIC = ("float", "int", "Optional[float]", "Optional[int]")
 REQUIRED = {
-    "remote": {"url": "http://127.0.0.1:1/score"}, "hf_classifier": {"path": "unused"}, "embedding_similarity": {"target": "x"},
+    "remote": {"url": "http://127.0.0.1:1/score"},
+    "hf_classifier": {"path": "unused"},
+    "embedding_similarity": {"target": "x"},
     "ensemble": {"paths": ["unused_0", "unused_1"], "standardize": False},
-}  # fmt: skip
+}
 REWARD_OPTIONS = ("clip", "missing_eos_penalty")  # every reward backend's **options (RewardModel's own arguments)
 
 

@@ -94,8 +94,12 @@ def test_sigterm_or_ctrl_c_mid_iteration_saves_at_its_end_and_resume_last_reprod
     """What a scheduler (SIGTERM) or a user (Ctrl+C) does mid-run: the iteration under way finishes,
     last.ckpt is saved, the exit status says a signal stopped it (128 + signal number), and the
     README's ``--ckpt_path last`` continues as if nothing had happened."""
-    stopped = run_cli(tmp_path, "--trainer.callbacks+=fault_callbacks.SignalMidIteration", "--trainer.callbacks.iteration=3",
-                      f"--trainer.callbacks.signal={name}")  # fmt: skip
+    stopped = run_cli(
+        tmp_path,
+        "--trainer.callbacks+=fault_callbacks.SignalMidIteration",
+        "--trainer.callbacks.iteration=3",
+        f"--trainer.callbacks.signal={name}",
+    )
     assert stopped.returncode == status, stopped.stderr[-3000:]
     path = tmp_path / "lightning_logs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     assert f"stopped by {name} after iteration 3; saved {path.relative_to(tmp_path)}; resume with --ckpt_path last" in stopped.stderr
@@ -126,8 +130,15 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
     first = run_cli(tmp_path, "--trainer.limit_train_batches=2")
     assert first.returncode == 0, first.stderr[-3000:]
 
-    refused = run_cli(tmp_path, "--ckpt_path", "last", "--model.critic=shared", "--model.beta_controller=PIDBeta",
-                      "--model.beta_controller.init_args.target=0.5", "--model.lora_rank=4")  # fmt: skip
+    refused = run_cli(
+        tmp_path,
+        "--ckpt_path",
+        "last",
+        "--model.critic=shared",
+        "--model.beta_controller=PIDBeta",
+        "--model.beta_controller.init_args.target=0.5",
+        "--model.lora_rank=4",
+    )
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert refused.stderr.strip().splitlines()[-1] == (
         "error: checkpoint is incompatible with this config (these settings cannot change on resume); "
@@ -135,8 +146,15 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
         "model.beta_controller: checkpoint rlhf_lightning_plugins.beta_controllers.BandBeta, config rlhf_lightning_plugins.beta_controllers.PIDBeta"
     )
 
-    changed = run_cli(tmp_path, "--ckpt_path", "last", "--trainer.limit_train_batches=2", "--trainer.max_epochs=2", "--model.lr=0.001",
-                      "--model.max_new_tokens=8")  # fmt: skip
+    changed = run_cli(
+        tmp_path,
+        "--ckpt_path",
+        "last",
+        "--trainer.limit_train_batches=2",
+        "--trainer.max_epochs=2",
+        "--model.lr=0.001",
+        "--model.max_new_tokens=8",
+    )
     assert changed.returncode == 0, changed.stderr[-3000:]
     assert (
         "resuming with changed settings (checkpoint -> config): model.max_new_tokens: 10 -> 8; model.lr: 0.003 -> 0.001" in changed.stderr
@@ -233,9 +251,26 @@ def test_a_checkpoint_write_that_fails_leaves_the_previous_checkpoint_and_no_par
 
 
 def test_two_runs_started_together_on_one_root_dir_never_share_a_version_folder(tmp_path):
-    runs = [subprocess.Popen([sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", str(CONFIGS / "tiny.yaml"), *RUN_ARGS,
-                              "--trainer.limit_train_batches=2", f"--model.lr={lr}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True) for lr in (0.001, 0.002)]  # fmt: skip
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rlhf_lightning.cli",
+                "fit",
+                "--config",
+                str(CONFIGS / "tiny.yaml"),
+                *RUN_ARGS,
+                "--trainer.limit_train_batches=2",
+                f"--model.lr={lr}",
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for lr in (0.001, 0.002)
+    ]
     for run in runs:
         assert run.wait(timeout=600) == 0, run.stderr.read()[-3000:]
     versions = sorted((tmp_path / "lightning_logs" / "tiny").iterdir())

@@ -59,7 +59,7 @@ def test_one_finite_float_score_per_response_and_the_same_for_the_same_texts(bac
     assert scores.dtype == torch.float32 and scores.shape == (len(RESPONSES),) and torch.isfinite(scores).all()
     torch.testing.assert_close(backend.checked_scores(prompts, RESPONSES), scores)
     # Scored one at a time, each response gets the score it gets in the batch.
-    one_by_one = torch.cat([backend.checked_scores([p], [r]) for p, r in zip(prompts, RESPONSES)])
+    one_by_one = torch.cat([backend.checked_scores([p], [r]) for p, r in zip(prompts, RESPONSES, strict=True)])
     torch.testing.assert_close(one_by_one, scores, atol=1e-4, rtol=1e-4)
 
 

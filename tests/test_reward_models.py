@@ -92,7 +92,7 @@ def test_exclamation_count_caps():
 
 def test_tensor_scores_are_detached_float32(helpers):
     rm = CallableReward(function=f"{helpers}:as_tensor")
-    raw, scores = rm(["", ""], ["abc", "a"], eos(True, True))
+    raw, _scores = rm(["", ""], ["abc", "a"], eos(True, True))
     assert raw.dtype == torch.float32 and not raw.requires_grad
     assert raw.tolist() == [3.0, 1.0]
 
@@ -109,13 +109,13 @@ def test_tensor_scores_are_detached_float32(helpers):
     ],
 )
 def test_bad_function_spec_mentions_the_field(spec, fragment):
-    with pytest.raises(ValueError, match="reward_model.function") as info:
+    with pytest.raises(ValueError, match=r"reward_model.function") as info:
         CallableReward(function=spec)
     assert fragment in str(info.value)
 
 
 def test_import_function_uses_the_given_field_name():
-    with pytest.raises(ValueError, match="my.field"):
+    with pytest.raises(ValueError, match=r"my.field"):
         import_function("nope", field="my.field")
 
 
@@ -240,7 +240,7 @@ def test_clip_applies_after_normalisation():
 
 @pytest.mark.parametrize("clip", [0.0, -1.0])
 def test_non_positive_clip_is_refused(clip):
-    with pytest.raises(ValueError, match="reward_model.clip"):
+    with pytest.raises(ValueError, match=r"reward_model.clip"):
         ConstantScores([], clip=clip)
 
 
@@ -426,7 +426,7 @@ def test_hf_classifier_matches_unbatched_model(tiny_classifier, batch_size):
     path, model, tokenizer = tiny_classifier
     rm = HFClassifierReward(path=str(path), batch_size=batch_size)
     raw, scores = rm(PROMPTS, RESPONSES, torch.ones(5, dtype=torch.bool))
-    expected = _score_one_by_one(model, tokenizer, [p + "\n" + r for p, r in zip(PROMPTS, RESPONSES)])
+    expected = _score_one_by_one(model, tokenizer, [p + "\n" + r for p, r in zip(PROMPTS, RESPONSES, strict=True)])
     assert raw.shape == (5,) and raw.dtype == torch.float32
     torch.testing.assert_close(raw, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(scores, raw)
@@ -437,11 +437,11 @@ def test_hf_classifier_matches_unbatched_model(tiny_classifier, batch_size):
 def test_hf_classifier_response_only_and_separator(tiny_classifier):
     path, model, tokenizer = tiny_classifier
     only = HFClassifierReward(path=str(path), include_prompt=False, batch_size=4)
-    raw, _ = only(PROMPTS, RESPONSES[:3] + ["x", "y"], torch.ones(5, dtype=torch.bool))
-    torch.testing.assert_close(raw, _score_one_by_one(model, tokenizer, RESPONSES[:3] + ["x", "y"]), rtol=1e-4, atol=1e-5)
+    raw, _ = only(PROMPTS, [*RESPONSES[:3], "x", "y"], torch.ones(5, dtype=torch.bool))
+    torch.testing.assert_close(raw, _score_one_by_one(model, tokenizer, [*RESPONSES[:3], "x", "y"]), rtol=1e-4, atol=1e-5)
     sep = HFClassifierReward(path=str(path), separator=" | ", batch_size=4)
     raw, _ = sep(PROMPTS, RESPONSES, torch.ones(5, dtype=torch.bool))
-    texts = [p + " | " + r for p, r in zip(PROMPTS, RESPONSES)]
+    texts = [p + " | " + r for p, r in zip(PROMPTS, RESPONSES, strict=True)]
     torch.testing.assert_close(raw, _score_one_by_one(model, tokenizer, texts), rtol=1e-4, atol=1e-5)
 
 
@@ -476,7 +476,7 @@ def ensemble_of(tmp_path, member_scores, stats=None, **options):
     from rlhf_lightning_plugins.rewards.classifier import EnsembleReward
 
     paths = []
-    for k, scores in enumerate(member_scores):
+    for k, _scores in enumerate(member_scores):
         (tmp_path / f"m{k}").mkdir(parents=True)
         (tmp_path / f"m{k}" / "reward_stats.json").write_text(json.dumps(stats[k] if stats else {"mean": 0.0, "std": 1.0}))
         paths.append(str(tmp_path / f"m{k}"))
@@ -525,14 +525,14 @@ def test_ensemble_of_classifiers_loads_each_member_once_and_scores_in_one_pass_e
 
     from rlhf_lightning_plugins.rewards.classifier import EnsembleReward
 
-    path, model, tokenizer = tiny_classifier
+    path, _model, _tokenizer = tiny_classifier
     prompts, responses = ["Say hi.", "Describe rain.", "Count.", "Hm."], ["hello there", "wet", "one two three", ""]
     single = HFClassifierReward(path=str(path))
     single.setup(torch.device("cpu"))
     raw = single.checked_scores(prompts, responses)
     # Two copies of one model, the second's stats saying its scores are raw * 2 + 1 relative to the first.
     paths = [tmp_path / "a", tmp_path / "b"]
-    for folder, stats in zip(paths, [{"mean": 0.0, "std": 1.0}, {"mean": -1.0, "std": 2.0}]):
+    for folder, stats in zip(paths, [{"mean": 0.0, "std": 1.0}, {"mean": -1.0, "std": 2.0}], strict=True):
         shutil.copytree(path, folder)
         (folder / "reward_stats.json").write_text(json.dumps(stats))
     ensemble = EnsembleReward(paths=[str(p) for p in paths], combine="mean_minus_std", std_coef=2.0)

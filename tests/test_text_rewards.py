@@ -133,7 +133,7 @@ def test_missing_package_names_the_pip_install(monkeypatch):
 
 
 def test_bad_model_path_fails_at_construction(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"no config.json"):
         EmbeddingSimilarityReward(target=TARGET, model_path=str(tmp_path))
     with pytest.raises(ValueError, match="target"):
         EmbeddingSimilarityReward(target="  ", model_path=str(tmp_path))
@@ -196,9 +196,9 @@ def test_default_pool_is_the_builtin_training_prompts(similarity):
 
 
 def test_missing_or_empty_pool_names_the_field(tmp_path, similarity):
-    with pytest.raises(FileNotFoundError, match="reward_model.pool"):
+    with pytest.raises(FileNotFoundError, match=r"reward_model.pool"):
         PromptRelevanceReward(pool=str(tmp_path / "nope.jsonl"))
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    with pytest.raises(ValueError, match="reward_model.pool"):
+    with pytest.raises(ValueError, match=r"reward_model.pool"):
         PromptRelevanceReward(pool=str(empty))

@@ -36,10 +36,22 @@ def test_training_separates_toy_pairs_and_the_model_loads_as_hf_classifier(tmp_p
     pairs = tmp_path / "pairs.jsonl"
     write_toy_pairs(pairs)
     out = tmp_path / "rm"
-    result = train_reward_model.main([
-        "--trunk", "tiny", "--pairs", str(pairs), "--out", str(out), "--epochs", "4", "--batch-size", "8",
-        "--threads", "1",
-    ])  # fmt: skip
+    result = train_reward_model.main(
+        [
+            "--trunk",
+            "tiny",
+            "--pairs",
+            str(pairs),
+            "--out",
+            str(out),
+            "--epochs",
+            "4",
+            "--batch-size",
+            "8",
+            "--threads",
+            "1",
+        ]
+    )
 
     # 120 distinct prompts, 20% held out by prompt.
     assert (result["train_pairs"], result["val_pairs"]) == (96, 24)
@@ -59,9 +71,11 @@ def test_training_separates_toy_pairs_and_the_model_loads_as_hf_classifier(tmp_p
 def test_pair_file_with_a_missing_field_names_the_field_and_line(tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(
-        json.dumps({"prompt": "Hi.", "chosen": "Hello!", "rejected": "Go away."}) + "\n"
-        + json.dumps({"prompt": "Hi.", "chosen": "Hello!"}) + "\n"
-    )  # fmt: skip
+        json.dumps({"prompt": "Hi.", "chosen": "Hello!", "rejected": "Go away."})
+        + "\n"
+        + json.dumps({"prompt": "Hi.", "chosen": "Hello!"})
+        + "\n"
+    )
     with pytest.raises(ValueError, match=r"line 2 has no field 'rejected'"):
         train_reward_model.main(["--trunk", "tiny", "--pairs", str(pairs), "--out", str(tmp_path / "rm")])
 
@@ -73,10 +87,27 @@ def test_sampled_pairs_are_labelled_by_the_gold_scorer_and_cached(tmp_path, caps
     prompts.write_text("".join(json.dumps({"prompt": f"Write {i} words."}) + "\n" for i in range(12)))
     out = tmp_path / "rm"
     args = [
-        "--trunk", "tiny", "--policy", "tiny", "--gold", "rlhf_lightning_plugins.rewards.toy:char_count",
-        "--prompts", str(prompts), "--num-prompts", "10", "--max-new-tokens", "40", "--epochs", "1",
-        "--val-fraction", "0.3", "--out", str(out), "--threads", "1",
-    ]  # fmt: skip
+        "--trunk",
+        "tiny",
+        "--policy",
+        "tiny",
+        "--gold",
+        "rlhf_lightning_plugins.rewards.toy:char_count",
+        "--prompts",
+        str(prompts),
+        "--num-prompts",
+        "10",
+        "--max-new-tokens",
+        "40",
+        "--epochs",
+        "1",
+        "--val-fraction",
+        "0.3",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+    ]
     first = train_reward_model.main(args)
 
     cached = train_reward_model.read_pairs(out / "pairs.jsonl")
@@ -100,8 +131,23 @@ def test_relabel_orders_the_given_responses_by_the_new_gold(tmp_path, capsys):
     ]
     pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "rm"
-    args = ["--trunk", "tiny", "--pairs", str(pairs), "--relabel", "--gold", "rlhf_lightning_plugins.rewards.toy:char_count",
-            "--val-fraction", "0.5", "--epochs", "1", "--out", str(out), "--threads", "1"]  # fmt: skip
+    args = [
+        "--trunk",
+        "tiny",
+        "--pairs",
+        str(pairs),
+        "--relabel",
+        "--gold",
+        "rlhf_lightning_plugins.rewards.toy:char_count",
+        "--val-fraction",
+        "0.5",
+        "--epochs",
+        "1",
+        "--out",
+        str(out),
+        "--threads",
+        "1",
+    ]
     result = train_reward_model.main(args)
 
     relabelled = train_reward_model.read_pairs(out / "pairs.jsonl")
@@ -169,7 +215,7 @@ def test_ensemble_trains_k_members_with_their_own_seeds_and_reward_stats(tmp_pat
     # response, chosen and rejected, as HFClassifierReward scores them.
     train_pairs, _ = train_reward_model.split_by_prompt(train_reward_model.read_pairs(pairs), 0.2, 0)
     texts = [(p["prompt"], p[side]) for p in train_pairs for side in ("chosen", "rejected")]
-    for path, member in zip(result["paths"], (member_0, member_1)):
+    for path, member in zip(result["paths"], (member_0, member_1), strict=True):
         scores = member.checked_scores([t[0] for t in texts], [t[1] for t in texts])
         stats = json.loads((train_reward_model.Path(path) / train_reward_model.REWARD_STATS_FILE).read_text())
         assert stats["responses"] == 2 * 96

@@ -62,9 +62,9 @@ def test_exact_answer_scores_one_for_the_right_integer_and_wrong_score_otherwise
 
 
 def test_a_prompt_without_a_question_is_an_error_naming_it():
-    with pytest.raises(ValueError, match="exact_answer must be an arithmetic question .*got 'Write a poem.'"):
+    with pytest.raises(ValueError, match=r"exact_answer must be an arithmetic question .*got 'Write a poem.'"):
         ExactAnswerReward().checked_scores(["Write a poem."], ["5"])
-    with pytest.raises(ConfigError, match="reward_model.wrong_score must be a finite number < 1, got 2"):
+    with pytest.raises(ConfigError, match=r"reward_model.wrong_score must be a finite number < 1, got 2"):
         ExactAnswerReward(wrong_score=2)
 
 
