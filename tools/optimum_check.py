@@ -180,7 +180,8 @@ def main(argv=None) -> None:
         task, settings = task_named(name), task_settings(args, name)
         print(
             f"task={name} estimator={args.estimator} kl_penalty={args.kl_penalty} kl_loss_scope={args.kl_loss_scope} "
-            f"advantage={args.advantage[0]} num_generations={args.num_generations} {settings} seeds={args.seed}"
+            f"advantage={args.advantage[0]} num_generations={advantage_settings(args, args.advantage[0])['num_generations']} "
+            f"beta={settings['beta']} iterations={settings['iterations']} batch_size={settings['batch_size']} seeds={args.seed}"
         )
         gaps = [run_single(args, name, task, seed) for seed in args.seed]
         if len(gaps) > 1:
