@@ -50,9 +50,11 @@ prompt, each row a distribution over all responses in the order of :func:`enumer
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -67,9 +69,14 @@ from rlhf_lightning.tabular import enumerate_responses
 BANNED_LOGIT = -1e4  # added to the logits of non-content tokens: probability exactly 0, entropy still finite
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 EXACT_TINY_CONFIG = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-    max_position_embeddings=16, initializer_range=0.2,
-)  # fmt: skip
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=16,
+    initializer_range=0.2,
+)
 
 
 # ---------------------------------------------------------------------- pure functions
@@ -172,17 +179,21 @@ def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta
     opt = optimal_logprobs(ref_logprobs, rewards, beta)
     j, j_star = objective(logprobs, ref_logprobs, rewards, beta), optimal_objective(ref_logprobs, rewards, beta)
     return OptimumReport(
-        objective=j, optimum=j_star, gap=(j_star - j) / abs(j_star),
-        kl_to_optimum=kl_divergence(logprobs, opt), kl_to_ref=kl_divergence(logprobs, ref_logprobs),
-        optimum_kl_to_ref=kl_divergence(opt, ref_logprobs), reward=expected_reward(logprobs, rewards),
-    )  # fmt: skip
+        objective=j,
+        optimum=j_star,
+        gap=(j_star - j) / abs(j_star),
+        kl_to_optimum=kl_divergence(logprobs, opt),
+        kl_to_ref=kl_divergence(logprobs, ref_logprobs),
+        optimum_kl_to_ref=kl_divergence(opt, ref_logprobs),
+        reward=expected_reward(logprobs, rewards),
+    )
 
 
 # ---------------------------------------------------------------------- the toy task
 def target_count(prompts: Sequence[str], responses: Sequence[str], scale: float = 1.0) -> list[float]:
     """Reward for the ``callable`` backend: scale * how often the prompt's letter, lower-cased,
     occurs in the response (prompt "A" rewards "a"). Terminal: it scores the whole sequence."""
-    return [scale * response.count(prompt.strip().lower()) for prompt, response in zip(prompts, responses)]
+    return [scale * response.count(prompt.strip().lower()) for prompt, response in zip(prompts, responses, strict=True)]
 
 
 def toy_tokenizer(prompt_tokens: Sequence[str], content_tokens: Sequence[str]):
@@ -192,8 +203,12 @@ def toy_tokenizer(prompt_tokens: Sequence[str], content_tokens: Sequence[str]):
     from transformers import PreTrainedTokenizerFast
 
     tokens = [*SPECIAL_TOKENS, *prompt_tokens, *content_tokens]
-    require(len(set(tokens)) == len(tokens) and all(len(t) == 1 for t in (*prompt_tokens, *content_tokens)),
-            "the task's prompt and content tokens", "distinct single characters", tokens[3:])  # fmt: skip
+    require(
+        len(set(tokens)) == len(tokens) and all(len(t) == 1 for t in (*prompt_tokens, *content_tokens)),
+        "the task's prompt and content tokens",
+        "distinct single characters",
+        tokens[3:],
+    )
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -210,11 +225,11 @@ def order_reward(prompts: Sequence[str], responses: Sequence[str], tokens: str, 
     Positions reward a token at one place, transitions one token right after another, pairs one
     token anywhere before another (asymmetric: "a..b" is not "b..a")."""
     scores = []
-    for prompt, response in zip(prompts, responses):
+    for prompt, response in zip(prompts, responses, strict=True):
         table = tables[prompt]
         y = [tokens.index(c) for c in response]
         score = table["offset"] + sum(table["position"][t][a] for t, a in enumerate(y))
-        score += sum(table["transition"][a][b] for a, b in zip(y, y[1:]))
+        score += sum(table["transition"][a][b] for a, b in itertools.pairwise(y))
         if "pair" in table:
             score += sum(table["pair"][y[t]][b] for t in range(len(y)) for b in y[t + 1 :])
         scores.append(score)
@@ -237,7 +252,7 @@ class ExactTask:
     model_seed: Optional[int] = None
 
     @classmethod
-    def random(cls, seed: int, num_prompts: int = 2, num_tokens: int = 4, length: int = 3, scale: float = 1.0) -> "ExactTask":
+    def random(cls, seed: int, num_prompts: int = 2, num_tokens: int = 4, length: int = 3, scale: float = 1.0) -> ExactTask:
         """A seeded task whose reward depends on token order (:func:`order_reward`). Per prompt, times
         ``scale``: position weights 0.1 N(0, 1) and sparse transitions, a quarter of the (a, b) pairs
         (drawn at random) worth +-2 (1 + 0.5 |N(0, 1)|), the others 0. The reference is the tiny model
@@ -253,8 +268,12 @@ class ExactTask:
         0.024 for seeds 1-8, with KL(pi* || pi_ref) 1.0-1.8 nats. The defaults (64 responses per prompt,
         strong sparse transitions, no pair term) are chosen so that every seed 1-5 has a gap >= 0.05 and
         PPO converges within about 150 iterations (tools/optimum_check.py --matrix)."""
-        require(1 <= num_prompts <= 26 and 1 <= num_tokens <= 26 and length >= 1, "a random task's size",
-                "1-26 prompts, 1-26 tokens, length >= 1", (num_prompts, num_tokens, length))  # fmt: skip
+        require(
+            1 <= num_prompts <= 26 and 1 <= num_tokens <= 26 and length >= 1,
+            "a random task's size",
+            "1-26 prompts, 1-26 tokens, length >= 1",
+            (num_prompts, num_tokens, length),
+        )
         generator = torch.Generator().manual_seed(seed)
         prompts = tuple(chr(ord("A") + i) for i in range(num_prompts))
         tokens = tuple(chr(ord("a") + i) for i in range(num_tokens))
@@ -268,10 +287,16 @@ class ExactTask:
             kept = torch.rand(num_tokens, num_tokens, generator=generator) < 0.25
             transition = torch.where(kept, 2 * (transition.sign() + 0.5 * transition), torch.zeros((), dtype=torch.float64))
             tables[prompt] = {"offset": 0.0, "position": (scale * position).tolist(), "transition": (scale * transition).tolist()}
-        task = cls(prompts=prompts, content_tokens=tokens, response_length=length, reward_function="rlhf_lightning.exact:order_reward",
-                   reward_kwargs={"tokens": "".join(tokens), "tables": tables}, model_seed=seed)  # fmt: skip
+        task = cls(
+            prompts=prompts,
+            content_tokens=tokens,
+            response_length=length,
+            reward_function="rlhf_lightning.exact:order_reward",
+            reward_kwargs={"tokens": "".join(tokens), "tables": tables},
+            model_seed=seed,
+        )
         centres = (reference_logprobs(task).exp() * task.rewards()).sum(-1)  # E_ref[r | x] with offset 0
-        for prompt, centre in zip(prompts, centres.tolist()):
+        for prompt, centre in zip(prompts, centres.tolist(), strict=True):
             tables[prompt]["offset"] = -centre  # the task's own reward_kwargs: set before anyone else sees it
         return task
 
@@ -340,13 +365,20 @@ class ExactPPORLHF(PPORLHF):
         fixed = {"policy", "tokenizer", "reward_model", "max_new_tokens", "min_new_tokens", "lora_rank"} & set(kwargs)
         require(not fixed, "ExactPPORLHF's arguments", "free of what the task sets itself", sorted(fixed))
         if task.model_seed is not None:  # the task's reference: the initialisation is the task's, not the run's
-            require(kwargs.setdefault("seed", task.model_seed) == task.model_seed, "ExactPPORLHF's seed",
-                    f"the task's model_seed {task.model_seed} (it defines pi_ref)", kwargs["seed"])  # fmt: skip
+            require(
+                kwargs.setdefault("seed", task.model_seed) == task.model_seed,
+                "ExactPPORLHF's seed",
+                f"the task's model_seed {task.model_seed} (it defines pi_ref)",
+                kwargs["seed"],
+            )
         tiny_config = {**EXACT_TINY_CONFIG, **(kwargs.pop("tiny_config", None) or {})}
         super().__init__(
-            policy="tiny", reward_model=task.reward_model(), max_new_tokens=task.response_length,
-            tiny_config=tiny_config, **kwargs,
-        )  # fmt: skip
+            policy="tiny",
+            reward_model=task.reward_model(),
+            max_new_tokens=task.response_length,
+            tiny_config=tiny_config,
+            **kwargs,
+        )
         self.task = task
         self.tokenizer = toy_tokenizer(task.prompts, task.content_tokens)
         self.content_ids = self.tokenizer.convert_tokens_to_ids(list(task.content_tokens))
@@ -364,12 +396,10 @@ class ExactPPORLHF(PPORLHF):
         indices = enumerate_responses(len(self.task.content_tokens), self.task.response_length).to(self.device)
         response_ids = torch.tensor(self.content_ids, device=self.device)[indices]  # (responses, L)
         n_prompts, n_responses = enc["input_ids"].shape[0], response_ids.shape[0]
-        input_ids = torch.cat([
-            enc["input_ids"].repeat_interleave(n_responses, 0), response_ids.repeat(n_prompts, 1)
-        ], dim=1)  # fmt: skip
-        attention_mask = torch.cat([
-            enc["attention_mask"].repeat_interleave(n_responses, 0), torch.ones_like(response_ids).repeat(n_prompts, 1)
-        ], dim=1)  # fmt: skip
+        input_ids = torch.cat([enc["input_ids"].repeat_interleave(n_responses, 0), response_ids.repeat(n_prompts, 1)], dim=1)
+        attention_mask = torch.cat(
+            [enc["attention_mask"].repeat_interleave(n_responses, 0), torch.ones_like(response_ids).repeat(n_prompts, 1)], dim=1
+        )
         return input_ids, attention_mask
 
     @torch.no_grad()
@@ -452,9 +482,15 @@ class OptimumTracker(Callback):
         logprobs, beta = pl_module.exact_logprobs(), pl_module.beta_controller.beta
         report = optimum_report(logprobs, self._ref, self._rewards, beta)
         iterated = optimum_report(logprobs, self._initial, self._rewards, beta / self._k)
-        return {"iteration": iteration, **vars(report), "kl_logged": kl_logged, "k": self._k,
-                "iterated_gap": iterated.gap, "iterated_kl_to_optimum": iterated.kl_to_optimum,
-                "kl_to_initial": iterated.kl_to_ref}  # fmt: skip
+        return {
+            "iteration": iteration,
+            **vars(report),
+            "kl_logged": kl_logged,
+            "k": self._k,
+            "iterated_gap": iterated.gap,
+            "iterated_kl_to_optimum": iterated.kl_to_optimum,
+            "kl_to_initial": iterated.kl_to_ref,
+        }
 
     @property
     def last(self) -> dict[str, float]:
@@ -478,8 +514,8 @@ class LinearLRDecay(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         progress = (pl_module.iteration % self.iterations) / max(self.iterations - 1, 1)
         factor = 1.0 - (1.0 - self.final) * progress
-        for opt, initial in zip(trainer.optimizers, self._initial):
-            for group, lr in zip(opt.param_groups, initial):
+        for opt, initial in zip(trainer.optimizers, self._initial, strict=True):
+            for group, lr in zip(opt.param_groups, initial, strict=True):
                 group["lr"] = lr * factor
 
 
@@ -511,10 +547,17 @@ def train(
     tracker = OptimumTracker(every=every, total=iterations)
     callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(lr_period or iterations, lr_final), tracker]
     trainer = Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
         limit_val_batches=0,
-    )  # fmt: skip
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # matrices this small only lose time to thread hand-offs, several-fold on a busy CPU
     try:

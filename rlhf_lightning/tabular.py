@@ -12,7 +12,8 @@ tools/kl_estimator_report.py): no Lightning, no model.
 from __future__ import annotations
 
 import itertools
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -46,10 +47,10 @@ def order_dependent_tables(
     pi_old = pi_theta + ``old_move`` N(0, 1): the sampler a few PPO epochs ago. pi_theta requires grad."""
     generator = torch.Generator().manual_seed(seed)
     ref = random_table(num_tokens, length, 1.0, generator)
-    theta = [r + n for r, n in zip(ref, random_table(num_tokens, length, 0.1, generator))]
+    theta = [r + n for r, n in zip(ref, random_table(num_tokens, length, 0.1, generator), strict=True)]
     for t in range(1, length):
         theta[t][enumerate_responses(num_tokens, t)[:, -1] == 0, 0] += push
-    old = [t + m for t, m in zip(theta, random_table(num_tokens, length, old_move, generator))]
+    old = [t + m for t, m in zip(theta, random_table(num_tokens, length, old_move, generator), strict=True)]
     return ref, [t.requires_grad_() for t in theta], old
 
 

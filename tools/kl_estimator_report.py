@@ -59,9 +59,10 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -110,10 +111,16 @@ def build_module(policy: str, max_new_tokens: int, push: float, seed: int) -> PP
 
     torch.manual_seed(seed)  # the tiny model's weights and the sampler's seed base
     module = PPORLHF(
-        policy=policy, lora_rank=8, critic="shared", kl_estimator=EXACT, kl_penalty="loss", whiten_advantages=False,
-        max_new_tokens=max_new_tokens, seed=seed,
+        policy=policy,
+        lora_rank=8,
+        critic="shared",
+        kl_estimator=EXACT,
+        kl_penalty="loss",
+        whiten_advantages=False,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
         reward_model=CallableReward(function="rlhf_lightning_plugins.rewards.toy:char_count"),  # unused
-    )  # fmt: skip
+    )
     module.configure_model()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -189,7 +196,7 @@ def time_call(estimator, args: tuple, repeats: int) -> float:
 
 def flat_grad(loss: Tensor, params: list[Tensor]) -> Tensor:
     grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params)])
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params, strict=True)])
 
 
 def token_values(estimator, logp: Tensor, ref_logp: Tensor) -> Optional[Tensor]:
@@ -297,7 +304,7 @@ def measure_off_policy(module: PPORLHF, estimators: dict, prompts: Sequence[str]
                 grad = expected_gradient(values, logp, mask, params, old_logp, weighted=weighting == "importance")
                 out.setdefault((name, weighting), GradientStats()).add(grad)
         with torch.no_grad():
-            for param, value in zip(params, saved):
+            for param, value in zip(params, saved, strict=True):
                 param.copy_(value)
     return out
 
@@ -366,16 +373,31 @@ def summarise(acc: dict, estimators: dict, off_policy: dict) -> list[EstimatorRo
         grad_cos, grad_rel_err = compare(a.sampled.mean)
         expected_cos, expected_rel_err = compare(a.expected.mean) if a.expected.n else (math.nan, math.nan)
         expected_norm = float(a.expected.mean.norm()) / exact_norm if a.expected.n else math.nan
-        off_cos = {w: _cosine(off_policy[(name, w)].mean, off_policy["exact"].mean) if (name, w) in off_policy else math.nan
-                   for w in ("none", "importance")}  # fmt: skip
-        rows.append(EstimatorRow(
-            name=name, bias=float(err.mean()), bias_se=float(err.std()) / math.sqrt(n), std=float(seq.std()),
-            error_std=float(err.std()), negative=a.negative / max(a.tokens, 1.0), most_negative=a.most_negative,
-            ns_per_token=1e9 * a.seconds / max(a.positions, 1), grad_cos=grad_cos, grad_rel_err=grad_rel_err,
-            grad_spread=math.sqrt(a.sampled.variance) / exact_norm, expected_grad_cos=expected_cos,
-            expected_grad_rel_err=expected_rel_err, expected_grad_norm=expected_norm, needs_logits=estimators[name].needs_logits,
-            off_policy_cos=off_cos["none"], off_policy_cos_importance=off_cos["importance"],
-        ))  # fmt: skip
+        off_cos = {
+            w: _cosine(off_policy[(name, w)].mean, off_policy["exact"].mean) if (name, w) in off_policy else math.nan
+            for w in ("none", "importance")
+        }
+        rows.append(
+            EstimatorRow(
+                name=name,
+                bias=float(err.mean()),
+                bias_se=float(err.std()) / math.sqrt(n),
+                std=float(seq.std()),
+                error_std=float(err.std()),
+                negative=a.negative / max(a.tokens, 1.0),
+                most_negative=a.most_negative,
+                ns_per_token=1e9 * a.seconds / max(a.positions, 1),
+                grad_cos=grad_cos,
+                grad_rel_err=grad_rel_err,
+                grad_spread=math.sqrt(a.sampled.variance) / exact_norm,
+                expected_grad_cos=expected_cos,
+                expected_grad_rel_err=expected_rel_err,
+                expected_grad_norm=expected_norm,
+                needs_logits=estimators[name].needs_logits,
+                off_policy_cos=off_cos["none"],
+                off_policy_cos_importance=off_cos["importance"],
+            )
+        )
     return rows
 
 
@@ -537,12 +559,21 @@ def report(args: argparse.Namespace) -> list[EstimatorRow]:
     exact_seq = acc[EXACT].per_sequence
     tokens = int(acc[EXACT].tokens)
     setup = dict(
-        policy=args.policy, push=args.push, seed=args.seed, samples=args.samples, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, tokens=tokens, kl_per_token=float(exact_seq.sum()) / tokens,
-        lora_params=sum(p.numel() for p in lora_parameters(module)), batches=acc[EXACT].sampled.n,
-        wall_s=time.perf_counter() - started, offpolicy_epochs=args.offpolicy_epochs, offpolicy_lr=args.offpolicy_lr,
+        policy=args.policy,
+        push=args.push,
+        seed=args.seed,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        tokens=tokens,
+        kl_per_token=float(exact_seq.sum()) / tokens,
+        lora_params=sum(p.numel() for p in lora_parameters(module)),
+        batches=acc[EXACT].sampled.n,
+        wall_s=time.perf_counter() - started,
+        offpolicy_epochs=args.offpolicy_epochs,
+        offpolicy_lr=args.offpolicy_lr,
         moved=sum(off_policy["moved"]) / len(off_policy["moved"]),
-    )  # fmt: skip
+    )
     sequence = sequence_level(estimators, args.seq_tokens, args.seq_length, args.seed)
     text = format_report(rows, exact_seq, setup) + "\n\n" + format_sequence_table(sequence, args.seq_tokens, args.seq_length, args.seed)
     out = Path(args.out)

@@ -83,15 +83,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
     parser.add_argument("--beta", type=float, help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
     parser.add_argument("--iterations", type=int, help="PPO iterations (default: the task's, 100 hand-made, 150 random)")
-    parser.add_argument("--seed", type=int, nargs="+", default=[0],
-                        help="sampling seeds, one run each (default 0); a hand-made task's initialisation too")  # fmt: skip
-    parser.add_argument("--task", type=_task, nargs="+", default=["terminal"],
-                        help="terminal: 3 prompts, 3-token responses over 3 tokens, reward = count of the prompt's letter; "
-                             "bandit: the same with 1-token responses; random:SEED: ExactTask.random(SEED) (default terminal)")  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, nargs="+", default=[0], help="sampling seeds, one run each (default 0); a hand-made task's initialisation too"
+    )
+    parser.add_argument(
+        "--task",
+        type=_task,
+        nargs="+",
+        default=["terminal"],
+        help="terminal: 3 prompts, 3-token responses over 3 tokens, reward = count of the prompt's letter; "
+        "bandit: the same with 1-token responses; random:SEED: ExactTask.random(SEED) (default terminal)",
+    )
     parser.add_argument("--kl-penalty", choices=("reward", "loss", "both"), default="reward", help="where beta * KL goes")
     parser.add_argument("--no-whiten", action="store_true", help="do not whiten advantages (gae)")
-    parser.add_argument("--kl-loss-weighting", choices=("importance", "none"), default="importance",
-                        help="model.kl_loss_weighting of a KL in the loss (default importance)")  # fmt: skip
+    parser.add_argument(
+        "--kl-loss-weighting",
+        choices=("importance", "none"),
+        default="importance",
+        help="model.kl_loss_weighting of a KL in the loss (default importance)",
+    )
     parser.add_argument(
         "--kl-loss-scope", choices=SCOPES, default="sequence", help="model.kl_loss_scope of a KL in the loss (default sequence)"
     )
@@ -119,8 +129,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def add_reference_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("a reference that moves")
-    group.add_argument("--reference", choices=("none", "sync", "reset", "ema"), default="none",
-                       help="reference update after each phase of --iterations iterations (default none)")  # fmt: skip
+    group.add_argument(
+        "--reference",
+        choices=("none", "sync", "reset", "ema"),
+        default="none",
+        help="reference update after each phase of --iterations iterations (default none)",
+    )
     group.add_argument("--resets", type=int, default=1, help="phases, each followed by a reference update (default 1)")
     group.add_argument("--alpha", type=float, default=0.5, help="EMA weight of the policy in each update (default 0.5)")
 
@@ -140,8 +154,10 @@ def print_iterated(rows: list[dict]) -> None:
     """The iterated optimum's columns of every row, then the ITERATED line of the last."""
     print(f"{'iter':>5} {'k':>5} {'gap_to_pi_k':>12} {'kl_to_pi_k':>11} {'kl_to_pi_0':>11}")
     for row in rows:
-        print(f"{row['iteration']:5d} {row['k']:5.2f} {row['iterated_gap']:12.4f} {row['iterated_kl_to_optimum']:11.4f} "
-              f"{row['kl_to_initial']:11.4f}")  # fmt: skip
+        print(
+            f"{row['iteration']:5d} {row['k']:5.2f} {row['iterated_gap']:12.4f} {row['iterated_kl_to_optimum']:11.4f} "
+            f"{row['kl_to_initial']:11.4f}"
+        )
     last = rows[-1]
     print(f"ITERATED k={last['k']:.2f} gap={last['iterated_gap']:.4f} kl_to_opt={last['iterated_kl_to_optimum']:.4f}")
 
@@ -185,8 +201,10 @@ def main(argv=None) -> None:
         )
         gaps = [run_single(args, name, task, seed) for seed in args.seed]
         if len(gaps) > 1:
-            print(f"SEEDS task={name} n={len(gaps)} gap_mean={statistics.mean(gaps):.4f} gap_std={statistics.stdev(gaps):.4f} "
-                  f"gap_min={min(gaps):.4f} gap_max={max(gaps):.4f}")  # fmt: skip
+            print(
+                f"SEEDS task={name} n={len(gaps)} gap_mean={statistics.mean(gaps):.4f} gap_std={statistics.stdev(gaps):.4f} "
+                f"gap_min={min(gaps):.4f} gap_max={max(gaps):.4f}"
+            )
 
 
 def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
@@ -196,19 +214,36 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     print(f"{'iter':>5} {'J':>8} {'J*':>8} {'gap':>8} {'kl_to_opt':>10} {'kl_ref_exact':>13} {'kl_ref_logged':>14}")
     start = time.perf_counter()
     _, tracker = train(
-        task, **reference_settings(args, settings["iterations"]), batch_size=settings["batch_size"], every=args.every,
-        seed=seed, lr_final=args.lr_final, kl_estimator=args.estimator, beta_controller=FixedBeta(settings["beta"]),
-        kl_penalty=args.kl_penalty, kl_loss_weighting=args.kl_loss_weighting, kl_loss_scope=args.kl_loss_scope,
-        whiten_advantages=False if args.no_whiten else None, lr=args.lr, ppo_epochs=args.ppo_epochs, num_minibatches=2,
-        log_samples_every_n_steps=0, **advantage_settings(args, args.advantage[0]),
-    )  # fmt: skip
+        task,
+        **reference_settings(args, settings["iterations"]),
+        batch_size=settings["batch_size"],
+        every=args.every,
+        seed=seed,
+        lr_final=args.lr_final,
+        kl_estimator=args.estimator,
+        beta_controller=FixedBeta(settings["beta"]),
+        kl_penalty=args.kl_penalty,
+        kl_loss_weighting=args.kl_loss_weighting,
+        kl_loss_scope=args.kl_loss_scope,
+        whiten_advantages=False if args.no_whiten else None,
+        lr=args.lr,
+        ppo_epochs=args.ppo_epochs,
+        num_minibatches=2,
+        log_samples_every_n_steps=0,
+        **advantage_settings(args, args.advantage[0]),
+    )
     for row in tracker.rows:
-        print(f"{row['iteration']:5d} {row['objective']:8.4f} {row['optimum']:8.4f} {row['gap']:8.4f} "
-              f"{row['kl_to_optimum']:10.4f} {row['kl_to_ref']:13.4f} {row['kl_logged']:14.4f}")  # fmt: skip
+        print(
+            f"{row['iteration']:5d} {row['objective']:8.4f} {row['optimum']:8.4f} {row['gap']:8.4f} "
+            f"{row['kl_to_optimum']:10.4f} {row['kl_to_ref']:13.4f} {row['kl_logged']:14.4f}"
+        )
     last = tracker.last
     print(f"KL(pi*||pi_ref)={last['optimum_kl_to_ref']:.4f}  {time.perf_counter() - start:.1f} s")
-    print(f"OPTIMUM task={name} seed={seed} gap={last['gap']:.4f} kl_to_opt={last['kl_to_optimum']:.4f} "
-          f"kl_ref_exact={last['kl_to_ref']:.4f} kl_ref_logged={last['kl_logged']:.4f}", flush=True)  # fmt: skip
+    print(
+        f"OPTIMUM task={name} seed={seed} gap={last['gap']:.4f} kl_to_opt={last['kl_to_optimum']:.4f} "
+        f"kl_ref_exact={last['kl_to_ref']:.4f} kl_ref_logged={last['kl_logged']:.4f}",
+        flush=True,
+    )
     if args.reference != "none":
         print_iterated(tracker.rows)
     return last["gap"]
@@ -362,12 +397,23 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     settings = task_settings(args, cell.task)
     start = time.perf_counter()
     _, tracker = train(
-        task_named(cell.task), settings["iterations"], batch_size=settings["batch_size"], every=settings["iterations"],
-        seed=cell.seed, lr_final=args.lr_final, kl_estimator=cell.estimator, beta_controller=FixedBeta(settings["beta"]),
-        kl_penalty=cell.placement, kl_loss_weighting="importance" if cell.weighting == "importance" else "none",
-        kl_loss_scope="per_token" if cell.scope == "per_token" else "sequence", lr=args.lr, ppo_epochs=cell.epochs,
-        num_minibatches=2, log_samples_every_n_steps=0, **advantage_settings(args, cell.advantage),
-    )  # fmt: skip
+        task_named(cell.task),
+        settings["iterations"],
+        batch_size=settings["batch_size"],
+        every=settings["iterations"],
+        seed=cell.seed,
+        lr_final=args.lr_final,
+        kl_estimator=cell.estimator,
+        beta_controller=FixedBeta(settings["beta"]),
+        kl_penalty=cell.placement,
+        kl_loss_weighting="importance" if cell.weighting == "importance" else "none",
+        kl_loss_scope="per_token" if cell.scope == "per_token" else "sequence",
+        lr=args.lr,
+        ppo_epochs=cell.epochs,
+        num_minibatches=2,
+        log_samples_every_n_steps=0,
+        **advantage_settings(args, cell.advantage),
+    )
     return {**tracker.last, "seconds": time.perf_counter() - start, "cell": cell}
 
 
@@ -394,11 +440,14 @@ def run_matrix(args: argparse.Namespace) -> None:
             if cell.expected == "per_token":
                 deviations.append(abs(row["gap"] - fixed_point))
                 extra = f" fixed_point_gap={fixed_point:.4f}"
-            print(f"OPTIMUM task={cell.task} seed={cell.seed} advantage={cell.advantage} estimator={cell.estimator} "
-                  f"placement={cell.placement} weighting={cell.weighting} scope={cell.scope} epochs={cell.epochs} "
-                  f"gap={row['gap']:.4f} kl_ref_exact={row['kl_to_ref']:.4f} kl_opt={row['optimum_kl_to_ref']:.4f} "
-                  f"kl_to_opt={row['kl_to_optimum']:.4f} expected={cell.expected}{extra} "
-                  f"seconds={row['seconds']:.1f}", flush=True)  # fmt: skip
+            print(
+                f"OPTIMUM task={cell.task} seed={cell.seed} advantage={cell.advantage} estimator={cell.estimator} "
+                f"placement={cell.placement} weighting={cell.weighting} scope={cell.scope} epochs={cell.epochs} "
+                f"gap={row['gap']:.4f} kl_ref_exact={row['kl_to_ref']:.4f} kl_opt={row['optimum_kl_to_ref']:.4f} "
+                f"kl_to_opt={row['kl_to_optimum']:.4f} expected={cell.expected}{extra} "
+                f"seconds={row['seconds']:.1f}",
+                flush=True,
+            )
     nan = float("nan")
     print(
         f"MATRIX unbiased_max_gap={max(gaps['unbiased'], default=nan):.4f} biased_min_gap={min(gaps['biased'], default=nan):.4f} "
