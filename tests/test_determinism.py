@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from helpers import CONFIGS, cli
 from summarize_run import read_scalars
 
@@ -31,6 +33,7 @@ def scalars_of_a_tiny_run(root: Path, seed: int) -> dict[str, dict[int, float]]:
     return {tag: by_step for tag, by_step in scalars.items() if not tag.startswith("timing/")}
 
 
+@pytest.mark.convergence
 def test_the_same_seed_gives_the_same_run_and_another_seed_does_not(tmp_path):
     first, second, other = (tmp_path / name for name in ("first", "second", "other"))
     a, b = scalars_of_a_tiny_run(first, seed=0), scalars_of_a_tiny_run(second, seed=0)

@@ -101,6 +101,7 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
         assert resumed[name] == fsdp[name][2:], (name, resumed[name], fsdp[name])  # exactly
 
 
+@pytest.mark.convergence
 def test_two_process_fsdp2_with_lora_a_moving_reference_and_bf16_mixed(tmp_path):
     """LoRA under FSDP2 (the adapters sharded with their blocks; the reference a second, frozen
     adapter moved toward the policy's shard by shard, EMA 0.5) learns and exports a merged model;

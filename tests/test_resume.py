@@ -199,6 +199,7 @@ def test_a_changed_batch_size_on_resume_continues_with_the_first_unseen_prompt(t
     assert loader == [{"epoch": 0, "samples_done": 3 * 16 + 3 * 8}]  # the next resume, at any batch size, starts at prompt 73
 
 
+@pytest.mark.convergence
 def test_a_truncated_or_corrupt_checkpoint_is_an_error_naming_the_file(tmp_path):
     first = run_cli(tmp_path, "--trainer.limit_train_batches=2")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -250,6 +251,7 @@ def test_a_checkpoint_write_that_fails_leaves_the_previous_checkpoint_and_no_par
     assert torch.load(folder / "last.ckpt", weights_only=True)["rlhf_lightning"]["iteration"] == 2
 
 
+@pytest.mark.convergence
 def test_two_runs_started_together_on_one_root_dir_never_share_a_version_folder(tmp_path):
     runs = [
         subprocess.Popen(
