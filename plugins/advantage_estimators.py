@@ -43,8 +43,12 @@ class _GroupBaseline(AdvantageEstimator):
         return advantages.unsqueeze(-1).to(mask.dtype) * mask, None
 
     def gradient_scale(self, rewards, mask, group_size, sum_fn=None):
-        returns = pm.masked_select(rewards, mask).sum(-1)
-        return pm.group_gradient_scale(returns, group_size, self.baseline, scale=self.scale, eps=self.eps)
+        """A group-mean baseline contains R_i itself: E[s_i (R_i - mean_g R)] = (n - 1) / n E[s_i R_i]
+        (leave-one-out is unbiased: 1). GRPO's division by the group std is not carried over: a group
+        of identical responses (std 0) would weigh its KL a million times beta; with it the fixed
+        point is not the KL-regularised optimum, which args.check_arguments warns of."""
+        factor = 1.0 if self.baseline == "leave_one_out" else (group_size - 1) / group_size
+        return rewards.new_full((rewards.shape[0],), factor)
 
 
 @register("advantage_estimator", "grpo", description="group mean and std baseline, no critic (GRPO)")

@@ -164,6 +164,12 @@ def check_arguments(args: dict[str, Any], plugins: dict[str, Any]) -> dict[str, 
             "ratio's gradient adds, so it is counted twice and the policy drifts from the KL-regularised optimum). "
             "Use kl_estimator k3 (or full) with kl_loss_weighting: importance, or this estimator with 'none'."
         )
+    if a.kl_penalty != "reward" and getattr(advantage, "scale", False):
+        rank_zero_warn(
+            f"model.advantage_estimator {type(advantage).__name__} divides each prompt's advantages by its group's reward std "
+            "and the KL loss term is not divided: beta weighs the KL against the reward differently for every prompt, so the "
+            "policy converges away from the KL-regularised optimum. Use dr_grpo or rloo with the KL in the loss, or the KL in the reward."
+        )
     whiten = a.whiten_advantages
     if whiten is None:  # the estimator's default, off whenever the KL is in the loss (see above)
         whiten = advantage.whiten and a.kl_penalty == "reward"

@@ -125,17 +125,6 @@ def group_advantages(returns: Tensor, group_size: int, baseline: str = "mean", s
     return advantages.flatten()
 
 
-def group_gradient_scale(returns: Tensor, group_size: int, baseline: str = "mean", scale: bool = False, eps: float = 1e-6) -> Tensor:
-    """How :func:`group_advantages` scales each response's expected policy gradient (batch,):
-    a group-mean baseline contains R_i itself, E[s_i (R_i - mean_g R)] = (n - 1) / n E[s_i R_i]
-    (the leave-one-out baseline is unbiased: 1), and ``scale`` divides by the group's std + eps
-    (to first order: the std depends on R_i too)."""
-    factor = 1.0 if baseline == "leave_one_out" else (group_size - 1) / group_size
-    grouped = returns.view(-1, group_size)
-    std = (grouped - grouped[:, :1]).std(-1, keepdim=True) if scale else torch.zeros_like(grouped[:, :1])
-    return (factor / (std + eps) if scale else torch.full_like(std, factor)).expand_as(grouped).flatten()
-
-
 class LossStats(NamedTuple):
     loss: Tensor
     clipfrac: Tensor

@@ -99,6 +99,20 @@ def test_reinforce_pp_by_hand():
     torch.testing.assert_close(pm.reward_to_go(rewards, mask, 0.5), torch.tensor([[-0.25, 0.5, 1.0], [1.0, 2.0, 0.0]]))
 
 
+def test_gradient_scales_by_hand():
+    """The factor each estimator puts on a response's expected policy gradient, which the KL in the
+    loss is weighed by: a group-mean baseline keeps (n - 1) / n of it (n = 3: 2/3), leave-one-out all
+    of it, GRPO's std division is not carried over (one std-0 group would weigh its KL a million
+    times), REINFORCE++ divides by the batch std of the returns to go (0.670820, as above)."""
+    rewards, mask = grouped_batch()
+    for estimator, factor in ((GRPO(), 2 / 3), (DrGRPO(), 2 / 3), (RLOO(), 1.0), (GAE(), 1.0)):
+        torch.testing.assert_close(estimator.gradient_scale(rewards, mask, group_size=3), torch.full((6,), factor))
+    rewards = torch.tensor([[-0.5, 0.0, 1.0], [0.0, 2.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    scale = ReinforcePlusPlus().gradient_scale(rewards, mask, group_size=1)
+    torch.testing.assert_close(scale, torch.full((2,), 1 / math.sqrt(0.45)), atol=1e-5, rtol=0)
+
+
 def test_reward_to_go_matches_a_plain_reverse_loop():
     gen = torch.Generator().manual_seed(0)
     rewards = torch.randn(5, 7, generator=gen)

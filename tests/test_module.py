@@ -359,6 +359,24 @@ def test_straight_through_estimator_with_importance_weighting_warns(estimator, w
     assert len(messages) == int(warns), messages
 
 
+def test_grpo_with_the_kl_in_the_loss_warns_that_its_std_division_moves_the_optimum():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for advantage in ("grpo", "dr_grpo", "rloo"):
+            PPORLHF(
+                policy="tiny",
+                reward_model=char_reward(),
+                advantage_estimator=advantage,
+                num_generations=2,
+                kl_penalty="loss",
+                kl_estimator="k3",
+            )
+    messages = [str(w.message) for w in caught if "group's reward std" in str(w.message)]
+    assert len(messages) == 1 and messages[0].startswith("model.advantage_estimator GRPO divides"), messages
+
+
 @pytest.mark.parametrize("estimator, refused", [("k2", True), ("abs", True), ("k1", False), ("k3", False), ("full", False), ("k3+", False)])
 def test_the_sequence_kl_loss_needs_an_estimator_whose_value_is_unbiased(estimator, refused):
     """The KL still to come is estimated from the estimator's values: k2 and abs estimate another quantity."""

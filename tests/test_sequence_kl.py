@@ -196,8 +196,12 @@ def test_order_reward_by_hand():
     transitions a->b, b->b = 1.0 + 2.0; pairs (a, b), (a, b), (b, b) = 0.5 + 0.5 - 1.0; offset -3: 1.1."""
     from rlhf_lightning.exact import order_reward
 
-    table = {"offset": -3.0, "position": [[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]], "transition": [[0.0, 1.0], [0.0, 2.0]],
-             "pair": [[0.0, 0.5], [0.0, -1.0]]}  # fmt: skip
+    table = {
+        "offset": -3.0,
+        "position": [[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]],
+        "transition": [[0.0, 1.0], [0.0, 2.0]],
+        "pair": [[0.0, 0.5], [0.0, -1.0]],
+    }
     assert order_reward(["A", "A"], ["abb", "bba"], "ab", {"A": table}) == pytest.approx([1.1, -3 + 0.2 + 0.4 + 0.5 + 2.0 - 1.0])
 
 
@@ -226,8 +230,21 @@ def test_train_samples_with_its_own_seed_on_the_tasks_reference():
     from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
     task = ExactTask.random(1)
-    runs = [train(task, 3, batch_size=8, every=3, seed=seed, kl_estimator="k1", beta_controller=FixedBeta(1.0),
-                  advantage_estimator="rloo", num_generations=4, log_samples_every_n_steps=0)[1] for seed in (0, 1)]  # fmt: skip
+    runs = [
+        train(
+            task,
+            3,
+            batch_size=8,
+            every=3,
+            seed=seed,
+            kl_estimator="k1",
+            beta_controller=FixedBeta(1.0),
+            advantage_estimator="rloo",
+            num_generations=4,
+            log_samples_every_n_steps=0,
+        )[1]
+        for seed in (0, 1)
+    ]
     first, second = runs
     assert first.rows[0]["optimum"] == second.rows[0]["optimum"] and first.rows[0]["gap"] == second.rows[0]["gap"]
     assert first.rows[0]["gap"] == pytest.approx(1.0, abs=1e-6)  # J(pi_ref) = 0: the reward is centred under it

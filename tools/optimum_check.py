@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import multiprocessing
 import statistics
 import time
 import warnings
@@ -431,7 +432,9 @@ def run_matrix(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     gaps: dict[str, list[float]] = {name: [] for name in CLASSES}
     deviations = []  # |gap - the per-token fixed point's gap| of the per_token cells
-    with ProcessPoolExecutor(args.jobs) if args.jobs > 1 else _InProcess() as pool:
+    # spawn, not fork: a process forked after torch started its OpenMP threads can deadlock in them.
+    pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) if args.jobs > 1 else _InProcess()
+    with pool:
         for row in pool.map(run_cell, itertools.repeat(args), cells):
             cell = row["cell"]
             gaps[cell.expected].append(row["gap"])
