@@ -63,6 +63,7 @@ from torch.utils.data import DataLoader
 
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
+from rlhf_lightning.cli import QUIET_TRAINER
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.tabular import enumerate_responses
 
@@ -546,18 +547,7 @@ def train(
     module = ExactPPORLHF(task, seed=seed if task.model_seed is None else task.model_seed, **module_kwargs)
     tracker = OptimumTracker(every=every, total=iterations)
     callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(lr_period or iterations, lr_final), tracker]
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    trainer = Trainer(**QUIET_TRAINER, max_epochs=1, callbacks=callbacks)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # matrices this small only lose time to thread hand-offs, several-fold on a busy CPU
     try:
