@@ -138,3 +138,24 @@ def test_module_refuses_unknown_kernel_and_malloc_choices_naming_the_field():
         PPORLHF(policy="tiny", reward_model=char_reward(), cpu_linear="fast")
     with pytest.raises(ValueError, match=r"model.cpu_malloc must be 'tuned' or 'default', got 'jemalloc'"):
         PPORLHF(policy="tiny", reward_model=char_reward(), cpu_malloc="jemalloc")
+
+
+@pytest.mark.parametrize(
+    "cpu_linear, precision, routed",
+    [("onednn", "32-true", True), ("aten", "32-true", False), ("onednn", "bf16-mixed", False)],
+)
+def test_the_training_step_runs_its_linear_layers_through_the_chosen_kernel(tmp_path, monkeypatch, cpu_linear, precision, routed):
+    """model.cpu_linear reaches the step through Lightning's precision plugin (cpu.OneDNNPrecision,
+    whose context Lightning enters around training_step): with onednn in 32-true every linear of the
+    iteration runs as OneDNNLinear, with aten none does, and under bf16-mixed the plugin is
+    Lightning's own (oneDNN's route only serves fp32 outside autocast)."""
+    if not cpu.onednn_available():
+        pytest.skip("this torch build has no oneDNN linear")
+    from helpers import fit, make_module
+
+    calls = []
+    apply = cpu.OneDNNLinear.apply
+    monkeypatch.setattr(cpu.OneDNNLinear, "apply", lambda *args: calls.append(1) or apply(*args))
+    trainer, _ = fit(make_module(cpu_linear=cpu_linear, ppo_epochs=1), tmp_path, iterations=1, precision=precision)
+    assert (type(trainer.strategy.precision_plugin) is cpu.OneDNNPrecision) == routed
+    assert bool(calls) == routed, len(calls)
