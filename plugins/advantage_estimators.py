@@ -114,5 +114,4 @@ class ReinforcePlusPlus(AdvantageEstimator):
 
     def gradient_scale(self, rewards, mask, group_size, sum_fn=None):
         """1 / the batch std the whitening divides by (its mean shift is a baseline: unbiased to first order)."""
-        std = pm.masked_var(pm.reward_to_go(rewards, mask, self.gamma), mask, sum_fn).clamp(min=0).sqrt()
-        return (1 / (std + 1e-8)).expand(rewards.shape[0])
+        return (1 / pm.whitening_divisor(pm.reward_to_go(rewards, mask, self.gamma), mask, sum_fn)).expand(rewards.shape[0])

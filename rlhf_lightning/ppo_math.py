@@ -45,11 +45,15 @@ def masked_var(x: Tensor, mask: Tensor, sum_fn: SumFn = None) -> Tensor:
     return var * n / (n - 1).clamp(min=1)
 
 
+def whitening_divisor(x: Tensor, mask: Tensor, sum_fn: SumFn = None) -> Tensor:
+    """std + 1e-8 of ``x`` over the masked positions: what :func:`masked_whiten` divides by."""
+    return masked_var(x, mask, sum_fn).clamp(min=0).sqrt() + 1e-8
+
+
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, sum_fn: SumFn = None) -> Tensor:
     """(x - mean) / std over the masked positions; masked-out positions are set to 0."""
     mean = masked_mean(x, mask, sum_fn)
-    std = masked_var(x, mask, sum_fn).clamp(min=0).sqrt()
-    whitened = (x - mean) / (std + 1e-8)
+    whitened = (x - mean) / whitening_divisor(x, mask, sum_fn)
     if not shift_mean:
         whitened = whitened + mean
     return masked_select(whitened, mask)
