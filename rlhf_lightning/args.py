@@ -46,8 +46,11 @@ def build_plugins(args: dict[str, Any]) -> dict[str, Any]:
     """Every plugin argument as an instance (unknown names fail here, naming the field and the
     registered choices): ``entropy_coef`` becomes a fixed entropy controller, and a null
     ``loss_aggregation`` the one the policy loss or advantage estimator is defined with."""
-    build = {name: lambda name=name: registry(PLUGIN_ARGUMENTS[name]).build(args[name], f"model.{name}") for name in PLUGIN_ARGUMENTS}
-    plugins = {name: build[name]() for name in ("reward_model", "kl_estimator", "beta_controller", "advantage_estimator", "policy_loss")}
+
+    def build(name: str):
+        return registry(PLUGIN_ARGUMENTS[name]).build(args[name], f"model.{name}")
+
+    plugins = {name: build(name) for name in ("reward_model", "kl_estimator", "beta_controller", "advantage_estimator", "policy_loss")}
     plugins["loss_aggregation"] = _loss_aggregation(args["loss_aggregation"], plugins)
     coef = args["entropy_coef"]
     require(
@@ -57,11 +60,11 @@ def build_plugins(args: dict[str, Any]) -> dict[str, Any]:
         coef,
     )
     if args["entropy_controller"] is not None:
-        plugins["entropy_controller"] = build["entropy_controller"]()
+        plugins["entropy_controller"] = build("entropy_controller")
     else:
         plugins["entropy_controller"] = registry("beta_controller").get("fixed")(init_beta=coef, unit="token_mean") if coef else None
-    plugins["gold_reward_model"] = None if args["gold_reward_model"] is None else build["gold_reward_model"]()
-    plugins["reference_update"] = build["reference_update"]()
+    plugins["gold_reward_model"] = None if args["gold_reward_model"] is None else build("gold_reward_model")
+    plugins["reference_update"] = build("reference_update")
     return plugins
 
 
