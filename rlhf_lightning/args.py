@@ -121,6 +121,12 @@ def check_arguments(args: dict[str, Any], plugins: dict[str, Any]) -> dict[str, 
         (a.vf_coef, a.weight_decay, a.lora_alpha),
     )
     require(a.max_grad_norm is None or a.max_grad_norm > 0, "model.max_grad_norm", "> 0 or null", a.max_grad_norm)
+    require(
+        a.matmul_precision in (None, "highest", "high", "medium"),
+        "model.matmul_precision",
+        "highest, high, medium or null",
+        a.matmul_precision,
+    )
     require(a.temperature > 0, "model.temperature", "> 0", a.temperature)
     require(
         a.cpu_linear in ("auto", "aten") or (a.cpu_linear == "onednn" and cpu.onednn_available()),

@@ -44,7 +44,7 @@ def save_state(module, checkpoint: dict) -> None:
     checkpoint["rlhf_lightning"] = {
         "iteration": module.iteration,
         **{name: _state_of(getattr(module, name)) for name in STATEFUL_PLUGINS},
-        "rng": _rng_states(),
+        "rng": _rng_states(module.device),
         "generation_seed_base": module.generation_seed_base,
         "faults": dict(module.faults),
         "reference_updates": module.reference_updates,
@@ -73,12 +73,12 @@ def load_state(module, checkpoint: dict) -> None:
     for prefix, model in (("ref_model.", module.ref_model), ("initial_model.", module.initial_model)):
         for key, value in ({} if model is None or "state_dict" not in checkpoint else model.state_dict()).items():
             checkpoint["state_dict"].setdefault(prefix + key, value)  # a moved reference comes from the checkpoint
-    configured = module.configure_optimizers()
-    optimizers = configured if isinstance(configured, list) else [configured]
+    if len(checkpoint.get("optimizer_states", [])) > 1:  # one AdamW per model: one AdamW with their groups now
+        checkpoint["optimizer_states"] = [merge_optimizer_states(checkpoint["optimizer_states"])]
     # Not strict: a checkpoint without optimizer states has none to update, and a count that
     # differs is refused by the optimizer's own load_state_dict with its message.
-    for saved, optimizer in zip(checkpoint.get("optimizer_states", []), optimizers, strict=False):
-        for saved_group, group in zip(saved["param_groups"], optimizer.param_groups, strict=False):
+    for saved in checkpoint.get("optimizer_states", []):
+        for saved_group, group in zip(saved["param_groups"], module.configure_optimizers().param_groups, strict=False):
             saved_group.update({key: value for key, value in group.items() if key != "params"})
 
 
@@ -127,18 +127,37 @@ def _load_plugin_state(name: str, plugin, state) -> None:
         ) from None
 
 
-def _rng_states() -> dict:
+def _rng_states(device: torch.device) -> dict:
+    """The run's RNG states: torch's CPU generator, Python's, and the generator of ``device`` (this
+    rank's GPU) alone. Every rank draws the same numbers from them (seeded alike, drawing alike),
+    so the record of rank 0, which writes the checkpoint, serves every rank on any GPU count."""
     states = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
     return states
 
 
-def set_rng_states(states: dict) -> None:
+def set_rng_states(states: dict, device: torch.device) -> None:
+    """Restore ``_rng_states`` on this rank, its GPU generator on ``device``. Older checkpoints hold
+    a list, one state per GPU rank 0 saw (``get_rng_state_all``, which raised when fewer GPUs
+    were visible on resume): its first is rank 0's own GPU's."""
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    cuda = states.get("cuda")
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda[0] if isinstance(cuda, (list, tuple)) else cuda, device)
+
+
+def merge_optimizer_states(states: list[dict]) -> dict:
+    """One optimizer's state dict from those of several optimizers (checkpoints written with one
+    AdamW per model): their parameter groups in order, the parameters renumbered to follow on."""
+    merged, offset = {"state": {}, "param_groups": []}, 0
+    for state in states:
+        for group in state["param_groups"]:
+            merged["param_groups"].append({**group, "params": [offset + i for i in group["params"]]})
+        merged["state"].update({offset + i: value for i, value in state["state"].items()})
+        offset += sum(len(group["params"]) for group in state["param_groups"])
+    return merged
 
 
 class IterationCheckpoint(ModelCheckpoint):

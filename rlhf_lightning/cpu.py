@@ -123,12 +123,12 @@ class OneDNNPrecision(Precision):
 
 
 def apply_cpu_settings(trainer, cpu_linear: CpuLinear, cpu_malloc: Literal["tuned", "default"]) -> None:
-    """``model.cpu_linear`` and ``model.cpu_malloc`` for a run: tune malloc, and on a CPU in full
+    """``model.cpu_linear`` and ``model.cpu_malloc`` for a run on a CPU: tune malloc, and in full
     precision swap the strategy's precision plugin for :class:`OneDNNPrecision`. Other precisions
     keep their plugin: oneDNN's route only serves plain fp32 outside autocast."""
-    if cpu_malloc == "tuned":
-        tune_malloc()
     strategy = trainer.strategy
+    if cpu_malloc == "tuned" and strategy.root_device.type == "cpu":
+        tune_malloc()
     if type(strategy.precision_plugin) is Precision and uses_onednn(strategy.root_device, cpu_linear):
         strategy.precision_plugin = OneDNNPrecision()
 

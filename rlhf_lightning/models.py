@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 
-from rlhf_lightning import fsdp2
+from rlhf_lightning import fsdp2, gpu
 from rlhf_lightning.checks import require
 
 BUILTIN_MODELS = ("tiny", "smollm2")
@@ -296,13 +297,6 @@ class PolicyNetworks:
             target_modules=hp.lora_target_modules or "all-linear",
             task_type="CAUSAL_LM",
         )
-        dtype = next(policy.parameters()).dtype
-        require(
-            not hp.merge_lora_for_generation or dtype == torch.float32,
-            "model.merge_lora_for_generation",
-            "false when the base weights are not float32 (merging would round them)",
-            f"true with {dtype} weights",
-        )
         policy = get_peft_model(policy, config)
         if self.reference_update.moves:  # a frozen copy of the (no-op) initial adapter
             with torch.random.fork_rng(devices=[]):  # its random init is overwritten: draw nothing from the run's RNG
@@ -334,20 +328,26 @@ class PolicyNetworks:
                 fsdp2.shard(model, mesh, frozen=model is not self.critic)
 
     def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, return_hidden: bool = False):
-        """Temperature-scaled logits predicting each response token: (batch, response_len, vocab);
-        with ``return_hidden`` also the last hidden states at those positions (batch, response_len, hidden)."""
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask),
-            use_cache=False,
-            logits_to_keep=response_len + 1,
-            output_hidden_states=return_hidden,
-        )
-        logits = out.logits[:, :-1].float() / self.hparams.temperature
+        """Temperature-scaled float32 logits predicting each response token: (batch, response_len, vocab);
+        with ``return_hidden`` also the last layer's hidden states at those positions (batch,
+        response_len, hidden), read from the output layer's input (no other layer's are kept)."""
+        hidden = [] if return_hidden else None
+        with float32_head(model, hidden):
+            out = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids(attention_mask),
+                use_cache=False,
+                logits_to_keep=response_len + 1,
+            )
+        logits = self._tempered(out.logits[:, :-1])
         if return_hidden:
-            return logits, out.hidden_states[-1][:, -response_len - 1 : -1]
+            return logits, hidden[0][:, :-1]
         return logits
+
+    def _tempered(self, logits: Tensor) -> Tensor:
+        """``logits / temperature``, without a copy of the full-vocabulary tensor at temperature 1."""
+        return logits if self.hparams.temperature == 1 else logits / self.hparams.temperature
 
     def policy_outputs(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Optional[Tensor]]:
         """Policy logits and critic values V(s_t) before each response token, (batch, response_len);
@@ -369,11 +369,12 @@ class PolicyNetworks:
         """``policy_outputs`` from what ``generate`` already computed: its raw logits at each step,
         and (shared critic) the last hidden state that produced them; a separate critic still
         runs its own forward."""
-        logits = torch.stack(out.logits, dim=1).float() / self.hparams.temperature
+        logits = self._tempered(torch.stack(out.logits, dim=1))  # float32 already (float32_head)
+        out.logits = None  # the per-step copies: one full-vocabulary tensor at a time from here
         if self.critic is None:
             return logits, None
-        if self._shared_critic:  # step 0 holds the whole prompt, later steps one position
-            hidden = torch.stack([step[-1][:, -1] for step in out.hidden_states], dim=1)
+        if self._shared_critic:  # the output layer's input at each step (_sample): its last position
+            hidden = torch.stack([step[:, -1] for step in out.hidden_states], dim=1)
             return logits, self.critic(hidden=hidden)
         return logits, self._critic_values(input_ids, attention_mask, response_len)
 
@@ -386,42 +387,48 @@ class PolicyNetworks:
     @torch.no_grad()
     def _sample(self, enc: dict[str, Tensor], seed: int):
         """``generate`` on the prompts ``enc`` with the sampling RNG seeded by ``seed`` (forked: the
-        run's own RNG is untouched), returning the sampler's logits (``old_logprobs: sampler``) and,
-        with a shared critic, the hidden states that produced them. ``synced_gpus=False``: with
+        run's own RNG is untouched), returning the sampler's float32 logits (``old_logprobs: sampler``)
+        and, with a shared critic, the last layer's hidden states that produced them. ``synced_gpus=False``: with
         gathered weights generate runs no collective (see ``_generator``), so each rank may stop
         at its own EOS."""
         from_sampler = self.hparams.old_logprobs == "sampler"
+        hidden = [] if from_sampler and self._shared_critic else None
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self._generator() as generator:
             torch.manual_seed(seed)
-            return generator.generate(
-                **enc,
-                return_dict_in_generate=True,
-                output_logits=from_sampler,
-                output_hidden_states=from_sampler and self._shared_critic,
-                synced_gpus=False,
-            )
+            with float32_head(generator, hidden):
+                out = generator.generate(**enc, return_dict_in_generate=True, output_logits=from_sampler, synced_gpus=False)
+        # Only the last layer's hidden states, one tensor per decode step (output_hidden_states
+        # would keep every layer's at every step).
+        out.hidden_states = hidden
+        return out
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> torch.optim.AdamW:
+        """One AdamW over the parameter groups ``policy`` (lr) and ``critic`` (critic_lr), each with
+        its own weight decay: AdamW's update is per parameter, so this is the update of one AdamW
+        per model (tests/test_gpu_paths.py), and it is what DeepSpeed supports (one optimizer);
+        one optimizer step, one GradScaler update under 16-mixed. ``optimizers: separate`` clips
+        each group's gradient norm on its own, ``shared`` the norm of both (``on_before_optimizer_step``)."""
         hp = self.hparams
-        policy_params = [p for p in self.policy.parameters() if p.requires_grad]
-        # fused: one kernel per step instead of a dozen per tensor. Not under
-        # 16-mixed/bf16-mixed: Lightning refuses to clip a fused optimizer's gradients there (it could
-        # unscale them itself), so the multi-tensor (foreach) AdamW steps instead.
+        groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad], "lr": hp.lr}]
+        if self.critic is not None:
+            groups.append({"name": "critic", "params": list(self.critic.parameters()), "lr": hp.critic_lr or hp.lr})
+        # fused: one kernel per step instead of a dozen per tensor. Not under 16-mixed/bf16-mixed:
+        # a fused AdamW unscales 16-mixed gradients inside its step, after they would be clipped,
+        # so the multi-tensor (foreach) AdamW steps instead.
         fused = not (self._trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision))
-        if self.critic is None:
-            return torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=fused)
-        critic_params = list(self.critic.parameters())
-        critic_lr = hp.critic_lr or hp.lr
-        if hp.optimizers == "shared":
-            return torch.optim.AdamW(
-                [{"params": policy_params, "lr": hp.lr}, {"params": critic_params, "lr": critic_lr}],
-                weight_decay=hp.weight_decay,
-                fused=fused,
-            )
-        return [
-            torch.optim.AdamW(policy_params, lr=hp.lr, weight_decay=hp.weight_decay, fused=fused),
-            torch.optim.AdamW(critic_params, lr=critic_lr, weight_decay=hp.weight_decay, fused=fused),
-        ]
+        return torch.optim.AdamW(groups, weight_decay=hp.weight_decay, fused=fused)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Clip the gradients to ``max_grad_norm`` here, where Lightning calls this hook: after the
+        precision plugin has unscaled them (16-mixed: ``scaler.unscale_``) and before the step, so
+        the clip sees the true norm. Per parameter group (``optimizers: separate``) or over all
+        (``shared``). DeepSpeed clips inside its own step, from its config (``gpu.configure_deepspeed``)."""
+        hp = self.hparams
+        if not hp.max_grad_norm or gpu.is_deepspeed(self.trainer.strategy):
+            return
+        groups = [group["params"] for group in optimizer.param_groups]
+        for params in groups if hp.optimizers == "separate" else [[p for group in groups for p in group]]:
+            torch.nn.utils.clip_grad_norm_(params, hp.max_grad_norm)
 
     @contextlib.contextmanager
     def _generator(self):
@@ -440,8 +447,7 @@ class PolicyNetworks:
                 yield self.policy
                 return
             if self.hparams.merge_lora_for_generation:
-                self.policy.merge_adapter()
-                stack.callback(self.policy.unmerge_adapter)
+                stack.enter_context(merged_adapter(self.policy))
             yield self.policy.get_base_model()
 
     @contextlib.contextmanager
@@ -506,6 +512,48 @@ class PolicyNetworks:
         if self._sharded:
             fsdp2.reshard(self.policy, self.ref_model)
         move_toward(*self._reference_parameters(), alpha)
+
+
+@contextlib.contextmanager
+def float32_head(model: nn.Module, hidden: Optional[list] = None):
+    """The model's output layer computing float32 logits under every precision: outside autocast,
+    from float32 copies of its input and weights (bf16-mixed: the layer would return bf16 logits,
+    off by ~0.06 for logits of 16-32, so the first PPO ratio would not be 1; bf16-true: float32
+    products of the bf16 values). Each call's input, the last layer's hidden states at the kept
+    positions, is appended to ``hidden`` when given."""
+    head = model.get_output_embeddings()
+
+    def forward(x: Tensor) -> Tensor:
+        if hidden is not None:
+            hidden.append(x)
+        bias = None if head.bias is None else head.bias.float()
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), head.weight.float(), bias)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+@contextlib.contextmanager
+def merged_adapter(policy: nn.Module):
+    """The LoRA policy with its adapter merged into the base weights W <- W + B A, unmerged after.
+    A float32 base is unmerged (W + BA - BA: each cycle moves a weight by at most one rounding
+    step); a base in any other dtype (``trainer.precision`` bf16-true or 16-true: Lightning casts
+    the weights after ``configure_model``, so the dtype is read here, at each rollout) gets its
+    weights back bit for bit from a copy held while sampling, as its rounding steps are coarse
+    enough to move the base, and with it the adapter-disabled reference, at every rollout."""
+    params = dict(policy.named_parameters())
+    originals = {name: p.detach().clone() for name, p in params.items() if ".base_layer." in name and p.dtype != torch.float32}
+    policy.merge_adapter()
+    try:
+        yield policy
+    finally:
+        policy.unmerge_adapter()
+        if originals:
+            torch._foreach_copy_([params[name].data for name in originals], list(originals.values()))
 
 
 def adapter_pairs(policy: nn.Module) -> tuple[list[Tensor], list[Tensor]]:

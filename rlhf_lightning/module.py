@@ -42,7 +42,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from rlhf_lightning import args, checkpoints, cpu
+from rlhf_lightning import args, checkpoints, cpu, gpu
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
 from rlhf_lightning.data import encode_prompts, token_ids
@@ -162,7 +162,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         whiten_advantages: whiten the advantages over the global batch; null: the estimator's
             default (gae: yes; critic-free estimators: no), and no whenever the KL is in the loss.
         lr / critic_lr / weight_decay / max_grad_norm: AdamW settings and gradient clipping.
-        optimizers: ``separate`` (one AdamW for the policy, one for the critic) or ``shared``.
+        optimizers: one AdamW, policy and critic groups: clipped each on its own (``separate``) or jointly.
         critic: the value head's trunk: a ``separate`` copy of the policy's trunk, ``none`` (no
             value head, loss or optimizer: the critic-free estimators), or ``shared``
             with the policy (one forward pass gives log-probs and values; see ValueModel).
@@ -179,7 +179,9 @@ class PPORLHF(PolicyNetworks, LightningModule):
         seed: initialisation seed of the ``tiny`` model.
         cpu_linear: the kernel of fp32 linear layers on a CPU: ``onednn``, ``aten`` (MKL), or
             ``auto`` (oneDNN where the torch build has it); results agree to float rounding (cpu.py).
-        cpu_malloc: ``tuned`` (glibc keeps freed memory for reuse) or ``default`` (cpu.py).
+        cpu_malloc: ``tuned`` (glibc keeps freed memory for reuse, CPU runs only) or ``default`` (cpu.py).
+        matmul_precision: ``torch.set_float32_matmul_precision`` at start-up (``high``: TF32 on
+            Ampere and later GPUs); null leaves torch's default (``highest``).
         max_consecutive_faults: iterations in a row that may be skipped for a non-finite reward,
             KL or loss before the run stops with the cause.
         log_samples_every_n_steps / num_logged_samples: sample table sent to TensorBoard.
@@ -233,6 +235,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         trust_remote_code: bool = False,
         cpu_linear: cpu.CpuLinear = "auto",
         cpu_malloc: Literal["tuned", "default"] = "tuned",
+        matmul_precision: Optional[gpu.MatmulPrecision] = None,
         max_consecutive_faults: int = 3,
         log_samples_every_n_steps: int = 10,
         num_logged_samples: int = 4,
@@ -289,7 +292,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         if self.trainer._results is not None:
             self.trainer._results.reset(metrics=False, fx="training_step")
         if self._rng_to_restore is not None:
-            checkpoints.set_rng_states(self._rng_to_restore)
+            checkpoints.set_rng_states(self._rng_to_restore, self.device)
             self._rng_to_restore = None
 
     # ------------------------------------------------------------------ the loop
@@ -322,7 +325,8 @@ class PPORLHF(PolicyNetworks, LightningModule):
         A non-finite reward or KL on any rank is a fault, named in ``Scored.fault``."""
         kl, raw_scores, fault = self.kl_per_token(rollout), None, None
         try:
-            raw_scores = self.reward_model.checked_scores(rollout.prompts, rollout.responses)
+            with gpu.no_autocast(self.device):
+                raw_scores = self.reward_model.checked_scores(rollout.prompts, rollout.responses)
         except FloatingPointError as err:
             fault = str(err)
         if fault is None and not torch.isfinite(kl).all():
@@ -450,22 +454,15 @@ class PPORLHF(PolicyNetworks, LightningModule):
         beta times the advantage estimator's gradient scale of each response (a KL in the loss is
         weighed against the reward as configured). Returns how many steps were skipped because a
         loss was not finite on some rank (gradients dropped, weights untouched)."""
-        hp = self.hparams
-        optimizers = self.optimizers()
-        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
-        skipped = 0
+        hp, opt, skipped = self.hparams, self.optimizers(), 0  # clipped in on_before_optimizer_step (models.py)
         for _ in range(hp.ppo_epochs):
             order = torch.randperm(rollout.input_ids.shape[0], device=self.device)
             for minibatch in order.chunk(hp.num_minibatches):
                 if self._accumulate_gradients(rollout, advantages, returns, minibatch, kl_coef):
-                    for opt in optimizers:
-                        if hp.max_grad_norm:
-                            self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
-                        opt.step()
+                    opt.step()
                 else:
                     skipped += 1
-                for opt in optimizers:
-                    opt.zero_grad(set_to_none=True)
+                opt.zero_grad(set_to_none=True)
         return skipped
 
     def _accumulate_gradients(
@@ -538,9 +535,10 @@ class PPORLHF(PolicyNetworks, LightningModule):
     # ------------------------------------------------------------------ pieces
     def setup(self, stage: str) -> None:
         """At start-up, before any model loads: the batch split and every prompt of the data
-        module's files (special-token strings, rendered length); the CPU settings (cpu.py)."""
+        module's files (special-token strings, rendered length); the CPU and GPU settings (cpu.py, gpu.py)."""
         if self._trainer is not None:
             cpu.apply_cpu_settings(self.trainer, self.hparams.cpu_linear, self.hparams.cpu_malloc)
+            gpu.setup(self.trainer, self.hparams)
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if stage == "fit" and getattr(datamodule, "batch_size", None):
             args.check_batch_split(datamodule.batch_size, self.hparams)
@@ -641,7 +639,8 @@ class PPORLHF(PolicyNetworks, LightningModule):
             kl_to_initial = float(self._reduce(self.kl_per_token(rollout, to_initial=True).sum().double().to(self.device))) / n
         gold = {}
         if self.gold_reward_model is not None:
-            gold_scores = self.gold_reward_model.checked_scores(rollout.prompts, rollout.responses)
+            with gpu.no_autocast(self.device):
+                gold_scores = self.gold_reward_model.checked_scores(rollout.prompts, rollout.responses)
             gold = {"objective/gold_reward": float(self._reduce(gold_scores.sum().double().to(self.device))) / n}
         return {
             "objective/reward": reward / n,
@@ -680,7 +679,8 @@ class PPORLHF(PolicyNetworks, LightningModule):
 
     def _evaluate(self, prompts: list[str], stage: str) -> None:
         rollout = self.rollout(prompts)
-        raw_scores, _ = self.reward_model(rollout.prompts, rollout.responses, rollout.ended_with_eos, update_stats=False)
+        with gpu.no_autocast(self.device):
+            raw_scores, _ = self.reward_model(rollout.prompts, rollout.responses, rollout.ended_with_eos, update_stats=False)
         reward = raw_scores.mean().item()
         kl = self.kl_per_token(rollout).sum(-1).mean().item()
         metrics = {

@@ -128,16 +128,6 @@ def test_lora_generation_with_merged_adapter_samples_the_policy_and_restores_the
     assert torch.equal(responses[True], responses[False])
 
 
-def test_merging_lora_into_half_precision_weights_is_refused(monkeypatch):
-    import rlhf_lightning.models as models_py
-
-    load = models_py.load_causal_lm
-    monkeypatch.setattr(models_py, "load_causal_lm", lambda *args: load(*args).to(torch.bfloat16))
-    module = PPORLHF(policy="tiny", reward_model=char_reward(), lora_rank=4)
-    with pytest.raises(ValueError, match="merge_lora_for_generation must be false when the base weights are not float32"):
-        module.configure_model()
-
-
 def test_fit_raises_reward_and_logs_every_metric(tmp_path):
     """End to end on the tiny model: reward (number of 'e's) rises within 20 iterations."""
     module = make_module(max_new_tokens=16, num_minibatches=2, ppo_epochs=4, vf_coef=0.5)
