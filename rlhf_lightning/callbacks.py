@@ -106,19 +106,29 @@ def _md(text: str, limit: int = 300) -> str:
 
 
 class Timer:
-    """Wall-clock seconds per named phase (synchronising CUDA so GPU work is counted)."""
+    """Wall-clock seconds per named phase (synchronising CUDA so GPU work is counted) and, on a
+    GPU, each phase's peak allocated memory (``torch.cuda.max_memory_allocated`` since it began)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.seconds: dict[str, float] = {}
+        self.peak_gb: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         yield
-        if self.device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize(self.device)
+            self.peak_gb[name] = max(self.peak_gb.get(name, 0.0), torch.cuda.max_memory_allocated(self.device) / 2**30)
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        """``timing/<phase>_s`` and (GPU) ``memory/<phase>_peak_gb``."""
+        return {**{f"timing/{k}_s": v for k, v in self.seconds.items()}, **{f"memory/{k}_peak_gb": v for k, v in self.peak_gb.items()}}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

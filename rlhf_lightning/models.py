@@ -370,7 +370,7 @@ class PolicyNetworks:
         and (shared critic) the last hidden state that produced them; a separate critic still
         runs its own forward."""
         logits = self._tempered(torch.stack(out.logits, dim=1))  # float32 already (float32_head)
-        out.logits = None  # the per-step copies: one full-vocabulary tensor at a time from here
+        out["logits"] = None  # the per-step copies: one full-vocabulary tensor at a time from here
         if self.critic is None:
             return logits, None
         if self._shared_critic:  # the output layer's input at each step (_sample): its last position

@@ -365,7 +365,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
             self.faults["consecutive"] = 0
         metrics.update(self._fault_metrics(iteration_skipped=False))
         metrics.update(self.consume_update_stats())
-        metrics.update({f"timing/{k}_s": v for k, v in timer.seconds.items()})
+        metrics.update(timer.metrics())
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rollout.prompts))
         for key, label in (("objective/reward", "reward"), ("objective/kl", "kl"), ("objective/beta", "beta")):
             self.log(label, metrics[key], prog_bar=True, logger=False, on_step=True, batch_size=len(rollout.prompts))
