@@ -89,6 +89,8 @@ def setup(trainer, hparams) -> None:
     strategy = trainer.strategy
     if is_deepspeed(strategy):
         configure_deepspeed(strategy.config, hparams.max_grad_norm, hparams.gradient_accumulation_steps)
+        if hparams.max_grad_norm and hparams.optimizers == "separate" and hparams.critic != "none":
+            rank_zero_warn("DeepSpeed clips the joint gradient norm of the policy and the critic (model.optimizers: shared's clip)")
     if hparams.matmul_precision is not None:
         torch.set_float32_matmul_precision(hparams.matmul_precision)
     warn_cpu_fallback(strategy.root_device)

@@ -199,7 +199,8 @@ def test_bf16_true_lora_keeps_the_base_and_the_reference_bit_identical(tmp_path)
     """configs/quickstart.yaml's recipe on the tiny model (LoRA, shared critic, adapter merged
     for sampling, 2 epochs x 2 minibatches) under bf16-true for 8 rollouts: the trained adapter
     moves the policy, and the frozen base and the adapter-disabled reference's logits are bit
-    for bit those after Lightning's cast. (Before: 0.37% of the base moved in 3 iterations.)"""
+    for bit those after Lightning's cast. (Issue 33: the former guard read the dtype before the
+    cast, and the quickstart's SmolLM2 base moved by 0.37% of its weights in 3 iterations.)"""
     recorder = FrozenBase()
     module = make_module(lora_rank=4, lora_alpha=8, critic="shared", num_minibatches=2, lr=3e-2, merge_lora_for_generation=True)
     _, history = fit(module, tmp_path, iterations=8, callbacks=[recorder], precision="bf16-true")
@@ -331,3 +332,14 @@ def test_a_gpu_host_training_on_its_cpu_says_so(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gpu.warn_cpu_fallback(torch.device("cpu"))
+
+
+def test_matmul_precision_is_set_at_start_up(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", calls.append)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    for precision in ("high", None):
+        gpu.setup(trainer, SimpleNamespace(matmul_precision=precision, max_grad_norm=1.0, gradient_accumulation_steps=1))
+    assert calls == ["high"]
+    with pytest.raises(ConfigError, match=r"model.matmul_precision must be highest, high, medium or null, got 'fast'"):
+        make_module(matmul_precision="fast")
