@@ -91,6 +91,13 @@ def setup(trainer, hparams) -> None:
         configure_deepspeed(strategy.config, hparams.max_grad_norm, hparams.gradient_accumulation_steps)
         if hparams.max_grad_norm and hparams.optimizers == "separate" and hparams.critic != "none":
             rank_zero_warn("DeepSpeed clips the joint gradient norm of the policy and the critic (model.optimizers: shared's clip)")
+    precision = str(getattr(trainer, "precision", "32-true"))
+    if hparams.old_logprobs == "sampler" and precision.startswith(("bf16", "16")):
+        rank_zero_warn(
+            f"trainer.precision={precision} with model.old_logprobs=sampler: the sampler's cached decode and a forward round "
+            "differently in 16 bits, so the first PPO ratio is not exactly 1 (quickstart: approxkl 4.4e-4); "
+            "model.old_logprobs=forward makes it 1"
+        )
     if hparams.matmul_precision is not None:
         torch.set_float32_matmul_precision(hparams.matmul_precision)
     warn_cpu_fallback(strategy.root_device)

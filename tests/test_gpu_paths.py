@@ -334,12 +334,17 @@ def test_a_gpu_host_training_on_its_cpu_says_so(monkeypatch):
         gpu.warn_cpu_fallback(torch.device("cpu"))
 
 
-def test_matmul_precision_is_set_at_start_up(monkeypatch):
+def test_start_up_sets_matmul_precision_and_warns_of_the_16_bit_sampler_ratio(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_float32_matmul_precision", calls.append)
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
     for precision in ("high", None):
-        gpu.setup(trainer, SimpleNamespace(matmul_precision=precision, max_grad_norm=1.0, gradient_accumulation_steps=1))
+        gpu.setup(trainer, SimpleNamespace(matmul_precision=precision, old_logprobs="sampler"))
     assert calls == ["high"]
+    trainer.precision = "bf16-mixed"
+    with pytest.warns(
+        UserWarning, match=r"trainer.precision=bf16-mixed with model.old_logprobs=sampler: .* model.old_logprobs=forward makes it 1"
+    ):
+        gpu.setup(trainer, SimpleNamespace(matmul_precision=None, old_logprobs="sampler"))
     with pytest.raises(ConfigError, match=r"model.matmul_precision must be highest, high, medium or null, got 'fast'"):
         make_module(matmul_precision="fast")
