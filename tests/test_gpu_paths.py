@@ -230,9 +230,10 @@ def test_bf16_mixed_logits_are_float32_from_the_output_layer():
 
 
 def test_bf16_mixed_first_ratio_is_one_and_rewards_score_outside_autocast(tmp_path, monkeypatch):
-    """The quickstart's failure on the tiny model: bf16-mixed, one epoch of one minibatch,
-    old_logprobs from a forward: the first (and only) minibatch's ratio is 1 (approxkl ~ 0, no
-    clipping; bf16 logits gave 1.2e-3 and 0.3%), and the reward backend is called with autocast off."""
+    """bf16-mixed, one epoch of one minibatch, old_logprobs from a forward: the first (and only)
+    minibatch's ratio is 1 (approxkl ~ 0, no clipping; this held before too: both passes rounded
+    alike; the sampler's gap is measured in docs/distributed.md#gpus), the log-probs are float32,
+    and the reward backend is called with autocast off (it was called inside the step's autocast)."""
     module = make_module(ppo_epochs=1, num_minibatches=1, old_logprobs="forward", critic="separate")
     autocast_at_scoring = []
     checked_scores = module.reward_model.checked_scores
