@@ -73,14 +73,16 @@ def cuda_host() -> bool:
 
 
 def warn_cpu_fallback(device: torch.device) -> None:
-    """A run on the CPU of a machine with an NVIDIA GPU says so: with a CPU build of torch
-    (``tools/setup.sh`` without ``--cuda``) ``accelerator: auto`` picks the CPU without a word."""
-    if device.type != "cpu" or not cuda_host():
+    """A run on the CPU of a machine with an NVIDIA GPU that torch cannot use says so: with a CPU
+    build of torch (``tools/setup.sh --cpu``), or a CUDA build the driver does not serve,
+    ``accelerator: auto`` picks the CPU without a word (where torch sees the GPU, Lightning itself
+    warns that it is not used)."""
+    if device.type != "cpu" or torch.cuda.is_available() or not cuda_host():
         return
-    why = "this torch build has no CUDA" if torch.version.cuda is None else "trainer.accelerator chose the CPU"
+    why = "this torch build has no CUDA" if torch.version.cuda is None else f"torch's CUDA {torch.version.cuda} sees no GPU: the driver?"
     rank_zero_warn(
         f"training on the CPU, but this machine has an NVIDIA GPU ({why}: torch {torch.__version__}); "
-        "install the CUDA build with tools/setup.sh --cuda, or set trainer.accelerator=gpu"
+        "install the CUDA build with tools/setup.sh --cuda"
     )
 
 

@@ -326,12 +326,20 @@ def test_rng_state_of_another_gpu_count_restores_this_ranks_gpu(monkeypatch):
 
 
 def test_a_gpu_host_training_on_its_cpu_says_so(monkeypatch):
+    """A CPU build of torch on a GPU host warns; no GPU, or a torch that sees it (Lightning warns
+    then), does not."""
     monkeypatch.setattr(gpu, "cuda_host", lambda: True)
-    with pytest.warns(UserWarning, match=r"training on the CPU, but this machine has an NVIDIA GPU .*tools/setup.sh --cuda"):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.warns(
+        UserWarning, match=r"training on the CPU, but this machine has an NVIDIA GPU \(this torch build has no CUDA.*setup.sh --cuda"
+    ):
         gpu.warn_cpu_fallback(torch.device("cpu"))
-    monkeypatch.setattr(gpu, "cuda_host", lambda: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        gpu.warn_cpu_fallback(torch.device("cpu"))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(gpu, "cuda_host", lambda: False)
         gpu.warn_cpu_fallback(torch.device("cpu"))
 
 
