@@ -172,7 +172,8 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
     ]
     state = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
     assert state["rlhf_lightning"]["iteration"] == 4 and state["hyper_parameters"]["lr"] == 0.001
-    assert [group["lr"] for group in state["optimizer_states"][0]["param_groups"]] == [0.001]  # the policy's AdamW: the new lr ran
+    groups = state["optimizer_states"][0]["param_groups"]
+    assert [(g["name"], g["lr"]) for g in groups] == [("policy", 0.001), ("critic", 0.001)]  # the new lr ran (critic_lr unset: lr)
 
 
 def test_a_plugin_state_that_does_not_fit_is_an_error_naming_the_plugin(tmp_path):
