@@ -103,6 +103,17 @@ class KLEstimator(Plugin):
         first, second = (self(logps[..., token], ref_logps[..., token], logits, ref_logits) for token in ([0, 1, 2], [3, 4, 0]))
         return not torch.allclose(first, second)
 
+    def pathwise_gradient_unbiased(self) -> bool:
+        """Whether differentiating the estimate itself gives the KL's gradient on-policy,
+        E_{y ~ pi}[grad k] = grad KL(pi || pi_ref) per token: its autograd derivative in the
+        log-ratio x is x (k2's, and the straight-through k3+'s and k1+'s), probed at x in [-2, 2].
+        Estimators that need logits are not probed (false unless they ignore the sampled token)."""
+        if self.needs_logits:
+            return not self.reads_sampled_token()
+        x = torch.linspace(-2.0, 2.0, 9, dtype=torch.float64).unsqueeze(0).requires_grad_()
+        (grad,) = torch.autograd.grad(self(x, torch.zeros_like(x)).sum(), x)
+        return torch.allclose(grad, x.detach(), atol=1e-6)
+
     def gradient_follows_value(self) -> bool:
         """Whether autograd through the estimator gives the derivative of its value, probed by
         central differences at log-ratios x in [-2, 2]; false for straight-through estimators

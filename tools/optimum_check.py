@@ -71,6 +71,7 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.exact import TASKS, per_token_fixed_point_gap, task_named, train
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
@@ -256,9 +257,6 @@ PLACEMENTS = ("reward", "loss", "both")
 WEIGHTINGS = ("none", "importance")
 SCOPES = ("sequence", "per_token")
 CLASSES = ("unbiased", "per_token", "drift", "biased")
-VALUE_UNBIASED = {"k1", "k3", "full"}  # E_pi[k] = KL(pi || pi_ref) and w k an unbiased gradient (k3+: score term twice)
-GRADIENT_UNBIASED = {"k2", "k3+", "full"}  # on-policy E_pi[grad k] = grad KL(pi || pi_ref) at each position
-TOKEN_FREE = {"full"}  # the same value whichever token was sampled: exact at pi_theta on pi_old's states
 
 # What each kind of task was tuned with. A random task at beta 1 (where seeds 1-5 have a per-token
 # fixed-point gap >= 0.05) needs more responses per iteration to settle within 0.02 of pi*; its matrix
@@ -314,36 +312,10 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
 
 
 def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence") -> str:
-    """What the theory (docs/kl-estimators.md, "Which recipe reaches which optimum") says of a cell's
-    expected gradient against that of J = E r - beta KL(pi(.|x) || pi_ref(.|x)) (s = grad log pi):
-
-    ``unbiased``: the whole response's KL gradient at every minibatch of every epoch: converges to pi*.
-    ``per_token``: grad KL(pi(.|s) || pi_ref(.|s)) at each visited state and nothing of the KL still
-    to come after the token: converges to ``exact.backward_induction(soft=False)``, not pi*.
-    ``drift``: right on the rollout's first minibatch only: an unweighted token-dependent loss term
-    evaluated at pi_theta on tokens drawn from pi_old (off by O(how far pi_theta moved)).
-    ``biased``: wrong even on-policy.
-
-    reward: PPO follows E[s_t sum_{t'>=t} k_t'] (importance weighted by its own ratio), the sequence term
-    included: the whole KL's gradient for k1 only.
-    loss, per token, none: E_old[grad k]: the state's KL gradient for k2, k3+ (on-policy, then drift) and
-    full (its value is every token's). importance: E_old[w (k s + grad k)] = grad E_theta[k]: for
-    value-unbiased k (k1, k3, full). The ``sequence`` scope adds E[s_t sum_{t'>t} k_t']
-    (ppo_math.kl_to_go_loss), the rest of the response's KL gradient for value-unbiased k (k2 is refused).
-    both: reward k s + loss grad k, the reward's returns carrying the sequence term: the KL's for
-    value-unbiased k; unweighted, k1 and k3 drift. Estimators outside the five built-in ones are
-    classified by membership of the sets above.
-    """
-    if placement == "reward":
-        return "unbiased" if estimator == "k1" else "biased"
-    if estimator in TOKEN_FREE:
-        token = "unbiased"
-    else:
-        right = GRADIENT_UNBIASED if (placement, weighting) == ("loss", "none") else VALUE_UNBIASED
-        token = "biased" if estimator not in right else "drift" if weighting == "none" else "unbiased"
-    if placement == "loss" and scope == "per_token" and token == "unbiased":
-        return "per_token"
-    return token
+    """What the theory (docs/kl-estimators.md, "Which recipe reaches which optimum") says of a cell:
+    ``unbiased``, ``per_token``, ``drift`` or ``biased``, from the one table the module's start-up
+    warning reads (``rlhf_lightning.args.kl_recipe``, where the classes are defined)."""
+    return kl_recipe(registry("kl_estimator").create(estimator), placement, weighting, scope)[0]
 
 
 @dataclass(frozen=True)
@@ -378,7 +350,8 @@ def _task_cells(args: argparse.Namespace, task: str) -> list[Cell]:
     for advantage, estimator, placement, epochs, seed in itertools.product(
         args.advantage, settings["estimators"], settings["placements"], args.epochs, args.seed
     ):
-        weightings = ("n/a",) if placement == "reward" or estimator in TOKEN_FREE else settings["weightings"]
+        token_free = not registry("kl_estimator").create(estimator).reads_sampled_token()  # full: no ratio to weigh by
+        weightings = ("n/a",) if placement == "reward" or token_free else settings["weightings"]
         scopes = ("n/a",) if placement != "loss" else ("sequence",) if _one_token(task) else args.scopes
         for weighting, scope in itertools.product(weightings, scopes):
             if scope == "sequence" and not registry("kl_estimator").create(estimator).unbiased_value:

@@ -1,0 +1,123 @@
+"""Start-up warnings and refusals for combinations that are legal but biased, or that cannot learn:
+the KL recipes from the one table in the code (``args.kl_recipe``), checked against the docs'
+matrix; group estimators without sampling; clip ranges that remove the lower clip; numeric extremes
+named by the field the user wrote."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from rlhf_lightning.args import kl_recipe
+from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.registry import registry
+
+from helpers import char_reward
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def start_up_warnings(**settings) -> list[str]:
+    """The warnings PPORLHF gives at construction (before any model loads) with ``settings``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PPORLHF(policy="tiny", reward_model=char_reward(), **settings)
+    return [str(w.message) for w in caught]
+
+
+def docs_matrix() -> list[tuple[str, str, str, str]]:
+    """(estimator, placement, weighting, class) of every row of docs/kl-estimators.md's measured matrix."""
+    rows = []
+    for line in (DOCS / "kl-estimators.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[1] in ("reward", "loss", "both"):
+            rows.append((cells[0], cells[1], cells[2] or "n/a", cells[5].split(" (")[0]))
+    return rows
+
+
+def test_the_docs_matrix_is_the_code_table():
+    """Every class the docs' measured matrix gives (25 cells: 5 estimators x reward, loss, both x
+    none, importance) is the one ``args.kl_recipe`` gives: the docs cannot drift from the warnings."""
+    rows = docs_matrix()
+    assert len(rows) == 25 and {r[3] for r in rows} == {"unbiased", "biased", "drift"}
+    assert {r[:3]: kl_recipe(registry("kl_estimator").create(r[0]), *r[1:3])[0] for r in rows} == {r[:3]: r[3] for r in rows}
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+", "k1+", "full", "abs"])
+def test_every_biased_kl_recipe_warns_at_start_up_and_no_other_does(estimator):
+    """Each registered estimator in each placement and weighting: a warning naming the estimator,
+    the placement and why, exactly where the table says biased (the docs: reward k3, loss k1 unweighted,
+    k2 or k3+ weighted, any straight-through estimator in 'both', ...)."""
+    for placement in ("reward", "loss", "both"):
+        for weighting in ("none", "importance") if placement != "reward" else ("importance",):
+            scope = "per_token" if estimator in ("k2", "abs") and placement == "loss" else "sequence"  # k2, abs: no sequence scope
+            settings = dict(kl_estimator=estimator, kl_penalty=placement, kl_loss_weighting=weighting, kl_loss_scope=scope)
+            if placement != "reward":
+                settings["whiten_advantages"] = False
+            messages = [m for m in start_up_warnings(**settings) if "gives a biased gradient of the KL" in m]
+            recipe, reason = kl_recipe(registry("kl_estimator").create(estimator), placement, weighting, scope)
+            assert len(messages) == (recipe == "biased"), (placement, weighting, messages)
+            if messages:
+                assert messages[0].startswith(f"model.kl_estimator {type(registry('kl_estimator').create(estimator)).__name__} ")
+                assert f"model.kl_penalty {placement}" in messages[0] and reason in messages[0]
+
+
+def test_the_recipe_table_names_why():
+    """The reasons, by hand: k3 in the reward, k1 unweighted in the loss, k3+ weighted, k2 weighted."""
+    create = registry("kl_estimator").create
+    assert kl_recipe(create("k3"), "reward", "importance") == (
+        "biased",
+        "as a per-token reward only a score-function gradient reaches the policy, and this estimator's is not the KL's (k1's is)",
+    )
+    assert kl_recipe(create("k1"), "loss", "none")[1].startswith("unweighted in the loss its pathwise gradient is not the KL's")
+    assert kl_recipe(create("k3+"), "both", "none")[1].startswith("its gradient is not the derivative of its value")
+    assert kl_recipe(create("k2"), "loss", "importance", "per_token")[1].startswith("its value is not an unbiased per-token KL")
+    assert kl_recipe(create("k3"), "loss", "importance", "per_token") == ("per_token", "")
+    assert kl_recipe(create("full"), "both", "none") == ("unbiased", "")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_estimator_without_sampling_is_refused_and_a_near_greedy_temperature_warns(estimator):
+    """Greedy decoding gives a group one response repeated: every advantage 0, nothing learnt."""
+    name = type(registry("advantage_estimator").create(estimator)).__name__
+    with pytest.raises(ValueError, match=rf"^model.do_sample must be true with model.advantage_estimator {name} \(greedy decoding"):
+        PPORLHF(policy="tiny", reward_model=char_reward(), advantage_estimator=estimator, num_generations=2, do_sample=False)
+    cold = start_up_warnings(advantage_estimator=estimator, num_generations=2, temperature=0.01)
+    assert [m for m in cold if m.startswith(f"model.temperature 0.01 with model.advantage_estimator {name}: below 0.1")]
+    assert not [m for m in start_up_warnings(advantage_estimator=estimator, num_generations=2) if "model.temperature" in m]
+    assert not [m for m in start_up_warnings(temperature=0.01) if "model.temperature" in m]  # gae: a critic, no group
+
+
+@pytest.mark.parametrize(
+    "loss, args, message",
+    [
+        ("clip_higher", {"clip_low": 1.0}, "policy_loss.clip_low must be a finite number in (0, 1), got 1.0"),
+        ("gspo", {"clip_low": 2.0}, "policy_loss.clip_low must be a finite number in (0, 1), got 2.0"),
+        ("ppo_clip", {"cliprange": 1.5}, "policy_loss.cliprange must be a finite number in (0, 1), got 1.5"),
+        ("dual_clip", {"cliprange": float("inf")}, "policy_loss.cliprange must be a finite number in (0, 1), got inf"),
+        ("clip_higher", {"clip_high": float("nan")}, "policy_loss.clip_high must be a finite number > 0, got nan"),
+    ],
+)
+def test_a_clip_range_that_removes_the_lower_clip_is_refused(loss, args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        registry("policy_loss").create(loss, **args)
+    assert registry("policy_loss").create("clip_higher", clip_low=0.2, clip_high=5.0).clip_high == 5.0  # no bound above
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"entropy_coef": float("inf")}, "model.entropy_coef must be a finite number >= 0, got inf"),
+        ({"entropy_coef": float("nan")}, "model.entropy_coef must be a finite number >= 0, got nan"),
+        ({"entropy_coef": -0.1}, "model.entropy_coef must be a finite number >= 0, got -0.1"),
+        ({"entropy_coef": 0.1, "entropy_controller": "adaptive"}, "model.entropy_coef must be 0 when model.entropy_controller is set"),
+        ({"log_samples_every_n_steps": -1}, "model.log_samples_every_n_steps must be an integer >= 0, got -1"),
+        ({"num_logged_samples": -2}, "model.num_logged_samples must be an integer >= 0, got -2"),
+    ],
+)
+def test_numeric_extremes_are_refused_naming_the_field_written(settings, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        PPORLHF(policy="tiny", reward_model=char_reward(), **settings)
