@@ -6,6 +6,7 @@ it must be. The arguments themselves are documented on ``PPORLHF``.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -231,6 +232,33 @@ def kl_recipe(estimator: KLEstimator, placement: str, weighting: str, scope: str
     if placement == "loss" and scope == "per_token" and token == "unbiased":
         return "per_token", ""
     return token, reason if token == "biased" else ""
+
+
+def check_setup(module, datamodule, stage: str) -> None:
+    """At start-up, once the tokenizer is loaded and before any model is: the batch split; every
+    prompt of the data module's files (special-token strings, rendered length, and each reward
+    backend's own check: ``RewardModel.check_prompts``); an entropy target the policy can reach."""
+    if stage == "fit" and getattr(datamodule, "batch_size", None):
+        check_batch_split(datamodule.batch_size, module.hparams)
+    for name in ("train_prompts", "val_prompts"):
+        prompts, field = getattr(datamodule, name, None), f"data.{name.split('_')[0]}_path"
+        if prompts:
+            module.encode_prompts(prompts, field)
+            for role in ("reward_model", "gold_reward_model"):
+                if getattr(module, role) is not None:
+                    getattr(module, role).check_prompts(prompts, field, f"model.{role}")
+    controller, vocab = module.entropy_controller, len(module.tokenizer)
+    if controller is not None and getattr(controller, "target", None) is not None:
+        # The entropy of a distribution over V tokens is at most log V (uniform).
+        per_response = controller.unit == "sequence_sum"
+        most = math.log(vocab) * (module.hparams.max_new_tokens if per_response else 1)
+        require(
+            controller.target < most,
+            "model.entropy_controller.init_args.target",
+            f"< {most:.4g} nats per {'response (max_new_tokens x log V)' if per_response else 'token (log V)'} with the tokenizer's "
+            f"V = {vocab} tokens (no policy's entropy is higher: the coefficient would only grow)",
+            controller.target,
+        )
 
 
 def check_batch_split(batch_size: int, hparams) -> None:

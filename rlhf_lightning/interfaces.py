@@ -304,6 +304,11 @@ class RewardModel(Plugin):
     def setup(self, device: torch.device) -> None:
         """Called once before use with the device the policy runs on (load or move models here)."""
 
+    def check_prompts(self, prompts: Sequence[str], field: str, role: str) -> None:
+        """Called at start-up with every prompt of a prompt file (``field``: ``data.train_path``),
+        before any model loads: a backend that can score only some prompts refuses the others here
+        with a ConfigError naming ``field`` and ``role`` (``model.reward_model``), not at the first batch."""
+
     def __call__(
         self,
         prompts: Sequence[str],

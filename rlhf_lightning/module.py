@@ -537,16 +537,11 @@ class PPORLHF(PolicyNetworks, LightningModule):
 
     # ------------------------------------------------------------------ pieces
     def setup(self, stage: str) -> None:
-        """At start-up, before any model loads: the batch split and every prompt of the data
-        module's files (special-token strings, rendered length); the CPU settings (cpu.py)."""
+        """At start-up, before any model loads: the checks that need the tokenizer or the data
+        module's prompts (``args.check_setup``); the CPU settings (cpu.py)."""
         if self._trainer is not None:
             cpu.apply_cpu_settings(self.trainer, self.hparams.cpu_linear, self.hparams.cpu_malloc)
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if stage == "fit" and getattr(datamodule, "batch_size", None):
-            args.check_batch_split(datamodule.batch_size, self.hparams)
-        for name in ("train_prompts", "val_prompts"):
-            if getattr(datamodule, name, None):
-                self.encode_prompts(getattr(datamodule, name), f"data.{name.split('_')[0]}_path")
+        args.check_setup(self, getattr(self._trainer, "datamodule", None) if self._trainer is not None else None, stage)
 
     def encode_prompts(self, prompts: list[str], field: str = "the prompts") -> dict[str, Tensor]:
         """``data.encode_prompts`` with this module's tokenizer and settings, on its device."""

@@ -15,7 +15,7 @@ from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
 
-from helpers import char_reward
+from helpers import CONFIGS, char_reward
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -121,3 +121,59 @@ def test_a_clip_range_that_removes_the_lower_clip_is_refused(loss, args, message
 def test_numeric_extremes_are_refused_naming_the_field_written(settings, message):
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         PPORLHF(policy="tiny", reward_model=char_reward(), **settings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the command, before any model loads
+
+
+def command(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """``rlhf-lightning fit --config configs/tiny.yaml <args>`` in ``tmp_path``, with loading a model an
+    error: its exit status and the last line it printed to stderr."""
+    from rlhf_lightning.cli import main
+
+    def no_models(self):
+        raise AssertionError("a model loaded before the check")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(PPORLHF, "_load_policy", no_models)
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.enable_progress_bar=false", *args])
+    return stopped.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("role", ["reward_model", "gold_reward_model"])
+def test_exact_answer_on_prompts_without_a_question_is_refused_at_start_up(tmp_path, monkeypatch, capsys, role):
+    """The built-in prompts are requests for text, not arithmetic: exact_answer cannot know any answer."""
+    code, line = command(tmp_path, monkeypatch, capsys, f"--model.{role}=exact_answer")
+    assert code == 2
+    assert re.fullmatch(
+        rf"error: data.train_path: prompt 0 \('Write the opening line of a story about '\.\.\.\) holds no arithmetic question 'a \+ b', 'a - b' or 'a \* b', which "
+        rf"model.{role} exact_answer computes its answer from \(360 such prompts\)",
+        line,
+    ), line
+    arithmetic = str(Path(__file__).resolve().parents[1] / "rlhf_lightning" / "prompts" / "arithmetic_train.jsonl")
+    from rlhf_lightning.data import load_prompts
+    from rlhf_lightning_plugins.rewards.verifiable import ExactAnswerReward
+
+    ExactAnswerReward().check_prompts(load_prompts(arithmetic), "data.train_path", "model.reward_model")  # every prompt a question
+
+
+@pytest.mark.parametrize(
+    "unit, target, message",
+    [
+        ("token_mean", 5.0, "< 4.357 nats per token (log V) with the tokenizer's V = 78 tokens"),
+        ("sequence_sum", 120.0, "< 104.6 nats per response (max_new_tokens x log V) with the tokenizer's V = 78 tokens"),
+    ],
+)
+def test_an_entropy_target_no_policy_reaches_is_refused_at_start_up(tmp_path, monkeypatch, capsys, unit, target, message):
+    code, line = command(
+        tmp_path,
+        monkeypatch,
+        capsys,
+        "--model.entropy_controller=adaptive",
+        f"--model.entropy_controller.init_args.target={target}",
+        f"--model.entropy_controller.init_args.unit={unit}",
+    )
+    assert code == 2
+    assert line.startswith(f"error: model.entropy_controller.init_args.target must be {message}"), line
