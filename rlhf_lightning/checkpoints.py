@@ -51,6 +51,8 @@ def save_state(module, checkpoint: dict) -> None:
         "reference_updates": module.reference_updates,
         "plugins": plugin_kinds(module),
         "plugin_args": plugin_arguments(module),
+        "strategy": type(module.trainer.strategy).__name__ if module._trainer is not None else None,
+        "sharded": module._sharded,  # whole weights with the rebuilt ones left out, or every rank's shards of all
     }
     rebuilt = () if module._sharded else ("initial_model.",) if module.reference_updates else ("initial_model.", "ref_model.")
     for key in [k for k in checkpoint["state_dict"] if k.startswith(rebuilt)]:
@@ -366,6 +368,32 @@ def check_checkpoint_file(path: Path) -> None:
         raise ConfigError(f"checkpoint {path} is damaged or not a checkpoint (truncated? {err}); resume from an earlier one") from None
     if damaged is not None:
         raise ConfigError(f"checkpoint {path} is damaged: record {damaged!r} fails its CRC-32 check; resume from an earlier one")
+
+
+def check_checkpoint_strategy(path: str, strategy) -> None:
+    """Before any model loads: a checkpoint resumes under a strategy that can read it. A folder of
+    per-rank shards (FSDP2) needs FSDP2; a file of whole weights written without sharding (one
+    process, DDP) leaves out the frozen reference that the module rebuilds, and FSDP2 loads a
+    file strictly into its sharded models: refused naming both strategies (resume with the one it
+    was written with). Remote paths are left to Lightning."""
+    if get_protocol(str(path)) != "file" or not Path(path).exists():
+        return
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    sharded_strategy = isinstance(strategy, ModelParallelStrategy)
+    if Path(path).is_dir() and not sharded_strategy:
+        written = "FSDP2 (a folder of per-rank shards)"
+    elif not Path(path).is_dir() and sharded_strategy:
+        saved = torch.load(path, mmap=True, weights_only=True, map_location="cpu").get("rlhf_lightning", {})
+        if saved.get("sharded", True):  # gathered from FSDP2's shards (save_distributed_checkpoint: false), or unknown
+            return
+        written = f"{saved.get('strategy')} (whole weights, the frozen reference left out)"
+    else:
+        return
+    raise ConfigError(
+        f"checkpoint {path} was written by {written}; trainer.strategy {type(strategy).__name__} cannot resume it: "
+        "resume with the strategy it was written with"
+    )
 
 
 def find_last_checkpoint(trainer) -> str:

@@ -177,3 +177,36 @@ def test_an_entropy_target_no_policy_reaches_is_refused_at_start_up(tmp_path, mo
     )
     assert code == 2
     assert line.startswith(f"error: model.entropy_controller.init_args.target must be {message}"), line
+
+
+def test_a_world_that_cannot_form_is_refused_naming_num_nodes(tmp_path, monkeypatch, capsys):
+    """Two nodes asked for on a machine started alone: nothing would start the other node's ranks."""
+    for name in ("NODE_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    code, line = command(tmp_path, monkeypatch, capsys, "--trainer.num_nodes=2")
+    assert code == 2
+    assert line.startswith(
+        "error: trainer.num_nodes must be 1 on a machine started alone (trainer.devices=1 processes here, 2 x 1 in the world: "
+        "the other nodes' ranks would never come)"
+    ), line
+    assert line.endswith("got 2")
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["fsdp2-folder-under-one-process", "one-process-file-under-fsdp2"])
+def test_a_checkpoint_from_another_strategy_is_refused_naming_it_before_any_model_loads(tmp_path, monkeypatch, capsys, sharded):
+    import torch
+
+    ckpt = tmp_path / "last.ckpt"
+    if sharded:
+        ckpt.mkdir()  # what FSDP2 writes: a folder of per-rank shards
+        args, written, strategy = (), "FSDP2 (a folder of per-rank shards)", "SingleDeviceStrategy"
+    else:
+        torch.save({"rlhf_lightning": {"sharded": False, "strategy": "SingleDeviceStrategy"}}, ckpt)
+        args = ("--config", str(CONFIGS / "fsdp2.yaml"), "--trainer.devices=2")
+        written, strategy = "SingleDeviceStrategy (whole weights, the frozen reference left out)", "FSDP2Strategy"
+    code, line = command(tmp_path, monkeypatch, capsys, *args, f"--ckpt_path={ckpt}")
+    assert code == 2
+    assert line == (
+        f"error: checkpoint {ckpt} was written by {written}; trainer.strategy {strategy} cannot resume it: "
+        "resume with the strategy it was written with"
+    )
