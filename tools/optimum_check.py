@@ -72,6 +72,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from rlhf_lightning.args import kl_recipe
+from rlhf_lightning.checks import option_number
 from rlhf_lightning.exact import TASKS, per_token_fixed_point_gap, task_named, train
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
@@ -83,10 +84,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_matrix_args(parser)
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
-    parser.add_argument("--beta", type=float, help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
-    parser.add_argument("--iterations", type=int, help="PPO iterations (default: the task's, 100 hand-made, 150 random)")
+    parser.add_argument("--beta", type=option_number(above=0), help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
     parser.add_argument(
-        "--seed", type=int, nargs="+", default=[0], help="sampling seeds, one run each (default 0); a hand-made task's initialisation too"
+        "--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations (default: the task's, 100 hand-made, 150 random)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=option_number(integer=True),
+        nargs="+",
+        default=[0],
+        help="sampling seeds, one run each (default 0); a hand-made task's initialisation too",
     )
     parser.add_argument(
         "--task",
@@ -114,17 +121,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="advantage estimator: gae (critic), grpo, dr_grpo, rloo, reinforce_pp (no critic); "
         "several: one matrix dimension (a single run takes the first)",
     )
-    parser.add_argument("--num-generations", type=int, help="responses per prompt (default 1 with gae, 4 without a critic)")
+    parser.add_argument(
+        "--num-generations",
+        type=option_number(integer=True, at_least=1),
+        help="responses per prompt (default 1 with gae, 4 without a critic)",
+    )
     parser.add_argument(
         "--batch-size",
-        type=int,
+        type=option_number(integer=True, at_least=1),
         help="responses per iteration, a multiple of the prompts times --num-generations (default: the task's, 48 hand-made, 96 random)",
     )
-    parser.add_argument("--lr", type=float, default=2e-3, help="policy and critic learning rate")
-    parser.add_argument("--lr-final", type=float, default=0.1, help="linear decay of the learning rate to this fraction")
-    parser.add_argument("--ppo-epochs", type=int, default=4)
-    parser.add_argument("--lam", type=float, default=1.0, help="GAE lambda (1: Monte Carlo returns minus the critic)")
-    parser.add_argument("--every", type=int, default=10, help="print the exact quantities every N iterations")
+    parser.add_argument("--lr", type=option_number(above=0), default=2e-3, help="policy and critic learning rate")
+    parser.add_argument(
+        "--lr-final", type=option_number(at_least=0, at_most=1), default=0.1, help="linear decay of the learning rate to this fraction"
+    )
+    parser.add_argument("--ppo-epochs", type=option_number(integer=True, at_least=1), default=4)
+    parser.add_argument(
+        "--lam", type=option_number(at_least=0, at_most=1), default=1.0, help="GAE lambda (1: Monte Carlo returns minus the critic)"
+    )
+    parser.add_argument(
+        "--every", type=option_number(integer=True, at_least=1), default=10, help="print the exact quantities every N iterations"
+    )
     add_reference_args(parser)
     return parser.parse_args(argv)
 
@@ -137,8 +154,12 @@ def add_reference_args(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="reference update after each phase of --iterations iterations (default none)",
     )
-    group.add_argument("--resets", type=int, default=1, help="phases, each followed by a reference update (default 1)")
-    group.add_argument("--alpha", type=float, default=0.5, help="EMA weight of the policy in each update (default 0.5)")
+    group.add_argument(
+        "--resets", type=option_number(integer=True, at_least=1), default=1, help="phases, each followed by a reference update (default 1)"
+    )
+    group.add_argument(
+        "--alpha", type=option_number(above=0, at_most=1), default=0.5, help="EMA weight of the policy in each update (default 0.5)"
+    )
 
 
 def reference_settings(args: argparse.Namespace, iterations: int) -> dict:
@@ -183,9 +204,9 @@ def advantage_settings(args: argparse.Namespace, advantage: str) -> dict:
             "advantage_estimator": GAE(lam=args.lam),
             "critic_lr": args.lr,
             "vf_coef": 0.5,
-            "num_generations": args.num_generations or 1,
+            "num_generations": 1 if args.num_generations is None else args.num_generations,
         }
-    return {"advantage_estimator": advantage, "num_generations": args.num_generations or 4}
+    return {"advantage_estimator": advantage, "num_generations": 4 if args.num_generations is None else args.num_generations}
 
 
 def main(argv=None) -> None:
@@ -307,8 +328,12 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
         default=list(SCOPES),
         help="model.kl_loss_scope of the 'loss' cells (default both; one-token tasks: sequence only)",
     )
-    group.add_argument("--epochs", nargs="+", type=int, default=[1, 4], help="ppo_epochs values (default 1 4)")
-    group.add_argument("--jobs", type=int, default=1, help="cells trained in parallel processes (default 1)")
+    group.add_argument(
+        "--epochs", nargs="+", type=option_number(integer=True, at_least=1), default=[1, 4], help="ppo_epochs values (default 1 4)"
+    )
+    group.add_argument(
+        "--jobs", type=option_number(integer=True, at_least=1), default=1, help="cells trained in parallel processes (default 1)"
+    )
 
 
 def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence") -> str:
