@@ -60,6 +60,14 @@ def require_number(
     require(ok, field, requirement, value)
 
 
+def nonfinite_terms(terms: dict[str, Any], total: Any) -> str:
+    """Which of a loss's logged terms (``policy/loss``, ``value/loss``, ...) are not finite, for the
+    fault message of a skipped optimizer step; when none is, the sum itself (its weights) or, with
+    a finite total here, another rank's loss."""
+    names = [name for name, value in terms.items() if not math.isfinite(float(value))]
+    return ", ".join(names) or ("the weighted sum of finite terms" if not math.isfinite(float(total)) else "another rank's loss")
+
+
 def option_number(integer: bool = False, **bounds: float) -> Callable[[str], Any]:
     """An argparse ``type=`` for a tool's numeric option: its text read as an int (``integer``) or a
     float and checked as a setting is (:func:`require_number`: finite, within ``bounds``), so that
