@@ -210,3 +210,48 @@ def test_a_checkpoint_from_another_strategy_is_refused_naming_it_before_any_mode
         f"error: checkpoint {ckpt} was written by {written}; trainer.strategy {strategy} cannot resume it: "
         "resume with the strategy it was written with"
     )
+
+
+# The rows of docs/troubleshooting.md added with these checks, through the command as a user types them.
+REFUSED_ROWS = [
+    (
+        ("--model.advantage_estimator=grpo", "--model.num_generations=2", "--model.do_sample=false"),
+        "error: model.do_sample must be true with model.advantage_estimator GRPO (greedy decoding gives every response of a group "
+        "the same text: every advantage is 0 and the policy never changes), got False",
+    ),
+    (
+        ("--model.policy_loss=clip_higher", "--model.policy_loss.clip_low=1"),
+        "error: policy_loss.clip_low must be a finite number in (0, 1), got 1.0",
+    ),
+    (("--model.entropy_coef=.inf",), "error: model.entropy_coef must be a finite number >= 0, got inf"),
+]
+WARNED_ROWS = [
+    (
+        ("--model.kl_estimator=k3",),
+        "model.kl_estimator K3 with model.kl_penalty reward gives a biased gradient of the KL: as a per-token reward",
+    ),
+    (
+        ("--model.kl_estimator=k3+", "--model.kl_penalty=both", "--model.whiten_advantages=false"),
+        "model.kl_estimator StraightThroughKL with model.kl_penalty both, model.kl_loss_weighting importance gives a biased gradient",
+    ),
+    (
+        ("--model.advantage_estimator=rloo", "--model.num_generations=2", "--model.temperature=0.05"),
+        "model.temperature 0.05 with model.advantage_estimator RLOO: below 0.1 the responses of a group are mostly identical",
+    ),
+]
+
+
+@pytest.mark.parametrize("args, line", REFUSED_ROWS, ids=["group-greedy", "clip-low", "entropy-inf"])
+def test_troubleshooting_refusals_through_the_command(tmp_path, monkeypatch, capsys, args, line):
+    code, last = command(tmp_path, monkeypatch, capsys, *args)
+    assert (code, last) == (2, line)
+
+
+@pytest.mark.parametrize("args, start", WARNED_ROWS, ids=["k3-reward", "k3+-both", "group-cold"])
+def test_troubleshooting_warnings_through_the_command(args, start):
+    from rlhf_lightning.cli import build_cli
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_cli(["--config", str(CONFIGS / "tiny.yaml"), *args], run=False)
+    assert [str(w.message) for w in caught if str(w.message).startswith(start)], [str(w.message) for w in caught]
