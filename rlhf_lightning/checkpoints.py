@@ -370,30 +370,34 @@ def check_checkpoint_file(path: Path) -> None:
         raise ConfigError(f"checkpoint {path} is damaged: record {damaged!r} fails its CRC-32 check; resume from an earlier one")
 
 
-def check_checkpoint_strategy(path: str, strategy) -> None:
-    """Before any model loads: a checkpoint resumes under a strategy that can read it. A folder of
-    per-rank shards (FSDP2) needs FSDP2; a file of whole weights written without sharding (one
-    process, DDP) leaves out the frozen reference that the module rebuilds, and FSDP2 loads a
-    file strictly into its sharded models: refused naming both strategies (resume with the one it
-    was written with). Remote paths are left to Lightning."""
-    if get_protocol(str(path)) != "file" or not Path(path).exists():
-        return
+def check_resume(path: str, module, strategy) -> None:
+    """Before any model loads, what can be read of the checkpoint at ``path`` without its tensors
+    (a file mapped, a sharded folder's ``meta.pt``): a strategy that can read it, and the config's
+    settings against the checkpoint's (``check_compatible``: the refusals; the changes are logged
+    when the state loads). A checkpoint that cannot be read here is left to the load, which names
+    what is wrong with it; remote paths to Lightning."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    sharded_strategy = isinstance(strategy, ModelParallelStrategy)
-    if Path(path).is_dir() and not sharded_strategy:
-        written = "FSDP2 (a folder of per-rank shards)"
-    elif not Path(path).is_dir() and sharded_strategy:
-        saved = torch.load(path, mmap=True, weights_only=True, map_location="cpu").get("rlhf_lightning", {})
-        if saved.get("sharded", True):  # gathered from FSDP2's shards (save_distributed_checkpoint: false), or unknown
-            return
-        written = f"{saved.get('strategy')} (whole weights, the frozen reference left out)"
-    else:
+    if get_protocol(str(path)) != "file" or not Path(path).exists():
         return
-    raise ConfigError(
-        f"checkpoint {path} was written by {written}; trainer.strategy {type(strategy).__name__} cannot resume it: "
-        "resume with the strategy it was written with"
-    )
+    folder, sharded_strategy = Path(path).is_dir(), isinstance(strategy, ModelParallelStrategy)
+    try:
+        meta = torch.load(Path(path) / "meta.pt" if folder else path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception:  # damaged, truncated, or not a checkpoint: AtomicCheckpointIO's load says which
+        meta = {}
+    saved = meta.get("rlhf_lightning", {}) if isinstance(meta, dict) else {}
+    # A file of whole weights written without sharding leaves out the frozen reference the module rebuilds, which
+    # FSDP2 would load strictly; one gathered from FSDP2's shards (save_distributed_checkpoint: false) has it.
+    if folder != sharded_strategy and (folder or saved.get("sharded") is False):
+        written = (
+            "FSDP2 (a folder of per-rank shards)" if folder else f"{saved.get('strategy')} (whole weights, the frozen reference left out)"
+        )
+        raise ConfigError(
+            f"checkpoint {path} was written by {written}; trainer.strategy {type(strategy).__name__} cannot resume it: "
+            "resume with the strategy it was written with"
+        )
+    if saved:
+        check_compatible(module, meta.get("hyper_parameters", {}), saved.get("plugins", {}), saved.get("plugin_args", {}))
 
 
 def find_last_checkpoint(trainer) -> str:

@@ -113,7 +113,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     from lightning.pytorch.plugins.io import CheckpointIO
 
     import rlhf_lightning.kl_monitor  # noqa: F401 (imported, its classes resolve by bare name: class_path: KLGuard)
-    from rlhf_lightning.checkpoints import AtomicCheckpointIO, check_checkpoint_strategy, find_last_checkpoint
+    from rlhf_lightning.checkpoints import AtomicCheckpointIO, check_resume, find_last_checkpoint
     from rlhf_lightning.data import PromptDataModule
     from rlhf_lightning.module import PPORLHF
 
@@ -129,7 +129,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
                 kwargs["ckpt_path"] = find_last_checkpoint(self.trainer)
                 print(f"--ckpt_path last: {kwargs['ckpt_path']}", file=sys.stderr)
             if kwargs.get("ckpt_path"):
-                check_checkpoint_strategy(kwargs["ckpt_path"], self.trainer.strategy)
+                check_resume(kwargs["ckpt_path"], self.model, self.trainer.strategy)
             check_world(self.trainer)
             return kwargs
 

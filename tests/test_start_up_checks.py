@@ -255,3 +255,19 @@ def test_troubleshooting_warnings_through_the_command(args, start):
         warnings.simplefilter("always")
         build_cli(["--config", str(CONFIGS / "tiny.yaml"), *args], run=False)
     assert [str(w.message) for w in caught if str(w.message).startswith(start)], [str(w.message) for w in caught]
+
+
+def test_a_checkpoint_incompatible_with_the_config_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """The settings that may not change on resume are compared with the checkpoint's saved ones (read
+    without its tensors) before the models are built: the refusal costs no model load."""
+    import torch
+
+    ckpt = tmp_path / "last.ckpt"
+    saved = {"critic": "shared", "lora_rank": 4, "policy": "tiny", "seed": 0}
+    torch.save({"hyper_parameters": saved, "rlhf_lightning": {"plugins": {}, "sharded": False}}, ckpt)
+    code, line = command(tmp_path, monkeypatch, capsys, f"--ckpt_path={ckpt}")
+    assert (code, line) == (
+        2,
+        "error: checkpoint is incompatible with this config (these settings cannot change on resume); "
+        "model.critic: checkpoint 'shared', config 'separate'; model.lora_rank: checkpoint 4, config 0",
+    )
