@@ -15,8 +15,10 @@ from rlhf_lightning.interfaces import LossAggregation, PolicyLoss, require_numbe
 from rlhf_lightning.registry import register
 
 
-def _require_clip(name: str, value: float) -> None:
-    require_number(f"policy_loss.{name}", value, above=0)
+def _require_clip(name: str, value: float, lower: bool = True) -> None:
+    """A clip range eps > 0; one that sets the lower clip 1 - eps must also be < 1 (at 1 or more
+    the ratio's lower bound is 0 or negative: no lower clip at all)."""
+    require_number(f"policy_loss.{name}", value, above=0, **({"below": 1} if lower else {}))
 
 
 @register("policy_loss", "ppo_clip", description="PPO's clipped surrogate, clip(r, 1 - eps, 1 + eps) (the default)")
@@ -38,7 +40,7 @@ class ClipHigher(PolicyLoss):
 
     def __init__(self, clip_low: float = 0.2, clip_high: float = 0.28) -> None:
         _require_clip("clip_low", clip_low)
-        _require_clip("clip_high", clip_high)
+        _require_clip("clip_high", clip_high, lower=False)
         self.clip_low, self.clip_high = clip_low, clip_high
 
     def __call__(self, logprobs, old_logprobs, advantages, mask):
@@ -79,7 +81,7 @@ class CISPO(PolicyLoss):
     its gradient (no clipped-out tokens), only the weight is bounded."""
 
     def __init__(self, clip_high: float = 0.28) -> None:
-        _require_clip("clip_high", clip_high)
+        _require_clip("clip_high", clip_high, lower=False)
         self.clip_high = clip_high
 
     def __call__(self, logprobs, old_logprobs, advantages, mask):

@@ -6,14 +6,15 @@ it must be. The arguments themselves are documented on ``PPORLHF``.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any, Optional
 
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lightning import cpu
-from rlhf_lightning.checks import finite_number, require
-from rlhf_lightning.interfaces import LossAggregation
+from rlhf_lightning.checks import finite_number, require, require_number
+from rlhf_lightning.interfaces import KLEstimator, LossAggregation
 from rlhf_lightning.registry import registry
 
 # Arguments that name plugins: built here, kept out of the saved hyperparameters (the config
@@ -31,6 +32,9 @@ PLUGIN_ARGUMENTS = {
 }
 FINITE = ("temperature", "cliprange_value", "vf_coef", "lr", "critic_lr", "weight_decay", "max_grad_norm", "lora_alpha", "entropy_coef")
 AT_LEAST_ONE = ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults")
+AT_LEAST_ZERO = ("log_samples_every_n_steps", "num_logged_samples")  # 0: no sample table
+# Below this temperature a group's responses are mostly one and the same (the sampler all but argmax).
+GREEDY_TEMPERATURE = 0.1
 CHOICES = {
     "kl_penalty": ("reward", "loss", "both"),
     "kl_loss_weighting": ("none", "importance"),
@@ -53,12 +57,8 @@ def build_plugins(args: dict[str, Any]) -> dict[str, Any]:
     plugins = {name: build(name) for name in ("reward_model", "kl_estimator", "beta_controller", "advantage_estimator", "policy_loss")}
     plugins["loss_aggregation"] = _loss_aggregation(args["loss_aggregation"], plugins)
     coef = args["entropy_coef"]
-    require(
-        coef >= 0 and not (coef and args["entropy_controller"] is not None),
-        "model.entropy_coef",
-        ">= 0, and 0 when model.entropy_controller is set",
-        coef,
-    )
+    require_number("model.entropy_coef", coef, at_least=0)
+    require(not (coef and args["entropy_controller"] is not None), "model.entropy_coef", "0 when model.entropy_controller is set", coef)
     if args["entropy_controller"] is not None:
         plugins["entropy_controller"] = build("entropy_controller")
     else:
@@ -160,18 +160,31 @@ def check_arguments(args: dict[str, Any], plugins: dict[str, Any]) -> dict[str, 
         a.num_generations,
     )
     require(a.lora_rank >= 0, "model.lora_rank", ">= 0", a.lora_rank)
-    if a.kl_penalty == "reward" and not kl_estimator.unbiased_as_reward:
+    for name in AT_LEAST_ZERO:
+        require(args[name] >= 0, f"model.{name}", "an integer >= 0", args[name])
+    # A group baseline subtracts the mean of a prompt's responses: identical responses, identical
+    # rewards, every advantage 0 and nothing learnt.
+    require(
+        a.do_sample or advantage.min_group_size < 2,
+        "model.do_sample",
+        f"true with model.advantage_estimator {estimator} (greedy decoding gives every response of a group the same text: "
+        "every advantage is 0 and the policy never changes)",
+        a.do_sample,
+    )
+    if advantage.min_group_size >= 2 and a.temperature < GREEDY_TEMPERATURE:
         rank_zero_warn(
-            f"{type(kl_estimator).__name__} as a per-token reward gives a biased gradient of the KL "
-            "(only k1's score-function gradient is the KL's); the policy converges away from the "
-            "KL-regularised optimum. Use kl_estimator k1 in the reward, or this estimator with kl_penalty: loss."
+            f"model.temperature {a.temperature} with model.advantage_estimator {estimator}: below {GREEDY_TEMPERATURE} the responses "
+            "of a group are mostly identical, so are their rewards, and their advantages are 0 (nothing is learnt from them)"
         )
-    if a.kl_penalty == "loss" and a.kl_loss_weighting == "importance" and not kl_estimator.gradient_follows_value():
+    recipe, reason = kl_recipe(kl_estimator, a.kl_penalty, a.kl_loss_weighting, a.kl_loss_scope)
+    if recipe == "biased":
+        weighting = (
+            f", model.kl_loss_weighting {a.kl_loss_weighting}" if a.kl_penalty != "reward" and kl_estimator.reads_sampled_token() else ""
+        )
         rank_zero_warn(
-            f"{type(kl_estimator).__name__}'s gradient is not the derivative of its value (a straight-through "
-            "estimator such as k3+ already carries the score-function term k * grad log pi that the importance "
-            "ratio's gradient adds, so it is counted twice and the policy drifts from the KL-regularised optimum). "
-            "Use kl_estimator k3 (or full) with kl_loss_weighting: importance, or this estimator with 'none'."
+            f"model.kl_estimator {type(kl_estimator).__name__} with model.kl_penalty {a.kl_penalty}{weighting} gives a biased gradient "
+            f"of the KL: {reason}; the policy converges away from the KL-regularised optimum (docs/kl-estimators.md, 'Which recipe "
+            "reaches which optimum'). Use k1 in the reward, or k3 (or full) in the loss with kl_loss_weighting: importance."
         )
     if a.kl_penalty != "reward" and getattr(advantage, "scale", False):
         rank_zero_warn(
@@ -183,6 +196,75 @@ def check_arguments(args: dict[str, Any], plugins: dict[str, Any]) -> dict[str, 
     if whiten is None:  # the estimator's default, off whenever the KL is in the loss (see above)
         whiten = advantage.whiten and a.kl_penalty == "reward"
     return {"critic": critic, "whiten_advantages": whiten}
+
+
+def kl_recipe(estimator: KLEstimator, placement: str, weighting: str, scope: str = "sequence") -> tuple[str, str]:
+    """The class of a KL recipe (docs/kl-estimators.md, "Which recipe reaches which optimum"), with
+    why, read from the estimator's properties (``KLEstimator``): the one table the start-up warning,
+    ``tools/optimum_check.py``'s expected classes and the docs' matrix (``tests/test_kl_loss_scope.py``)
+    are checked against. With s = grad log pi:
+
+    ``unbiased``: the whole response's KL gradient at every minibatch of every epoch (converges to pi*).
+    ``per_token``: grad KL(pi(.|s) || pi_ref(.|s)) at each visited state, without the KL still to come
+    after the token (converges to ``exact.backward_induction(soft=False)``).
+    ``drift``: right on a rollout's first minibatch only (an unweighted token-dependent term
+    evaluated at pi_theta on pi_old's tokens).
+    ``biased``: wrong even on-policy.
+
+    reward: PPO follows E[s_t sum_{t'>=t} k_t']: the KL's gradient for an estimator whose score-function
+    gradient is the KL's (k1). loss, none: E_old[grad k]: right per token where the pathwise gradient is
+    the KL's (k2, k3+, k1+, full). importance (and both): E_old[w (k s + grad k)] = grad E_theta[k]: right
+    for an unbiased value whose gradient is its derivative (k1, k3, full). An estimator that ignores the
+    sampled token (full) takes no ratio and is right either way."""
+    if placement == "reward":
+        if estimator.unbiased_as_reward:
+            return "unbiased", ""
+        return (
+            "biased",
+            "as a per-token reward only a score-function gradient reaches the policy, and this estimator's is not the KL's (k1's is)",
+        )
+    if not estimator.reads_sampled_token():
+        token, reason = "unbiased", ""
+    elif (placement, weighting) == ("loss", "none"):
+        token = "drift" if estimator.pathwise_gradient_unbiased() else "biased"
+        reason = "unweighted in the loss its pathwise gradient is not the KL's (k1's is zero in expectation, k3's the forward KL's)"
+    elif not estimator.gradient_follows_value():
+        token, reason = "biased", "its gradient is not the derivative of its value (a straight-through estimator such as k3+ already "
+        reason += "carries the score-function term k * grad log pi that the importance ratio's gradient or the reward adds: counted twice)"
+    elif not estimator.unbiased_value:
+        token, reason = "biased", "its value is not an unbiased per-token KL, and the weighted term follows the gradient of its expectation"
+    else:
+        token, reason = ("drift" if weighting == "none" else "unbiased"), ""
+    if placement == "loss" and scope == "per_token" and token == "unbiased":
+        return "per_token", ""
+    return token, reason if token == "biased" else ""
+
+
+def check_setup(module, datamodule, stage: str) -> None:
+    """At start-up, once the tokenizer is loaded and before any model is: the batch split; every
+    prompt of the data module's files (special-token strings, rendered length, and each reward
+    backend's own check: ``RewardModel.check_prompts``); an entropy target the policy can reach."""
+    if stage == "fit" and getattr(datamodule, "batch_size", None):
+        check_batch_split(datamodule.batch_size, module.hparams)
+    for name in ("train_prompts", "val_prompts"):
+        prompts, field = getattr(datamodule, name, None), f"data.{name.split('_')[0]}_path"
+        if prompts:
+            module.encode_prompts(prompts, field)
+            for role in ("reward_model", "gold_reward_model"):
+                if getattr(module, role) is not None:
+                    getattr(module, role).check_prompts(prompts, field, f"model.{role}")
+    controller, vocab = module.entropy_controller, len(module.tokenizer)
+    if controller is not None and getattr(controller, "target", None) is not None:
+        # The entropy of a distribution over V tokens is at most log V (uniform).
+        per_response = controller.unit == "sequence_sum"
+        most = math.log(vocab) * (module.hparams.max_new_tokens if per_response else 1)
+        require(
+            controller.target < most,
+            "model.entropy_controller.init_args.target",
+            f"< {most:.4g} nats per {'response (max_new_tokens x log V)' if per_response else 'token (log V)'} with the tokenizer's "
+            f"V = {vocab} tokens (no policy's entropy is higher: the coefficient would only grow)",
+            controller.target,
+        )
 
 
 def check_batch_split(batch_size: int, hparams) -> None:

@@ -18,6 +18,7 @@ import random
 import signal
 import tempfile
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -49,6 +50,9 @@ def save_state(module, checkpoint: dict) -> None:
         "faults": dict(module.faults),
         "reference_updates": module.reference_updates,
         "plugins": plugin_kinds(module),
+        "plugin_args": plugin_arguments(module),
+        "strategy": type(module.trainer.strategy).__name__ if module._trainer is not None else None,
+        "sharded": module._sharded,  # whole weights with the rebuilt ones left out, or every rank's shards of all
     }
     rebuilt = () if module._sharded else ("initial_model.",) if module.reference_updates else ("initial_model.", "ref_model.")
     for key in [k for k in checkpoint["state_dict"] if k.startswith(rebuilt)]:
@@ -57,18 +61,26 @@ def save_state(module, checkpoint: dict) -> None:
 
 def load_state(module, checkpoint: dict) -> None:
     """Restore the module's run state from ``checkpoint`` after checking that the config can resume
-    it (``check_compatible``). The RNG state is applied at the next training batch (loading and
-    loader setup in between draw random numbers); the config's optimizer settings (lr, critic_lr,
-    weight_decay) win over those stored beside the Adam moments, which Lightning loads next."""
+    it (``check_compatible``), and log what the config changes. The RNG state is applied at the next
+    training batch (loading and loader setup in between draw random numbers); the config's optimizer
+    settings (lr, critic_lr, weight_decay) win over those stored beside the Adam moments, which
+    Lightning loads next."""
     state = checkpoint["rlhf_lightning"]
-    check_compatible(module, checkpoint.get("hyper_parameters", {}), state.get("plugins", {}))
+    resume = check_compatible(module, checkpoint.get("hyper_parameters", {}), state.get("plugins", {}), state.get("plugin_args", {}))
     module.iteration = state["iteration"]
     module.generation_seed_base = state["generation_seed_base"]
     module.faults = dict(state["faults"])
     module.reference_updates = state.get("reference_updates", 0)
     for name in STATEFUL_PLUGINS:
-        if getattr(module, name) is not None:
-            _load_plugin_state(name, getattr(module, name), state.get(name))
+        plugin = getattr(module, name)
+        if plugin is not None and name not in resume.fresh:
+            _load_plugin_state(name, plugin, state.get(name))
+    for name, setting in resume.restart_beta.items():  # a changed init_beta is where beta goes on from
+        plugin, beta = getattr(module, name), float(getattr(module, name).init_args["init_beta"])
+        resume.changes[setting] += f" (beta restarts at {beta!r}; the checkpoint's was {plugin.beta!r})"
+        plugin.beta = beta
+    if resume.changes:
+        rank_zero_info("resuming with changed settings (checkpoint -> config): " + "; ".join(resume.changes.values()))
     module._rng_to_restore = state.get("rng")
     for prefix, model in (("ref_model.", module.ref_model), ("initial_model.", module.initial_model)):
         for key, value in ({} if model is None or "state_dict" not in checkpoint else model.state_dict()).items():
@@ -82,33 +94,102 @@ def load_state(module, checkpoint: dict) -> None:
             saved_group.update({key: value for key, value in group.items() if key != "params"})
 
 
+PLUGINS = ("reward_model", "beta_controller", "entropy_controller", "kl_estimator", "advantage_estimator", "policy_loss")
+PLUGINS += ("loss_aggregation", "reference_update")
+
+
 def plugin_kinds(module) -> dict[str, Optional[str]]:
     """The class path of each plugin whose kind is fixed for a run (the gold reward, a measurement
     only, may change)."""
-    names = ("reward_model", "beta_controller", "entropy_controller", "kl_estimator", "advantage_estimator", "policy_loss")
-    names += ("loss_aggregation", "reference_update")
-    return {name: None if getattr(module, name) is None else class_path(type(getattr(module, name))) for name in names}
+    return {name: None if getattr(module, name) is None else class_path(type(getattr(module, name))) for name in PLUGINS}
 
 
-def check_compatible(module, saved: dict, saved_plugins: dict) -> None:
+def plugin_arguments(module) -> dict[str, dict]:
+    """Each plugin's class path and the arguments it was built with (``interfaces.Plugin.init_args``),
+    as plain values; the entropy controller that ``model.entropy_coef`` builds is that setting's."""
+    plugins = {name: getattr(module, name) for name in (*PLUGINS, "gold_reward_model")}
+    if module.hparams.get("entropy_coef"):
+        del plugins["entropy_controller"]
+    return {name: _plain(plugin) for name, plugin in plugins.items() if hasattr(plugin, "init_args")}
+
+
+def _entropy_change(module, saved: dict, saved_kind: Optional[str], resume: Resume) -> None:
+    """The entropy bonus may be switched on or off, or moved between a fixed ``model.entropy_coef``
+    and a controller, on resume: such an entropy controller starts afresh (``resume.fresh``) from the
+    config's coefficient or its ``init_beta``, and the change is logged. Only a controller replaced by
+    a controller of another kind is refused (its state would not fit)."""
+    coefficient = {"checkpoint": bool(saved.get("entropy_coef")), "config": bool(module.hparams.get("entropy_coef"))}
+    kind = class_path(type(module.entropy_controller)) if module.entropy_controller is not None else None
+    if not (coefficient["checkpoint"] or coefficient["config"] or saved_kind is None or kind is None):
+        return  # a controller before and after: the same kind resumes its state, another is refused
+    resume.fresh.add("entropy_controller")
+    old = "model.entropy_coef" if coefficient["checkpoint"] else saved_kind
+    new = "model.entropy_coef" if coefficient["config"] else kind
+    if old != new and {old, new} - {None, "model.entropy_coef"}:  # a switch on or off of the coefficient is its own change
+        started = f" (starts at init_beta {module.entropy_controller.beta!r})" if new not in (None, "model.entropy_coef") else ""
+        resume.changes["model.entropy_controller"] = f"model.entropy_controller: {old} -> {new}{started}"
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as the plain Python values a checkpoint holds (``torch.load(weights_only=True)``):
+    a plugin as its class path and arguments, anything else unknown as its type's name."""
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if hasattr(value, "init_args"):
+        return {"class_path": class_path(type(value)), "init_args": _plain(value.init_args)}
+    return f"<{type(value).__qualname__}>"
+
+
+@dataclass
+class Resume:
+    """What a resume does beyond loading the checkpoint: each changed setting's log entry (by the
+    field the user writes), the plugins that start afresh instead of from the checkpoint's state,
+    and the controllers whose changed ``init_beta`` is where their beta goes on from (by the field)."""
+
+    changes: dict[str, str] = field(default_factory=dict)
+    fresh: set[str] = field(default_factory=set)
+    restart_beta: dict[str, str] = field(default_factory=dict)
+
+
+def check_compatible(module, saved: dict, saved_plugins: dict, saved_args: Optional[dict] = None) -> Resume:
     """Settings that define the weights, the reference or the optimizers' layout (``RESUME_FIXED``)
     and every plugin's kind must equal the checkpoint's, else a ConfigError names each; any other
-    changed setting takes effect and is logged. A plugin class that has moved since the checkpoint
-    was written is the same kind (``registry.canonical_class_path``)."""
-    hparams = module.hparams
+    changed setting, a plugin's arguments included, takes effect and is logged (``Resume``). A plugin
+    class that has moved since the checkpoint was written is the same kind
+    (``registry.canonical_class_path``).
+
+    The entropy bonus may be switched on, off or between ``model.entropy_coef`` values: a fixed
+    coefficient (``entropy_coef``) is the config's, and a controller added on resume starts from its
+    ``init_beta``; only a controller replaced by another kind is refused."""
+    hparams, resume = module.hparams, Resume()
     fixed = [*RESUME_FIXED, "seed"] if hparams.policy == "tiny" else RESUME_FIXED  # the tiny model is rebuilt from its seed
     changed = {f: (saved[f], hparams[f]) for f in hparams if f in saved and saved[f] != hparams[f]}
     differ = [f"model.{f}: checkpoint {old!r}, config {new!r}" for f, (old, new) in changed.items() if f in fixed]
-    differ += [
-        f"model.{name}: checkpoint {saved_plugins[name]}, config {kind}"
-        for name, kind in plugin_kinds(module).items()
-        if name in saved_plugins and canonical_class_path(saved_plugins[name] or "") != (kind or "")
-    ]
+    resume.changes.update({f"model.{f}": f"model.{f}: {old!r} -> {new!r}" for f, (old, new) in changed.items() if f not in fixed})
+    kinds = plugin_kinds(module)
+    saved_kinds = {name: canonical_class_path(kind) if kind else None for name, kind in saved_plugins.items()}
+    if "entropy_controller" in saved_kinds:
+        _entropy_change(module, saved, saved_kinds["entropy_controller"], resume)
+    for name, kind in kinds.items():
+        if name in saved_kinds and name not in resume.fresh and saved_kinds[name] != kind:
+            differ.append(f"model.{name}: checkpoint {saved_plugins[name]}, config {kind}")
     if differ:
         raise ConfigError("checkpoint is incompatible with this config (these settings cannot change on resume); " + "; ".join(differ))
-    if changed:
-        settings = "; ".join(f"model.{f}: {old!r} -> {new!r}" for f, (old, new) in changed.items())
-        rank_zero_info("resuming with changed settings (checkpoint -> config): " + settings)
+    for name, plugin in plugin_arguments(module).items():
+        old = (saved_args or {}).get(name)
+        if name in resume.fresh or old is None or canonical_class_path(old["class_path"]) != plugin["class_path"]:
+            continue
+        old, new = old["init_args"], plugin["init_args"]
+        for key in [k for k in {**old, **new} if old.get(k, "unset") != new.get(k, "unset")]:
+            setting = f"model.{name}.init_args.{key}"
+            resume.changes[setting] = f"{setting}: {old.get(key, 'unset')!r} -> {new.get(key, 'unset')!r}"
+            if key == "init_beta" and name in STATEFUL_PLUGINS:
+                resume.restart_beta[name] = setting
+    return resume
 
 
 def _state_of(plugin) -> Optional[dict]:
@@ -306,6 +387,36 @@ def check_checkpoint_file(path: Path) -> None:
         raise ConfigError(f"checkpoint {path} is damaged or not a checkpoint (truncated? {err}); resume from an earlier one") from None
     if damaged is not None:
         raise ConfigError(f"checkpoint {path} is damaged: record {damaged!r} fails its CRC-32 check; resume from an earlier one")
+
+
+def check_resume(path: str, module, strategy) -> None:
+    """Before any model loads, what can be read of the checkpoint at ``path`` without its tensors
+    (a file mapped, a sharded folder's ``meta.pt``): a strategy that can read it, and the config's
+    settings against the checkpoint's (``check_compatible``: the refusals; the changes are logged
+    when the state loads). A checkpoint that cannot be read here is left to the load, which names
+    what is wrong with it; remote paths to Lightning."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if get_protocol(str(path)) != "file" or not Path(path).exists():
+        return
+    folder, sharded_strategy = Path(path).is_dir(), isinstance(strategy, ModelParallelStrategy)
+    try:
+        meta = torch.load(Path(path) / "meta.pt" if folder else path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception:  # damaged, truncated, or not a checkpoint: AtomicCheckpointIO's load says which
+        meta = {}
+    saved = meta.get("rlhf_lightning", {}) if isinstance(meta, dict) else {}
+    # A file of whole weights written without sharding leaves out the frozen reference the module rebuilds, which
+    # FSDP2 would load strictly; one gathered from FSDP2's shards (save_distributed_checkpoint: false) has it.
+    if folder != sharded_strategy and (folder or saved.get("sharded") is False):
+        written = (
+            "FSDP2 (a folder of per-rank shards)" if folder else f"{saved.get('strategy')} (whole weights, the frozen reference left out)"
+        )
+        raise ConfigError(
+            f"checkpoint {path} was written by {written}; trainer.strategy {type(strategy).__name__} cannot resume it: "
+            "resume with the strategy it was written with"
+        )
+    if saved:
+        check_compatible(module, meta.get("hyper_parameters", {}), saved.get("plugins", {}), saved.get("plugin_args", {}))
 
 
 def find_last_checkpoint(trainer) -> str:

@@ -113,7 +113,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     from lightning.pytorch.plugins.io import CheckpointIO
 
     import rlhf_lightning.kl_monitor  # noqa: F401 (imported, its classes resolve by bare name: class_path: KLGuard)
-    from rlhf_lightning.checkpoints import AtomicCheckpointIO, find_last_checkpoint
+    from rlhf_lightning.checkpoints import AtomicCheckpointIO, check_resume, find_last_checkpoint
     from rlhf_lightning.data import PromptDataModule
     from rlhf_lightning.module import PPORLHF
 
@@ -128,6 +128,9 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             if kwargs.get("ckpt_path") == "last":
                 kwargs["ckpt_path"] = find_last_checkpoint(self.trainer)
                 print(f"--ckpt_path last: {kwargs['ckpt_path']}", file=sys.stderr)
+            if kwargs.get("ckpt_path"):
+                check_resume(kwargs["ckpt_path"], self.model, self.trainer.strategy)
+            check_world(self.trainer)
             return kwargs
 
         def _instantiate_trainer(self, config, callbacks):
@@ -156,6 +159,27 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         seed_everything_default=0,
         save_config_kwargs={"overwrite": False},  # never another run's config (each run has its own version_N)
         trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0},
+    )
+
+
+def check_world(trainer) -> None:
+    """Refuse a world that cannot form: ``trainer.num_nodes > 1`` with nothing that starts or finds
+    the other nodes (no SLURM, torchrun, MPI or other cluster environment, and none of the
+    variables a manual multi-node launch sets on every node: NODE_RANK, MASTER_ADDR). The run
+    would otherwise wait at start-up for ranks that never come, until the process group times out."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from rlhf_lightning.checks import require
+
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    alone = isinstance(environment, LightningEnvironment) and not any(v in os.environ for v in ("NODE_RANK", "MASTER_ADDR"))
+    require(
+        trainer.num_nodes == 1 or not alone,
+        "trainer.num_nodes",
+        f"1 on a machine started alone (trainer.devices={trainer.num_devices} processes here, {trainer.num_nodes} x "
+        f"{trainer.num_devices} in the world: the other nodes' ranks would never come); on several machines, start every node "
+        "through SLURM or torchrun, or set NODE_RANK, MASTER_ADDR and MASTER_PORT on each",
+        trainer.num_nodes,
     )
 
 

@@ -7,6 +7,7 @@ These are plain ABCs (not ``typing.Protocol``) so that jsonargparse can resolve
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Literal, Optional
@@ -21,7 +22,32 @@ from rlhf_lightning.reward_shaping import ScoreShaping, check_scores
 KLUnit = Literal["sequence_sum", "token_mean"]
 
 
-class KLEstimator(ABC):
+class Plugin(ABC):
+    """The base of every plugin kind: records the arguments an instance was built with,
+    ``init_args`` (defaults filled in), however it was built (a short name, a ``class_path``, a
+    test's constructor call). A checkpoint stores them and a resume compares them with the
+    config's (``checkpoints.check_compatible``), so a changed plugin argument is logged."""
+
+    init_args: dict[str, Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        self = super().__new__(cls)
+        try:
+            bound = inspect.signature(cls.__init__).bind(self, *args, **kwargs)
+        except TypeError:  # copy and pickle call __new__ without the arguments, then restore __dict__
+            return self
+        bound.apply_defaults()
+        self.init_args = {}
+        for name, value in list(bound.arguments.items())[1:]:
+            kind = bound.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:  # **options: the base's arguments, by their names
+                self.init_args.update(value)
+            elif kind is not inspect.Parameter.VAR_POSITIONAL or value:
+                self.init_args[name] = value
+        return self
+
+
+class KLEstimator(Plugin):
     """Per-token estimate of KL(pi || pi_ref) at the sampled tokens of a response.
 
     With x = logp_policy - logp_ref of each sampled token, an estimator returns a tensor
@@ -77,6 +103,17 @@ class KLEstimator(ABC):
         first, second = (self(logps[..., token], ref_logps[..., token], logits, ref_logits) for token in ([0, 1, 2], [3, 4, 0]))
         return not torch.allclose(first, second)
 
+    def pathwise_gradient_unbiased(self) -> bool:
+        """Whether differentiating the estimate itself gives the KL's gradient on-policy,
+        E_{y ~ pi}[grad k] = grad KL(pi || pi_ref) per token: its autograd derivative in the
+        log-ratio x is x (k2's, and the straight-through k3+'s and k1+'s), probed at x in [-2, 2].
+        Estimators that need logits are not probed (false unless they ignore the sampled token)."""
+        if self.needs_logits:
+            return not self.reads_sampled_token()
+        x = torch.linspace(-2.0, 2.0, 9, dtype=torch.float64).unsqueeze(0).requires_grad_()
+        (grad,) = torch.autograd.grad(self(x, torch.zeros_like(x)).sum(), x)
+        return torch.allclose(grad, x.detach(), atol=1e-6)
+
     def gradient_follows_value(self) -> bool:
         """Whether autograd through the estimator gives the derivative of its value, probed by
         central differences at log-ratios x in [-2, 2]; false for straight-through estimators
@@ -93,7 +130,7 @@ class KLEstimator(ABC):
         return torch.allclose(grad, derivative, atol=1e-5)
 
 
-class BetaController(ABC):
+class BetaController(Plugin):
     """Holds the KL coefficient beta and updates it from the observed KL after every iteration.
 
     ``unit`` declares which KL the controller sees and its target is expressed in:
@@ -129,7 +166,7 @@ class BetaController(ABC):
         self.beta = float(state["beta"])
 
 
-class AdvantageEstimator(ABC):
+class AdvantageEstimator(Plugin):
     """Turns one rollout's per-token rewards into advantages (and, with a critic, value targets).
 
     The rollout holds ``group_size`` responses per prompt in consecutive rows (``model.num_generations``),
@@ -183,7 +220,7 @@ class AdvantageEstimator(ABC):
         return advantages, returns
 
 
-class PolicyLoss(ABC):
+class PolicyLoss(Plugin):
     """The per-token policy-gradient loss of one micro-batch, before aggregation over tokens.
 
     Receives log pi_theta of the sampled tokens (with gradient), log pi_old (the sampler's), the
@@ -200,7 +237,7 @@ class PolicyLoss(ABC):
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
-class LossAggregation(ABC):
+class LossAggregation(Plugin):
     """How per-token losses become one number: weights w (batch, response_len), zero off the mask,
     such that the loss of the whole minibatch (all micro-batches, all ranks) is sum w * loss_t.
 
@@ -211,7 +248,7 @@ class LossAggregation(ABC):
     def weights(self, mask: Tensor, max_new_tokens: int, sum_fn=None) -> Tensor: ...
 
 
-class ReferenceUpdate(ABC):
+class ReferenceUpdate(Plugin):
     """When, and how far, the KL's reference moves toward the policy.
 
     After PPO iteration ``i`` (1-based) the module sets ``ref <- (1 - alpha) ref + alpha policy``
@@ -238,7 +275,7 @@ class ReferenceUpdate(ABC):
         """alpha in [0, 1] of the update after PPO iteration ``iteration`` (1-based); 0: no update."""
 
 
-class RewardModel(ABC):
+class RewardModel(Plugin):
     """Scores responses: one float per (prompt, response) pair, from their decoded text.
 
     Subclasses implement :meth:`score`. Calling the backend validates the scores (shape,
@@ -263,9 +300,14 @@ class RewardModel(ABC):
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor | Sequence[float]:
         """Raw scores, one per response."""
 
-    # Not abstract: an optional hook, kept empty by a backend with nothing to load.
-    def setup(self, device: torch.device) -> None:  # noqa: B027
+    # Not abstract: optional hooks, kept empty by a backend with nothing to do.
+    def setup(self, device: torch.device) -> None:
         """Called once before use with the device the policy runs on (load or move models here)."""
+
+    def check_prompts(self, prompts: Sequence[str], field: str, role: str) -> None:
+        """Called at start-up with every prompt of a prompt file (``field``: ``data.train_path``),
+        before any model loads: a backend that can score only some prompts refuses the others here
+        with a ConfigError naming ``field`` and ``role`` (``model.reward_model``), not at the first batch."""
 
     def __call__(
         self,

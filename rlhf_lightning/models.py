@@ -193,10 +193,19 @@ def move_toward(targets: list[torch.Tensor], sources: list[torch.Tensor], alpha:
     (bit-identical, not a lerp). For LoRA factors this is not the average of the weight deltas:
     lerp(B) lerp(A) = lerp(B A) - alpha (1 - alpha) (B_src - B_tgt)(A_src - A_tgt), second order
     in the factors' difference."""
-    if alpha == 1:
-        torch._foreach_copy_(targets, sources)
-    else:
-        torch._foreach_lerp_(targets, sources, alpha)
+    # FSDP2's DTensors: each rank moves its own shard (matching placements), as plain tensors;
+    # aten._foreach_copy_ has no DTensor sharding rule.
+    targets, sources = [local_tensor(t) for t in targets], [local_tensor(t) for t in sources]
+    with torch.no_grad():
+        if alpha == 1:
+            torch._foreach_copy_(targets, sources)
+        else:
+            torch._foreach_lerp_(targets, sources, alpha)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's shard of an FSDP2 parameter (a DTensor); any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class ValueModel(nn.Module):
@@ -497,8 +506,7 @@ class PolicyNetworks:
             pairs = list(zip(*self._reference_parameters(), strict=True))
         else:
             pairs = [(p, torch.zeros_like(p)) for name, p in self.policy.named_parameters() if ".lora_B.default." in name]
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # FSDP2: each rank its shards
-        same = all(torch.equal(local(a), local(b)) for a, b in sorted(pairs, key=lambda pair: pair[0].numel()))
+        same = all(torch.equal(local_tensor(a), local_tensor(b)) for a, b in sorted(pairs, key=lambda pair: pair[0].numel()))
         return not self._any_rank(not same)
 
     @property

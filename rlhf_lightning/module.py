@@ -45,6 +45,7 @@ from torchmetrics import MeanMetric
 from rlhf_lightning import args, checkpoints, cpu, gpu
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
+from rlhf_lightning.checks import nonfinite_terms
 from rlhf_lightning.data import encode_prompts, token_ids
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
@@ -330,7 +331,8 @@ class PPORLHF(PolicyNetworks, LightningModule):
         except FloatingPointError as err:
             fault = str(err)
         if fault is None and not torch.isfinite(kl).all():
-            fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite"
+            bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
+            fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()} (beta {beta})"
         if self._any_rank(fault is not None):
             return Scored(kl, raw_scores, fault=fault or "a non-finite reward or KL on another rank")
         scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce)
@@ -359,7 +361,8 @@ class PPORLHF(PolicyNetworks, LightningModule):
         """Count the iteration and its faults; log its metrics (docs/metrics.md)."""
         self.iteration += 1
         if skipped_steps:
-            cause = f"non-finite PPO loss: {skipped_steps} optimizer step(s) skipped"
+            beta = metrics["objective/beta"]
+            cause = f"non-finite PPO loss: {skipped_steps} optimizer step(s) skipped (not finite: {self.nonfinite_terms}; beta {beta})"
             self._record_fault(cause, iteration_skipped=False, steps=skipped_steps)
         else:
             self.faults["consecutive"] = 0
@@ -479,6 +482,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
             with self._no_grad_sync(last=i == len(micro_batches) - 1):
                 loss = self.ppo_loss(rollout, advantages, returns, idx, kl_coef, micro_weights)
                 if self._any_rank(not torch.isfinite(loss)):
+                    self.nonfinite_terms = nonfinite_terms(self._loss_terms, loss)
                     return False
                 self.manual_backward(loss)
         return True
@@ -528,23 +532,19 @@ class PPORLHF(PolicyNetworks, LightningModule):
             entropy = pm.masked_select(pm.entropy_of(logits), mask)
             loss = loss - self.entropy_controller.beta * (weights * entropy).sum()
             stats["policy/entropy"] = pm.masked_mean(entropy, mask)
+        self._loss_terms = stats  # named in the fault when the loss is not finite
         for name, value in stats.items():
             self.update_stats[name.replace("/", "__")].update(value.detach().float())
         return loss
 
     # ------------------------------------------------------------------ pieces
     def setup(self, stage: str) -> None:
-        """At start-up, before any model loads: the batch split and every prompt of the data
-        module's files (special-token strings, rendered length); the CPU and GPU settings (cpu.py, gpu.py)."""
+        """At start-up, before any model loads: the checks that need the tokenizer or the data
+        module's prompts (``args.check_setup``); the CPU and GPU settings (cpu.py, gpu.py)."""
         if self._trainer is not None:
             cpu.apply_cpu_settings(self.trainer, self.hparams.cpu_linear, self.hparams.cpu_malloc)
             gpu.setup(self.trainer, self.hparams)
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if stage == "fit" and getattr(datamodule, "batch_size", None):
-            args.check_batch_split(datamodule.batch_size, self.hparams)
-        for name in ("train_prompts", "val_prompts"):
-            if getattr(datamodule, name, None):
-                self.encode_prompts(getattr(datamodule, name), f"data.{name.split('_')[0]}_path")
+        args.check_setup(self, getattr(self._trainer, "datamodule", None) if self._trainer is not None else None, stage)
 
     def encode_prompts(self, prompts: list[str], field: str = "the prompts") -> dict[str, Tensor]:
         """``data.encode_prompts`` with this module's tokenizer and settings, on its device."""

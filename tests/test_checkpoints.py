@@ -18,9 +18,9 @@ OLD_PLUGINS = {
 
 
 def test_the_last_iteration_is_in_last_ckpt_and_a_checkpoint_of_the_old_plugin_layout_resumes(tmp_path):
-    """3 iterations with a checkpoint every 2 (RUN_ARGS): last.ckpt holds the third. Its plugin
-    class paths rewritten to the previous layout's, it resumes after the third iteration; a moved
-    path of another plugin kind is still refused."""
+    """3 iterations with a checkpoint every 2 (RUN_ARGS), not a multiple of it: last.ckpt holds the
+    third. Its plugin class paths rewritten to the previous layout's, ``--ckpt_path last`` resumes
+    after the third iteration; a moved path of another plugin kind is still refused."""
     first = run_cli(tmp_path, "--trainer.limit_train_batches=3")
     assert first.returncode == 0, first.stderr[-3000:]
     (ckpt,) = tmp_path.glob("lightning_logs/*/version_0/checkpoints/last.ckpt")
@@ -40,7 +40,8 @@ def test_the_last_iteration_is_in_last_ckpt_and_a_checkpoint_of_the_old_plugin_l
 
     checkpoint["rlhf_lightning"]["plugins"].update(OLD_PLUGINS)
     torch.save(checkpoint, ckpt)
-    resumed = run_cli(tmp_path / "resumed", *resume)
+    resumed = run_cli(tmp_path, "--trainer.limit_train_batches=3", "--trainer.max_epochs=2", "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (log,) = (tmp_path / "resumed").glob("lightning_logs/*/version_0")
+    assert f"--ckpt_path last: {ckpt.relative_to(tmp_path)}" in resumed.stderr
+    (log,) = tmp_path.glob("lightning_logs/*/version_1")
     assert sorted(read_scalars(str(log))["objective/beta"]) == [3, 4, 5]  # the second epoch's iterations, 0-based steps

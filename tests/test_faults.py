@@ -76,11 +76,37 @@ def test_non_finite_loss_skips_only_that_optimizer_step(tmp_path, monkeypatch):
 
     monkeypatch.setattr(module, "ppo_loss", loss_with_one_nan)
     snaps = Snapshots()
-    with pytest.warns(UserWarning, match="non-finite PPO loss: 1 optimizer step"):
+    with pytest.warns(
+        UserWarning, match=r"non-finite PPO loss: 1 optimizer step\(s\) skipped \(not finite: the weighted sum of finite terms; beta 0.1\)"
+    ):
         fit(module, tmp_path, iterations=1, callbacks=[snaps])
     assert module.faults["skipped_steps"] == 1 and module.faults["skipped_iterations"] == 0
     assert torch.isfinite(snaps.after[0]).all()
     assert not torch.equal(snaps.before[0], snaps.after[0])  # the first, finite step was taken
+
+
+def test_a_fault_in_the_loop_names_its_cause_the_value_and_beta(tmp_path, monkeypatch):
+    """A non-finite advantage makes the policy loss term non-finite: the skipped step's warning names
+    that term and beta; an infinite KL estimate names the estimator, the responses, their values, beta."""
+    module = make_module(ppo_epochs=1)
+    original = module.compute_advantages
+    monkeypatch.setattr(module, "compute_advantages", lambda *a: (original(*a)[0] * float("nan"), original(*a)[1]))
+    with pytest.warns(UserWarning, match=r"skipped \(not finite: policy/loss; beta 0.1\)"):
+        fit(module, tmp_path, iterations=1)
+
+    module = make_module()
+    estimate = module.kl_estimator.checked
+
+    def infinite_for_the_second(*args):
+        kl = estimate(*args).clone()
+        kl[1, 0] = float("inf")
+        return kl
+
+    monkeypatch.setattr(module.kl_estimator, "checked", infinite_for_the_second)
+    with pytest.warns(
+        UserWarning, match=r"iteration 0: the K1 KL estimate is not finite for responses \[1\]: \[inf\] \(beta 0.1\); skipped"
+    ):
+        fit(module, tmp_path, iterations=1)
 
 
 def test_a_skipped_iteration_shows_in_tensorboard_as_skipped_without_stale_metrics(tmp_path):

@@ -148,6 +148,20 @@ def test_two_process_fsdp2_moves_a_sharded_reference_as_one_process_moves_the_wh
     assert fsdp["objective/kl_to_initial"][-1] > fsdp["objective/kl"][-1] > 0  # the reference trails the policy
 
 
+@pytest.mark.convergence
+@pytest.mark.parametrize("lora", [(), ("--model.lora_rank=4", "--model.critic=shared")], ids=["full", "lora"])
+def test_two_process_fsdp2_resets_the_reference_with_full_fine_tuning_and_lora(tmp_path, lora):
+    """A reset (a sync plus a fresh optimizer state) copies each rank's shards of the policy (the full
+    weights, or the trained adapter) onto the reference's: the next rollout's KL is exactly 0 and the
+    starting policy is behind. (aten._foreach_copy_ has no DTensor rule: the copy is of the local
+    shards; none and EMA are the tests above.) Every reference update with both therefore runs."""
+    reset = ("--model.reference_update=reset", "--model.reference_update.init_args.every_n_iterations=1")
+    run(tmp_path, 2, "--trainer.limit_train_batches=2", "--model.do_sample=true", *reset, *lora)
+    fsdp = scalars(tmp_path)
+    assert fsdp["reference/updates"] == [0.0, 1.0]
+    assert fsdp["objective/kl"] == [0.0, 0.0] and fsdp["objective/kl_to_initial"][1] > 0.01
+
+
 @pytest.mark.parametrize("numel", [7, 8])
 def test_local_numel_counts_shards(numel):
     from rlhf_lightning.fsdp2 import local_numel

@@ -135,7 +135,13 @@ def test_ckpt_path_last_without_a_checkpoint_is_an_error_that_says_where_it_look
 
 
 def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are_refused_naming_each(tmp_path):
-    first = run_cli(tmp_path, "--trainer.limit_train_batches=2")
+    """Every model.* change on resume, a plugin's own arguments included, is logged and runs: the
+    metrics of the resumed iterations show the new values, not the checkpoint's. A run without an
+    entropy bonus resumes with one (model.entropy_coef: nothing to load), a changed coefficient is the
+    one used, a changed init_beta restarts beta there, and a reference synced every 2 iterations
+    (after iterations 2, 4, ...) synced every 3 instead has moved twice by iteration 4."""
+    sync = ("--model.reference_update=sync", "--model.reference_update.init_args.every_n_iterations=2")
+    first = run_cli(tmp_path, "--trainer.limit_train_batches=2", *sync)
     assert first.returncode == 0, first.stderr[-3000:]
 
     refused = run_cli(
@@ -146,6 +152,7 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
         "--model.beta_controller=PIDBeta",
         "--model.beta_controller.init_args.target=0.5",
         "--model.lora_rank=4",
+        *sync,
     )
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert refused.stderr.strip().splitlines()[-1] == (
@@ -154,26 +161,40 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
         "model.beta_controller: checkpoint rlhf_lightning_plugins.beta_controllers.BandBeta, config rlhf_lightning_plugins.beta_controllers.PIDBeta"
     )
 
+    resume = ("--ckpt_path", "last", "--trainer.limit_train_batches=2", *sync)
+    changes = (
+        "--model.reference_update.init_args.every_n_iterations=3",
+        "--model.advantage_estimator=gae",
+        "--model.advantage_estimator.init_args.lam=0.9",
+        "--model.beta_controller.init_args.init_beta=0.2",
+    )
     changed = run_cli(
-        tmp_path,
-        "--ckpt_path",
-        "last",
-        "--trainer.limit_train_batches=2",
-        "--trainer.max_epochs=2",
-        "--model.lr=0.001",
-        "--model.max_new_tokens=8",
+        tmp_path, *resume, "--trainer.max_epochs=2", "--model.lr=0.001", "--model.max_new_tokens=8", "--model.entropy_coef=0.01", *changes
     )
     assert changed.returncode == 0, changed.stderr[-3000:]
     assert (
-        "resuming with changed settings (checkpoint -> config): model.max_new_tokens: 10 -> 8; model.lr: 0.003 -> 0.001" in changed.stderr
-    )
-    (resumed,) = [
-        v for v in (tmp_path / "lightning_logs" / "tiny").iterdir() if (v / "checkpoints" / "last.ckpt").exists() and v.name != "version_0"
-    ]
-    state = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
+        "resuming with changed settings (checkpoint -> config): model.entropy_coef: 0.0 -> 0.01; model.max_new_tokens: 10 -> 8; "
+        "model.lr: 0.003 -> 0.001; "
+        "model.beta_controller.init_args.init_beta: 0.05 -> 0.2 (beta restarts at 0.2; the checkpoint's was 0.022222222222222223); "
+        "model.advantage_estimator.init_args.lam: 0.95 -> 0.9; model.reference_update.init_args.every_n_iterations: 2 -> 3"
+    ) in changed.stderr
+
+    def runs():  # the version folders of the runs that trained, in order (a refused run may claim one)
+        logs = tmp_path / "lightning_logs" / "tiny"
+        return sorted((v for v in logs.iterdir() if (v / "checkpoints").exists()), key=lambda v: int(v.name[8:]))
+
+    state = torch.load(runs()[1] / "checkpoints" / "last.ckpt", weights_only=True)
     assert state["rlhf_lightning"]["iteration"] == 4 and state["hyper_parameters"]["lr"] == 0.001
     groups = state["optimizer_states"][0]["param_groups"]
     assert [(g["name"], g["lr"]) for g in groups] == [("policy", 0.001), ("critic", 0.001)]  # the new lr ran (critic_lr unset: lr)
+
+    again = run_cli(tmp_path, *resume, "--trainer.max_epochs=3", "--model.max_new_tokens=8", *changes, "--model.entropy_coef=0.05")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming with changed settings (checkpoint -> config): model.entropy_coef: 0.01 -> 0.05" in again.stderr
+    scalars = read_scalars([str(run) for run in runs()])
+    assert scalars["objective/entropy_coef"] == pytest.approx({2: 0.01, 3: 0.01, 4: 0.05, 5: 0.05})  # 0-based steps of iterations 3-6
+    assert scalars["objective/beta"][2] == pytest.approx(0.2)  # BandBeta moves beta after iteration 3 has used it
+    assert scalars["reference/updates"][3] == 2 and scalars["reference/updates"][5] == 2  # after iterations 2 and 3 (not 4)
 
 
 def test_a_plugin_state_that_does_not_fit_is_an_error_naming_the_plugin(tmp_path):

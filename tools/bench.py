@@ -92,6 +92,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+from rlhf_lightning.checks import option_number
+
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_RESULT "
 PHASES = ("rollout", "score", "score_policy", "score_ref", "advantages", "update", "other")
@@ -106,16 +108,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default="all",
         help="full fine-tuning, LoRA (with a shared critic), critic-free GRPO on LoRA; both: full and lora; all (default): the three",
     )
-    parser.add_argument("--ppo-epochs", type=int, nargs="+", default=[1, 4], help="PPO epochs per iteration (one run each)")
-    parser.add_argument("--iters", type=int, help="timed iterations per run (default 5; --tiny: 2)")
-    parser.add_argument("--warmup", type=int, help="untimed iterations first (default 1)")
+    parser.add_argument(
+        "--ppo-epochs",
+        type=option_number(integer=True, at_least=1),
+        nargs="+",
+        default=[1, 4],
+        help="PPO epochs per iteration (one run each)",
+    )
+    parser.add_argument("--iters", type=option_number(integer=True, at_least=1), help="timed iterations per run (default 5; --tiny: 2)")
+    parser.add_argument("--warmup", type=option_number(integer=True, at_least=0), help="untimed iterations first (default 1)")
     parser.add_argument("--policy", help="model spec (default smollm2; --tiny: tiny)")
     parser.add_argument("--tiny", action="store_true", help="the tiny random policy, 2 iterations (for tests)")
-    parser.add_argument("--batch-size", type=int, default=8, help="prompts per iteration")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="response length (min_new_tokens is the same)")
+    parser.add_argument("--batch-size", type=option_number(integer=True, at_least=1), default=8, help="prompts per iteration")
+    parser.add_argument(
+        "--max-new-tokens", type=option_number(integer=True, at_least=1), default=32, help="response length (min_new_tokens is the same)"
+    )
     parser.add_argument("--no-chat-template", action="store_true", help="feed the raw prompts, without the chat template")
-    parser.add_argument("--num-minibatches", type=int, default=1, help="minibatches (optimizer steps) per PPO epoch")
-    parser.add_argument("--num-generations", type=int, default=4, help="--mode grpo: responses per prompt")
+    parser.add_argument(
+        "--num-minibatches", type=option_number(integer=True, at_least=1), default=1, help="minibatches (optimizer steps) per PPO epoch"
+    )
+    parser.add_argument(
+        "--num-generations", type=option_number(integer=True, at_least=1), default=4, help="--mode grpo: responses per prompt"
+    )
     parser.add_argument(
         "--old-logprobs",
         choices=("forward", "sampler"),
@@ -124,27 +138,31 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), default="auto", help="model.cpu_linear: CPU linear kernel")
     parser.add_argument("--critic", choices=("separate", "shared"), help="critic trunk (default: full separate, lora shared)")
-    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of --mode lora (alpha = 2 * rank)")
+    parser.add_argument(
+        "--lora-rank", type=option_number(integer=True, at_least=1), default=16, help="LoRA rank of --mode lora (alpha = 2 * rank)"
+    )
     parser.add_argument("--reward", default="sentiment", help="reward backend name")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (Trainer precision bf16-mixed) for run and floors")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=option_number(integer=True, at_least=0), default=0, help="torch intra-op threads (0: torch's default)"
+    )
     parser.add_argument(
         "--strategy",
         choices=("single", "ddp", "fsdp2"),
         default="single",
         help="one process, or --devices processes with DDP or FSDP2 (ModelParallelStrategy)",
     )
-    parser.add_argument("--devices", type=int, default=1, help="processes of --strategy ddp/fsdp2")
+    parser.add_argument("--devices", type=option_number(integer=True, at_least=1), default=1, help="processes of --strategy ddp/fsdp2")
     parser.add_argument("--results-dir", help=argparse.SUPPRESS)  # where ranks > 0 leave their results
     parser.add_argument("--profile", action="store_true", help="profile one extra iteration per run with torch.profiler")
-    parser.add_argument("--profile-rows", type=int, default=25, help="ops shown by --profile")
+    parser.add_argument("--profile-rows", type=option_number(integer=True, at_least=1), default=25, help="ops shown by --profile")
     parser.add_argument("--profile-shapes", action="store_true", help="--profile: one row per (op, input shapes)")
     parser.add_argument("--save", metavar="PATH", help="also write every run's results as JSON (after each run)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one mode's runs
     args = parser.parse_args(argv)
     args.policy = args.policy or ("tiny" if args.tiny else "smollm2")
-    args.iters = args.iters or (2 if args.tiny else 5)
+    args.iters = (2 if args.tiny else 5) if args.iters is None else args.iters
     args.warmup = 1 if args.warmup is None else args.warmup
     if args.iters < 1 or args.warmup < 0 or min(args.ppo_epochs) < 1 or args.num_minibatches < 1:
         parser.error("--iters, --ppo-epochs and --num-minibatches must be >= 1, --warmup >= 0")

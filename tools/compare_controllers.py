@@ -36,6 +36,7 @@ import matplotlib.pyplot as plt
 import torch
 from lightning import Callback, Trainer, seed_everything
 
+from rlhf_lightning.checks import option_number
 from rlhf_lightning.cli import QUIET_TRAINER
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.interfaces import BetaController
@@ -157,26 +158,37 @@ def plot(results: dict[str, list[tuple]], target: float, tolerance: float, path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=None, help="PPO iterations per controller (default 80; 4 with --fast)")
-    parser.add_argument("--target", type=float, default=4.0, help="KL target, nats per response (sequence_sum)")
-    parser.add_argument("--init-beta", type=float, default=0.05, help="every controller's starting beta")
+    parser.add_argument(
+        "--iterations",
+        type=option_number(integer=True, at_least=1),
+        default=None,
+        help="PPO iterations per controller (default 80; 4 with --fast)",
+    )
+    parser.add_argument("--target", type=option_number(above=0), default=4.0, help="KL target, nats per response (sequence_sum)")
+    parser.add_argument("--init-beta", type=option_number(at_least=0), default=0.05, help="every controller's starting beta")
     parser.add_argument("--out", default="runs/compare_controllers")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tolerance", type=float, default=0.5, help="settling band, a fraction of the target")
-    parser.add_argument("--window", type=int, default=5, help="trailing-mean window for the settling time")
+    parser.add_argument("--seed", type=option_number(integer=True), default=0)
+    parser.add_argument("--tolerance", type=option_number(above=0), default=0.5, help="settling band, a fraction of the target")
+    parser.add_argument(
+        "--window", type=option_number(integer=True, at_least=1), default=5, help="trailing-mean window for the settling time"
+    )
     parser.add_argument("--controllers", nargs="+", default=list(CONTROLLERS), choices=list(CONTROLLERS))
     parser.add_argument("--fast", action="store_true", help="a few short iterations (smoke test)")
     parser.add_argument("--advantage", default="gae", help="advantage estimator (gae, grpo, dr_grpo, rloo, reinforce_pp)")
-    parser.add_argument("--num-generations", type=int, help="responses per prompt (default: 4 for a group baseline, else 1)")
+    parser.add_argument(
+        "--num-generations",
+        type=option_number(integer=True, at_least=1),
+        help="responses per prompt (default: 4 for a group baseline, else 1)",
+    )
     args = parser.parse_args(argv)
     min_group = registry("advantage_estimator").get(args.advantage).min_group_size
-    args.num_generations = args.num_generations or (4 if min_group > 1 else 1)
+    args.num_generations = (4 if min_group > 1 else 1) if args.num_generations is None else args.num_generations
     if BATCH_SIZE % args.num_generations:
         parser.error(f"--num-generations must divide the {BATCH_SIZE} responses per iteration")
     # The tiny model gains nothing from intra-op threads, and on a busy 2-core machine they
     # oversubscribe the cores (iterations then take seconds instead of a fraction of one).
     torch.set_num_threads(1)
-    iterations = args.iterations or (4 if args.fast else 80)
+    iterations = (4 if args.fast else 80) if args.iterations is None else args.iterations
     max_new_tokens = 8 if args.fast else 16
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

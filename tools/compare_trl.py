@@ -55,6 +55,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+from rlhf_lightning.checks import option_number
+
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "COMPARE_RESULT "
 SETUPS = ("trl", "full", "lora")
@@ -63,27 +65,32 @@ SETUPS = ("trl", "full", "lora")
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="what to run (ratios need trl)")
-    parser.add_argument("--ppo-epochs", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--rounds", type=int, help="rounds of alternating runs (default 2; --quick: 1)")
-    parser.add_argument("--iters", type=int, help="timed iterations per run (default 3; --quick: 2)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    parser.add_argument("--ppo-epochs", type=option_number(integer=True, at_least=1), nargs="+", default=[1, 4])
+    parser.add_argument("--rounds", type=option_number(integer=True, at_least=1), help="rounds of alternating runs (default 2; --quick: 1)")
+    parser.add_argument("--iters", type=option_number(integer=True, at_least=1), help="timed iterations per run (default 3; --quick: 2)")
+    parser.add_argument("--warmup", type=option_number(integer=True, at_least=0), default=1, help="untimed iterations first")
     parser.add_argument("--quick", action="store_true", help="1 round of 1 warm-up + 2 timed iterations")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--batch-size", type=option_number(integer=True, at_least=1), default=8)
+    parser.add_argument("--max-new-tokens", type=option_number(integer=True, at_least=1), default=32)
     parser.add_argument("--full-critic", choices=("separate", "shared"), default="separate", help="the full setup's critic trunk")
     parser.add_argument("--old-logprobs", choices=("forward", "sampler"), help="model.old_logprobs of our runs (default: the module's)")
     parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), help="model.cpu_linear of our runs (default: the module's)")
     parser.add_argument("--cpu-malloc", choices=("tuned", "default"), help="model.cpu_malloc of our runs (default: the module's)")
-    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0), help="torch threads (0: default)")
+    parser.add_argument(
+        "--threads",
+        type=option_number(integer=True, at_least=0),
+        default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
+        help="torch threads (0: default)",
+    )
     parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.12 installed")
     parser.add_argument("--save", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--worker", choices=SETUPS, help=argparse.SUPPRESS)
-    parser.add_argument("--epochs", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--epochs", type=option_number(integer=True, at_least=1), help=argparse.SUPPRESS)
     parser.add_argument("--reward-path", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.quick else 2)
-    args.iters = args.iters or (2 if args.quick else 3)
+    args.rounds = (1 if args.quick else 2) if args.rounds is None else args.rounds
+    args.iters = (2 if args.quick else 3) if args.iters is None else args.iters
     if min(args.rounds, args.iters, args.batch_size, args.max_new_tokens, *args.ppo_epochs) < 1 or args.warmup < 0:
         parser.error("--rounds, --iters, --batch-size, --max-new-tokens and --ppo-epochs must be >= 1, --warmup >= 0")
     return args

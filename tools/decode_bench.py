@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rlhf_lightning.checks import option_number
+
 import bench
 
 
@@ -61,10 +63,10 @@ def sample_loop(model, input_ids, attention_mask, max_new_tokens: int, eos_token
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--rounds", type=option_number(integer=True, at_least=1), default=4)
+    parser.add_argument("--batch-size", type=option_number(integer=True, at_least=1), default=8)
+    parser.add_argument("--max-new-tokens", type=option_number(integer=True, at_least=1), default=32)
+    parser.add_argument("--threads", type=option_number(integer=True, at_least=0), default=0)
     parser.add_argument("--compile", action="store_true", help="also time generate with a torch.compile'd forward")
     args = parser.parse_args()
     import contextlib

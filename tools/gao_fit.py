@@ -39,6 +39,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from rlhf_lightning.checks import log_folder, option_number
+
 from summarize_run import read_scalars
 
 
@@ -118,7 +120,9 @@ def plot(curves: list[tuple[str, np.ndarray, np.ndarray, dict]], path: Path) -> 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="label=log_dir")
-    parser.add_argument("--blocks", type=int, default=5, help="iterations per block for the measured peak and end")
+    parser.add_argument(
+        "--blocks", type=option_number(integer=True, at_least=1), default=5, help="iterations per block for the measured peak and end"
+    )
     parser.add_argument("--out", type=Path, default=Path("tools/figures/gao_fit.png"), help="the figure; the table goes to <out>.csv")
     args = parser.parse_args(argv)
     rows, curves = [], []
@@ -126,6 +130,10 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         label, sep, log_dir = spec.partition("=")
         if not sep or not label or not log_dir:
             parser.error(f"each run must be label=log_dir, got {spec!r}")
+        try:
+            log_folder(log_dir)
+        except argparse.ArgumentTypeError as err:
+            parser.error(f"argument label=log_dir {spec!r}: {err}")
         _, kl, gold = run_points(log_dir)
         if len(gold) < max(3, args.blocks):
             parser.error(f"{log_dir} has {len(gold)} iterations; the fit needs at least 3 and one block of {args.blocks}")

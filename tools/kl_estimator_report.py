@@ -69,6 +69,7 @@ from torch import Tensor
 
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning import tabular as tb
+from rlhf_lightning.checks import option_number
 from rlhf_lightning.data import BUILTIN_TRAIN, load_prompts
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
@@ -506,20 +507,31 @@ def plot(acc: dict, path: Path) -> None:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", default=None, help="model spec of the reference (default smollm2; --fast: tiny)")
-    parser.add_argument("--samples", type=int, default=None, help="responses to sample (default 64; --fast 32)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--push", type=float, default=None, help=f"std of the LoRA B matrices (default {DEFAULT_PUSH})")
+    parser.add_argument(
+        "--samples", type=option_number(integer=True, at_least=1), default=None, help="responses to sample (default 64; --fast 32)"
+    )
+    parser.add_argument("--batch-size", type=option_number(integer=True, at_least=1), default=16)
+    parser.add_argument("--max-new-tokens", type=option_number(integer=True, at_least=1), default=32)
+    parser.add_argument("--push", type=option_number(above=0), default=None, help=f"std of the LoRA B matrices (default {DEFAULT_PUSH})")
     parser.add_argument("--estimators", nargs="*", default=None, help="default: every registered kl_estimator")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=5, help="timing repeats per estimator call")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--seed", type=option_number(integer=True), default=0)
+    parser.add_argument("--repeats", type=option_number(integer=True, at_least=1), default=5, help="timing repeats per estimator call")
+    parser.add_argument("--threads", type=option_number(integer=True, at_least=1), default=1, help="torch threads (default 1)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="markdown report path; the PNG goes next to it")
     parser.add_argument("--fast", action="store_true", help="tiny model, 32 samples (seconds)")
-    parser.add_argument("--offpolicy-epochs", type=int, default=4, help="PPO epochs the policy moves from the sampler")
-    parser.add_argument("--offpolicy-lr", type=float, default=None, help=f"their Adam learning rate (default {OFFPOLICY_LR})")
-    parser.add_argument("--seq-tokens", type=int, default=4, help="tokens of the sequence-level tabular policy (default 4)")
-    parser.add_argument("--seq-length", type=int, default=4, help="its response length (default 4)")
+    parser.add_argument(
+        "--offpolicy-epochs", type=option_number(integer=True, at_least=1), default=4, help="PPO epochs the policy moves from the sampler"
+    )
+    parser.add_argument(
+        "--offpolicy-lr", type=option_number(above=0), default=None, help=f"their Adam learning rate (default {OFFPOLICY_LR})"
+    )
+    parser.add_argument(
+        "--seq-tokens",
+        type=option_number(integer=True, at_least=2),
+        default=4,
+        help="tokens of the sequence-level tabular policy (default 4)",
+    )
+    parser.add_argument("--seq-length", type=option_number(integer=True, at_least=1), default=4, help="its response length (default 4)")
     args = parser.parse_args(argv)
     defaults = dict(FAST) if args.fast else dict(policy="smollm2", samples=64)
     for key, value in defaults.items():

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from lightning import Callback, Trainer, seed_everything
 
+from rlhf_lightning.checks import option_number
 from rlhf_lightning.cli import QUIET_TRAINER
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.module import PPORLHF
@@ -83,16 +84,18 @@ def run(aggregation: str, seed: int, iterations: int, reward: float, workdir: Pa
 
 def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, help="PPO iterations per run (default 30; --fast 12)")
-    parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2; --fast 0 1)")
-    parser.add_argument("--window", type=int, default=5, help="iterations averaged at the start and at the end")
-    parser.add_argument("--reward", type=float, default=1.0, help="the constant reward (negative: the sign flips)")
+    parser.add_argument("--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations per run (default 30; --fast 12)")
+    parser.add_argument("--seeds", type=option_number(integer=True), nargs="+", help="seeds (default 0 1 2; --fast 0 1)")
+    parser.add_argument(
+        "--window", type=option_number(integer=True, at_least=1), default=5, help="iterations averaged at the start and at the end"
+    )
+    parser.add_argument("--reward", type=option_number(), default=1.0, help="the constant reward (negative: the sign flips)")
     parser.add_argument("--aggregations", nargs="+", default=list(AGGREGATIONS), choices=AGGREGATIONS)
     parser.add_argument("--out", default="runs/length_bias")
     parser.add_argument("--fast", action="store_true", help="fewer iterations and seeds (for tests)")
     args = parser.parse_args(argv)
-    iterations = args.iterations or (12 if args.fast else 30)
-    seeds = args.seeds or ([0, 1] if args.fast else [0, 1, 2])
+    iterations = (12 if args.fast else 30) if args.iterations is None else args.iterations
+    seeds = ([0, 1] if args.fast else [0, 1, 2]) if args.seeds is None else args.seeds
     torch.set_num_threads(1)  # the tiny model only loses time to thread hand-offs
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

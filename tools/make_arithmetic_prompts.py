@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+from rlhf_lightning.checks import option_number
+
 TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
 
 
@@ -39,11 +41,11 @@ def arithmetic_questions(n_train: int, n_val: int, max_operand: int, ops: Sequen
 def main(argv: Optional[Sequence[str]] = None) -> tuple[Path, Path]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, default=Path("runs/arithmetic"))
-    p.add_argument("--train", type=int, default=400, help="training questions")
-    p.add_argument("--val", type=int, default=64, help="held-out questions")
-    p.add_argument("--max-operand", type=int, default=20)
+    p.add_argument("--train", type=option_number(integer=True, at_least=1), default=400, help="training questions")
+    p.add_argument("--val", type=option_number(integer=True, at_least=1), default=64, help="held-out questions")
+    p.add_argument("--max-operand", type=option_number(integer=True, at_least=1), default=20)
     p.add_argument("--ops", nargs="+", default=["+", "-"], choices=["+", "-", "*"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=option_number(integer=True), default=0)
     args = p.parse_args(argv)
     train, val = arithmetic_questions(args.train, args.val, args.max_operand, args.ops, args.seed)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from rlhf_lightning.checks import option_number
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {
@@ -44,9 +46,11 @@ def median_seconds(run, rounds: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--tokens", type=int, default=8 * 77, help="rows of a forward (batch x sequence)")
+    parser.add_argument("--threads", type=option_number(integer=True, at_least=0), default=0)
+    parser.add_argument("--rounds", type=option_number(integer=True, at_least=1), default=20)
+    parser.add_argument(
+        "--tokens", type=option_number(integer=True, at_least=1), default=8 * 77, help="rows of a forward (batch x sequence)"
+    )
     args = parser.parse_args()
     import torch
     import torch.nn.functional as F

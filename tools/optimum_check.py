@@ -71,6 +71,8 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from rlhf_lightning.args import kl_recipe
+from rlhf_lightning.checks import option_number
 from rlhf_lightning.exact import TASKS, per_token_fixed_point_gap, task_named, train
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
@@ -82,10 +84,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_matrix_args(parser)
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
-    parser.add_argument("--beta", type=float, help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
-    parser.add_argument("--iterations", type=int, help="PPO iterations (default: the task's, 100 hand-made, 150 random)")
+    parser.add_argument("--beta", type=option_number(above=0), help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
     parser.add_argument(
-        "--seed", type=int, nargs="+", default=[0], help="sampling seeds, one run each (default 0); a hand-made task's initialisation too"
+        "--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations (default: the task's, 100 hand-made, 150 random)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=option_number(integer=True),
+        nargs="+",
+        default=[0],
+        help="sampling seeds, one run each (default 0); a hand-made task's initialisation too",
     )
     parser.add_argument(
         "--task",
@@ -113,17 +121,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="advantage estimator: gae (critic), grpo, dr_grpo, rloo, reinforce_pp (no critic); "
         "several: one matrix dimension (a single run takes the first)",
     )
-    parser.add_argument("--num-generations", type=int, help="responses per prompt (default 1 with gae, 4 without a critic)")
+    parser.add_argument(
+        "--num-generations",
+        type=option_number(integer=True, at_least=1),
+        help="responses per prompt (default 1 with gae, 4 without a critic)",
+    )
     parser.add_argument(
         "--batch-size",
-        type=int,
+        type=option_number(integer=True, at_least=1),
         help="responses per iteration, a multiple of the prompts times --num-generations (default: the task's, 48 hand-made, 96 random)",
     )
-    parser.add_argument("--lr", type=float, default=2e-3, help="policy and critic learning rate")
-    parser.add_argument("--lr-final", type=float, default=0.1, help="linear decay of the learning rate to this fraction")
-    parser.add_argument("--ppo-epochs", type=int, default=4)
-    parser.add_argument("--lam", type=float, default=1.0, help="GAE lambda (1: Monte Carlo returns minus the critic)")
-    parser.add_argument("--every", type=int, default=10, help="print the exact quantities every N iterations")
+    parser.add_argument("--lr", type=option_number(above=0), default=2e-3, help="policy and critic learning rate")
+    parser.add_argument(
+        "--lr-final", type=option_number(at_least=0, at_most=1), default=0.1, help="linear decay of the learning rate to this fraction"
+    )
+    parser.add_argument("--ppo-epochs", type=option_number(integer=True, at_least=1), default=4)
+    parser.add_argument(
+        "--lam", type=option_number(at_least=0, at_most=1), default=1.0, help="GAE lambda (1: Monte Carlo returns minus the critic)"
+    )
+    parser.add_argument(
+        "--every", type=option_number(integer=True, at_least=1), default=10, help="print the exact quantities every N iterations"
+    )
     add_reference_args(parser)
     return parser.parse_args(argv)
 
@@ -136,8 +154,12 @@ def add_reference_args(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="reference update after each phase of --iterations iterations (default none)",
     )
-    group.add_argument("--resets", type=int, default=1, help="phases, each followed by a reference update (default 1)")
-    group.add_argument("--alpha", type=float, default=0.5, help="EMA weight of the policy in each update (default 0.5)")
+    group.add_argument(
+        "--resets", type=option_number(integer=True, at_least=1), default=1, help="phases, each followed by a reference update (default 1)"
+    )
+    group.add_argument(
+        "--alpha", type=option_number(above=0, at_most=1), default=0.5, help="EMA weight of the policy in each update (default 0.5)"
+    )
 
 
 def reference_settings(args: argparse.Namespace, iterations: int) -> dict:
@@ -182,9 +204,9 @@ def advantage_settings(args: argparse.Namespace, advantage: str) -> dict:
             "advantage_estimator": GAE(lam=args.lam),
             "critic_lr": args.lr,
             "vf_coef": 0.5,
-            "num_generations": args.num_generations or 1,
+            "num_generations": 1 if args.num_generations is None else args.num_generations,
         }
-    return {"advantage_estimator": advantage, "num_generations": args.num_generations or 4}
+    return {"advantage_estimator": advantage, "num_generations": 4 if args.num_generations is None else args.num_generations}
 
 
 def main(argv=None) -> None:
@@ -256,9 +278,6 @@ PLACEMENTS = ("reward", "loss", "both")
 WEIGHTINGS = ("none", "importance")
 SCOPES = ("sequence", "per_token")
 CLASSES = ("unbiased", "per_token", "drift", "biased")
-VALUE_UNBIASED = {"k1", "k3", "full"}  # E_pi[k] = KL(pi || pi_ref) and w k an unbiased gradient (k3+: score term twice)
-GRADIENT_UNBIASED = {"k2", "k3+", "full"}  # on-policy E_pi[grad k] = grad KL(pi || pi_ref) at each position
-TOKEN_FREE = {"full"}  # the same value whichever token was sampled: exact at pi_theta on pi_old's states
 
 # What each kind of task was tuned with. A random task at beta 1 (where seeds 1-5 have a per-token
 # fixed-point gap >= 0.05) needs more responses per iteration to settle within 0.02 of pi*; its matrix
@@ -309,41 +328,19 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
         default=list(SCOPES),
         help="model.kl_loss_scope of the 'loss' cells (default both; one-token tasks: sequence only)",
     )
-    group.add_argument("--epochs", nargs="+", type=int, default=[1, 4], help="ppo_epochs values (default 1 4)")
-    group.add_argument("--jobs", type=int, default=1, help="cells trained in parallel processes (default 1)")
+    group.add_argument(
+        "--epochs", nargs="+", type=option_number(integer=True, at_least=1), default=[1, 4], help="ppo_epochs values (default 1 4)"
+    )
+    group.add_argument(
+        "--jobs", type=option_number(integer=True, at_least=1), default=1, help="cells trained in parallel processes (default 1)"
+    )
 
 
 def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence") -> str:
-    """What the theory (docs/kl-estimators.md, "Which recipe reaches which optimum") says of a cell's
-    expected gradient against that of J = E r - beta KL(pi(.|x) || pi_ref(.|x)) (s = grad log pi):
-
-    ``unbiased``: the whole response's KL gradient at every minibatch of every epoch: converges to pi*.
-    ``per_token``: grad KL(pi(.|s) || pi_ref(.|s)) at each visited state and nothing of the KL still
-    to come after the token: converges to ``exact.backward_induction(soft=False)``, not pi*.
-    ``drift``: right on the rollout's first minibatch only: an unweighted token-dependent loss term
-    evaluated at pi_theta on tokens drawn from pi_old (off by O(how far pi_theta moved)).
-    ``biased``: wrong even on-policy.
-
-    reward: PPO follows E[s_t sum_{t'>=t} k_t'] (importance weighted by its own ratio), the sequence term
-    included: the whole KL's gradient for k1 only.
-    loss, per token, none: E_old[grad k]: the state's KL gradient for k2, k3+ (on-policy, then drift) and
-    full (its value is every token's). importance: E_old[w (k s + grad k)] = grad E_theta[k]: for
-    value-unbiased k (k1, k3, full). The ``sequence`` scope adds E[s_t sum_{t'>t} k_t']
-    (ppo_math.kl_to_go_loss), the rest of the response's KL gradient for value-unbiased k (k2 is refused).
-    both: reward k s + loss grad k, the reward's returns carrying the sequence term: the KL's for
-    value-unbiased k; unweighted, k1 and k3 drift. Estimators outside the five built-in ones are
-    classified by membership of the sets above.
-    """
-    if placement == "reward":
-        return "unbiased" if estimator == "k1" else "biased"
-    if estimator in TOKEN_FREE:
-        token = "unbiased"
-    else:
-        right = GRADIENT_UNBIASED if (placement, weighting) == ("loss", "none") else VALUE_UNBIASED
-        token = "biased" if estimator not in right else "drift" if weighting == "none" else "unbiased"
-    if placement == "loss" and scope == "per_token" and token == "unbiased":
-        return "per_token"
-    return token
+    """What the theory (docs/kl-estimators.md, "Which recipe reaches which optimum") says of a cell:
+    ``unbiased``, ``per_token``, ``drift`` or ``biased``, from the one table the module's start-up
+    warning reads (``rlhf_lightning.args.kl_recipe``, where the classes are defined)."""
+    return kl_recipe(registry("kl_estimator").create(estimator), placement, weighting, scope)[0]
 
 
 @dataclass(frozen=True)
@@ -378,7 +375,8 @@ def _task_cells(args: argparse.Namespace, task: str) -> list[Cell]:
     for advantage, estimator, placement, epochs, seed in itertools.product(
         args.advantage, settings["estimators"], settings["placements"], args.epochs, args.seed
     ):
-        weightings = ("n/a",) if placement == "reward" or estimator in TOKEN_FREE else settings["weightings"]
+        token_free = not registry("kl_estimator").create(estimator).reads_sampled_token()  # full: no ratio to weigh by
+        weightings = ("n/a",) if placement == "reward" or token_free else settings["weightings"]
         scopes = ("n/a",) if placement != "loss" else ("sequence",) if _one_token(task) else args.scopes
         for weighting, scope in itertools.product(weightings, scopes):
             if scope == "sequence" and not registry("kl_estimator").create(estimator).unbiased_value:

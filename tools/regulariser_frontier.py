@@ -40,6 +40,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from rlhf_lightning.checks import option_number
 from rlhf_lightning.exact import TASKS, ExactPPORLHF, expected_reward, kl_divergence, optimal_logprobs, train
 from rlhf_lightning_plugins.beta_controllers import FixedBeta, PIDBeta
 from rlhf_lightning_plugins.policy_losses import ClipHigher
@@ -87,12 +88,14 @@ def exact_frontier(seed: int, betas: np.ndarray = FRONTIER_BETAS) -> tuple[np.nd
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--betas", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0])
-    parser.add_argument("--eps-high", type=float, nargs="+", default=[0.28, 0.5, 1.0])
-    parser.add_argument("--entropy-targets", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.9])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--iterations", type=int, default=60)
-    parser.add_argument("--every", type=int, default=10, help="record the exact point every N iterations")
+    parser.add_argument("--betas", type=option_number(above=0), nargs="+", default=[0.25, 0.5, 1.0, 2.0])
+    parser.add_argument("--eps-high", type=option_number(above=0), nargs="+", default=[0.28, 0.5, 1.0])
+    parser.add_argument("--entropy-targets", type=option_number(above=0), nargs="+", default=[0.3, 0.5, 0.7, 0.9])
+    parser.add_argument("--seeds", type=option_number(integer=True), nargs="+", default=[0, 1])
+    parser.add_argument("--iterations", type=option_number(integer=True, at_least=1), default=60)
+    parser.add_argument(
+        "--every", type=option_number(integer=True, at_least=1), default=10, help="record the exact point every N iterations"
+    )
     parser.add_argument("--out", default="runs/regulariser_frontier")
     parser.add_argument("--fast", action="store_true", help="one setting per family, one seed, 20 iterations")
     args = parser.parse_args(argv)

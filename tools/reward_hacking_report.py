@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from rlhf_lightning.checks import existing_file, option_number
+
 from sweep_beta import REPO, RUN_OVERRIDES, fixed_beta, prepare, train
 
 DEFAULT_CONFIG = REPO / "configs" / "reward_hacking.yaml"
@@ -107,14 +109,18 @@ def format_report(rows: Sequence[HackingRow], config: str, iterations: int) -> s
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="default: configs/reward_hacking.yaml")
-    parser.add_argument("--iterations", type=int, help="PPO iterations per run (default 40, --fast 10)")
-    parser.add_argument("--last", type=int, default=5, help="average the training reward over the last K iterations")
+    parser.add_argument("--config", type=existing_file, default=str(DEFAULT_CONFIG), help="default: configs/reward_hacking.yaml")
+    parser.add_argument("--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations per run (default 40, --fast 10)")
+    parser.add_argument(
+        "--last", type=option_number(integer=True, at_least=1), default=5, help="average the training reward over the last K iterations"
+    )
     parser.add_argument("--out", default="runs/reward_hacking", help="folder for the report and the TensorBoard logs")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=option_number(integer=True, at_least=0), default=1, help="torch intra-op threads (0: torch's default)"
+    )
     parser.add_argument("--fast", action="store_true", help="10 iterations per run (for tests)")
     args = parser.parse_args(argv)
-    args.iterations = args.iterations or (10 if args.fast else 40)
+    args.iterations = (10 if args.fast else 40) if args.iterations is None else args.iterations
     if args.iterations < 1 or args.last < 1:
         parser.error("--iterations and --last must be >= 1")
     return args

@@ -14,6 +14,8 @@ import argparse
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from rlhf_lightning.checks import log_folder, option_number
+
 COLUMNS = (
     "objective/reward",
     "objective/gold_reward",
@@ -39,9 +41,11 @@ def read_scalars(log_dirs: str | list[str]) -> dict[str, dict[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("log_dirs", nargs="+", metavar="log_dir")
-    parser.add_argument("--every", type=int, default=1, help="print every n-th iteration")
-    parser.add_argument("--blocks", type=int, help="print the mean of each block of n iterations instead")
+    parser.add_argument("log_dirs", nargs="+", metavar="log_dir", type=log_folder)
+    parser.add_argument("--every", type=option_number(integer=True, at_least=1), default=1, help="print every n-th iteration")
+    parser.add_argument(
+        "--blocks", type=option_number(integer=True, at_least=1), help="print the mean of each block of n iterations instead"
+    )
     args = parser.parse_args()
     scalars = read_scalars(args.log_dirs)
     # kl_to_initial only where the reference moved (with a frozen one it is objective/kl)

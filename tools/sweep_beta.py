@@ -47,6 +47,8 @@ from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
+from rlhf_lightning.checks import existing_file, option_number
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "tiny.yaml"
 DEFAULT_BETAS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5)
@@ -210,12 +212,20 @@ def format_table(rows: Sequence[SweepRow]) -> str:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="rlhf-lightning YAML (default: configs/tiny.yaml with DEFAULT_TASK)")
-    parser.add_argument("--betas", type=float, nargs="+", help=f"fixed betas to run (default: {' '.join(map(str, DEFAULT_BETAS))})")
-    parser.add_argument("--iterations", type=int, help="PPO iterations per run (default: 80; --fast: 10)")
-    parser.add_argument("--last", type=int, default=5, help="average the training metrics over the last K iterations")
+    parser.add_argument("--config", type=existing_file, help="rlhf-lightning YAML (default: configs/tiny.yaml with DEFAULT_TASK)")
+    parser.add_argument(
+        "--betas", type=option_number(at_least=0), nargs="+", help=f"fixed betas to run (default: {' '.join(map(str, DEFAULT_BETAS))})"
+    )
+    parser.add_argument(
+        "--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations per run (default: 80; --fast: 10)"
+    )
+    parser.add_argument(
+        "--last", type=option_number(integer=True, at_least=1), default=5, help="average the training metrics over the last K iterations"
+    )
     parser.add_argument("--out", default="runs/sweep_beta", help="folder for the CSV, the PNG and the TensorBoard logs")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=option_number(integer=True, at_least=0), default=1, help="torch intra-op threads (0: torch's default)"
+    )
     parser.add_argument(
         "--override",
         action="append",
@@ -225,15 +235,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--advantage", help="advantage estimator for every run (gae, grpo, dr_grpo, rloo, reinforce_pp)")
     parser.add_argument(
-        "--num-generations", type=int, help="responses per prompt (default: 4 for an estimator with a group baseline, else 1)"
+        "--num-generations",
+        type=option_number(integer=True, at_least=1),
+        help="responses per prompt (default: 4 for an estimator with a group baseline, else 1)",
     )
     speed = parser.add_mutually_exclusive_group()
     speed.add_argument("--fast", action="store_true", help=f"betas {FAST_BETAS}, 10 iterations (for tests)")
     speed.add_argument("--full", action="store_true", help=f"betas {FULL_BETAS}, 80 iterations")
     args = parser.parse_args(argv)
     preset_betas, preset_iterations = (FAST_BETAS, 10) if args.fast else (FULL_BETAS, 80) if args.full else (DEFAULT_BETAS, 80)
-    args.betas = args.betas or list(preset_betas)
-    args.iterations = args.iterations or preset_iterations
+    args.betas = list(preset_betas) if args.betas is None else args.betas
+    args.iterations = preset_iterations if args.iterations is None else args.iterations
     group = advantage_overrides(args.advantage, args.num_generations)
     if args.config is None:
         generations = int(group[-1].split("=")[1]) if group else 1

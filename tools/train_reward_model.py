@@ -68,6 +68,7 @@ from lightning import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
+from rlhf_lightning.checks import existing_file, option_number
 from rlhf_lightning_plugins.rewards.classifier import REWARD_STATS_FILE
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
@@ -305,36 +306,44 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trunk", choices=list(TRUNK_DEFAULTS), default="minilm")
     p.add_argument("--out", type=Path, default=Path("runs/reward_model"), help="output folder (model, logs, pair cache)")
-    p.add_argument("--pairs", help="jsonl of {prompt, chosen, rejected}; default: sample pairs from --policy")
+    p.add_argument("--pairs", type=existing_file, help="jsonl of {prompt, chosen, rejected}; default: sample pairs from --policy")
     p.add_argument("--relabel", action="store_true", help="order the responses of --pairs by --gold instead of their labels")
     p.add_argument("--policy", default="smollm2", help="reference model spec that samples the responses")
     p.add_argument("--gold", default="sentiment", help="gold scorer: a reward backend name or module:function")
-    p.add_argument("--prompts", default=str(BUILTIN_TRAIN), help="prompt file (default: the built-in training prompts)")
-    p.add_argument("--num-prompts", type=int, default=150, help="first N prompts of --prompts to sample on")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--sample-batch-size", type=int, default=16, help="prompts per generate call")
-    p.add_argument("--val-fraction", type=float, default=0.2)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=8, help="pairs per optimizer step")
-    p.add_argument("--lr", type=float, help="AdamW learning rate (default: 3e-3 tiny, 5e-5 minilm, 2e-5 smollm2)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--train-layers", type=int, help="top transformer blocks to train (default: 2 for smollm2, all otherwise)")
-    p.add_argument("--max-length", type=int, default=512, help="truncation length in reward-model tokens")
+    p.add_argument("--prompts", type=existing_file, default=str(BUILTIN_TRAIN), help="prompt file (default: the built-in training prompts)")
+    p.add_argument(
+        "--num-prompts", type=option_number(integer=True, at_least=1), default=150, help="first N prompts of --prompts to sample on"
+    )
+    p.add_argument("--max-new-tokens", type=option_number(integer=True, at_least=1), default=24)
+    p.add_argument("--temperature", type=option_number(above=0), default=1.0)
+    p.add_argument("--sample-batch-size", type=option_number(integer=True, at_least=1), default=16, help="prompts per generate call")
+    p.add_argument("--val-fraction", type=option_number(above=0, below=1), default=0.2)
+    p.add_argument("--epochs", type=option_number(integer=True, at_least=1), default=3)
+    p.add_argument("--batch-size", type=option_number(integer=True, at_least=1), default=8, help="pairs per optimizer step")
+    p.add_argument("--lr", type=option_number(above=0), help="AdamW learning rate (default: 3e-3 tiny, 5e-5 minilm, 2e-5 smollm2)")
+    p.add_argument("--weight-decay", type=option_number(at_least=0), default=0.0)
+    p.add_argument(
+        "--train-layers",
+        type=option_number(integer=True, at_least=1),
+        help="top transformer blocks to train (default: 2 for smollm2, all otherwise)",
+    )
+    p.add_argument(
+        "--max-length", type=option_number(integer=True, at_least=1), default=512, help="truncation length in reward-model tokens"
+    )
     p.add_argument(
         "--response-only",
         action="store_true",
         help="score the response alone, blind to the prompt (use with HFClassifierReward include_prompt: false)",
     )
     p.add_argument("--separator", default="\n", help="between prompt and response (HFClassifierReward's separator)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=option_number(integer=True), default=0)
     p.add_argument(
         "--ensemble",
-        type=int,
+        type=option_number(integer=True, at_least=1),
         metavar="K",
         help="train K reward models (seeds --seed .. --seed+K-1: score head and data order) into <out>/member_<k>/model",
     )
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--threads", type=option_number(integer=True, at_least=0), default=0, help="torch intra-op threads (0: torch's default)")
     args = p.parse_args(argv)
     if args.relabel and not args.pairs:
         p.error("--relabel needs --pairs (the pairs whose responses --gold judges again)")

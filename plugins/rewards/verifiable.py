@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from rlhf_lightning.interfaces import RewardModel, require, require_number
+from rlhf_lightning.interfaces import ConfigError, RewardModel, require, require_number
 from rlhf_lightning.registry import register
 
 # "a OP b" in a question; x and × read as multiplication, the minus sign and the en dash as minus.
@@ -86,6 +86,16 @@ class ExactAnswerReward(RewardModel):
         super().__init__(**options)
         require_number("reward_model.wrong_score", wrong_score, below=1)
         self.wrong_score = float(wrong_score)
+
+    def check_prompts(self, prompts: Sequence[str], field: str, role: str) -> None:
+        """Every prompt must hold an arithmetic question (its answer is computed from it)."""
+        missing = [i for i, prompt in enumerate(prompts) if QUESTION.search(prompt) is None]
+        if missing:
+            first = prompts[missing[0]]
+            raise ConfigError(
+                f"{field}: prompt {missing[0]} ({first[:40]!r}{'...' if len(first) > 40 else ''}) holds no arithmetic question "
+                f"'a + b', 'a - b' or 'a * b', which {role} exact_answer computes its answer from ({len(missing)} such prompts)"
+            )
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
         correct = [parse_answer(response) == question_answer(prompt) for prompt, response in zip(prompts, responses, strict=True)]

@@ -1,0 +1,273 @@
+"""Start-up warnings and refusals for combinations that are legal but biased, or that cannot learn:
+the KL recipes from the one table in the code (``args.kl_recipe``), checked against the docs'
+matrix; group estimators without sampling; clip ranges that remove the lower clip; numeric extremes
+named by the field the user wrote."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from rlhf_lightning.args import kl_recipe
+from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.registry import registry
+
+from helpers import CONFIGS, char_reward
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def start_up_warnings(**settings) -> list[str]:
+    """The warnings PPORLHF gives at construction (before any model loads) with ``settings``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PPORLHF(policy="tiny", reward_model=char_reward(), **settings)
+    return [str(w.message) for w in caught]
+
+
+def docs_matrix() -> list[tuple[str, str, str, str]]:
+    """(estimator, placement, weighting, class) of every row of docs/kl-estimators.md's measured matrix."""
+    rows = []
+    for line in (DOCS / "kl-estimators.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[1] in ("reward", "loss", "both"):
+            rows.append((cells[0], cells[1], cells[2] or "n/a", cells[5].split(" (")[0]))
+    return rows
+
+
+def test_the_docs_matrix_is_the_code_table():
+    """Every class the docs' measured matrix gives (25 cells: 5 estimators x reward, loss, both x
+    none, importance) is the one ``args.kl_recipe`` gives: the docs cannot drift from the warnings."""
+    rows = docs_matrix()
+    assert len(rows) == 25 and {r[3] for r in rows} == {"unbiased", "biased", "drift"}
+    assert {r[:3]: kl_recipe(registry("kl_estimator").create(r[0]), *r[1:3])[0] for r in rows} == {r[:3]: r[3] for r in rows}
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+", "k1+", "full", "abs"])
+def test_every_biased_kl_recipe_warns_at_start_up_and_no_other_does(estimator):
+    """Each registered estimator in each placement and weighting: a warning naming the estimator,
+    the placement and why, exactly where the table says biased (the docs: reward k3, loss k1 unweighted,
+    k2 or k3+ weighted, any straight-through estimator in 'both', ...)."""
+    for placement in ("reward", "loss", "both"):
+        for weighting in ("none", "importance") if placement != "reward" else ("importance",):
+            scope = "per_token" if estimator in ("k2", "abs") and placement == "loss" else "sequence"  # k2, abs: no sequence scope
+            settings = dict(kl_estimator=estimator, kl_penalty=placement, kl_loss_weighting=weighting, kl_loss_scope=scope)
+            if placement != "reward":
+                settings["whiten_advantages"] = False
+            messages = [m for m in start_up_warnings(**settings) if "gives a biased gradient of the KL" in m]
+            recipe, reason = kl_recipe(registry("kl_estimator").create(estimator), placement, weighting, scope)
+            assert len(messages) == (recipe == "biased"), (placement, weighting, messages)
+            if messages:
+                assert messages[0].startswith(f"model.kl_estimator {type(registry('kl_estimator').create(estimator)).__name__} ")
+                assert f"model.kl_penalty {placement}" in messages[0] and reason in messages[0]
+
+
+def test_the_recipe_table_names_why():
+    """The reasons, by hand: k3 in the reward, k1 unweighted in the loss, k3+ weighted, k2 weighted."""
+    create = registry("kl_estimator").create
+    assert kl_recipe(create("k3"), "reward", "importance") == (
+        "biased",
+        "as a per-token reward only a score-function gradient reaches the policy, and this estimator's is not the KL's (k1's is)",
+    )
+    assert kl_recipe(create("k1"), "loss", "none")[1].startswith("unweighted in the loss its pathwise gradient is not the KL's")
+    assert kl_recipe(create("k3+"), "both", "none")[1].startswith("its gradient is not the derivative of its value")
+    assert kl_recipe(create("k2"), "loss", "importance", "per_token")[1].startswith("its value is not an unbiased per-token KL")
+    assert kl_recipe(create("k3"), "loss", "importance", "per_token") == ("per_token", "")
+    assert kl_recipe(create("full"), "both", "none") == ("unbiased", "")
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_a_group_estimator_without_sampling_is_refused_and_a_near_greedy_temperature_warns(estimator):
+    """Greedy decoding gives a group one response repeated: every advantage 0, nothing learnt."""
+    name = type(registry("advantage_estimator").create(estimator)).__name__
+    with pytest.raises(ValueError, match=rf"^model.do_sample must be true with model.advantage_estimator {name} \(greedy decoding"):
+        PPORLHF(policy="tiny", reward_model=char_reward(), advantage_estimator=estimator, num_generations=2, do_sample=False)
+    cold = start_up_warnings(advantage_estimator=estimator, num_generations=2, temperature=0.01)
+    assert [m for m in cold if m.startswith(f"model.temperature 0.01 with model.advantage_estimator {name}: below 0.1")]
+    assert not [m for m in start_up_warnings(advantage_estimator=estimator, num_generations=2) if "model.temperature" in m]
+    assert not [m for m in start_up_warnings(temperature=0.01) if "model.temperature" in m]  # gae: a critic, no group
+
+
+@pytest.mark.parametrize(
+    "loss, args, message",
+    [
+        ("clip_higher", {"clip_low": 1.0}, "policy_loss.clip_low must be a finite number in (0, 1), got 1.0"),
+        ("gspo", {"clip_low": 2.0}, "policy_loss.clip_low must be a finite number in (0, 1), got 2.0"),
+        ("ppo_clip", {"cliprange": 1.5}, "policy_loss.cliprange must be a finite number in (0, 1), got 1.5"),
+        ("dual_clip", {"cliprange": float("inf")}, "policy_loss.cliprange must be a finite number in (0, 1), got inf"),
+        ("clip_higher", {"clip_high": float("nan")}, "policy_loss.clip_high must be a finite number > 0, got nan"),
+    ],
+)
+def test_a_clip_range_that_removes_the_lower_clip_is_refused(loss, args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        registry("policy_loss").create(loss, **args)
+    assert registry("policy_loss").create("clip_higher", clip_low=0.2, clip_high=5.0).clip_high == 5.0  # no bound above
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"entropy_coef": float("inf")}, "model.entropy_coef must be a finite number >= 0, got inf"),
+        ({"entropy_coef": float("nan")}, "model.entropy_coef must be a finite number >= 0, got nan"),
+        ({"entropy_coef": -0.1}, "model.entropy_coef must be a finite number >= 0, got -0.1"),
+        ({"entropy_coef": 0.1, "entropy_controller": "adaptive"}, "model.entropy_coef must be 0 when model.entropy_controller is set"),
+        ({"log_samples_every_n_steps": -1}, "model.log_samples_every_n_steps must be an integer >= 0, got -1"),
+        ({"num_logged_samples": -2}, "model.num_logged_samples must be an integer >= 0, got -2"),
+    ],
+)
+def test_numeric_extremes_are_refused_naming_the_field_written(settings, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        PPORLHF(policy="tiny", reward_model=char_reward(), **settings)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the command, before any model loads
+
+
+def command(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """``rlhf-lightning fit --config configs/tiny.yaml <args>`` in ``tmp_path``, with loading a model an
+    error: its exit status and the last line it printed to stderr."""
+    from rlhf_lightning.cli import main
+
+    def no_models(self):
+        raise AssertionError("a model loaded before the check")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(PPORLHF, "_load_policy", no_models)
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.enable_progress_bar=false", *args])
+    return stopped.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("role", ["reward_model", "gold_reward_model"])
+def test_exact_answer_on_prompts_without_a_question_is_refused_at_start_up(tmp_path, monkeypatch, capsys, role):
+    """The built-in prompts are requests for text, not arithmetic: exact_answer cannot know any answer."""
+    code, line = command(tmp_path, monkeypatch, capsys, f"--model.{role}=exact_answer")
+    assert code == 2
+    assert re.fullmatch(
+        rf"error: data.train_path: prompt 0 \('Write the opening line of a story about '\.\.\.\) holds no arithmetic question 'a \+ b', 'a - b' or 'a \* b', which "
+        rf"model.{role} exact_answer computes its answer from \(360 such prompts\)",
+        line,
+    ), line
+    arithmetic = str(Path(__file__).resolve().parents[1] / "rlhf_lightning" / "prompts" / "arithmetic_train.jsonl")
+    from rlhf_lightning.data import load_prompts
+    from rlhf_lightning_plugins.rewards.verifiable import ExactAnswerReward
+
+    ExactAnswerReward().check_prompts(load_prompts(arithmetic), "data.train_path", "model.reward_model")  # every prompt a question
+
+
+@pytest.mark.parametrize(
+    "unit, target, message",
+    [
+        ("token_mean", 5.0, "< 4.357 nats per token (log V) with the tokenizer's V = 78 tokens"),
+        ("sequence_sum", 120.0, "< 104.6 nats per response (max_new_tokens x log V) with the tokenizer's V = 78 tokens"),
+    ],
+)
+def test_an_entropy_target_no_policy_reaches_is_refused_at_start_up(tmp_path, monkeypatch, capsys, unit, target, message):
+    code, line = command(
+        tmp_path,
+        monkeypatch,
+        capsys,
+        "--model.entropy_controller=adaptive",
+        f"--model.entropy_controller.init_args.target={target}",
+        f"--model.entropy_controller.init_args.unit={unit}",
+    )
+    assert code == 2
+    assert line.startswith(f"error: model.entropy_controller.init_args.target must be {message}"), line
+
+
+def test_a_world_that_cannot_form_is_refused_naming_num_nodes(tmp_path, monkeypatch, capsys):
+    """Two nodes asked for on a machine started alone: nothing would start the other node's ranks."""
+    for name in ("NODE_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    code, line = command(tmp_path, monkeypatch, capsys, "--trainer.num_nodes=2")
+    assert code == 2
+    assert line.startswith(
+        "error: trainer.num_nodes must be 1 on a machine started alone (trainer.devices=1 processes here, 2 x 1 in the world: "
+        "the other nodes' ranks would never come)"
+    ), line
+    assert line.endswith("got 2")
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["fsdp2-folder-under-one-process", "one-process-file-under-fsdp2"])
+def test_a_checkpoint_from_another_strategy_is_refused_naming_it_before_any_model_loads(tmp_path, monkeypatch, capsys, sharded):
+    import torch
+
+    ckpt = tmp_path / "last.ckpt"
+    if sharded:
+        ckpt.mkdir()  # what FSDP2 writes: a folder of per-rank shards
+        args, written, strategy = (), "FSDP2 (a folder of per-rank shards)", "SingleDeviceStrategy"
+    else:
+        torch.save({"rlhf_lightning": {"sharded": False, "strategy": "SingleDeviceStrategy"}}, ckpt)
+        args = ("--config", str(CONFIGS / "fsdp2.yaml"), "--trainer.devices=2")
+        written, strategy = "SingleDeviceStrategy (whole weights, the frozen reference left out)", "FSDP2Strategy"
+    code, line = command(tmp_path, monkeypatch, capsys, *args, f"--ckpt_path={ckpt}")
+    assert code == 2
+    assert line == (
+        f"error: checkpoint {ckpt} was written by {written}; trainer.strategy {strategy} cannot resume it: "
+        "resume with the strategy it was written with"
+    )
+
+
+# The rows of docs/troubleshooting.md added with these checks, through the command as a user types them.
+REFUSED_ROWS = [
+    (
+        ("--model.advantage_estimator=grpo", "--model.num_generations=2", "--model.do_sample=false"),
+        "error: model.do_sample must be true with model.advantage_estimator GRPO (greedy decoding gives every response of a group "
+        "the same text: every advantage is 0 and the policy never changes), got False",
+    ),
+    (
+        ("--model.policy_loss=clip_higher", "--model.policy_loss.clip_low=1"),
+        "error: policy_loss.clip_low must be a finite number in (0, 1), got 1.0",
+    ),
+    (("--model.entropy_coef=.inf",), "error: model.entropy_coef must be a finite number >= 0, got inf"),
+]
+WARNED_ROWS = [
+    (
+        ("--model.kl_estimator=k3",),
+        "model.kl_estimator K3 with model.kl_penalty reward gives a biased gradient of the KL: as a per-token reward",
+    ),
+    (
+        ("--model.kl_estimator=k3+", "--model.kl_penalty=both", "--model.whiten_advantages=false"),
+        "model.kl_estimator StraightThroughKL with model.kl_penalty both, model.kl_loss_weighting importance gives a biased gradient",
+    ),
+    (
+        ("--model.advantage_estimator=rloo", "--model.num_generations=2", "--model.temperature=0.05"),
+        "model.temperature 0.05 with model.advantage_estimator RLOO: below 0.1 the responses of a group are mostly identical",
+    ),
+]
+
+
+@pytest.mark.parametrize("args, line", REFUSED_ROWS, ids=["group-greedy", "clip-low", "entropy-inf"])
+def test_troubleshooting_refusals_through_the_command(tmp_path, monkeypatch, capsys, args, line):
+    code, last = command(tmp_path, monkeypatch, capsys, *args)
+    assert (code, last) == (2, line)
+
+
+@pytest.mark.parametrize("args, start", WARNED_ROWS, ids=["k3-reward", "k3+-both", "group-cold"])
+def test_troubleshooting_warnings_through_the_command(args, start):
+    from rlhf_lightning.cli import build_cli
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_cli(["--config", str(CONFIGS / "tiny.yaml"), *args], run=False)
+    assert [str(w.message) for w in caught if str(w.message).startswith(start)], [str(w.message) for w in caught]
+
+
+def test_a_checkpoint_incompatible_with_the_config_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """The settings that may not change on resume are compared with the checkpoint's saved ones (read
+    without its tensors) before the models are built: the refusal costs no model load."""
+    import torch
+
+    ckpt = tmp_path / "last.ckpt"
+    saved = {"critic": "shared", "lora_rank": 4, "policy": "tiny", "seed": 0}
+    torch.save({"hyper_parameters": saved, "rlhf_lightning": {"plugins": {}, "sharded": False}}, ckpt)
+    code, line = command(tmp_path, monkeypatch, capsys, f"--ckpt_path={ckpt}")
+    assert (code, line) == (
+        2,
+        "error: checkpoint is incompatible with this config (these settings cannot change on resume); "
+        "model.critic: checkpoint 'shared', config 'separate'; model.lora_rank: checkpoint 4, config 0",
+    )
