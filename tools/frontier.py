@@ -179,7 +179,7 @@ def smollm2_mode(args: argparse.Namespace) -> None:
     from sweep_beta import train as train_config
 
     prepare(args.threads, str(args.out))
-    pool, points = None, []
+    pool_state, points = None, []
     overrides = [f"--data.batch_size={args.batch_size}", "--model.log_samples_every_n_steps=0"]
     for beta in args.betas:
         start = time.perf_counter()
@@ -192,12 +192,17 @@ def smollm2_mode(args: argparse.Namespace) -> None:
             reward_max=args.reward_max,
             max_tail=args.max_tail,
         )
+        if pool_state is not None:  # the same reference, prompts and seed: the first run's pool, not a second one
+            meter.load_state_dict(pool_state)
         train_config(args.config, [*fixed_beta(beta), *overrides], args.iterations, args.out / f"beta_{beta:g}", callbacks=[meter])
-        pool = meter.reference_scores if pool is None else pool
+        if pool_state is None:
+            pool_state = meter.state_dict()
+            points += bon_points(pool_state["reference_scores"], args)
         for row in meter.rows:
             s = row["sampled"]
             kl_opt = (
-                f"kl_to_optimum={row['distance'].kl_to_optimum:.3f}+-{1.96 * row['distance'].se:.3f} log_z_bias={row['distance'].log_z_bias:.4f} ess={row['ess']:.1f}"
+                f"kl_to_optimum={row['distance'].kl_to_optimum:.3f}+-{1.96 * row['distance'].se:.3f} "
+                f"log_z_bias={row['distance'].log_z_bias:.4f} ess={row['ess']:.1f}"
                 if "distance" in row
                 else f"kl_to_optimum=refused ({row['reason']})"
             )
@@ -209,7 +214,12 @@ def smollm2_mode(args: argparse.Namespace) -> None:
         last = meter.rows[-1]["sampled"]
         points.append(("ppo", f"{beta:g}", last.kl_to_ref, 1.96 * last.kl_to_ref_se, last.reward, 1.96 * last.reward_se, math.nan))
         print(f"(beta {beta:g}: {time.perf_counter() - start:.0f} s)", flush=True)
-    generator = torch.Generator().manual_seed(0)
+        plot_smollm2(points, args)  # after every run: a cut-short sweep still leaves its figure
+
+
+def bon_points(pool: torch.Tensor, args: argparse.Namespace) -> list[tuple]:
+    """Best-of-N rows (family, N, KL, KL half-interval, reward, reward half-interval, KL bound) from the pool."""
+    generator, points = torch.Generator().manual_seed(0), []
     for n in args.bon:
         reward, kl = float(fr.bon_reward_from_pool(pool, n).mean()), float(fr.bon_kl_from_pool(pool, n).mean())
         boot_r, boot_k = [], []
@@ -228,6 +238,10 @@ def smollm2_mode(args: argparse.Namespace) -> None:
             f"kl_bound={fr.bon_kl_bound(n):.3f}",
             flush=True,
         )
+    return points
+
+
+def plot_smollm2(points: list[tuple], args: argparse.Namespace) -> None:
     write_csv(args.out / "frontier_smollm2.csv", ["family", "setting", "kl", "kl_ci", "reward", "reward_ci", "kl_bound"], points)
     fig, ax = plt.subplots(figsize=(8, 5.5))
     bon = [p for p in points if p[0] == "bon"]
