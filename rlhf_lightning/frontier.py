@@ -84,7 +84,8 @@ def soft_bon_logprobs(ref_logprobs: Tensor, rewards: Tensor, n: int, lam: float,
     The integral runs over u = log t with nodes ``step`` apart, from where the integrand is ~exp(-25)
     to 50 / min w: the trapezoid rule on a smooth integrand that vanishes at both ends (the rows sum to 1
     within 1e-9 on the tests' tasks). Refused where a row's reward range exceeds 700 lam: its smallest
-    weights would underflow float64, and lam that small is best-of-N (:func:`bon_logprobs`) to within exp(-700)."""
+    weights would underflow float64 (where lam is far below every gap between rewards, soft best-of-N is
+    best-of-N: :func:`bon_logprobs`)."""
     if n < 1 or not lam > 0:
         raise ValueError(f"soft best-of-N needs N >= 1 and lam > 0, got N={n}, lam={lam}")
     spread = float((rewards.max(-1).values - rewards.min(-1).values).max())
@@ -131,8 +132,9 @@ def frontier_reward(ref_logprobs: Tensor, rewards: Tensor, kl: float, tol: float
     if kl <= 0:
         return expected_reward(ref_logprobs, rewards)
     lo, hi = math.log(1e-4), math.log(1e4)  # KL(lo) >= kl >= KL(hi) unless kl is outside the range
-    if tilted_point(ref_logprobs, rewards, math.exp(lo)).kl <= kl:
-        return tilted_point(ref_logprobs, rewards, math.exp(lo)).reward
+    greediest = tilted_point(ref_logprobs, rewards, math.exp(lo))
+    if greediest.kl <= kl:
+        return greediest.reward
     while hi - lo > tol:
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if tilted_point(ref_logprobs, rewards, math.exp(mid)).kl > kl else (lo, mid)

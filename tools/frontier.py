@@ -80,7 +80,10 @@ def exact_mode(args: argparse.Namespace) -> str:
     rows += [("ppo", f"{beta:g}", p) for beta, p, *_ in ppo]
     write_csv(args.out / "frontier.csv", ["family", "setting", "kl", "reward"], [(f, s, p.kl, p.reward) for f, s, p in rows])
 
-    print(f"task={args.task} seed={args.seed} prompts={len(task.prompts)} responses={ref.shape[1]} iterations={args.iterations}")
+    print(
+        f"task={args.task} seed={args.seed} prompts={len(task.prompts)} responses={ref.shape[1]} iterations={args.iterations} "
+        f"batch_size={args.batch_size or PPO['batch_size']}"
+    )
     print("| N | KL(BoN) exact | log N - (N-1)/N | reward | frontier at that KL | gap |\n|---:|---:|---:|---:|---:|---:|")
     for n in (1, 2, 4, 8, 16, 32, 64):
         best = fr.frontier_reward(ref, rewards, bon[n].kl)
@@ -180,7 +183,7 @@ def smollm2_mode(args: argparse.Namespace) -> None:
 
     prepare(args.threads, str(args.out))
     pool_state, points = None, []
-    overrides = [f"--data.batch_size={args.batch_size}", "--model.log_samples_every_n_steps=0"]
+    overrides = [f"--data.batch_size={args.batch_size or 8}", "--model.log_samples_every_n_steps=0"]
     for beta in args.betas:
         start = time.perf_counter()
         meter = KLToOptimum(
@@ -305,7 +308,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pool", type=int, default=64, help="smollm2: reference samples per prompt (default 64)")
     parser.add_argument("--policy-samples", type=int, default=16, help="smollm2: policy samples per prompt per measurement (default 16)")
     parser.add_argument("--meter-every", type=int, default=5, help="smollm2: iterations between measurements (default 5)")
-    parser.add_argument("--batch-size", type=int, default=8, help="smollm2: prompts per PPO iteration (default 8)")
+    parser.add_argument(
+        "--batch-size", type=int, help="responses per PPO iteration (exact, default 48) or prompts per iteration (smollm2, default 8)"
+    )
     parser.add_argument("--bon", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="smollm2: best-of-N sizes")
     parser.add_argument("--bootstrap", type=int, default=200, help="smollm2: bootstrap replicates for best-of-N's intervals")
     parser.add_argument(
