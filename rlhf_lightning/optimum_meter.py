@@ -95,12 +95,17 @@ class KLToOptimum(Callback):
 
     @torch.no_grad()
     def _sample(self, pl_module, per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training scores and log pi - log pi_ref of whole responses, (prompts, per_prompt) each, from the policy."""
-        rollout = pl_module.rollout([p for p in self.prompts for _ in range(per_prompt)])
-        raw = pl_module.reward_model.checked_scores(rollout.prompts, rollout.responses)
-        scores = pl_module.reward_model.shape_scores(raw, rollout.ended_with_eos, update_stats=False)
-        log_ratio = ((rollout.old_logprobs - rollout.ref_logprobs) * rollout.mask).sum(-1).double().cpu()
-        return scores.double().view(len(self.prompts), per_prompt), log_ratio.view(len(self.prompts), per_prompt)
+        """Training scores and log pi - log pi_ref of whole responses, (prompts, per_prompt) each, from the
+        policy: one rollout per prompt, so the sampler's logits (rows x new tokens x vocabulary) are held for
+        one prompt's responses at a time. Each rollout draws from the iteration's sampling seed, so prompts share
+        random numbers: each prompt's samples stay independent draws, and its estimate unbiased."""
+        scores, log_ratios = [], []
+        for prompt in self.prompts:
+            rollout = pl_module.rollout([prompt] * per_prompt)
+            raw = pl_module.reward_model.checked_scores(rollout.prompts, rollout.responses)
+            scores.append(pl_module.reward_model.shape_scores(raw, rollout.ended_with_eos, update_stats=False).double())
+            log_ratios.append(((rollout.old_logprobs - rollout.ref_logprobs) * rollout.mask).sum(-1).double().cpu())
+        return torch.stack(scores), torch.stack(log_ratios)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         iteration = pl_module.iteration

@@ -200,6 +200,7 @@ def smollm2_mode(args: argparse.Namespace) -> None:
         train_config(args.config, [*fixed_beta(beta), *overrides], args.iterations, args.out / f"beta_{beta:g}", callbacks=[meter])
         if pool_state is None:
             pool_state = meter.state_dict()
+            torch.save(pool_state, args.out / "reference_pool.pt")  # prompts and training scores of the pool
             points += bon_points(pool_state["reference_scores"], args)
         for row in meter.rows:
             s = row["sampled"]
