@@ -112,7 +112,8 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
 
-    import rlhf_lightning.kl_monitor  # noqa: F401 (imported, its classes resolve by bare name: class_path: KLGuard)
+    import rlhf_lightning.kl_monitor
+    import rlhf_lightning.optimum_meter  # noqa: F401 (imported, their classes resolve by bare name: class_path: KLGuard)
     from rlhf_lightning.checkpoints import AtomicCheckpointIO, check_resume, find_last_checkpoint
     from rlhf_lightning.data import PromptDataModule
     from rlhf_lightning.module import PPORLHF

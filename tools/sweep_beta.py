@@ -91,15 +91,16 @@ class StopAfter(Callback):
         return sum(values) / len(values)
 
 
-def train(config: str | Path, overrides: Sequence[str], iterations: int, root_dir: str | Path):
-    """One run of ``config`` + ``overrides`` for ``iterations`` PPO iterations, logging to ``root_dir``.
-    Returns the LightningCLI (trainer, model, datamodule) and the per-iteration metrics."""
+def train(config: str | Path, overrides: Sequence[str], iterations: int, root_dir: str | Path, callbacks: Sequence[Callback] = ()):
+    """One run of ``config`` + ``overrides`` for ``iterations`` PPO iterations, logging to ``root_dir``,
+    with ``callbacks`` after the one that stops it. Returns the LightningCLI (trainer, model, datamodule)
+    and the per-iteration metrics."""
     from rlhf_lightning.cli import build_cli
 
     args = ["--config", str(config), *RUN_OVERRIDES, f"--trainer.default_root_dir={root_dir}", *overrides]
     cli = build_cli(args, run=False)  # seeds from the config's seed_everything, so every run starts alike
     history = StopAfter(iterations)
-    cli.trainer.callbacks.append(history)
+    cli.trainer.callbacks.extend([history, *callbacks])
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     if cli.model.iteration < iterations:
         raise RuntimeError(f"the run stopped after {cli.model.iteration} of {iterations} iterations")

@@ -1,0 +1,359 @@
+"""PPO, best-of-N and the exact KL-regularised frontier on one reward-KL plane.
+
+    python tools/frontier.py --exact                      # terminal task: frontier, BoN 1..64, soft BoN, PPO at 4 betas
+    python tools/frontier.py --exact --fast               # seconds: one PPO beta of 20 iterations (the tests)
+    python tools/frontier.py --exact --task random:3      # a task with distinct rewards and an order-dependent reward
+    python tools/frontier.py --smollm2 --prompts 4 --pool 64 --betas 0.2 0.5 --iterations 10
+    python tools/frontier.py --meter-table                # bias and spread of the sampled log Z against n
+
+``--exact`` (``rlhf_lightning.exact``'s enumerable tasks; every number exact): the frontier
+pi_beta ∝ pi_ref exp(r / beta) over a dense beta grid (the most reward any policy gets at each
+KL), best-of-N for N = 1..64 enumerated with ties (``frontier.bon_logprobs``), soft best-of-N for
+N in ``--soft-n`` over a temperature grid, and PPO trained at each of ``--betas``
+(``exact.train``, the settings of tools/regulariser_frontier.py) against the reference of its
+seed. Prints a table and
+
+    FRONTIER ppo_max_gap=<largest (F(KL) - reward) / F(KL) of a PPO point, F the frontier at its own KL>
+             bon_kl_bound_max_error=<largest log N - (N - 1) / N - KL(BoN || pi_ref) over N>
+
+``--smollm2`` (``--config``, default configs/quickstart.yaml, its reward): best-of-N for N in
+``--bon`` from a pool of ``--pool`` reference samples per meter prompt (reward: the unbiased
+U-statistic; KL: the bound and the plug-in estimate ``frontier.bon_kl_from_pool``; 95% basic
+bootstrap intervals over each prompt's pool), and one PPO run per ``--betas`` (fixed beta,
+``--iterations``) measured on the same prompts by ``KLToOptimum`` (reward and KL(pi || pi_ref) of
+``--policy-samples`` responses per prompt, +-1.96 SE; and the distance to the optimum where it can
+be trusted). The reference pool is the first run's meter pool (every run starts from the same
+reference and seed). Prints ``SMOLLM2 ...`` lines per point.
+
+``--meter-table``: on the exact task, the log Z estimate's bias and spread against the number of
+reference samples (plug-in and delta-corrected), over ``--replicates`` draws, for ``--betas``.
+
+Writes ``<out>/frontier.png`` (or ``frontier_smollm2.png``) and ``<out>/frontier.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from rlhf_lightning import frontier as fr
+from rlhf_lightning.exact import log_partition, reference_logprobs, task_named, train
+
+BON_N = tuple(range(1, 65))
+FRONTIER_BETAS = np.geomspace(0.02, 100, 300)
+SOFT_LAMBDAS = np.geomspace(0.05, 20, 25)
+
+
+def exact_mode(args: argparse.Namespace) -> str:
+    from regulariser_frontier import PPO  # the PPO settings that put the KL penalty on the frontier there
+
+    task = task_named(args.task)
+    ref, rewards = reference_logprobs(task, args.seed), task.rewards()
+    curve = [fr.tilted_point(ref, rewards, float(b)) for b in FRONTIER_BETAS]
+    bon = {n: fr.plane_point(fr.bon_logprobs(ref, rewards, n), ref, rewards) for n in BON_N}
+    bound_error = {n: fr.bon_kl_bound(n) - p.kl for n, p in bon.items()}
+    soft = {
+        n: [fr.plane_point(fr.soft_bon_logprobs(ref, rewards, n, float(lam)), ref, rewards) for lam in SOFT_LAMBDAS] for n in args.soft_n
+    }
+    ppo = []
+    for beta in args.betas:
+        start = time.perf_counter()
+        _, tracker = train(
+            task, args.iterations, every=args.iterations, seed=args.seed, kl_estimator="k1", beta_controller=beta_ctl(beta), **PPO
+        )
+        point = fr.PlanePoint(kl=tracker.last["kl_to_ref"], reward=tracker.last["reward"])
+        ppo.append((beta, point, fr.frontier_gap(point, ref, rewards), tracker.last["kl_to_optimum"], time.perf_counter() - start))
+    rows = [("frontier", f"{b:.4g}", p) for b, p in zip(FRONTIER_BETAS, curve, strict=True)]
+    rows += [("bon", n, p) for n, p in bon.items()]
+    rows += [("soft_bon", f"{n}@{lam:.3g}", p) for n, points in soft.items() for lam, p in zip(SOFT_LAMBDAS, points, strict=True)]
+    rows += [("ppo", f"{beta:g}", p) for beta, p, *_ in ppo]
+    write_csv(args.out / "frontier.csv", ["family", "setting", "kl", "reward"], [(f, s, p.kl, p.reward) for f, s, p in rows])
+
+    print(
+        f"task={args.task} seed={args.seed} prompts={len(task.prompts)} responses={ref.shape[1]} iterations={args.iterations} "
+        f"batch_size={args.batch_size or PPO['batch_size']}"
+    )
+    print("| N | KL(BoN) exact | log N - (N-1)/N | reward | frontier at that KL | gap |\n|---:|---:|---:|---:|---:|---:|")
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        best = fr.frontier_reward(ref, rewards, bon[n].kl)
+        print(f"| {n} | {bon[n].kl:.4f} | {fr.bon_kl_bound(n):.4f} | {bon[n].reward:.4f} | {best:.4f} | {best - bon[n].reward:+.4f} |")
+    print(
+        "\n| PPO beta | KL exact | reward | frontier at that KL | relative gap | KL(pi‖pi*) | seconds |\n|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    for beta, point, gap, kl_opt, seconds in ppo:
+        best = fr.frontier_reward(ref, rewards, point.kl)
+        print(f"| {beta:g} | {point.kl:.4f} | {point.reward:.4f} | {best:.4f} | {gap:+.4f} | {kl_opt:.4f} | {seconds:.0f} |")
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ax.plot([p.kl for p in curve], [p.reward for p in curve], color="black", lw=1.5, label="frontier: pi_beta ∝ pi_ref exp(r/beta)")
+    ax.plot(
+        [p.kl for p in bon.values()], [p.reward for p in bon.values()], "o", ms=3, color="tab:orange", label="best-of-N, N=1..64 (exact KL)"
+    )
+    ax.plot(
+        [fr.bon_kl_bound(n) for n in bon],
+        [p.reward for p in bon.values()],
+        "x",
+        ms=3,
+        color="tab:orange",
+        alpha=0.5,
+        label="best-of-N at the bound log N - (N-1)/N",
+    )
+    for n, points in soft.items():
+        ax.plot([p.kl for p in points], [p.reward for p in points], "--", lw=1, label=f"soft best-of-{n} (temperature 0.05..20)")
+    ax.plot(
+        [p.kl for _, p, *_ in ppo], [p.reward for _, p, *_ in ppo], "s", color="tab:blue", ms=6, label="PPO (k1 in the reward), fixed beta"
+    )
+    for beta, p, *_ in ppo:
+        ax.annotate(f"beta={beta:g}", (p.kl, p.reward), textcoords="offset points", xytext=(5, -10), fontsize=7)
+    for n in (2, 4, 16, 64):
+        ax.annotate(f"N={n}", (bon[n].kl, bon[n].reward), textcoords="offset points", xytext=(-4, 6), fontsize=7, ha="right")
+    ax.set_xlim(0, max(fr.bon_kl_bound(64), max(p.kl for _, p, *_ in ppo)) * 1.05)
+    ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
+    ax.set_ylabel("exact expected reward")
+    ax.set_title(f"{args.task} task (seed {args.seed}): the reward-KL plane, every point exact", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out / "frontier.png", dpi=110)
+    plt.close(fig)
+    line = f"FRONTIER ppo_max_gap={max((g for _, _, g, *_ in ppo), default=math.nan):.4f} bon_kl_bound_max_error={max(bound_error.values()):.4f}"
+    print(line)
+    return line
+
+
+def beta_ctl(beta: float):
+    from rlhf_lightning_plugins.beta_controllers import FixedBeta
+
+    return FixedBeta(beta)
+
+
+def meter_table(args: argparse.Namespace) -> list[dict]:
+    """Bias and spread of log Z from n reference samples on the exact task, against the exact value."""
+    task = task_named(args.task)
+    ref, rewards = reference_logprobs(task, args.seed), task.rewards()
+    generator = torch.Generator().manual_seed(args.seed)
+    out = []
+    print(f"min_ess={args.min_ess:g} max_tail={args.max_tail:g} reward_max={float(rewards.max()):g} replicates={args.replicates}")
+    print(
+        "| beta | n | exact E_x log Z | bias plug-in | bias corrected | sd | mean delta-method se | min ESS (median) | refused: ESS | ESS or tail |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for beta in args.betas:
+        exact = float(log_partition(ref, rewards, beta).mean())
+        for n in args.samples:
+            plug, corr, se, ess, refused, refused_tail = [], [], [], [], 0, 0
+            for _ in range(args.replicates):
+                idx = torch.multinomial(ref.exp(), n, replacement=True, generator=generator)  # (prompts, n)
+                est = fr.log_partition_estimate(rewards.gather(1, idx), beta)
+                plug.append(float(est.plug_in.mean()))
+                corr.append(float(est.corrected.mean()))
+                se.append(float(est.se.pow(2).sum().sqrt()) / len(task.prompts))
+                ess.append(float(est.ess.min()))
+                refused += est.untrusted(args.min_ess) is not None
+                refused_tail += est.untrusted(args.min_ess, reward_max=float(rewards.max()), max_tail=args.max_tail) is not None
+            row = dict(
+                beta=beta, n=n, exact=exact, bias_plug_in=statistics.mean(plug) - exact, bias_corrected=statistics.mean(corr) - exact
+            )
+            row.update(sd=statistics.stdev(plug), se=statistics.mean(se), ess=statistics.median(ess))
+            row.update(refused=refused / args.replicates, refused_tail=refused_tail / args.replicates)
+            out.append(row)
+            print(
+                f"| {beta:g} | {n} | {exact:.4f} | {row['bias_plug_in']:+.4f} | {row['bias_corrected']:+.4f} | {row['sd']:.4f} | "
+                f"{row['se']:.4f} | {row['ess']:.1f} | {row['refused']:.0%} | {row['refused_tail']:.0%} |"
+            )
+    return out
+
+
+def smollm2_mode(args: argparse.Namespace) -> None:
+    from rlhf_lightning.optimum_meter import KLToOptimum
+
+    from sweep_beta import fixed_beta, prepare
+    from sweep_beta import train as train_config
+
+    prepare(args.threads, str(args.out))
+    pool_state, points = None, []
+    overrides = [f"--data.batch_size={args.batch_size or 8}", "--model.log_samples_every_n_steps=0"]
+    for beta in args.betas:
+        start = time.perf_counter()
+        meter = KLToOptimum(
+            every=args.meter_every,
+            beta=beta,
+            num_prompts=args.prompts,
+            reference_samples=args.pool,
+            policy_samples=args.policy_samples,
+            reward_max=args.reward_max,
+            max_tail=args.max_tail,
+        )
+        if pool_state is not None:  # the same reference, prompts and seed: the first run's pool, not a second one
+            meter.load_state_dict(pool_state)
+        train_config(args.config, [*fixed_beta(beta), *overrides], args.iterations, args.out / f"beta_{beta:g}", callbacks=[meter])
+        if pool_state is None:
+            pool_state = meter.state_dict()
+            torch.save(pool_state, args.out / "reference_pool.pt")  # prompts and training scores of the pool
+            points += bon_points(pool_state["reference_scores"], args)
+        for row in meter.rows:
+            s = row["sampled"]
+            kl_opt = (
+                f"kl_to_optimum={row['distance'].kl_to_optimum:.3f}+-{1.96 * row['distance'].se:.3f} "
+                f"log_z_bias={row['distance'].log_z_bias:.4f} ess={row['ess']:.1f}"
+                if "distance" in row
+                else f"kl_to_optimum=refused ({row['reason']})"
+            )
+            print(
+                f"SMOLLM2 ppo beta={beta:g} iteration={row['iteration']} reward={s.reward:.3f}+-{1.96 * s.reward_se:.3f} "
+                f"kl={s.kl_to_ref:.3f}+-{1.96 * s.kl_to_ref_se:.3f} {kl_opt}",
+                flush=True,
+            )
+        last = meter.rows[-1]["sampled"]
+        points.append(("ppo", f"{beta:g}", last.kl_to_ref, 1.96 * last.kl_to_ref_se, last.reward, 1.96 * last.reward_se, math.nan))
+        print(f"(beta {beta:g}: {time.perf_counter() - start:.0f} s)", flush=True)
+        plot_smollm2(points, args)  # after every run: a cut-short sweep still leaves its figure
+
+
+def bon_points(pool: torch.Tensor, args: argparse.Namespace) -> list[tuple]:
+    """Best-of-N rows (family, N, KL, KL half-interval, reward, reward half-interval, KL bound) from the pool."""
+    generator, points = torch.Generator().manual_seed(0), []
+    for n in args.bon:
+        reward, kl = float(fr.bon_reward_from_pool(pool, n).mean()), float(fr.bon_kl_from_pool(pool, n).mean())
+        boot_r, boot_k = [], []
+        for _ in range(args.bootstrap):
+            idx = torch.randint(0, pool.shape[1], pool.shape, generator=generator)
+            sample = pool.gather(1, idx)
+            boot_r.append(float(fr.bon_reward_from_pool(sample, n).mean()))
+            boot_k.append(float(fr.bon_kl_from_pool(sample, n).mean()))
+        # basic (pivotal) bootstrap, 2 * estimate - quantiles: a resampled pool holds duplicates, extra ties
+        # that pull the plug-in KL down, and the pivot carries that shift back instead of reporting it
+        r_lo, r_hi = 2 * reward - np.percentile(boot_r, [97.5, 2.5])
+        k_lo, k_hi = 2 * kl - np.percentile(boot_k, [97.5, 2.5])
+        points.append(("bon", str(n), kl, (k_hi - k_lo) / 2, reward, (r_hi - r_lo) / 2, fr.bon_kl_bound(n)))
+        print(
+            f"SMOLLM2 bon N={n} reward={reward:.3f} [{r_lo:.3f}, {r_hi:.3f}] kl_estimate={kl:.3f} [{k_lo:.3f}, {k_hi:.3f}] "
+            f"kl_bound={fr.bon_kl_bound(n):.3f}",
+            flush=True,
+        )
+    return points
+
+
+def plot_smollm2(points: list[tuple], args: argparse.Namespace) -> None:
+    write_csv(args.out / "frontier_smollm2.csv", ["family", "setting", "kl", "kl_ci", "reward", "reward_ci", "kl_bound"], points)
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    bon = [p for p in points if p[0] == "bon"]
+    ax.errorbar(
+        [p[2] for p in bon],
+        [p[4] for p in bon],
+        xerr=[p[3] for p in bon],
+        yerr=[p[5] for p in bon],
+        fmt="o-",
+        color="tab:orange",
+        capsize=3,
+        label="best-of-N, KL plug-in estimate (95% bootstrap)",
+    )
+    ax.plot([p[6] for p in bon], [p[4] for p in bon], "x--", color="tab:orange", alpha=0.6, label="best-of-N at the bound log N - (N-1)/N")
+    for p in bon:
+        ax.annotate(f"N={p[1]}", (p[2], p[4]), textcoords="offset points", xytext=(-4, 6), fontsize=7, ha="right")
+    ppo = [p for p in points if p[0] == "ppo"]
+    ax.errorbar(
+        [p[2] for p in ppo],
+        [p[4] for p in ppo],
+        xerr=[p[3] for p in ppo],
+        yerr=[p[5] for p in ppo],
+        fmt="s",
+        color="tab:blue",
+        capsize=3,
+        label=f"PPO, fixed beta, {args.iterations} iterations (+-1.96 SE)",
+    )
+    for p in ppo:
+        ax.annotate(f"beta={p[1]}", (p[2], p[4]), textcoords="offset points", xytext=(5, -10), fontsize=7)
+    ax.set_xlabel("KL(pi || pi_ref) (nats per response)")
+    ax.set_ylabel("mean VADER score on the meter prompts")
+    ax.set_title(f"SmolLM2-135M, {Path(args.config).name}: {args.prompts} prompts, pool {args.pool}/prompt", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.out / "frontier_smollm2.png", dpi=110)
+    plt.close(fig)
+
+
+def write_csv(path: Path, header: list[str], rows) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--exact", action="store_true", help="the enumerable task: every point exact")
+    mode.add_argument("--smollm2", action="store_true", help="SmolLM2 with --config's reward: sampled points with intervals")
+    mode.add_argument("--meter-table", action="store_true", help="bias and spread of the sampled log Z against n (exact task)")
+    parser.add_argument("--task", default="terminal", help="exact task: terminal, bandit or random:SEED (default terminal)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (and a hand-made task's reference)")
+    parser.add_argument("--betas", type=float, nargs="+", help="PPO betas (default: 0.25 0.5 1 2 exact; 0.1 0.3 1 smollm2)")
+    parser.add_argument("--iterations", type=int, help="PPO iterations per beta (default 100 exact, 20 smollm2)")
+    parser.add_argument("--soft-n", type=int, nargs="+", default=[4, 16], help="soft best-of-N sizes (default 4 16)")
+    parser.add_argument("--fast", action="store_true", help="exact: one PPO beta (0.5), 20 iterations, one soft N")
+    parser.add_argument("--config", default="configs/quickstart.yaml", help="smollm2: the run's YAML (default the quickstart)")
+    parser.add_argument("--prompts", type=int, default=4, help="smollm2: meter prompts (default 4)")
+    parser.add_argument("--pool", type=int, default=64, help="smollm2: reference samples per prompt (default 64)")
+    parser.add_argument("--policy-samples", type=int, default=16, help="smollm2: policy samples per prompt per measurement (default 16)")
+    parser.add_argument("--meter-every", type=int, default=5, help="smollm2: iterations between measurements (default 5)")
+    parser.add_argument(
+        "--batch-size", type=int, help="responses per PPO iteration (exact, default 48) or prompts per iteration (smollm2, default 8)"
+    )
+    parser.add_argument("--bon", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="smollm2: best-of-N sizes")
+    parser.add_argument("--bootstrap", type=int, default=200, help="smollm2: bootstrap replicates for best-of-N's intervals")
+    parser.add_argument(
+        "--reward-max", type=float, default=1.0, help="smollm2: upper bound of the reward (VADER: 1), for the meter's tail check"
+    )
+    parser.add_argument("--max-tail", type=float, default=0.25, help="the meter's max_tail (nats of log Z, default 0.25)")
+    parser.add_argument("--threads", type=int, default=1, help="smollm2: torch threads")
+    parser.add_argument("--samples", type=int, nargs="+", default=[16, 64, 256, 1024], help="meter table: reference samples n")
+    parser.add_argument("--replicates", type=int, default=400, help="meter table: draws per n")
+    parser.add_argument("--min-ess", type=float, default=8.0, help="meter table: KLToOptimum's min_ess, for the refused share")
+    parser.add_argument("--out", default="runs/frontier", help="output folder")
+    args = parser.parse_args(argv)
+    default_betas, default_iterations = ([0.25, 0.5, 1.0, 2.0], 100) if not args.smollm2 else ([0.1, 0.3, 1.0], 20)
+    if args.meter_table:
+        default_betas = [0.25, 1.0, 4.0]
+    if args.fast:
+        default_betas, default_iterations, args.soft_n = [0.5], 20, [4]
+    args.betas = args.betas or default_betas
+    args.iterations = args.iterations or default_iterations
+    if any(b <= 0 for b in args.betas) or args.iterations < 1:
+        parser.error("--betas must be > 0 and --iterations >= 1")
+    if args.smollm2 and max(args.bon) > args.pool:
+        parser.error(f"--bon sizes must be <= --pool ({args.pool})")
+    args.out = Path(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main(argv=None):
+    import logging
+    import warnings
+
+    args = parse_args(argv)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", module="lightning")
+    torch.set_num_threads(args.threads)
+    if args.meter_table:
+        return meter_table(args)
+    if args.smollm2:
+        return smollm2_mode(args)
+    return exact_mode(args)
+
+
+if __name__ == "__main__":
+    main()
