@@ -275,9 +275,9 @@ def bench_module_class():
             with self.clock("score_policy", within="score"):  # not the forwards of the update
                 return super().policy_outputs(*args, **kwargs)
 
-        def _sampler_outputs(self, *args, **kwargs):  # old_logprobs: sampler
+        def _old_policy(self, *args, **kwargs):  # pi_old: the sampler's logits, or a forward (policy_outputs, not timed twice)
             with self.clock("score_policy", within="score"):
-                return super()._sampler_outputs(*args, **kwargs)
+                return super()._old_policy(*args, **kwargs)
 
         @contextlib.contextmanager
         def _reference(self):
