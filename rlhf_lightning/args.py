@@ -52,7 +52,7 @@ CHOICES = {
     "cpu_malloc": ("tuned", "default"),
     "special_tokens_in_prompts": ("refuse", "allow"),
     "optimizers": ("separate", "shared"),
-    "rollout_correction": ("none", "tis", "mis"),
+    "rollout_correction": ("none", "tis", "mis", "seq_tis", "seq_mis"),
 }
 
 

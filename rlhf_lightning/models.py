@@ -393,6 +393,8 @@ class PolicyNetworks:
         banned = sampling.min_new_tokens_ban(logits.shape, self.tokenizer.eos_token_id, hp.min_new_tokens, logits.device)
         top_k, top_p = (hp.top_k, hp.top_p) if hp.do_sample else (0, 1.0)
         kept = sampling.kept_tokens(logits if sampler_logits is None else sampler_logits, top_k, top_p, banned)
+        if kept is not None:  # the sampled token was kept, whatever rounding at a top-p boundary says (another engine's kernels)
+            kept = kept.scatter(-1, response.unsqueeze(-1), True)
         logits = sampling.restrict(logits, kept)
         trainer_logprobs = pm.logprobs_of(logits, response)
         if sampler_logits is not None:

@@ -128,9 +128,9 @@ class PPORLHF(PolicyNetworks, LightningModule):
             (colocated, weights synced after each update) or ``class_path`` (docs/rollout-engines.md).
         max_new_tokens / min_new_tokens / temperature / top_k / top_p: sampling (top_k 0 and top_p 1:
             no truncation); every log-prob is of the same tempered distribution on the kept set.
-        rollout_correction / rollout_correction_cap: weigh each token's policy loss and KL by
-            pi_old / pi_sampler, truncated at the cap (``tis``) or dropped beyond [1 / cap, cap]
-            (``mis``); ``none``. Needs ``old_logprobs: forward``.
+        rollout_correction / rollout_correction_cap: weigh each token's policy loss, KL loss and
+            logged KL by pi_old / pi_sampler of the token (``tis``, ``mis``) or of the response
+            (``seq_tis``, ``seq_mis``), truncated at the cap (tis) or 0 outside [1 / cap, cap] (mis).
         do_sample: sample (PPO) or decode greedily (evaluation; tests that need rollouts that
             depend on the weights alone).
         max_prompt_length: longest rendered prompt in tokens; longer prompts are an error.
@@ -193,7 +193,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         top_k: int = 0,
         top_p: float = 1.0,
         rollout_engine: Union[RolloutEngine, str] = "hf",
-        rollout_correction: Literal["none", "tis", "mis"] = "none",
+        rollout_correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis"] = "none",
         rollout_correction_cap: float = 2.0,
         max_prompt_length: int = 256,
         old_logprobs: Literal["sampler", "forward"] = "sampler",
@@ -408,19 +408,18 @@ class PPORLHF(PolicyNetworks, LightningModule):
             initial_logits=initial_logits if keep_logits else None,
             kept=old.kept,
             is_weights=sampling.correction_weights(
-                old.trainer_logprobs, old.sampler_logprobs, hp.rollout_correction, hp.rollout_correction_cap
+                old.trainer_logprobs, old.sampler_logprobs, mask, hp.rollout_correction, hp.rollout_correction_cap
             ),
         )
 
     def kl_per_token(self, rollout: Rollout, to_initial: bool = False) -> Tensor:
         """The penalised per-token KL estimate (batch, response_len), zero off the KL mask; with
         ``to_initial`` the same estimate against the starting policy (a moving reference only); of the
-        trainer's pi_old, weighed by the rollout correction's weights if any."""
+        trainer's pi_old (a rollout correction weighs its reward through the policy loss)."""
         ref_logprobs, ref_logits = (
             (rollout.initial_logprobs, rollout.initial_logits) if to_initial else (rollout.ref_logprobs, rollout.ref_logits)
         )
         kl = self.kl_estimator.checked(rollout.trainer_logprobs, ref_logprobs, rollout.old_logits, ref_logits)
-        kl = kl if rollout.is_weights is None else kl * rollout.is_weights
         return pm.masked_select(kl, self.kl_mask(rollout.response, rollout.mask))
 
     def kl_mask(self, response: Tensor, mask: Tensor) -> Tensor:
@@ -627,6 +626,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
     def rollout_metrics(self, rollout: Rollout, scored: Scored, beta: float) -> dict[str, float]:
         """Global (all-rank) means of what the rollout saw; each name is documented in docs/metrics.md."""
         mask, kl, raw_scores, scores = rollout.mask, scored.kl, scored.raw_scores, scored.scores
+        kl = kl if rollout.is_weights is None else kl * rollout.is_weights  # E_sampler[w k] = E_pi_old[k]
         kl_seq = kl.sum(-1)
         counts = [torch.tensor(float(len(raw_scores)), device=self.device), raw_scores.to(self.device).sum(), scores.to(self.device).sum()]
         sums = [kl_seq.sum(), kl.sum(), mask.sum(), (rollout.entropy * mask).sum(), rollout.ended_with_eos.float().sum()]

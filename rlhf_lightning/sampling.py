@@ -65,19 +65,24 @@ def min_new_tokens_ban(shape: tuple[int, ...], eos_token_id: int, min_new_tokens
 
 
 def correction_weights(
-    trainer_logprobs: Tensor, sampler_logprobs: Tensor, mode: Literal["none", "tis", "mis"], cap: float
+    trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, mode: Literal["none", "tis", "mis", "seq_tis", "seq_mis"], cap: float
 ) -> Optional[Tensor]:
-    """Per-token importance weights from the sampler to the trainer's pi_old, w_t = pi_old(y_t) /
-    pi_sampler(y_t), (batch, response_len): ``tis`` min(w_t, cap) (truncated importance sampling,
-    Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"),
-    ``mis`` w_t where 1 / cap <= w_t <= cap and 0 elsewhere (masked importance sampling: a token
-    whose probabilities disagree that much is dropped); ``none`` None. Without gradient."""
+    """Importance weights from the sampler to the trainer's pi_old, (batch, response_len), zero off
+    ``mask``, without gradient. Per token (``tis``, ``mis``) w_t = pi_old(y_t | s_t) / pi_sampler(y_t | s_t);
+    per response (``seq_tis``, ``seq_mis``) every token of a response gets w = prod_t w_t, the ratio of
+    the whole response's probabilities (unbiased for returns that depend on the tokens after t, which a
+    per-token weight leaves drawn from the sampler). ``*tis``: min(w, cap) (truncated importance
+    sampling, Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"); ``*mis``: w inside [1 / cap, cap], 0 outside (masked importance sampling: a token or
+    response whose probabilities disagree that much is dropped); ``none``: None."""
     if mode == "none":
         return None
-    w = (trainer_logprobs - sampler_logprobs).double().exp()
-    if mode == "tis":
-        return w.clamp(max=cap).float()
-    return torch.where((w <= cap) & (w >= 1 / cap), w, torch.zeros_like(w)).float()
+    log_w = pm.masked_select(trainer_logprobs.double() - sampler_logprobs.double(), mask)
+    if mode.startswith("seq_"):
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
+    w = log_w.exp()
+    w = w.clamp(max=cap) if mode.endswith("tis") else torch.where((w <= cap) & (w >= 1 / cap), w, torch.zeros_like(w))
+    return pm.masked_select(w, mask).float()
 
 
 def mismatch_metrics(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, sum_fn=None) -> dict[str, float]:
