@@ -7,6 +7,7 @@ vLLM colocated in the trainer's process. Both sample the declared distribution o
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import tempfile
@@ -111,7 +112,6 @@ class VLLMEngine(RolloutEngine):
                 max_tokens=hp.max_new_tokens,
                 min_tokens=hp.min_new_tokens,
                 stop_token_ids=[tokenizer.eos_token_id],
-                ignore_eos=True,  # the checkpoint's own EOS (a tiny Llama's 2) may not be the tokenizer's: the stop id ends a response
                 logprobs=0,
                 seed=seed + row,
                 detokenize=False,
@@ -148,7 +148,10 @@ class VLLMEngine(RolloutEngine):
         self._folder = tempfile.TemporaryDirectory(prefix="rlhf-lightning-vllm-")
         with module._generator() as model:
             weights = dict(hf_weights(model))
-            model.config.save_pretrained(self._folder.name)
+            # The tokenizer's EOS as the checkpoint's: vLLM also bans the config's EOS before min_tokens.
+            config = copy.deepcopy(model.config)
+            config.eos_token_id = module.tokenizer.eos_token_id
+            config.save_pretrained(self._folder.name)
             longest = min(module.hparams.max_prompt_length + module.hparams.max_new_tokens, model.config.max_position_embeddings)
         save_file({name: t.contiguous() for name, t in weights.items()}, os.path.join(self._folder.name, "model.safetensors"))
         dtype = next(iter(weights.values())).dtype

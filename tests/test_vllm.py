@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from helpers import fit, make_module
 
@@ -79,21 +80,28 @@ def test_training_syncs_after_every_update_and_logs_the_mismatch(tmp_path):
     for row in history.rows:
         assert row["rollout/logprob_diff_max"] < FP32_ROUNDING
         assert row["rollout/sampler_trainer_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
-    synced = module.rollout_engine.synced_step
-    module.rollout(PROMPTS)
-    assert module.rollout_engine.syncs == 2 and module.rollout_engine.synced_step == synced
+    module.rollout(PROMPTS)  # the third update's weights: one more sync
+    module.rollout(PROMPTS)  # nothing changed: none
+    assert module.rollout_engine.syncs == 3 and module.rollout_engine.synced_step == module.global_step
+
+
+class SaveAtIteration(Callback):
+    def __init__(self, iteration: int, path) -> None:
+        self.iteration, self.path = iteration, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.iteration == self.iteration:
+            trainer.save_checkpoint(self.path)
 
 
 def test_resume_draws_the_same_responses(tmp_path):
-    """Four iterations straight equal two, a checkpoint, and two more in a new process's module:
-    the engine restarts from the checkpoint's weights and each row's seed is the run's."""
-    straight = vllm_module(ppo_epochs=1)
-    _, full = fit(straight, tmp_path / "a", iterations=4, batch_size=4)
-    first = vllm_module(ppo_epochs=1)
-    trainer, _ = fit(first, tmp_path / "b", iterations=2, batch_size=4)
+    """Four iterations straight, checkpointed after the second; a new module resumed from it runs
+    the last two: the engine restarts from the checkpoint's weights, each row's seed is the run's,
+    so the rollouts and metrics are the straight run's."""
     path = tmp_path / "half.ckpt"
-    trainer.save_checkpoint(path)
-    resumed = vllm_module(ppo_epochs=1)
-    _, rest = fit(resumed, tmp_path / "c", iterations=4, batch_size=4, ckpt_path=str(path))
-    for key in ("objective/kl", "objective/reward", "rollout/logprob_diff_max"):
-        assert [row[key] for row in rest.rows] == pytest.approx(full.series(key)[2:], abs=1e-5), key
+    _, straight = fit(vllm_module(ppo_epochs=1), tmp_path / "a", iterations=4, batch_size=4, callbacks=[SaveAtIteration(2, path)])
+    _, resumed = fit(vllm_module(ppo_epochs=1), tmp_path / "b", iterations=4, batch_size=4, ckpt_path=str(path))
+    assert len(resumed.rows) == 2
+    for key in ("objective/kl", "objective/reward", "response/length", "rollout/logprob_diff_max"):
+        assert resumed.series(key) == pytest.approx(straight.series(key)[2:], abs=1e-5), key
+    assert [o["rollout"].responses for o in resumed.outputs] == [o["rollout"].responses for o in straight.outputs[2:]]
