@@ -412,10 +412,12 @@ class ExactPPORLHF(PPORLHF):
         (``sampling``), restricted at each prefix to the kept set the policy's sampler keeps there
         (with top_k / top_p; a response outside them has probability 0): (prompts, responses), float64."""
         input_ids, attention_mask = self._all_responses()
-        hp, length = self.hparams, self.task.response_length
-        policy_logits = self.response_logits(self.policy, input_ids, attention_mask, length)
-        logits = policy_logits if model is None else self.response_logits(model, input_ids, attention_mask, length)
-        kept = sampling.kept_tokens(policy_logits, hp.top_k, hp.top_p) if hp.do_sample else None
+        length = self.task.response_length
+        logits = self.response_logits(model or self.policy, input_ids, attention_mask, length)
+        kept = None
+        if self.truncates:  # the policy's kept sets, also for another model
+            policy_logits = logits if model is None else self.response_logits(self.policy, input_ids, attention_mask, length)
+            kept = sampling.kept_tokens(policy_logits, self.hparams.top_k, self.hparams.top_p)
         logprobs = pm.logprobs_of(sampling.restrict(logits, kept), input_ids[:, -length:]).double().sum(-1)
         return logprobs.view(len(self.task.prompts), -1).cpu()
 
