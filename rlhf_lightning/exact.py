@@ -44,6 +44,11 @@ only k1 reaches pi*. PPO differentiates the rewards only through log pi of the s
 E_pi[grad kl_t] is lost; it is 0 for k1, but not for k3 nor for full, which collapse towards the
 reward maximiser there and reach pi* with kl_penalty 'both' and unwhitened advantages.
 
+With ``top_k`` / ``top_p`` (rlhf_lightning/sampling.py) every distribution here is the declared one:
+tempered and restricted, at each prefix, to the kept set the policy's own sampler keeps there, for
+the reference too (:meth:`ExactPPORLHF.exact_logprobs`); the optimum is then that of the declared
+objective at those kept sets (docs/rollout-engines.md).
+
 Functions on log-probabilities take tensors of shape (num_prompts, num_responses), one row per
 prompt, each row a distribution over all responses in the order of :func:`enumerate_responses`.
 """

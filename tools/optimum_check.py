@@ -158,6 +158,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-correction", choices=("none", "tis", "mis", "seq_tis", "seq_mis"), default="none", help="model.rollout_correction"
     )
     group.add_argument("--old-logprobs", choices=("sampler", "forward"), help="model.old_logprobs (default: forward with a correction)")
+    group.add_argument("--hidden-size", type=int, help="the task model's width (default 32; 64 with --engine vllm)")
 
 
 def sampling_settings(args: argparse.Namespace) -> dict:
@@ -167,7 +168,8 @@ def sampling_settings(args: argparse.Namespace) -> dict:
     settings.update(rollout_correction=args.rollout_correction, old_logprobs=args.old_logprobs or "sampler")
     if args.rollout_correction != "none" and args.old_logprobs is None:
         settings["old_logprobs"] = "forward"
-    return {**settings, "tiny_config": {"hidden_size": 64}} if args.engine == "vllm" else settings
+    width = args.hidden_size or (64 if args.engine == "vllm" else None)
+    return {**settings, "tiny_config": {"hidden_size": width}} if width else settings
 
 
 def reference_settings(args: argparse.Namespace, iterations: int) -> dict:
