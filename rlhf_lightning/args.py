@@ -29,8 +29,21 @@ PLUGIN_ARGUMENTS = {
     "entropy_controller": "beta_controller",
     "gold_reward_model": "reward_model",
     "reference_update": "reference_update",
+    "rollout_engine": "rollout_engine",
 }
-FINITE = ("temperature", "cliprange_value", "vf_coef", "lr", "critic_lr", "weight_decay", "max_grad_norm", "lora_alpha", "entropy_coef")
+FINITE = (
+    "temperature",
+    "top_p",
+    "rollout_correction_cap",
+    "cliprange_value",
+    "vf_coef",
+    "lr",
+    "critic_lr",
+    "weight_decay",
+    "max_grad_norm",
+    "lora_alpha",
+    "entropy_coef",
+)
 AT_LEAST_ONE = ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults")
 AT_LEAST_ZERO = ("log_samples_every_n_steps", "num_logged_samples")  # 0: no sample table
 # Below this temperature a group's responses are mostly one and the same (the sampler all but argmax).
@@ -43,6 +56,7 @@ CHOICES = {
     "cpu_malloc": ("tuned", "default"),
     "special_tokens_in_prompts": ("refuse", "allow"),
     "optimizers": ("separate", "shared"),
+    "rollout_correction": ("none", "tis", "mis", "seq_tis", "seq_mis"),
 }
 
 
@@ -65,6 +79,7 @@ def build_plugins(args: dict[str, Any]) -> dict[str, Any]:
         plugins["entropy_controller"] = registry("beta_controller").get("fixed")(init_beta=coef, unit="token_mean") if coef else None
     plugins["gold_reward_model"] = None if args["gold_reward_model"] is None else build("gold_reward_model")
     plugins["reference_update"] = build("reference_update")
+    plugins["rollout_engine"] = build("rollout_engine")
     return plugins
 
 
@@ -128,6 +143,15 @@ def check_arguments(args: dict[str, Any], plugins: dict[str, Any]) -> dict[str, 
         a.matmul_precision,
     )
     require(a.temperature > 0, "model.temperature", "> 0", a.temperature)
+    require(0 < a.top_p <= 1, "model.top_p", "in (0, 1] (1: no nucleus truncation)", a.top_p)
+    require(isinstance(a.top_k, int) and a.top_k >= 0, "model.top_k", "an integer >= 0 (0: no top-k truncation)", a.top_k)
+    require(a.rollout_correction_cap >= 1, "model.rollout_correction_cap", ">= 1", a.rollout_correction_cap)
+    require(
+        a.rollout_correction == "none" or a.old_logprobs == "forward",
+        "model.rollout_correction",
+        "'none' unless model.old_logprobs is 'forward' (the correction weighs each token by pi_old / pi_sampler, pi_old from the trainer)",
+        a.rollout_correction,
+    )
     require(
         a.cpu_linear in ("auto", "aten") or (a.cpu_linear == "onednn" and cpu.onednn_available()),
         "model.cpu_linear",

@@ -44,6 +44,11 @@ only k1 reaches pi*. PPO differentiates the rewards only through log pi of the s
 E_pi[grad kl_t] is lost; it is 0 for k1, but not for k3 nor for full, which collapse towards the
 reward maximiser there and reach pi* with kl_penalty 'both' and unwhitened advantages.
 
+With ``top_k`` / ``top_p`` (rlhf_lightning/sampling.py) every distribution here is the declared one:
+tempered and restricted, at each prefix, to the kept set the policy's own sampler keeps there, for
+the reference too (:meth:`ExactPPORLHF.exact_logprobs`); the optimum is then that of the declared
+objective at those kept sets (docs/rollout-engines.md).
+
 Functions on log-probabilities take tensors of shape (num_prompts, num_responses), one row per
 prompt, each row a distribution over all responses in the order of :func:`enumerate_responses`.
 """
@@ -62,6 +67,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from rlhf_lightning import ppo_math as pm
+from rlhf_lightning import sampling
 from rlhf_lightning.checks import require
 from rlhf_lightning.cli import QUIET_TRAINER
 from rlhf_lightning.module import PPORLHF
@@ -383,6 +389,7 @@ class ExactPPORLHF(PPORLHF):
         self.task = task
         self.tokenizer = toy_tokenizer(task.prompts, task.content_tokens)
         self.content_ids = self.tokenizer.convert_tokens_to_ids(list(task.content_tokens))
+        self.sampled_token_ids = list(self.content_ids)  # MaskedHead's set, for an engine serving the bare model (vllm)
 
     def configure_model(self) -> None:
         if self.policy is not None:
@@ -406,12 +413,24 @@ class ExactPPORLHF(PPORLHF):
     @torch.no_grad()
     def exact_logprobs(self, model: Optional[nn.Module] = None) -> Tensor:
         """log pi(y|x) of ``model`` (default: the policy) for every prompt and response, from one
-        batched forward pass scored exactly as PPO scores rollouts: (prompts, responses), float64."""
+        batched forward pass scored exactly as PPO scores rollouts: the declared distribution
+        (``sampling``), restricted at each prefix to the kept set the policy's sampler keeps there
+        (with top_k / top_p; a response outside them has probability 0): (prompts, responses), float64."""
         input_ids, attention_mask = self._all_responses()
         length = self.task.response_length
         logits = self.response_logits(model or self.policy, input_ids, attention_mask, length)
-        logprobs = pm.logprobs_of(logits, input_ids[:, -length:]).double().sum(-1)
+        kept = None
+        if self.truncates:  # the policy's kept sets, also for another model
+            policy_logits = logits if model is None else self.response_logits(self.policy, input_ids, attention_mask, length)
+            kept = sampling.kept_tokens(policy_logits, self.hparams.top_k, self.hparams.top_p)
+        logprobs = pm.logprobs_of(sampling.restrict(logits, kept), input_ids[:, -length:]).double().sum(-1)
         return logprobs.view(len(self.task.prompts), -1).cpu()
+
+    @property
+    def truncates(self) -> bool:
+        """Whether sampling keeps a subset of the tokens (top_k, top_p): the declared reference then
+        depends on the policy's kept sets, and is recomputed with them."""
+        return self.hparams.do_sample and (bool(self.hparams.top_k) or self.hparams.top_p < 1)
 
     def exact_ref_logprobs(self) -> Tensor:
         with self._reference() as ref:
@@ -481,7 +500,8 @@ class OptimumTracker(Callback):
 
     def _row(self, pl_module: ExactPPORLHF, iteration: int, kl_logged: float) -> dict[str, float]:
         logprobs, beta = pl_module.exact_logprobs(), pl_module.beta_controller.beta
-        report = optimum_report(logprobs, self._ref, self._rewards, beta)
+        # With top_k / top_p the optimum is that of the declared objective at the policy's own kept sets.
+        report = optimum_report(logprobs, pl_module.exact_ref_logprobs() if pl_module.truncates else self._ref, self._rewards, beta)
         iterated = optimum_report(logprobs, self._initial, self._rewards, beta / self._k)
         return {
             "iteration": iteration,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 import torch
@@ -336,6 +337,60 @@ class RewardModel(Plugin):
         self.shaping.load_state_dict(state)
 
 
+@dataclass
+class Samples:
+    """What a rollout engine returns for a batch of prompts: each row's prompt and response, and
+    the sampler's scores of the response tokens. ``logits`` (an engine that samples with the
+    trainer's own model, ``hf``) or ``logprobs`` (any other engine) must be set."""
+
+    sequences: Tensor  # (batch, prompt_len + new): the prompts as given (left-padded), then the responses, right-padded
+    logits: Optional[Tensor] = None  # (batch, new, vocab): the policy's raw logits (before temperature) at each response position
+    logprobs: Optional[Tensor] = None  # (batch, new): log-prob of each sampled token under the distribution it was drawn from
+    hidden: Optional[Tensor] = None  # (batch, new, hidden): last hidden states at those positions (``hf``, for a shared critic)
+
+
+class RolloutEngine(Plugin):
+    """Samples the rollout's responses from the policy: ``model.temperature``, ``top_k``, ``top_p``,
+    ``max_new_tokens``, ``min_new_tokens`` and the tokenizer's EOS, read from the module.
+
+    The declared distribution (docs/rollout-engines.md): at each position the policy's logits over
+    the temperature, restricted to the sampler's kept set (top-k, then top-p) and renormalised. An
+    engine returns the log-prob of each sampled token under it (``Samples.logprobs``), or the raw
+    logits it sampled from (``Samples.logits``, the trainer's own model). An engine that keeps its
+    own copy of the weights brings it up to date in ``sample`` whenever ``module.global_step``
+    (optimizer steps taken) has changed since it last looked: after every update, and never when
+    nothing changed. ``setup`` runs at start-up, before any model loads: it refuses (ConfigError,
+    naming ``model.rollout_engine``) what the engine cannot run.
+    """
+
+    def setup(self, module) -> None:
+        """Check that the engine can serve ``module`` as configured (strategy, world size); load nothing."""
+
+    @abstractmethod
+    def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
+        """Responses to the prompts ``enc`` (``input_ids``, ``attention_mask``, left-padded), drawn
+        from a generator seeded by ``seed`` (a resumed run draws the same responses)."""
+
+    def checked_sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
+        """``sample``, refused (ConfigError naming the engine) unless it keeps the prompts and scores
+        every response position: logits (batch, new, vocab) or log-probs (batch, new)."""
+        out = self.sample(module, enc, seed)
+        batch, prompt_len = enc["input_ids"].shape
+        new = out.sequences.shape[1] - prompt_len
+        shape = (batch, new, out.logits.shape[-1]) if out.logits is not None else (batch, new)
+        scores = out.logits if out.logits is not None else out.logprobs
+        require(
+            scores is not None
+            and tuple(scores.shape) == shape
+            and out.sequences.shape[0] == batch
+            and torch.equal(out.sequences[:, :prompt_len].cpu(), enc["input_ids"].cpu()),
+            f"the samples of rollout engine {type(self).__name__}",
+            "the prompts as given, then the responses, with logits (batch, new, vocab) or log-probs (batch, new)",
+            None if scores is None else f"sequences {tuple(out.sequences.shape)}, scores {tuple(scores.shape)}",
+        )
+        return out
+
+
 register_kind("kl_estimator", KLEstimator)
 register_kind("beta_controller", BetaController)
 register_kind("reward_model", RewardModel)
@@ -343,3 +398,4 @@ register_kind("advantage_estimator", AdvantageEstimator)
 register_kind("policy_loss", PolicyLoss)
 register_kind("loss_aggregation", LossAggregation)
 register_kind("reference_update", ReferenceUpdate)
+register_kind("rollout_engine", RolloutEngine)

@@ -20,15 +20,17 @@ import shutil
 import string
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 
-from rlhf_lightning import fsdp2, gpu
+from rlhf_lightning import fsdp2, gpu, sampling
+from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
+from rlhf_lightning.interfaces import Samples
 
 BUILTIN_MODELS = ("tiny", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -240,14 +242,24 @@ class ValueModel(nn.Module):
         return self.head(hidden).squeeze(-1).float()
 
 
+class OldPolicy(NamedTuple):
+    """pi_old of a rollout (``PolicyNetworks._old_policy``); per-token tensors (batch, response_len)."""
+
+    logits: Tensor  # (batch, response_len, vocab): tempered, restricted to the kept set
+    values: Optional[Tensor]  # V_old(s_t); None without a critic
+    kept: Optional[Tensor]  # (batch, response_len, vocab) bool: the sampler's kept set; None: every token
+    trainer_logprobs: Tensor  # log pi_old of the sampled tokens, from ``logits``
+    sampler_logprobs: Tensor  # the rollout engine's own (equal to trainer_logprobs when ``hf`` logits are used)
+
+
 REFERENCE_ADAPTER = "reference"  # LoRA: the moving reference's own frozen adapter beside "default"
 
 
 class PolicyNetworks:
     """The networks of ``PPORLHF`` (a mixin of it): the policy, its critic, the reference and the
     starting policy; how they are built (``configure_model``: LoRA, FSDP2 sharding), the forward
-    passes the loop reads (``response_logits``, ``policy_outputs``), the model that samples
-    (``_generator``) and the reference (``_reference``, ``_initial``, ``_reference_is_policy``,
+    passes the loop reads (``response_logits``, ``policy_outputs``, ``_old_policy``), the model that
+    the ``hf`` rollout engine samples with (``_generator``) and the reference (``_reference``, ``_initial``, ``_reference_is_policy``,
     ``_move_reference``). The algorithm itself is in ``module.py``.
 
     A reference whose weights equal the policy's (iteration 0, right after a sync) computes the
@@ -374,42 +386,37 @@ class PolicyNetworks:
         values = self.critic(input_ids, attention_mask, position_ids(attention_mask))
         return values[:, -response_len - 1 : -1]
 
-    def _sampler_outputs(self, out, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Optional[Tensor]]:
-        """``policy_outputs`` from what ``generate`` already computed: its raw logits at each step,
-        and (shared critic) the last hidden state that produced them; a separate critic still
-        runs its own forward."""
-        logits = self._tempered(torch.stack(out.logits, dim=1))  # float32 already (float32_head)
-        out["logits"] = None  # the per-step copies: one full-vocabulary tensor at a time from here
-        if self.critic is None:
-            return logits, None
-        if self._shared_critic:  # the output layer's input at each step (_sample): its last position
-            hidden = torch.stack([step[:, -1] for step in out.hidden_states], dim=1)
-            return logits, self.critic(hidden=hidden)
-        return logits, self._critic_values(input_ids, attention_mask, response_len)
+    def _old_policy(self, samples: Samples, input_ids: Tensor, attention_mask: Tensor, response: Tensor, mask: Tensor) -> OldPolicy:
+        """pi_old at sampling time on the declared distribution (``sampling``: tempered, restricted to
+        the sampler's kept set): the trainer's logits, from the sampler's (``hf``) or from one batched
+        forward (another engine, ``old_logprobs: forward`` or a rollout correction), V_old, the kept
+        set, and the sampler's own log-probs of the sampled tokens (the trainer's past EOS)."""
+        hp, response_len = self.hparams, response.shape[1]
+        sampler_logits = None if samples.logits is None else samples.logits.float() / hp.temperature
+        if sampler_logits is None or hp.old_logprobs == "forward" or hp.rollout_correction != "none":
+            logits, values = self.policy_outputs(input_ids, attention_mask, response_len)
+        elif self._shared_critic:
+            logits, values = sampler_logits, self.critic(hidden=samples.hidden)
+        else:
+            logits, values = sampler_logits, None if self.critic is None else self._critic_values(input_ids, attention_mask, response_len)
+        banned = sampling.min_new_tokens_ban(logits.shape, self.tokenizer.eos_token_id, hp.min_new_tokens, logits.device)
+        top_k, top_p = (hp.top_k, hp.top_p) if hp.do_sample else (0, 1.0)
+        kept = sampling.kept_tokens(logits if sampler_logits is None else sampler_logits, top_k, top_p, banned)
+        if kept is not None:  # the sampled token was kept, whatever rounding at a top-p boundary says (another engine's kernels)
+            kept = kept.scatter(-1, response.unsqueeze(-1), True)
+        logits = sampling.restrict(logits, kept)
+        trainer_logprobs = pm.logprobs_of(logits, response)
+        if sampler_logits is not None:
+            sampler_logprobs = pm.logprobs_of(sampling.restrict(sampler_logits, kept), response)
+        else:
+            sampler_logprobs = torch.where(mask.bool(), samples.logprobs.to(logits.device), trainer_logprobs)
+        return OldPolicy(logits, values, kept, trainer_logprobs, sampler_logprobs)
 
     def on_train_start(self) -> None:
         # What this rank holds of policy, critic and reference: its shards under FSDP2.
         self.param_numel_local = fsdp2.local_numel(self.policy, self.critic, self.ref_model, self.initial_model)
         for logger in self.loggers:
             logger.log_metrics({"memory/param_numel_local": float(self.param_numel_local)}, step=self.iteration)
-
-    @torch.no_grad()
-    def _sample(self, enc: dict[str, Tensor], seed: int):
-        """``generate`` on the prompts ``enc`` with the sampling RNG seeded by ``seed`` (forked: the
-        run's own RNG is untouched), returning the sampler's float32 logits (``old_logprobs: sampler``)
-        and, with a shared critic, the last layer's hidden states that produced them. ``synced_gpus=False``: with
-        gathered weights generate runs no collective (see ``_generator``), so each rank may stop
-        at its own EOS."""
-        from_sampler = self.hparams.old_logprobs == "sampler"
-        hidden = [] if from_sampler and self._shared_critic else None
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), self._generator() as generator:
-            torch.manual_seed(seed)
-            with float32_head(generator, hidden):
-                out = generator.generate(**enc, return_dict_in_generate=True, output_logits=from_sampler, synced_gpus=False)
-        # Only the last layer's hidden states, one tensor per decode step (output_hidden_states
-        # would keep every layer's at every step).
-        out.hidden_states = hidden
-        return out
 
     def configure_optimizers(self) -> torch.optim.AdamW:
         """One AdamW over the parameter groups ``policy`` (lr) and ``critic`` (critic_lr), each with

@@ -2,9 +2,10 @@
 
 One ``training_step`` is one PPO iteration on a batch of prompts x:
 
-1. rollout     y ~ pi_theta(. | x), ``num_generations`` responses per prompt: KV-cached ``generate``
-               without gradients, sampling from the untruncated policy (top_k = 0, top_p = 1);
-               its logits are log pi_old (``old_logprobs: sampler``, default).
+1. rollout     y ~ pi_theta(. | x), ``num_generations`` responses per prompt, from the rollout
+               engine plugin (``hf``: KV-cached ``generate``; ``vllm``) at ``temperature``, ``top_k``,
+               ``top_p``; its log-probs are log pi_old (``old_logprobs: sampler``, default). Every
+               distribution is the declared one: tempered, on the sampler's kept set (sampling.py).
 2. score       r_RM(x, y) from the reward backend on the decoded text; one batched forward
                each for log pi_ref and a separate critic's V_old (and log pi_old with
                ``old_logprobs: forward``); per-token KL estimate kl_t and per-token reward
@@ -42,7 +43,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from rlhf_lightning import args, checkpoints, cpu, gpu
+from rlhf_lightning import args, checkpoints, cpu, gpu, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
 from rlhf_lightning.checks import nonfinite_terms
@@ -55,38 +56,15 @@ from rlhf_lightning.interfaces import (
     PolicyLoss,
     ReferenceUpdate,
     RewardModel,
+    RolloutEngine,
 )
 from rlhf_lightning.models import PolicyNetworks, ValueModel, load_tokenizer
+from rlhf_lightning.rollout import Rollout
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss", "policy/entropy")
-
-
-@dataclass
-class Rollout:
-    """Everything one iteration learns from. Per-token tensors are (batch, response_len)."""
-
-    prompts: list[str]
-    responses: list[str]
-    input_ids: Tensor  # (batch, prompt_len + response_len): prompt then response
-    attention_mask: Tensor  # same shape: the tokenizer's prompt mask, then the response mask
-    response: Tensor  # response token ids
-    mask: Tensor  # 1 on real response tokens, up to and including the first EOS
-    ended_with_eos: Tensor  # (batch,) bool
-    old_logprobs: Tensor  # log pi_old of the sampled tokens: the policy that sampled them
-    ref_logprobs: Tensor
-    old_values: Optional[Tensor]  # V_old(s_t), the critic's values at sampling time; None without a critic
-    entropy: Tensor  # of pi_old at each response position
-    ref_logits: Optional[Tensor] = None  # (batch, response_len, vocab), only when the estimator needs it
-    old_logits: Optional[Tensor] = None  # pi_old's, like ref_logits
-    initial_logprobs: Optional[Tensor] = None  # log pi_0, only when the reference moves
-    initial_logits: Optional[Tensor] = None
-
-    @property
-    def prompt_len(self) -> int:
-        return self.input_ids.shape[1] - self.response.shape[1]
 
 
 @dataclass
@@ -147,13 +125,18 @@ class PPORLHF(PolicyNetworks, LightningModule):
             ``["<|im_end|>"]``: end-of-turn tokens often dominate the KL); ``eos`` means the EOS token.
         gold_reward_model: an optional second reward backend that is only logged
             (``objective/gold_reward``), to watch a proxy reward being over-optimised.
-        max_new_tokens / min_new_tokens / temperature: sampling; log-probs use the same temperature.
+        rollout_engine: what samples the responses: ``hf`` (``generate``, the default), ``vllm``
+            (colocated, weights synced after each update) or ``class_path`` (docs/rollout-engines.md).
+        max_new_tokens / min_new_tokens / temperature / top_k / top_p: sampling (top_k 0 and top_p 1:
+            no truncation); every log-prob is of the same tempered distribution on the kept set.
+        rollout_correction / rollout_correction_cap: weigh each token's policy loss, KL loss and
+            logged KL by pi_old / pi_sampler of the token (``tis``, ``mis``) or of the response
+            (``seq_tis``, ``seq_mis``), truncated at the cap (tis) or 0 outside [1 / cap, cap] (mis).
         do_sample: sample (PPO) or decode greedily (evaluation; tests that need rollouts that
             depend on the weights alone).
         max_prompt_length: longest rendered prompt in tokens; longer prompts are an error.
-        old_logprobs: where log pi_old (and a shared critic's V_old) come from: ``sampler`` (the
-            logits ``generate`` computed while sampling: no extra forward, equal to a fresh one up
-            to float rounding) or ``forward`` (one batched forward, so the first ratio is exactly 1).
+        old_logprobs: where the PPO ratio's log pi_old (and a shared critic's V_old) come from:
+            ``sampler`` (the engine's: ``hf``'s logits, no extra forward) or ``forward`` (one batched forward).
         use_chat_template: render prompts with the tokenizer's chat template when it has one.
         special_tokens_in_prompts: ``refuse`` a prompt containing a special-token string
             (``<|im_end|>``: it could forge chat turns), or ``allow`` pre-rendered chat text.
@@ -210,6 +193,11 @@ class PPORLHF(PolicyNetworks, LightningModule):
         min_new_tokens: int = 0,
         do_sample: bool = True,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        rollout_engine: Union[RolloutEngine, str] = "hf",
+        rollout_correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis"] = "none",
+        rollout_correction_cap: float = 2.0,
         max_prompt_length: int = 256,
         old_logprobs: Literal["sampler", "forward"] = "sampler",
         use_chat_template: bool = True,
@@ -254,6 +242,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         self.entropy_controller: Optional[BetaController] = plugins["entropy_controller"]
         self.gold_reward_model: Optional[RewardModel] = plugins["gold_reward_model"]
         self.reference_update: ReferenceUpdate = plugins["reference_update"]
+        self.rollout_engine: RolloutEngine = plugins["rollout_engine"]
         resolved = args.check_arguments(arguments, plugins)
         self._kl_reads_sampled_token = self.kl_estimator.reads_sampled_token()
         self.save_hyperparameters(ignore=list(args.PLUGIN_ARGUMENTS))
@@ -376,19 +365,17 @@ class PPORLHF(PolicyNetworks, LightningModule):
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], timer: Optional[Timer] = None) -> Rollout:
-        """Sample one response per prompt (timed as ``rollout``), then log pi_old and V_old (from
-        the sampler's logits, or a batched forward) and log pi_ref (one batched forward of the
-        reference), timed as ``forward``."""
-        timer = timer or Timer(self.device)
+        """Sample one response per prompt with the rollout engine (timed as ``rollout``), then pi_old
+        and V_old (``_old_policy``) and log pi_ref (one batched forward of the reference, on the
+        sampler's kept set), timed as ``forward``."""
+        hp, timer = self.hparams, timer or Timer(self.device)
         enc = self.encode_prompts(prompts)
-        from_sampler = self.hparams.old_logprobs == "sampler"
         # Sampling draws from its own seed per (run, rank, iteration): ranks sample independently,
         # and a resumed run draws the same responses without any generator state to restore.
         with timer("rollout"):
-            out = self._sample(enc, seed=self.generation_seed_base + 7919 * self.global_rank + 104729 * self.iteration)
-        sequences = out.sequences  # (batch, prompt_len + new), right-padded with pad
-        prompt_len = enc["input_ids"].shape[1]
-        response = sequences[:, prompt_len:]
+            seed = self.generation_seed_base + 7919 * self.global_rank + 104729 * self.iteration
+            samples = self.rollout_engine.checked_sample(self, enc, seed)
+        response = samples.sequences[:, enc["input_ids"].shape[1] :].to(self.device)  # right-padded with pad
         mask = pm.response_mask(response, self.tokenizer.eos_token_id)
         ended = ((response == self.tokenizer.eos_token_id) & mask.bool()).any(-1)
         attention_mask = torch.cat([enc["attention_mask"], mask.to(enc["attention_mask"].dtype)], dim=1)
@@ -397,19 +384,17 @@ class PPORLHF(PolicyNetworks, LightningModule):
         input_ids = torch.cat([enc["input_ids"], response], dim=1)
         keep_logits = self.kl_estimator.needs_logits
         with timer("forward"):
-            if from_sampler:
-                logits, values = self._sampler_outputs(out, input_ids, attention_mask, response.shape[1])
-            else:
-                logits, values = self.policy_outputs(input_ids, attention_mask, response.shape[1])
+            old = self._old_policy(samples, input_ids, attention_mask, response, mask)
+            other = lambda model: sampling.restrict(self.response_logits(model, input_ids, attention_mask, response.shape[1]), old.kept)
             if self._reference_is_policy():  # the same function: the log-probs just computed, and a KL of exactly 0
-                ref_logits = logits
+                ref_logits = old.logits
             else:
                 with self._reference() as ref:
-                    ref_logits = self.response_logits(ref, input_ids, attention_mask, response.shape[1])
+                    ref_logits = other(ref)
             initial_logits = None
             if self.reference_update.moves:  # the starting policy, for objective/kl_to_initial
                 with self._initial() as initial:
-                    initial_logits = self.response_logits(initial, input_ids, attention_mask, response.shape[1])
+                    initial_logits = other(initial)
         return Rollout(
             prompts=list(prompts),
             responses=self.tokenizer.batch_decode(response, skip_special_tokens=True),
@@ -418,23 +403,30 @@ class PPORLHF(PolicyNetworks, LightningModule):
             response=response,
             mask=mask,
             ended_with_eos=ended,
-            old_logprobs=pm.logprobs_of(logits, response),
+            old_logprobs=old.sampler_logprobs if hp.old_logprobs == "sampler" else old.trainer_logprobs,
+            trainer_logprobs=old.trainer_logprobs,
+            sampler_logprobs=old.sampler_logprobs,
             ref_logprobs=pm.logprobs_of(ref_logits, response),
-            old_values=None if values is None else values * mask,
-            entropy=pm.entropy_of(logits),
-            old_logits=logits if keep_logits else None,
+            old_values=None if old.values is None else old.values * mask,
+            entropy=pm.entropy_of(old.logits),
+            old_logits=old.logits if keep_logits else None,
             ref_logits=ref_logits if keep_logits else None,
             initial_logprobs=None if initial_logits is None else pm.logprobs_of(initial_logits, response),
             initial_logits=initial_logits if keep_logits else None,
+            kept=old.kept,
+            is_weights=sampling.correction_weights(
+                old.trainer_logprobs, old.sampler_logprobs, mask, hp.rollout_correction, hp.rollout_correction_cap
+            ),
         )
 
     def kl_per_token(self, rollout: Rollout, to_initial: bool = False) -> Tensor:
         """The penalised per-token KL estimate (batch, response_len), zero off the KL mask; with
-        ``to_initial`` the same estimate against the starting policy (a moving reference only)."""
+        ``to_initial`` the same estimate against the starting policy (a moving reference only); of the
+        trainer's pi_old (a rollout correction weighs its reward through the policy loss)."""
         ref_logprobs, ref_logits = (
             (rollout.initial_logprobs, rollout.initial_logits) if to_initial else (rollout.ref_logprobs, rollout.ref_logits)
         )
-        kl = self.kl_estimator.checked(rollout.old_logprobs, ref_logprobs, rollout.old_logits, ref_logits)
+        kl = self.kl_estimator.checked(rollout.trainer_logprobs, ref_logprobs, rollout.old_logits, ref_logits)
         return pm.masked_select(kl, self.kl_mask(rollout.response, rollout.mask))
 
     def kl_mask(self, response: Tensor, mask: Tensor) -> Tensor:
@@ -498,8 +490,11 @@ class PPORLHF(PolicyNetworks, LightningModule):
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
         response_len = rollout.response.shape[1]
         logits, values = self.policy_outputs(input_ids, attention_mask, response_len)
+        logits = sampling.restrict(logits, None if rollout.kept is None else rollout.kept[idx])
         logprobs, old_logprobs = pm.logprobs_of(logits, rollout.response[idx]), rollout.old_logprobs[idx]
         pg_loss, clipped = self.policy_loss(logprobs, old_logprobs, advantages[idx], mask)
+        is_weights = 1.0 if rollout.is_weights is None else rollout.is_weights[idx]
+        pg_loss = pg_loss * is_weights
         loss = (weights * pg_loss).sum()
         stats = {
             "policy/loss": pm.masked_mean(pg_loss, mask),
@@ -526,7 +521,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
                 kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs, kl, kl_mask)
             # The advantage estimator's gradient scale (a group std, a mean baseline's (n - 1) / n) on
             # the KL as on the reward, so that beta weighs one against the other as configured.
-            loss = loss + (weights * kl_coef[idx, None] * kl_loss).sum()
+            loss = loss + (weights * kl_coef[idx, None] * is_weights * kl_loss).sum()
             stats["policy/kl_loss"] = pm.masked_mean(kl_loss, kl_mask)
         if self.entropy_controller is not None and self.entropy_controller.beta:
             entropy = pm.masked_select(pm.entropy_of(logits), mask)
@@ -544,6 +539,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         if self._trainer is not None:
             cpu.apply_cpu_settings(self.trainer, self.hparams.cpu_linear, self.hparams.cpu_malloc)
             gpu.setup(self.trainer, self.hparams)
+        self.rollout_engine.setup(self)
         args.check_setup(self, getattr(self._trainer, "datamodule", None) if self._trainer is not None else None, stage)
 
     def encode_prompts(self, prompts: list[str], field: str = "the prompts") -> dict[str, Tensor]:
@@ -628,6 +624,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
     def rollout_metrics(self, rollout: Rollout, scored: Scored, beta: float) -> dict[str, float]:
         """Global (all-rank) means of what the rollout saw; each name is documented in docs/metrics.md."""
         mask, kl, raw_scores, scores = rollout.mask, scored.kl, scored.raw_scores, scored.scores
+        kl = kl if rollout.is_weights is None else kl * rollout.is_weights  # E_sampler[w k] = E_pi_old[k]
         kl_seq = kl.sum(-1)
         counts = [torch.tensor(float(len(raw_scores)), device=self.device), raw_scores.to(self.device).sum(), scores.to(self.device).sum()]
         sums = [kl_seq.sum(), kl.sum(), mask.sum(), (rollout.entropy * mask).sum(), rollout.ended_with_eos.float().sum()]
@@ -658,6 +655,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
             "response/length": n_tokens / n,
             "response/eos_fraction": n_eos / n,
             "response/count": n,
+            **sampling.mismatch_metrics(rollout.trainer_logprobs, rollout.sampler_logprobs, mask, self._reduce),
             **gold,
         }
 

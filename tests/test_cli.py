@@ -175,6 +175,45 @@ def test_third_party_plugin_is_selected_from_yaml(external_plugin, tmp_path):
     assert type(cli.model.kl_estimator).__name__ == "HalfK1"
 
 
+@pytest.fixture
+def external_engine(tmp_path, monkeypatch):
+    """A third-party rollout engine (say SGLang's), installed only as an entry point: here ``hf``'s
+    generate that counts its calls."""
+    (tmp_path / "rlhf_ext_engine.py").write_text(
+        textwrap.dedent("""
+        from rlhf_lightning.registry import register
+        from rlhf_lightning_plugins.rollout_engines import HFGenerate
+
+        @register("rollout_engine", "counting_hf", description="hf that counts its rollouts (a test plugin)")
+        class CountingHF(HFGenerate):
+            calls = 0
+
+            def sample(self, module, enc, seed):
+                type(self).calls += 1
+                return super().sample(module, enc, seed)
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entry = EntryPoint(name="engine", value="rlhf_ext_engine", group=registry_module.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry_module, "entry_points", lambda group: [entry] if group == entry.group else [])
+    monkeypatch.setattr(registry_module, "_loaded", False)
+    yield
+    registry("rollout_engine")._entries.pop("counting_hf", None)
+    registry("rollout_engine")._names.pop("counting_hf", None)
+    sys.modules.pop("rlhf_ext_engine", None)
+
+
+def test_third_party_rollout_engine_samples_the_rollout(external_engine, tmp_path):
+    config = tmp_path / "engine.yaml"
+    config.write_text(yaml.safe_dump({"model": {"rollout_engine": "counting_hf"}}))
+    cli = build_cli(["--config", TINY, "--config", str(config)], run=False)
+    engine = cli.model.rollout_engine
+    assert type(engine).__name__ == "CountingHF"
+    cli.model.configure_model()
+    rollout = cli.model.rollout(["hello", "abc"])
+    assert type(engine).calls == 1 and rollout.response.shape[0] == 2
+
+
 def test_console_script_runs_the_tiny_config(tmp_path):
     """The installed command, as a user runs it: two iterations, metrics in TensorBoard under a folder
     named after the config, the Custom Scalars page with the KL target, no placeholder hp_metric, a

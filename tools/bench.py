@@ -136,6 +136,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default="sampler",
         help="model.old_logprobs (the module's default: sampler): reuse the sampler's logits, or recompute log pi_old with a forward",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="model.rollout_engine; vllm also prints DECODE vllm_vs_hf= (bare generate's seconds over the rollout's, a sync included)",
+    )
     parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), default="auto", help="model.cpu_linear: CPU linear kernel")
     parser.add_argument("--critic", choices=("separate", "shared"), help="critic trunk (default: full separate, lora shared)")
     parser.add_argument(
@@ -184,6 +190,7 @@ WORKER_SETTINGS = [
     "num_generations",
     "critic",
     "old_logprobs",
+    "engine",
     "cpu_linear",
     "lora_rank",
     "reward",
@@ -265,6 +272,7 @@ class PhaseClock:
 def bench_module_class():
     """PPORLHF with its phases timed; the module's own code runs unchanged in between."""
     from rlhf_lightning.module import PPORLHF
+    from rlhf_lightning_plugins.rollout_engines import HFGenerate
 
     class TimedPPORLHF(PPORLHF):
         def configure_model(self) -> None:
@@ -275,6 +283,8 @@ def bench_module_class():
             self.clock = PhaseClock(self.device)
             self.generator = self.policy.get_base_model() if self.hparams.lora_rank else self.policy
             self.generator.generate = self.clock.wrap("rollout", self.generator.generate)  # instance attribute
+            if not isinstance(self.rollout_engine, HFGenerate):  # another engine: its whole sample (a weight sync included)
+                self.rollout_engine.sample = self.clock.wrap("rollout", self.rollout_engine.sample)
             for name in ("checked_scores", "shape_scores"):
                 setattr(self.reward_model, name, self.clock.wrap("score", getattr(self.reward_model, name)))
 
@@ -293,9 +303,9 @@ def bench_module_class():
             with self.clock("score_policy", within="score"):  # not the forwards of the update
                 return super().policy_outputs(*args, **kwargs)
 
-        def _sampler_outputs(self, *args, **kwargs):  # old_logprobs: sampler
+        def _old_policy(self, *args, **kwargs):  # pi_old: the sampler's logits, or a forward (policy_outputs, not timed twice)
             with self.clock("score_policy", within="score"):
-                return super()._sampler_outputs(*args, **kwargs)
+                return super()._old_policy(*args, **kwargs)
 
         @contextlib.contextmanager
         def _reference(self):
@@ -417,6 +427,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         num_minibatches=args.num_minibatches,
         critic=critic,
         old_logprobs=args.old_logprobs,
+        rollout_engine=args.engine,
         cpu_linear=args.cpu_linear,
         lora_rank=args.lora_rank if lora else 0,
         lora_alpha=2.0 * args.lora_rank,
@@ -469,6 +480,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         "param_numel_local": module.param_numel_local,
         "critic": critic,
         "old_logprobs": args.old_logprobs,
+        "engine": args.engine,
         "cpu_linear": args.cpu_linear,
         "policy": args.policy,
         "threads": torch.get_num_threads(),
@@ -967,6 +979,13 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     print(format_table(results))
     print(format_roofline(results, peaks))
     print(bench_line(results, peaks), flush=True)
+    for r in results:
+        if r.get("engine", "hf") != "hf":  # the rollout against a bare generate of the same prompts, measured right after it
+            print(
+                f"DECODE {r['engine']}_vs_hf={1 / r['rollout_vs_generate']:.3f} mode={r['mode']} ppo_epochs={r['ppo_epochs']} "
+                f"batch={r['batch']} response_len={r['response_len']} load={r['load'][0]:.2f}-{r['load'][1]:.2f}",
+                flush=True,
+            )
     return results
 
 

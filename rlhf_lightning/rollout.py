@@ -1,0 +1,41 @@
+"""What one PPO iteration learns from: the rollout's tensors (``PPORLHF.rollout`` builds them).
+
+Every distribution in it is the declared one of ``rlhf_lightning.sampling``: tempered, restricted to
+the sampler's kept set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """Everything one iteration learns from. Per-token tensors are (batch, response_len)."""
+
+    prompts: list[str]
+    responses: list[str]
+    input_ids: Tensor  # (batch, prompt_len + response_len): prompt then response
+    attention_mask: Tensor  # same shape: the tokenizer's prompt mask, then the response mask
+    response: Tensor  # response token ids
+    mask: Tensor  # 1 on real response tokens, up to and including the first EOS
+    ended_with_eos: Tensor  # (batch,) bool
+    old_logprobs: Tensor  # log pi_old of the sampled tokens in the PPO ratio: the sampler's or the trainer's (old_logprobs)
+    trainer_logprobs: Tensor  # log pi_old from the trainer's model (the KL's); the sampler's own: sampler_logprobs
+    sampler_logprobs: Tensor
+    ref_logprobs: Tensor
+    old_values: Optional[Tensor]  # V_old(s_t), the critic's values at sampling time; None without a critic
+    entropy: Tensor  # of pi_old at each response position
+    ref_logits: Optional[Tensor] = None  # (batch, response_len, vocab), only when the estimator needs it
+    old_logits: Optional[Tensor] = None  # pi_old's, like ref_logits
+    initial_logprobs: Optional[Tensor] = None  # log pi_0, only when the reference moves
+    initial_logits: Optional[Tensor] = None
+    kept: Optional[Tensor] = None  # (batch, response_len, vocab) bool: the sampler's kept set, replayed; None: every token
+    is_weights: Optional[Tensor] = None  # the rollout correction's weights (sampling.correction_weights); None: none
+
+    @property
+    def prompt_len(self) -> int:
+        return self.input_ids.shape[1] - self.response.shape[1]

@@ -1,0 +1,102 @@
+"""The distribution a rollout is sampled from, and how far the sampler's log-probs are from the trainer's.
+
+The declared distribution (docs/rollout-engines.md): at response position t, with the policy's logits
+l_t and ``model.temperature`` tau,
+
+    pi(a | s_t) = softmax(l_t / tau)(a) 1[a in K_t] / sum_{b in K_t} softmax(l_t / tau)(b),
+
+where K_t, the kept set, is what the sampler kept at t: EOS removed before ``min_new_tokens``, then
+the ``top_k`` largest tempered logits, then of those the smallest set of most likely tokens whose
+probability reaches ``top_p`` (transformers' TopK and TopP warpers and vLLM's sampler apply this
+rule, in this order). K_t is computed once, from pi_old at sampling time, and replayed: the policy
+pi_theta during the PPO epochs and the reference are restricted to the same K_t and renormalised
+there. The PPO ratio, every KL estimate, the KL the controller sees and the entropy are of these
+distributions; with top_k 0, top_p 1 and min_new_tokens 0, K_t is the whole vocabulary.
+
+Pure functions on tensors; the module calls them in ``PPORLHF.rollout``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning import ppo_math as pm
+
+OUTSIDE_LOGIT = -1e4  # a token outside the kept set: probability exactly 0 (exp underflows), finite log-ratios and entropies
+
+
+def kept_tokens(logits: Tensor, top_k: int = 0, top_p: float = 1.0, banned: Optional[Tensor] = None) -> Optional[Tensor]:
+    """The kept set K_t of each position, a bool mask like ``logits`` (..., vocab): the ``banned``
+    tokens (a bool mask broadcastable to it) removed, then the ``top_k`` largest logits (0: all;
+    ties at the k-th value kept), then, sorted ascending, every token whose cumulative probability
+    exceeds 1 - top_p (the most likely token always stays). None when nothing is removed."""
+    if not top_k and top_p >= 1.0 and banned is None:
+        return None
+    logits = logits.float()
+    kept = torch.ones_like(logits, dtype=torch.bool) if banned is None else ~banned.expand_as(logits)
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.masked_fill(~kept, -torch.inf).topk(top_k, dim=-1).values[..., -1:]
+        kept = kept & (logits >= kth)
+    if top_p < 1.0:
+        ascending, order = logits.masked_fill(~kept, -torch.inf).sort(dim=-1)
+        removed = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        removed[..., -1] = False
+        kept = kept & ~removed.scatter(-1, order, removed)
+    return kept
+
+
+def restrict(logits: Tensor, kept: Optional[Tensor]) -> Tensor:
+    """``logits`` with every token outside the kept set at OUTSIDE_LOGIT: their softmax is the
+    distribution renormalised on the kept set."""
+    return logits if kept is None else logits.masked_fill(~kept, OUTSIDE_LOGIT)
+
+
+def min_new_tokens_ban(shape: tuple[int, ...], eos_token_id: int, min_new_tokens: int, device=None) -> Optional[Tensor]:
+    """(1, response_len, vocab) True at EOS on the first ``min_new_tokens`` positions (what the
+    sampler suppresses); None when ``min_new_tokens`` is 0."""
+    if not min_new_tokens:
+        return None
+    banned = torch.zeros(1, *shape[-2:], dtype=torch.bool, device=device)
+    banned[0, :min_new_tokens, eos_token_id] = True
+    return banned
+
+
+def correction_weights(
+    trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, mode: Literal["none", "tis", "mis", "seq_tis", "seq_mis"], cap: float
+) -> Optional[Tensor]:
+    """Importance weights from the sampler to the trainer's pi_old, (batch, response_len), zero off
+    ``mask``, without gradient. Per token (``tis``, ``mis``) w_t = pi_old(y_t | s_t) / pi_sampler(y_t | s_t);
+    per response (``seq_tis``, ``seq_mis``) every token of a response gets w = prod_t w_t, the ratio of
+    the whole response's probabilities (unbiased for returns that depend on the tokens after t, which a
+    per-token weight leaves drawn from the sampler). ``*tis``: min(w, cap) (truncated importance
+    sampling, Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"); ``*mis``: w inside [1 / cap, cap], 0 outside (masked importance sampling: a token or
+    response whose probabilities disagree that much is dropped); ``none``: None."""
+    if mode == "none":
+        return None
+    log_w = pm.masked_select(trainer_logprobs.double() - sampler_logprobs.double(), mask)
+    if mode.startswith("seq_"):
+        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
+    w = log_w.exp()
+    w = w.clamp(max=cap) if mode.endswith("tis") else torch.where((w <= cap) & (w >= 1 / cap), w, torch.zeros_like(w))
+    return pm.masked_select(w, mask).float()
+
+
+def mismatch_metrics(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, sum_fn=None) -> dict[str, float]:
+    """How the sampler's log-probs of the sampled tokens differ from the trainer's, over every
+    response token of every rank: max and mean of |log pi_trainer - log pi_sampler| and the mean
+    and max of the ratio pi_sampler / pi_trainer. ``sum_fn(t, op)`` reduces across ranks."""
+    reduce = sum_fn or (lambda t, op="sum": t)
+    diff = (trainer_logprobs.double() - sampler_logprobs.double()) * mask
+    ratio = pm.masked_select(diff.neg().exp(), mask)
+    sums = reduce(torch.stack([diff.abs().sum(), ratio.sum(), mask.sum().double()]))
+    maxima = reduce(torch.stack([diff.abs().max(), ratio.max()]), op="max")
+    return {
+        "rollout/logprob_diff_max": float(maxima[0]),
+        "rollout/logprob_diff_mean": float(sums[0] / sums[2]),
+        "rollout/sampler_trainer_ratio_mean": float(sums[1] / sums[2]),
+        "rollout/sampler_trainer_ratio_max": float(maxima[1]),
+    }

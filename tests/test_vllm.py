@@ -1,0 +1,107 @@
+"""The ``vllm`` rollout engine against the trainer, on tiny random models (vLLM loads them from the
+safetensors folder the engine writes): weight sync (full, LoRA merged, tied embeddings), the same
+responses as ``hf`` where sampling is deterministic, the kept set and EOS rules, the mismatch metrics
+and exact resume. Marked ``vllm``: skipped where vLLM is not importable (tools/setup.sh --vllm
+installs it and runs them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from helpers import fit, make_module
+
+pytestmark = pytest.mark.vllm
+
+# vLLM's CPU attention has kernels for heads of 32 dimensions and more: the tiny model with 2 heads of 32.
+HEADS_OF_32 = {"num_attention_heads": 2, "num_key_value_heads": 2}
+PROMPTS = ["hello", "abc", "the cat", "q"]
+FP32_ROUNDING = 1e-4  # measured 1e-6 to 3e-5: the engine's kernels and the trainer's differ in summation order
+
+
+def vllm_module(**overrides):
+    kwargs = dict(rollout_engine="vllm", old_logprobs="forward", tiny_config=HEADS_OF_32, temperature=0.8, top_p=0.9)
+    return make_module(**{**kwargs, **overrides})
+
+
+def max_diff(rollout) -> float:
+    return float(((rollout.trainer_logprobs - rollout.sampler_logprobs) * rollout.mask).abs().max())
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"lora_rank": 4}, {"tiny_config": {**HEADS_OF_32, "tie_word_embeddings": True}}],
+    ids=["full", "lora_merged", "tied_embeddings"],
+)
+def test_weight_sync_makes_the_engine_score_as_the_trainer(overrides):
+    """Before any update the engine's log-probs are the trainer's (fp32 rounding); after the policy's
+    weights change they are not until a sync, and after it they are again."""
+    module = vllm_module(**overrides)
+    engine = module.rollout_engine
+    assert max_diff(module.rollout(PROMPTS * 2)) < FP32_ROUNDING
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(1)
+        for name, param in module.policy.named_parameters():
+            if param.requires_grad and (not overrides.get("lora_rank") or "lora_B" in name):
+                param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    stale = max_diff(module.rollout(PROMPTS * 2))  # global_step unchanged: the engine does not know
+    assert stale > 100 * FP32_ROUNDING and engine.syncs == 0
+    engine.sync(module)
+    assert max_diff(module.rollout(PROMPTS * 2)) < FP32_ROUNDING and engine.syncs == 1
+
+
+def test_greedy_responses_equal_hf_and_sampled_ones_follow_its_rules():
+    """Greedy: vLLM's responses are ``hf``'s token for token (same prompts, EOS, lengths). Sampled
+    with top_k, top_p and min_new_tokens: every token in the trainer's kept set, no EOS before
+    min_new_tokens, at most max_new_tokens, and the log-probs of the declared distribution."""
+    prompts = PROMPTS * 2
+    greedy = {
+        engine: make_module(rollout_engine=engine, do_sample=False, tiny_config=HEADS_OF_32).rollout(prompts) for engine in ("hf", "vllm")
+    }
+    assert torch.equal(greedy["hf"].response, greedy["vllm"].response)
+    assert torch.equal(greedy["hf"].mask, greedy["vllm"].mask)
+    module = vllm_module(top_k=30, top_p=0.8, min_new_tokens=4, max_new_tokens=10)
+    rollout = module.rollout(prompts * 4)
+    mask = rollout.mask.bool()
+    assert rollout.response.shape[1] <= 10
+    assert rollout.kept.gather(-1, rollout.response[..., None])[..., 0][mask].all()
+    assert not (rollout.response[:, :4] == module.tokenizer.eos_token_id).any()
+    assert max_diff(rollout) < FP32_ROUNDING
+    assert rollout.ended_with_eos.any() or mask.all()
+
+
+def test_training_syncs_after_every_update_and_logs_the_mismatch(tmp_path):
+    """Three iterations: a sync before each rollout after the first (the weights changed), none
+    when nothing did, and every iteration's logged mismatch at fp32 rounding."""
+    module = vllm_module(ppo_epochs=1, lr=1e-2, critic_lr=1e-2)
+    _, history = fit(module, tmp_path, iterations=3, batch_size=4)
+    assert module.rollout_engine.syncs == 2
+    for row in history.rows:
+        assert row["rollout/logprob_diff_max"] < FP32_ROUNDING
+        assert row["rollout/sampler_trainer_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    module.rollout(PROMPTS)  # the third update's weights: one more sync
+    module.rollout(PROMPTS)  # nothing changed: none
+    assert module.rollout_engine.syncs == 3 and module.rollout_engine.synced_step == module.global_step
+
+
+class SaveAtIteration(Callback):
+    def __init__(self, iteration: int, path) -> None:
+        self.iteration, self.path = iteration, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.iteration == self.iteration:
+            trainer.save_checkpoint(self.path)
+
+
+def test_resume_draws_the_same_responses(tmp_path):
+    """Four iterations straight, checkpointed after the second; a new module resumed from it runs
+    the last two: the engine restarts from the checkpoint's weights, each row's seed is the run's,
+    so the rollouts and metrics are the straight run's."""
+    path = tmp_path / "half.ckpt"
+    _, straight = fit(vllm_module(ppo_epochs=1), tmp_path / "a", iterations=4, batch_size=4, callbacks=[SaveAtIteration(2, path)])
+    _, resumed = fit(vllm_module(ppo_epochs=1), tmp_path / "b", iterations=4, batch_size=4, ckpt_path=str(path))
+    assert len(resumed.rows) == 2
+    for key in ("objective/kl", "objective/reward", "response/length", "rollout/logprob_diff_max"):
+        assert resumed.series(key) == pytest.approx(straight.series(key)[2:], abs=1e-5), key
+    assert [o["rollout"].responses for o in resumed.outputs] == [o["rollout"].responses for o in straight.outputs[2:]]
