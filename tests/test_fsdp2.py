@@ -154,3 +154,80 @@ def test_local_numel_counts_shards(numel):
 
     model = torch.nn.Linear(numel, 2)
     assert local_numel(model, model, None) == 2 * numel + 2  # a parameter shared by two models counts once
+
+
+# Model settings the sharded build is checked on: full fine-tuning with a separate critic and a
+# moving reference (policy, critic trunk, reference and starting policy), LoRA with a moving
+# reference adapter and a shared critic.
+BUILDS = {
+    "full": dict(critic="separate", reference_update="EMA"),
+    "lora": dict(critic="shared", reference_update="EMA", lora_rank=4, lora_alpha=8),
+}
+
+
+def _build_both_ways(rank: int, init_file: str, policies: list[str], queue) -> None:
+    """Worker of the test below: one rank of a 2-process gloo world builds the models of each
+    policy and of each of ``BUILDS`` as one unsharded process does, then sharded, and reports
+    what differs."""
+    import torch.distributed as dist
+    from lightning import seed_everything
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rlhf_lightning.fsdp2 import full_state_dict, local_numel
+    from rlhf_lightning.module import PPORLHF
+
+    from helpers import char_reward
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    for policy in policies:
+        for build, settings in BUILDS.items():
+            built = {}
+            for sharded in (False, True):
+                seed_everything(0, verbose=False)
+                module = PPORLHF(policy=policy, tokenizer="char", reward_model=char_reward(), **settings)
+                module._device_mesh = mesh if sharded else None
+                module.configure_model()
+                models = {name: getattr(module, name) for name in ("policy", "critic", "ref_model", "initial_model")}
+                built[sharded] = (
+                    # gathered to rank 0 only
+                    {name: {k: v.clone() for k, v in full_state_dict(m).items()} for name, m in models.items() if m is not None},
+                    torch.get_rng_state(),  # the LoRA init draws from the run's RNG: the same draws either way
+                    local_numel(*models.values()),
+                    [name for name, m in models.items() if m is not None for n, p in m.named_parameters() if p.is_meta],
+                )
+            (whole, rng, numel, _), (sharded_weights, sharded_rng, sharded_numel, meta) = built[False], built[True]
+            differ = [
+                f"{name}.{key}"
+                for name, state in whole.items()
+                for key, value in state.items()
+                if rank == 0 and (key not in sharded_weights[name] or not torch.equal(value, sharded_weights[name][key]))
+            ]
+            tensors = sum(map(len, whole.values()))
+            queue.put((policy, build, rank, differ, torch.equal(rng, sharded_rng), sharded_numel / numel, meta, tensors))
+    dist.destroy_process_group()
+
+
+@pytest.mark.convergence
+def test_sharded_build_from_the_meta_device_gives_the_weights_of_an_unsharded_build(tmp_path):
+    """Under FSDP2 the critic's trunk, the reference and the starting policy are built on the meta
+    device, and so is the policy when its checkpoint is a safetensors folder; each rank then reads
+    its own rows. Gathered back, every weight of policy, critic, reference and starting policy (and
+    the LoRA adapters) equals, bit for bit, what one process builds unsharded, and the run's RNG
+    is where the unsharded build leaves it; each rank holds half of the elements. Both sources of
+    weights: a safetensors folder (the tiny model saved) and the tiny model built in code."""
+    import torch.multiprocessing as mp
+
+    from rlhf_lightning.models import char_tokenizer, load_causal_lm
+
+    folder = tmp_path / "checkpoint"
+    load_causal_lm("tiny", len(char_tokenizer()), seed=3).save_pretrained(folder)
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_build_both_ways, args=(str(tmp_path / "init"), [str(folder), "tiny"], queue), nprocs=2, start_method="spawn")
+    reports = [queue.get() for _ in range(2 * 2 * len(BUILDS))]
+    assert sorted((policy == "tiny", build, rank) for policy, build, rank, *_ in reports) == [
+        (tiny, build, rank) for tiny in (False, True) for build in sorted(BUILDS) for rank in (0, 1)
+    ]
+    for policy, build, rank, differ, same_rng, fraction, meta, tensors in reports:
+        assert not differ and same_rng and not meta, (policy, build, rank, differ, same_rng, meta)
+        assert tensors > 20 and 0.49 < fraction < 0.51, (policy, build, rank, tensors, fraction)
