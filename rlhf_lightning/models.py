@@ -179,6 +179,7 @@ def load_causal_lm(
         config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs, **(config_overrides or {}))
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        model.tie_weights()  # as from_pretrained does (SmolLM2's head is its embedding): the skeleton is built untied
     else:
         location, kwargs = _pretrained_location(spec)
         model = AutoModelForCausalLM.from_pretrained(

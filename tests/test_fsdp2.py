@@ -5,6 +5,7 @@ checkpoint after SIGKILL, an export that transformers loads, LoRA, and bf16-mixe
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -24,8 +25,9 @@ COMMON = (
 )
 
 
-def run(root, devices: int, *extra: str, check: bool = True):
-    strategy = ("--config", str(CONFIGS / "fsdp2.yaml")) if devices > 1 else ("--trainer.strategy=auto",)
+def run(root, devices: int, *extra: str, check: bool = True, sharded: bool = False):
+    """configs/fsdp2.yaml on 2 processes (or on one with ``sharded``), else one plain process."""
+    strategy = ("--config", str(CONFIGS / "fsdp2.yaml")) if devices > 1 or sharded else ("--trainer.strategy=auto",)
     result = run_cli(
         root,
         f"--trainer.devices={devices}",
@@ -99,6 +101,38 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
     resumed = scalars(killed_root, version=1)
     for name in (*COMPARED, "policy/loss"):
         assert resumed[name] == fsdp[name][2:], (name, resumed[name], fsdp[name])  # exactly
+
+
+@pytest.mark.convergence
+def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
+    """A checkpoint folder written by 2 ranks resumes on 1, one written by 1 (FSDP2 on one
+    process) on 2: torch.distributed.checkpoint reshards every tensor (policy, critic, moved EMA
+    reference, AdamW moments) as it loads. Greedy rollouts with one minibatch make the trajectory
+    the same on any number of ranks with the same global batch (up to float summation order), so
+    the resumed iterations 3 and 4 of both agree, as do the first two; both continue with the
+    same 16 prompts of the epoch's permutation, none seen before the checkpoint (the data position
+    counts prompts over all ranks); the beta controller and the reference carry on."""
+    moving = ("--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")
+    before, resumed, prompts = {}, {}, {}
+    for first, then in ((2, 1), (1, 2)):
+        root = tmp_path / f"{first}_then_{then}"
+        record = ("--trainer.callbacks+=fault_callbacks.RecordPrompts", f"--trainer.callbacks.path={root / 'prompts.txt'}")
+        kill = ("--trainer.callbacks+=fault_callbacks.KillMidIteration", "--trainer.callbacks.iteration=2")  # in iteration 3
+        assert run(root, first, *moving, *record, *kill, check=False, sharded=True).returncode == -9
+        ckpt = log_dir(root) / "checkpoints" / "last.ckpt"
+        assert len(list(ckpt.glob("*.distcp"))) == first
+        run(root, then, *moving, *record, f"--ckpt_path={ckpt}", sharded=True)
+        before[first], resumed[first] = scalars(root), scalars(root, version=1)
+        prompts[first] = {}
+        for line in (root / "prompts.txt").read_text().splitlines():
+            iteration, batch = json.loads(line)
+            prompts[first].setdefault(iteration, set()).update(batch)
+    assert resumed[2]["reference/updates"] == resumed[1]["reference/updates"] == [2.0, 3.0]
+    for name in (*COMPARED, "objective/kl_to_initial"):
+        for a, b in zip(before[2][name] + resumed[2][name], before[1][name] + resumed[1][name], strict=True):
+            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (name, before, resumed)
+    assert sorted(prompts[2]) == sorted(prompts[1]) == [1, 2, 3, 4]
+    assert all(len(prompts[2][i]) == 8 and prompts[2][i] == prompts[1][i] for i in (1, 2, 3, 4)), prompts
 
 
 @pytest.mark.convergence
@@ -215,13 +249,15 @@ def test_sharded_build_from_the_meta_device_gives_the_weights_of_an_unsharded_bu
     its own rows. Gathered back, every weight of policy, critic, reference and starting policy (and
     the LoRA adapters) equals, bit for bit, what one process builds unsharded, and the run's RNG
     is where the unsharded build leaves it; each rank holds half of the elements. Both sources of
-    weights: a safetensors folder (the tiny model saved) and the tiny model built in code."""
+    weights: a safetensors folder (the tiny model saved, with tied embeddings) and the tiny model
+    built in code."""
     import torch.multiprocessing as mp
 
     from rlhf_lightning.models import char_tokenizer, load_causal_lm
 
     folder = tmp_path / "checkpoint"
-    load_causal_lm("tiny", len(char_tokenizer()), seed=3).save_pretrained(folder)
+    # Tied input and output embeddings, as SmolLM2's (the checkpoint holds the embedding only).
+    load_causal_lm("tiny", len(char_tokenizer()), seed=3, config_overrides={"tie_word_embeddings": True}).save_pretrained(folder)
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_build_both_ways, args=(str(tmp_path / "init"), [str(folder), "tiny"], queue), nprocs=2, start_method="spawn")
     reports = [queue.get() for _ in range(2 * 2 * len(BUILDS))]

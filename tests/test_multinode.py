@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import CONFIGS, betas_by_iteration, run_nodes
 
@@ -75,3 +76,28 @@ def test_two_nodes_launched_by_lightning_variables_and_by_torchrun_run_the_same_
         runs[launcher] = metrics
     # torchrun forms the same world (ranks, seeds, prompt shards): the same run, bit for bit.
     assert all(metrics == runs[launchers[0]] for metrics in runs.values())
+
+
+@pytest.mark.convergence
+def test_a_node_killed_mid_iteration_stops_the_other_with_an_error_and_the_run_resumes(tmp_path):
+    """Node 1 is SIGKILLed in the middle of iteration 3 (FSDP2, a checkpoint every 2 iterations):
+    node 0's next collective fails (gloo: the connection to the peer is reset) and it exits with
+    that error within seconds, long before the collective timeout (set here to 2 minutes, the
+    bound for a peer that hangs instead of dying); the two nodes then resume from last.ckpt
+    (iteration 2) and run iterations 3 and 4, both ranks holding the same metrics."""
+    root = tmp_path / "run"
+    four = ("--trainer.limit_train_batches=4",)
+    timeout = ("--trainer.strategy.init_args.timeout=0:02:00",)
+    kill = ("--trainer.callbacks+=fault_callbacks.KillMidIteration", "--trainer.callbacks.iteration=2", "--trainer.callbacks.rank=1")
+    survivor, killed = run_nodes(root, "env", 2, *STRATEGIES["fsdp2"], *SHORT, *four, *timeout, *kill, *recorders(root))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    print(f"node 1 killed at {killed.seconds:.1f} s; node 0 exited {survivor.returncode} at {survivor.seconds:.1f} s")
+    assert survivor.returncode == 1 and survivor.seconds - killed.seconds < 60, survivor.stderr[-2000:]
+    assert "Connection reset by peer" in survivor.stderr or "Connection closed by peer" in survivor.stderr, survivor.stderr[-2000:]
+    (ckpt,) = (root / "lightning_logs").glob("*/version_0/checkpoints/last.ckpt")
+    assert torch.load(ckpt / "meta.pt", weights_only=True)["rlhf_lightning"]["iteration"] == 2
+
+    for node in run_nodes(root, "env", 2, *STRATEGIES["fsdp2"], *SHORT, *four, *timeout, f"--ckpt_path={ckpt}", *recorders(root)):
+        assert node.returncode == 0, node.stderr[-4000:]
+    metrics = metrics_by_iteration(root)  # iterations 1-2 before the kill, 3-4 resumed
+    assert sorted(metrics) == [1, 2, 3, 4] and all(by_rank[0] == by_rank[1] for by_rank in metrics.values()), metrics
