@@ -101,3 +101,44 @@ def test_a_node_killed_mid_iteration_stops_the_other_with_an_error_and_the_run_r
         assert node.returncode == 0, node.stderr[-4000:]
     metrics = metrics_by_iteration(root)  # iterations 1-2 before the kill, 3-4 resumed
     assert sorted(metrics) == [1, 2, 3, 4] and all(by_rank[0] == by_rank[1] for by_rank in metrics.values()), metrics
+
+
+def prompt_loaders(prompts: list[str], world: int):
+    """The training loaders of ``world`` ranks (batches of one prompt), with a stand-in for the trainer
+    they read their position from (batches started: ``trainer.fit_loop...ready``)."""
+    from types import SimpleNamespace
+
+    from rlhf_lightning.data import PromptLoader, PromptSampler
+
+    progress = SimpleNamespace(ready=0)
+    trainer = SimpleNamespace(
+        current_epoch=0, fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=progress)))
+    )
+    samplers = [PromptSampler(prompts, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True) for rank in range(world)]
+    loaders = [PromptLoader(prompts, batch_size=1, sampler=s, drop_last=True, collate_fn=list, trainer=trainer) for s in samplers]
+    return loaders, progress
+
+
+@pytest.mark.parametrize(("before", "after", "twice"), [(2, 1, 0), (1, 2, 0), (2, 4, 0), (4, 3, 0), (3, 4, 2)])
+def test_the_data_position_means_the_same_prompts_on_any_number_of_processes(before, after, twice):
+    """6 prompts on each of ``before`` ranks, then resumed on ``after``: the prompts not yet seen,
+    each once. Before: 6 x before prompts, the permutation's first (the ranks deal it out in
+    turn); after, each rank skips 6 x before / after of its own share. 3 ranks -> 4: 18 prompts do
+    not split in 4, each rank skips 4 (16), and 2 prompts come again (with a warning)."""
+    import itertools
+    import warnings
+
+    prompts = [f"prompt {i}" for i in range(48)]
+    loaders, progress = prompt_loaders(prompts, before)
+    seen = [prompt for loader in loaders for batch in itertools.islice(loader, 6) for prompt in batch]
+    progress.ready = 6
+    state = loaders[0].state_dict()
+    assert state == {"epoch": 0, "samples_done": 6, "world_size": before}
+    loaders, _ = prompt_loaders(prompts, after)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for loader in loaders:
+            loader.load_state_dict(state)
+    rest = [prompt for loader in loaders for batch in loader for prompt in batch]
+    assert len(rest) == 48 - 6 * before + twice and sorted(set(seen + rest)) == sorted(prompts)
+    assert len([w for w in caught if "seen twice" in str(w.message)]) == (after if twice else 0)
