@@ -1,5 +1,6 @@
 """Sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``) through Lightning's
-``ModelParallelStrategy``: what the module needs to shard its models, sample from them and count
+``ModelParallelStrategy``: what the module needs to shard its models (built empty on the meta
+device and filled shard by shard: ``meta_copy``, ``materialise``), sample from them and count
 what each rank holds.
 
 Every rank holds 1/world of each sharded parameter (a ``DTensor`` sharded on dim 0) and of its

@@ -335,8 +335,8 @@ class PolicyNetworks:
                 _pretrained_location(hp.policy)
             self.trainer.strategy.barrier()
         tensors = CheckpointTensors.of(hp.policy) if empty else None
-        empty = tensors is not None
-        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config, empty)
+        on_meta = tensors is not None
+        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config, on_meta)
         policy.train()
         # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling
         # (greedy: no sampling flags, which save_pretrained refuses without do_sample).
