@@ -46,7 +46,7 @@ def export_policy(module, target: Path) -> Optional[Path]:
         if module.global_rank != 0:
             return None
         with torch.random.fork_rng():  # building draws random initial weights that are then replaced
-            policy = module._load_policy()
+            policy, _ = module._load_policy()
             if module.hparams.lora_rank:
                 policy = module._add_lora(policy)
         policy.load_state_dict(state)

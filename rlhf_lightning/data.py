@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 from lightning import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -178,7 +179,11 @@ class PromptLoader(DataLoader):
     The position is the number of prompts this rank has consumed this epoch (batches the training
     loop has started, read from the trainer, since the loader runs one batch ahead because
     Lightning prefetches, times the batch size), so a run resumed with another
-    ``data.batch_size`` still continues with the first prompt it has not trained on.
+    ``data.batch_size`` still continues with the first prompt it has not trained on. It is saved
+    with the world size: the ranks of ``PromptSampler`` deal the epoch's permutation out in turn,
+    so n prompts per rank on W ranks are its first n * W, and a run resumed on W' ranks skips
+    n * W / W' on each (the same prompts consumed, whatever the world size; rounded down, with a
+    warning, when W' does not divide it).
     """
 
     def __init__(self, *args, trainer=None, **kwargs) -> None:
@@ -194,11 +199,18 @@ class PromptLoader(DataLoader):
         samples = started * self.batch_size
         if self._resumed is not None and self._resumed[0] == epoch:  # the batches before the resume had the checkpoint's size
             samples = self._resumed[1] + (started - self._resumed[2]) * self.batch_size
-        return {"epoch": epoch, "samples_done": samples}
+        return {"epoch": epoch, "samples_done": samples, "world_size": self.sampler.num_replicas}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._resumed = (state["epoch"], state["samples_done"], self._batches_started())
-        self.sampler.resume_at(state["epoch"], state["samples_done"])
+        consumed = state["samples_done"] * state.get("world_size", self.sampler.num_replicas)  # over all ranks
+        samples = consumed // self.sampler.num_replicas
+        if samples * self.sampler.num_replicas != consumed:
+            rank_zero_warn(
+                f"resuming on {self.sampler.num_replicas} processes after {consumed} prompts of epoch {state['epoch']}: each "
+                f"rank skips {samples}, so {consumed - samples * self.sampler.num_replicas} prompt(s) are seen twice"
+            )
+        self._resumed = (state["epoch"], samples, self._batches_started())
+        self.sampler.resume_at(state["epoch"], samples)
 
 
 class PromptDataModule(LightningDataModule):

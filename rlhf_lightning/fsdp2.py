@@ -1,5 +1,6 @@
 """Sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``) through Lightning's
-``ModelParallelStrategy``: what the module needs to shard its models, sample from them and count
+``ModelParallelStrategy``: what the module needs to shard its models (built empty on the meta
+device and filled shard by shard: ``meta_copy``, ``materialise``), sample from them and count
 what each rank holds.
 
 Every rank holds 1/world of each sharded parameter (a ``DTensor`` sharded on dim 0) and of its
@@ -13,10 +14,11 @@ The same code runs on CPU processes (gloo) and GPUs (NCCL).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -127,6 +129,56 @@ def shard(model: nn.Module, mesh, frozen: bool = False) -> nn.Module:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh, reshard_after_forward=True if frozen else None)
     return model
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters are on the meta device (no memory; ties kept), its
+    buffers real: the skeleton of a reference or critic that ``materialise`` fills shard by shard."""
+    memo = {id(p): nn.Parameter(p.to("meta"), requires_grad=p.requires_grad) for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+# (name in the source, first row, end row) -> those rows of that full tensor
+Rows = Callable[[str, int, int], torch.Tensor]
+
+
+@torch.no_grad()
+def materialise(model: nn.Module, rows: Rows, source_name: Callable[[str], str] = lambda name: name) -> None:
+    """Give every parameter of the sharded ``model`` that is still on the meta device its values,
+    this rank's rows only: ``rows(source_name(name), start, end)`` reads rows [start, end) of the
+    full tensor (FSDP2 shards dim 0 as ``torch.chunk`` does), so no rank ever holds a full model,
+    only, at most, one full tensor of it. Parameters and buffers that are already real (LoRA
+    adapters, a value head, rotary tables) keep their values."""
+    from torch.distributed.tensor import DTensor
+
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    tensors = lambda: [*model.named_parameters(), *model.named_buffers()]
+    empty = {name for name, t in tensors() if t.is_meta}
+    if not empty:
+        return
+    kept = {name: local(t).clone() for name, t in tensors() if name not in empty}
+    device = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh.device_type
+    model.to_empty(device=device)  # FSDP2 re-pads each new local shard (FSDPParam.reset_sharded_param)
+    for name, t in tensors():
+        if name in kept:
+            local(t).copy_(kept[name])
+            continue
+        start, end = _local_rows(t)
+        local(t).copy_(rows(source_name(name), start, end))
+
+
+def _local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """The rows [start, end) of dim 0 that this rank holds of ``t`` (all of a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return 0, t.shape[0]
+    mesh, n = t.device_mesh, t.shape[0]
+    chunk = -(-n // mesh.size())
+    start = min(mesh.get_local_rank() * chunk, n)
+    end = min(start + chunk, n)
+    assert t.to_local().shape[0] == end - start, (t.shape, t.to_local().shape, start, end)
+    return start, end
 
 
 def reshard(*models: Optional[nn.Module]) -> None:

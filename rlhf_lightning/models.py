@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
 import os
 import shutil
 import string
@@ -157,16 +158,31 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(
-    spec: str, vocab_size: int, seed: int = 0, trust_remote_code: bool = False, config_overrides: Optional[dict] = None
+    spec: str,
+    vocab_size: int,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    config_overrides: Optional[dict] = None,
+    empty: bool = False,
 ) -> nn.Module:
-    """The policy network for ``spec``; ``tiny`` is initialised from ``seed`` with ``vocab_size`` tokens."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    """The policy network for ``spec``; ``tiny`` is initialised from ``seed`` with ``vocab_size`` tokens.
+    ``empty``: a pretrained model's parameters on the meta device (no memory; buffers real), to
+    be filled from its ``CheckpointTensors`` once sharded."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if spec == "tiny":
         config = LlamaConfig(vocab_size=vocab_size, **{**TINY_CONFIG, **(config_overrides or {})})
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model = LlamaForCausalLM(config)
+    elif empty:
+        from accelerate import init_empty_weights
+
+        location, kwargs = _pretrained_location(spec)
+        config = AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs, **(config_overrides or {}))
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        model.tie_weights()  # as from_pretrained does (SmolLM2's head is its embedding): the skeleton is built untied
     else:
         location, kwargs = _pretrained_location(spec)
         model = AutoModelForCausalLM.from_pretrained(
@@ -176,6 +192,39 @@ def load_causal_lm(
     return model
 
 
+class CheckpointTensors:
+    """Rows of the tensors of a safetensors checkpoint folder, read without loading the rest
+    (``safe_open(...).get_slice``): how a sharded run fills each rank's shards from the file."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files  # tensor name -> the .safetensors file holding it
+
+    @classmethod
+    def of(cls, spec: str) -> Optional[CheckpointTensors]:
+        """The tensors of ``spec``'s checkpoint, or None when it is not a folder of safetensors
+        files (the tiny model, a .gguf file, .bin weights)."""
+        from safetensors import safe_open
+
+        if spec == "tiny":
+            return None
+        location, kwargs = _pretrained_location(spec)
+        index, single = Path(location) / "model.safetensors.index.json", Path(location) / "model.safetensors"
+        if kwargs:  # a .gguf file
+            return None
+        if index.exists():
+            return cls({name: index.parent / file for name, file in json.loads(index.read_text())["weight_map"].items()})
+        if single.exists():
+            with safe_open(single, "pt") as f:
+                return cls(dict.fromkeys(f.keys(), single))
+        return None
+
+    def __call__(self, name: str, start: int, end: int) -> Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], "pt") as f:
+            return f.get_slice(name)[start:end]
+
+
 def disable_dropout(model: nn.Module) -> None:
     """PPO's ratio pi/pi_old must compare the same function, so no dropout anywhere."""
     for module in model.modules():
@@ -183,8 +232,8 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
-    ref = copy.deepcopy(model).eval()
+def frozen_copy(model: nn.Module, copy_of=copy.deepcopy) -> nn.Module:
+    ref = copy_of(model).eval()
     ref.requires_grad_(False)
     return ref
 
@@ -228,10 +277,10 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_policy(cls, policy: nn.Module, shared: bool = False) -> ValueModel:
+    def from_policy(cls, policy: nn.Module, shared: bool = False, copy_of=copy.deepcopy) -> ValueModel:
         if shared:
             return cls(policy.config.hidden_size)
-        trunk = copy.deepcopy(getattr(policy, policy.base_model_prefix))
+        trunk = copy_of(getattr(policy, policy.base_model_prefix))
         trunk.requires_grad_(True)
         return cls(policy.config.hidden_size, trunk)
 
@@ -274,26 +323,43 @@ class PolicyNetworks:
     critic: Optional[ValueModel]
 
     def configure_model(self) -> None:
+        """Build the networks. Under FSDP2 (ModelParallelStrategy) no rank holds a full copy of
+        them: the critic's trunk and the reference are skeletons on the meta device, and so is the
+        policy when its checkpoint is a safetensors folder; once sharded, each rank reads its own
+        rows of every tensor (``fsdp2.materialise``). A policy built whole (the tiny model, a GGUF
+        file) is the one full copy, freed once its shards are taken."""
         if self.policy is not None:
             return
         hp = self.hparams
-        policy = self._load_policy()
-        self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared")
+        sharded = self.device_mesh is not None  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
+        copy_of = fsdp2.meta_copy if sharded else copy.deepcopy
+        policy, rows = self._load_policy(empty=sharded)
+        self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared", copy_of=copy_of)
         if hp.lora_rank > 0:
             self.policy = self._add_lora(policy)
         else:
             self.policy = policy
-            self.ref_model = frozen_copy(policy)
-            self.initial_model = frozen_copy(policy) if self.reference_update.moves else None
-        if self.device_mesh is not None:  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
-            self._shard_models()
+            self.ref_model = frozen_copy(policy, copy_of)
+            self.initial_model = frozen_copy(policy, copy_of) if self.reference_update.moves else None
+        if sharded:
+            self._shard_models(rows, prefix=policy.base_model_prefix)
 
-    def _load_policy(self) -> nn.Module:
-        """The policy network as configured, without LoRA and unsharded."""
+    def _load_policy(self, empty: bool = False) -> tuple[nn.Module, fsdp2.Rows]:
+        """The policy network as configured, without LoRA and unsharded, and where its weights'
+        rows are read from: its checkpoint file when ``empty`` and the checkpoint is a safetensors
+        folder (the policy then on the meta device), else the policy's own tensors."""
         from transformers import GenerationConfig
 
         hp = self.hparams
-        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config).train()
+        if hp.policy != "tiny" and self._trainer is not None and self.trainer.world_size > 1:
+            # A first use converts SmolLM2's GGUF into the cache: one process per machine does it, the others wait.
+            if self.trainer.local_rank == 0:
+                _pretrained_location(hp.policy)
+            self.trainer.strategy.barrier()
+        tensors = CheckpointTensors.of(hp.policy) if empty else None
+        on_meta = tensors is not None
+        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config, on_meta)
+        policy.train()
         # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling
         # (greedy: no sampling flags, which save_pretrained refuses without do_sample).
         sampling = dict(temperature=hp.temperature, top_k=0, top_p=1.0) if hp.do_sample else {}
@@ -305,7 +371,10 @@ class PolicyNetworks:
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
         )
-        return policy
+        if tensors is not None:
+            return policy, tensors
+        whole = {name: p.detach() for name, p in policy.named_parameters()}
+        return policy, lambda name, start, end: whole[name][start:end]
 
     def _add_lora(self, policy: nn.Module) -> nn.Module:
         from peft import LoraConfig, get_peft_model
@@ -318,22 +387,25 @@ class PolicyNetworks:
             target_modules=hp.lora_target_modules or "all-linear",
             task_type="CAUSAL_LM",
         )
-        policy = get_peft_model(policy, config)
-        if self.reference_update.moves:  # a frozen copy of the (no-op) initial adapter
-            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: draw nothing from the run's RNG
-                policy.add_adapter(REFERENCE_ADAPTER, config)
-            policy.set_requires_grad(REFERENCE_ADAPTER, False)
-            move_toward(*adapter_pairs(policy), 1.0)
+        with _stand_ins_for_meta(policy):
+            policy = get_peft_model(policy, config)
+            if self.reference_update.moves:  # a frozen copy of the (no-op) initial adapter
+                with torch.random.fork_rng(devices=[]):  # its random init is overwritten: draw nothing from the run's RNG
+                    policy.add_adapter(REFERENCE_ADAPTER, config)
+                policy.set_requires_grad(REFERENCE_ADAPTER, False)
+                move_toward(*adapter_pairs(policy), 1.0)
         return policy
 
-    def _shard_models(self) -> None:
+    def _shard_models(self, rows: fsdp2.Rows, prefix: str) -> None:
         """FSDP2: shard the policy (with its LoRA adapters), the critic and the reference (and a
         moving reference's starting policy) per transformer block over the data-parallel mesh.
         The reference is sharded like the policy (it is as large, and it runs one no-grad forward
         per iteration: one gather per block); with LoRA it is the policy itself with the adapter
         disabled (or its frozen reference adapter, sharded with its blocks). A moving reference
         moves shard by shard: each rank updates its own shards toward the policy's. Every trainable parameter
-        must be under ``fully_shard``: ModelParallelStrategy has no DDP to average the rest."""
+        must be under ``fully_shard``: ModelParallelStrategy has no DDP to average the rest.
+        Then every parameter still on the meta device gets this rank's rows from ``rows`` (named
+        as in the policy; ``prefix``: the policy's trunk, which the critic's trunk copies)."""
         mesh = self.device_mesh
         require(
             mesh["tensor_parallel"].size() == 1,
@@ -343,10 +415,16 @@ class PolicyNetworks:
         )
         mesh = mesh["data_parallel"]
         # With LoRA the base model is the FSDP root: generation calls it directly (see _generator).
-        fsdp2.shard(self.policy.get_base_model() if self.hparams.lora_rank else self.policy, mesh)
+        base = self.policy.get_base_model() if self.hparams.lora_rank else self.policy
+        fsdp2.shard(base, mesh)
         for model in (self.critic, self.ref_model, self.initial_model):
             if model is not None:
                 fsdp2.shard(model, mesh, frozen=model is not self.critic)
+        fsdp2.materialise(base, rows, lambda name: name.replace(".base_layer.", "."))  # a LoRA layer's own linear
+        if self.critic is not None:
+            fsdp2.materialise(self.critic, rows, lambda name: prefix + name.removeprefix("trunk"))
+        for model in filter(None, (self.ref_model, self.initial_model)):
+            fsdp2.materialise(model, rows)
 
     def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, return_hidden: bool = False):
         """Temperature-scaled float32 logits predicting each response token: (batch, response_len, vocab);
@@ -571,6 +649,29 @@ def merged_adapter(policy: nn.Module):
         policy.unmerge_adapter()
         if originals:
             torch._foreach_copy_([params[name].data for name in originals], list(originals.values()))
+
+
+@contextlib.contextmanager
+def _stand_ins_for_meta(model: nn.Module):
+    """Inside the block, every meta-device parameter of ``model`` is a real CPU tensor of its shape
+    that holds one element (``expand``: stride 0, 4 bytes); after it, on the meta device again.
+    PEFT creates a new adapter on its base layer's device: on a meta-device base (a sharded build)
+    the adapter's random initial values would be lost with it, and the run's LoRA start with them.
+    With the stand-ins the adapters are drawn exactly as on a real base, and stay real."""
+    stand_ins: dict[int, nn.Parameter] = {}
+    owners = [(m, name, p) for m in model.modules() for name, p in m.named_parameters(recurse=False) if p.is_meta]
+    for module, name, p in owners:
+        stand_in = stand_ins.setdefault(id(p), nn.Parameter(torch.zeros((), dtype=p.dtype).expand(p.shape), p.requires_grad))
+        setattr(module, name, stand_in)
+    try:
+        yield
+    finally:
+        metas: dict[int, nn.Parameter] = {}
+        for module, name, _ in owners:
+            p = getattr(module, name)  # requires_grad as PEFT left it (a frozen base)
+            setattr(
+                module, name, metas.setdefault(id(p), nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad))
+            )
 
 
 def adapter_pairs(policy: nn.Module) -> tuple[list[Tensor], list[Tensor]]:

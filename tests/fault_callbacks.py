@@ -3,6 +3,7 @@
 import itertools
 import os
 import signal
+from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
@@ -16,6 +17,21 @@ class RecordBeta(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         with open(self.path, "a") as f:
             f.write(f"{trainer.global_rank} {pl_module.iteration} {pl_module.beta_controller.beta!r}\n")
+
+
+class RecordMetrics(Callback):
+    """Append one JSON line per iteration on every rank: ``[rank, iteration, {metric: value}]``,
+    every scalar the module logged (what each rank holds after the strategy's reduce)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import json
+
+        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps([trainer.global_rank, pl_module.iteration, metrics]) + "\n")
 
 
 class RecordGroups(Callback):
@@ -77,7 +93,13 @@ class SignalMidIteration(Callback):
 
 class KillMidIteration(SignalMidIteration):
     """SIGKILL in the middle of the update after ``iteration`` completed iterations (the
-    ``iteration + 1``-th): after its rollout and scoring, at its first optimizer step."""
+    ``iteration + 1``-th): after its rollout and scoring, at its first optimizer step; only on
+    global rank ``rank`` when given (the other ranks are left to notice)."""
 
-    def __init__(self, iteration: int) -> None:
+    def __init__(self, iteration: int, rank: Optional[int] = None) -> None:
         super().__init__(iteration + 1, "SIGKILL")
+        self.rank = rank
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.rank is None or trainer.global_rank == self.rank:
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)

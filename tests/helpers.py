@@ -37,6 +37,65 @@ def cli(cwd: Path, *args: str, timeout: float = 600, env: Optional[dict] = None)
     )
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeResult:
+    """One node's process of ``run_nodes``: exit status, output, and when it ended (seconds after the start)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str, seconds: float) -> None:
+        self.returncode, self.stdout, self.stderr, self.seconds = returncode, stdout, stderr, seconds
+
+
+def run_nodes(root, launcher: str, nodes: int, *args: str, timeout: float = 600) -> list[NodeResult]:
+    """``rlhf-lightning fit --config configs/tiny.yaml RUN_ARGS args --trainer.num_nodes=nodes
+    --trainer.devices=1`` as ``nodes`` machines would run it, all here, in ``root``: one process
+    per node, started at once, given the node's rank as a multi-node launch gives it.
+    ``launcher``: ``env`` (Lightning's own environment variables: MASTER_ADDR, MASTER_PORT,
+    NODE_RANK, WORLD_SIZE) or ``torchrun`` (``torchrun --nnodes N --nproc-per-node 1 --node-rank r``)."""
+    import time
+
+    Path(root).mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cli_args = ["fit", "--config", str(CONFIGS / "tiny.yaml"), *RUN_ARGS, f"--trainer.num_nodes={nodes}", "--trainer.devices=1", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    procs, start = [], time.monotonic()
+    for rank in range(nodes):
+        if launcher == "env":
+            command = [sys.executable, "-m", "rlhf_lightning.cli", *cli_args]
+            node_env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": str(rank), "WORLD_SIZE": str(nodes)}
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1", f"--node-rank={rank}"]
+            command += ["--master-addr=127.0.0.1", f"--master-port={port}", "-m", "rlhf_lightning.cli", *cli_args]
+            node_env = env
+        out, err = open(Path(root) / f"node{rank}.out", "w+"), open(Path(root) / f"node{rank}.err", "w+")  # noqa: SIM115
+        procs.append((subprocess.Popen(command, cwd=root, env=node_env, stdout=out, stderr=err), out, err))
+    ended: dict[int, float] = {}
+    while len(ended) < nodes:  # each node's end time, whichever ends first
+        for rank, (proc, _, _) in enumerate(procs):
+            if rank not in ended and proc.poll() is not None:
+                ended[rank] = time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            for rank, (proc, _, _) in enumerate(procs):
+                if rank not in ended:
+                    proc.kill()
+                    proc.wait()
+                    ended[rank] = time.monotonic() - start
+        time.sleep(0.2)
+    results = []
+    for rank, (proc, out, err) in enumerate(procs):
+        with out, err:
+            out.seek(0)
+            err.seek(0)
+            results.append(NodeResult(proc.returncode, out.read(), err.read(), ended[rank]))
+    return results
+
+
 # configs/tiny.yaml for 6 iterations, a checkpoint every 2, a beta controller with state to restore.
 RUN_ARGS = (
     "--trainer.max_epochs=1",

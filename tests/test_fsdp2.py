@@ -5,6 +5,7 @@ checkpoint after SIGKILL, an export that transformers loads, LoRA, and bf16-mixe
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -24,8 +25,9 @@ COMMON = (
 )
 
 
-def run(root, devices: int, *extra: str, check: bool = True):
-    strategy = ("--config", str(CONFIGS / "fsdp2.yaml")) if devices > 1 else ("--trainer.strategy=auto",)
+def run(root, devices: int, *extra: str, check: bool = True, sharded: bool = False):
+    """configs/fsdp2.yaml on 2 processes (or on one with ``sharded``), else one plain process."""
+    strategy = ("--config", str(CONFIGS / "fsdp2.yaml")) if devices > 1 or sharded else ("--trainer.strategy=auto",)
     result = run_cli(
         root,
         f"--trainer.devices={devices}",
@@ -102,6 +104,38 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
 
 
 @pytest.mark.convergence
+def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
+    """A checkpoint folder written by 2 ranks resumes on 1, one written by 1 (FSDP2 on one
+    process) on 2: torch.distributed.checkpoint reshards every tensor (policy, critic, moved EMA
+    reference, AdamW moments) as it loads. Greedy rollouts with one minibatch make the trajectory
+    the same on any number of ranks with the same global batch (up to float summation order), so
+    the resumed iterations 3 and 4 of both agree, as do the first two; both continue with the
+    same 16 prompts of the epoch's permutation, none seen before the checkpoint (the data position
+    counts prompts over all ranks); the beta controller and the reference carry on."""
+    moving = ("--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")
+    before, resumed, prompts = {}, {}, {}
+    for first, then in ((2, 1), (1, 2)):
+        root = tmp_path / f"{first}_then_{then}"
+        record = ("--trainer.callbacks+=fault_callbacks.RecordPrompts", f"--trainer.callbacks.path={root / 'prompts.txt'}")
+        kill = ("--trainer.callbacks+=fault_callbacks.KillMidIteration", "--trainer.callbacks.iteration=2")  # in iteration 3
+        assert run(root, first, *moving, *record, *kill, check=False, sharded=True).returncode == -9
+        ckpt = log_dir(root) / "checkpoints" / "last.ckpt"
+        assert len(list(ckpt.glob("*.distcp"))) == first
+        run(root, then, *moving, *record, f"--ckpt_path={ckpt}", sharded=True)
+        before[first], resumed[first] = scalars(root), scalars(root, version=1)
+        prompts[first] = {}
+        for line in (root / "prompts.txt").read_text().splitlines():
+            iteration, batch = json.loads(line)
+            prompts[first].setdefault(iteration, set()).update(batch)
+    assert resumed[2]["reference/updates"] == resumed[1]["reference/updates"] == [2.0, 3.0]
+    for name in (*COMPARED, "objective/kl_to_initial"):
+        for a, b in zip(before[2][name] + resumed[2][name], before[1][name] + resumed[1][name], strict=True):
+            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (name, before, resumed)
+    assert sorted(prompts[2]) == sorted(prompts[1]) == [1, 2, 3, 4]
+    assert all(len(prompts[2][i]) == 8 and prompts[2][i] == prompts[1][i] for i in (1, 2, 3, 4)), prompts
+
+
+@pytest.mark.convergence
 def test_two_process_fsdp2_with_lora_a_moving_reference_and_bf16_mixed(tmp_path):
     """LoRA under FSDP2 (the adapters sharded with their blocks; the reference a second, frozen
     adapter moved toward the policy's shard by shard, EMA 0.5) learns and exports a merged model;
@@ -168,3 +202,82 @@ def test_local_numel_counts_shards(numel):
 
     model = torch.nn.Linear(numel, 2)
     assert local_numel(model, model, None) == 2 * numel + 2  # a parameter shared by two models counts once
+
+
+# Model settings the sharded build is checked on: full fine-tuning with a separate critic and a
+# moving reference (policy, critic trunk, reference and starting policy), LoRA with a moving
+# reference adapter and a shared critic.
+BUILDS = {
+    "full": dict(critic="separate", reference_update="EMA"),
+    "lora": dict(critic="shared", reference_update="EMA", lora_rank=4, lora_alpha=8),
+}
+
+
+def _build_both_ways(rank: int, init_file: str, policies: list[str], queue) -> None:
+    """Worker of the test below: one rank of a 2-process gloo world builds the models of each
+    policy and of each of ``BUILDS`` as one unsharded process does, then sharded, and reports
+    what differs."""
+    import torch.distributed as dist
+    from lightning import seed_everything
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rlhf_lightning.fsdp2 import full_state_dict, local_numel
+    from rlhf_lightning.module import PPORLHF
+
+    from helpers import char_reward
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    for policy in policies:
+        for build, settings in BUILDS.items():
+            built = {}
+            for sharded in (False, True):
+                seed_everything(0, verbose=False)
+                module = PPORLHF(policy=policy, tokenizer="char", reward_model=char_reward(), **settings)
+                module._device_mesh = mesh if sharded else None
+                module.configure_model()
+                models = {name: getattr(module, name) for name in ("policy", "critic", "ref_model", "initial_model")}
+                built[sharded] = (
+                    # gathered to rank 0 only
+                    {name: {k: v.clone() for k, v in full_state_dict(m).items()} for name, m in models.items() if m is not None},
+                    torch.get_rng_state(),  # the LoRA init draws from the run's RNG: the same draws either way
+                    local_numel(*models.values()),
+                    [name for name, m in models.items() if m is not None for n, p in m.named_parameters() if p.is_meta],
+                )
+            (whole, rng, numel, _), (sharded_weights, sharded_rng, sharded_numel, meta) = built[False], built[True]
+            differ = [
+                f"{name}.{key}"
+                for name, state in whole.items()
+                for key, value in state.items()
+                if rank == 0 and (key not in sharded_weights[name] or not torch.equal(value, sharded_weights[name][key]))
+            ]
+            tensors = sum(map(len, whole.values()))
+            queue.put((policy, build, rank, differ, torch.equal(rng, sharded_rng), sharded_numel / numel, meta, tensors))
+    dist.destroy_process_group()
+
+
+@pytest.mark.convergence
+def test_sharded_build_from_the_meta_device_gives_the_weights_of_an_unsharded_build(tmp_path):
+    """Under FSDP2 the critic's trunk, the reference and the starting policy are built on the meta
+    device, and so is the policy when its checkpoint is a safetensors folder; each rank then reads
+    its own rows. Gathered back, every weight of policy, critic, reference and starting policy (and
+    the LoRA adapters) equals, bit for bit, what one process builds unsharded, and the run's RNG
+    is where the unsharded build leaves it; each rank holds half of the elements. Both sources of
+    weights: a safetensors folder (the tiny model saved, with tied embeddings) and the tiny model
+    built in code."""
+    import torch.multiprocessing as mp
+
+    from rlhf_lightning.models import char_tokenizer, load_causal_lm
+
+    folder = tmp_path / "checkpoint"
+    # Tied input and output embeddings, as SmolLM2's (the checkpoint holds the embedding only).
+    load_causal_lm("tiny", len(char_tokenizer()), seed=3, config_overrides={"tie_word_embeddings": True}).save_pretrained(folder)
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_build_both_ways, args=(str(tmp_path / "init"), [str(folder), "tiny"], queue), nprocs=2, start_method="spawn")
+    reports = [queue.get() for _ in range(2 * 2 * len(BUILDS))]
+    assert sorted((policy == "tiny", build, rank) for policy, build, rank, *_ in reports) == [
+        (tiny, build, rank) for tiny in (False, True) for build in sorted(BUILDS) for rank in (0, 1)
+    ]
+    for policy, build, rank, differ, same_rng, fraction, meta, tensors in reports:
+        assert not differ and same_rng and not meta, (policy, build, rank, differ, same_rng, meta)
+        assert tensors > 20 and 0.49 < fraction < 0.51, (policy, build, rank, tensors, fraction)

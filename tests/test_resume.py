@@ -226,7 +226,8 @@ def test_a_changed_batch_size_on_resume_continues_with_the_first_unseen_prompt(t
     assert [len(batch) for batch in seen] == [16, 16, 16, 8, 8, 8]
     assert [prompt for batch in seen for prompt in batch] == order[: 3 * 16 + 3 * 8]
     (loader,) = last_checkpoint(tmp_path, version=1)["loops"]["fit_loop"]["state_dict"].values()
-    assert loader == [{"epoch": 0, "samples_done": 3 * 16 + 3 * 8}]  # the next resume, at any batch size, starts at prompt 73
+    # The next resume, at any batch size (or number of processes), starts at prompt 73.
+    assert loader == [{"epoch": 0, "samples_done": 3 * 16 + 3 * 8, "world_size": 1}]
 
 
 @pytest.mark.convergence

@@ -6,6 +6,7 @@
     python tools/bench.py --device cuda --bf16             # GPU, bf16 autocast
     python tools/bench.py --tiny                           # the tiny random model, 2 iterations (the tests)
     python tools/bench.py --mode full --ppo-epochs 1 --strategy fsdp2 --devices 2 --threads 1   # per rank
+    python tools/bench.py --mode full --ppo-epochs 1 --iters 1 --strategy fsdp2 --devices 2 --threads 1 --memory
 
 The workload is fixed: SmolLM2-135M-Instruct (``--policy``), the first ``--batch-size`` (8)
 built-in prompts every iteration, rendered with the chat template (SmolLM2's adds a system
@@ -65,6 +66,12 @@ on GPUs; ``--batch-size`` prompts per rank): one table row per rank, with that r
 and iteration time. Under ``fsdp2`` the rollout gathers the policy once (the module's way), and
 one more floor is measured: ``generate`` on the sharded policy as FSDP2's hooks run it, every
 block all-gathered again at each decode step (``sharded gen``; full fine-tuning only).
+
+``--memory`` (with ``--strategy ddp|fsdp2``) runs the same work in one process first, then on
+``--devices`` processes, both with glibc's ``MALLOC_MMAP_THRESHOLD_=1048576`` (blocks over 1 MiB
+are mmapped and returned when freed, so a peak RSS counts what is held, not what the heap kept),
+prints each process's peak RSS, and last ``MEMORY rank_peak_vs_single=<r>``: the largest peak
+of the ranks over the one process's (per-rank batch the same: activations do not shrink).
 
 On a CPU shared with other jobs use ``--threads 1``: spinning OpenMP threads on a busy
 2-core machine make a forward pass several times slower and the timings erratic.
@@ -160,6 +167,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="one process, or --devices processes with DDP or FSDP2 (ModelParallelStrategy)",
     )
     parser.add_argument("--devices", type=option_number(integer=True, at_least=1), default=1, help="processes of --strategy ddp/fsdp2")
+    parser.add_argument("--memory", action="store_true", help="peak RSS per rank against one process; last line MEMORY ...")
     parser.add_argument("--results-dir", help=argparse.SUPPRESS)  # where ranks > 0 leave their results
     parser.add_argument("--profile", action="store_true", help="profile one extra iteration per run with torch.profiler")
     parser.add_argument("--profile-rows", type=option_number(integer=True, at_least=1), default=25, help="ops shown by --profile")
@@ -174,6 +182,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--iters, --ppo-epochs and --num-minibatches must be >= 1, --warmup >= 0")
     if (args.strategy == "single") != (args.devices == 1):
         parser.error("--strategy ddp/fsdp2 needs --devices >= 2, --devices >= 2 needs --strategy ddp or fsdp2")
+    if args.memory and args.devices == 1:
+        parser.error("--memory compares --devices >= 2 processes of --strategy ddp/fsdp2 with one process")
     if args.batch_size % args.num_minibatches or args.batch_size % args.num_generations:
         parser.error("--batch-size must be divisible by --num-minibatches and by --num-generations")
     return args
@@ -397,7 +407,13 @@ def trainable_numel(model) -> int:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    """This process's peak resident memory: Linux's VmHWM (getrusage's ru_maxrss would carry over
+    the peak of the parent that forked it: this script's own, or rank 0's for the ranks it starts)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: KiB (macOS: bytes)
 
 
 def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
@@ -936,9 +952,9 @@ def bench_line(results: Sequence[dict], peaks: dict[str, float]) -> str:
     )
 
 
-def run_subprocess(argv: list[str]) -> list[dict]:
+def run_subprocess(argv: list[str], env: Optional[dict] = None) -> list[dict]:
     """Run one worker, echoing its output and a line per finished run; return its results."""
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
     results, start = [], time.perf_counter()
     with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env) as proc:
         for line in proc.stdout:
@@ -964,16 +980,19 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         return []
     modes = {"both": ("full", "lora"), "all": ("full", "lora", "grpo")}.get(args.mode, (args.mode,))
     peaks = measure_peaks(args)
+    env = {"MALLOC_MMAP_THRESHOLD_": "1048576"} if args.memory else {}
+    single = [argparse.Namespace(**{**vars(args), "strategy": "single", "devices": 1})] if args.memory else []
     results = []
     for mode in modes:
-        if args.devices == 1:
-            results += run_subprocess(worker_argv(args, mode))
-        # Several processes: one worker per run (a second Trainer in a worker would launch its ranks again).
-        for ppo_epochs in args.ppo_epochs if args.devices > 1 else ():
-            with tempfile.TemporaryDirectory(prefix="rlhf_bench_ranks_") as results_dir:
-                one = argparse.Namespace(**{**vars(args), "ppo_epochs": [ppo_epochs], "results_dir": results_dir})
-                results += run_subprocess(worker_argv(one, mode))
-                results += [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
+        for one in [*single, args]:
+            if one.devices == 1:
+                results += run_subprocess(worker_argv(one, mode), env)
+            # Several processes: one worker per run (a second Trainer in a worker would launch its ranks again).
+            for ppo_epochs in one.ppo_epochs if one.devices > 1 else ():
+                with tempfile.TemporaryDirectory(prefix="rlhf_bench_ranks_") as results_dir:
+                    run = argparse.Namespace(**{**vars(one), "ppo_epochs": [ppo_epochs], "results_dir": results_dir})
+                    results += run_subprocess(worker_argv(run, mode), env)
+                    results += [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
         if args.save:
             Path(args.save).write_text(json.dumps(results, indent=1))
     print(format_table(results))
@@ -986,7 +1005,23 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
                 f"batch={r['batch']} response_len={r['response_len']} load={r['load'][0]:.2f}-{r['load'][1]:.2f}",
                 flush=True,
             )
+    if args.memory:
+        print(memory_line(results), flush=True)
     return results
+
+
+def memory_line(results: Sequence[dict]) -> str:
+    """Each process's peak RSS, and the largest rank's over the one process's (the worst mode)."""
+    ratios = []
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        single = max(r["peak_rss_mb"] for r in results if r["mode"] == mode and r["devices"] == 1)
+        ranks = [r for r in results if r["mode"] == mode and r["devices"] > 1]
+        print(
+            f"peak RSS, {mode}: one process {single:.0f} MB; "
+            + ", ".join(f"{rank_label(r)} {r['peak_rss_mb']:.0f} MB" for r in sorted(ranks, key=lambda r: r["rank"]))
+        )
+        ratios.append(max(r["peak_rss_mb"] for r in ranks) / single)
+    return f"MEMORY rank_peak_vs_single={max(ratios):.3f}"
 
 
 if __name__ == "__main__":
