@@ -519,10 +519,11 @@ class PPORLHF(PolicyNetworks, LightningModule):
             # k's score term.
             if hp.kl_loss_weighting == "importance" and self._kl_reads_sampled_token:
                 kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs, kl_mask, ratio_gradient=hp.kl_penalty == "loss")
-            # The KL still to come after each token (ppo_math.kl_to_go_loss): the term that makes the
-            # gradient the whole response's KL's. With 'both' the reward's returns carry it already.
-            if hp.kl_penalty == "loss" and hp.kl_loss_scope == "sequence":
-                kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs, kl, kl_mask)
+            # The KL still to come after each token (ppo_math.kl_to_go_loss; none per token), with a group baseline
+            # for the KL's score terms (the ratio's, if weighted). With 'both' the reward's returns carry them.
+            if hp.kl_penalty == "loss" and (hp.kl_loss_scope == "sequence" or kl_loss is not kl):
+                future = "cumulative" if hp.kl_loss_scope == "sequence" else "none"
+                kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs, kl, kl_mask, future, pm.group_ids(rollout.prompts, idx))
             # The advantage estimator's gradient scale (a group std, a mean baseline's (n - 1) / n) on
             # the KL as on the reward, so that beta weighs one against the other as configured.
             loss = loss + (weights * kl_coef[idx, None] * kl_loss).sum()

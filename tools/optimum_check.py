@@ -71,7 +71,7 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from rlhf_lightning.exact import TASKS, per_token_fixed_point_gap, task_named, train
+from rlhf_lightning.exact import TASKS, expected_train, per_token_fixed_point_gap, task_named, train
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
@@ -275,7 +275,7 @@ TASK_SETTINGS = {
     "random": {
         "beta": 1.0,
         "iterations": 150,
-        "batch_size": 192,
+        "batch_size": 384,
         "estimators": ["k1", "k3"],
         "placements": ["reward", "loss"],
         "weightings": ["importance"],
@@ -311,6 +311,12 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--epochs", nargs="+", type=int, default=[1, 4], help="ppo_epochs values (default 1 4)")
     group.add_argument("--jobs", type=int, default=1, help="cells trained in parallel processes (default 1)")
+    group.add_argument(
+        "--expected-gradient",
+        action="store_true",
+        help="replace every rollout by its exact expectation (exact.expected_train): where each cell's expected gradient "
+        "leads, without sampling noise; KL in the loss only, the advantage exact (--advantage ignored)",
+    )
 
 
 def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence") -> str:
@@ -397,6 +403,21 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     _quiet()
     settings = task_settings(args, cell.task)
     start = time.perf_counter()
+    if args.expected_gradient:
+        rows = expected_train(
+            task_named(cell.task),
+            settings["iterations"],
+            settings["beta"],
+            lr=args.lr,
+            lr_final=args.lr_final,
+            every=settings["iterations"],
+            kl_estimator=cell.estimator,
+            kl_loss_weighting="importance" if cell.weighting == "importance" else "none",
+            kl_loss_scope="per_token" if cell.scope == "per_token" else "sequence",
+            ppo_epochs=cell.epochs,
+            log_samples_every_n_steps=0,
+        )
+        return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
     _, tracker = train(
         task_named(cell.task),
         settings["iterations"],
@@ -419,8 +440,12 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
 
 
 def run_matrix(args: argparse.Namespace) -> None:
+    if args.expected_gradient:  # the exact advantage: one advantage dimension, and only the loss carries the KL
+        args.advantage, args.placements = args.advantage[:1], ["loss"]
     cells = matrix_cells(args)
-    print(f"tasks={args.task} advantages={args.advantage} seeds={args.seed} cells={len(cells)} jobs={args.jobs}")
+    print(
+        f"tasks={args.task} advantages={args.advantage} seeds={args.seed} cells={len(cells)} jobs={args.jobs} expected_gradient={args.expected_gradient}"
+    )
     for name in args.task:
         print(f"SETTINGS task={name} " + " ".join(f"{key}={value}" for key, value in task_settings(args, name).items()))
     per_token = {}
