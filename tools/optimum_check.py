@@ -9,7 +9,7 @@ closed-form optimum of the KL-regularised objective (see rlhf_lightning/exact.py
 ``--task`` names a hand-made task (terminal, bandit) or ``random:SEED``, ``ExactTask.random(SEED)``: 2 prompts,
 4 tokens, responses of 3, a reward that depends on token order and a reference initialised from SEED.
 Each kind of task has its own defaults for what the command line leaves out (:data:`TASK_SETTINGS`:
-beta 0.5, 100 iterations of 48 responses hand-made; beta 1, 150 iterations of 192 responses random).
+beta 0.5, 100 iterations of 48 responses hand-made; beta 1, 150 iterations of 384 responses random).
 Several tasks, and several sampling ``--seed`` values (the task's reference stays the same), train one
 after another; with more than one seed a ``SEEDS task=... gap_mean= gap_std=`` line follows each task.
 Every run first prints
@@ -42,6 +42,12 @@ of each task (of each seed, for a hand-made task), one line per cell, then a sum
     MATRIX unbiased_max_gap=<largest gap of the cells called unbiased> biased_min_gap=<smallest of those called biased>
            per_token_min_fixed_point_gap=<smallest PER_TOKEN gap over the tasks>
            per_token_max_deviation=<largest |gap - fixed_point_gap| of the per_token cells> drift_max_gap=...
+
+``--expected-gradient`` trains the same KL-in-the-loss cells with every rollout replaced by its exact
+expectation (:func:`rlhf_lightning.exact.expected_train`: all responses enumerated, weighted by pi_old, the
+exact advantage, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
+gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
+cell adds to them is noise.
 
 kl_opt is KL(pi* || pi_ref), where kl_ref_exact should land. ``expected`` is what the theory
 (:func:`expected_class`, docs/kl-estimators.md "Which recipe reaches which optimum") says of the cell.
@@ -117,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size",
         type=int,
-        help="responses per iteration, a multiple of the prompts times --num-generations (default: the task's, 48 hand-made, 96 random)",
+        help="responses per iteration, a multiple of the prompts times --num-generations (default: the task's, 48 hand-made, 384 random)",
     )
     parser.add_argument("--lr", type=float, default=2e-3, help="policy and critic learning rate")
     parser.add_argument("--lr-final", type=float, default=0.1, help="linear decay of the learning rate to this fraction")
@@ -261,7 +267,8 @@ GRADIENT_UNBIASED = {"k2", "k3+", "full"}  # on-policy E_pi[grad k] = grad KL(pi
 TOKEN_FREE = {"full"}  # the same value whichever token was sampled: exact at pi_theta on pi_old's states
 
 # What each kind of task was tuned with. A random task at beta 1 (where seeds 1-5 have a per-token
-# fixed-point gap >= 0.05) needs more responses per iteration to settle within 0.02 of pi*; its matrix
+# fixed-point gap >= 0.05) needs more responses per iteration to settle within 0.02 of pi* (the KL in the
+# loss is a score-function estimate: 384 responses, where 192 left k1 in the loss at 0.028-0.043); its matrix
 # keeps the cells that separate the three classes (the full one: --estimators/--placements/--weightings).
 TASK_SETTINGS = {
     "hand-made": {
@@ -319,7 +326,7 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence") -> str:
+def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence", advantage: str = "gae") -> str:
     """What the theory (docs/kl-estimators.md, "Which recipe reaches which optimum") says of a cell's
     expected gradient against that of J = E r - beta KL(pi(.|x) || pi_ref(.|x)) (s = grad log pi):
 
@@ -338,8 +345,12 @@ def expected_class(estimator: str, placement: str, weighting: str, scope: str = 
     (ppo_math.kl_to_go_loss), the rest of the response's KL gradient for value-unbiased k (k2 is refused).
     both: reward k s + loss grad k, the reward's returns carrying the sequence term: the KL's for
     value-unbiased k; unweighted, k1 and k3 drift. Estimators outside the five built-in ones are
-    classified by membership of the sets above.
+    classified by membership of the sets above. ``grpo`` with any KL outside the reward: biased, its
+    division by each group's reward std weighs each prompt's reward against its KL differently (the
+    objective is sum_x (E r - beta std_x KL), not J); in the reward the std divides both alike.
     """
+    if advantage == "grpo" and placement != "reward":
+        return "biased"
     if placement == "reward":
         return "unbiased" if estimator == "k1" else "biased"
     if estimator in TOKEN_FREE:
@@ -365,7 +376,7 @@ class Cell:
 
     @property
     def expected(self) -> str:
-        return expected_class(self.estimator, self.placement, self.weighting, self.scope)
+        return expected_class(self.estimator, self.placement, self.weighting, self.scope, self.advantage)
 
 
 def matrix_cells(args: argparse.Namespace) -> list[Cell]:
