@@ -275,7 +275,10 @@ def kl_to_go_loss(
         grad_t = rho_t * G_t * s_t,   G_t = sum_{t' > t} W_{t,t'} k_t'   (G detached),
 
     with s_t = grad log pi_theta(y_t | s_t), rho_t = pi_theta(y_t | s_t) / pi_old(y_t | s_t) (carrying
-    gradient), k = ``kl`` the estimator's per-token values (only their values are used) and
+    gradient), k = ``kl`` per-token values whose mean at each state is its KL (only their values are used;
+    PPORLHF passes the log-ratio's, log pi - log pi_ref, for every estimator that reads the sampled token:
+    k3's exp(-x) - 1 + x is heavy-tailed where pi << pi_ref and made this term's variance up to 15 times
+    larger at pi* on the random tasks; full's exact values otherwise) and
     W_{t,t'} = prod_{t < tau <= t'} rho_tau (``cumulative``) or rho_t' (``token``), both detached;
     ``none``: G = 0, only the baseline below (``kl_loss_scope: per_token``).
     Computed as (rho_t - sg(rho_t)) * sg(G_t), DiCE's "magic box": adding it changes no logged value.

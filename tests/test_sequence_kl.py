@@ -37,10 +37,11 @@ def full(logprobs, ref_logprobs, logits, ref_logits):
 ESTIMATORS = {"k1": k1, "k3": k3, "full": full}  # the formulas of plugins/kl_estimators.py, in float64
 
 
-def kl_loss(estimator, ref_table, responses, sequence: bool, future_weights: str = "cumulative", groups=None, scale=None):
+def kl_loss(estimator, ref_table, responses, sequence: bool, future_weights: str = "cumulative", groups=None, scale=None, log_ratio=False):
     """The per-token KL loss as PPORLHF builds it with kl_penalty 'loss', kl_loss_weighting 'importance'
     (the ratio on estimators that read the sampled token, carrying gradient), plus the sequence term
-    (with its leave-one-out baseline over ``groups``); each row's loss times ``scale`` (N,) if given."""
+    (with its leave-one-out baseline over ``groups``; with ``log_ratio`` the KL still to come from the log-ratio's
+    values, as PPORLHF takes it for estimators that read the sampled token); each row's loss times ``scale``."""
     ref_logits = tb.position_logits(ref_table, responses)
     ref_logprobs = tb.token_logprobs(ref_table, responses)
 
@@ -49,7 +50,8 @@ def kl_loss(estimator, ref_table, responses, sequence: bool, future_weights: str
         kl = ESTIMATORS[estimator](logprobs, ref_logprobs, logits, ref_logits)
         per_token = kl if estimator == "full" else pm.importance_weighted_kl(kl, logprobs, old_logprobs, mask)
         if sequence:
-            per_token = per_token + pm.kl_to_go_loss(logprobs, old_logprobs, kl, mask, future_weights, groups)
+            values = logprobs - ref_logprobs if log_ratio else kl
+            per_token = per_token + pm.kl_to_go_loss(logprobs, old_logprobs, values, mask, future_weights, groups)
         return per_token if scale is None else per_token * scale.unsqueeze(-1)
 
     return loss
@@ -144,6 +146,18 @@ def test_on_policy_the_sequence_term_completes_the_gradient(setup, estimator, fu
     ref, theta, _, responses = setup
     got = tb.expected_gradient(kl_loss(estimator, ref, responses, sequence=True, future_weights=future_weights), theta, responses)
     torch.testing.assert_close(tb.flatten(got), tb.flatten(exact_gradient(theta, ref, responses)), rtol=0, atol=1e-12)
+
+
+def test_the_log_ratio_values_for_the_kl_to_come_keep_k3_exact(setup):
+    """PPORLHF takes the KL still to come from the log-ratio's values (unbiased and light-tailed, where k3's
+    exp(-x) - 1 + x is heavy-tailed when pi << pi_ref): k3's per-token term plus that sequence term is still
+    the exact gradient, on-policy and over the epochs at pi_old's states, to rounding."""
+    ref, theta, old, responses = setup
+    loss = kl_loss("k3", ref, responses, sequence=True, log_ratio=True)
+    on = tb.flatten(tb.expected_gradient(loss, theta, responses))
+    torch.testing.assert_close(on, tb.flatten(exact_gradient(theta, ref, responses)), rtol=0, atol=1e-12)
+    off = tb.flatten(tb.expected_gradient(loss, theta, responses, old))
+    torch.testing.assert_close(off, tb.flatten(exact_gradient(theta, ref, responses, old)), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k3", "full"])
