@@ -138,7 +138,7 @@ def test_matrix_cells_leave_out_what_cannot_differ_or_is_refused():
 # (advantage, overrides of the k3-in-the-loss settings, bound on the gap after 150 iterations of 192
 # responses, 4 epochs). Measured 2026-11-25: 0.0038, 0.0138, 0.0234 (0.0213 after 300 iterations: the
 # critic-free loss path is the noisiest), 0.0162 (dr_grpo); rloo 0.0136 once the KL's score terms had
-# their group baseline (ppo_math.kl_to_go_loss's groups). grpo is not among them: its division by
+# their group baseline (ppo_math.kl_to_go_loss's groups), 0.0123 with the log-ratio's values for the KL to come. grpo is not among them: its division by
 # the group std weighs each prompt's reward against its KL differently (args warns).
 RECOMMENDED = [
     pytest.param("gae", dict(kl_estimator="k1", kl_penalty="reward"), 0.02, id="gae-k1-reward"),
