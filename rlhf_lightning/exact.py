@@ -70,7 +70,7 @@ from rlhf_lightning import ppo_math as pm
 from rlhf_lightning import sampling
 from rlhf_lightning.checks import require
 from rlhf_lightning.cli import QUIET_TRAINER
-from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.module import PPORLHF, Rollout
 from rlhf_lightning.tabular import enumerate_responses
 
 BANNED_LOGIT = -1e4  # added to the logits of non-content tokens: probability exactly 0, entropy still finite
@@ -575,3 +575,85 @@ def train(
     finally:
         torch.set_num_threads(threads)
     return module, tracker
+
+
+def expected_train(
+    task: ExactTask,
+    iterations: int,
+    beta: float,
+    lr: float = 2e-3,
+    lr_final: float = 0.1,
+    every: int = 50,
+    num_minibatches: int = 2,
+    **module_kwargs: Any,
+) -> list[dict[str, float]]:
+    """PPO with the KL in the loss where every rollout is replaced by its exact expectation: no sampling
+    noise, so where it goes is where the loss's expected gradient leads (bias against noise: the matrix of
+    ``tools/optimum_check.py --expected-gradient``).
+
+    Each iteration: pi_old = the current policy; the "rollout" is every response of every prompt, each
+    response's per-token losses weighted by pi_old(y|x) / (prompts * length) (so the weighted sum is the
+    expectation of the module's token-mean loss); the advantage is exact, A_t = r(x, y) - E_{pi_old}[r | x,
+    y_<t] (any baseline of the prefix leaves the expectation unchanged); then ``ppo_epochs`` x
+    ``num_minibatches`` full-batch AdamW steps (as many as the sampled loop takes, each on the whole
+    expectation, of which a minibatch is an unbiased half) of the module's own :meth:`PPORLHF.ppo_loss`:
+    clipped surrogate plus beta times the KL loss of its ``kl_estimator``, ``kl_loss_weighting`` and
+    ``kl_loss_scope``; lr decayed linearly to ``lr_final`` of ``lr``. A loss whose expected gradient is
+    grad J at pi_old = pi_theta has pi* as its fixed point at every number of epochs (at a fixed point the
+    first epoch's gradient is 0); a per-token one has :func:`backward_induction` (``soft=False``).
+    Returns a row every ``every`` iterations and after the last: the iteration and the fields of
+    :func:`optimum_report`."""
+    module = ExactPPORLHF(task, kl_penalty="loss", advantage_estimator="rloo", num_generations=2, lr=lr, **module_kwargs)
+    module.configure_model()
+    optimizer = module.configure_optimizers()
+    rewards, length = task.rewards(), task.response_length
+    ref_logprobs = module.exact_ref_logprobs()
+    input_ids, attention_mask = module._all_responses()
+    prompts, response = rewards.shape[0], input_ids[:, -length:]
+    mask = torch.ones_like(response, dtype=torch.float32)
+    with module._reference() as ref:
+        ref_token_logprobs = pm.logprobs_of(module.response_logits(ref, input_ids, attention_mask, length), response)
+    num_tokens = len(task.content_tokens)
+    shape = (prompts, *[num_tokens] * length)
+    rows = []
+    for iteration in range(iterations + 1):
+        logprobs = module.exact_logprobs()
+        if iteration % every == 0 or iteration == iterations:
+            rows.append({"iteration": iteration, **vars(optimum_report(logprobs, ref_logprobs, rewards, beta))})
+        if iteration == iterations:
+            break
+        with torch.no_grad():
+            old_logprobs = pm.logprobs_of(module.response_logits(module.policy, input_ids, attention_mask, length), response)
+        # V_old(x, y_<t) = E_{pi_old}[r | x, y_<t]: sums of pi_old(y) r over the responses sharing the prefix
+        joint, weighted = logprobs.exp().view(shape), (logprobs.exp() * rewards).view(shape)
+        values = []
+        for t in range(length):
+            later = tuple(range(t + 1, length + 1))  # the dimensions of y_t, ..., y_{L-1}
+            value = weighted.sum(later) / joint.sum(later).clamp(min=1e-300)
+            values.append(value.reshape(prompts, -1).repeat_interleave(num_tokens ** (length - t), -1))
+        advantages = (rewards.unsqueeze(-1) - torch.stack(values, -1)).view(-1, length).float()
+        rollout = Rollout(
+            # one group per row: enumerated responses are not independent samples, so no leave-one-out
+            # baseline (ppo_math.kl_to_go_loss's groups); the exact expectation needs none
+            prompts=[str(row) for row in range(len(input_ids))],
+            responses=[],
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response=response,
+            mask=mask,
+            ended_with_eos=torch.zeros(len(input_ids), dtype=torch.bool),
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_token_logprobs,
+            old_values=None,
+            entropy=torch.zeros_like(mask),
+        )
+        weights = (logprobs.exp().view(-1, 1) / prompts).float().expand(-1, length) / length
+        for group in optimizer.param_groups:
+            group["lr"] = lr * (1.0 - (1.0 - lr_final) * iteration / max(iterations - 1, 1))
+        rows_all = torch.arange(len(input_ids))
+        for _ in range(module.hparams.ppo_epochs * num_minibatches):
+            loss = module.ppo_loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return rows

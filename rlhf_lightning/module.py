@@ -510,15 +510,16 @@ class PPORLHF(PolicyNetworks, LightningModule):
             kl_mask = self.kl_mask(rollout.response[idx], mask)
             kl = pm.masked_select(self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits), kl_mask)
             kl_loss = kl
-            # The ratio corrects the sampling of y_t: an estimator that sums over the vocabulary at t
-            # (full) does not depend on y_t and takes none. Its gradient only where no reward carries
-            # k's score term.
+            # The ratio corrects the sampling of y_t (full sums over the vocabulary: none); its gradient
+            # only where no reward carries k's score term.
             if hp.kl_loss_weighting == "importance" and self._kl_reads_sampled_token:
                 kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs, kl_mask, ratio_gradient=hp.kl_penalty == "loss")
-            # The KL still to come after each token (ppo_math.kl_to_go_loss): the term that makes the
-            # gradient the whole response's KL's. With 'both' the reward's returns carry it already.
-            if hp.kl_penalty == "loss" and hp.kl_loss_scope == "sequence":
-                kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs, kl, kl_mask)
+            # The KL still to come after each token (ppo_math.kl_to_go_loss; none per token) from the log-ratio's values
+            # (unbiased, light-tailed; full's exact ones), a group baseline on the KL's score terms. 'both': in the returns.
+            if hp.kl_penalty == "loss" and (hp.kl_loss_scope == "sequence" or kl_loss is not kl):
+                values = pm.masked_select(logprobs - rollout.ref_logprobs[idx], kl_mask) if self._kl_reads_sampled_token else kl
+                future = "cumulative" if hp.kl_loss_scope == "sequence" else "none"
+                kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs, values, kl_mask, future, pm.group_ids(rollout.prompts, idx))
             # The advantage estimator's gradient scale (a group std, a mean baseline's (n - 1) / n) on
             # the KL as on the reward, so that beta weighs one against the other as configured.
             loss = loss + (weights * kl_coef[idx, None] * is_weights * kl_loss).sum()

@@ -37,9 +37,11 @@ def full(logprobs, ref_logprobs, logits, ref_logits):
 ESTIMATORS = {"k1": k1, "k3": k3, "full": full}  # the formulas of plugins/kl_estimators.py, in float64
 
 
-def kl_loss(estimator, ref_table, responses, sequence: bool, future_weights: str = "cumulative"):
+def kl_loss(estimator, ref_table, responses, sequence: bool, future_weights: str = "cumulative", groups=None, scale=None, log_ratio=False):
     """The per-token KL loss as PPORLHF builds it with kl_penalty 'loss', kl_loss_weighting 'importance'
-    (the ratio on estimators that read the sampled token, carrying gradient), plus the sequence term."""
+    (the ratio on estimators that read the sampled token, carrying gradient), plus the sequence term
+    (with its leave-one-out baseline over ``groups``; with ``log_ratio`` the KL still to come from the log-ratio's
+    values, as PPORLHF takes it for estimators that read the sampled token); each row's loss times ``scale``."""
     ref_logits = tb.position_logits(ref_table, responses)
     ref_logprobs = tb.token_logprobs(ref_table, responses)
 
@@ -47,9 +49,10 @@ def kl_loss(estimator, ref_table, responses, sequence: bool, future_weights: str
         mask = torch.ones_like(logprobs)
         kl = ESTIMATORS[estimator](logprobs, ref_logprobs, logits, ref_logits)
         per_token = kl if estimator == "full" else pm.importance_weighted_kl(kl, logprobs, old_logprobs, mask)
-        if not sequence:
-            return per_token
-        return per_token + pm.kl_to_go_loss(logprobs, old_logprobs, kl, mask, future_weights)
+        if sequence:
+            values = logprobs - ref_logprobs if log_ratio else kl
+            per_token = per_token + pm.kl_to_go_loss(logprobs, old_logprobs, values, mask, future_weights, groups)
+        return per_token if scale is None else per_token * scale.unsqueeze(-1)
 
     return loss
 
@@ -99,7 +102,42 @@ def test_kl_to_go_by_hand():
         pm.kl_to_go_loss(logprobs, old, kl, mask, "sum")
 
 
+def test_leave_one_out_mean_by_hand():
+    """Groups {0, 1, 3} and {2}; row 1's last position is off the mask. Position 0: row 0 sees (2 + 4) / 2 = 3,
+    row 1 (1 + 4) / 2 = 2.5, row 3 (1 + 2) / 2 = 1.5, row 2 nobody (0). Position 1: rows 0 and 3 see each
+    other only (10 and 30 -> 30, 10), row 1 is off the mask (0)."""
+    x = torch.tensor([[1.0, 10.0], [2.0, 99.0], [5.0, 7.0], [4.0, 30.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    got = pm.leave_one_out_mean(x, mask, torch.tensor([0, 0, 1, 0]))
+    expected = torch.tensor([[3.0, 30.0], [2.5, 0.0], [0.0, 0.0], [1.5, 10.0]], dtype=torch.float64)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert pm.group_ids(["b", "a", "b", "c"], torch.tensor([3, 0, 2, 1])).tolist() == [0, 1, 1, 2]
+
+
 # ---------------------------------------------------------------------- against the exact gradient
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_the_group_baseline_leaves_the_expected_gradient_unchanged(setup, estimator):
+    """Groups of two responses drawn independently from pi_old: every ordered pair (y, y') enumerated,
+    weighed pi_old(y) pi_old(y'). The leave-one-out baseline of each row is its partner's KL to go, which
+    does not depend on the row's tokens: the expected gradient of the pair's mean loss is still the exact
+    one at pi_old's states (pi_theta moved from pi_old), to rounding; without the pair's partner (one row
+    per group) nothing is subtracted."""
+    ref, theta, old, responses = setup
+    n = len(responses)
+    pairs = torch.cartesian_prod(torch.arange(n), torch.arange(n)).flatten()  # rows 2i, 2i + 1: pair i
+    rows = responses[pairs]
+    old_prob = tb.token_logprobs(old, rows).sum(-1).exp()
+    partner = old_prob.view(-1, 2).flip(-1).flatten()  # each row's loss also weighed by its partner's probability
+    loss = kl_loss(estimator, ref, rows, sequence=True, groups=torch.arange(n * n).repeat_interleave(2), scale=partner / 2)
+    got = tb.flatten(tb.expected_gradient(loss, theta, rows, old))
+    torch.testing.assert_close(got, tb.flatten(exact_gradient(theta, ref, responses, old)), rtol=0, atol=1e-12)
+    alone = kl_loss(estimator, ref, responses, sequence=True, groups=torch.arange(n))
+    plain = kl_loss(estimator, ref, responses, sequence=True)
+    torch.testing.assert_close(
+        tb.flatten(tb.expected_gradient(alone, theta, responses, old)), tb.flatten(tb.expected_gradient(plain, theta, responses, old))
+    )
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k3", "full"])
 @pytest.mark.parametrize("future_weights", ["cumulative", "token"])
 def test_on_policy_the_sequence_term_completes_the_gradient(setup, estimator, future_weights):
@@ -108,6 +146,18 @@ def test_on_policy_the_sequence_term_completes_the_gradient(setup, estimator, fu
     ref, theta, _, responses = setup
     got = tb.expected_gradient(kl_loss(estimator, ref, responses, sequence=True, future_weights=future_weights), theta, responses)
     torch.testing.assert_close(tb.flatten(got), tb.flatten(exact_gradient(theta, ref, responses)), rtol=0, atol=1e-12)
+
+
+def test_the_log_ratio_values_for_the_kl_to_come_keep_k3_exact(setup):
+    """PPORLHF takes the KL still to come from the log-ratio's values (unbiased and light-tailed, where k3's
+    exp(-x) - 1 + x is heavy-tailed when pi << pi_ref): k3's per-token term plus that sequence term is still
+    the exact gradient, on-policy and over the epochs at pi_old's states, to rounding."""
+    ref, theta, old, responses = setup
+    loss = kl_loss("k3", ref, responses, sequence=True, log_ratio=True)
+    on = tb.flatten(tb.expected_gradient(loss, theta, responses))
+    torch.testing.assert_close(on, tb.flatten(exact_gradient(theta, ref, responses)), rtol=0, atol=1e-12)
+    off = tb.flatten(tb.expected_gradient(loss, theta, responses, old))
+    torch.testing.assert_close(off, tb.flatten(exact_gradient(theta, ref, responses, old)), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("estimator", ["k1", "k3", "full"])

@@ -9,7 +9,7 @@ closed-form optimum of the KL-regularised objective (see rlhf_lightning/exact.py
 ``--task`` names a hand-made task (terminal, bandit) or ``random:SEED``, ``ExactTask.random(SEED)``: 2 prompts,
 4 tokens, responses of 3, a reward that depends on token order and a reference initialised from SEED.
 Each kind of task has its own defaults for what the command line leaves out (:data:`TASK_SETTINGS`:
-beta 0.5, 100 iterations of 48 responses hand-made; beta 1, 150 iterations of 192 responses random).
+beta 0.5, 100 iterations of 48 responses hand-made; beta 1, 150 iterations of 384 responses random).
 Several tasks, and several sampling ``--seed`` values (the task's reference stays the same), train one
 after another; with more than one seed a ``SEEDS task=... gap_mean= gap_std=`` line follows each task.
 Every run first prints
@@ -42,6 +42,12 @@ of each task (of each seed, for a hand-made task), one line per cell, then a sum
     MATRIX unbiased_max_gap=<largest gap of the cells called unbiased> biased_min_gap=<smallest of those called biased>
            per_token_min_fixed_point_gap=<smallest PER_TOKEN gap over the tasks>
            per_token_max_deviation=<largest |gap - fixed_point_gap| of the per_token cells> drift_max_gap=...
+
+``--expected-gradient`` trains the same KL-in-the-loss cells with every rollout replaced by its exact
+expectation (:func:`rlhf_lightning.exact.expected_train`: all responses enumerated, weighted by pi_old, the
+exact advantage, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
+gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
+cell adds to them is noise.
 
 kl_opt is KL(pi* || pi_ref), where kl_ref_exact should land. ``expected`` is what the theory
 (:func:`expected_class`, docs/kl-estimators.md "Which recipe reaches which optimum") says of the cell.
@@ -80,7 +86,7 @@ from dataclasses import dataclass
 
 from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.checks import option_number
-from rlhf_lightning.exact import TASKS, per_token_fixed_point_gap, task_named, train
+from rlhf_lightning.exact import TASKS, expected_train, per_token_fixed_point_gap, task_named, train
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
@@ -136,7 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size",
         type=option_number(integer=True, at_least=1),
-        help="responses per iteration, a multiple of the prompts times --num-generations (default: the task's, 48 hand-made, 96 random)",
+        help="responses per iteration, a multiple of the prompts times --num-generations (default: the task's, 48 hand-made, 384 random)",
     )
     parser.add_argument("--lr", type=option_number(above=0), default=2e-3, help="policy and critic learning rate")
     parser.add_argument(
@@ -314,7 +320,8 @@ SCOPES = ("sequence", "per_token")
 CLASSES = ("unbiased", "per_token", "drift", "biased")
 
 # What each kind of task was tuned with. A random task at beta 1 (where seeds 1-5 have a per-token
-# fixed-point gap >= 0.05) needs more responses per iteration to settle within 0.02 of pi*; its matrix
+# fixed-point gap >= 0.05) needs more responses per iteration to settle within 0.02 of pi* (the KL in the
+# loss is a score-function estimate: 384 responses, where 192 left k1 in the loss at 0.028-0.043); its matrix
 # keeps the cells that separate the three classes (the full one: --estimators/--placements/--weightings).
 TASK_SETTINGS = {
     "hand-made": {
@@ -328,7 +335,7 @@ TASK_SETTINGS = {
     "random": {
         "beta": 1.0,
         "iterations": 150,
-        "batch_size": 192,
+        "batch_size": 384,
         "estimators": ["k1", "k3"],
         "placements": ["reward", "loss"],
         "weightings": ["importance"],
@@ -368,12 +375,23 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--jobs", type=option_number(integer=True, at_least=1), default=1, help="cells trained in parallel processes (default 1)"
     )
+    group.add_argument(
+        "--expected-gradient",
+        action="store_true",
+        help="replace every rollout by its exact expectation (exact.expected_train): where each cell's expected gradient "
+        "leads, without sampling noise; KL in the loss only, the advantage exact (--advantage ignored)",
+    )
 
 
-def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence") -> str:
+def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence", advantage: str = "gae") -> str:
     """What the theory (docs/kl-estimators.md, "Which recipe reaches which optimum") says of a cell:
     ``unbiased``, ``per_token``, ``drift`` or ``biased``, from the one table the module's start-up
-    warning reads (``rlhf_lightning.args.kl_recipe``, where the classes are defined)."""
+    warning reads (``rlhf_lightning.args.kl_recipe``, where the classes are defined). ``grpo`` with
+    any KL outside the reward is biased whatever the recipe: its division by each group's reward std
+    weighs each prompt's reward against its KL differently (the objective is sum_x (E r - beta std_x
+    KL), not J); in the reward the std divides both alike."""
+    if advantage == "grpo" and placement != "reward":
+        return "biased"
     return kl_recipe(registry("kl_estimator").create(estimator), placement, weighting, scope)[0]
 
 
@@ -390,7 +408,7 @@ class Cell:
 
     @property
     def expected(self) -> str:
-        return expected_class(self.estimator, self.placement, self.weighting, self.scope)
+        return expected_class(self.estimator, self.placement, self.weighting, self.scope, self.advantage)
 
 
 def matrix_cells(args: argparse.Namespace) -> list[Cell]:
@@ -429,6 +447,21 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     _quiet()
     settings = task_settings(args, cell.task)
     start = time.perf_counter()
+    if args.expected_gradient:
+        rows = expected_train(
+            task_named(cell.task),
+            settings["iterations"],
+            settings["beta"],
+            lr=args.lr,
+            lr_final=args.lr_final,
+            every=settings["iterations"],
+            kl_estimator=cell.estimator,
+            kl_loss_weighting="importance" if cell.weighting == "importance" else "none",
+            kl_loss_scope="per_token" if cell.scope == "per_token" else "sequence",
+            ppo_epochs=cell.epochs,
+            log_samples_every_n_steps=0,
+        )
+        return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
     _, tracker = train(
         task_named(cell.task),
         settings["iterations"],
@@ -451,8 +484,12 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
 
 
 def run_matrix(args: argparse.Namespace) -> None:
+    if args.expected_gradient:  # the exact advantage: one advantage dimension, and only the loss carries the KL
+        args.advantage, args.placements = args.advantage[:1], ["loss"]
     cells = matrix_cells(args)
-    print(f"tasks={args.task} advantages={args.advantage} seeds={args.seed} cells={len(cells)} jobs={args.jobs}")
+    print(
+        f"tasks={args.task} advantages={args.advantage} seeds={args.seed} cells={len(cells)} jobs={args.jobs} expected_gradient={args.expected_gradient}"
+    )
     for name in args.task:
         print(f"SETTINGS task={name} " + " ".join(f"{key}={value}" for key, value in task_settings(args, name).items()))
     per_token = {}
