@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import resource
 import statistics
@@ -55,15 +56,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+import isa
+
+import bench
+
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "COMPARE_RESULT "
 SETUPS = ("trl", "full", "lora")
+GRPO_SETUPS = ("trl_grpo", "grpo")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="what to run (ratios need trl)")
-    parser.add_argument("--ppo-epochs", type=int, nargs="+", default=[1, 4])
+    parser.add_argument(
+        "--setups", nargs="+", choices=SETUPS + GRPO_SETUPS, help="what to run (ratios need trl; default: all of the mode's)"
+    )
+    parser.add_argument("--grpo", action="store_true", help="TRL 1.16's GRPOTrainer against configs/grpo.yaml's setup instead of PPO")
+    parser.add_argument(
+        "--ppo-epochs", type=int, nargs="+", help="PPO epochs (--grpo: updates per batch, TRL's num_iterations); default 1 4 (--grpo: 1 2)"
+    )
+    parser.add_argument("--num-generations", type=int, default=4, help="--grpo: responses per prompt")
+    parser.add_argument("--beta", type=float, default=0.04, help="--grpo: the KL coefficient of k3 in the loss, both sides")
     parser.add_argument("--rounds", type=int, help="rounds of alternating runs (default 2; --quick: 1)")
     parser.add_argument("--iters", type=int, help="timed iterations per run (default 3; --quick: 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
@@ -75,17 +88,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), help="model.cpu_linear of our runs (default: the module's)")
     parser.add_argument("--cpu-malloc", choices=("tuned", "default"), help="model.cpu_malloc of our runs (default: the module's)")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0), help="torch threads (0: default)")
-    parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.12 installed")
+    parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.12 installed (--grpo: trl==1.16)")
     parser.add_argument("--save", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--worker", choices=SETUPS, help=argparse.SUPPRESS)
+    isa.add_argument(parser)
+    parser.add_argument("--worker", choices=SETUPS + GRPO_SETUPS, help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--reward-path", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.setups = args.setups or list(GRPO_SETUPS if args.grpo else SETUPS)
+    args.ppo_epochs = args.ppo_epochs or ([1, 2] if args.grpo else [1, 4])
+    if set(args.setups) - set(GRPO_SETUPS if args.grpo else SETUPS):
+        parser.error(f"--setups: {'with' if args.grpo else 'without'} --grpo choose from {GRPO_SETUPS if args.grpo else SETUPS}")
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.iters = args.iters or (2 if args.quick else 3)
-    if min(args.rounds, args.iters, args.batch_size, args.max_new_tokens, *args.ppo_epochs) < 1 or args.warmup < 0:
-        parser.error("--rounds, --iters, --batch-size, --max-new-tokens and --ppo-epochs must be >= 1, --warmup >= 0")
+    if min(args.rounds, args.iters, args.batch_size, args.max_new_tokens, args.num_generations, *args.ppo_epochs) < 1 or args.warmup < 0:
+        parser.error("--rounds, --iters, --batch-size, --max-new-tokens, --num-generations and --ppo-epochs must be >= 1, --warmup >= 0")
     return args
 
 
@@ -179,7 +197,101 @@ def run_trl(args: argparse.Namespace) -> tuple[list[float], dict]:
     )
     clock.ends = [time.perf_counter()]
     trainer.train()
-    return [b - a for a, b in itertools.pairwise(clock.ends)], {}
+    return [b - a for a, b in itertools.pairwise(clock.ends)], {}, {}
+
+
+def run_trl_grpo(args: argparse.Namespace) -> tuple[list[float], dict, dict]:
+    """TRL's GRPOTrainer for warmup + iters batches of ``batch_size`` prompts x ``num_generations``;
+    seconds of each batch (its ``num_iterations`` optimizer steps) and the passes of the last one."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_lightning.models import smollm2_checkpoint
+
+    path = smollm2_checkpoint()
+    batches, updates = args.warmup + args.iters, args.epochs
+    rows = args.batch_size * args.num_generations
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts(args.batch_size)] * batches})
+    config = GRPOConfig(
+        output_dir=str(Path(args.workdir) / "trl"),
+        per_device_train_batch_size=rows,  # one optimizer step per generation batch, as ours with 1 minibatch
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=args.num_generations,
+        num_iterations=updates,
+        max_completion_length=args.max_new_tokens,
+        generation_kwargs={"min_new_tokens": args.max_new_tokens},  # exactly max_new_tokens: EOS banned until then
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=args.beta,  # k3 in the loss, TRL's GRPO
+        max_steps=batches * updates,
+        shuffle_dataset=False,
+        bf16=False,  # fp32 as ours (TRL's GRPO defaults to bf16)
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        logging_steps=1,
+        disable_tqdm=True,
+        log_completions=False,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_path)
+    reward_model.config.pad_token_id = tokenizer.pad_token_id
+    counter, per_batch, cpu_ends = bench.PassCounter(), [], []
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends = [time.perf_counter()]
+
+        def on_step_end(self, _args, state, *__, **___):
+            if state.global_step % updates == 0:  # a batch is num_iterations optimizer steps on one generation
+                self.ends.append(time.perf_counter())
+                cpu_ends.append(time.process_time())
+                per_batch.append(counter.take())
+
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(path),
+        reward_funcs=reward_model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        reward_processing_classes=AutoTokenizer.from_pretrained(args.reward_path),
+        callbacks=[clock],
+    )
+    for name, model in (("policy", trainer.model), ("reference", trainer.ref_model), ("reward", reward_model)):
+        if model is not None:
+            counter.watch(name, model)
+    clock.ends, cpu_ends[:] = [time.perf_counter()], [time.process_time()]
+    trainer.train()
+    cpu_seconds = [b - a for a, b in itertools.pairwise(cpu_ends)]
+    return [b - a for a, b in itertools.pairwise(clock.ends)], {"cpu": cpu_seconds}, per_batch[-1]
+
+
+def count_our_passes(counter, per_batch: list) -> None:
+    """Count the passes of each of our training steps (policy, reference, critic trunk, reward
+    model), one dict per step appended to ``per_batch``: the module's step wrapped, in this worker."""
+    from rlhf_lightning.module import PPORLHF
+
+    step = PPORLHF.training_step
+
+    def counted(self, *args, **kwargs):
+        if not getattr(self, "_passes_watched", False):  # the reward model loads at fit start
+            critic, reward = getattr(self.critic, "trunk", None), getattr(self.reward_model, "model", None)
+            for name, model in (("policy", self.policy), ("reference", self.ref_model), ("critic", critic), ("reward", reward)):
+                if model is not None:
+                    counter.watch(name, model)
+            self._passes_watched = True
+        counter.take()
+        start = time.process_time()
+        outputs = step(self, *args, **kwargs)
+        per_batch.append({**counter.take(), "cpu_s": time.process_time() - start})
+        return outputs
+
+    PPORLHF.training_step = counted
 
 
 def our_config(args: argparse.Namespace) -> dict:
@@ -187,6 +299,9 @@ def our_config(args: argparse.Namespace) -> dict:
     work = Path(args.workdir)
     prompt_file = work / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(args.batch_size) * (args.warmup + args.iters)))
+    data = {"train_path": str(prompt_file), "batch_size": args.batch_size, "shuffle": False}
+    if args.worker == "grpo":
+        return grpo_config(args, trainer_config(args), data)
     lora = args.worker == "lora"
     model = {
         "policy": "smollm2",
@@ -203,10 +318,44 @@ def our_config(args: argparse.Namespace) -> dict:
         "lora_alpha": 32.0,
         "critic": "shared" if lora else args.full_critic,
     }
+    set_options(args, model)
+    return {"seed_everything": 0, "trainer": trainer_config(args), "model": model, "data": data}
+
+
+def set_options(args: argparse.Namespace, model: dict) -> None:
     for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
         if getattr(args, option):
             model[option] = getattr(args, option)
-    trainer = {
+
+
+def grpo_config(args: argparse.Namespace, trainer: dict, data: dict) -> dict:
+    """configs/grpo.yaml's model section on the comparison's workload: full fine-tuning (TRL's
+    GRPOTrainer without PEFT), a fixed beta, the shared reward model, one minibatch, exactly
+    ``max_new_tokens`` tokens, ``ppo_epochs`` updates per batch; its trainer section replaced."""
+    import yaml
+
+    model = yaml.safe_load((REPO / "configs" / "grpo.yaml").read_text())["model"]
+    model.update(
+        lora_rank=0,
+        num_generations=args.num_generations,
+        beta_controller={"class_path": "fixed", "init_args": {"init_beta": args.beta}},
+        reward_model={
+            "class_path": "rlhf_lightning_plugins.rewards.classifier.HFClassifierReward",
+            "init_args": {"path": args.reward_path},
+        },
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.max_new_tokens,
+        ppo_epochs=args.epochs,
+        num_minibatches=1,
+        log_samples_every_n_steps=0,
+    )
+    set_options(args, model)
+    return {"seed_everything": 0, "trainer": trainer, "model": model, "data": data}
+
+
+def trainer_config(args: argparse.Namespace) -> dict:
+    work = Path(args.workdir)
+    return {
         "accelerator": "cpu",
         "devices": 1,
         "max_epochs": 1,
@@ -218,19 +367,20 @@ def our_config(args: argparse.Namespace) -> dict:
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(work), "name": "csv"}},
         "callbacks": [{"class_path": "rlhf_lightning.callbacks.IterationTimer"}],
     }
-    data = {"train_path": str(prompt_file), "batch_size": args.batch_size, "shuffle": False}
-    return {"seed_everything": 0, "trainer": trainer, "model": model, "data": data}
 
 
-def run_ours(args: argparse.Namespace) -> tuple[list[float], dict[str, list[float]]]:
+def run_ours(args: argparse.Namespace) -> tuple[list[float], dict[str, list[float]], dict]:
     """``rlhf-lightning fit`` on the run's config; seconds of each iteration (timing/iteration_s),
-    and of each of the module's phases per iteration (its ``timing/<phase>_s`` metrics)."""
+    of each of the module's phases per iteration (its ``timing/<phase>_s`` metrics), and the
+    passes of the last iteration."""
     import csv
 
     from rlhf_lightning.cli import main as cli_main
 
     config = Path(args.workdir) / "config.yaml"
     config.write_text(json.dumps(our_config(args)))  # JSON is YAML
+    per_batch = []
+    count_our_passes(bench.PassCounter(), per_batch)
     cli_main(["fit", "--config", str(config)])
     (metrics,) = Path(args.workdir).glob("csv/version_*/metrics.csv")
     with metrics.open() as f:
@@ -240,7 +390,8 @@ def run_ours(args: argparse.Namespace) -> tuple[list[float], dict[str, list[floa
         for key, value in row.items():
             if key.startswith("timing/") and key != "timing/iteration_s" and value:
                 phases[key[len("timing/") : -len("_s")]].append(float(value))
-    return [float(row["timing/iteration_s"]) for row in rows if row.get("timing/iteration_s")], dict(phases)
+    phases["cpu"] = [passes.pop("cpu_s") for passes in per_batch]
+    return [float(row["timing/iteration_s"]) for row in rows if row.get("timing/iteration_s")], dict(phases), per_batch[-1]
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -249,7 +400,8 @@ def worker_main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    seconds, phases = run_trl(args) if args.worker == "trl" else run_ours(args)
+    run = {"trl": run_trl, "trl_grpo": run_trl_grpo}.get(args.worker, run_ours)
+    seconds, phases, passes = run(args)
     if len(seconds) != args.warmup + args.iters:
         raise SystemExit(f"{args.worker}: expected {args.warmup + args.iters} iterations, timed {len(seconds)}")
     result = {
@@ -259,6 +411,7 @@ def worker_main(args: argparse.Namespace) -> None:
         "warmup_s": seconds[: args.warmup],
         "phases": {name: values[args.warmup :] for name, values in phases.items()},
         "peak_rss_mb": peak_rss_mb(),
+        "passes": passes,
         "threads": torch.get_num_threads(),
         "load": [load_before, os.getloadavg()[0]],
     }
@@ -268,7 +421,7 @@ def worker_main(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------- driver
 def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: Path, root: Path) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"{setup}{epochs}_", dir=root))
-    python = args.trl_python if setup == "trl" else sys.executable
+    python = args.trl_python if setup.startswith("trl") else sys.executable
     settings = {
         "--epochs": epochs,
         "--reward-path": reward_path,
@@ -278,9 +431,11 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
         "--batch-size": args.batch_size,
         "--max-new-tokens": args.max_new_tokens,
         "--full-critic": args.full_critic,
+        "--num-generations": args.num_generations,
+        "--beta": args.beta,
         "--threads": args.threads,
     }
-    argv = [python, str(Path(__file__).resolve()), "--worker", setup]
+    argv = [python, str(Path(__file__).resolve()), "--worker", setup, *(["--grpo"] if args.grpo else [])]
     argv += [word for flag, value in settings.items() for word in (flag, str(value))]
     for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
         if getattr(args, option):
@@ -296,18 +451,25 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
     phases = ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in result["phases"].items())
     print(
         f"{setup}, {epochs} epoch(s): {', '.join(f'{s:.2f}' for s in result['seconds'])} s per iteration "
-        f"(warm-up {result['warmup_s']}){f'; phases (median s): {phases}' if phases else ''}, peak RSS "
+        f"(warm-up {result['warmup_s']}){f'; phases (median s): {phases}' if phases else ''}; passes of the last: "
+        f"{format_passes(result['passes'])}; peak RSS "
         f"{result['peak_rss_mb']:.0f} MB, load {result['load']}, process {time.perf_counter() - start:.0f} s",
         flush=True,
     )
     return result
 
 
+def format_passes(passes: dict) -> str:
+    """The passes of one iteration (one phase, "all"): what over which trunk, how often."""
+    return ", ".join(f"{what} {n}" for counts in passes.values() for what, n in sorted(counts.items())) or "not counted"
+
+
 def summarise(results: Sequence[dict]) -> list[dict]:
-    """One row per (setup, epochs): median seconds over all its timed iterations, ratio to TRL's."""
+    """One row per (setup, epochs): median seconds over all its timed iterations, ratio to TRL's
+    (``trl`` for the PPO setups, ``trl_grpo`` for ``grpo``), peak RSS, the last run's passes."""
     rows = []
     for epochs in sorted({r["ppo_epochs"] for r in results}):
-        for setup in SETUPS:
+        for setup in SETUPS + GRPO_SETUPS:
             runs = [r for r in results if r["setup"] == setup and r["ppo_epochs"] == epochs]
             if runs:
                 seconds = [s for r in runs for s in r["seconds"]]
@@ -318,21 +480,41 @@ def summarise(results: Sequence[dict]) -> list[dict]:
                         "median_s": statistics.median(seconds),
                         "n": len(seconds),
                         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+                        "passes": runs[-1].get("passes", {}),
+                        # CPU seconds of the process per iteration: with one thread, the work, whatever the load
+                        "cpu_s": statistics.median(c for r in runs for c in r.get("phases", {}).get("cpu", [math.nan])),
                     }
                 )
-    trl = {row["ppo_epochs"]: row["median_s"] for row in rows if row["setup"] == "trl"}
+    trl = {(row["setup"], row["ppo_epochs"]): row["median_s"] for row in rows if row["setup"].startswith("trl")}
+    trl_cpu = {(row["setup"], row["ppo_epochs"]): row["cpu_s"] for row in rows if row["setup"].startswith("trl")}
     for row in rows:
-        row["vs_trl"] = row["median_s"] / trl[row["ppo_epochs"]] if row["ppo_epochs"] in trl else float("nan")
+        peer = ("trl_grpo" if row["setup"] in GRPO_SETUPS else "trl", row["ppo_epochs"])
+        row["vs_trl"] = row["median_s"] / trl[peer] if peer in trl else math.nan
+        row["cpu_vs_trl"] = row["cpu_s"] / trl_cpu[peer] if peer in trl else math.nan
     return rows
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    lines = ["| setup | PPO epochs | s / iteration (median) | iterations | vs TRL | peak RSS MB |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [
-        f"| {r['setup']} | {r['ppo_epochs']} | {r['median_s']:.2f} | {r['n']} | {r['vs_trl']:.2f}x | {r['peak_rss_mb']:.0f} |" for r in rows
+    """The table, then ``COMPARE <setup>_<epochs>=<ratio> ...`` for the PPO setups and
+    ``COMPARE_GRPO ratio_<updates>=<ratio> ...`` for GRPO's (ours over TRL's time per batch)."""
+    lines = [
+        "| setup | PPO epochs (GRPO: updates) | s / iteration (median) | iterations | vs TRL | CPU s / iteration | vs TRL "
+        "| peak RSS MB | passes per iteration |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    ratios = " ".join(f"{r['setup']}_{r['ppo_epochs']}={r['vs_trl']:.3f}" for r in rows if r["setup"] != "trl")
-    return "\n".join([*lines, "", f"COMPARE {ratios}"])
+    lines += [
+        f"| {r['setup']} | {r['ppo_epochs']} | {r['median_s']:.2f} | {r['n']} | {r['vs_trl']:.2f}x | {r['cpu_s']:.2f} "
+        f"| {r['cpu_vs_trl']:.2f}x | {r['peak_rss_mb']:.0f} "
+        f"| {format_passes(r.get('passes', {}))} |"
+        for r in rows
+    ]
+    ppo = " ".join(f"{r['setup']}_{r['ppo_epochs']}={r['vs_trl']:.3f}" for r in rows if r["setup"] in SETUPS[1:])
+    grpo_rows = [r for r in rows if r["setup"] == "grpo"]
+    grpo = " ".join(
+        [f"ratio_{r['ppo_epochs']}={r['vs_trl']:.3f}" for r in grpo_rows]
+        + [f"cpu_ratio_{r['ppo_epochs']}={r['cpu_vs_trl']:.3f}" for r in grpo_rows]
+    )
+    return "\n".join([*lines, "", *([f"COMPARE {ppo}"] if ppo else []), *([f"COMPARE_GRPO {grpo}"] if grpo else [])])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
@@ -340,6 +522,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     if args.worker:
         worker_main(args)
         return []
+    isa.apply(args.isa, __file__, sys.argv[1:] if argv is None else argv)
+    print(isa.describe(), flush=True)
     print(
         f"threads {args.threads or 'default'}, {args.rounds} round(s) of {args.warmup} warm-up + {args.iters} timed iterations, "
         f"load {os.getloadavg()}",

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import isa
+
 import bench
 
 
@@ -66,7 +68,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="also time generate with a torch.compile'd forward")
+    isa.add_argument(parser)
     args = parser.parse_args()
+    isa.apply(args.isa, __file__, sys.argv[1:])  # torch is loaded already: re-executes with the variables set
+    print(isa.describe(), flush=True)
     import contextlib
 
     import torch
