@@ -5,6 +5,7 @@
     python tools/bench.py --profile                        # plus torch.profiler's top ops of one iteration
     python tools/bench.py --device cuda --bf16             # GPU, bf16 autocast
     python tools/bench.py --tiny                           # the tiny random model, 2 iterations (the tests)
+    python tools/bench.py --isa avx2 --threads 1           # as on an AVX2-only CPU (oneDNN, MKL and ATen capped)
     python tools/bench.py --mode full --ppo-epochs 1 --strategy fsdp2 --devices 2 --threads 1   # per rank
 
 The workload is fixed: SmolLM2-135M-Instruct (``--policy``), the first ``--batch-size`` (8)
@@ -65,6 +66,12 @@ on GPUs; ``--batch-size`` prompts per rank): one table row per rank, with that r
 and iteration time. Under ``fsdp2`` the rollout gathers the policy once (the module's way), and
 one more floor is measured: ``generate`` on the sharded policy as FSDP2's hooks run it, every
 block all-gathered again at each decode step (``sharded gen``; full fine-tuning only).
+
+The first line says which instruction set oneDNN, MKL and ATen run (``tools/isa.py``); ``--isa
+avx2`` caps them at AVX2 on a CPU with more, for the figures of an AVX2-only machine. After the
+tables, each run's passes over a model's trunk in its last timed iteration, per phase
+(``PassCounter``: ``generate`` calls, decode steps, forwards, forwards with backward): what the
+tests check instead of a time.
 
 On a CPU shared with other jobs use ``--threads 1``: spinning OpenMP threads on a busy
 2-core machine make a forward pass several times slower and the timings erratic.

@@ -1,9 +1,29 @@
-"""Side-by-side PPO iteration time: TRL 1.12's PPOTrainer against this project's CLI, same workload.
+"""Side-by-side iteration time against TRL on one workload: TRL 1.12's PPOTrainer against this
+project's CLI, or (``--grpo``) TRL 1.16's GRPOTrainer against ``configs/grpo.yaml``'s setup.
 
     pip install "rlhf-lightning[bench]"            # TRL 1.12, in a separate environment is best
     python tools/compare_trl.py                    # 2 rounds of 1 warm-up + 3 timed iterations per run
     python tools/compare_trl.py --quick            # 1 round of 1 warm-up + 2 timed iterations
     python tools/compare_trl.py --trl-python /work/trl-venv/bin/python --threads 1
+    python tools/compare_trl.py --grpo --trl-python /work/venv-trl/bin/python --threads 1 --isa avx2
+
+``--grpo``: SmolLM2-135M-Instruct fp32 full fine-tuning, the first ``--batch-size`` (8) built-in
+prompts x ``--num-generations`` (4) responses of exactly ``--max-new-tokens`` (32) tokens, the
+same seeded SmolLM2-trunk reward model on both sides (TRL: as its reward function; ours:
+``hf_classifier``), k3 as a loss term with the same fixed ``--beta`` (0.04, TRL's default), one
+optimizer step per update over all 32 responses, ``--ppo-epochs`` (default 1 2) updates per batch
+(TRL's ``num_iterations``). ``trl_grpo``: ``GRPOTrainer`` (``per_device_train_batch_size`` 32,
+``steps_per_generation`` 1, ``bf16=False``, ``generation_kwargs={"min_new_tokens": 32}``); its
+time per batch is the wall clock over its ``num_iterations`` optimizer steps. ``grpo``:
+``configs/grpo.yaml``'s model section (GRPO advantages, ``critic: none``, k3 in the loss) with
+``lora_rank: 0``, a fixed beta and the workload's sizes, through the CLI. The last line reads
+``COMPARE_GRPO ratio_1=<ours/TRL> ratio_2=<..> cpu_ratio_1=<..> cpu_ratio_2=<..>``: time per
+batch, and CPU seconds of the process per batch (with one thread the work itself, whatever else
+the machine runs). Every run also reports its passes per batch over each model's trunk
+(``bench.PassCounter``: policy, reference, reward model) and its peak RSS.
+
+The first line says which instruction set the kernels run (``tools/isa.py``); ``--isa avx2``
+runs both sides as on an AVX2-only CPU.
 
 The workload (the issue's): SmolLM2-135M-Instruct in fp32, the first 8 built-in prompts rendered
 with the chat template at every iteration, exactly ``--max-new-tokens`` (32) sampled tokens per
@@ -56,9 +76,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-import isa
-
 import bench
+import isa
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "COMPARE_RESULT "
@@ -203,6 +222,7 @@ def run_trl(args: argparse.Namespace) -> tuple[list[float], dict]:
 def run_trl_grpo(args: argparse.Namespace) -> tuple[list[float], dict, dict]:
     """TRL's GRPOTrainer for warmup + iters batches of ``batch_size`` prompts x ``num_generations``;
     seconds of each batch (its ``num_iterations`` optimizer steps) and the passes of the last one."""
+    import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -241,6 +261,7 @@ def run_trl_grpo(args: argparse.Namespace) -> tuple[list[float], dict, dict]:
     reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_path)
     reward_model.config.pad_token_id = tokenizer.pad_token_id
     counter, per_batch, cpu_ends = bench.PassCounter(), [], []
+    phases, in_phase = defaultdict(list), defaultdict(float)
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
@@ -251,6 +272,9 @@ def run_trl_grpo(args: argparse.Namespace) -> tuple[list[float], dict, dict]:
                 self.ends.append(time.perf_counter())
                 cpu_ends.append(time.process_time())
                 per_batch.append(counter.take())
+                for name in ("rollout", "forward", "score"):
+                    phases[name].append(in_phase.pop(name, 0.0))
+                phases["update"].append(self.ends[-1] - self.ends[-2] - sum(phases[name][-1] for name in ("rollout", "forward", "score")))
 
     clock = StepClock()
     trainer = GRPOTrainer(
@@ -265,10 +289,30 @@ def run_trl_grpo(args: argparse.Namespace) -> tuple[list[float], dict, dict]:
     for name, model in (("policy", trainer.model), ("reference", trainer.ref_model), ("reward", reward_model)):
         if model is not None:
             counter.watch(name, model)
+
+    def timed(name: str, method, no_grad_only: bool = False):
+        """The trainer's method, its seconds added to phase ``name`` (forwards: the no-grad ones)."""
+
+        def run(*args, **kwargs):
+            if no_grad_only and torch.is_grad_enabled():
+                return method(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                in_phase[name] += time.perf_counter() - start
+
+        return run
+
+    # Our phase names: sampling, the no-grad log-prob forwards (log pi_old, log pi_ref), the reward;
+    # the rest of a batch (the loss forwards, backward, optimizer steps) is the update.
+    trainer._generate = timed("rollout", trainer._generate)
+    trainer._get_per_token_logps_and_entropies = timed("forward", trainer._get_per_token_logps_and_entropies, no_grad_only=True)
+    trainer._calculate_rewards = timed("score", trainer._calculate_rewards)
     clock.ends, cpu_ends[:] = [time.perf_counter()], [time.process_time()]
     trainer.train()
-    cpu_seconds = [b - a for a, b in itertools.pairwise(cpu_ends)]
-    return [b - a for a, b in itertools.pairwise(clock.ends)], {"cpu": cpu_seconds}, per_batch[-1]
+    phases["cpu"] = [b - a for a, b in itertools.pairwise(cpu_ends)]
+    return [b - a for a, b in itertools.pairwise(clock.ends)], dict(phases), per_batch[-1]
 
 
 def count_our_passes(counter, per_batch: list) -> None:

@@ -3,6 +3,7 @@
     python tools/decode_bench.py                   # SmolLM2, 8 chat prompts, 32 new tokens, 4 rounds
     python tools/decode_bench.py --threads 1 --rounds 6
     python tools/decode_bench.py --compile         # also a torch.compile'd decode step (minutes to compile)
+    python tools/decode_bench.py --isa avx2        # as on an AVX2-only CPU (the first line names the kernels' ISA)
 
 The rows: ``generate`` with PyTorch's own CPU linear kernel (MKL) and with oneDNN's
 (``model.cpu_linear``, what the module uses on a CPU), ``generate`` with a preallocated (static)
@@ -28,9 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import isa
-
 import bench
+import isa
 
 
 @__import__("torch").no_grad()
