@@ -430,6 +430,7 @@ class PolicyNetworks:
         """Temperature-scaled float32 logits predicting each response token: (batch, response_len, vocab);
         with ``return_hidden`` also the last layer's hidden states at those positions (batch,
         response_len, hidden), read from the output layer's input (no other layer's are kept)."""
+        input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
         hidden = [] if return_hidden else None
         with float32_head(model, hidden):
             out = model(
@@ -461,6 +462,7 @@ class PolicyNetworks:
 
     def _critic_values(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
         """A separate critic's V(s_t) before each response token, (batch, response_len)."""
+        input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
         values = self.critic(input_ids, attention_mask, position_ids(attention_mask))
         return values[:, -response_len - 1 : -1]
 
@@ -679,6 +681,15 @@ def adapter_pairs(policy: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     params = dict(policy.named_parameters())
     names = [name for name in params if f".{REFERENCE_ADAPTER}." in name]
     return [params[n] for n in names], [params[n.replace(f".{REFERENCE_ADAPTER}.", ".default.")] for n in names]
+
+
+def trim_left_padding(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows without their leading columns that are padding in every row. Prompts are
+    left-padded to the longest of the whole batch, so a minibatch of shorter ones carries columns
+    that change no output (attention masks them out, positions count real tokens) but cost a
+    forward's and a backward's work; the response positions, counted from the end, stay put."""
+    first = int(attention_mask.any(0).int().argmax())  # 0 when the first column holds a real token
+    return input_ids[:, first:], attention_mask[:, first:]
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:

@@ -3,6 +3,7 @@ roofline's FLOP and byte counts against hand-derived values on the tiny model.""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import subprocess
@@ -19,10 +20,11 @@ BENCH_LINE = re.compile(
 
 
 @pytest.mark.convergence
-def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers():
+def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers_and_counts_each_phases_passes(tmp_path):
     # One thread: on a busy 2-core CPU spinning OpenMP threads only add noise (and minutes).
+    saved = tmp_path / "results.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench.py"), "--tiny", "--threads", "1"],
+        [sys.executable, str(REPO / "tools" / "bench.py"), "--tiny", "--threads", "1", "--save", str(saved)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -38,6 +40,46 @@ def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers():
     for mode, critic in (("full", "separate"), ("lora", "shared"), ("grpo", "none")):
         for epochs in (1, 4):
             assert any(line.startswith((f"| {mode} | {epochs} |", f"| {mode} | {critic} | {epochs} |")) for line in lines), (mode, epochs)
+    # The passes of the last timed iteration (32 new tokens, 1 minibatch, log pi_old from the sampler):
+    # one generate (its prefill) and 31 decode steps; a separate critic's trunk forward while scoring;
+    # per epoch one policy fwd+bwd (and the separate critic's). The reference runs once where its
+    # weights differ from the policy's (the tiny model's VADER reward may leave them equal: then none).
+    for r in json.loads(saved.read_text()):
+        passes, epochs = r["passes"], r["ppo_epochs"]
+        assert passes["rollout"] == {"policy generate": 1, "policy decode step": 31}, r["mode"]
+        update = {"policy fwd+bwd": epochs, **({"critic fwd+bwd": epochs} if r["mode"] == "full" else {})}
+        assert passes["update"] == update, r["mode"]
+        assert passes.get("score_policy", {}) == ({"critic fwd": 1} if r["mode"] == "full" else {}), r["mode"]
+        reference = "reference fwd" if r["mode"] == "full" else "policy fwd"  # LoRA: the policy, adapter off
+        assert passes.get("score_ref", {}) in ({}, {reference: 1}), r["mode"]
+        assert set(passes) <= {"rollout", "score_policy", "score_ref", "update"}, r["mode"]  # nothing else, e.g. in "other"
+
+
+def test_pass_counter_counts_generate_decode_steps_and_forwards_with_and_without_grad_per_phase():
+    import torch
+
+    from rlhf_lightning.models import load_causal_lm
+
+    model = load_causal_lm("tiny", vocab_size=100)
+    phase = ["rollout"]
+    counter = bench.PassCounter(lambda: phase[0])
+    counter.watch("policy", model)
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=True, pad_token_id=0)  # prefill + 3 steps
+        phase[0] = "score"
+        model(input_ids=ids)
+    phase[0] = "update"
+    model(input_ids=ids).logits.sum().backward()
+    model(input_ids=ids).logits.sum().backward()
+    phase[0] = None  # between phases: not counted
+    model(input_ids=ids)
+    assert counter.take() == {
+        "rollout": {"policy generate": 1, "policy decode step": 3},
+        "score": {"policy fwd": 1},
+        "update": {"policy fwd+bwd": 2},
+    }
+    assert counter.take() == {}  # take() starts the count afresh
 
 
 # ------------------------------------------------------------------ the roofline's counting

@@ -36,3 +36,33 @@ def test_our_config_carries_the_setup_and_the_chosen_options(tmp_path, setup):
     unset = argparse.Namespace(**{**vars(args), "cpu_linear": None, "cpu_malloc": None, "old_logprobs": None})
     defaults = compare_trl.our_config(unset)["model"]
     assert not {"cpu_linear", "cpu_malloc", "old_logprobs"} & set(defaults)  # unset: the module's own defaults
+
+
+def test_grpo_rows_are_compared_with_trls_grpo_and_the_line_gives_time_and_cpu_ratios():
+    results = [
+        {"setup": "trl_grpo", "ppo_epochs": 1, "seconds": [40.0], "phases": {"cpu": [20.0]}, "peak_rss_mb": 5000.0, "passes": {}},
+        {"setup": "grpo", "ppo_epochs": 1, "seconds": [18.0], "phases": {"cpu": [9.0]}, "peak_rss_mb": 4000.0, "passes": {}},
+        {"setup": "trl_grpo", "ppo_epochs": 2, "seconds": [80.0], "phases": {"cpu": [40.0]}, "peak_rss_mb": 5000.0, "passes": {}},
+        {"setup": "grpo", "ppo_epochs": 2, "seconds": [30.0], "phases": {"cpu": [16.0]}, "peak_rss_mb": 4000.0, "passes": {}},
+        {"setup": "trl", "ppo_epochs": 1, "seconds": [10.0], "peak_rss_mb": 7000.0},  # PPO's TRL: not GRPO's peer
+    ]
+    rows = compare_trl.summarise(results)
+    # 18 / 40 = 0.45 and 30 / 80 = 0.375 in time; 9 / 20 = 0.45 and 16 / 40 = 0.4 in CPU seconds.
+    assert compare_trl.format_table(rows).splitlines()[-1] == "COMPARE_GRPO ratio_1=0.450 ratio_2=0.375 cpu_ratio_1=0.450 cpu_ratio_2=0.400"
+
+
+def test_grpo_config_is_configs_grpo_yaml_on_the_workload(tmp_path):
+    args = compare_trl.parse_args(["--grpo", "--beta", "0.04", "--cpu-linear", "aten"])
+    assert args.setups == ["trl_grpo", "grpo"] and args.ppo_epochs == [1, 2]
+    args.worker, args.workdir, args.epochs, args.reward_path = "grpo", str(tmp_path), 2, "rm"
+    config = compare_trl.our_config(args)
+    model = config["model"]
+    # From configs/grpo.yaml: GRPO's group advantages, no critic, k3 as a loss term.
+    assert (model["advantage_estimator"], model["critic"], model["kl_estimator"], model["kl_penalty"]) == ("grpo", "none", "k3", "loss")
+    # The workload: full fine-tuning as TRL's GRPOTrainer without PEFT, 4 generations of exactly 32 tokens
+    # for each of 8 prompts, 2 updates of one minibatch, TRL's beta held fixed, the kernel chosen.
+    assert model["lora_rank"] == 0 and model["num_generations"] == 4 and config["data"]["batch_size"] == 8
+    assert model["min_new_tokens"] == model["max_new_tokens"] == 32 and (model["ppo_epochs"], model["num_minibatches"]) == (2, 1)
+    assert model["beta_controller"] == {"class_path": "fixed", "init_args": {"init_beta": 0.04}} and model["cpu_linear"] == "aten"
+    with pytest.raises(SystemExit):
+        compare_trl.parse_args(["--grpo", "--setups", "lora"])  # a PPO setup has no GRPO peer

@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.models import position_ids, trim_left_padding
 from rlhf_lightning.module import PPORLHF
 
 from helpers import char_reward, fit, make_module
@@ -65,6 +66,36 @@ def test_left_padding_changes_nothing():
         alone = pm.logprobs_of(module.response_logits(module.policy, alone_ids, alone_attn, 3), response[1:])
     assert torch.allclose(batched, garbled, atol=1e-5)
     assert torch.allclose(batched[1], alone[0], atol=1e-5)
+
+
+def test_trim_left_padding_drops_exactly_the_columns_padded_in_every_row():
+    ids = torch.arange(12).view(2, 6)
+    attn = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 0]])  # columns 0-1 are pad in both rows, column 2 is not
+    trimmed_ids, trimmed_attn = trim_left_padding(ids, attn)
+    assert torch.equal(trimmed_ids, ids[:, 2:]) and torch.equal(trimmed_attn, attn[:, 2:])
+    assert trim_left_padding(ids, torch.ones_like(attn))[0].shape == (2, 6)  # no pad column: nothing dropped
+
+
+@pytest.mark.parametrize("critic", ["separate", "shared"])
+def test_a_minibatch_of_short_prompts_scores_the_same_without_the_batchs_padding(critic):
+    """Log-probs and values of the short rows equal (to fp32 rounding) those of the untrimmed
+    forward, whose extra columns are the long prompt's padding: trimming changes the cost only."""
+    module = make_module(critic=critic)
+    enc = module.encode_prompts(["a much longer prompt than the other two", "short", "tiny"])
+    response = torch.tensor([[10, 11, 12], [13, 14, 15], [16, 17, 18]])
+    ids, attn = torch.cat([enc["input_ids"], response], 1)[1:], torch.cat([enc["attention_mask"], torch.ones_like(response)], 1)[1:]
+    assert (attn[:, 0] == 0).all()  # the minibatch carries all-pad columns
+    with torch.no_grad():
+        logits, values = module.policy_outputs(ids, attn, 3)
+        out = module.policy(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), output_hidden_states=True)
+        untrimmed = out.logits[:, -4:-1].float()
+        untrimmed_values = (
+            module.critic(ids, attn, position_ids(attn))[:, -4:-1]
+            if critic == "separate"
+            else module.critic(hidden=out.hidden_states[-1][:, -4:-1])
+        )
+    torch.testing.assert_close(pm.logprobs_of(logits, response[1:]), pm.logprobs_of(untrimmed, response[1:]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(values, untrimmed_values, rtol=0, atol=1e-5)
 
 
 def test_rollout_masks_after_eos_and_puts_score_on_last_token():

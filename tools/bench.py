@@ -5,6 +5,7 @@
     python tools/bench.py --profile                        # plus torch.profiler's top ops of one iteration
     python tools/bench.py --device cuda --bf16             # GPU, bf16 autocast
     python tools/bench.py --tiny                           # the tiny random model, 2 iterations (the tests)
+    python tools/bench.py --isa avx2 --threads 1           # as on an AVX2-only CPU (oneDNN, MKL and ATen capped)
     python tools/bench.py --mode full --ppo-epochs 1 --strategy fsdp2 --devices 2 --threads 1   # per rank
     python tools/bench.py --mode full --ppo-epochs 1 --iters 1 --strategy fsdp2 --devices 2 --threads 1 --memory
 
@@ -73,6 +74,12 @@ are mmapped and returned when freed, so a peak RSS counts what is held, not what
 prints each process's peak RSS, and last ``MEMORY rank_peak_vs_single=<r>``: the largest peak
 of the ranks over the one process's (per-rank batch the same: activations do not shrink).
 
+The first line says which instruction set oneDNN, MKL and ATen run (``tools/isa.py``); ``--isa
+avx2`` caps them at AVX2 on a CPU with more, for the figures of an AVX2-only machine. After the
+tables, each run's passes over a model's trunk in its last timed iteration, per phase
+(``PassCounter``: ``generate`` calls, decode steps, forwards, forwards with backward): what the
+tests check instead of a time.
+
 On a CPU shared with other jobs use ``--threads 1``: spinning OpenMP threads on a busy
 2-core machine make a forward pass several times slower and the timings erratic.
 """
@@ -100,6 +107,8 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_lightning.checks import option_number
+
+import isa
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_RESULT "
@@ -173,6 +182,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--profile-rows", type=option_number(integer=True, at_least=1), default=25, help="ops shown by --profile")
     parser.add_argument("--profile-shapes", action="store_true", help="--profile: one row per (op, input shapes)")
     parser.add_argument("--save", metavar="PATH", help="also write every run's results as JSON (after each run)")
+    isa.add_argument(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one mode's runs
     args = parser.parse_args(argv)
     args.policy = args.policy or ("tiny" if args.tiny else "smollm2")
@@ -278,6 +288,51 @@ class PhaseClock:
         seconds, self.seconds = dict(self.seconds), defaultdict(float)
         return seconds
 
+    @property
+    def current(self) -> Optional[str]:
+        """The innermost phase running now (None between phases)."""
+        return self._stack[-1] if self._stack else None
+
+
+class PassCounter:
+    """Counts the passes over each watched model's trunk, per phase: ``generate`` calls (their
+    prefill), decode steps (the other forwards ``generate`` makes, a KV cache in hand), no-grad
+    forwards (``fwd``) and forwards with autograd on (``fwd+bwd``: the loop backpropagates every
+    one). A forward is one call of the trunk (the decoder stack), so a LoRA reference (the policy
+    with its adapter off) counts as the policy's trunk, told apart by its phase. ``phase()`` names
+    the phase a pass lands in; None leaves it uncounted (the floors between iterations)."""
+
+    def __init__(self, phase=lambda: "all") -> None:
+        self.phase = phase
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    @staticmethod
+    def trunk(model):
+        """The decoder stack inside a causal LM, a classifier, a PEFT wrapper or a critic."""
+        import torch
+
+        return next(m for m in model.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList))
+
+    def watch(self, name: str, model) -> None:
+        import torch
+
+        def count(module, args, kwargs) -> None:
+            phase = self.phase()
+            if phase is None:
+                return
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5 names it cache
+            if cache is not None:
+                kind = "decode step" if cache.get_seq_length() else "generate"
+            else:
+                kind = "fwd+bwd" if torch.is_grad_enabled() else "fwd"
+            self.counts[phase][f"{name} {kind}"] += 1
+
+        self.trunk(model).register_forward_pre_hook(count, with_kwargs=True)
+
+    def take(self) -> dict[str, dict[str, int]]:
+        counts, self.counts = {p: dict(c) for p, c in self.counts.items()}, defaultdict(lambda: defaultdict(int))
+        return counts
+
 
 def bench_module_class():
     """PPORLHF with its phases timed; the module's own code runs unchanged in between."""
@@ -291,6 +346,10 @@ def bench_module_class():
             if not first:
                 return
             self.clock = PhaseClock(self.device)
+            self.passes = PassCounter(lambda: self.clock.current)
+            for name, model in (("policy", self.policy), ("reference", self.ref_model), ("critic", getattr(self.critic, "trunk", None))):
+                if model is not None:
+                    self.passes.watch(name, model)
             self.generator = self.policy.get_base_model() if self.hparams.lora_rank else self.policy
             self.generator.generate = self.clock.wrap("rollout", self.generator.generate)  # instance attribute
             if not isinstance(self.rollout_engine, HFGenerate):  # another engine: its whole sample (a weight sync included)
@@ -351,6 +410,7 @@ def iteration_recorder(args: argparse.Namespace):
             self.iterations: list[dict[str, float]] = []
             self.floors: list[dict[str, float]] = []
             self.tokens: list[float] = []
+            self.passes: list[dict[str, dict[str, int]]] = []
             self.profile_table: Optional[str] = None
             self._phase = self._profiler = None
 
@@ -362,12 +422,13 @@ def iteration_recorder(args: argparse.Namespace):
                 self._profiler = torch.profiler.profile(activities=activities, record_shapes=args.profile_shapes)
                 self._profiler.__enter__()
             pl_module.clock.take()
+            pl_module.passes.take()
             self._phase = pl_module.clock("other")
             self._phase.__enter__()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self._phase.__exit__(None, None, None)
-            seconds = pl_module.clock.take()
+            seconds, passes = pl_module.clock.take(), pl_module.passes.take()
             if self._profiler is not None:
                 self._profiler.__exit__(None, None, None)
                 self.profile_table = self._profiler.key_averages(group_by_input_shape=args.profile_shapes).table(
@@ -380,6 +441,7 @@ def iteration_recorder(args: argparse.Namespace):
                 self.iterations.append(seconds)
                 self.floors.append(floors)
                 self.tokens.append(float(pl_module.last_rollout.mask.sum()))
+                self.passes.append(passes)
 
     return IterationRecorder()
 
@@ -515,6 +577,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         "peak_rss_mb": peak_rss_mb(),
         "peak_gpu_mb": gpu_mb,
         "iterations": recorder.iterations,
+        "passes": recorder.passes[-1],  # the last timed iteration's (the first skips the reference: it equals the policy)
         "load": [load_before, os.getloadavg()[0]],
         "profile": recorder.profile_table,
         "roofline_costs": costs,
@@ -855,6 +918,10 @@ def floor_cells(r: dict) -> list[str]:
     return [r["mode"], str(r["ppo_epochs"]), *(f"{x:.3f}" for x in [*seconds, r["iteration_vs_floors"]]), *(f"{x:+.3f}" for x in beyond)]
 
 
+def format_passes(passes: dict[str, dict[str, int]]) -> str:
+    return "; ".join(f"{phase}: " + ", ".join(f"{what} {n}" for what, n in sorted(c.items())) for phase, c in passes.items())
+
+
 def markdown_rows(results: Sequence[dict], cells) -> list[str]:
     return ["| " + " | ".join(cells(r)) + " |" for r in results]
 
@@ -876,6 +943,9 @@ def format_table(results: Sequence[dict]) -> str:
         "| iteration / floors | beyond: rollout | score | update |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *markdown_rows(results, floor_cells),
+        "",
+        "passes over a model's trunk in the last timed iteration, per phase (generate: its prefill; fwd+bwd: a forward with autograd on):",
+        *(f"- {r['mode']}, {r['ppo_epochs']} epoch(s): {format_passes(r['passes'])}" for r in results),
     ]
     sharded = [r for r in results if "generate_sharded" in r["floors"]]
     if sharded:
@@ -978,6 +1048,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     if args.worker:
         worker_main(args)
         return []
+    isa.apply(args.isa, __file__, sys.argv[1:] if argv is None else argv)
+    print(isa.describe(), flush=True)
     modes = {"both": ("full", "lora"), "all": ("full", "lora", "grpo")}.get(args.mode, (args.mode,))
     peaks = measure_peaks(args)
     env = {"MALLOC_MMAP_THRESHOLD_": "1048576"} if args.memory else {}

@@ -1,9 +1,29 @@
-"""Side-by-side PPO iteration time: TRL 1.12's PPOTrainer against this project's CLI, same workload.
+"""Side-by-side iteration time against TRL on one workload: TRL 1.12's PPOTrainer against this
+project's CLI, or (``--grpo``) TRL 1.16's GRPOTrainer against ``configs/grpo.yaml``'s setup.
 
     pip install "rlhf-lightning[bench]"            # TRL 1.12, in a separate environment is best
     python tools/compare_trl.py                    # 2 rounds of 1 warm-up + 3 timed iterations per run
     python tools/compare_trl.py --quick            # 1 round of 1 warm-up + 2 timed iterations
     python tools/compare_trl.py --trl-python /work/trl-venv/bin/python --threads 1
+    python tools/compare_trl.py --grpo --trl-python /work/venv-trl/bin/python --threads 1 --isa avx2
+
+``--grpo``: SmolLM2-135M-Instruct fp32 full fine-tuning, the first ``--batch-size`` (8) built-in
+prompts x ``--num-generations`` (4) responses of exactly ``--max-new-tokens`` (32) tokens, the
+same seeded SmolLM2-trunk reward model on both sides (TRL: as its reward function; ours:
+``hf_classifier``), k3 as a loss term with the same fixed ``--beta`` (0.04, TRL's default), one
+optimizer step per update over all 32 responses, ``--ppo-epochs`` (default 1 2) updates per batch
+(TRL's ``num_iterations``). ``trl_grpo``: ``GRPOTrainer`` (``per_device_train_batch_size`` 32,
+``steps_per_generation`` 1, ``bf16=False``, ``generation_kwargs={"min_new_tokens": 32}``); its
+time per batch is the wall clock over its ``num_iterations`` optimizer steps. ``grpo``:
+``configs/grpo.yaml``'s model section (GRPO advantages, ``critic: none``, k3 in the loss) with
+``lora_rank: 0``, a fixed beta and the workload's sizes, through the CLI. The last line reads
+``COMPARE_GRPO ratio_1=<ours/TRL> ratio_2=<..> cpu_ratio_1=<..> cpu_ratio_2=<..>``: time per
+batch, and CPU seconds of the process per batch (with one thread the work itself, whatever else
+the machine runs). Every run also reports its passes per batch over each model's trunk
+(``bench.PassCounter``: policy, reference, reward model) and its peak RSS.
+
+The first line says which instruction set the kernels run (``tools/isa.py``); ``--isa avx2``
+runs both sides as on an AVX2-only CPU.
 
 The workload (the issue's): SmolLM2-135M-Instruct in fp32, the first 8 built-in prompts rendered
 with the chat template at every iteration, exactly ``--max-new-tokens`` (32) sampled tokens per
@@ -43,6 +63,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import resource
 import statistics
@@ -57,15 +78,31 @@ from typing import Optional
 
 from rlhf_lightning.checks import option_number
 
+import bench
+import isa
+
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "COMPARE_RESULT "
 SETUPS = ("trl", "full", "lora")
+GRPO_SETUPS = ("trl_grpo", "grpo")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="what to run (ratios need trl)")
-    parser.add_argument("--ppo-epochs", type=option_number(integer=True, at_least=1), nargs="+", default=[1, 4])
+    parser.add_argument(
+        "--setups", nargs="+", choices=SETUPS + GRPO_SETUPS, help="what to run (ratios need trl; default: all of the mode's)"
+    )
+    parser.add_argument("--grpo", action="store_true", help="TRL 1.16's GRPOTrainer against configs/grpo.yaml's setup instead of PPO")
+    parser.add_argument(
+        "--ppo-epochs",
+        type=option_number(integer=True, at_least=1),
+        nargs="+",
+        help="PPO epochs (--grpo: updates per batch, TRL's num_iterations); default 1 4 (--grpo: 1 2)",
+    )
+    parser.add_argument("--num-generations", type=option_number(integer=True, at_least=1), default=4, help="--grpo: responses per prompt")
+    parser.add_argument(
+        "--beta", type=option_number(at_least=0), default=0.04, help="--grpo: the KL coefficient of k3 in the loss, both sides"
+    )
     parser.add_argument("--rounds", type=option_number(integer=True, at_least=1), help="rounds of alternating runs (default 2; --quick: 1)")
     parser.add_argument("--iters", type=option_number(integer=True, at_least=1), help="timed iterations per run (default 3; --quick: 2)")
     parser.add_argument("--warmup", type=option_number(integer=True, at_least=0), default=1, help="untimed iterations first")
@@ -82,17 +119,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
         help="torch threads (0: default)",
     )
-    parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.12 installed")
+    parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl==1.12 installed (--grpo: trl==1.16)")
     parser.add_argument("--save", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--worker", choices=SETUPS, help=argparse.SUPPRESS)
+    isa.add_argument(parser)
+    parser.add_argument("--worker", choices=SETUPS + GRPO_SETUPS, help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=option_number(integer=True, at_least=1), help=argparse.SUPPRESS)
     parser.add_argument("--reward-path", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.setups = args.setups or list(GRPO_SETUPS if args.grpo else SETUPS)
+    args.ppo_epochs = args.ppo_epochs or ([1, 2] if args.grpo else [1, 4])
+    if set(args.setups) - set(GRPO_SETUPS if args.grpo else SETUPS):
+        parser.error(f"--setups: {'with' if args.grpo else 'without'} --grpo choose from {GRPO_SETUPS if args.grpo else SETUPS}")
     args.rounds = (1 if args.quick else 2) if args.rounds is None else args.rounds
     args.iters = (2 if args.quick else 3) if args.iters is None else args.iters
-    if min(args.rounds, args.iters, args.batch_size, args.max_new_tokens, *args.ppo_epochs) < 1 or args.warmup < 0:
-        parser.error("--rounds, --iters, --batch-size, --max-new-tokens and --ppo-epochs must be >= 1, --warmup >= 0")
     return args
 
 
@@ -186,7 +226,126 @@ def run_trl(args: argparse.Namespace) -> tuple[list[float], dict]:
     )
     clock.ends = [time.perf_counter()]
     trainer.train()
-    return [b - a for a, b in itertools.pairwise(clock.ends)], {}
+    return [b - a for a, b in itertools.pairwise(clock.ends)], {}, {}
+
+
+def run_trl_grpo(args: argparse.Namespace) -> tuple[list[float], dict, dict]:
+    """TRL's GRPOTrainer for warmup + iters batches of ``batch_size`` prompts x ``num_generations``;
+    seconds of each batch (its ``num_iterations`` optimizer steps) and the passes of the last one."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_lightning.models import smollm2_checkpoint
+
+    path = smollm2_checkpoint()
+    batches, updates = args.warmup + args.iters, args.epochs
+    rows = args.batch_size * args.num_generations
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts(args.batch_size)] * batches})
+    config = GRPOConfig(
+        output_dir=str(Path(args.workdir) / "trl"),
+        per_device_train_batch_size=rows,  # one optimizer step per generation batch, as ours with 1 minibatch
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=args.num_generations,
+        num_iterations=updates,
+        max_completion_length=args.max_new_tokens,
+        generation_kwargs={"min_new_tokens": args.max_new_tokens},  # exactly max_new_tokens: EOS banned until then
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=args.beta,  # k3 in the loss, TRL's GRPO
+        max_steps=batches * updates,
+        shuffle_dataset=False,
+        bf16=False,  # fp32 as ours (TRL's GRPO defaults to bf16)
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        logging_steps=1,
+        disable_tqdm=True,
+        log_completions=False,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_path)
+    reward_model.config.pad_token_id = tokenizer.pad_token_id
+    counter, per_batch, cpu_ends = bench.PassCounter(), [], []
+    phases, in_phase = defaultdict(list), defaultdict(float)
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends = [time.perf_counter()]
+
+        def on_step_end(self, _args, state, *__, **___):
+            if state.global_step % updates == 0:  # a batch is num_iterations optimizer steps on one generation
+                self.ends.append(time.perf_counter())
+                cpu_ends.append(time.process_time())
+                per_batch.append(counter.take())
+                for name in ("rollout", "forward", "score"):
+                    phases[name].append(in_phase.pop(name, 0.0))
+                phases["update"].append(self.ends[-1] - self.ends[-2] - sum(phases[name][-1] for name in ("rollout", "forward", "score")))
+
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(path),
+        reward_funcs=reward_model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        reward_processing_classes=AutoTokenizer.from_pretrained(args.reward_path),
+        callbacks=[clock],
+    )
+    for name, model in (("policy", trainer.model), ("reference", trainer.ref_model), ("reward", reward_model)):
+        if model is not None:
+            counter.watch(name, model)
+
+    def timed(name: str, method, no_grad_only: bool = False):
+        """The trainer's method, its seconds added to phase ``name`` (forwards: the no-grad ones)."""
+
+        def run(*args, **kwargs):
+            if no_grad_only and torch.is_grad_enabled():
+                return method(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                in_phase[name] += time.perf_counter() - start
+
+        return run
+
+    # Our phase names: sampling, the no-grad log-prob forwards (log pi_old, log pi_ref), the reward;
+    # the rest of a batch (the loss forwards, backward, optimizer steps) is the update.
+    trainer._generate = timed("rollout", trainer._generate)
+    trainer._get_per_token_logps_and_entropies = timed("forward", trainer._get_per_token_logps_and_entropies, no_grad_only=True)
+    trainer._calculate_rewards = timed("score", trainer._calculate_rewards)
+    clock.ends, cpu_ends[:] = [time.perf_counter()], [time.process_time()]
+    trainer.train()
+    phases["cpu"] = [b - a for a, b in itertools.pairwise(cpu_ends)]
+    return [b - a for a, b in itertools.pairwise(clock.ends)], dict(phases), per_batch[-1]
+
+
+def count_our_passes(counter, per_batch: list) -> None:
+    """Count the passes of each of our training steps (policy, reference, critic trunk, reward
+    model), one dict per step appended to ``per_batch``: the module's step wrapped, in this worker."""
+    from rlhf_lightning.module import PPORLHF
+
+    step = PPORLHF.training_step
+
+    def counted(self, *args, **kwargs):
+        if not getattr(self, "_passes_watched", False):  # the reward model loads at fit start
+            critic, reward = getattr(self.critic, "trunk", None), getattr(self.reward_model, "model", None)
+            for name, model in (("policy", self.policy), ("reference", self.ref_model), ("critic", critic), ("reward", reward)):
+                if model is not None:
+                    counter.watch(name, model)
+            self._passes_watched = True
+        counter.take()
+        start = time.process_time()
+        outputs = step(self, *args, **kwargs)
+        per_batch.append({**counter.take(), "cpu_s": time.process_time() - start})
+        return outputs
+
+    PPORLHF.training_step = counted
 
 
 def our_config(args: argparse.Namespace) -> dict:
@@ -194,6 +353,9 @@ def our_config(args: argparse.Namespace) -> dict:
     work = Path(args.workdir)
     prompt_file = work / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(args.batch_size) * (args.warmup + args.iters)))
+    data = {"train_path": str(prompt_file), "batch_size": args.batch_size, "shuffle": False}
+    if args.worker == "grpo":
+        return grpo_config(args, trainer_config(args), data)
     lora = args.worker == "lora"
     model = {
         "policy": "smollm2",
@@ -210,10 +372,44 @@ def our_config(args: argparse.Namespace) -> dict:
         "lora_alpha": 32.0,
         "critic": "shared" if lora else args.full_critic,
     }
+    set_options(args, model)
+    return {"seed_everything": 0, "trainer": trainer_config(args), "model": model, "data": data}
+
+
+def set_options(args: argparse.Namespace, model: dict) -> None:
     for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
         if getattr(args, option):
             model[option] = getattr(args, option)
-    trainer = {
+
+
+def grpo_config(args: argparse.Namespace, trainer: dict, data: dict) -> dict:
+    """configs/grpo.yaml's model section on the comparison's workload: full fine-tuning (TRL's
+    GRPOTrainer without PEFT), a fixed beta, the shared reward model, one minibatch, exactly
+    ``max_new_tokens`` tokens, ``ppo_epochs`` updates per batch; its trainer section replaced."""
+    import yaml
+
+    model = yaml.safe_load((REPO / "configs" / "grpo.yaml").read_text())["model"]
+    model.update(
+        lora_rank=0,
+        num_generations=args.num_generations,
+        beta_controller={"class_path": "fixed", "init_args": {"init_beta": args.beta}},
+        reward_model={
+            "class_path": "rlhf_lightning_plugins.rewards.classifier.HFClassifierReward",
+            "init_args": {"path": args.reward_path},
+        },
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.max_new_tokens,
+        ppo_epochs=args.epochs,
+        num_minibatches=1,
+        log_samples_every_n_steps=0,
+    )
+    set_options(args, model)
+    return {"seed_everything": 0, "trainer": trainer, "model": model, "data": data}
+
+
+def trainer_config(args: argparse.Namespace) -> dict:
+    work = Path(args.workdir)
+    return {
         "accelerator": "cpu",
         "devices": 1,
         "max_epochs": 1,
@@ -225,19 +421,20 @@ def our_config(args: argparse.Namespace) -> dict:
         "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(work), "name": "csv"}},
         "callbacks": [{"class_path": "rlhf_lightning.callbacks.IterationTimer"}],
     }
-    data = {"train_path": str(prompt_file), "batch_size": args.batch_size, "shuffle": False}
-    return {"seed_everything": 0, "trainer": trainer, "model": model, "data": data}
 
 
-def run_ours(args: argparse.Namespace) -> tuple[list[float], dict[str, list[float]]]:
+def run_ours(args: argparse.Namespace) -> tuple[list[float], dict[str, list[float]], dict]:
     """``rlhf-lightning fit`` on the run's config; seconds of each iteration (timing/iteration_s),
-    and of each of the module's phases per iteration (its ``timing/<phase>_s`` metrics)."""
+    of each of the module's phases per iteration (its ``timing/<phase>_s`` metrics), and the
+    passes of the last iteration."""
     import csv
 
     from rlhf_lightning.cli import main as cli_main
 
     config = Path(args.workdir) / "config.yaml"
     config.write_text(json.dumps(our_config(args)))  # JSON is YAML
+    per_batch = []
+    count_our_passes(bench.PassCounter(), per_batch)
     cli_main(["fit", "--config", str(config)])
     (metrics,) = Path(args.workdir).glob("csv/version_*/metrics.csv")
     with metrics.open() as f:
@@ -247,7 +444,8 @@ def run_ours(args: argparse.Namespace) -> tuple[list[float], dict[str, list[floa
         for key, value in row.items():
             if key.startswith("timing/") and key != "timing/iteration_s" and value:
                 phases[key[len("timing/") : -len("_s")]].append(float(value))
-    return [float(row["timing/iteration_s"]) for row in rows if row.get("timing/iteration_s")], dict(phases)
+    phases["cpu"] = [passes.pop("cpu_s") for passes in per_batch]
+    return [float(row["timing/iteration_s"]) for row in rows if row.get("timing/iteration_s")], dict(phases), per_batch[-1]
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -256,7 +454,8 @@ def worker_main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    seconds, phases = run_trl(args) if args.worker == "trl" else run_ours(args)
+    run = {"trl": run_trl, "trl_grpo": run_trl_grpo}.get(args.worker, run_ours)
+    seconds, phases, passes = run(args)
     if len(seconds) != args.warmup + args.iters:
         raise SystemExit(f"{args.worker}: expected {args.warmup + args.iters} iterations, timed {len(seconds)}")
     result = {
@@ -266,6 +465,7 @@ def worker_main(args: argparse.Namespace) -> None:
         "warmup_s": seconds[: args.warmup],
         "phases": {name: values[args.warmup :] for name, values in phases.items()},
         "peak_rss_mb": peak_rss_mb(),
+        "passes": passes,
         "threads": torch.get_num_threads(),
         "load": [load_before, os.getloadavg()[0]],
     }
@@ -275,7 +475,7 @@ def worker_main(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------- driver
 def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: Path, root: Path) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix=f"{setup}{epochs}_", dir=root))
-    python = args.trl_python if setup == "trl" else sys.executable
+    python = args.trl_python if setup.startswith("trl") else sys.executable
     settings = {
         "--epochs": epochs,
         "--reward-path": reward_path,
@@ -285,9 +485,11 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
         "--batch-size": args.batch_size,
         "--max-new-tokens": args.max_new_tokens,
         "--full-critic": args.full_critic,
+        "--num-generations": args.num_generations,
+        "--beta": args.beta,
         "--threads": args.threads,
     }
-    argv = [python, str(Path(__file__).resolve()), "--worker", setup]
+    argv = [python, str(Path(__file__).resolve()), "--worker", setup, *(["--grpo"] if args.grpo else [])]
     argv += [word for flag, value in settings.items() for word in (flag, str(value))]
     for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
         if getattr(args, option):
@@ -303,18 +505,25 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
     phases = ", ".join(f"{name} {statistics.median(values):.2f}" for name, values in result["phases"].items())
     print(
         f"{setup}, {epochs} epoch(s): {', '.join(f'{s:.2f}' for s in result['seconds'])} s per iteration "
-        f"(warm-up {result['warmup_s']}){f'; phases (median s): {phases}' if phases else ''}, peak RSS "
+        f"(warm-up {result['warmup_s']}){f'; phases (median s): {phases}' if phases else ''}; passes of the last: "
+        f"{format_passes(result['passes'])}; peak RSS "
         f"{result['peak_rss_mb']:.0f} MB, load {result['load']}, process {time.perf_counter() - start:.0f} s",
         flush=True,
     )
     return result
 
 
+def format_passes(passes: dict) -> str:
+    """The passes of one iteration (one phase, "all"): what over which trunk, how often."""
+    return ", ".join(f"{what} {n}" for counts in passes.values() for what, n in sorted(counts.items())) or "not counted"
+
+
 def summarise(results: Sequence[dict]) -> list[dict]:
-    """One row per (setup, epochs): median seconds over all its timed iterations, ratio to TRL's."""
+    """One row per (setup, epochs): median seconds over all its timed iterations, ratio to TRL's
+    (``trl`` for the PPO setups, ``trl_grpo`` for ``grpo``), peak RSS, the last run's passes."""
     rows = []
     for epochs in sorted({r["ppo_epochs"] for r in results}):
-        for setup in SETUPS:
+        for setup in SETUPS + GRPO_SETUPS:
             runs = [r for r in results if r["setup"] == setup and r["ppo_epochs"] == epochs]
             if runs:
                 seconds = [s for r in runs for s in r["seconds"]]
@@ -325,21 +534,41 @@ def summarise(results: Sequence[dict]) -> list[dict]:
                         "median_s": statistics.median(seconds),
                         "n": len(seconds),
                         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+                        "passes": runs[-1].get("passes", {}),
+                        # CPU seconds of the process per iteration: with one thread, the work, whatever the load
+                        "cpu_s": statistics.median(c for r in runs for c in r.get("phases", {}).get("cpu", [math.nan])),
                     }
                 )
-    trl = {row["ppo_epochs"]: row["median_s"] for row in rows if row["setup"] == "trl"}
+    trl = {(row["setup"], row["ppo_epochs"]): row["median_s"] for row in rows if row["setup"].startswith("trl")}
+    trl_cpu = {(row["setup"], row["ppo_epochs"]): row["cpu_s"] for row in rows if row["setup"].startswith("trl")}
     for row in rows:
-        row["vs_trl"] = row["median_s"] / trl[row["ppo_epochs"]] if row["ppo_epochs"] in trl else float("nan")
+        peer = ("trl_grpo" if row["setup"] in GRPO_SETUPS else "trl", row["ppo_epochs"])
+        row["vs_trl"] = row["median_s"] / trl[peer] if peer in trl else math.nan
+        row["cpu_vs_trl"] = row["cpu_s"] / trl_cpu[peer] if peer in trl else math.nan
     return rows
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    lines = ["| setup | PPO epochs | s / iteration (median) | iterations | vs TRL | peak RSS MB |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [
-        f"| {r['setup']} | {r['ppo_epochs']} | {r['median_s']:.2f} | {r['n']} | {r['vs_trl']:.2f}x | {r['peak_rss_mb']:.0f} |" for r in rows
+    """The table, then ``COMPARE <setup>_<epochs>=<ratio> ...`` for the PPO setups and
+    ``COMPARE_GRPO ratio_<updates>=<ratio> ...`` for GRPO's (ours over TRL's time per batch)."""
+    lines = [
+        "| setup | PPO epochs (GRPO: updates) | s / iteration (median) | iterations | vs TRL | CPU s / iteration | vs TRL "
+        "| peak RSS MB | passes per iteration |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    ratios = " ".join(f"{r['setup']}_{r['ppo_epochs']}={r['vs_trl']:.3f}" for r in rows if r["setup"] != "trl")
-    return "\n".join([*lines, "", f"COMPARE {ratios}"])
+    lines += [
+        f"| {r['setup']} | {r['ppo_epochs']} | {r['median_s']:.2f} | {r['n']} | {r['vs_trl']:.2f}x | {r['cpu_s']:.2f} "
+        f"| {r['cpu_vs_trl']:.2f}x | {r['peak_rss_mb']:.0f} "
+        f"| {format_passes(r.get('passes', {}))} |"
+        for r in rows
+    ]
+    ppo = " ".join(f"{r['setup']}_{r['ppo_epochs']}={r['vs_trl']:.3f}" for r in rows if r["setup"] in SETUPS[1:])
+    grpo_rows = [r for r in rows if r["setup"] == "grpo"]
+    grpo = " ".join(
+        [f"ratio_{r['ppo_epochs']}={r['vs_trl']:.3f}" for r in grpo_rows]
+        + [f"cpu_ratio_{r['ppo_epochs']}={r['cpu_vs_trl']:.3f}" for r in grpo_rows]
+    )
+    return "\n".join([*lines, "", *([f"COMPARE {ppo}"] if ppo else []), *([f"COMPARE_GRPO {grpo}"] if grpo else [])])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
@@ -347,6 +576,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     if args.worker:
         worker_main(args)
         return []
+    isa.apply(args.isa, __file__, sys.argv[1:] if argv is None else argv)
+    print(isa.describe(), flush=True)
     print(
         f"threads {args.threads or 'default'}, {args.rounds} round(s) of {args.warmup} warm-up + {args.iters} timed iterations, "
         f"load {os.getloadavg()}",

@@ -4,6 +4,7 @@
     python tools/decode_bench.py --threads 1 --rounds 6
     python tools/decode_bench.py --compile         # also a torch.compile'd decode step (minutes to compile)
     python tools/decode_bench.py --engine vllm     # the rollout engines: hf's generate against vLLM (docs/rollout-engines.md)
+    python tools/decode_bench.py --isa avx2        # as on an AVX2-only CPU (the first line names the kernels' ISA)
 
 The rows: ``generate`` with PyTorch's own CPU linear kernel (MKL) and with oneDNN's
 (``model.cpu_linear``, what the module uses on a CPU), ``generate`` with a preallocated (static)
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rlhf_lightning.checks import option_number
 
 import bench
+import isa
 
 
 @__import__("torch").no_grad()
@@ -71,7 +73,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time generate with a torch.compile'd forward")
     parser.add_argument("--engine", choices=("vllm",), help="compare the rollout engines hf and ENGINE instead of the decode loops")
     parser.add_argument("--num-generations", type=int, nargs="+", default=[1, 4], help="--engine: responses per prompt, one workload each")
+    isa.add_argument(parser)
     args = parser.parse_args()
+    isa.apply(args.isa, __file__, sys.argv[1:])  # torch is loaded already: re-executes with the variables set
+    print(isa.describe(), flush=True)
     if args.engine:
         compare_engines(args)
         return
