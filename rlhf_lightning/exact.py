@@ -643,6 +643,8 @@ def expected_train(
             mask=mask,
             ended_with_eos=torch.zeros(len(input_ids), dtype=torch.bool),
             old_logprobs=old_logprobs,
+            trainer_logprobs=old_logprobs,
+            sampler_logprobs=old_logprobs,
             ref_logprobs=ref_token_logprobs,
             old_values=None,
             entropy=torch.zeros_like(mask),

@@ -472,7 +472,7 @@ class PolicyNetworks:
         forward (another engine, ``old_logprobs: forward`` or a rollout correction), V_old, the kept
         set, and the sampler's own log-probs of the sampled tokens (the trainer's past EOS)."""
         hp, response_len = self.hparams, response.shape[1]
-        sampler_logits = None if samples.logits is None else samples.logits.float() / hp.temperature
+        sampler_logits = None if samples.logits is None else self._tempered(samples.logits.float())
         if sampler_logits is None or hp.old_logprobs == "forward" or hp.rollout_correction != "none":
             logits, values = self.policy_outputs(input_ids, attention_mask, response_len)
         elif self._shared_critic:
@@ -486,7 +486,9 @@ class PolicyNetworks:
             kept = kept.scatter(-1, response.unsqueeze(-1), True)
         logits = sampling.restrict(logits, kept)
         trainer_logprobs = pm.logprobs_of(logits, response)
-        if sampler_logits is not None:
+        if sampler_logits is logits:  # the sampler's logits are the trainer's (``hf``)
+            sampler_logprobs = trainer_logprobs
+        elif sampler_logits is not None:
             sampler_logprobs = pm.logprobs_of(sampling.restrict(sampler_logits, kept), response)
         else:
             sampler_logprobs = torch.where(mask.bool(), samples.logprobs.to(logits.device), trainer_logprobs)
