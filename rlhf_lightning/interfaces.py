@@ -322,9 +322,11 @@ class RewardModel(Plugin):
         raw = self.checked_scores(prompts, responses)
         return raw, self.shape_scores(raw, ended_with_eos, sum_fn, update_stats)
 
-    def checked_scores(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
-        """Raw scores as float32 (batch,) on CPU, checked (``reward_shaping.check_scores``)."""
-        return check_scores(self.score(prompts, responses), type(self).__name__, len(responses))
+    def checked_scores(self, prompts: Sequence[str], responses: Sequence[str], role: Optional[str] = None) -> Tensor:
+        """Raw scores as float32 (batch,) on CPU, checked (``reward_shaping.check_scores``); a fault
+        names the backend, and ``role`` when given (``model.gold_reward_model``: not the trained reward)."""
+        backend = type(self).__name__ if role is None else f"{type(self).__name__} ({role})"
+        return check_scores(self.score(prompts, responses), backend, len(responses))
 
     def shape_scores(self, raw: Tensor, ended_with_eos: Tensor, sum_fn=None, update_stats: bool = True) -> Tensor:
         """The scores the policy is trained on (``reward_shaping.ScoreShaping``)."""

@@ -638,7 +638,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         gold = {}
         if self.gold_reward_model is not None:
             with gpu.no_autocast(self.device):
-                gold_scores = self.gold_reward_model.checked_scores(rollout.prompts, rollout.responses)
+                gold_scores = self.gold_reward_model.checked_scores(rollout.prompts, rollout.responses, "model.gold_reward_model")
             gold = {"objective/gold_reward": float(self._reduce(gold_scores.sum().double().to(self.device))) / n}
         return {
             "objective/reward": reward / n,

@@ -138,6 +138,15 @@ def test_reward_function_that_returns_nan(tmp_path):
         fit(module, tmp_path, iterations=3)
 
 
+def test_a_gold_reward_that_returns_nan_is_named_as_the_gold_reward(tmp_path):
+    """The gold reward is only logged, but a fault in it names the field, not just the backend."""
+    module = make_module(gold_reward_model=CallableReward(function="test_bad_input:nan_reward"))
+    with pytest.raises(
+        FloatingPointError, match=r"CallableReward \(model.gold_reward_model\) returned non-finite scores for responses \[0, 1"
+    ):
+        fit(module, tmp_path, iterations=1)
+
+
 def test_checkpoint_from_an_incompatible_config(tmp_path):
     trainer, _ = fit(make_module(), tmp_path, iterations=1)
     path = tmp_path / "a.ckpt"
