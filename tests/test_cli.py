@@ -140,12 +140,28 @@ def test_plugins_command_lists_every_plugin_by_kind(capsys):
             assert (kind, entry.name, ", ".join(entry.aliases)) in lines, (kind, entry.name)
 
 
+def install_entry_point(tmp_path, monkeypatch, module: str, source: str, kind: str, name: str):
+    """A third-party package ``module`` (its ``source``), installed only as an entry point in the
+    group rlhf_lightning.plugins; it registers the plugin ``name`` of ``kind``. Generator: a fixture's body."""
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entry = EntryPoint(name=module, value=module, group=registry_module.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(registry_module, "entry_points", lambda group: [entry] if group == entry.group else [])
+    monkeypatch.setattr(registry_module, "_loaded", False)
+    yield
+    registry(kind)._entries.pop(name, None)
+    registry(kind)._names.pop(name, None)
+    sys.modules.pop(module, None)
+
+
 @pytest.fixture
 def external_plugin(tmp_path, monkeypatch):
-    """A third-party package, installed only as an entry point in the group rlhf_lightning.plugins."""
-    package = tmp_path / "rlhf_ext_demo.py"
-    package.write_text(
-        textwrap.dedent("""
+    """A third-party KL estimator."""
+    yield from install_entry_point(
+        tmp_path,
+        monkeypatch,
+        "rlhf_ext_demo",
+        """
         from rlhf_lightning.interfaces import KLEstimator
         from rlhf_lightning.registry import register
 
@@ -153,16 +169,10 @@ def external_plugin(tmp_path, monkeypatch):
         class HalfK1(KLEstimator):
             def __call__(self, logprobs, ref_logprobs, logits=None, ref_logits=None):
                 return 0.5 * (logprobs - ref_logprobs)
-    """)
+        """,
+        "kl_estimator",
+        "half_k1",
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    entry = EntryPoint(name="demo", value="rlhf_ext_demo", group=registry_module.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(registry_module, "entry_points", lambda group: [entry] if group == entry.group else [])
-    monkeypatch.setattr(registry_module, "_loaded", False)
-    yield
-    registry("kl_estimator")._entries.pop("half_k1", None)
-    registry("kl_estimator")._names.pop("half_k1", None)
-    sys.modules.pop("rlhf_ext_demo", None)
 
 
 def test_third_party_plugin_is_selected_from_yaml(external_plugin, tmp_path):
@@ -177,10 +187,12 @@ def test_third_party_plugin_is_selected_from_yaml(external_plugin, tmp_path):
 
 @pytest.fixture
 def external_engine(tmp_path, monkeypatch):
-    """A third-party rollout engine (say SGLang's), installed only as an entry point: here ``hf``'s
-    generate that counts its calls."""
-    (tmp_path / "rlhf_ext_engine.py").write_text(
-        textwrap.dedent("""
+    """A third-party rollout engine (say SGLang's): here ``hf``'s generate that counts its calls."""
+    yield from install_entry_point(
+        tmp_path,
+        monkeypatch,
+        "rlhf_ext_engine",
+        """
         from rlhf_lightning.registry import register
         from rlhf_lightning_plugins.rollout_engines import HFGenerate
 
@@ -191,16 +203,10 @@ def external_engine(tmp_path, monkeypatch):
             def sample(self, module, enc, seed):
                 type(self).calls += 1
                 return super().sample(module, enc, seed)
-    """)
+        """,
+        "rollout_engine",
+        "counting_hf",
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    entry = EntryPoint(name="engine", value="rlhf_ext_engine", group=registry_module.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(registry_module, "entry_points", lambda group: [entry] if group == entry.group else [])
-    monkeypatch.setattr(registry_module, "_loaded", False)
-    yield
-    registry("rollout_engine")._entries.pop("counting_hf", None)
-    registry("rollout_engine")._names.pop("counting_hf", None)
-    sys.modules.pop("rlhf_ext_engine", None)
 
 
 def test_third_party_rollout_engine_samples_the_rollout(external_engine, tmp_path):

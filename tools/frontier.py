@@ -249,28 +249,24 @@ def plot_smollm2(points: list[tuple], args: argparse.Namespace) -> None:
     write_csv(args.out / "frontier_smollm2.csv", ["family", "setting", "kl", "kl_ci", "reward", "reward_ci", "kl_bound"], points)
     fig, ax = plt.subplots(figsize=(8, 5.5))
     bon = [p for p in points if p[0] == "bon"]
-    ax.errorbar(
-        [p[2] for p in bon],
-        [p[4] for p in bon],
-        xerr=[p[3] for p in bon],
-        yerr=[p[5] for p in bon],
+
+    def errorbar(rows: list[tuple], **style) -> None:  # rows: (family, setting, kl, kl_ci, reward, reward_ci, ...)
+        ax.errorbar([p[2] for p in rows], [p[4] for p in rows], xerr=[p[3] for p in rows], yerr=[p[5] for p in rows], capsize=3, **style)
+
+    errorbar(
+        bon,
         fmt="o-",
         color="tab:orange",
-        capsize=3,
         label="best-of-N, KL plug-in estimate (95% bootstrap)",
     )
     ax.plot([p[6] for p in bon], [p[4] for p in bon], "x--", color="tab:orange", alpha=0.6, label="best-of-N at the bound log N - (N-1)/N")
     for p in bon:
         ax.annotate(f"N={p[1]}", (p[2], p[4]), textcoords="offset points", xytext=(-4, 6), fontsize=7, ha="right")
     ppo = [p for p in points if p[0] == "ppo"]
-    ax.errorbar(
-        [p[2] for p in ppo],
-        [p[4] for p in ppo],
-        xerr=[p[3] for p in ppo],
-        yerr=[p[5] for p in ppo],
+    errorbar(
+        ppo,
         fmt="s",
         color="tab:blue",
-        capsize=3,
         label=f"PPO, fixed beta, {args.iterations} iterations (+-1.96 SE)",
     )
     for p in ppo:
