@@ -514,12 +514,11 @@ class PPORLHF(PolicyNetworks, LightningModule):
             # only where no reward carries k's score term.
             if hp.kl_loss_weighting == "importance" and self._kl_reads_sampled_token:
                 kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs, kl_mask, ratio_gradient=hp.kl_penalty == "loss")
-            # The KL still to come after each token (ppo_math.kl_to_go_loss; none per token) from the log-ratio's values
-            # (unbiased, light-tailed; full's exact ones), a group baseline on the KL's score terms. 'both': in the returns.
-            if hp.kl_penalty == "loss" and (hp.kl_loss_scope == "sequence" or kl_loss is not kl):
+            # The KL still to come after each token (ppo_math.kl_to_go_loss) from the log-ratio's values (unbiased,
+            # light-tailed; full's exact ones), a group baseline on the KL's score terms. 'both': in the returns.
+            if hp.kl_penalty == "loss" and hp.kl_loss_scope == "sequence":
                 values = pm.masked_select(logprobs - rollout.ref_logprobs[idx], kl_mask) if self._kl_reads_sampled_token else kl
-                future = "cumulative" if hp.kl_loss_scope == "sequence" else "none"
-                kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs, values, kl_mask, future, pm.group_ids(rollout.prompts, idx))
+                kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs, values, kl_mask, groups=pm.group_ids(rollout.prompts, idx))
             # The advantage estimator's gradient scale (a group std, a mean baseline's (n - 1) / n) on
             # the KL as on the reward, so that beta weighs one against the other as configured.
             loss = loss + (weights * kl_coef[idx, None] * is_weights * kl_loss).sum()
