@@ -101,7 +101,7 @@ def test_the_readme_shows_the_two_commands_exactly():
     assert RUN_COMMAND in [b.strip() for b in blocks]
     assert TEST_COMMAND in [b.strip() for b in blocks]
     readme = (ROOT / "README.md").read_text()
-    assert ".venv/bin/python -m pytest -m convergence -q" in readme
+    assert '.venv/bin/python -m pytest -m "convergence and not slow" -q' in readme
     assert "[Metrics](docs/metrics.md)" in readme
 
 

@@ -103,6 +103,7 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
         assert resumed[name] == fsdp[name][2:], (name, resumed[name], fsdp[name])  # exactly
 
 
+@pytest.mark.slow  # long multi-process run: CI's convergence command leaves it out (README)
 @pytest.mark.convergence
 def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     """A checkpoint folder written by 2 ranks resumes on 1, one written by 1 (FSDP2 on one

@@ -46,6 +46,7 @@ def metrics_by_iteration(root: Path) -> dict[int, dict[int, dict[str, float]]]:
     return found
 
 
+@pytest.mark.slow  # long multi-process run: CI's convergence command leaves it out (README)
 @pytest.mark.convergence
 @pytest.mark.parametrize(("strategy", "launchers"), [("fsdp2", ("env", "torchrun")), ("ddp", ("torchrun",))])
 def test_two_nodes_launched_by_lightning_variables_and_by_torchrun_run_the_same_world(tmp_path, strategy, launchers):
@@ -78,6 +79,7 @@ def test_two_nodes_launched_by_lightning_variables_and_by_torchrun_run_the_same_
     assert all(metrics == runs[launchers[0]] for metrics in runs.values())
 
 
+@pytest.mark.slow  # long multi-process run: CI's convergence command leaves it out (README)
 @pytest.mark.convergence
 def test_a_node_killed_mid_iteration_stops_the_other_with_an_error_and_the_run_resumes(tmp_path):
     """Node 1 is SIGKILLed in the middle of iteration 3 (FSDP2, a checkpoint every 2 iterations):

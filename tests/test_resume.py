@@ -34,7 +34,7 @@ LORA_EMA = ("--model.lora_rank=4", "--model.reference_update=EMA", "--model.refe
         pytest.param((), id="gae"),
         pytest.param(GROUPED, id="grpo-n2", marks=pytest.mark.convergence),
         pytest.param(RESET, id="reset", marks=pytest.mark.convergence),
-        pytest.param(LORA_EMA, id="lora-ema", marks=pytest.mark.convergence),
+        pytest.param(LORA_EMA, id="lora-ema", marks=[pytest.mark.convergence, pytest.mark.slow]),
     ],
 )
 def test_sigkill_mid_iteration_then_resume_reproduces_the_uninterrupted_run(tmp_path, extra):

@@ -187,6 +187,7 @@ class PerturbedSampler(HFGenerate):
         return Samples(samples.sequences, logprobs=logits.log_softmax(-1).gather(-1, response.unsqueeze(-1)).squeeze(-1))
 
 
+@pytest.mark.slow  # a long convergence run: CI's convergence command leaves it out (README)
 @pytest.mark.convergence
 def test_a_sampler_with_a_known_error_is_corrected_back_to_the_optimum():
     """Terminal task, beta 0.5, a sampler whose logit of "a" is 1 too high (the rewarded token of prompt
