@@ -122,11 +122,7 @@ def exact_mode(args: argparse.Namespace) -> str:
     ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
     ax.set_ylabel("exact expected reward")
     ax.set_title(f"{args.task} task (seed {args.seed}): the reward-KL plane, every point exact", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(args.out / "frontier.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, args.out / "frontier.png")
     line = f"FRONTIER ppo_max_gap={max((g for _, _, g, *_ in ppo), default=math.nan):.4f} bon_kl_bound_max_error={max(bound_error.values()):.4f}"
     print(line)
     return line
@@ -245,6 +241,15 @@ def bon_points(pool: torch.Tensor, args: argparse.Namespace) -> list[tuple]:
     return points
 
 
+def save_figure(fig, ax, path: Path) -> None:
+    """The legend and grid both figures share, then the file (closed: a tool's figures do not pile up)."""
+    ax.legend(fontsize=7, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_smollm2(points: list[tuple], args: argparse.Namespace) -> None:
     write_csv(args.out / "frontier_smollm2.csv", ["family", "setting", "kl", "kl_ci", "reward", "reward_ci", "kl_bound"], points)
     fig, ax = plt.subplots(figsize=(8, 5.5))
@@ -274,11 +279,7 @@ def plot_smollm2(points: list[tuple], args: argparse.Namespace) -> None:
     ax.set_xlabel("KL(pi || pi_ref) (nats per response)")
     ax.set_ylabel("mean VADER score on the meter prompts")
     ax.set_title(f"SmolLM2-135M, {Path(args.config).name}: {args.prompts} prompts, pool {args.pool}/prompt", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(args.out / "frontier_smollm2.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, args.out / "frontier_smollm2.png")
 
 
 def write_csv(path: Path, header: list[str], rows) -> None:
