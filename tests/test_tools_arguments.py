@@ -15,6 +15,7 @@ TOOLS = (
     "compare_controllers",
     "compare_trl",
     "decode_bench",
+    "frontier",
     "gao_fit",
     "kl_estimator_report",
     "length_bias",
@@ -33,6 +34,7 @@ COUNT = {
     "compare_controllers": "--iterations",
     "compare_trl": "--iters",
     "decode_bench": "--rounds",
+    "frontier": "--iterations",
     "gao_fit": "--blocks",
     "kl_estimator_report": "--samples",
     "length_bias": "--iterations",
@@ -47,6 +49,7 @@ COUNT = {
 }
 REAL = {
     "compare_controllers": ("--target", "a finite number > 0"),
+    "frontier": ("--betas", "a finite number > 0"),
     "kl_estimator_report": ("--offpolicy-lr", "a finite number > 0"),
     "length_bias": ("--reward", "a finite number"),
     "optimum_check": ("--beta", "a finite number > 0"),

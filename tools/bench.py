@@ -188,8 +188,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.policy = args.policy or ("tiny" if args.tiny else "smollm2")
     args.iters = (2 if args.tiny else 5) if args.iters is None else args.iters
     args.warmup = 1 if args.warmup is None else args.warmup
-    if args.iters < 1 or args.warmup < 0 or min(args.ppo_epochs) < 1 or args.num_minibatches < 1:
-        parser.error("--iters, --ppo-epochs and --num-minibatches must be >= 1, --warmup >= 0")
     if (args.strategy == "single") != (args.devices == 1):
         parser.error("--strategy ddp/fsdp2 needs --devices >= 2, --devices >= 2 needs --strategy ddp or fsdp2")
     if args.memory and args.devices == 1:

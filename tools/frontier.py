@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from rlhf_lightning import frontier as fr
+from rlhf_lightning.checks import option_number
 from rlhf_lightning.exact import log_partition, reference_logprobs, task_named, train
 
 BON_N = tuple(range(1, 65))
@@ -296,29 +297,64 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--smollm2", action="store_true", help="SmolLM2 with --config's reward: sampled points with intervals")
     mode.add_argument("--meter-table", action="store_true", help="bias and spread of the sampled log Z against n (exact task)")
     parser.add_argument("--task", default="terminal", help="exact task: terminal, bandit or random:SEED (default terminal)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (and a hand-made task's reference)")
-    parser.add_argument("--betas", type=float, nargs="+", help="PPO betas (default: 0.25 0.5 1 2 exact; 0.1 0.3 1 smollm2)")
-    parser.add_argument("--iterations", type=int, help="PPO iterations per beta (default 100 exact, 20 smollm2)")
-    parser.add_argument("--soft-n", type=int, nargs="+", default=[4, 16], help="soft best-of-N sizes (default 4 16)")
+    parser.add_argument("--seed", type=option_number(integer=True), default=0, help="sampling seed (and a hand-made task's reference)")
+    parser.add_argument(
+        "--betas", type=option_number(above=0), nargs="+", help="PPO betas (default: 0.25 0.5 1 2 exact; 0.1 0.3 1 smollm2)"
+    )
+    parser.add_argument(
+        "--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations per beta (default 100 exact, 20 smollm2)"
+    )
+    parser.add_argument(
+        "--soft-n", type=option_number(integer=True, at_least=1), nargs="+", default=[4, 16], help="soft best-of-N sizes (default 4 16)"
+    )
     parser.add_argument("--fast", action="store_true", help="exact: one PPO beta (0.5), 20 iterations, one soft N")
     parser.add_argument("--config", default="configs/quickstart.yaml", help="smollm2: the run's YAML (default the quickstart)")
-    parser.add_argument("--prompts", type=int, default=4, help="smollm2: meter prompts (default 4)")
-    parser.add_argument("--pool", type=int, default=64, help="smollm2: reference samples per prompt (default 64)")
-    parser.add_argument("--policy-samples", type=int, default=16, help="smollm2: policy samples per prompt per measurement (default 16)")
-    parser.add_argument("--meter-every", type=int, default=5, help="smollm2: iterations between measurements (default 5)")
+    parser.add_argument("--prompts", type=option_number(integer=True, at_least=1), default=4, help="smollm2: meter prompts (default 4)")
     parser.add_argument(
-        "--batch-size", type=int, help="responses per PPO iteration (exact, default 48) or prompts per iteration (smollm2, default 8)"
+        "--pool", type=option_number(integer=True, at_least=1), default=64, help="smollm2: reference samples per prompt (default 64)"
     )
-    parser.add_argument("--bon", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="smollm2: best-of-N sizes")
-    parser.add_argument("--bootstrap", type=int, default=200, help="smollm2: bootstrap replicates for best-of-N's intervals")
     parser.add_argument(
-        "--reward-max", type=float, default=1.0, help="smollm2: upper bound of the reward (VADER: 1), for the meter's tail check"
+        "--policy-samples",
+        type=option_number(integer=True, at_least=1),
+        default=16,
+        help="smollm2: policy samples per prompt per measurement (default 16)",
     )
-    parser.add_argument("--max-tail", type=float, default=0.25, help="the meter's max_tail (nats of log Z, default 0.25)")
-    parser.add_argument("--threads", type=int, default=1, help="smollm2: torch threads")
-    parser.add_argument("--samples", type=int, nargs="+", default=[16, 64, 256, 1024], help="meter table: reference samples n")
-    parser.add_argument("--replicates", type=int, default=400, help="meter table: draws per n")
-    parser.add_argument("--min-ess", type=float, default=8.0, help="meter table: KLToOptimum's min_ess, for the refused share")
+    parser.add_argument(
+        "--meter-every",
+        type=option_number(integer=True, at_least=1),
+        default=5,
+        help="smollm2: iterations between measurements (default 5)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=option_number(integer=True, at_least=1),
+        help="responses per PPO iteration (exact, default 48) or prompts per iteration (smollm2, default 8)",
+    )
+    parser.add_argument(
+        "--bon", type=option_number(integer=True, at_least=1), nargs="+", default=[1, 2, 4, 8, 16], help="smollm2: best-of-N sizes"
+    )
+    parser.add_argument(
+        "--bootstrap",
+        type=option_number(integer=True, at_least=1),
+        default=200,
+        help="smollm2: bootstrap replicates for best-of-N's intervals",
+    )
+    parser.add_argument(
+        "--reward-max", type=option_number(), default=1.0, help="smollm2: upper bound of the reward (VADER: 1), for the meter's tail check"
+    )
+    parser.add_argument("--max-tail", type=option_number(above=0), default=0.25, help="the meter's max_tail (nats of log Z, default 0.25)")
+    parser.add_argument("--threads", type=option_number(integer=True, at_least=0), default=1, help="smollm2: torch threads")
+    parser.add_argument(
+        "--samples",
+        type=option_number(integer=True, at_least=1),
+        nargs="+",
+        default=[16, 64, 256, 1024],
+        help="meter table: reference samples n",
+    )
+    parser.add_argument("--replicates", type=option_number(integer=True, at_least=1), default=400, help="meter table: draws per n")
+    parser.add_argument(
+        "--min-ess", type=option_number(above=0), default=8.0, help="meter table: KLToOptimum's min_ess, for the refused share"
+    )
     parser.add_argument("--out", default="runs/frontier", help="output folder")
     args = parser.parse_args(argv)
     default_betas, default_iterations = ([0.25, 0.5, 1.0, 2.0], 100) if not args.smollm2 else ([0.1, 0.3, 1.0], 20)
@@ -326,10 +362,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default_betas = [0.25, 1.0, 4.0]
     if args.fast:
         default_betas, default_iterations, args.soft_n = [0.5], 20, [4]
-    args.betas = args.betas or default_betas
-    args.iterations = args.iterations or default_iterations
-    if any(b <= 0 for b in args.betas) or args.iterations < 1:
-        parser.error("--betas must be > 0 and --iterations >= 1")
+    args.betas = default_betas if args.betas is None else args.betas
+    args.iterations = default_iterations if args.iterations is None else args.iterations
     if args.smollm2 and max(args.bon) > args.pool:
         parser.error(f"--bon sizes must be <= --pool ({args.pool})")
     args.out = Path(args.out)

@@ -254,10 +254,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.override = [*DEFAULT_TASK, f"--data.batch_size={DEFAULT_TASK_PROMPTS // generations}", *group, *args.override]
     else:
         args.override = [*group, *args.override]
-    if args.iterations < 1 or args.last < 1:
-        parser.error("--iterations and --last must be >= 1")
-    if any(b < 0 for b in args.betas):
-        parser.error("--betas must be >= 0")
     return args
 
 
