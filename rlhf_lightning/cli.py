@@ -134,6 +134,15 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             check_world(self.trainer)
             return kwargs
 
+        def _run_subcommand(self, subcommand: str) -> None:
+            try:
+                super()._run_subcommand(subcommand)
+            except RuntimeError as err:
+                refusal = world_not_formed(self.trainer, err)
+                if refusal is None:
+                    raise
+                raise refusal from err
+
         def _instantiate_trainer(self, config, callbacks):
             # Every checkpoint is written atomically and checked when read, unless the user chose a CheckpointIO.
             plugins = config.get("plugins")
@@ -181,6 +190,26 @@ def check_world(trainer) -> None:
         f"{trainer.num_devices} in the world: the other nodes' ranks would never come); on several machines, start every node "
         "through SLURM or torchrun, or set NODE_RANK, MASTER_ADDR and MASTER_PORT on each",
         trainer.num_nodes,
+    )
+
+
+def world_not_formed(trainer, err: RuntimeError):
+    """A ConfigError naming ``trainer.num_nodes`` and ``trainer.devices`` when ``err`` is the
+    rendezvous giving up before the process group formed (a node never started, or with other
+    settings, or MASTER_ADDR/MASTER_PORT unreachable); None for any other error."""
+    import torch.distributed
+
+    from rlhf_lightning.checks import ConfigError
+
+    if not isinstance(err, torch.distributed.DistError) or torch.distributed.is_initialized():
+        return None
+    nodes, devices = trainer.num_nodes, trainer.num_devices
+    where = f"MASTER_ADDR={os.environ.get('MASTER_ADDR', '127.0.0.1')} MASTER_PORT={os.environ.get('MASTER_PORT', '(Lightning default)')}"
+    return ConfigError(
+        f"the world of trainer.num_nodes={nodes} x trainer.devices={devices} = {nodes * devices} processes did not form "
+        f"within trainer.strategy's timeout ({getattr(trainer.strategy, '_timeout', 'unknown')}): {str(err).splitlines()[0]} "
+        f"Start every node with the same num_nodes and devices, NODE_RANK 0..{nodes - 1} once each, and {where} "
+        "reachable from all; the wait is the strategy's timeout (docs/distributed.md#a-process-that-dies-or-hangs)"
     )
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import CONFIGS, betas_by_iteration, run_nodes
+from helpers import CONFIGS, RUN_ARGS, betas_by_iteration, cli, free_port, run_nodes
 
 STRATEGIES = {"ddp": ("--trainer.strategy=ddp",), "fsdp2": ("--config", str(CONFIGS / "fsdp2.yaml"))}
 # GRPO, two responses per prompt, 4 prompts per node, 2 iterations of 8 new tokens.
@@ -103,6 +103,24 @@ def test_a_node_killed_mid_iteration_stops_the_other_with_an_error_and_the_run_r
         assert node.returncode == 0, node.stderr[-4000:]
     metrics = metrics_by_iteration(root)  # iterations 1-2 before the kill, 3-4 resumed
     assert sorted(metrics) == [1, 2, 3, 4] and all(by_rank[0] == by_rank[1] for by_rank in metrics.values()), metrics
+
+
+@pytest.mark.convergence
+@pytest.mark.parametrize("node_rank, waits_for", [(0, "waiting for clients. 1/2 clients joined"), (1, "while trying to connect to")])
+def test_a_world_whose_other_node_never_comes_fails_within_the_timeout_naming_num_nodes_and_devices(tmp_path, node_rank, waits_for):
+    """Node 0 started alone waits for node 1; node 1 started alone cannot reach node 0's address. Each
+    gives up after the strategy's timeout (3 s here; Lightning's default 30 minutes) with one line
+    naming the world's shape, instead of torch's traceback."""
+    port = str(free_port())
+    env = {"NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2"}
+    args = ("--trainer.num_nodes=2", "--trainer.devices=1", "--trainer.strategy=DDPStrategy", "--trainer.strategy.timeout=0:00:03")
+    result = cli(tmp_path, "fit", "--config", str(CONFIGS / "tiny.yaml"), *RUN_ARGS, *args, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert line.startswith(
+        "error: the world of trainer.num_nodes=2 x trainer.devices=1 = 2 processes did not form within trainer.strategy's timeout (0:00:03): "
+    ), line
+    assert waits_for in line and f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}" in line and "NODE_RANK 0..1" in line, line
 
 
 def prompt_loaders(prompts: list[str], world: int):
