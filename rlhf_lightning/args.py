@@ -210,6 +210,12 @@ def check_arguments(args: dict[str, Any], plugins: dict[str, Any]) -> dict[str, 
             f"of the KL: {reason}; the policy converges away from the KL-regularised optimum (docs/kl-estimators.md, 'Which recipe "
             "reaches which optimum'). Use k1 in the reward, or k3 (or full) in the loss with kl_loss_weighting: importance."
         )
+    if recipe == "drift" and a.ppo_epochs * a.num_minibatches > 1:
+        rank_zero_warn(
+            f"model.kl_estimator {type(kl_estimator).__name__} in the loss with model.kl_loss_weighting none is right only on a "
+            f"rollout's first minibatch: with model.ppo_epochs {a.ppo_epochs} x model.num_minibatches {a.num_minibatches} the later "
+            "steps take its gradient at pi_theta on pi_old's tokens and drift from the KL's. Use kl_loss_weighting: importance."
+        )
     if a.kl_penalty != "reward" and getattr(advantage, "scale", False):
         rank_zero_warn(
             f"model.advantage_estimator {type(advantage).__name__} divides each prompt's advantages by its group's reward std "

@@ -49,7 +49,8 @@ def test_the_docs_matrix_is_the_code_table():
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+", "k1+", "full", "abs"])
 def test_every_biased_kl_recipe_warns_at_start_up_and_no_other_does(estimator):
     """Each registered estimator in each placement and weighting: a warning naming the estimator,
-    the placement and why, exactly where the table says biased (the docs: reward k3, loss k1 unweighted,
+    the placement and why, exactly where the table says biased (and one of drift exactly where it says
+    drift and the rollout is reused) (the docs: reward k3, loss k1 unweighted,
     k2 or k3+ weighted, any straight-through estimator in 'both', ...)."""
     for placement in ("reward", "loss", "both"):
         for weighting in ("none", "importance") if placement != "reward" else ("importance",):
@@ -63,6 +64,12 @@ def test_every_biased_kl_recipe_warns_at_start_up_and_no_other_does(estimator):
             if messages:
                 assert messages[0].startswith(f"model.kl_estimator {type(registry('kl_estimator').create(estimator)).__name__} ")
                 assert f"model.kl_penalty {placement}" in messages[0] and reason in messages[0]
+            drifting = [m for m in start_up_warnings(**settings) if "is right only on a rollout's first minibatch" in m]
+            assert len(drifting) == (recipe == "drift"), (placement, weighting, drifting)  # 4 PPO epochs by default
+            if recipe == "drift":  # one epoch of one minibatch: always on-policy, nothing to warn of
+                assert "with model.ppo_epochs 4 x model.num_minibatches 1 the later steps" in drifting[0], drifting
+                one_step = [m for m in start_up_warnings(**settings, ppo_epochs=1) if "first minibatch" in m]
+                assert one_step == [], one_step
 
 
 def test_the_recipe_table_names_why():
