@@ -61,6 +61,7 @@ class AdaptiveBeta(TargetBeta):
 
     def __init__(self, init_beta: float = 0.1, target: float = 6.0, horizon: float = 10000, unit: KLUnit = "sequence_sum") -> None:
         super().__init__(init_beta, target, unit)
+        require_number("beta_controller.init_beta", init_beta, above=0)  # beta * (1 + ...) never leaves 0
         require_number("beta_controller.horizon", horizon, above=0)
         self.horizon = horizon
 
@@ -85,6 +86,7 @@ class BandBeta(ClampedTargetBeta):
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, target, beta_min, beta_max, unit)
+        require_number("beta_controller.init_beta", init_beta, above=0)  # beta * factor never leaves 0
         require_number("beta_controller.factor", factor, above=1)
         self.factor = factor
 

@@ -32,6 +32,8 @@ class Plugin(ABC):
     init_args: dict[str, Any]
 
     def __new__(cls, *args: Any, **kwargs: Any):
+        if cls.__init__ is object.__init__ and (args or kwargs):  # object.__init__ would swallow them: __new__ is ours
+            raise TypeError(f"{cls.__name__}() takes no arguments, got {', '.join([*map(repr, args), *kwargs])}")
         self = super().__new__(cls)
         try:
             bound = inspect.signature(cls.__init__).bind(self, *args, **kwargs)

@@ -135,6 +135,8 @@ def test_state_dict_round_trip(name, kwargs):
     [
         ("fixed", {"init_beta": -0.1}, "init_beta"),
         ("adaptive", {"init_beta": -1.0}, "init_beta"),
+        ("adaptive", {"init_beta": 0.0}, "init_beta must be a finite number > 0"),  # multiplicative: 0 stays 0
+        ("band", {"init_beta": 0.0, "beta_min": 0.0}, "init_beta must be a finite number > 0"),
         ("band", {"init_beta": float("nan")}, "init_beta"),
         ("fixed", {"init_beta": float("inf")}, "init_beta"),
         ("adaptive", {"target": 0.0}, "target"),

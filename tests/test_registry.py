@@ -393,6 +393,14 @@ def test_every_numeric_plugin_argument_refuses_non_finite_values_naming_it(kind,
         registry(kind).get(name)(**REQUIRED.get(name, {}), **{argument: value})
 
 
+def test_a_plugin_without_arguments_refuses_one_rather_than_swallowing_it():
+    """k1 has no arguments; Plugin.__new__ would let object.__init__ accept any, so ``K1(clip=-1)``
+    built an unclipped k1 without a word. The command's parser refuses it too (no such init_arg)."""
+    with pytest.raises(TypeError, match=r"^K1\(\) takes no arguments, got clip$"):
+        registry("kl_estimator").create("k1", clip=-1.0)
+    assert registry("kl_estimator").create("k1").init_args == {}
+
+
 def test_moved_plugin_paths_resolve_to_where_they_live_now():
     """Configs and checkpoints written before plugins/ was arranged by kind name the old modules
     (``rlhf_lightning_plugins.control.PIDBeta``): class paths, reward functions and YAML's
