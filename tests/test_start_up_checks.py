@@ -46,6 +46,28 @@ def test_the_docs_matrix_is_the_code_table():
     assert {r[:3]: kl_recipe(registry("kl_estimator").create(r[0]), *r[1:3])[0] for r in rows} == {r[:3]: r[3] for r in rows}
 
 
+def test_the_advantage_docs_kl_in_the_loss_table_is_the_code_table():
+    """docs/advantages-and-losses.md's KL-in-the-loss table (critic-free estimator x k1/k3 x weighting):
+    each cell's class is tools/optimum_check.py's expected class (args.kl_recipe, and grpo's std), and
+    PPORLHF warns at start-up exactly for the cells it calls biased."""
+    from optimum_check import expected_class
+
+    columns = [("k1", "importance"), ("k3", "importance"), ("k1", "none"), ("k3", "none")]
+    cells = {}
+    for line in (DOCS / "advantages-and-losses.md").read_text().splitlines():
+        row = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(row) == 5 and row[0].strip("`") in ("rloo", "dr_grpo", "reinforce_pp", "grpo") and "(" in row[1]:
+            for (estimator, weighting), cell in zip(columns, row[1:], strict=True):
+                cells[(row[0].strip("`"), estimator, weighting)] = cell.split()[-1]
+    assert len(cells) == 16 and set(cells.values()) == {"unbiased", "biased"}, cells
+    for (advantage, estimator, weighting), documented in cells.items():
+        assert expected_class(estimator, "loss", weighting, "sequence", advantage) == documented, (advantage, estimator, weighting)
+        settings = dict(advantage_estimator=advantage, num_generations=4, kl_estimator=estimator, kl_penalty="loss")
+        messages = start_up_warnings(**settings, kl_loss_weighting=weighting)
+        warned = [m for m in messages if "converges away from the KL-regularised optimum" in m]
+        assert bool(warned) == (documented == "biased"), (advantage, estimator, weighting, messages)
+
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "k3+", "k1+", "full", "abs"])
 def test_every_biased_kl_recipe_warns_at_start_up_and_no_other_does(estimator):
     """Each registered estimator in each placement and weighting: a warning naming the estimator,
