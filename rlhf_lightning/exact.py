@@ -441,6 +441,20 @@ class ExactPPORLHF(PPORLHF):
         rewards = self.task.rewards() if rewards is None else rewards
         return optimum_report(self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.beta_controller.beta)
 
+    def kept_report(self) -> dict[str, float]:
+        """What the policy's kept sets (top_k / top_p) leave of the task, means over the prompts: the
+        ``responses`` with a positive declared probability, the declared optimum's largest probability
+        ``optimum_top_prob`` (max_y pi*(y|x)) and the best reward among them, ``best_kept_reward``. One
+        response and a top probability of 1 make the optimum a point mass (KL 0, a gap of 0 by construction)."""
+        rewards = self.task.rewards()
+        kept = self.exact_logprobs() > sampling.OUTSIDE_LOGIT / 2  # a response with a dropped token: log q <= OUTSIDE_LOGIT
+        optimum = optimal_logprobs(self.exact_ref_logprobs(), rewards, self.beta_controller.beta).exp()
+        return {
+            "responses": kept.sum(-1).double().mean().item(),
+            "optimum_top_prob": optimum.amax(-1).mean().item(),
+            "best_kept_reward": rewards.masked_fill(~kept, -math.inf).amax(-1).mean().item(),
+        }
+
 
 def reference_logprobs(task: ExactTask, seed: int = 0) -> Tensor:
     """log pi_ref(y|x) of ``task`` exactly as :func:`train` builds it (the tiny model initialised from
