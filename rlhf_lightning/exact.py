@@ -492,6 +492,7 @@ class OptimumTracker(Callback):
         self._initial: Optional[Tensor] = None  # log pi_0: (prompts, responses)
         self._ref: Optional[Tensor] = None  # log pi_ref before the iteration
         self._k = 1.0
+        self._diff_max = 0.0  # the largest rollout/logprob_diff_max so far: the sampler against the trainer
 
     def on_train_start(self, trainer, pl_module: ExactPPORLHF) -> None:
         self._rewards = pl_module.task.rewards()
@@ -507,6 +508,7 @@ class OptimumTracker(Callback):
 
     def on_train_batch_end(self, trainer, pl_module: ExactPPORLHF, outputs, batch, batch_idx) -> None:
         self._logged.append(float(trainer.callback_metrics["objective/kl"]))
+        self._diff_max = max(self._diff_max, float(trainer.callback_metrics.get("rollout/logprob_diff_max", 0.0)))
         iteration = pl_module.iteration
         if iteration % self.every == 0 or iteration == self.total:
             self.rows.append(self._row(pl_module, iteration, sum(self._logged) / len(self._logged)))
@@ -521,6 +523,7 @@ class OptimumTracker(Callback):
             "iteration": iteration,
             **vars(report),
             "kl_logged": kl_logged,
+            "logprob_diff_max": self._diff_max,
             "k": self._k,
             "iterated_gap": iterated.gap,
             "iterated_kl_to_optimum": iterated.kl_to_optimum,

@@ -24,7 +24,9 @@ Every ``--every`` iterations it prints the exact objective J(pi), the relative g
 (J* - J(pi)) / |J*|, KL(pi || pi*), the exact KL(pi || pi_ref) and the mean logged estimate
 of it (objective/kl over the iterations since the previous row). The last line reads
 
-    OPTIMUM task=<task> seed=<seed> gap=<gap> kl_to_opt=<KL(pi||pi*)> kl_ref_exact=<KL(pi||pi_ref)> kl_ref_logged=<objective/kl>
+    OPTIMUM task=<task> seed=<seed> gap=<gap> kl_to_opt=<KL(pi||pi*)> kl_ref_exact=<KL(pi||pi_ref)> kl_ref_logged=<objective/kl> logprob_diff_max=<d>
+
+(d: the largest ``rollout/logprob_diff_max`` of the run, the sampler's log-probs against the trainer's)
 
 beta is fixed (controller ``fixed``). With the penalty in the reward only k1 reaches the
 optimum: k3 and full in the reward drop part of the KL's gradient and collapse towards the
@@ -313,7 +315,7 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     print(f"KL(pi*||pi_ref)={last['optimum_kl_to_ref']:.4f}  {time.perf_counter() - start:.1f} s")
     print(
         f"OPTIMUM task={name} seed={seed} gap={last['gap']:.4f} kl_to_opt={last['kl_to_optimum']:.4f} "
-        f"kl_ref_exact={last['kl_to_ref']:.4f} kl_ref_logged={last['kl_logged']:.4f}",
+        f"kl_ref_exact={last['kl_to_ref']:.4f} kl_ref_logged={last['kl_logged']:.4f} logprob_diff_max={last['logprob_diff_max']:.1e}",
         flush=True,
     )
     if module.truncates:
