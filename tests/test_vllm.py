@@ -6,9 +6,15 @@ installs it and runs them)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+from rlhf_lightning.interfaces import ConfigError
+from rlhf_lightning_plugins.reference_updates import Sync
 
 from helpers import declared_optimum_run, fit, make_module
 
@@ -83,6 +89,40 @@ def test_training_syncs_after_every_update_and_logs_the_mismatch(tmp_path):
     module.rollout(PROMPTS)  # the third update's weights: one more sync
     module.rollout(PROMPTS)  # nothing changed: none
     assert module.rollout_engine.syncs == 3 and module.rollout_engine.synced_step == module.global_step
+
+
+@pytest.mark.parametrize(
+    "strategy, processes, message",
+    [
+        (ModelParallelStrategy, 1, r"model.rollout_engine must be 'hf' under FSDP2 or FSDP .*, got 'vllm with ModelParallelStrategy'"),
+        (FSDPStrategy, 1, r"model.rollout_engine must be 'hf' under FSDP2 or FSDP .*, got 'vllm with FSDPStrategy'"),
+        (SingleDeviceStrategy, 2, r"model.rollout_engine must be 'hf' with more than one process .*, got 'vllm with 2 processes'"),
+    ],
+)
+def test_refused_where_it_cannot_run(strategy, processes, message):
+    """At set-up (``PPORLHF.setup``, before any rollout): a sharded policy, or more than one process."""
+    engine = vllm_module().rollout_engine
+    with pytest.raises(ConfigError, match=message):
+        engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=strategy(), world_size=processes)))
+
+
+def test_groups_of_generations_differ_and_a_moving_reference_is_followed(tmp_path):
+    """GRPO with 4 generations per prompt: each group's rows draw from seeds of their own, so no group
+    is 4 copies of one response; with the reference synced to the policy after every iteration,
+    every later rollout's KL is exactly 0 (the trainer scores pi_old and the reference, equal weights)
+    while the engine keeps following the policy (a sync per update, mismatch at fp32 rounding)."""
+    settings = dict(
+        ppo_epochs=1, lr=1e-2, critic_lr=None, num_generations=4, advantage_estimator="grpo", critic="none", reference_update=Sync(1)
+    )
+    module = vllm_module(**settings)
+    _, history = fit(module, tmp_path, iterations=3, batch_size=2)
+    initial = vllm_module(**settings).policy  # the same seeded initialisation: the policy did move away from it
+    assert max((p - q).abs().max().item() for p, q in zip(module.policy.parameters(), initial.parameters(), strict=True)) > 1e-3
+    for output in history.outputs:
+        responses = output["rollout"].responses
+        assert len(responses) == 8 and all(len(set(responses[i : i + 4])) > 1 for i in (0, 4)), responses
+    assert history.series("objective/kl") == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)  # the first: the reference starts as the policy
+    assert module.rollout_engine.syncs == 2 and max(history.series("rollout/logprob_diff_max")) < FP32_ROUNDING
 
 
 class SaveAtIteration(Callback):
