@@ -224,3 +224,18 @@ def test_a_sampler_with_a_known_error_is_corrected_back_to_the_optimum():
     )
     assert biased.last["gap"] > 0.05
     assert corrected.last["gap"] <= 0.02
+
+
+def test_optimum_check_prints_the_kept_line_only_for_a_truncating_run(capsys):
+    """tools/optimum_check.py (2 iterations): a top-p run ends with the KEPT line, whose J* and
+    KL(q*||r_K) are the ones the run printed above it; a run without truncation has none."""
+    import optimum_check
+
+    optimum_check.main(["--temperature", "0.7", "--top-p", "0.8", "--iterations", "2", "--every", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    kept = dict(item.split("=", 1) for item in lines[-1].split()[1:])
+    assert lines[-1].startswith("KEPT ") and kept["responses"].endswith("/27") and 1 <= float(kept["responses"][:-3]) <= 27
+    assert kept["J*"] == f"{float(lines[-4].split()[2]):.4f}"  # the last row: iter, J, J*, ...
+    assert f"KL(pi*||pi_ref)={kept['kl_opt']}" in lines[-3]
+    optimum_check.main(["--iterations", "2", "--every", "2"])
+    assert not any(line.startswith("KEPT ") for line in capsys.readouterr().out.splitlines())
