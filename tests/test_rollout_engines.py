@@ -16,7 +16,7 @@ from rlhf_lightning.exact import TASKS, ExactPPORLHF, kl_divergence, train
 from rlhf_lightning.interfaces import ConfigError, Samples
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
-from rlhf_lightning_plugins.rollout_engines import HFGenerate
+from rlhf_lightning_plugins.rollout_engines import HFGenerate, VLLMEngine
 
 from helpers import EXACT_RUN, declared_optimum_run, make_module
 
@@ -90,6 +90,12 @@ def test_vllm_engine_without_vllm_is_refused_naming_the_field():
         pytest.skip("vLLM is installed here")
     with pytest.raises(ConfigError, match=r"model.rollout_engine must be an installed vLLM for 'vllm'"):
         make_module(rollout_engine="vllm")
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan")])
+def test_a_kv_cache_that_is_not_positive_is_refused_before_vllm_is_looked_for(value):
+    with pytest.raises(ConfigError, match=r"rollout_engine.kv_cache_gib must be a finite number > 0, got"):
+        VLLMEngine(kv_cache_gib=value)
 
 
 @pytest.mark.parametrize(

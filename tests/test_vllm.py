@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Si
 
 from rlhf_lightning.interfaces import ConfigError
 from rlhf_lightning_plugins.reference_updates import Sync
+from rlhf_lightning_plugins.rollout_engines import VLLMEngine
 
 from helpers import declared_optimum_run, fit, make_module
 
@@ -26,8 +27,12 @@ PROMPTS = ["hello", "abc", "the cat", "q"]
 FP32_ROUNDING = 1e-4  # measured 1e-6 to 3e-5: the engine's kernels and the trainer's differ in summation order
 
 
+def small_engine() -> VLLMEngine:
+    return VLLMEngine(kv_cache_gib=0.125)  # the tiny models' KV cache: 128 MiB, not the default 1 GiB
+
+
 def vllm_module(**overrides):
-    kwargs = dict(rollout_engine="vllm", old_logprobs="forward", tiny_config=HEADS_OF_32, temperature=0.8, top_p=0.9)
+    kwargs = dict(rollout_engine=small_engine(), old_logprobs="forward", tiny_config=HEADS_OF_32, temperature=0.8, top_p=0.9)
     return make_module(**{**kwargs, **overrides})
 
 
@@ -63,7 +68,8 @@ def test_greedy_responses_equal_hf_and_sampled_ones_follow_its_rules():
     min_new_tokens, at most max_new_tokens, and the log-probs of the declared distribution."""
     prompts = PROMPTS * 2
     greedy = {
-        engine: make_module(rollout_engine=engine, do_sample=False, tiny_config=HEADS_OF_32).rollout(prompts) for engine in ("hf", "vllm")
+        name: make_module(rollout_engine=engine, do_sample=False, tiny_config=HEADS_OF_32).rollout(prompts)
+        for name, engine in (("hf", "hf"), ("vllm", small_engine()))
     }
     assert torch.equal(greedy["hf"].response, greedy["vllm"].response)
     assert torch.equal(greedy["hf"].mask, greedy["vllm"].mask)
@@ -152,6 +158,6 @@ def test_training_with_vllm_reaches_the_declared_optimum_with_the_correction():
     30 s): vLLM samples, log pi_old from the trainer's forward weighted by the truncated IS ratio; the gap
     to the declared objective's optimum is <= 0.02 and that optimum is not a point mass (3.67 of 27
     responses kept per prompt, top probability 0.67, KL(pi*||ref) 0.16 when measured)."""
-    last, kept = declared_optimum_run(rollout_engine="vllm", old_logprobs="forward", rollout_correction="tis")
+    last, kept = declared_optimum_run(rollout_engine=small_engine(), old_logprobs="forward", rollout_correction="tis")
     assert last["gap"] <= 0.02
     assert 2 <= kept["responses"] < 27 and kept["optimum_top_prob"] < 0.8 and last["optimum_kl_to_ref"] > 0.05
