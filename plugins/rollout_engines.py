@@ -58,7 +58,8 @@ class VLLMEngine(RolloutEngine):
     ``seed + row``, so a resumed run samples the same responses.
 
     Args:
-        kv_cache_gib: the KV cache in whole GiB: ``VLLM_CPU_KVCACHE_SPACE`` on a CPU.
+        kv_cache_gib: the KV cache on a CPU in GiB (vLLM's ``kv_cache_memory_bytes``; a fraction is
+            enough for small models; ``VLLM_CPU_KVCACHE_SPACE`` in the environment overrides it, vLLM's rule).
         gpu_memory_utilization: the share of a GPU's memory vLLM may take beside the trainer.
         enforce_eager: no CUDA graphs or compilation (start-up in seconds, as a colocated engine wants).
 
@@ -66,8 +67,8 @@ class VLLMEngine(RolloutEngine):
     one process) and more than one process (untested), and any policy dtype vLLM does not serve.
     """
 
-    def __init__(self, kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True) -> None:
-        require_number("rollout_engine.kv_cache_gib", kv_cache_gib, integer=True, at_least=1)
+    def __init__(self, kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True) -> None:
+        require_number("rollout_engine.kv_cache_gib", kv_cache_gib, above=0)
         require_number("rollout_engine.gpu_memory_utilization", gpu_memory_utilization, above=0, at_most=1)
         require(
             importlib.util.find_spec("vllm") is not None,
@@ -144,8 +145,6 @@ class VLLMEngine(RolloutEngine):
         from vllm import LLM
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # no spawned engine process: no __main__ guard needed
-        if module.device.type == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         self._folder = tempfile.TemporaryDirectory(prefix="rlhf-lightning-vllm-")
         with module._generator() as model:
             weights = dict(hf_weights(model))
@@ -167,6 +166,7 @@ class VLLMEngine(RolloutEngine):
                 skip_tokenizer_init=True,
                 logprobs_mode="processed_logprobs",
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30) if module.device.type == "cpu" else None,
             )
         finally:
             _set_rng_states(states)

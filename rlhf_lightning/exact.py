@@ -441,6 +441,20 @@ class ExactPPORLHF(PPORLHF):
         rewards = self.task.rewards() if rewards is None else rewards
         return optimum_report(self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.beta_controller.beta)
 
+    def kept_report(self) -> dict[str, float]:
+        """What the policy's kept sets (top_k / top_p) leave of the task, means over the prompts: the
+        ``responses`` with a positive declared probability, the declared optimum's largest probability
+        ``optimum_top_prob`` (max_y pi*(y|x)) and the best reward among them, ``best_kept_reward``. One
+        response and a top probability of 1 make the optimum a point mass (KL 0, a gap of 0 by construction)."""
+        rewards = self.task.rewards()
+        kept = self.exact_logprobs() > sampling.OUTSIDE_LOGIT / 2  # a response with a dropped token: log q <= OUTSIDE_LOGIT
+        optimum = optimal_logprobs(self.exact_ref_logprobs(), rewards, self.beta_controller.beta).exp()
+        return {
+            "responses": kept.sum(-1).double().mean().item(),
+            "optimum_top_prob": optimum.amax(-1).mean().item(),
+            "best_kept_reward": rewards.masked_fill(~kept, -math.inf).amax(-1).mean().item(),
+        }
+
 
 def reference_logprobs(task: ExactTask, seed: int = 0) -> Tensor:
     """log pi_ref(y|x) of ``task`` exactly as :func:`train` builds it (the tiny model initialised from
@@ -478,6 +492,7 @@ class OptimumTracker(Callback):
         self._initial: Optional[Tensor] = None  # log pi_0: (prompts, responses)
         self._ref: Optional[Tensor] = None  # log pi_ref before the iteration
         self._k = 1.0
+        self._diff_max = 0.0  # the largest rollout/logprob_diff_max so far: the sampler against the trainer
 
     def on_train_start(self, trainer, pl_module: ExactPPORLHF) -> None:
         self._rewards = pl_module.task.rewards()
@@ -493,6 +508,7 @@ class OptimumTracker(Callback):
 
     def on_train_batch_end(self, trainer, pl_module: ExactPPORLHF, outputs, batch, batch_idx) -> None:
         self._logged.append(float(trainer.callback_metrics["objective/kl"]))
+        self._diff_max = max(self._diff_max, float(trainer.callback_metrics.get("rollout/logprob_diff_max", 0.0)))
         iteration = pl_module.iteration
         if iteration % self.every == 0 or iteration == self.total:
             self.rows.append(self._row(pl_module, iteration, sum(self._logged) / len(self._logged)))
@@ -507,6 +523,7 @@ class OptimumTracker(Callback):
             "iteration": iteration,
             **vars(report),
             "kl_logged": kl_logged,
+            "logprob_diff_max": self._diff_max,
             "k": self._k,
             "iterated_gap": iterated.gap,
             "iterated_kl_to_optimum": iterated.kl_to_optimum,

@@ -6,11 +6,18 @@ installs it and runs them)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from helpers import fit, make_module
+from rlhf_lightning.interfaces import ConfigError
+from rlhf_lightning_plugins.reference_updates import Sync
+from rlhf_lightning_plugins.rollout_engines import VLLMEngine
+
+from helpers import declared_optimum_run, fit, make_module
 
 pytestmark = pytest.mark.vllm
 
@@ -20,8 +27,12 @@ PROMPTS = ["hello", "abc", "the cat", "q"]
 FP32_ROUNDING = 1e-4  # measured 1e-6 to 3e-5: the engine's kernels and the trainer's differ in summation order
 
 
+def small_engine() -> VLLMEngine:
+    return VLLMEngine(kv_cache_gib=0.125)  # the tiny models' KV cache: 128 MiB, not the default 1 GiB
+
+
 def vllm_module(**overrides):
-    kwargs = dict(rollout_engine="vllm", old_logprobs="forward", tiny_config=HEADS_OF_32, temperature=0.8, top_p=0.9)
+    kwargs = dict(rollout_engine=small_engine(), old_logprobs="forward", tiny_config=HEADS_OF_32, temperature=0.8, top_p=0.9)
     return make_module(**{**kwargs, **overrides})
 
 
@@ -57,7 +68,8 @@ def test_greedy_responses_equal_hf_and_sampled_ones_follow_its_rules():
     min_new_tokens, at most max_new_tokens, and the log-probs of the declared distribution."""
     prompts = PROMPTS * 2
     greedy = {
-        engine: make_module(rollout_engine=engine, do_sample=False, tiny_config=HEADS_OF_32).rollout(prompts) for engine in ("hf", "vllm")
+        name: make_module(rollout_engine=engine, do_sample=False, tiny_config=HEADS_OF_32).rollout(prompts)
+        for name, engine in (("hf", "hf"), ("vllm", small_engine()))
     }
     assert torch.equal(greedy["hf"].response, greedy["vllm"].response)
     assert torch.equal(greedy["hf"].mask, greedy["vllm"].mask)
@@ -85,6 +97,40 @@ def test_training_syncs_after_every_update_and_logs_the_mismatch(tmp_path):
     assert module.rollout_engine.syncs == 3 and module.rollout_engine.synced_step == module.global_step
 
 
+@pytest.mark.parametrize(
+    "strategy, processes, message",
+    [
+        (ModelParallelStrategy, 1, r"model.rollout_engine must be 'hf' under FSDP2 or FSDP .*, got 'vllm with ModelParallelStrategy'"),
+        (FSDPStrategy, 1, r"model.rollout_engine must be 'hf' under FSDP2 or FSDP .*, got 'vllm with FSDPStrategy'"),
+        (SingleDeviceStrategy, 2, r"model.rollout_engine must be 'hf' with more than one process .*, got 'vllm with 2 processes'"),
+    ],
+)
+def test_refused_where_it_cannot_run(strategy, processes, message):
+    """At set-up (``PPORLHF.setup``, before any rollout): a sharded policy, or more than one process."""
+    engine = vllm_module().rollout_engine
+    with pytest.raises(ConfigError, match=message):
+        engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=strategy(), world_size=processes)))
+
+
+def test_groups_of_generations_differ_and_a_moving_reference_is_followed(tmp_path):
+    """GRPO with 4 generations per prompt: each group's rows draw from seeds of their own, so no group
+    is 4 copies of one response; with the reference synced to the policy after every iteration,
+    every later rollout's KL is exactly 0 (the trainer scores pi_old and the reference, equal weights)
+    while the engine keeps following the policy (a sync per update, mismatch at fp32 rounding)."""
+    settings = dict(
+        ppo_epochs=1, lr=1e-2, critic_lr=None, num_generations=4, advantage_estimator="grpo", critic="none", reference_update=Sync(1)
+    )
+    module = vllm_module(**settings)
+    _, history = fit(module, tmp_path, iterations=3, batch_size=2)
+    initial = vllm_module(**settings).policy  # the same seeded initialisation: the policy did move away from it
+    assert max((p - q).abs().max().item() for p, q in zip(module.policy.parameters(), initial.parameters(), strict=True)) > 1e-3
+    for output in history.outputs:
+        responses = output["rollout"].responses
+        assert len(responses) == 8 and all(len(set(responses[i : i + 4])) > 1 for i in (0, 4)), responses
+    assert history.series("objective/kl") == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)  # the first: the reference starts as the policy
+    assert module.rollout_engine.syncs == 2 and max(history.series("rollout/logprob_diff_max")) < FP32_ROUNDING
+
+
 class SaveAtIteration(Callback):
     def __init__(self, iteration: int, path) -> None:
         self.iteration, self.path = iteration, path
@@ -105,3 +151,13 @@ def test_resume_draws_the_same_responses(tmp_path):
     for key in ("objective/kl", "objective/reward", "response/length", "rollout/logprob_diff_max"):
         assert resumed.series(key) == pytest.approx(straight.series(key)[2:], abs=1e-5), key
     assert [o["rollout"].responses for o in resumed.outputs] == [o["rollout"].responses for o in straight.outputs[2:]]
+
+
+def test_training_with_vllm_reaches_the_declared_optimum_with_the_correction():
+    """``optimum_check --engine vllm --temperature 0.7 --top-p 0.8 --beta 1 --rollout-correction tis`` (about
+    30 s): vLLM samples, log pi_old from the trainer's forward weighted by the truncated IS ratio; the gap
+    to the declared objective's optimum is <= 0.02 and that optimum is not a point mass (3.67 of 27
+    responses kept per prompt, top probability 0.67, KL(pi*||ref) 0.16 when measured)."""
+    last, kept = declared_optimum_run(rollout_engine=small_engine(), old_logprobs="forward", rollout_correction="tis")
+    assert last["gap"] <= 0.02
+    assert 2 <= kept["responses"] < 27 and kept["optimum_top_prob"] < 0.8 and last["optimum_kl_to_ref"] > 0.05

@@ -24,7 +24,9 @@ Every ``--every`` iterations it prints the exact objective J(pi), the relative g
 (J* - J(pi)) / |J*|, KL(pi || pi*), the exact KL(pi || pi_ref) and the mean logged estimate
 of it (objective/kl over the iterations since the previous row). The last line reads
 
-    OPTIMUM task=<task> seed=<seed> gap=<gap> kl_to_opt=<KL(pi||pi*)> kl_ref_exact=<KL(pi||pi_ref)> kl_ref_logged=<objective/kl>
+    OPTIMUM task=<task> seed=<seed> gap=<gap> kl_to_opt=<KL(pi||pi*)> kl_ref_exact=<KL(pi||pi_ref)> kl_ref_logged=<objective/kl> logprob_diff_max=<d>
+
+(d: the largest ``rollout/logprob_diff_max`` of the run, the sampler's log-probs against the trainer's)
 
 beta is fixed (controller ``fixed``). With the penalty in the reward only k1 reaches the
 optimum: k3 and full in the reward drop part of the KL's gradient and collapse towards the
@@ -60,8 +62,12 @@ docs/kl-estimators.md and docs/results.md.
 ``--temperature T --top-p P --top-k K`` sample the declared distribution of rlhf_lightning/sampling.py
 (tempered, on the sampler's kept set, replayed for the policy and the reference); the gap is then that of
 the declared objective's closed-form optimum at the kept sets the final policy samples with
-(docs/rollout-engines.md). ``--engine vllm`` samples with vLLM (the task's model 64 wide: vLLM's CPU
-attention has no kernel for heads of 16); ``--rollout-correction tis|mis`` weighs each token by
+(docs/rollout-engines.md), and a last line tells a real optimum from a point mass on the kept sets:
+
+    KEPT responses=<kept responses per prompt>/<all> optimum_top_prob=<max_y pi*(y|x)> best_kept_reward=<max r kept> J*=<J*> kl_opt=<KL(pi*||ref)>
+
+``--engine vllm`` samples with vLLM (the task's model with one attention head of 32: vLLM's CPU
+attention has no kernel for heads of 16; ``--heads 1`` gives ``hf`` the same model); ``--rollout-correction tis|mis`` weighs each token by
 pi_old / pi_sampler.
 
 ``--reference sync|reset|ema --resets k`` trains k phases of ``--iterations`` iterations (the learning
@@ -178,26 +184,31 @@ def add_reference_args(parser: argparse.ArgumentParser) -> None:
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (docs/rollout-engines.md)")
-    group.add_argument("--temperature", type=float, default=1.0, help="model.temperature (default 1)")
-    group.add_argument("--top-p", type=float, default=1.0, help="model.top_p (default 1: no truncation)")
-    group.add_argument("--top-k", type=int, default=0, help="model.top_k (default 0: no truncation)")
+    group.add_argument("--temperature", type=option_number(above=0), default=1.0, help="model.temperature (default 1)")
+    group.add_argument("--top-p", type=option_number(above=0, at_most=1), default=1.0, help="model.top_p (default 1: no truncation)")
+    group.add_argument("--top-k", type=option_number(integer=True, at_least=0), default=0, help="model.top_k (default 0: no truncation)")
     group.add_argument("--engine", default="hf", help="model.rollout_engine: hf (default), vllm, or any registered name")
     group.add_argument(
         "--rollout-correction", choices=("none", "tis", "mis", "seq_tis", "seq_mis"), default="none", help="model.rollout_correction"
     )
     group.add_argument("--old-logprobs", choices=("sampler", "forward"), help="model.old_logprobs (default: forward with a correction)")
-    group.add_argument("--hidden-size", type=int, help="the task model's width (default 32; 64 with --engine vllm)")
+    group.add_argument(
+        "--heads",
+        type=option_number(integer=True, at_least=1),
+        help="attention heads of the task model (32 wide; default 2, 1 with --engine vllm: heads of 32)",
+    )
 
 
 def sampling_settings(args: argparse.Namespace) -> dict:
     """train() arguments for the sampling flags. vLLM's CPU attention has no kernel for the task
-    model's heads of 16 dimensions: with ``--engine vllm`` the model is 64 wide (heads of 32)."""
+    model's heads of 16 dimensions: with ``--engine vllm`` its 32 dimensions are one head (the same
+    parameter shapes, so the same initialisation; ``--heads 1`` gives ``hf`` that model)."""
     settings = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, rollout_engine=args.engine)
     settings.update(rollout_correction=args.rollout_correction, old_logprobs=args.old_logprobs or "sampler")
     if args.rollout_correction != "none" and args.old_logprobs is None:
         settings["old_logprobs"] = "forward"
-    width = args.hidden_size or (64 if args.engine == "vllm" else None)
-    return {**settings, "tiny_config": {"hidden_size": width}} if width else settings
+    heads = args.heads or (1 if args.engine == "vllm" else None)
+    return {**settings, "tiny_config": {"num_attention_heads": heads, "num_key_value_heads": heads}} if heads else settings
 
 
 def reference_settings(args: argparse.Namespace, iterations: int) -> dict:
@@ -275,7 +286,7 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     print(f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True)
     print(f"{'iter':>5} {'J':>8} {'J*':>8} {'gap':>8} {'kl_to_opt':>10} {'kl_ref_exact':>13} {'kl_ref_logged':>14}")
     start = time.perf_counter()
-    _, tracker = train(
+    module, tracker = train(
         task,
         **reference_settings(args, settings["iterations"]),
         batch_size=settings["batch_size"],
@@ -304,12 +315,24 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     print(f"KL(pi*||pi_ref)={last['optimum_kl_to_ref']:.4f}  {time.perf_counter() - start:.1f} s")
     print(
         f"OPTIMUM task={name} seed={seed} gap={last['gap']:.4f} kl_to_opt={last['kl_to_optimum']:.4f} "
-        f"kl_ref_exact={last['kl_to_ref']:.4f} kl_ref_logged={last['kl_logged']:.4f}",
+        f"kl_ref_exact={last['kl_to_ref']:.4f} kl_ref_logged={last['kl_logged']:.4f} logprob_diff_max={last['logprob_diff_max']:.1e}",
         flush=True,
     )
+    if module.truncates:
+        print(kept_line(module, last), flush=True)
     if args.reference != "none":
         print_iterated(tracker.rows)
     return last["gap"]
+
+
+def kept_line(module, last: dict) -> str:
+    """The KEPT line: what the final policy's kept sets leave of the task (``ExactPPORLHF.kept_report``),
+    to tell a real optimum from a point mass on them."""
+    kept = module.kept_report()
+    return (
+        f"KEPT responses={kept['responses']:.2f}/{len(module.task.responses)} optimum_top_prob={kept['optimum_top_prob']:.4f} "
+        f"best_kept_reward={kept['best_kept_reward']:.4f} J*={last['optimum']:.4f} kl_opt={last['optimum_kl_to_ref']:.4f}"
+    )
 
 
 # ---------------------------------------------------------------------- --matrix
