@@ -648,18 +648,30 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
 def held_mb(module, optimizer) -> dict[str, float]:
     """MB of the states this process holds: the weights of policy, critic and reference (and a
     moving reference's starting policy), the gradients of the trainable ones (from a backward to
-    the optimizer step), AdamW's moments. Under FSDP2 a rank's local shards."""
+    the optimizer step), AdamW's moments. Under FSDP2 a rank's local shards, and ``roots``: the
+    full size of the trainable models' root units (embeddings, final norm, LM or value head: the
+    weights outside the blocks), which FSDP2 holds gathered from a forward to the end of the
+    backward, with their full gradient until then."""
     import torch
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
+
+    from rlhf_lightning import fsdp2
 
     def mb(tensors) -> float:
         local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
         return sum(t.numel() * t.element_size() for t in local) / 2**20
 
     models = [module.policy, module.critic, module.ref_model, module.initial_model]
+    fsdp2.reshard(*models)  # a root still gathered after a forward would show its full weights
     params = list({id(p): p for model in filter(None, models) for p in model.parameters()}.values())
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-    return {"weights": mb(params), "gradients": mb(p for p in params if p.requires_grad), "adamw": mb(state)}
+    roots = []
+    for root in (r for model in filter(None, (module.policy, module.critic)) for r in fsdp2.fsdp_roots(model)):
+        blocks = [name + "." for name, m in root.named_modules() if m is not root and isinstance(m, FSDPModule)]
+        roots += [p for name, p in root.named_parameters() if p.requires_grad and not name.startswith(tuple(blocks))]
+    full_mb = sum(p.numel() * p.element_size() for p in {id(p): p for p in roots}.values()) / 2**20  # a DTensor's numel: the whole
+    return {"weights": mb(params), "gradients": mb(p for p in params if p.requires_grad), "adamw": mb(state), "roots": full_mb}
 
 
 def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
@@ -751,6 +763,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
         seconds["fwd_bwd"] = clocked(forward_backward)  # with the adapter unmerged: it trains the adapter
         if sharded:  # FSDP2's own way: every block all-gathered at each decode step (LoRA: unmerged)
             seconds["generate_sharded"] = clocked(generate)
+            fsdp2.reshard(plain)  # the root stays gathered after a forward: the next iteration starts as the module left it
     return seconds
 
 
@@ -1207,6 +1220,7 @@ def memory_decomposition(m: dict) -> str:
         f"= {start:.0f} MB at the last iteration's start; peaks above it: {phases} (gradients {m['gradients']:.0f} MB "
         f"held to the optimizer step); peak in training {m['train_peak']:.0f} MB, in the floors' passes {m['floors_peak']:.0f}, "
         f"before the first iteration {m['startup_peak']:.0f}"
+        + (f"; FSDP2 root units {m['roots']:.0f} MB whole (x2 with their gradient in the backward)" if m.get("roots") else "")
     )
 
 
