@@ -7,7 +7,7 @@
     python tools/bench.py --tiny                           # the tiny random model, 2 iterations (the tests)
     python tools/bench.py --isa avx2 --threads 1           # as on an AVX2-only CPU (oneDNN, MKL and ATen capped)
     python tools/bench.py --mode full --ppo-epochs 1 --strategy fsdp2 --devices 2 --threads 1   # per rank
-    python tools/bench.py --mode full --ppo-epochs 1 --iters 1 --strategy fsdp2 --devices 2 --threads 1 --memory
+    python tools/bench.py --mode full --ppo-epochs 1 --warmup 1 --iters 1 --strategy fsdp2 --devices 2 --threads 1 --memory
 
 The workload is fixed: SmolLM2-135M-Instruct (``--policy``), the first ``--batch-size`` (8)
 built-in prompts every iteration, rendered with the chat template (SmolLM2's adds a system
@@ -69,10 +69,20 @@ one more floor is measured: ``generate`` on the sharded policy as FSDP2's hooks 
 block all-gathered again at each decode step (``sharded gen``; full fine-tuning only).
 
 ``--memory`` (with ``--strategy ddp|fsdp2``) runs the same work in one process first, then on
-``--devices`` processes, both with glibc's ``MALLOC_MMAP_THRESHOLD_=1048576`` (blocks over 1 MiB
-are mmapped and returned when freed, so a peak RSS counts what is held, not what the heap kept),
-prints each process's peak RSS, and last ``MEMORY rank_peak_vs_single=<r>``: the largest peak
-of the ranks over the one process's (per-rank batch the same: activations do not shrink).
+``--devices`` processes, both with ``model.cpu_malloc: default`` and glibc's
+``MALLOC_MMAP_THRESHOLD_=65536`` (blocks from 64 KiB up are mmapped and returned when freed, so an
+RSS counts what is held, not what the heap once held; ``--cpu-malloc tuned`` measures the
+module's default instead). Each process's peak RSS is read per phase (VmHWM, started again at
+every phase boundary): the training iterations' peak apart from the floors' passes, which are the
+benchmark's own. It prints each process's decomposition (MB): the baseline before the models are
+built (python, torch and the libraries, the process group, tokenizer), the weights, AdamW's
+moments and the rest held at the last iteration's start, each phase's peak above that start, the
+gradients (held from a backward to the optimizer step), the peaks; a line with the floor,
+(a rank's baseline + one process's states / N) / (one process's baseline + states), the ratio left
+if each process held nothing but its baseline and its share of the states; and last
+``MEMORY rank_peak_vs_single=<r>``: the largest rank's training peak over the one process's
+(per-rank batch the same: activations do not shrink). Use ``--warmup 1 --iters 1`` or more: the
+first iteration runs its forwards before AdamW's moments exist.
 
 The first line says which instruction set oneDNN, MKL and ATen run (``tools/isa.py``); ``--isa
 avx2`` caps them at AVX2 on a CPU with more, for the figures of an AVX2-only machine. After the
