@@ -154,3 +154,42 @@ def test_iteration_costs_count_each_pass_once(tiny_shape):
 def test_floor_seconds_takes_the_slower_of_compute_and_traffic_per_pass():
     # 2 FLOP/s, 4 B/s: (10 FLOPs, 4 B) is compute-bound at 5 s, (1 FLOP, 8 B) memory-bound at 2 s.
     assert bench.floor_seconds([(10.0, 4.0), (1.0, 8.0)], flops_per_s=2.0, bytes_per_s=4.0) == 7.0
+
+
+def test_memory_line_decomposes_each_process_and_divides_the_largest_ranks_training_peak_by_one_process(capsys):
+    def run(devices, rank, baseline, weights, gradients, adamw, start, train_peak):
+        phase_peaks = {"rollout": start + 500, "score_policy": start + 100, "score": start + 50, "update": train_peak}
+        memory = dict(baseline=baseline, weights=weights, gradients=gradients, adamw=adamw, iteration_start=[0.0, start])
+        memory.update(phase_peaks=phase_peaks, train_peak=train_peak, floors_peak=train_peak + 1, startup_peak=2000.0)
+        return {"mode": "full", "devices": devices, "strategy": "single" if devices == 1 else "fsdp2", "rank": rank, "memory": memory}
+
+    results = [
+        run(1, 0, 400.0, 1500.0, 1000.0, 2000.0, start=4000.0, train_peak=5200.0),
+        run(2, 0, 420.0, 750.0, 500.0, 1000.0, start=2200.0, train_peak=3120.0),
+        run(2, 1, 420.0, 750.0, 500.0, 1000.0, start=2210.0, train_peak=3250.0),
+    ]
+    # The largest rank's training peak over the one process's: 3250 / 5200.
+    assert bench.memory_line(results) == "MEMORY rank_peak_vs_single=0.625"
+    printed = capsys.readouterr().out
+    # One process: 400 + 1500 + 2000 held, 100 other at 4000; score's peak is its nested phases' largest (+100).
+    assert "single: baseline 400 + weights 1500 + AdamW 2000 + other 100 = 4000 MB" in printed
+    assert "rollout +500, score +100, update +1200 (gradients 1000 MB" in printed
+    # Floor: (420 + (1500 + 1000 + 2000) / 2) / (400 + 4500) = 2670 / 4900; the rest above baseline + states
+    # at the peak: 3250 - 420 - 2250 = 580 per rank, 5200 - 400 - 4500 = 300 in one process.
+    assert "= 0.545; measured 0.625" in printed
+    assert "580 MB per rank, 300 MB in one process" in printed
+    assert bench.memory_floor(results[0]["memory"], 420.0, 2) == pytest.approx(2670 / 4900)
+
+
+def test_reset_peak_rss_starts_the_peak_again_from_the_current_rss():
+    import torch
+
+    if not bench.reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs")
+    block = torch.ones(50_000_000)  # 200 MB, written: resident (mmapped by glibc, returned when freed)
+    held = bench.rss_mb()
+    del block
+    high = bench.peak_rss_mb()  # the kernel's high-water mark kept the freed block
+    assert high >= held - 1 and high - bench.rss_mb() > 150
+    assert bench.reset_peak_rss()
+    assert bench.peak_rss_mb() < high - 150

@@ -7,7 +7,7 @@
     python tools/bench.py --tiny                           # the tiny random model, 2 iterations (the tests)
     python tools/bench.py --isa avx2 --threads 1           # as on an AVX2-only CPU (oneDNN, MKL and ATen capped)
     python tools/bench.py --mode full --ppo-epochs 1 --strategy fsdp2 --devices 2 --threads 1   # per rank
-    python tools/bench.py --mode full --ppo-epochs 1 --iters 1 --strategy fsdp2 --devices 2 --threads 1 --memory
+    python tools/bench.py --mode full --ppo-epochs 1 --warmup 1 --iters 1 --strategy fsdp2 --devices 2 --threads 1 --memory
 
 The workload is fixed: SmolLM2-135M-Instruct (``--policy``), the first ``--batch-size`` (8)
 built-in prompts every iteration, rendered with the chat template (SmolLM2's adds a system
@@ -69,10 +69,20 @@ one more floor is measured: ``generate`` on the sharded policy as FSDP2's hooks 
 block all-gathered again at each decode step (``sharded gen``; full fine-tuning only).
 
 ``--memory`` (with ``--strategy ddp|fsdp2``) runs the same work in one process first, then on
-``--devices`` processes, both with glibc's ``MALLOC_MMAP_THRESHOLD_=1048576`` (blocks over 1 MiB
-are mmapped and returned when freed, so a peak RSS counts what is held, not what the heap kept),
-prints each process's peak RSS, and last ``MEMORY rank_peak_vs_single=<r>``: the largest peak
-of the ranks over the one process's (per-rank batch the same: activations do not shrink).
+``--devices`` processes, both with ``model.cpu_malloc: default`` and glibc's
+``MALLOC_MMAP_THRESHOLD_=65536`` (blocks from 64 KiB up are mmapped and returned when freed, so an
+RSS counts what is held, not what the heap once held; ``--cpu-malloc tuned`` measures the
+module's default instead). Each process's peak RSS is read per phase (VmHWM, started again at
+every phase boundary): the training iterations' peak apart from the floors' passes, which are the
+benchmark's own. It prints each process's decomposition (MB): the baseline before the models are
+built (python, torch and the libraries, the process group, tokenizer), the weights, AdamW's
+moments and the rest held at the last iteration's start, each phase's peak above that start, the
+gradients (held from a backward to the optimizer step), the peaks; a line with the floor,
+(a rank's baseline + one process's states / N) / (one process's baseline + states), the ratio left
+if each process held nothing but its baseline and its share of the states; and last
+``MEMORY rank_peak_vs_single=<r>``: the largest rank's training peak over the one process's
+(per-rank batch the same: activations do not shrink). Use ``--warmup 1 --iters 1`` or more: the
+first iteration runs its forwards before AdamW's moments exist.
 
 The first line says which instruction set oneDNN, MKL and ATen run (``tools/isa.py``); ``--isa
 avx2`` caps them at AVX2 on a CPU with more, for the figures of an AVX2-only machine. After the
@@ -112,6 +122,10 @@ import isa
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "BENCH_RESULT "
+# --memory: glibc mmaps every block from 64 KiB up and unmaps it when freed, so an RSS counts the
+# tensors held, not the heap's high-water mark (a shard is half its tensor: FSDP2 moves many of
+# SmolLM2's matrices under glibc's usual thresholds, into a heap that keeps what it once held).
+MEMORY_MMAP_THRESHOLD = 65536
 PHASES = ("rollout", "score", "score_policy", "score_ref", "advantages", "update", "other")
 
 
@@ -159,6 +173,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="model.rollout_engine; vllm also prints DECODE vllm_vs_hf= (bare generate's seconds over the rollout's, a sync included)",
     )
     parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), default="auto", help="model.cpu_linear: CPU linear kernel")
+    parser.add_argument(
+        "--cpu-malloc",
+        choices=("tuned", "default"),
+        help="model.cpu_malloc (default: tuned, the module's; with --memory: default, so glibc returns freed blocks)",
+    )
     parser.add_argument("--critic", choices=("separate", "shared"), help="critic trunk (default: full separate, lora shared)")
     parser.add_argument(
         "--lora-rank", type=option_number(integer=True, at_least=1), default=16, help="LoRA rank of --mode lora (alpha = 2 * rank)"
@@ -188,9 +207,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.policy = args.policy or ("tiny" if args.tiny else "smollm2")
     args.iters = (2 if args.tiny else 5) if args.iters is None else args.iters
     args.warmup = 1 if args.warmup is None else args.warmup
+    args.cpu_malloc = args.cpu_malloc or ("default" if args.memory else "tuned")
     if (args.strategy == "single") != (args.devices == 1):
         parser.error("--strategy ddp/fsdp2 needs --devices >= 2, --devices >= 2 needs --strategy ddp or fsdp2")
-    if args.memory and args.devices == 1:
+    if args.memory and args.devices == 1 and not args.worker:
         parser.error("--memory compares --devices >= 2 processes of --strategy ddp/fsdp2 with one process")
     if args.batch_size % args.num_minibatches or args.batch_size % args.num_generations:
         parser.error("--batch-size must be divisible by --num-minibatches and by --num-generations")
@@ -210,6 +230,7 @@ WORKER_SETTINGS = [
     "old_logprobs",
     "engine",
     "cpu_linear",
+    "cpu_malloc",
     "lora_rank",
     "reward",
     "device",
@@ -228,7 +249,7 @@ def worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
     for name in WORKER_SETTINGS:
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for flag in ("no_chat_template", "bf16", "profile", "profile_shapes"):
+    for flag in ("no_chat_template", "bf16", "profile", "profile_shapes", "memory"):
         if getattr(args, flag):
             argv.append(f"--{flag.replace('_', '-')}")
     return argv
@@ -237,11 +258,15 @@ def worker_argv(args: argparse.Namespace, mode: str) -> list[str]:
 # ---------------------------------------------------------------------------------- one run
 class PhaseClock:
     """Exclusive wall-clock seconds per named phase: time spent in a nested phase counts for it
-    alone. CUDA is synchronised at every boundary so GPU work lands in the phase that queued it."""
+    alone. CUDA is synchronised at every boundary so GPU work lands in the phase that queued it.
+    With ``memory``, also each phase's peak RSS (MB): at every boundary the peak since the last
+    one (VmHWM) goes to the phase that was running, and the peak starts again from the current RSS."""
 
-    def __init__(self, device) -> None:
+    def __init__(self, device, memory: bool = False) -> None:
         self.device = device
+        self.memory = memory
         self.seconds: dict[str, float] = defaultdict(float)
+        self.peaks: dict[str, float] = defaultdict(float)
         self._stack: list[str] = []
         self._since = 0.0
 
@@ -256,6 +281,10 @@ class PhaseClock:
         now = self._now()
         if self._stack:
             self.seconds[self._stack[-1]] += now - self._since
+            if self.memory:
+                self.peaks[self._stack[-1]] = max(self.peaks[self._stack[-1]], peak_rss_mb())
+        if self.memory:
+            reset_peak_rss()
         self._since = now
 
     @contextlib.contextmanager
@@ -285,6 +314,10 @@ class PhaseClock:
     def take(self) -> dict[str, float]:
         seconds, self.seconds = dict(self.seconds), defaultdict(float)
         return seconds
+
+    def take_peaks(self) -> dict[str, float]:
+        peaks, self.peaks = dict(self.peaks), defaultdict(float)
+        return peaks
 
     @property
     def current(self) -> Optional[str]:
@@ -332,18 +365,21 @@ class PassCounter:
         return counts
 
 
-def bench_module_class():
-    """PPORLHF with its phases timed; the module's own code runs unchanged in between."""
+def bench_module_class(memory: bool = False):
+    """PPORLHF with its phases timed (with ``memory``: and their peak RSS, and the RSS before the
+    models are built, ``baseline_rss_mb``); the module's own code runs unchanged in between."""
     from rlhf_lightning.module import PPORLHF
     from rlhf_lightning_plugins.rollout_engines import HFGenerate
 
     class TimedPPORLHF(PPORLHF):
         def configure_model(self) -> None:
             first = self.policy is None
+            if first:
+                self.baseline_rss_mb = rss_mb()  # python, torch and the libraries, the process group, the tokenizer
             super().configure_model()
             if not first:
                 return
-            self.clock = PhaseClock(self.device)
+            self.clock = PhaseClock(self.device, memory)
             self.passes = PassCounter(lambda: self.clock.current)
             for name, model in (("policy", self.policy), ("reference", self.ref_model), ("critic", getattr(self.critic, "trunk", None))):
                 if model is not None:
@@ -411,6 +447,9 @@ def iteration_recorder(args: argparse.Namespace):
             self.passes: list[dict[str, dict[str, int]]] = []
             self.profile_table: Optional[str] = None
             self._phase = self._profiler = None
+            # --memory: MB of RSS at each iteration's start, each phase's peak (the last iteration's),
+            # the peaks of the training iterations, of the floors, and before the first iteration.
+            self.memory: dict = {"iteration_start": [], "phase_peaks": {}, "train_peak": 0.0, "floors_peak": 0.0}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if args.profile and batch_idx == warmup + iters:
@@ -421,6 +460,10 @@ def iteration_recorder(args: argparse.Namespace):
                 self._profiler.__enter__()
             pl_module.clock.take()
             pl_module.passes.take()
+            if args.memory:
+                self.memory.setdefault("startup_peak", peak_rss_mb())  # the build included
+                self.memory["iteration_start"].append(rss_mb())
+                pl_module.clock.take_peaks()
             self._phase = pl_module.clock("other")
             self._phase.__enter__()
 
@@ -434,7 +477,13 @@ def iteration_recorder(args: argparse.Namespace):
                 )
                 self._profiler = None
                 return
+            if args.memory:
+                self.memory["phase_peaks"] = pl_module.clock.take_peaks()
+                self.memory["train_peak"] = max(self.memory["train_peak"], *self.memory["phase_peaks"].values())
+                reset_peak_rss()
             floors = measure_floors(pl_module, args)  # the warm-up iterations warm the floors up too
+            if args.memory:
+                self.memory["floors_peak"] = max(self.memory["floors_peak"], peak_rss_mb())
             if batch_idx >= warmup:
                 self.iterations.append(seconds)
                 self.floors.append(floors)
@@ -468,12 +517,32 @@ def trainable_numel(model) -> int:
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory: Linux's VmHWM (getrusage's ru_maxrss would carry over
-    the peak of the parent that forked it: this script's own, or rank 0's for the ranks it starts)."""
+    the peak of the parent that forked it: this script's own, or rank 0's for the ranks it starts),
+    since the process started or since the last ``reset_peak_rss``."""
+    return _proc_status_mb("VmHWM:") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: KiB (macOS: bytes)
+
+
+def rss_mb() -> float:
+    """This process's resident memory now (Linux; nan elsewhere)."""
+    return _proc_status_mb("VmRSS:") or math.nan
+
+
+def _proc_status_mb(field: str) -> Optional[float]:
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024  # kB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: KiB (macOS: bytes)
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Start this process's peak RSS (VmHWM) again from its current RSS (Linux's ``clear_refs``
+    5), so that ``peak_rss_mb`` reads the peak of what runs from now on. False where unsupported."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
@@ -493,7 +562,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     lora, grpo = args.mode in ("lora", "grpo"), args.mode == "grpo"
     critic = "none" if grpo else args.critic or ("shared" if lora else "separate")
     group = dict(advantage_estimator="grpo", num_generations=args.num_generations) if grpo else {}
-    module = bench_module_class()(
+    module = bench_module_class(args.memory)(
         policy=args.policy,
         reward_model=args.reward,
         max_new_tokens=args.max_new_tokens,
@@ -505,6 +574,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         old_logprobs=args.old_logprobs,
         rollout_engine=args.engine,
         cpu_linear=args.cpu_linear,
+        cpu_malloc=args.cpu_malloc,
         lora_rank=args.lora_rank if lora else 0,
         lora_alpha=2.0 * args.lora_rank,
         log_samples_every_n_steps=0,
@@ -573,6 +643,9 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         "rollout_vs_generate": median(it["rollout"] / f["generate"] for it, f in zip(recorder.iterations, recorder.floors, strict=True)),
         "iteration_vs_floors": median(t / f for t, f in zip(totals, floor_sums, strict=True)),
         "peak_rss_mb": peak_rss_mb(),
+        "memory": {**recorder.memory, "baseline": module.baseline_rss_mb, **held_mb(module, trainer.optimizers[0])}
+        if args.memory
+        else None,
         "peak_gpu_mb": gpu_mb,
         "iterations": recorder.iterations,
         "passes": recorder.passes[-1],  # the last timed iteration's (the first skips the reference: it equals the policy)
@@ -580,6 +653,35 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         "profile": recorder.profile_table,
         "roofline_costs": costs,
     }
+
+
+def held_mb(module, optimizer) -> dict[str, float]:
+    """MB of the states this process holds: the weights of policy, critic and reference (and a
+    moving reference's starting policy), the gradients of the trainable ones (from a backward to
+    the optimizer step), AdamW's moments. Under FSDP2 a rank's local shards, and ``roots``: the
+    full size of the trainable models' root units (embeddings, final norm, LM or value head: the
+    weights outside the blocks), which FSDP2 holds gathered from a forward to the end of the
+    backward, with their full gradient until then."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from rlhf_lightning import fsdp2
+
+    def mb(tensors) -> float:
+        local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        return sum(t.numel() * t.element_size() for t in local) / 2**20
+
+    models = [module.policy, module.critic, module.ref_model, module.initial_model]
+    fsdp2.reshard(*models)  # a root still gathered after a forward would show its full weights
+    params = list({id(p): p for model in filter(None, models) for p in model.parameters()}.values())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    roots = []
+    for root in (r for model in filter(None, (module.policy, module.critic)) for r in fsdp2.fsdp_roots(model)):
+        blocks = [name + "." for name, m in root.named_modules() if m is not root and isinstance(m, FSDPModule)]
+        roots += [p for name, p in root.named_parameters() if p.requires_grad and not name.startswith(tuple(blocks))]
+    full_mb = sum(p.numel() * p.element_size() for p in {id(p): p for p in roots}.values()) / 2**20  # a DTensor's numel: the whole
+    return {"weights": mb(params), "gradients": mb(p for p in params if p.requires_grad), "adamw": mb(state), "roots": full_mb}
 
 
 def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
@@ -671,6 +773,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
         seconds["fwd_bwd"] = clocked(forward_backward)  # with the adapter unmerged: it trains the adapter
         if sharded:  # FSDP2's own way: every block all-gathered at each decode step (LoRA: unmerged)
             seconds["generate_sharded"] = clocked(generate)
+            fsdp2.reshard(plain)  # the root stays gathered after a forward: the next iteration starts as the module left it
     return seconds
 
 
@@ -1050,7 +1153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     print(isa.describe(), flush=True)
     modes = {"both": ("full", "lora"), "all": ("full", "lora", "grpo")}.get(args.mode, (args.mode,))
     peaks = measure_peaks(args)
-    env = {"MALLOC_MMAP_THRESHOLD_": "1048576"} if args.memory else {}
+    env = {"MALLOC_MMAP_THRESHOLD_": str(MEMORY_MMAP_THRESHOLD)} if args.memory else {}
     single = [argparse.Namespace(**{**vars(args), "strategy": "single", "devices": 1})] if args.memory else []
     results = []
     for mode in modes:
@@ -1081,17 +1184,54 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
 
 
 def memory_line(results: Sequence[dict]) -> str:
-    """Each process's peak RSS, and the largest rank's over the one process's (the worst mode)."""
+    """Each process's memory, decomposed (``memory_decomposition``), the floor that the per-process
+    baseline and the states leave to the ratio, and last the largest rank's training peak over the
+    one process's (the worst mode)."""
     ratios = []
     for mode in dict.fromkeys(r["mode"] for r in results):
-        single = max(r["peak_rss_mb"] for r in results if r["mode"] == mode and r["devices"] == 1)
-        ranks = [r for r in results if r["mode"] == mode and r["devices"] > 1]
+        single = next(r for r in results if r["mode"] == mode and r["devices"] == 1)
+        ranks = sorted((r for r in results if r["mode"] == mode and r["devices"] > 1), key=lambda r: r["rank"])
+        for r in [single, *ranks]:
+            print(f"memory, {mode}, {rank_label(r)}: {memory_decomposition(r['memory'])}")
+        worst = max(ranks, key=lambda r: r["memory"]["train_peak"])
+        ratios.append(worst["memory"]["train_peak"] / single["memory"]["train_peak"])
+        floor = memory_floor(single["memory"], worst["memory"]["baseline"], worst["devices"])
         print(
-            f"peak RSS, {mode}: one process {single:.0f} MB; "
-            + ", ".join(f"{rank_label(r)} {r['peak_rss_mb']:.0f} MB" for r in sorted(ranks, key=lambda r: r["rank"]))
+            f"memory, {mode}: floor = (baseline {worst['memory']['baseline']:.0f} MB + one process's states "
+            f"{states_mb(single['memory']):.0f} MB / {worst['devices']}) / (its baseline + states) = {floor:.3f}; "
+            f"measured {ratios[-1]:.3f}, the rest above each process's baseline + states at its peak: "
+            f"{worst['memory']['train_peak'] - worst['memory']['baseline'] - states_mb(worst['memory']):.0f} MB per rank, "
+            f"{single['memory']['train_peak'] - single['memory']['baseline'] - states_mb(single['memory']):.0f} MB in one process"
         )
-        ratios.append(max(r["peak_rss_mb"] for r in ranks) / single)
     return f"MEMORY rank_peak_vs_single={max(ratios):.3f}"
+
+
+def states_mb(memory: dict) -> float:
+    """Weights, gradients and AdamW's moments: what sharding divides among the ranks."""
+    return memory["weights"] + memory["gradients"] + memory["adamw"]
+
+
+def memory_floor(single: dict, rank_baseline: float, ranks: int) -> float:
+    """The ratio left if every process held its baseline and its share of the states at its peak,
+    nothing else: (rank baseline + states / ranks) / (baseline + states) of one process."""
+    return (rank_baseline + states_mb(single) / ranks) / (single["baseline"] + states_mb(single))
+
+
+def memory_decomposition(m: dict) -> str:
+    """One process's RSS (MB): the baseline before the models, the states it holds, the rest at the
+    last iteration's start; each phase's peak above that start; the peaks."""
+    start = m["iteration_start"][-1]
+    held = m["baseline"] + m["weights"] + m["adamw"]
+    groups = {"rollout": ("rollout",), "score": ("score", "score_policy", "score_ref"), "update": ("advantages", "update")}
+    peaks = {g: max((m["phase_peaks"].get(p, 0.0) for p in names), default=0.0) for g, names in groups.items()}
+    phases = ", ".join(f"{g} +{peak - start:.0f}" for g, peak in peaks.items())
+    return (
+        f"baseline {m['baseline']:.0f} + weights {m['weights']:.0f} + AdamW {m['adamw']:.0f} + other {start - held:.0f} "
+        f"= {start:.0f} MB at the last iteration's start; peaks above it: {phases} (gradients {m['gradients']:.0f} MB "
+        f"held to the optimizer step); peak in training {m['train_peak']:.0f} MB, in the floors' passes {m['floors_peak']:.0f}, "
+        f"before the first iteration {m['startup_peak']:.0f}"
+        + (f"; FSDP2 root units {m['roots']:.0f} MB whole (x2 with their gradient in the backward)" if m.get("roots") else "")
+    )
 
 
 if __name__ == "__main__":
