@@ -182,13 +182,15 @@ def test_memory_line_decomposes_each_process_and_divides_the_largest_ranks_train
 
 
 def test_reset_peak_rss_starts_the_peak_again_from_the_current_rss():
-    import torch
+    import mmap
 
     if not bench.reset_peak_rss():
         pytest.skip("no /proc/self/clear_refs")
-    block = torch.ones(50_000_000)  # 200 MB, written: resident (mmapped by glibc, returned when freed)
+    # 200 MB mapped and written here, unmapped when closed, whatever malloc settings an earlier test left.
+    block = mmap.mmap(-1, 200 * 2**20)
+    block.write(b"\1" * len(block))
     held = bench.rss_mb()
-    del block
+    block.close()
     high = bench.peak_rss_mb()  # the kernel's high-water mark kept the freed block
     assert high >= held - 1 and high - bench.rss_mb() > 150
     assert bench.reset_peak_rss()
