@@ -202,9 +202,13 @@ def test_kl_to_optimum_callback_tracks_the_exact_distance_while_training():
 
     task, exact = TASKS["terminal"], []
 
-    class Exact(KLToOptimum.__mro__[1]):  # the enumerated distance at the iterations the meter measures
+    class Exact(KLToOptimum.__mro__[1]):  # the enumerated distance where the meter measures: the start, then iteration 3
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if pl_module.iteration == 0:
+                exact.append(pl_module.exact_report().kl_to_optimum)
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if pl_module.iteration in (1, 3):
+            if pl_module.iteration == 3:
                 exact.append(pl_module.exact_report().kl_to_optimum)
 
     threads = torch.get_num_threads()
@@ -216,7 +220,8 @@ def test_kl_to_optimum_callback_tracks_the_exact_distance_while_training():
         Trainer(**QUIET_TRAINER, max_epochs=1, callbacks=[Exact(), meter]).fit(module, train_dataloaders=task.dataloader(3, 48))
     finally:
         torch.set_num_threads(threads)
-    assert [row["iteration"] for row in meter.rows] == [1, 3] and len(exact) == 2
+    assert [row["iteration"] for row in meter.rows] == [0, 3] and len(exact) == 2
+    assert meter.rows[0]["sampled"].kl_to_ref == 0  # before the first update the policy is the reference
     for row, value in zip(meter.rows, exact, strict=True):
         assert abs(row["distance"].kl_to_optimum - value) < 3 * row["distance"].se + 1e-3, (row, value)
     torch.testing.assert_close(meter.reference_scores.shape, (3, 1500))

@@ -10,7 +10,9 @@
 pi_beta ∝ pi_ref exp(r / beta) over a dense beta grid (the most reward any policy gets at each
 KL), best-of-N for N = 1..64 enumerated with ties (``frontier.bon_logprobs``), soft best-of-N for
 N in ``--soft-n`` over a temperature grid, and PPO trained at each of ``--betas``
-(``exact.train``, the settings of tools/regulariser_frontier.py) against the reference of its
+(``exact.train``, the settings of tools/regulariser_frontier.py: k1 in the reward, lr 2e-3 decayed
+to 2e-4, 4 epochs of 2 minibatches; iterations and responses per iteration those of the task's kind
+in tools/optimum_check.py, 100 x 48 hand-made, 150 x 384 random) against the reference of its
 seed. Prints a table and
 
     FRONTIER ppo_max_gap=<largest (F(KL) - reward) / F(KL) of a PPO point, F the frontier at its own KL>
@@ -57,8 +59,11 @@ SOFT_LAMBDAS = np.geomspace(0.05, 20, 25)
 
 
 def exact_mode(args: argparse.Namespace) -> str:
+    from optimum_check import TASK_SETTINGS  # what each kind of task converges with (iterations, responses per iteration)
     from regulariser_frontier import PPO  # the PPO settings that put the KL penalty on the frontier there
 
+    kind = TASK_SETTINGS["random" if args.task.startswith("random:") else "hand-made"]
+    iterations, batch_size = args.iterations or kind["iterations"], args.batch_size or kind["batch_size"]
     task = task_named(args.task)
     ref, rewards = reference_logprobs(task, args.seed), task.rewards()
     curve = [fr.tilted_point(ref, rewards, float(b)) for b in FRONTIER_BETAS]
@@ -71,7 +76,13 @@ def exact_mode(args: argparse.Namespace) -> str:
     for beta in args.betas:
         start = time.perf_counter()
         _, tracker = train(
-            task, args.iterations, every=args.iterations, seed=args.seed, kl_estimator="k1", beta_controller=beta_ctl(beta), **PPO
+            task,
+            iterations,
+            every=iterations,
+            seed=args.seed,
+            kl_estimator="k1",
+            beta_controller=beta_ctl(beta),
+            **{**PPO, "batch_size": batch_size},
         )
         point = fr.PlanePoint(kl=tracker.last["kl_to_ref"], reward=tracker.last["reward"])
         ppo.append((beta, point, fr.frontier_gap(point, ref, rewards), tracker.last["kl_to_optimum"], time.perf_counter() - start))
@@ -82,8 +93,8 @@ def exact_mode(args: argparse.Namespace) -> str:
     write_csv(args.out / "frontier.csv", ["family", "setting", "kl", "reward"], [(f, s, p.kl, p.reward) for f, s, p in rows])
 
     print(
-        f"task={args.task} seed={args.seed} prompts={len(task.prompts)} responses={ref.shape[1]} iterations={args.iterations} "
-        f"batch_size={args.batch_size or PPO['batch_size']}"
+        f"task={args.task} seed={args.seed} prompts={len(task.prompts)} responses={ref.shape[1]} iterations={iterations} "
+        f"batch_size={batch_size}"
     )
     print("| N | KL(BoN) exact | log N - (N-1)/N | reward | frontier at that KL | gap |\n|---:|---:|---:|---:|---:|---:|")
     for n in (1, 2, 4, 8, 16, 32, 64):
@@ -180,7 +191,7 @@ def smollm2_mode(args: argparse.Namespace) -> None:
 
     prepare(args.threads, str(args.out))
     pool_state, points = None, []
-    overrides = [f"--data.batch_size={args.batch_size or 8}", "--model.log_samples_every_n_steps=0"]
+    overrides = [f"--data.batch_size={args.batch_size or 8}", "--model.log_samples_every_n_steps=0", *args.override]
     for beta in args.betas:
         start = time.perf_counter()
         meter = KLToOptimum(
@@ -302,7 +313,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--betas", type=option_number(above=0), nargs="+", help="PPO betas (default: 0.25 0.5 1 2 exact; 0.1 0.3 1 smollm2)"
     )
     parser.add_argument(
-        "--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations per beta (default 100 exact, 20 smollm2)"
+        "--iterations",
+        type=option_number(integer=True, at_least=1),
+        help="PPO iterations per beta (default exact: 100 hand-made, 150 random tasks; smollm2 20)",
     )
     parser.add_argument(
         "--soft-n", type=option_number(integer=True, at_least=1), nargs="+", default=[4, 16], help="soft best-of-N sizes (default 4 16)"
@@ -328,7 +341,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size",
         type=option_number(integer=True, at_least=1),
-        help="responses per PPO iteration (exact, default 48) or prompts per iteration (smollm2, default 8)",
+        help="responses per PPO iteration (exact, default 48 hand-made, 384 random) or prompts per iteration (smollm2, default 8)",
     )
     parser.add_argument(
         "--bon", type=option_number(integer=True, at_least=1), nargs="+", default=[1, 2, 4, 8, 16], help="smollm2: best-of-N sizes"
@@ -343,6 +356,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--reward-max", type=option_number(), default=1.0, help="smollm2: upper bound of the reward (VADER: 1), for the meter's tail check"
     )
     parser.add_argument("--max-tail", type=option_number(above=0), default=0.25, help="the meter's max_tail (nats of log Z, default 0.25)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="smollm2: a LightningCLI argument for every PPO run, e.g. --override=--model.lr=1e-3",
+    )
     parser.add_argument("--threads", type=option_number(integer=True, at_least=0), default=1, help="smollm2: torch threads")
     parser.add_argument(
         "--samples",
@@ -357,7 +376,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="runs/frontier", help="output folder")
     args = parser.parse_args(argv)
-    default_betas, default_iterations = ([0.25, 0.5, 1.0, 2.0], 100) if not args.smollm2 else ([0.1, 0.3, 1.0], 20)
+    # exact: None leaves the iterations to the task's kind (tools/optimum_check.py's TASK_SETTINGS)
+    default_betas, default_iterations = ([0.25, 0.5, 1.0, 2.0], None) if not args.smollm2 else ([0.1, 0.3, 1.0], 20)
     if args.meter_table:
         default_betas = [0.25, 1.0, 4.0]
     if args.fast:
