@@ -83,7 +83,7 @@ class KLToOptimum(Callback):
         self.prompts, self.reference_scores = state["prompts"], state["reference_scores"]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.reference_scores is not None or self._no_pool:
+        if self._no_pool or (pl_module.iteration != 0 and self.reference_scores is not None):
             return
         if pl_module.iteration != 0 or pl_module.reference_update.moves:  # the policy is the reference only at the start
             self._no_pool = True
@@ -91,8 +91,9 @@ class KLToOptimum(Callback):
                 trainer, pl_module, "no reference pool: the run did not start at iteration 0 with this callback, or the reference moves"
             )
             return
-        self.prompts = self.prompts or list(dict.fromkeys(batch))[: self.num_prompts]
-        self.reference_scores, _ = self._sample(pl_module, self.reference_samples)
+        if self.reference_scores is None:  # else a pool loaded with load_state_dict: another run's from the same reference
+            self.prompts = self.prompts or list(dict.fromkeys(batch))[: self.num_prompts]
+            self.reference_scores, _ = self._sample(pl_module, self.reference_samples)
         self._measure(trainer, pl_module)  # the starting point, KL(pi_ref || pi_beta): where a falling meter falls from
 
     @torch.no_grad()
