@@ -195,7 +195,6 @@ def smollm2_mode(args: argparse.Namespace) -> None:
     prepare(args.threads, str(args.out))
     pool_state = torch.load(args.pool_from) if args.pool_from else None
     points = [row for path in args.append for row in read_ppo_rows(path)]
-    points += [row for spec in args.append_tensorboard for row in tensorboard_ppo_rows(spec, args.meter_every)]
     if pool_state is not None:
         points += bon_points(pool_state["reference_scores"], args)
     overrides = [f"--data.batch_size={args.batch_size or 8}", "--model.log_samples_every_n_steps=0", *args.override]
@@ -247,46 +246,6 @@ def smollm2_mode(args: argparse.Namespace) -> None:
         plot_smollm2(points, args)  # after every run: a cut-short sweep still leaves its figure
     if args.replot:
         plot_smollm2(points, args)
-
-
-def tensorboard_ppo_rows(spec: str, block: int) -> list[tuple]:
-    """PPO rows of a run cut short (--append-tensorboard BETA=FOLDER), read from its TensorBoard events: the meter's
-    logged KL(pi || pi_beta) +-1.96 SE at each measured iteration k (its step is k - 1; the start's is 0), and the
-    plane's reward and KL as the mean of the training rollouts' objective/reward and objective/kl over iterations
-    k - block + 1..k, +-1.96 SE of those iteration means (the start: KL 0, the first rollout's reward)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    beta, folder = spec.split("=", 1)
-    (events,) = Path(folder).rglob("events.out.tfevents.*")
-    acc = EventAccumulator(str(events))
-    acc.Reload()
-    scalars = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-    meter, se = scalars["objective/kl_to_optimum"], scalars["objective/kl_to_optimum_se"]
-
-    def half(values: list[float]) -> float:  # 1.96 SE of a mean of iteration means
-        return 1.96 * statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
-
-    rows = []
-    for i, step in enumerate(sorted(meter)):
-        iteration = 0 if i == 0 else step + 1
-        steps = [s for s in range(iteration - block, iteration) if s in scalars["objective/reward"]] if iteration else [0]
-        reward = [scalars["objective/reward"][s] for s in steps]
-        kl = [scalars["objective/kl"][s] for s in steps] if iteration else [0.0]
-        rows.append(
-            (
-                "ppo",
-                beta,
-                iteration,
-                statistics.mean(kl),
-                half(kl),
-                statistics.mean(reward),
-                half(reward),
-                math.nan,
-                meter[step],
-                1.96 * se[step],
-            )
-        )
-    return rows
 
 
 def read_ppo_rows(path: str) -> list[tuple]:
@@ -452,13 +411,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--replot", action="store_true", help="smollm2: no training; the figure of --pool-from's best-of-N and --append's PPO rows"
     )
-    parser.add_argument(
-        "--append-tensorboard",
-        action="append",
-        default=[],
-        metavar="BETA=FOLDER",
-        help="smollm2: the PPO rows of a run cut short, from its TensorBoard events (the meter's; reward and KL over --meter-every iterations)",
-    )
     parser.add_argument("--pool-from", help="smollm2: an earlier run's reference_pool.pt (its prompts and pool) instead of sampling one")
     parser.add_argument(
         "--append", action="append", default=[], help="smollm2: an earlier run's frontier_smollm2.csv whose PPO rows join the figure"
@@ -486,8 +438,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.betas = default_betas if args.betas is None else args.betas
     args.iterations = default_iterations if args.iterations is None else args.iterations
     if args.replot:
-        if not (args.smollm2 and args.pool_from and (args.append or args.append_tensorboard)):
-            parser.error("--replot needs --smollm2, --pool-from and --append or --append-tensorboard")
+        if not (args.smollm2 and args.pool_from and args.append):
+            parser.error("--replot needs --smollm2, --pool-from and --append")
         args.betas = []
     if args.smollm2 and max(args.bon) > args.pool:
         parser.error(f"--bon sizes must be <= --pool ({args.pool})")
