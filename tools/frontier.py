@@ -3,7 +3,9 @@
     python tools/frontier.py --exact                      # terminal task: frontier, BoN 1..64, soft BoN, PPO at 4 betas
     python tools/frontier.py --exact --fast               # seconds: one PPO beta of 20 iterations (the tests)
     python tools/frontier.py --exact --task random:3      # a task with distinct rewards and an order-dependent reward
-    python tools/frontier.py --smollm2 --prompts 4 --pool 64 --betas 0.2 0.5 --iterations 10
+    python tools/frontier.py --smollm2 --prompts 4 --pool 64 --betas 0.3 0.5 --iterations 15 --batch-size 4 \
+        --override=--model.advantage_estimator=rloo --override=--model.num_generations=4 \
+        --override=--model.critic=none --override=--model.critic_lr=null   # PPO with RLOO, no critic
     python tools/frontier.py --meter-table                # bias and spread of the sampled log Z against n
 
 ``--exact`` (``rlhf_lightning.exact``'s enumerable tasks; every number exact): the frontier
@@ -25,7 +27,11 @@ bootstrap intervals over each prompt's pool), and one PPO run per ``--betas`` (f
 ``--iterations``) measured on the same prompts by ``KLToOptimum`` (reward and KL(pi || pi_ref) of
 ``--policy-samples`` responses per prompt, +-1.96 SE; and the distance to the optimum where it can
 be trusted). The reference pool is the first run's meter pool (every run starts from the same
-reference and seed). Prints ``SMOLLM2 ...`` lines per point.
+reference and seed). ``--override`` adds a LightningCLI argument to every run. The meter measures the
+start (the reference, KL(pi_ref || pi_beta)) and every ``--meter-every`` iterations; each measurement is a
+point of the run's path on the plane and of the meter's panel. Prints ``SMOLLM2 ...`` lines per point.
+Runs made one after another (one beta each) join one figure with ``--replot --pool-from
+<run>/reference_pool.pt --append <run>/frontier_smollm2.csv ...`` (no training).
 
 ``--meter-table``: on the exact task, the log Z estimate's bias and spread against the number of
 reference samples (plug-in and delta-corrected), over ``--replicates`` draws, for ``--betas``.
