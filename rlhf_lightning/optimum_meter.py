@@ -6,8 +6,8 @@ For a beta, the optimum of J(pi) = E r - beta KL(pi || pi_ref) is pi_beta ∝ pi
     J* - J(pi) = beta * KL(pi || pi_beta).
 
 The callback samples ``reference_samples`` responses per meter prompt from the starting policy
-(the reference) before the first update and keeps their training scores; every ``every``
-iterations it samples ``policy_samples`` responses per prompt from the policy and estimates both
+(the reference) before the first update and keeps their training scores; then, and every ``every``
+iterations, it samples ``policy_samples`` responses per prompt from the policy and estimates both
 terms (:func:`rlhf_lightning.frontier.kl_to_optimum`, log Z with its delta-method bias removed and
 its standard error). The reference pool is kept, so log Z follows the beta of a moving controller.
 Where the estimate cannot be trusted it logs why instead of a number (a warning, and a TensorBoard
@@ -34,7 +34,8 @@ class KLToOptimum(Callback):
     """Logs ``objective/kl_to_optimum`` (E_x KL(pi || pi_beta), nats per response) with its standard error
     ``objective/kl_to_optimum_se``, the implied ``objective/optimum_gap`` = J* - J(pi) = beta * KL, and
     ``objective/log_z_ess`` (the smallest effective sample size over the prompts) every ``every``
-    iterations and after the first (module docstring).
+    iterations and before the first update (logged at step 0: KL(pi_ref || pi_beta) = log Z - E_ref r / beta,
+    where a run that approaches the optimum starts falling from; module docstring).
 
     Args:
         every: iterations between measurements.
@@ -82,7 +83,7 @@ class KLToOptimum(Callback):
         self.prompts, self.reference_scores = state["prompts"], state["reference_scores"]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.reference_scores is not None or self._no_pool:
+        if self._no_pool or (pl_module.iteration != 0 and self.reference_scores is not None):
             return
         if pl_module.iteration != 0 or pl_module.reference_update.moves:  # the policy is the reference only at the start
             self._no_pool = True
@@ -90,8 +91,10 @@ class KLToOptimum(Callback):
                 trainer, pl_module, "no reference pool: the run did not start at iteration 0 with this callback, or the reference moves"
             )
             return
-        self.prompts = self.prompts or list(dict.fromkeys(batch))[: self.num_prompts]
-        self.reference_scores, _ = self._sample(pl_module, self.reference_samples)
+        if self.reference_scores is None:  # else a pool loaded with load_state_dict: another run's from the same reference
+            self.prompts = self.prompts or list(dict.fromkeys(batch))[: self.num_prompts]
+            self.reference_scores, _ = self._sample(pl_module, self.reference_samples)
+        self._measure(trainer, pl_module)  # the starting point, KL(pi_ref || pi_beta): where a falling meter falls from
 
     @torch.no_grad()
     def _sample(self, pl_module, per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +112,11 @@ class KLToOptimum(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         iteration = pl_module.iteration
-        if self.reference_scores is None or not (iteration == 1 or iteration % self.every == 0 or trainer.should_stop):
-            return
+        if self.reference_scores is not None and (iteration % self.every == 0 or trainer.should_stop):
+            self._measure(trainer, pl_module)
+
+    def _measure(self, trainer, pl_module) -> None:
+        iteration = pl_module.iteration
         beta = self.beta if self.beta is not None else pl_module.beta_controller.beta
         scores, log_ratio = self._sample(pl_module, self.policy_samples)
         row: dict[str, Any] = {"iteration": iteration, "beta": beta}
@@ -130,7 +136,7 @@ class KLToOptimum(Callback):
             "objective/log_z_ess": row["ess"],
         }
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=pl_module.step)
+            logger.log_metrics(metrics, step=max(pl_module.step, 0))
 
     def _untrusted(self, pl_module, beta: float) -> Optional[str]:
         if not beta > 0:

@@ -202,9 +202,13 @@ def test_kl_to_optimum_callback_tracks_the_exact_distance_while_training():
 
     task, exact = TASKS["terminal"], []
 
-    class Exact(KLToOptimum.__mro__[1]):  # the enumerated distance at the iterations the meter measures
+    class Exact(KLToOptimum.__mro__[1]):  # the enumerated distance where the meter measures: the start, then iteration 3
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if pl_module.iteration == 0:
+                exact.append(pl_module.exact_report().kl_to_optimum)
+
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if pl_module.iteration in (1, 3):
+            if pl_module.iteration == 3:
                 exact.append(pl_module.exact_report().kl_to_optimum)
 
     threads = torch.get_num_threads()
@@ -212,15 +216,25 @@ def test_kl_to_optimum_callback_tracks_the_exact_distance_while_training():
     seed_everything(0, verbose=False)
     module = ExactPPORLHF(task, seed=0, beta_controller=FixedBeta(1.0), lr=2e-3, critic_lr=2e-3, log_samples_every_n_steps=0)
     meter = KLToOptimum(every=3, num_prompts=3, reference_samples=1500, policy_samples=1500)
+    # a second run from the same reference with the first's pool loaded (tools/frontier.py's later betas): no new
+    # pool, and the start still measured, with the first's prompts and reference scores
+    reused = KLToOptimum(every=3, beta=2.0, num_prompts=1, reference_samples=10, policy_samples=200)
     try:
         Trainer(**QUIET_TRAINER, max_epochs=1, callbacks=[Exact(), meter]).fit(module, train_dataloaders=task.dataloader(3, 48))
+        reused.load_state_dict(meter.state_dict())
+        seed_everything(0, verbose=False)
+        second = ExactPPORLHF(task, seed=0, beta_controller=FixedBeta(2.0), lr=2e-3, critic_lr=2e-3, log_samples_every_n_steps=0)
+        Trainer(**QUIET_TRAINER, max_epochs=1, callbacks=[reused]).fit(second, train_dataloaders=task.dataloader(1, 48))
     finally:
         torch.set_num_threads(threads)
-    assert [row["iteration"] for row in meter.rows] == [1, 3] and len(exact) == 2
+    assert [row["iteration"] for row in reused.rows] == [0] and reused.reference_scores is meter.reference_scores
+    start = kl_divergence(reference_logprobs(task), optimal_logprobs(reference_logprobs(task), task.rewards(), 2.0))
+    assert abs(reused.rows[0]["distance"].kl_to_optimum - start) < 3 * reused.rows[0]["distance"].se + 1e-3
+    assert [row["iteration"] for row in meter.rows] == [0, 3] and len(exact) == 2
+    assert meter.rows[0]["sampled"].kl_to_ref == 0  # before the first update the policy is the reference
     for row, value in zip(meter.rows, exact, strict=True):
         assert abs(row["distance"].kl_to_optimum - value) < 3 * row["distance"].se + 1e-3, (row, value)
     torch.testing.assert_close(meter.reference_scores.shape, (3, 1500))
-    assert reference_logprobs(task).shape == (3, 27)
 
 
 def test_kl_to_optimum_refuses_a_small_beta_and_bad_arguments():

@@ -3,14 +3,18 @@
     python tools/frontier.py --exact                      # terminal task: frontier, BoN 1..64, soft BoN, PPO at 4 betas
     python tools/frontier.py --exact --fast               # seconds: one PPO beta of 20 iterations (the tests)
     python tools/frontier.py --exact --task random:3      # a task with distinct rewards and an order-dependent reward
-    python tools/frontier.py --smollm2 --prompts 4 --pool 64 --betas 0.2 0.5 --iterations 10
+    python tools/frontier.py --smollm2 --prompts 4 --pool 64 --betas 0.3 0.5 --iterations 15 --batch-size 4 \
+        --override=--model.advantage_estimator=rloo --override=--model.num_generations=4 \
+        --override=--model.critic=none --override=--model.critic_lr=null   # PPO with RLOO, no critic
     python tools/frontier.py --meter-table                # bias and spread of the sampled log Z against n
 
 ``--exact`` (``rlhf_lightning.exact``'s enumerable tasks; every number exact): the frontier
 pi_beta ∝ pi_ref exp(r / beta) over a dense beta grid (the most reward any policy gets at each
 KL), best-of-N for N = 1..64 enumerated with ties (``frontier.bon_logprobs``), soft best-of-N for
 N in ``--soft-n`` over a temperature grid, and PPO trained at each of ``--betas``
-(``exact.train``, the settings of tools/regulariser_frontier.py) against the reference of its
+(``exact.train``, the settings of tools/regulariser_frontier.py: k1 in the reward, lr 2e-3 decayed
+to 2e-4, 4 epochs of 2 minibatches; iterations and responses per iteration those of the task's kind
+in tools/optimum_check.py, 100 x 48 hand-made, 150 x 384 random) against the reference of its
 seed. Prints a table and
 
     FRONTIER ppo_max_gap=<largest (F(KL) - reward) / F(KL) of a PPO point, F the frontier at its own KL>
@@ -23,7 +27,11 @@ bootstrap intervals over each prompt's pool), and one PPO run per ``--betas`` (f
 ``--iterations``) measured on the same prompts by ``KLToOptimum`` (reward and KL(pi || pi_ref) of
 ``--policy-samples`` responses per prompt, +-1.96 SE; and the distance to the optimum where it can
 be trusted). The reference pool is the first run's meter pool (every run starts from the same
-reference and seed). Prints ``SMOLLM2 ...`` lines per point.
+reference and seed). ``--override`` adds a LightningCLI argument to every run. The meter measures the
+start (the reference, KL(pi_ref || pi_beta)) and every ``--meter-every`` iterations; each measurement is a
+point of the run's path on the plane and of the meter's panel. Prints ``SMOLLM2 ...`` lines per point.
+Runs made one after another (one beta each) join one figure with ``--replot --pool-from
+<run>/reference_pool.pt --append <run>/frontier_smollm2.csv ...`` (no training).
 
 ``--meter-table``: on the exact task, the log Z estimate's bias and spread against the number of
 reference samples (plug-in and delta-corrected), over ``--replicates`` draws, for ``--betas``.
@@ -57,8 +65,11 @@ SOFT_LAMBDAS = np.geomspace(0.05, 20, 25)
 
 
 def exact_mode(args: argparse.Namespace) -> str:
+    from optimum_check import TASK_SETTINGS  # what each kind of task converges with (iterations, responses per iteration)
     from regulariser_frontier import PPO  # the PPO settings that put the KL penalty on the frontier there
 
+    kind = TASK_SETTINGS["random" if args.task.startswith("random:") else "hand-made"]
+    iterations, batch_size = args.iterations or kind["iterations"], args.batch_size or kind["batch_size"]
     task = task_named(args.task)
     ref, rewards = reference_logprobs(task, args.seed), task.rewards()
     curve = [fr.tilted_point(ref, rewards, float(b)) for b in FRONTIER_BETAS]
@@ -71,7 +82,13 @@ def exact_mode(args: argparse.Namespace) -> str:
     for beta in args.betas:
         start = time.perf_counter()
         _, tracker = train(
-            task, args.iterations, every=args.iterations, seed=args.seed, kl_estimator="k1", beta_controller=beta_ctl(beta), **PPO
+            task,
+            iterations,
+            every=iterations,
+            seed=args.seed,
+            kl_estimator="k1",
+            beta_controller=beta_ctl(beta),
+            **{**PPO, "batch_size": batch_size},
         )
         point = fr.PlanePoint(kl=tracker.last["kl_to_ref"], reward=tracker.last["reward"])
         ppo.append((beta, point, fr.frontier_gap(point, ref, rewards), tracker.last["kl_to_optimum"], time.perf_counter() - start))
@@ -82,8 +99,8 @@ def exact_mode(args: argparse.Namespace) -> str:
     write_csv(args.out / "frontier.csv", ["family", "setting", "kl", "reward"], [(f, s, p.kl, p.reward) for f, s, p in rows])
 
     print(
-        f"task={args.task} seed={args.seed} prompts={len(task.prompts)} responses={ref.shape[1]} iterations={args.iterations} "
-        f"batch_size={args.batch_size or PPO['batch_size']}"
+        f"task={args.task} seed={args.seed} prompts={len(task.prompts)} responses={ref.shape[1]} iterations={iterations} "
+        f"batch_size={batch_size}"
     )
     print("| N | KL(BoN) exact | log N - (N-1)/N | reward | frontier at that KL | gap |\n|---:|---:|---:|---:|---:|---:|")
     for n in (1, 2, 4, 8, 16, 32, 64):
@@ -172,6 +189,9 @@ def meter_table(args: argparse.Namespace) -> list[dict]:
     return out
 
 
+SMOLLM2_COLUMNS = ["family", "setting", "iteration", "kl", "kl_ci", "reward", "reward_ci", "kl_bound", "kl_to_optimum", "kl_to_optimum_ci"]
+
+
 def smollm2_mode(args: argparse.Namespace) -> None:
     from rlhf_lightning.optimum_meter import KLToOptimum
 
@@ -179,10 +199,13 @@ def smollm2_mode(args: argparse.Namespace) -> None:
     from sweep_beta import train as train_config
 
     prepare(args.threads, str(args.out))
-    pool_state, points = None, []
-    overrides = [f"--data.batch_size={args.batch_size or 8}", "--model.log_samples_every_n_steps=0"]
+    pool_state = torch.load(args.pool_from) if args.pool_from else None
+    points = [row for path in args.append for row in read_ppo_rows(path)]
+    if pool_state is not None:
+        points += bon_points(pool_state["reference_scores"], args)
+    overrides = [f"--data.batch_size={args.batch_size or 8}", "--model.log_samples_every_n_steps=0", *args.override]
     for beta in args.betas:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         meter = KLToOptimum(
             every=args.meter_every,
             beta=beta,
@@ -200,11 +223,10 @@ def smollm2_mode(args: argparse.Namespace) -> None:
             torch.save(pool_state, args.out / "reference_pool.pt")  # prompts and training scores of the pool
             points += bon_points(pool_state["reference_scores"], args)
         for row in meter.rows:
-            s = row["sampled"]
+            s, d = row["sampled"], row.get("distance")
             kl_opt = (
-                f"kl_to_optimum={row['distance'].kl_to_optimum:.3f}+-{1.96 * row['distance'].se:.3f} "
-                f"log_z_bias={row['distance'].log_z_bias:.4f} ess={row['ess']:.1f}"
-                if "distance" in row
+                f"kl_to_optimum={d.kl_to_optimum:.3f}+-{1.96 * d.se:.3f} log_z_bias={d.log_z_bias:.4f} ess={row['ess']:.1f}"
+                if d is not None
                 else f"kl_to_optimum=refused ({row['reason']})"
             )
             print(
@@ -212,14 +234,35 @@ def smollm2_mode(args: argparse.Namespace) -> None:
                 f"kl={s.kl_to_ref:.3f}+-{1.96 * s.kl_to_ref_se:.3f} {kl_opt}",
                 flush=True,
             )
-        last = meter.rows[-1]["sampled"]
-        points.append(("ppo", f"{beta:g}", last.kl_to_ref, 1.96 * last.kl_to_ref_se, last.reward, 1.96 * last.reward_se, math.nan))
-        print(f"(beta {beta:g}: {time.perf_counter() - start:.0f} s)", flush=True)
+            distance = (d.kl_to_optimum, 1.96 * d.se) if d is not None else (math.nan, math.nan)
+            points.append(
+                (
+                    "ppo",
+                    f"{beta:g}",
+                    row["iteration"],
+                    s.kl_to_ref,
+                    1.96 * s.kl_to_ref_se,
+                    s.reward,
+                    1.96 * s.reward_se,
+                    math.nan,
+                    *distance,
+                )
+            )
+        print(f"(beta {beta:g}: {time.perf_counter() - start:.0f} s wall, {time.process_time() - cpu:.0f} s CPU)", flush=True)
         plot_smollm2(points, args)  # after every run: a cut-short sweep still leaves its figure
+    if args.replot:
+        plot_smollm2(points, args)
+
+
+def read_ppo_rows(path: str) -> list[tuple]:
+    """The PPO rows of an earlier --smollm2 run's CSV (--append): one figure from runs made one after another."""
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["family"] == "ppo"]
+    return [(r["family"], r["setting"], int(r["iteration"]), *(float(r[c]) for c in SMOLLM2_COLUMNS[3:])) for r in rows]
 
 
 def bon_points(pool: torch.Tensor, args: argparse.Namespace) -> list[tuple]:
-    """Best-of-N rows (family, N, KL, KL half-interval, reward, reward half-interval, KL bound) from the pool."""
+    """Best-of-N rows (:data:`SMOLLM2_COLUMNS`: KL and its half-interval, reward and its, the KL bound) from the pool."""
     generator, points = torch.Generator().manual_seed(0), []
     for n in args.bon:
         reward, kl = float(fr.bon_reward_from_pool(pool, n).mean()), float(fr.bon_kl_from_pool(pool, n).mean())
@@ -233,7 +276,7 @@ def bon_points(pool: torch.Tensor, args: argparse.Namespace) -> list[tuple]:
         # that pull the plug-in KL down, and the pivot carries that shift back instead of reporting it
         r_lo, r_hi = 2 * reward - np.percentile(boot_r, [97.5, 2.5])
         k_lo, k_hi = 2 * kl - np.percentile(boot_k, [97.5, 2.5])
-        points.append(("bon", str(n), kl, (k_hi - k_lo) / 2, reward, (r_hi - r_lo) / 2, fr.bon_kl_bound(n)))
+        points.append(("bon", str(n), math.nan, kl, (k_hi - k_lo) / 2, reward, (r_hi - r_lo) / 2, fr.bon_kl_bound(n), math.nan, math.nan))
         print(
             f"SMOLLM2 bon N={n} reward={reward:.3f} [{r_lo:.3f}, {r_hi:.3f}] kl_estimate={kl:.3f} [{k_lo:.3f}, {k_hi:.3f}] "
             f"kl_bound={fr.bon_kl_bound(n):.3f}",
@@ -252,34 +295,54 @@ def save_figure(fig, ax, path: Path) -> None:
 
 
 def plot_smollm2(points: list[tuple], args: argparse.Namespace) -> None:
-    write_csv(args.out / "frontier_smollm2.csv", ["family", "setting", "kl", "kl_ci", "reward", "reward_ci", "kl_bound"], points)
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    """Left: the plane (best-of-N from the pool; each PPO beta's path from the reference, its last point with
+    intervals). Right: the meter, KL(pi || pi_beta) against the iteration, +-1.96 SE (trusted measurements)."""
+    write_csv(args.out / "frontier_smollm2.csv", SMOLLM2_COLUMNS, points)
+    fig, (ax, meter) = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw={"width_ratios": [3, 2]})
+    col = {name: i for i, name in enumerate(SMOLLM2_COLUMNS)}
+
+    def errorbar(axis, rows: list[tuple], x: str, y: str, **style) -> None:  # x's interval where it has one (not the iteration)
+        xerr = [p[col[x + "_ci"]] for p in rows] if x + "_ci" in col else None
+        axis.errorbar([p[col[x]] for p in rows], [p[col[y]] for p in rows], [p[col[y + "_ci"]] for p in rows], xerr, capsize=3, **style)
+
     bon = [p for p in points if p[0] == "bon"]
-
-    def errorbar(rows: list[tuple], **style) -> None:  # rows: (family, setting, kl, kl_ci, reward, reward_ci, ...)
-        ax.errorbar([p[2] for p in rows], [p[4] for p in rows], xerr=[p[3] for p in rows], yerr=[p[5] for p in rows], capsize=3, **style)
-
-    errorbar(
-        bon,
-        fmt="o-",
+    errorbar(ax, bon, "kl", "reward", fmt="o-", color="tab:orange", label="best-of-N, KL plug-in estimate (95% bootstrap)")
+    ax.plot(
+        [p[col["kl_bound"]] for p in bon],
+        [p[col["reward"]] for p in bon],
+        "x--",
         color="tab:orange",
-        label="best-of-N, KL plug-in estimate (95% bootstrap)",
+        alpha=0.6,
+        label="best-of-N at the bound log N - (N-1)/N",
     )
-    ax.plot([p[6] for p in bon], [p[4] for p in bon], "x--", color="tab:orange", alpha=0.6, label="best-of-N at the bound log N - (N-1)/N")
     for p in bon:
-        ax.annotate(f"N={p[1]}", (p[2], p[4]), textcoords="offset points", xytext=(-4, 6), fontsize=7, ha="right")
-    ppo = [p for p in points if p[0] == "ppo"]
-    errorbar(
-        ppo,
-        fmt="s",
-        color="tab:blue",
-        label=f"PPO, fixed beta, {args.iterations} iterations (+-1.96 SE)",
-    )
-    for p in ppo:
-        ax.annotate(f"beta={p[1]}", (p[2], p[4]), textcoords="offset points", xytext=(5, -10), fontsize=7)
+        ax.annotate(f"N={p[1]}", (p[col["kl"]], p[col["reward"]]), textcoords="offset points", xytext=(-4, 6), fontsize=7, ha="right")
+    betas = list(dict.fromkeys(p[1] for p in points if p[0] == "ppo"))
+    for beta, color in zip(betas, plt.cm.winter(np.linspace(0, 0.9, len(betas))), strict=True):
+        rows = [p for p in points if p[0] == "ppo" and p[1] == beta]
+        ax.plot([p[col["kl"]] for p in rows], [p[col["reward"]] for p in rows], ".:", color=color, alpha=0.6)
+        errorbar(
+            ax,
+            rows[-1:],
+            "kl",
+            "reward",
+            fmt="s",
+            color=color,
+            label=f"PPO beta={beta}, after {rows[-1][col['iteration']]} iterations (+-1.96 SE)",
+        )
+        trusted = [p for p in rows if math.isfinite(p[col["kl_to_optimum"]])]
+        if trusted:
+            errorbar(meter, trusted, "iteration", "kl_to_optimum", fmt="s-", color=color, label=f"beta={beta}")
     ax.set_xlabel("KL(pi || pi_ref) (nats per response)")
     ax.set_ylabel("mean VADER score on the meter prompts")
     ax.set_title(f"SmolLM2-135M, {Path(args.config).name}: {args.prompts} prompts, pool {args.pool}/prompt", fontsize=10)
+    meter.axhline(0, color="black", lw=0.8)
+    meter.set_xlabel("PPO iteration (0: the reference)")
+    meter.set_ylabel("objective/kl_to_optimum = KL(pi || pi_beta) (nats)")
+    meter.set_title("the meter (+-1.96 SE; refused measurements left out)", fontsize=10)
+    if meter.has_data():
+        meter.legend(fontsize=7)
+    meter.grid(alpha=0.3)
     save_figure(fig, ax, args.out / "frontier_smollm2.png")
 
 
@@ -302,7 +365,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--betas", type=option_number(above=0), nargs="+", help="PPO betas (default: 0.25 0.5 1 2 exact; 0.1 0.3 1 smollm2)"
     )
     parser.add_argument(
-        "--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations per beta (default 100 exact, 20 smollm2)"
+        "--iterations",
+        type=option_number(integer=True, at_least=1),
+        help="PPO iterations per beta (default exact: 100 hand-made, 150 random tasks; smollm2 20)",
     )
     parser.add_argument(
         "--soft-n", type=option_number(integer=True, at_least=1), nargs="+", default=[4, 16], help="soft best-of-N sizes (default 4 16)"
@@ -328,7 +393,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size",
         type=option_number(integer=True, at_least=1),
-        help="responses per PPO iteration (exact, default 48) or prompts per iteration (smollm2, default 8)",
+        help="responses per PPO iteration (exact, default 48 hand-made, 384 random) or prompts per iteration (smollm2, default 8)",
     )
     parser.add_argument(
         "--bon", type=option_number(integer=True, at_least=1), nargs="+", default=[1, 2, 4, 8, 16], help="smollm2: best-of-N sizes"
@@ -343,6 +408,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--reward-max", type=option_number(), default=1.0, help="smollm2: upper bound of the reward (VADER: 1), for the meter's tail check"
     )
     parser.add_argument("--max-tail", type=option_number(above=0), default=0.25, help="the meter's max_tail (nats of log Z, default 0.25)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="smollm2: a LightningCLI argument for every PPO run, e.g. --override=--model.lr=1e-3",
+    )
+    parser.add_argument(
+        "--replot", action="store_true", help="smollm2: no training; the figure of --pool-from's best-of-N and --append's PPO rows"
+    )
+    parser.add_argument("--pool-from", help="smollm2: an earlier run's reference_pool.pt (its prompts and pool) instead of sampling one")
+    parser.add_argument(
+        "--append", action="append", default=[], help="smollm2: an earlier run's frontier_smollm2.csv whose PPO rows join the figure"
+    )
     parser.add_argument("--threads", type=option_number(integer=True, at_least=0), default=1, help="smollm2: torch threads")
     parser.add_argument(
         "--samples",
@@ -357,13 +435,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="runs/frontier", help="output folder")
     args = parser.parse_args(argv)
-    default_betas, default_iterations = ([0.25, 0.5, 1.0, 2.0], 100) if not args.smollm2 else ([0.1, 0.3, 1.0], 20)
+    # exact: None leaves the iterations to the task's kind (tools/optimum_check.py's TASK_SETTINGS)
+    default_betas, default_iterations = ([0.25, 0.5, 1.0, 2.0], None) if not args.smollm2 else ([0.1, 0.3, 1.0], 20)
     if args.meter_table:
         default_betas = [0.25, 1.0, 4.0]
     if args.fast:
         default_betas, default_iterations, args.soft_n = [0.5], 20, [4]
     args.betas = default_betas if args.betas is None else args.betas
     args.iterations = default_iterations if args.iterations is None else args.iterations
+    if args.replot:
+        if not (args.smollm2 and args.pool_from and args.append):
+            parser.error("--replot needs --smollm2, --pool-from and --append")
+        args.betas = []
     if args.smollm2 and max(args.bon) > args.pool:
         parser.error(f"--bon sizes must be <= --pool ({args.pool})")
     args.out = Path(args.out)
