@@ -52,6 +52,7 @@ class K1(KLEstimator):
 
     unbiased_as_reward = True
     unbiased_value = True
+    score_baseline = 1.0  # weighted in the loss: w k1 s, not w (k1 + 1) s (KLEstimator.score_baseline)
 
     def __call__(self, logprobs: Tensor, ref_logprobs: Tensor, logits=None, ref_logits=None) -> Tensor:
         return logprobs - ref_logprobs

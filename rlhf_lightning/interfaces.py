@@ -67,6 +67,10 @@ class KLEstimator(Plugin):
     # True when, as a per-token reward, its policy gradient (score function times return) is the
     # gradient of the KL: only the log-ratio k1 has this property.
     unbiased_as_reward: bool = False
+    # A constant b that the importance-weighted loss subtracts as b * w_t in its gradient only (the
+    # value is unchanged): E_old[grad w_t] = grad E_theta[1] = 0, so the mean gradient stays grad KL and
+    # a score term carrying no signal goes. k1: grad(w k1) = w (k1 + 1) s; b = 1 leaves w k1 s, k3's.
+    score_baseline: float = 0.0
 
     @abstractmethod
     def __call__(

@@ -241,7 +241,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     return LossStats(masked_mean(loss, mask), masked_mean(clipped, mask))
 
 
-def importance_weighted_kl(kl: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, ratio_gradient: bool = True) -> Tensor:
+def importance_weighted_kl(
+    kl: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, ratio_gradient: bool = True, score_baseline: float = 0.0
+) -> Tensor:
     """w_t * kl_t with the per-token importance ratio w_t = pi_theta(y_t) / pi_old(y_t), unclipped.
 
     The loss path samples y ~ pi_old; reweighting by w_t makes the expectation the current
@@ -261,10 +263,15 @@ def importance_weighted_kl(kl: Tensor, logprobs: Tensor, old_logprobs: Tensor, m
     Per token only: this is grad KL(pi_theta(.|s_t) || pi_ref(.|s_t)) at each visited state, not the
     gradient of the whole response's KL, which also charges y_t for the KL of the states it leads to.
     That sequence term is :func:`kl_to_go_loss` (the loss path) or the returns (the reward path).
+    With the ratio's gradient, ``score_baseline`` b (``KLEstimator.score_baseline``) takes b * grad w
+    off the gradient and nothing off the value: grad w = w s has mean 0 under pi_old, so the mean is
+    unchanged and, for k1 with b = 1, w (k1 + 1) s becomes w k1 s (k3's gradient, without its noise).
     Positions off ``mask`` are 0 (masked before exp, as in policy_loss).
     """
     ratio = masked_select(logprobs - old_logprobs, mask).exp()
-    return (ratio if ratio_gradient else ratio.detach()) * masked_select(kl, mask)
+    if not ratio_gradient:
+        return ratio.detach() * masked_select(kl, mask)
+    return ratio * masked_select(kl, mask) - score_baseline * (ratio - ratio.detach())
 
 
 def kl_to_go_loss(

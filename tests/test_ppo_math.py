@@ -517,6 +517,36 @@ def test_importance_weighted_kl_hand_example_value_and_both_gradients():
         assert grad.item() == pytest.approx(expected_grad, abs=1e-6)
 
 
+def test_k1s_score_baseline_leaves_its_value_and_gives_each_sample_k3s_gradient():
+    """k1 weighted in the loss with its score_baseline 1: the value is w k1 as before, and the gradient
+    of every sampled token is w k1 s, exactly k3's (grad(w k3) = w k1 s), where without the baseline
+    it is w (k1 + 1) s: the w s term, of mean 0, is the noise the baseline removes."""
+    from rlhf_lightning.registry import registry
+
+    k1, k3 = registry("kl_estimator").create("k1"), registry("kl_estimator").create("k3")
+    assert (k1.score_baseline, k3.score_baseline) == (1.0, 0.0)
+    g = torch.Generator().manual_seed(1)
+    theta = torch.randn(3, 5, 6, generator=g, dtype=torch.float64).requires_grad_()
+    old = torch.randn(3, 5, 6, generator=g, dtype=torch.float64).log_softmax(-1)
+    ref = torch.randn(3, 5, 6, generator=g, dtype=torch.float64).log_softmax(-1)
+    tokens = torch.randint(0, 6, (3, 5), generator=g)
+    mask = torch.ones(3, 5, dtype=torch.float64)
+
+    def weighted(estimator, baseline):  # the per-token loss at the sampled tokens, its gradient per token
+        logp = theta.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+        old_t, ref_t = (t.gather(-1, tokens[..., None])[..., 0] for t in (old, ref))
+        loss = pm.importance_weighted_kl(estimator(logp, ref_t), logp, old_t, mask, True, baseline)
+        grads = [torch.autograd.grad(loss[i, t], theta, retain_graph=True)[0] for i in range(3) for t in range(5)]
+        return loss.detach(), torch.stack(grads)
+
+    value_b, grad_b = weighted(k1, k1.score_baseline)
+    value_0, grad_0 = weighted(k1, 0.0)
+    _, grad_k3 = weighted(k3, 0.0)
+    torch.testing.assert_close(value_b, value_0)  # the value is untouched
+    torch.testing.assert_close(grad_b, grad_k3)  # sample by sample, k3's gradient
+    assert (grad_0 - grad_k3).abs().max() > 0.1  # without it, the extra w s
+
+
 def test_importance_weighted_kl_is_zero_and_finite_off_the_mask():
     logp = torch.tensor([[-1.0, 0.0]], requires_grad=True)
     old = torch.tensor([[-1.0, -200.0]])  # exp(200) at the padded position would overflow float32
@@ -540,10 +570,11 @@ def test_importance_weighted_value_unbiased_estimators_have_the_exact_kl_gradien
     ref = torch.randn(2, 7, generator=g, dtype=torch.float64).log_softmax(-1)
     logp = theta.log_softmax(-1)
     (exact,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)
-    logp = theta.log_softmax(-1)
-    weighted = pm.importance_weighted_kl(estimator(logp, ref), logp, old, torch.ones(2, 7))
-    (grad,) = torch.autograd.grad((old.exp() * weighted).sum(), theta)
-    torch.testing.assert_close(grad, exact)
+    for baseline in (0.0, estimator.score_baseline, 3.0):  # any constant b * grad w has mean 0 under pi_old
+        logp = theta.log_softmax(-1)
+        weighted = pm.importance_weighted_kl(estimator(logp, ref), logp, old, torch.ones(2, 7), True, baseline)
+        (grad,) = torch.autograd.grad((old.exp() * weighted).sum(), theta)
+        torch.testing.assert_close(grad, exact)
     # Unweighted, the same samples from pi_old give another gradient (k1: E_old[grad log pi] != 0).
     (unweighted,) = torch.autograd.grad((old.exp() * estimator(theta.log_softmax(-1), ref)).sum(), theta)
     assert (unweighted - exact).abs().max() > 0.05
