@@ -513,8 +513,8 @@ class PPORLHF(PolicyNetworks, LightningModule):
             # The ratio corrects the sampling of y_t (full sums over the vocabulary: none); its gradient
             # only where no reward carries k's score term.
             if hp.kl_loss_weighting == "importance" and self._kl_reads_sampled_token:
-                baseline = self.kl_estimator.score_baseline
-                kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs, kl_mask, hp.kl_penalty == "loss", baseline)
+                ratio_gradient, baseline = hp.kl_penalty == "loss", self.kl_estimator.score_baseline
+                kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs, kl_mask, ratio_gradient, baseline)
             # The KL still to come after each token (ppo_math.kl_to_go_loss) from the log-ratio's values (unbiased,
             # light-tailed; full's exact ones), a group baseline on the KL's score terms. 'both': in the returns.
             if hp.kl_penalty == "loss" and hp.kl_loss_scope == "sequence":
