@@ -134,6 +134,25 @@ def test_matrix_cells_leave_out_what_cannot_differ_or_is_refused():
     assert len(cells("--task", "random:1")) == 6  # the random tasks' default: k1 k3 x reward loss x importance
 
 
+def test_random_task_cells_take_the_same_optimizer_steps_at_every_epoch_count(capsys):
+    """A random task's cells take 8 AdamW steps per iteration whatever their PPO epochs (8 minibatches at one
+    epoch, 2 at four), a hand-made task's 2 minibatches per epoch; --updates that the epochs do not divide is
+    refused before any training, naming the option."""
+    import optimum_check
+
+    def minibatches(task, epochs, *argv):
+        args = optimum_check.parse_args(["--task", task, "--ppo-epochs", str(epochs), *argv])
+        return optimum_check.num_minibatches(optimum_check.task_settings(args, task), epochs)
+
+    assert [minibatches("random:3", e) for e in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert [minibatches("terminal", e) for e in (1, 4)] == [2, 2]
+    assert minibatches("random:3", 2, "--updates", "12") == 6
+    with pytest.raises(SystemExit) as exit_info:
+        optimum_check.parse_args(["--matrix", "--task", "random:1", "--epochs", "1", "3"])
+    assert exit_info.value.code == 2
+    assert "--updates: 8 optimizer steps per iteration of task random:1 are not a multiple of 3 PPO epochs" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------- convergence (minutes)
 # (advantage, overrides of the k3-in-the-loss settings, bound on the gap after 150 iterations of 192
 # responses, 4 epochs). Measured 2026-11-25: 0.0038, 0.0138, 0.0234 (0.0213 after 300 iterations: the
