@@ -41,6 +41,7 @@ import torch
 from lightning import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from rlhf_lightning import args, checkpoints, cpu, gpu, sampling
@@ -470,22 +471,30 @@ class PPORLHF(PolicyNetworks, LightningModule):
         weights = self.loss_aggregation.weights(rollout.mask[minibatch], self.hparams.max_new_tokens, self._reduce)
         weights = weights * self.trainer.world_size
         micro_batches = list(zip(minibatch.split(size), weights.split(size), strict=True))
+        # A separate critic's graph shares no tensor with the policy's: a backward pass of its own, first,
+        # gives the same gradients and under FSDP2 frees its root unit (gathered weights, full gradient),
+        # which FSDP2 reshards only when a pass ends, before the policy's backward. Not under DDP,
+        # whose reducer expects every parameter's gradient in each pass.
+        apart = not self._shared_critic and not isinstance(self.trainer.model, DistributedDataParallel)
         for i, (idx, micro_weights) in enumerate(micro_batches):
             with self._no_grad_sync(last=i == len(micro_batches) - 1):
-                loss = self.ppo_loss(rollout, advantages, returns, idx, kl_coef, micro_weights)
+                policy_loss, value_loss = self.ppo_loss(rollout, advantages, returns, idx, kl_coef, micro_weights)
+                loss = policy_loss if value_loss is None else policy_loss + value_loss
                 if self._any_rank(not torch.isfinite(loss)):
                     self.nonfinite_terms = nonfinite_terms(self._loss_terms, loss)
                     return False
-                self.manual_backward(loss)
+                for part in (value_loss, policy_loss) if apart and value_loss is not None else (loss,):
+                    self.manual_backward(part)
         return True
 
     def ppo_loss(
         self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, kl_coef: Tensor, weights: Tensor
-    ) -> Tensor:
-        """On the rows ``idx``: the policy loss (+ vf_coef * clipped value loss with a critic)
-        (+ kl_coef * KL in the loss) (- entropy bonus), each per-token term summed with ``weights``.
-        The critic (gae) learns the returns of the reward alone when the KL is in the loss: the
-        KL's future is carried by the loss's sequence term, not by the values."""
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """On the rows ``idx``: the policy loss (+ kl_coef * KL in the loss) (- entropy bonus), and
+        apart vf_coef * the clipped value loss with a critic (else None), each per-token term summed
+        with ``weights``; the loss trained is their sum. The critic (gae) learns the returns of the
+        reward alone when the KL is in the loss: the KL's future is carried by the loss's sequence
+        term, not by the values."""
         hp = self.hparams
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
         response_len = rollout.response.shape[1]
@@ -501,9 +510,10 @@ class PPORLHF(PolicyNetworks, LightningModule):
             "policy/clipfrac": pm.masked_mean(clipped, mask),
             "policy/approxkl": pm.approx_kl(logprobs, old_logprobs, mask),
         }
+        value_loss = None
         if values is not None:
             vf = pm.value_loss_terms(values, rollout.old_values[idx], returns[idx], mask, hp.cliprange_value)
-            loss = loss + hp.vf_coef * (weights * vf.loss).sum()
+            value_loss = hp.vf_coef * (weights * vf.loss).sum()
             stats.update({"value/loss": pm.masked_mean(vf.loss, mask), "value/clipfrac": pm.masked_mean(vf.clipped, mask)})
         if hp.kl_penalty in ("loss", "both"):
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
@@ -531,7 +541,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         self._loss_terms = stats  # named in the fault when the loss is not finite
         for name, value in stats.items():
             self.update_stats[name.replace("/", "__")].update(value.detach().float())
-        return loss
+        return loss, value_loss
 
     # ------------------------------------------------------------------ pieces
     def setup(self, stage: str) -> None:

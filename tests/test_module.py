@@ -242,6 +242,36 @@ def test_gradient_accumulation_equals_one_big_minibatch(tmp_path, policy_loss, a
     assert torch.allclose(grads[1], grads[4], atol=1e-6, rtol=1e-4)
 
 
+def _gradients_and_backward_passes(tmp_path, summed: bool) -> tuple[list[torch.Tensor], int]:
+    """One iteration with a separate critic: each optimizer step's gradients and the backward
+    passes run; ``summed`` folds the value loss into the policy's (one backward pass of the sum)."""
+    recorder, passes = _GradRecorder(), []
+    module = make_module(critic="separate", num_minibatches=2, gradient_accumulation_steps=2, kl_penalty="both")
+    ppo_loss, manual_backward = module.ppo_loss, module.manual_backward
+    if summed:
+
+        def summed_loss(*args):
+            policy_loss, value_loss = ppo_loss(*args)
+            return policy_loss + value_loss, None
+
+        module.ppo_loss = summed_loss
+    module.manual_backward = lambda loss: (passes.append(loss), manual_backward(loss))
+    fit(module, tmp_path, iterations=1, callbacks=[recorder])
+    return recorder.grads, len(passes)
+
+
+def test_a_separate_critics_own_backward_pass_gives_the_gradients_of_the_summed_loss(tmp_path):
+    """A separate critic's value loss is backpropagated on its own, before the policy's loss (under
+    FSDP2 that frees the critic's root unit first: docs/distributed.md): every optimizer step's
+    gradients are, bit for bit, those of one backward pass of the sum, over two epochs of two
+    minibatches of two accumulated micro-batches each."""
+    apart, passes = _gradients_and_backward_passes(tmp_path, summed=False)
+    summed, summed_passes = _gradients_and_backward_passes(tmp_path, summed=True)
+    assert (passes, summed_passes) == (16, 8)  # 2 epochs x 2 minibatches x 2 micro-batches
+    assert len(apart) == 4 and apart[0].abs().sum() > 0
+    assert all(torch.equal(a, b) for a, b in zip(apart, summed, strict=True))
+
+
 def test_kl_as_loss_with_full_estimator(tmp_path):
     module = make_module(kl_penalty="loss", kl_estimator="full", whiten_advantages=False)
     _, history = fit(module, tmp_path, iterations=2)
