@@ -671,7 +671,7 @@ def expected_train(
             group["lr"] = lr * (1.0 - (1.0 - lr_final) * iteration / max(iterations - 1, 1))
         rows_all = torch.arange(len(input_ids))
         for _ in range(module.hparams.ppo_epochs * num_minibatches):
-            loss, _ = module.ppo_loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)  # rloo: no critic
+            loss = module.ppo_loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
