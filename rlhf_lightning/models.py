@@ -449,10 +449,12 @@ class PolicyNetworks:
         """``logits / temperature``, without a copy of the full-vocabulary tensor at temperature 1."""
         return logits if self.hparams.temperature == 1 else logits / self.hparams.temperature
 
-    def policy_outputs(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Optional[Tensor]]:
+    def policy_outputs(
+        self, input_ids: Tensor, attention_mask: Tensor, response_len: int, critic: bool = True
+    ) -> tuple[Tensor, Optional[Tensor]]:
         """Policy logits and critic values V(s_t) before each response token, (batch, response_len);
-        values are None without a critic."""
-        if self.critic is None:
+        values are None without a critic, and a separate critic's when not ``critic``."""
+        if self.critic is None or not (critic or self._shared_critic):
             return self.response_logits(self.policy, input_ids, attention_mask, response_len), None
         if self._shared_critic:  # one forward pass gives both
             logits, hidden = self.response_logits(self.policy, input_ids, attention_mask, response_len, True)

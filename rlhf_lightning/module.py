@@ -35,12 +35,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, Optional, TypedDict, Union
 
 import torch
 from lightning import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from rlhf_lightning import args, checkpoints, cpu, gpu, sampling
@@ -472,24 +474,28 @@ class PPORLHF(PolicyNetworks, LightningModule):
         micro_batches = list(zip(minibatch.split(size), weights.split(size), strict=True))
         for i, (idx, micro_weights) in enumerate(micro_batches):
             with self._no_grad_sync(last=i == len(micro_batches) - 1):
-                loss = self.ppo_loss(rollout, advantages, returns, idx, kl_coef, micro_weights)
-                if self._any_rank(not torch.isfinite(loss)):
-                    self.nonfinite_terms = nonfinite_terms(self._loss_terms, loss)
-                    return False
-                self.manual_backward(loss)
+                losses = [partial(self.ppo_loss, rollout, advantages, returns, idx, kl_coef, micro_weights)]
+                losses += [partial(self.value_loss, rollout, returns, idx, micro_weights)] if self._critic_apart else []
+                for loss_of in losses:  # the policy's forward and backward, then a separate critic's
+                    loss = loss_of()
+                    if self._any_rank(not torch.isfinite(loss)):
+                        self.nonfinite_terms = nonfinite_terms(self._loss_terms, loss)
+                        return False
+                    self.manual_backward(loss)
         return True
 
     def ppo_loss(
         self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, kl_coef: Tensor, weights: Tensor
     ) -> Tensor:
-        """On the rows ``idx``: the policy loss (+ vf_coef * clipped value loss with a critic)
-        (+ kl_coef * KL in the loss) (- entropy bonus), each per-token term summed with ``weights``.
-        The critic (gae) learns the returns of the reward alone when the KL is in the loss: the
-        KL's future is carried by the loss's sequence term, not by the values."""
+        """On the rows ``idx``: the policy loss (+ ``value_loss`` with a critic, unless it is
+        ``_critic_apart``) (+ kl_coef * KL in the loss) (- entropy bonus), each per-token term summed
+        with ``weights``. The critic (gae) learns the returns of the reward alone when the KL is in
+        the loss: the KL's future is carried by the loss's sequence term, not by the values."""
         hp = self.hparams
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
         response_len = rollout.response.shape[1]
-        logits, values = self.policy_outputs(input_ids, attention_mask, response_len)
+        self._loss_terms = {}  # this micro-batch's logged terms, named in the fault when a loss is not finite
+        logits, values = self.policy_outputs(input_ids, attention_mask, response_len, critic=not self._critic_apart)
         logits = sampling.restrict(logits, None if rollout.kept is None else rollout.kept[idx])
         logprobs, old_logprobs = pm.logprobs_of(logits, rollout.response[idx]), rollout.old_logprobs[idx]
         pg_loss, clipped = self.policy_loss(logprobs, old_logprobs, advantages[idx], mask)
@@ -502,9 +508,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
             "policy/approxkl": pm.approx_kl(logprobs, old_logprobs, mask),
         }
         if values is not None:
-            vf = pm.value_loss_terms(values, rollout.old_values[idx], returns[idx], mask, hp.cliprange_value)
-            loss = loss + hp.vf_coef * (weights * vf.loss).sum()
-            stats.update({"value/loss": pm.masked_mean(vf.loss, mask), "value/clipfrac": pm.masked_mean(vf.clipped, mask)})
+            loss = loss + self.value_loss(rollout, returns, idx, weights, values)
         if hp.kl_penalty in ("loss", "both"):
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
             kl_mask = self.kl_mask(rollout.response[idx], mask)
@@ -528,10 +532,25 @@ class PPORLHF(PolicyNetworks, LightningModule):
             entropy = pm.masked_select(pm.entropy_of(logits), mask)
             loss = loss - self.entropy_controller.beta * (weights * entropy).sum()
             stats["policy/entropy"] = pm.masked_mean(entropy, mask)
-        self._loss_terms = stats  # named in the fault when the loss is not finite
-        for name, value in stats.items():
-            self.update_stats[name.replace("/", "__")].update(value.detach().float())
+        self._record_terms(stats)
         return loss
+
+    def value_loss(self, rollout: Rollout, returns: Tensor, idx: Tensor, weights: Tensor, values: Optional[Tensor] = None) -> Tensor:
+        """On the rows ``idx``: vf_coef * the clipped value loss, each per-token term summed with
+        ``weights``, of ``values`` (a shared critic's, from the policy's forward) or of a forward of
+        the separate critic."""
+        mask, response_len = rollout.mask[idx], rollout.response.shape[1]
+        if values is None:
+            values = self._critic_values(rollout.input_ids[idx], rollout.attention_mask[idx], response_len)
+        vf = pm.value_loss_terms(values, rollout.old_values[idx], returns[idx], mask, self.hparams.cliprange_value)
+        self._record_terms({"value/loss": pm.masked_mean(vf.loss, mask), "value/clipfrac": pm.masked_mean(vf.clipped, mask)})
+        return self.hparams.vf_coef * (weights * vf.loss).sum()
+
+    def _record_terms(self, terms: dict[str, Tensor]) -> None:
+        """A loss's logged terms: into the iteration's update statistics, and kept for a fault's message."""
+        self._loss_terms.update(terms)
+        for name, value in terms.items():
+            self.update_stats[name.replace("/", "__")].update(value.detach().float())
 
     # ------------------------------------------------------------------ pieces
     def setup(self, stage: str) -> None:
@@ -581,6 +600,16 @@ class PPORLHF(PolicyNetworks, LightningModule):
             for opt in self.trainer.optimizers:
                 for param in [p for p in opt.state if p in policy_params]:
                     del opt.state[param]
+
+    @property
+    def _critic_apart(self) -> bool:
+        """A separate critic's value loss is a forward and backward pass of its own, after the policy's
+        (the graphs share no tensor: the gradients are those of the sum): FSDP2 frees a root unit's
+        gathered weights and full gradient only when a backward pass ends, so neither model's root
+        nor activations are then held through the other's backward. Not under DDP, whose reducer
+        expects every parameter's gradient in each pass, nor without a trainer."""
+        ddp = isinstance(getattr(self._trainer, "model", None), DistributedDataParallel)
+        return self.critic is not None and not self._shared_critic and self._trainer is not None and not ddp
 
     @property
     def _kl_in_reward(self) -> bool:

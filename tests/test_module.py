@@ -242,6 +242,30 @@ def test_gradient_accumulation_equals_one_big_minibatch(tmp_path, policy_loss, a
     assert torch.allclose(grads[1], grads[4], atol=1e-6, rtol=1e-4)
 
 
+def _gradients_and_backward_passes(tmp_path, monkeypatch, apart: bool) -> tuple[list[torch.Tensor], int]:
+    """One iteration with a separate critic: each optimizer step's gradients and the backward
+    passes run; without ``apart`` the value loss is in the policy's (one backward pass of the sum)."""
+    monkeypatch.setattr(PPORLHF, "_critic_apart", property(lambda self: apart))
+    recorder, passes = _GradRecorder(), []
+    module = make_module(critic="separate", num_minibatches=2, gradient_accumulation_steps=2, kl_penalty="both")
+    manual_backward = module.manual_backward
+    module.manual_backward = lambda loss: (passes.append(loss), manual_backward(loss))
+    fit(module, tmp_path, iterations=1, callbacks=[recorder])
+    return recorder.grads, len(passes)
+
+
+def test_a_separate_critics_own_backward_pass_gives_the_gradients_of_the_summed_loss(tmp_path, monkeypatch):
+    """A separate critic's value loss is a forward and backward pass of its own, after the policy's
+    (under FSDP2 no root unit of one model is then held through the other's backward:
+    docs/distributed.md): every optimizer step's gradients are, bit for bit, those of one backward
+    pass of the sum, over two epochs of two minibatches of two accumulated micro-batches each."""
+    apart, passes = _gradients_and_backward_passes(tmp_path, monkeypatch, apart=True)
+    summed, summed_passes = _gradients_and_backward_passes(tmp_path, monkeypatch, apart=False)
+    assert (passes, summed_passes) == (16, 8)  # 2 epochs x 2 minibatches x 2 micro-batches
+    assert len(apart) == 4 and apart[0].abs().sum() > 0
+    assert all(torch.equal(a, b) for a, b in zip(apart, summed, strict=True))
+
+
 def test_kl_as_loss_with_full_estimator(tmp_path):
     module = make_module(kl_penalty="loss", kl_estimator="full", whiten_advantages=False)
     _, history = fit(module, tmp_path, iterations=2)
