@@ -34,9 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
 from functools import partial
-from typing import Literal, Optional, TypedDict, Union
+from typing import Literal, Optional, Union
 
 import torch
 from lightning import LightningModule
@@ -61,33 +60,12 @@ from rlhf_lightning.interfaces import (
     RolloutEngine,
 )
 from rlhf_lightning.models import PolicyNetworks, ValueModel, load_tokenizer
-from rlhf_lightning.rollout import Rollout
+from rlhf_lightning.rollout import IterationOutputs, Rollout, Scored
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss", "policy/entropy")
-
-
-@dataclass
-class Scored:
-    """The score phase's results. Per-token tensors are (batch, response_len); per-response (batch,)."""
-
-    kl: Tensor  # the penalised per-token KL estimate, zero off the KL mask
-    raw_scores: Optional[Tensor]  # r_RM as the backend returned it (None when the backend faulted)
-    scores: Optional[Tensor] = None  # r_RM shaped for training (missing-EOS penalty, normalisation, clip)
-    rewards: Optional[Tensor] = None  # R_t = r_RM * 1[t = T] - beta * kl_t (the KL only when it is in the reward)
-    fault: Optional[str] = None  # why the iteration is skipped: a non-finite reward or KL on some rank
-
-
-class IterationOutputs(TypedDict):
-    """What ``training_step`` returns: callbacks receive it as ``outputs`` in ``on_train_batch_end``."""
-
-    rollout: Rollout
-    kl: Tensor  # (batch, response_len), as in Scored
-    scores: Optional[Tensor]  # r_RM per response, as the backend returned it
-    metrics: dict[str, float]  # the iteration's logged metrics; empty for a skipped iteration
-    skipped: bool  # skipped for a fault (non-finite reward or KL): no update, no metrics
 
 
 class PPORLHF(PolicyNetworks, LightningModule):

@@ -1,4 +1,5 @@
-"""What one PPO iteration learns from: the rollout's tensors (``PPORLHF.rollout`` builds them).
+"""What one PPO iteration learns from: the rollout's tensors (``PPORLHF.rollout`` builds them), what
+scoring makes of them (``PPORLHF.score``) and what the iteration hands its callbacks.
 
 Every distribution in it is the declared one of ``rlhf_lightning.sampling``: tempered, restricted to
 the sampler's kept set.
@@ -7,7 +8,7 @@ the sampler's kept set.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, TypedDict
 
 from torch import Tensor
 
@@ -39,3 +40,24 @@ class Rollout:
     @property
     def prompt_len(self) -> int:
         return self.input_ids.shape[1] - self.response.shape[1]
+
+
+@dataclass
+class Scored:
+    """The score phase's results. Per-token tensors are (batch, response_len); per-response (batch,)."""
+
+    kl: Tensor  # the penalised per-token KL estimate, zero off the KL mask
+    raw_scores: Optional[Tensor]  # r_RM as the backend returned it (None when the backend faulted)
+    scores: Optional[Tensor] = None  # r_RM shaped for training (missing-EOS penalty, normalisation, clip)
+    rewards: Optional[Tensor] = None  # R_t = r_RM * 1[t = T] - beta * kl_t (the KL only when it is in the reward)
+    fault: Optional[str] = None  # why the iteration is skipped: a non-finite reward or KL on some rank
+
+
+class IterationOutputs(TypedDict):
+    """What ``training_step`` returns: callbacks receive it as ``outputs`` in ``on_train_batch_end``."""
+
+    rollout: Rollout
+    kl: Tensor  # (batch, response_len), as in Scored
+    scores: Optional[Tensor]  # r_RM per response, as the backend returned it
+    metrics: dict[str, float]  # the iteration's logged metrics; empty for a skipped iteration
+    skipped: bool  # skipped for a fault (non-finite reward or KL): no update, no metrics
