@@ -153,6 +153,19 @@ def test_random_task_cells_take_the_same_optimizer_steps_at_every_epoch_count(ca
     assert "--updates: 8 optimizer steps per iteration of task random:1 are not a multiple of 3 PPO epochs" in capsys.readouterr().err
 
 
+def test_critic_free_cells_sample_the_tasks_group_size_unless_told():
+    """Without a critic a random task's cells sample 8 responses per prompt, a hand-made task's 4, gae 1;
+    --num-generations overrides each."""
+    import optimum_check
+
+    def group(task, advantage, *argv):
+        args = optimum_check.parse_args(["--task", task, *argv])
+        return optimum_check.advantage_settings(args, advantage, optimum_check.task_settings(args, task))["num_generations"]
+
+    assert [group("random:4", "rloo"), group("terminal", "rloo"), group("random:4", "gae")] == [8, 4, 1]
+    assert [group("random:4", "rloo", "--num-generations", "2"), group("random:4", "gae", "--num-generations", "2")] == [2, 2]
+
+
 # ---------------------------------------------------------------------- convergence (minutes)
 # (advantage, overrides of the k3-in-the-loss settings, bound on the gap after 150 iterations of 192
 # responses, 4 epochs). Measured 2026-11-25: 0.0038, 0.0138, 0.0234 (0.0213 after 300 iterations: the
