@@ -2,7 +2,7 @@
 
 Every speed figure depends on the instruction set the matrix kernels run: oneDNN (``model.cpu_linear``)
 and MKL (PyTorch's own ``linear``) each pick the widest the CPU has (MKL only on Intel CPUs; on
-AMD it runs AVX2), and ATen's vectorised ops (softmax, norms, AdamW) are built for several and
+AMD it runs AVX2 at most, and its banner names no instruction set: "Intel(R) Architecture processors"), and ATen's vectorised ops (softmax, norms, AdamW) are built for several and
 dispatch at start-up. The speed tools (``bench.py``, ``compare_trl.py``, ``decode_bench.py``) print
 one line saying what each chose, read from the libraries' own verbose output in a probe process
 with the tool's environment:
