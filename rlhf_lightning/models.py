@@ -453,8 +453,8 @@ class PolicyNetworks:
         self, input_ids: Tensor, attention_mask: Tensor, response_len: int, critic: bool = True
     ) -> tuple[Tensor, Optional[Tensor]]:
         """Policy logits and critic values V(s_t) before each response token, (batch, response_len);
-        values are None without a critic, and a separate critic's when not ``critic``."""
-        if self.critic is None or not (critic or self._shared_critic):
+        values are None without a critic or when not ``critic`` (the caller runs a separate critic apart)."""
+        if self.critic is None or not critic:
             return self.response_logits(self.policy, input_ids, attention_mask, response_len), None
         if self._shared_critic:  # one forward pass gives both
             logits, hidden = self.response_logits(self.policy, input_ids, attention_mask, response_len, True)
