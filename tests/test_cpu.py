@@ -100,33 +100,41 @@ def test_auto_resolves_to_onednn_where_available():
 
 
 _STEPS = """
-import resource, sys, torch
+import ctypes, sys, torch
 from rlhf_lightning import cpu
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
 if sys.argv[1] == "tuned":
     assert cpu.tune_malloc()
-faults = []
-for _ in range(6):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+before, mmapped = mallinfo2().hblkhd, 0
+for _ in range(3):
     for mb in (1, 3, 8, 20):  # a training step's tensors of a few MB: made, used, freed
         y = torch.ones(mb << 18) * 2
-        z = y + 1
-        del y, z
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(sum(faults[2:]))  # the steady state: rounds 3-6
+        mmapped = max(mmapped, mallinfo2().hblkhd - before)
+        del y
+print(mmapped >> 20, mallinfo2().fordblks >> 20)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_tuned_malloc_reuses_freed_memory_without_page_faults():
-    """Rounds of 1-20 MB tensors made and freed: glibc's own settings hand most of them to a fresh
-    mmap or a trimmed heap each round (one page fault per 4 KB written: 5-15k a round here),
-    the tuned malloc reuses the freed heap (0 after the first rounds)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    faults = {
-        mode: int(subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, env=env, check=True).stdout)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and mallinfo2")
+def test_tuned_malloc_serves_step_sized_tensors_from_the_heap_and_keeps_them_freed_there():
+    """Rounds of 1-20 MB tensors made and freed, glibc's own counters (mallinfo2) read between:
+    with its own settings glibc hands the 20 MB tensor to a fresh mmap (returned to the system on
+    free, so its pages fault in again next time); tuned, no tensor is mmapped and the freed memory
+    stays in the heap, free for the next step (the memory behind docs/performance.md's fault counts).
+    Page faults themselves are not counted here: on these virtual machines they varied from run to
+    run, in both modes, with what else the machine did (2026-11-27)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    (default_mmapped, _), (tuned_mmapped, tuned_free) = (
+        map(int, subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True, env=env, check=True).stdout.split())
         for mode in ("default", "tuned")
-    }
-    assert faults["default"] > 10000 and faults["tuned"] < faults["default"] / 10, faults
+    )
+    assert default_mmapped >= 20, default_mmapped  # MB: the 20 MB tensor, mmapped
+    assert tuned_mmapped == 0 and tuned_free >= 20, (tuned_mmapped, tuned_free)
 
 
 def test_module_refuses_unknown_kernel_and_malloc_choices_naming_the_field():

@@ -81,12 +81,17 @@ def straight(tmp_path_factory):
     return read_scalars(str(root / "lightning_logs" / "tiny" / "version_0")), read_prompts(root / "prompts.jsonl")
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
     """Every command here runs with one OpenMP thread: exact reproduction is promised for the same
     machine and thread count, and with two threads the lora-ema resume differed from the straight
-    run by 1e-7 in the KL in some runs (2026-11-25), a reduction split differently between threads."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run by 1e-7 in the KL in some runs (2026-11-25), a reduction split differently between threads.
+    Module-scoped, so that it is set before the module-scoped ``straight`` run too: as a function's
+    fixture it came after it, the straight run took two threads and the SIGTERM test's KL differed
+    from it by 1e-7 (2026-11-27)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        yield
 
 
 def read_prompts(path) -> list[list[str]]:
