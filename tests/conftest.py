@@ -1,10 +1,14 @@
 import os
 
-import pytest
-import torch
-
+# One OpenMP thread per process unless the caller says otherwise, set before torch loads: the suite
+# runs in two pytest-xdist workers (the README's -n 2), each starting CLI runs of tiny models, and
+# more threads than cores only spin on each other (the tests that need threads set them).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
 
 
 @pytest.fixture(scope="session")

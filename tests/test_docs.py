@@ -21,7 +21,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN_COMMAND = "bash tools/setup.sh && .venv/bin/rlhf-lightning fit --config configs/quickstart.yaml"
 TEST_COMMAND = (
     "bash tools/setup.sh && .venv/bin/ruff check . && .venv/bin/ruff format --check . && "
-    '.venv/bin/python -m pytest -m "not slow and not convergence" -q'
+    '.venv/bin/python -m pytest -n 2 -m "not slow and not convergence" -q'
 )
 
 
@@ -101,7 +101,7 @@ def test_the_readme_shows_the_two_commands_exactly():
     assert RUN_COMMAND in [b.strip() for b in blocks]
     assert TEST_COMMAND in [b.strip() for b in blocks]
     readme = (ROOT / "README.md").read_text()
-    assert '.venv/bin/python -m pytest -m "convergence and not slow" -q' in readme
+    assert '.venv/bin/python -m pytest -n 2 -m "convergence and not slow" -q' in readme
     assert "[Metrics](docs/metrics.md)" in readme
 
 
