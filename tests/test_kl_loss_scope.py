@@ -166,6 +166,17 @@ def test_critic_free_cells_sample_the_tasks_group_size_unless_told():
     assert [group("random:4", "rloo", "--num-generations", "2"), group("random:4", "gae", "--num-generations", "2")] == [2, 2]
 
 
+def test_random_task_cells_end_at_a_fiftieth_of_the_lr_unless_told():
+    """The lr decays to 1/50 on random tasks (a per-token cell's end point moves at first order with the noise
+    it ends with), to 1/10 on hand-made ones; --lr-final overrides both."""
+    import optimum_check
+
+    def final(task, *argv):
+        return optimum_check.task_settings(optimum_check.parse_args(["--task", task, *argv]), task)["lr_final"]
+
+    assert [final("random:2"), final("terminal"), final("random:2", "--lr-final", "0.5")] == [0.02, 0.1, 0.5]
+
+
 # ---------------------------------------------------------------------- convergence (minutes)
 # (advantage, overrides of the k3-in-the-loss settings, bound on the gap after 150 iterations of 192
 # responses, 4 epochs). Measured 2026-11-25: 0.0038, 0.0138, 0.0234 (0.0213 after 300 iterations: the
