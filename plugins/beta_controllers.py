@@ -1,6 +1,6 @@
 """Built-in beta controllers: how the KL coefficient beta moves with the observed KL.
 
-``fixed`` keeps it; ``adaptive`` (Ziegler et al., 2019) and ``band`` scale it toward a KL target;
+``fixed`` keeps it; ``anneal`` moves it on a schedule from one value to another; ``adaptive`` (Ziegler et al., 2019) and ``band`` scale it toward a KL target;
 from control theory, ``pid`` steers log(beta) with a PID controller and ``dual`` treats beta as the
 Lagrange multiplier of the hard constraint KL <= target.
 """
@@ -50,6 +50,38 @@ class FixedBeta(BetaController):
 
     def update(self, observed_kl: float, n_samples: int) -> float:
         return self.beta
+
+
+@register("beta_controller", "anneal", description="a schedule: beta moves geometrically from init_beta to final_beta, then stays")
+class AnnealedBeta(BetaController):
+    """A schedule, blind to the KL: after the i-th update beta = init_beta * (final_beta / init_beta) **
+    min(i / iterations, 1), so it reaches ``final_beta`` after ``iterations`` iterations and stays there.
+
+    What it is for: a run whose optimum at ``final_beta`` puts its mass on responses the reference
+    almost never samples can stall short of it (a mode the sampler stopped visiting: docs/results.md,
+    "The reward-KL frontier", random:3 at beta 0.5). Starting at a larger beta keeps the policy near the
+    optimum of that beta, which still samples them, and lowering beta moves that optimum continuously
+    toward the one wanted. The objective of the run's end is that of ``final_beta``."""
+
+    def __init__(self, init_beta: float = 1.0, final_beta: float = 0.1, iterations: int = 100, unit: KLUnit = "sequence_sum") -> None:
+        super().__init__(init_beta, unit)
+        require_number("beta_controller.init_beta", init_beta, above=0)  # the geometric path needs both ends > 0
+        require_number("beta_controller.final_beta", final_beta, above=0)
+        require_number("beta_controller.iterations", iterations, integer=True, at_least=1)
+        self.init_beta, self.final_beta, self.iterations = float(init_beta), float(final_beta), int(iterations)
+        self.updates = 0
+
+    def update(self, observed_kl: float, n_samples: int) -> float:
+        self.updates += 1
+        self.beta = self.init_beta * (self.final_beta / self.init_beta) ** min(self.updates / self.iterations, 1.0)
+        return self.beta
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.updates = int(state["updates"])
 
 
 @register("beta_controller", "adaptive", description="Ziegler et al. (2019) proportional controller toward a KL target")

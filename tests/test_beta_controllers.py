@@ -108,6 +108,28 @@ def test_fixed_never_changes():
 
 
 # ---------------------------------------------------------------------------------------------
+# anneal
+
+
+def test_anneal_follows_its_geometric_schedule_whatever_the_kl_and_then_stays():
+    """init 2, final 0.5, over 4 iterations: beta = 2 * 0.25 ** (i / 4) after update i, by hand
+    2 * 0.25**0.25 = sqrt(2) = 1.41421, 2 * 0.25**0.5 = 1, 2 * 0.25**0.75 = 0.70711, then 0.5 for ever."""
+    ctrl = controller("anneal", init_beta=2.0, final_beta=0.5, iterations=4)
+    assert ctrl.beta == 2.0
+    assert run(ctrl, [0.0, 1e6, -3.0, 6.0, 1.0, 50.0], n_samples=64) == pytest.approx([2**0.5, 1.0, 0.5**0.5, 0.5, 0.5, 0.5])
+    rising = controller("anneal", init_beta=0.1, final_beta=0.4, iterations=2)
+    assert run(rising, [1.0, 1.0, 1.0]) == pytest.approx([0.2, 0.4, 0.4])
+
+
+def test_anneal_resumes_where_its_schedule_was():
+    a = controller("anneal", init_beta=1.0, final_beta=0.01, iterations=4)
+    run(a, [1.0, 1.0])
+    b = controller("anneal", init_beta=1.0, final_beta=0.01, iterations=4)
+    b.load_state_dict(a.state_dict())
+    assert b.beta == pytest.approx(0.1) and run(b, [1.0, 1.0, 1.0]) == pytest.approx([0.01**0.75, 0.01, 0.01])
+
+
+# ---------------------------------------------------------------------------------------------
 # state_dict round trip, validation
 
 
@@ -151,6 +173,10 @@ def test_state_dict_round_trip(name, kwargs):
         ("fixed", {"unit": "tokens"}, "unit"),
         ("adaptive", {"unit": "sequence_mean"}, "unit"),
         ("band", {"unit": "token_sum"}, "unit"),
+        ("anneal", {"init_beta": 0.0}, "init_beta must be a finite number > 0"),
+        ("anneal", {"final_beta": 0.0}, "final_beta must be a finite number > 0"),
+        ("anneal", {"iterations": 0}, "iterations"),
+        ("anneal", {"iterations": 2.5}, "iterations"),
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(name, kwargs, field):

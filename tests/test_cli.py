@@ -342,7 +342,7 @@ def test_the_documented_plugin_package_installs_and_its_plugin_trains(tmp_path):
     "args, message",
     [
         (["--model.ppo_epochs=0"], "error: model.ppo_epochs must be an integer >= 1, got 0"),
-        (["--model.beta_controller=pdi"], "error: unknown beta_controller 'pdi'; registered beta_controller names: adaptive, band"),
+        (["--model.beta_controller=pdi"], "error: unknown beta_controller 'pdi'; registered beta_controller names: adaptive, anneal, band"),
         (["--config", "EMPTY"], "error: --config EMPTY: the file is empty; expected settings such as model:, data:, trainer:"),
         (["--config", "LIST"], "error: --config LIST: expected a mapping of settings (model:, data:, trainer:), got a list"),
     ],
