@@ -166,15 +166,21 @@ def test_critic_free_cells_sample_the_tasks_group_size_unless_told():
     assert [group("random:4", "rloo", "--num-generations", "2"), group("random:4", "gae", "--num-generations", "2")] == [2, 2]
 
 
-def test_random_task_cells_end_at_a_fiftieth_of_the_lr_unless_told():
-    """The lr decays to 1/50 on random tasks (a per-token cell's end point moves at first order with the noise
-    it ends with), to 1/10 on hand-made ones; --lr-final overrides both."""
+def test_critic_free_cells_on_random_tasks_end_at_a_fiftieth_of_the_lr_unless_told():
+    """The lr decays to 1/50 without a critic on random tasks (a per-token cell's end point moves at first order
+    with the noise it ends with), to 1/10 with one and on hand-made tasks; --lr-final overrides each."""
     import optimum_check
 
-    def final(task, *argv):
-        return optimum_check.task_settings(optimum_check.parse_args(["--task", task, *argv]), task)["lr_final"]
+    def final(task, advantage, *argv):
+        return optimum_check.final_lr(optimum_check.task_settings(optimum_check.parse_args(["--task", task, *argv]), task), advantage)
 
-    assert [final("random:2"), final("terminal"), final("random:2", "--lr-final", "0.5")] == [0.02, 0.1, 0.5]
+    assert [final("random:2", "rloo"), final("random:2", "reinforce_pp"), final("random:2", "gae"), final("terminal", "rloo")] == [
+        0.02,
+        0.02,
+        0.1,
+        0.1,
+    ]
+    assert [final("random:2", "rloo", "--lr-final", "0.5"), final("random:2", "gae", "--lr-final", "0.5")] == [0.5, 0.5]
 
 
 # ---------------------------------------------------------------------- convergence (minutes)

@@ -11,7 +11,8 @@ closed-form optimum of the KL-regularised objective (see rlhf_lightning/exact.py
 Each kind of task has its own defaults for what the command line leaves out (:data:`TASK_SETTINGS`:
 beta 0.5, 100 iterations of 48 responses in 2 minibatches per epoch, 4 per prompt without a critic, the lr
 decayed to 1/10, hand-made; beta 1, 150 iterations of 384 responses and 8 optimizer steps each (8 minibatches
-at one epoch, 2 at four; ``--updates``), 8 per prompt without a critic, the lr decayed to 1/50, random).
+at one epoch, 2 at four; ``--updates``), 8 per prompt and the lr decayed to 1/50 without a critic, to 1/10 with
+one, random).
 Several tasks, and several sampling ``--seed`` values (the task's reference stays the same), train one
 after another; with more than one seed a ``SEEDS task=... gap_mean= gap_std=`` line follows each task.
 Every run first prints
@@ -156,7 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--lr-final",
         type=option_number(at_least=0, at_most=1),
-        help="linear decay of the learning rate to this fraction (default: the task's, 0.1 hand-made, 0.02 random)",
+        help="linear decay of the learning rate to this fraction (default: the task's, 0.1 hand-made, on random tasks 0.1 "
+        "with a critic and 0.02 without)",
     )
     parser.add_argument("--ppo-epochs", type=option_number(integer=True, at_least=1), default=4)
     parser.add_argument(
@@ -307,7 +309,7 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
         batch_size=settings["batch_size"],
         every=args.every,
         seed=seed,
-        lr_final=settings["lr_final"],
+        lr_final=final_lr(settings, args.advantage[0]),
         kl_estimator=args.estimator,
         beta_controller=FixedBeta(settings["beta"]),
         kl_penalty=args.kl_penalty,
@@ -386,10 +388,13 @@ TASK_SETTINGS = {
         "weightings": ["importance"],
         "updates": 8,
         "num_generations": 8,
-        # The lr ends at 1/50 (4e-5): at the per-token fixed point J is not stationary, so the noise a cell
-        # ends with moves its gap at first order (rloo per-token on random:5 at four epochs: 0.032 past the
-        # fixed point ending at 1/10, 0.005 at 1/50; random:2 at one epoch 0.029, 0.004 with 4x the batch).
-        "lr_final": 0.02,
+        # The lr ends at 1/10 with a critic, at 1/50 without: at the per-token fixed point J is not stationary,
+        # so where a cell ends moves at first order with the noise it ends with, and without a critic (a
+        # sequence-level baseline) that noise is larger. rloo per-token on random:5 at four epochs: 0.032 past
+        # the fixed point ending at 1/10, 0.005 at 1/50; random:2 at one epoch 0.029, 0.004 with 4x the batch.
+        # gae's cells are quieter but, ending at 1/50, stop short of the fixed point (random:3 k3, four
+        # epochs: 0.048 short, 0.007 at 1/10).
+        "lr_final": {"gae": 0.1, "critic-free": 0.02},
     },
 }
 
@@ -399,6 +404,13 @@ def task_settings(args: argparse.Namespace, name: str) -> dict:
     ``name``: the command line's where given, else the task kind's."""
     defaults = TASK_SETTINGS["random" if name.startswith("random:") else "hand-made"]
     return {key: default if getattr(args, key) is None else getattr(args, key) for key, default in defaults.items()}
+
+
+def final_lr(settings: dict, advantage: str) -> float:
+    """The fraction of the lr a cell ends at: the command line's or the task kind's, which on random tasks
+    depends on whether the advantage has a critic (``gae``) or not (TASK_SETTINGS says why)."""
+    final = settings["lr_final"]
+    return final if not isinstance(final, dict) else final["gae" if advantage == "gae" else "critic-free"]
 
 
 def num_minibatches(settings: dict, epochs: int) -> int:
@@ -512,7 +524,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             settings["iterations"],
             settings["beta"],
             lr=args.lr,
-            lr_final=settings["lr_final"],
+            lr_final=final_lr(settings, "gae"),  # the exact advantage: a perfect critic's
             every=settings["iterations"],
             kl_estimator=cell.estimator,
             kl_loss_weighting="importance" if cell.weighting == "importance" else "none",
@@ -528,7 +540,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
         batch_size=settings["batch_size"],
         every=settings["iterations"],
         seed=cell.seed,
-        lr_final=settings["lr_final"],
+        lr_final=final_lr(settings, cell.advantage),
         kl_estimator=cell.estimator,
         beta_controller=FixedBeta(settings["beta"]),
         kl_penalty=cell.placement,
