@@ -15,7 +15,9 @@ N in ``--soft-n`` over a temperature grid, and PPO trained at each of ``--betas`
 (``exact.train``, the settings of tools/regulariser_frontier.py: k1 in the reward, lr 2e-3 decayed
 to 2e-4, 4 epochs of 2 minibatches; iterations and responses per iteration those of the task's kind
 in tools/optimum_check.py, 100 x 48 hand-made, 150 x 384 random) against the reference of its
-seed. Prints a table and
+seed; ``--anneal-from B`` starts each PPO run at beta B and lowers it to its own beta over the first half of
+the run (the ``anneal`` controller), which reaches optima that a run fixed at a small beta stops short of
+(docs/results.md). Prints a table and
 
     FRONTIER ppo_max_gap=<largest (F(KL) - reward) / F(KL) of a PPO point, F the frontier at its own KL>
              bon_kl_bound_max_error=<largest log N - (N - 1) / N - KL(BoN || pi_ref) over N>
@@ -47,6 +49,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import matplotlib
 
@@ -87,7 +90,7 @@ def exact_mode(args: argparse.Namespace) -> str:
             every=iterations,
             seed=args.seed,
             kl_estimator="k1",
-            beta_controller=beta_ctl(beta),
+            beta_controller=beta_ctl(beta, args.anneal_from, iterations),
             **{**PPO, "batch_size": batch_size},
         )
         point = fr.PlanePoint(kl=tracker.last["kl_to_ref"], reward=tracker.last["reward"])
@@ -146,10 +149,14 @@ def exact_mode(args: argparse.Namespace) -> str:
     return line
 
 
-def beta_ctl(beta: float):
-    from rlhf_lightning_plugins.beta_controllers import FixedBeta
+def beta_ctl(beta: float, anneal_from: Optional[float] = None, iterations: int = 1):
+    """PPO's controller at ``beta``: fixed, or (``--anneal-from``) the ``anneal`` schedule from ``anneal_from``
+    down to ``beta`` over the first half of the ``iterations``, then ``beta``: the run ends on beta's objective."""
+    from rlhf_lightning_plugins.beta_controllers import AnnealedBeta, FixedBeta
 
-    return FixedBeta(beta)
+    if anneal_from is None:
+        return FixedBeta(beta)
+    return AnnealedBeta(init_beta=anneal_from, final_beta=beta, iterations=max(iterations // 2, 1))
 
 
 def meter_table(args: argparse.Namespace) -> list[dict]:
@@ -371,6 +378,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--soft-n", type=option_number(integer=True, at_least=1), nargs="+", default=[4, 16], help="soft best-of-N sizes (default 4 16)"
+    )
+    parser.add_argument(
+        "--anneal-from",
+        type=option_number(above=0),
+        help="exact: PPO's beta moves geometrically from this value to each of --betas over the first half of the "
+        "iterations (beta_controller anneal), then stays (default: fixed at each beta)",
     )
     parser.add_argument("--fast", action="store_true", help="exact: one PPO beta (0.5), 20 iterations, one soft N")
     parser.add_argument("--config", default="configs/quickstart.yaml", help="smollm2: the run's YAML (default the quickstart)")
