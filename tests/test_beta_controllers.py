@@ -121,6 +121,35 @@ def test_anneal_follows_its_geometric_schedule_whatever_the_kl_and_then_stays():
     assert run(rising, [1.0, 1.0, 1.0]) == pytest.approx([0.2, 0.4, 0.4])
 
 
+def test_anneal_through_the_command_logs_its_schedule(tmp_path):
+    """The way a user picks it: rlhf-lightning fit with the anneal controller by its short name; the logged
+    objective/beta of iterations 0-3 is init, then 0.5 * 0.1 ** (i / 2), then final: 0.5, 0.15811, 0.05, 0.05."""
+    from helpers import CONFIGS, cli
+    from summarize_run import read_scalars
+
+    result = cli(
+        tmp_path,
+        "fit",
+        "--config",
+        str(CONFIGS / "tiny.yaml"),
+        "--model.beta_controller=anneal",
+        "--model.beta_controller.init_args.init_beta=0.5",
+        "--model.beta_controller.init_args.final_beta=0.05",
+        "--model.beta_controller.init_args.iterations=2",
+        "--model.max_new_tokens=8",
+        "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=4",
+        "--trainer.limit_val_batches=0",
+        "--trainer.callbacks=[]",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    betas = read_scalars(str(tmp_path / "lightning_logs" / "tiny" / "version_0"))["objective/beta"]
+    assert list(betas.values()) == pytest.approx([0.5, 0.5 * 0.1**0.5, 0.05, 0.05])
+
+
 def test_anneal_resumes_where_its_schedule_was():
     a = controller("anneal", init_beta=1.0, final_beta=0.01, iterations=4)
     run(a, [1.0, 1.0])
