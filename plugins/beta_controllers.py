@@ -1,8 +1,9 @@
 """Built-in beta controllers: how the KL coefficient beta moves with the observed KL.
 
-``fixed`` keeps it; ``anneal`` moves it on a schedule from one value to another; ``adaptive`` (Ziegler et al., 2019) and ``band`` scale it toward a KL target;
-from control theory, ``pid`` steers log(beta) with a PID controller and ``dual`` treats beta as the
-Lagrange multiplier of the hard constraint KL <= target.
+``fixed`` keeps it; ``anneal`` moves it on a schedule from one value to another; ``adaptive``
+(Ziegler et al., 2019) and ``band`` scale it toward a KL target; from control theory, ``pid`` steers
+log(beta) with a PID controller and ``dual`` treats beta as the Lagrange multiplier of the hard
+constraint KL <= target.
 """
 
 from __future__ import annotations

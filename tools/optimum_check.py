@@ -393,7 +393,8 @@ TASK_SETTINGS = {
         # sequence-level baseline) that noise is larger. rloo per-token on random:5 at four epochs: 0.032 past
         # the fixed point ending at 1/10, 0.005 at 1/50; random:2 at one epoch 0.029, 0.004 with 4x the batch.
         # gae's cells are quieter but, ending at 1/50, stop short of the fixed point (random:3 k3, four
-        # epochs: 0.048 short, 0.007 at 1/10).
+        # epochs: 0.048 short, 0.001-0.007 at 1/10). Neither end puts every critic-free per-token cell within
+        # 0.02 of it (random:3 at one epoch ends 0.07 short at 1/50: docs/results.md, "Second round").
         "lr_final": {"gae": 0.1, "critic-free": 0.02},
     },
 }
