@@ -264,15 +264,16 @@ def _task(name: str) -> str:
 
 def advantage_settings(args: argparse.Namespace, advantage: str, settings: dict) -> dict:
     """train() arguments for an advantage estimator: its critic (gae) or its group size (the task's
-    ``num_generations`` unless the command line gives one)."""
+    ``num_generations`` unless the command line gives one), and where its lr ends (:func:`final_lr`)."""
     if advantage == "gae":
         return {
             "advantage_estimator": GAE(lam=args.lam),
             "critic_lr": args.lr,
             "vf_coef": 0.5,
             "num_generations": 1 if args.num_generations is None else args.num_generations,
+            "lr_final": final_lr(settings, advantage),
         }
-    return {"advantage_estimator": advantage, "num_generations": settings["num_generations"]}
+    return {"advantage_estimator": advantage, "num_generations": settings["num_generations"], "lr_final": final_lr(settings, advantage)}
 
 
 def main(argv=None) -> None:
@@ -309,7 +310,6 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
         batch_size=settings["batch_size"],
         every=args.every,
         seed=seed,
-        lr_final=final_lr(settings, args.advantage[0]),
         kl_estimator=args.estimator,
         beta_controller=FixedBeta(settings["beta"]),
         kl_penalty=args.kl_penalty,
@@ -541,7 +541,6 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
         batch_size=settings["batch_size"],
         every=settings["iterations"],
         seed=cell.seed,
-        lr_final=final_lr(settings, cell.advantage),
         kl_estimator=cell.estimator,
         beta_controller=FixedBeta(settings["beta"]),
         kl_penalty=cell.placement,
