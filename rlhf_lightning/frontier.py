@@ -213,6 +213,12 @@ class OptimumDistance:
     kl_to_ref: float  # E_pi[log pi - log pi_ref] (k1 of the whole response)
     reward_se: float
     kl_to_ref_se: float
+    samples_se: float  # the policy samples' part of se; log Z's part is common to every measurement from one pool
+
+    def fall_since(self, start: OptimumDistance) -> tuple[float, float]:
+        """How far the distance fell since ``start`` (a measurement with the same log Z pool and beta) and its
+        standard error: log Z cancels, so only the two sets of policy samples add variance."""
+        return start.kl_to_optimum - self.kl_to_optimum, math.hypot(start.samples_se, self.samples_se)
 
 
 def kl_to_optimum(
@@ -253,6 +259,7 @@ def kl_to_optimum(
         kl_to_ref=kl_ref,
         reward_se=reward_se,
         kl_to_ref_se=kl_ref_se,
+        samples_se=term_se,
     )
 
 

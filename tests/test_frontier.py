@@ -181,6 +181,34 @@ def test_meter_from_samples_lands_within_its_interval_of_the_exact_value():
     assert abs(distance.kl_to_optimum - exact) < 3 * distance.se and distance.se < 0.05, (distance, exact)
 
 
+def test_meter_fall_cancels_log_z_and_its_se_is_the_spread_of_the_fall_over_policy_draws():
+    """Two measurements from one reference pool: the fall is the difference of the two distances, log Z's error
+    cancels in it, so its standard error holds only the policy samples' parts; over 2000 pairs of policy draws
+    (the pool fixed) the fall's spread matches that se, while each distance's se also counts log Z's."""
+    ref, rewards = random_task(7, ties=False)
+    start, later = ref, optimal_logprobs(ref, rewards, 1.0)  # the reference, then a policy nearer pi_beta
+    g = torch.Generator().manual_seed(3)
+    log_z = fr.log_partition_estimate(rewards.gather(1, torch.multinomial(ref.exp(), 30, replacement=True, generator=g)), 0.5)
+
+    def measure(policy: torch.Tensor) -> fr.OptimumDistance:
+        ys = torch.multinomial(policy.exp(), 40, replacement=True, generator=g)
+        return fr.kl_to_optimum((policy - ref).gather(1, ys), rewards.gather(1, ys), log_z, 0.5)
+
+    falls, ses = [], []
+    for _ in range(2000):
+        a, b = measure(start), measure(later)
+        fall, se = b.fall_since(a)
+        assert fall == pytest.approx(a.kl_to_optimum - b.kl_to_optimum) and se == pytest.approx(math.hypot(a.samples_se, b.samples_se))
+        assert b.se == pytest.approx(math.hypot(b.samples_se, float(log_z.se.pow(2).sum().sqrt()) / 2))
+        falls.append(fall)
+        ses.append(se)
+    exact_fall = kl_divergence(start, optimal_logprobs(ref, rewards, 0.5)) - kl_divergence(later, optimal_logprobs(ref, rewards, 0.5))
+    falls = torch.tensor(falls, dtype=torch.float64)
+    assert float(falls.mean()) == pytest.approx(exact_fall, abs=4 * float(falls.std()) / math.sqrt(2000))
+    assert float(falls.std()) == pytest.approx(sum(ses) / len(ses), rel=0.1)
+    assert float(log_z.se.mean()) > 0.5 * sum(ses) / len(ses)  # log Z's error is not small here: it would have counted
+
+
 # ---------------------------------------------------------------------- from a reference pool
 def test_bon_from_a_pool_by_brute_force_over_subsets():
     pool = torch.tensor([[0.3, -1.0, 0.3, 2.0, 0.5, -0.2]], dtype=torch.float64)
@@ -287,6 +315,26 @@ def test_frontier_anneal_from_lowers_beta_over_the_first_half_then_holds_it():
     assert betas[0] == pytest.approx(2 * 0.25 ** (1 / 75)) and betas[36] == pytest.approx(1.0, rel=0.02)
     assert betas[74:] == [0.5] * 76
     assert type(tool.beta_ctl(0.5, None, 150)) is FixedBeta
+
+
+def test_train_on_meter_prompts_writes_the_first_prompts_of_the_configs_set(tmp_path):
+    """tools/frontier.py --train-on-meter-prompts: the first --prompts prompts of the config's training set (the
+    built-in one for the quickstart, else its data.train_path) in <out>/meter_prompts.jsonl, which the data module
+    reads back as that set, in that order."""
+    import frontier as tool
+    import yaml
+
+    from rlhf_lightning.data import BUILTIN_TRAIN, load_prompts
+
+    args = tool.parse_args(["--smollm2", "--prompts", "3", "--train-on-meter-prompts", "--out", str(tmp_path)])
+    args.out = tmp_path
+    assert load_prompts(tool.meter_prompt_file(args)) == load_prompts(BUILTIN_TRAIN)[:3]
+    own = tmp_path / "own.txt"
+    own.write_text("first\nsecond\nthird\nfourth\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"data": {"train_path": str(own)}}))
+    args.config, args.prompts = str(config), 2
+    assert load_prompts(tool.meter_prompt_file(args)) == ["first", "second"]
 
 
 @pytest.mark.convergence

@@ -199,6 +199,21 @@ def meter_table(args: argparse.Namespace) -> list[dict]:
 SMOLLM2_COLUMNS = ["family", "setting", "iteration", "kl", "kl_ci", "reward", "reward_ci", "kl_bound", "kl_to_optimum", "kl_to_optimum_ci"]
 
 
+def meter_prompt_file(args: argparse.Namespace) -> Path:
+    """The first ``--prompts`` prompts of ``--config``'s training set, written to ``<out>/meter_prompts.jsonl``."""
+    import json
+
+    import yaml
+
+    from rlhf_lightning.data import BUILTIN_TRAIN, load_prompts
+
+    data = yaml.safe_load(Path(args.config).read_text()).get("data") or {}
+    prompts = load_prompts(data.get("train_path") or BUILTIN_TRAIN, data.get("prompt_column", "prompt"))[: args.prompts]
+    path = args.out / "meter_prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in prompts))
+    return path
+
+
 def smollm2_mode(args: argparse.Namespace) -> None:
     from rlhf_lightning.optimum_meter import KLToOptimum
 
@@ -211,6 +226,8 @@ def smollm2_mode(args: argparse.Namespace) -> None:
     if pool_state is not None:
         points += bon_points(pool_state["reference_scores"], args)
     overrides = [f"--data.batch_size={args.batch_size or 8}", "--model.log_samples_every_n_steps=0", *args.override]
+    if args.train_on_meter_prompts:  # every iteration trains on the meter's prompts: the meter measures the objective trained
+        overrides += [f"--data.train_path={meter_prompt_file(args)}", f"--data.batch_size={args.prompts}"]
     for beta in args.betas:
         start, cpu = time.perf_counter(), time.process_time()
         meter = KLToOptimum(
@@ -229,13 +246,16 @@ def smollm2_mode(args: argparse.Namespace) -> None:
             pool_state = meter.state_dict()
             torch.save(pool_state, args.out / "reference_pool.pt")  # prompts and training scores of the pool
             points += bon_points(pool_state["reference_scores"], args)
+        start = meter.rows[0].get("distance")
         for row in meter.rows:
             s, d = row["sampled"], row.get("distance")
-            kl_opt = (
-                f"kl_to_optimum={d.kl_to_optimum:.3f}+-{1.96 * d.se:.3f} log_z_bias={d.log_z_bias:.4f} ess={row['ess']:.1f}"
-                if d is not None
-                else f"kl_to_optimum=refused ({row['reason']})"
-            )
+            kl_opt = f"kl_to_optimum=refused ({row.get('reason')})"
+            if d is not None:
+                fall, fall_se = d.fall_since(start) if start is not None else (math.nan, math.nan)
+                kl_opt = (
+                    f"kl_to_optimum={d.kl_to_optimum:.3f}+-{1.96 * d.se:.3f} fall={fall:.3f}+-{1.96 * fall_se:.3f} "
+                    f"log_z_bias={d.log_z_bias:.4f} ess={row['ess']:.1f}"
+                )
             print(
                 f"SMOLLM2 ppo beta={beta:g} iteration={row['iteration']} reward={s.reward:.3f}+-{1.96 * s.reward_se:.3f} "
                 f"kl={s.kl_to_ref:.3f}+-{1.96 * s.kl_to_ref_se:.3f} {kl_opt}",
@@ -429,6 +449,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--replot", action="store_true", help="smollm2: no training; the figure of --pool-from's best-of-N and --append's PPO rows"
+    )
+    parser.add_argument(
+        "--train-on-meter-prompts",
+        action="store_true",
+        help="smollm2: train on the meter's prompts only (the first --prompts of the config's set, all in every iteration)",
     )
     parser.add_argument("--pool-from", help="smollm2: an earlier run's reference_pool.pt (its prompts and pool) instead of sampling one")
     parser.add_argument(
