@@ -113,33 +113,37 @@ def encode_prompts(
     is often its end-of-turn token, inside every prompt). A ConfigError naming ``field``:
     a prompt longer than ``max_prompt_length`` tokens, and (``special_tokens: refuse``) a prompt
     whose text contains a special-token string (``<|im_end|>``, ...), which the tokenizer would
-    turn into the special token itself, so a prompt file could forge chat turns."""
+    turn into the special token itself, so a prompt file could forge chat turns. Each distinct prompt
+    is rendered and tokenised once (a rollout repeats each prompt ``num_generations`` times)."""
+    row_of = {prompt: row for row, prompt in enumerate(dict.fromkeys(prompts))}  # distinct prompts, first seen first
+    distinct = list(row_of)
     if special_tokens != "allow":
         specials = sorted({t for t in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if len(t) > 1})
-        for i, prompt in enumerate(prompts):
+        for prompt in distinct:
             found = [t for t in specials if t in prompt]
             if found:
                 raise ConfigError(
-                    f"{field}: prompt {i} ({prompt[:60]!r}) contains the special token string(s) {found}, which would be "
-                    "tokenised as real special tokens (a forged chat turn or end of turn); remove them, or set "
+                    f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}) contains the special token string(s) {found}, "
+                    "which would be tokenised as real special tokens (a forged chat turn or end of turn); remove them, or set "
                     "model.special_tokens_in_prompts: allow for pre-rendered chat text"
                 )
     template = use_chat_template and getattr(tokenizer, "chat_template", None)
     if template:
-        chat = [[{"role": "user", "content": p}] for p in prompts]
+        chat = [[{"role": "user", "content": p}] for p in distinct]
         texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chat]
     else:
-        texts = list(prompts)
+        texts = distinct
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not template)
     lengths = enc["attention_mask"].sum(-1)
     too_long = (lengths > max_prompt_length).nonzero().flatten().tolist()
     if too_long:
-        i = too_long[0]
+        prompt = distinct[too_long[0]]
         raise ConfigError(
-            f"{field}: prompt {i} ({prompts[i][:60]!r}...) is {int(lengths[i])} tokens, longer than "
-            f"model.max_prompt_length={max_prompt_length} ({len(too_long)} such prompts)"
+            f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}...) is {int(lengths[too_long[0]])} tokens, longer than "
+            f"model.max_prompt_length={max_prompt_length} ({len(too_long)} such distinct prompts)"
         )
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    rows = torch.tensor([row_of[prompt] for prompt in prompts])
+    return {"input_ids": enc["input_ids"][rows], "attention_mask": enc["attention_mask"][rows]}
 
 
 def token_ids(tokenizer, tokens: list[str], field: str) -> Tensor:

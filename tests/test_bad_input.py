@@ -96,8 +96,12 @@ def test_fewer_prompts_than_one_batch(tmp_path):
 
 def test_prompt_longer_than_the_context():
     module = make_module(max_prompt_length=20)
-    with pytest.raises(ValueError, match=r"is 44 tokens, longer than model.max_prompt_length=20 \(1 such prompts"):
+    with pytest.raises(ValueError, match=r"is 44 tokens, longer than model.max_prompt_length=20 \(1 such distinct prompts"):
         module.encode_prompts(["short", "a prompt of forty-four characters, in full!!"])
+    with pytest.raises(ValueError, match=r"prompt 1 \('a prompt of forty-four.*\(1 such distinct prompts"):  # where it first appears
+        module.encode_prompts(
+            ["short", "a prompt of forty-four characters, in full!!", "short", "a prompt of forty-four characters, in full!!"]
+        )
 
 
 def test_tokenizer_without_pad_token(tmp_path):

@@ -23,6 +23,19 @@ def push_adapter(module, std: float = 0.5) -> None:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * std)
 
 
+def test_repeated_prompts_encode_as_each_alone_would(smollm2_tokenizer):
+    """A rollout's prompt list repeats each prompt num_generations times; each distinct one is rendered and
+    tokenised once, and every row equals what the tokenizer gives the whole list (chat template, left padding)."""
+    module = make_module(tokenizer="smollm2")
+    prompts = ["a much longer prompt than the other", "short", "a much longer prompt than the other", "short", "short"]
+    enc = module.encode_prompts(prompts)
+    texts = [
+        smollm2_tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts
+    ]
+    expected = smollm2_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert torch.equal(enc["input_ids"], expected["input_ids"]) and torch.equal(enc["attention_mask"], expected["attention_mask"])
+
+
 def test_sampler_and_forward_logprobs_agree_with_chat_template(smollm2_tokenizer):
     """PPO's ratio is only right if the forward pass scores tokens exactly as the sampler drew them.
 
