@@ -35,7 +35,9 @@ class KLToOptimum(Callback):
     ``objective/kl_to_optimum_se``, the implied ``objective/optimum_gap`` = J* - J(pi) = beta * KL, and
     ``objective/log_z_ess`` (the smallest effective sample size over the prompts) every ``every``
     iterations and before the first update (logged at step 0: KL(pi_ref || pi_beta) = log Z - E_ref r / beta,
-    where a run that approaches the optimum starts falling from; module docstring).
+    where a run that approaches the optimum starts falling from; module docstring), and how far it fell since
+    then, ``objective/kl_to_optimum_fall`` with its standard error ``objective/kl_to_optimum_fall_se`` (at the
+    start's beta: both measurements read the same log Z, whose error cancels in the difference).
 
     Args:
         every: iterations between measurements.
@@ -135,6 +137,10 @@ class KLToOptimum(Callback):
             "objective/optimum_gap": row["distance"].gap,
             "objective/log_z_ess": row["ess"],
         }
+        start = self.rows[0]
+        if "distance" in start and start["beta"] == beta:  # the same pool and beta: log Z cancels in the fall
+            row["fall"] = row["distance"].fall_since(start["distance"])
+            metrics["objective/kl_to_optimum_fall"], metrics["objective/kl_to_optimum_fall_se"] = row["fall"]
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=max(pl_module.step, 0))
 

@@ -262,6 +262,10 @@ def test_kl_to_optimum_callback_tracks_the_exact_distance_while_training():
     assert meter.rows[0]["sampled"].kl_to_ref == 0  # before the first update the policy is the reference
     for row, value in zip(meter.rows, exact, strict=True):
         assert abs(row["distance"].kl_to_optimum - value) < 3 * row["distance"].se + 1e-3, (row, value)
+    fall, fall_se = meter.rows[1]["fall"]  # the start's own fall is 0 +- its samples' se times sqrt 2
+    assert meter.rows[0]["fall"] == (0.0, pytest.approx(math.sqrt(2) * meter.rows[0]["distance"].samples_se))
+    assert fall == meter.rows[0]["distance"].kl_to_optimum - meter.rows[1]["distance"].kl_to_optimum
+    assert exact[0] - exact[1] > 0.1 and abs(fall - (exact[0] - exact[1])) < 3 * fall_se + 1e-3, (fall, fall_se, exact)
     torch.testing.assert_close(meter.reference_scores.shape, (3, 1500))
 
 

@@ -29,9 +29,13 @@ bootstrap intervals over each prompt's pool), and one PPO run per ``--betas`` (f
 ``--iterations``) measured on the same prompts by ``KLToOptimum`` (reward and KL(pi || pi_ref) of
 ``--policy-samples`` responses per prompt, +-1.96 SE; and the distance to the optimum where it can
 be trusted). The reference pool is the first run's meter pool (every run starts from the same
-reference and seed). ``--override`` adds a LightningCLI argument to every run. The meter measures the
+reference and seed). ``--override`` adds a LightningCLI argument to every run; ``--train-on-meter-prompts``
+trains on the meter's prompts alone (the first ``--prompts`` of the config's training set, all of them in
+every iteration), so the objective the meter measures is the one trained. The meter measures the
 start (the reference, KL(pi_ref || pi_beta)) and every ``--meter-every`` iterations; each measurement is a
-point of the run's path on the plane and of the meter's panel. Prints ``SMOLLM2 ...`` lines per point.
+point of the run's path on the plane and of the meter's panel. Prints ``SMOLLM2 ...`` lines per point,
+with ``fall=`` the distance's fall since the start and its 95% interval (the same log Z pool: its error
+cancels, so the interval is the two sets of policy samples' alone).
 Runs made one after another (one beta each) join one figure with ``--replot --pool-from
 <run>/reference_pool.pt --append <run>/frontier_smollm2.csv ...`` (no training).
 
