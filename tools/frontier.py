@@ -250,12 +250,11 @@ def smollm2_mode(args: argparse.Namespace) -> None:
             pool_state = meter.state_dict()
             torch.save(pool_state, args.out / "reference_pool.pt")  # prompts and training scores of the pool
             points += bon_points(pool_state["reference_scores"], args)
-        start = meter.rows[0].get("distance")
         for row in meter.rows:
             s, d = row["sampled"], row.get("distance")
             kl_opt = f"kl_to_optimum=refused ({row.get('reason')})"
             if d is not None:
-                fall, fall_se = d.fall_since(start) if start is not None else (math.nan, math.nan)
+                fall, fall_se = row.get("fall", (math.nan, math.nan))
                 kl_opt = (
                     f"kl_to_optimum={d.kl_to_optimum:.3f}+-{1.96 * d.se:.3f} fall={fall:.3f}+-{1.96 * fall_se:.3f} "
                     f"log_z_bias={d.log_z_bias:.4f} ess={row['ess']:.1f}"
