@@ -341,6 +341,25 @@ def test_train_on_meter_prompts_writes_the_first_prompts_of_the_configs_set(tmp_
     assert load_prompts(tool.meter_prompt_file(args)) == ["first", "second"]
 
 
+def test_smollm2_mode_on_the_tiny_config_prints_the_meter_and_its_fall(tmp_path, capsys):
+    """tools/frontier.py --smollm2's whole path (pool, PPO run, meter lines, CSV, figure) on configs/tiny.yaml in
+    seconds: best-of-N lines for each N, one PPO line per measurement (the start and iterations 1, 2), each with
+    the meter and its fall since the start (0 at the start), the figure written."""
+    import frontier as tool
+
+    argv = "--smollm2 --config configs/tiny.yaml --prompts 2 --pool 16 --policy-samples 4 --betas 10 --iterations 2 --meter-every 1"
+    argv += " --train-on-meter-prompts --bon 1 2 --bootstrap 5 --reward-max 24 --max-tail 100"
+    tool.main([*argv.split(), "--out", str(tmp_path)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("SMOLLM2 ppo")]
+    fields = [dict(field.split("=", 1) for field in line.split()[2:] if "=" in field) for line in lines]
+    assert [f["iteration"] for f in fields] == ["0", "1", "2"], lines
+    assert fields[0]["fall"].startswith("0.000+-") and all("refused" not in line for line in lines)
+    for f in fields[1:]:
+        start, now = (float(g["kl_to_optimum"].split("+-")[0]) for g in (fields[0], f))
+        assert float(f["fall"].split("+-")[0]) == pytest.approx(start - now, abs=2e-3)
+    assert (tmp_path / "frontier_smollm2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.convergence
 def test_annealed_beta_reaches_the_optimum_a_fixed_beta_stops_short_of():
     """random:3 at beta 0.5, k1 in the reward, 150 iterations of 384 (tools/frontier.py's settings): fixed, PPO
