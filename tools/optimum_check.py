@@ -265,15 +265,16 @@ def _task(name: str) -> str:
 def advantage_settings(args: argparse.Namespace, advantage: str, settings: dict) -> dict:
     """train() arguments for an advantage estimator: its critic (gae) or its group size (the task's
     ``num_generations`` unless the command line gives one), and where its lr ends (:func:`final_lr`)."""
+    lr_final = final_lr(settings, advantage)
     if advantage == "gae":
         return {
             "advantage_estimator": GAE(lam=args.lam),
             "critic_lr": args.lr,
             "vf_coef": 0.5,
             "num_generations": 1 if args.num_generations is None else args.num_generations,
-            "lr_final": final_lr(settings, advantage),
+            "lr_final": lr_final,
         }
-    return {"advantage_estimator": advantage, "num_generations": settings["num_generations"], "lr_final": final_lr(settings, advantage)}
+    return {"advantage_estimator": advantage, "num_generations": settings["num_generations"], "lr_final": lr_final}
 
 
 def main(argv=None) -> None:
