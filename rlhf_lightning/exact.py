@@ -548,23 +548,30 @@ class OptimumTracker(Callback):
         return self.rows[-1]
 
 
-class LinearLRDecay(Callback):
-    """Learning rates fall linearly from their configured values to ``final`` times them over
-    ``iterations`` PPO iterations, and start again after each ``iterations`` (one decay per
-    reference phase when the reference is reset every ``iterations``): with a constant step size
-    stochastic updates only reach a noise ball around the optimum; a decaying one lets the last
-    iterate settle inside it."""
+def lr_factor(iteration: int, iterations: int, final: float, hold: float = 0.0) -> float:
+    """The fraction of the lr at ``iteration`` of ``iterations``: 1 for the first ``hold`` fraction,
+    then falling linearly to ``final`` at the last iteration."""
+    progress = iteration / max(iterations - 1, 1)
+    return 1.0 - (1.0 - final) * max(progress - hold, 0.0) / (1.0 - hold)
 
-    def __init__(self, iterations: int, final: float = 0.1) -> None:
-        self.iterations, self.final = iterations, final
+
+class LinearLRDecay(Callback):
+    """Learning rates hold their configured values for the first ``hold`` fraction of ``iterations``
+    PPO iterations, then fall linearly to ``final`` times them at the last, and start again after each
+    ``iterations`` (one decay per reference phase when the reference is reset every ``iterations``):
+    with a constant step size stochastic updates only reach a noise ball around the optimum; a
+    decaying one lets the last iterate settle inside it."""
+
+    def __init__(self, iterations: int, final: float = 0.1, hold: float = 0.0) -> None:
+        require(0 <= hold < 1, "hold", "in [0, 1)", hold)
+        self.iterations, self.final, self.hold = iterations, final, hold
         self._initial: list[list[float]] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._initial = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        progress = (pl_module.iteration % self.iterations) / max(self.iterations - 1, 1)
-        factor = 1.0 - (1.0 - self.final) * progress
+        factor = lr_factor(pl_module.iteration % self.iterations, self.iterations, self.final, self.hold)
         for opt, initial in zip(trainer.optimizers, self._initial, strict=True):
             for group, lr in zip(opt.param_groups, initial, strict=True):
                 group["lr"] = lr * factor
@@ -578,12 +585,14 @@ def train(
     seed: int = 0,
     lr_final: float = 1.0,
     lr_period: Optional[int] = None,
+    lr_hold: float = 0.0,
     **module_kwargs: Any,
 ) -> tuple[ExactPPORLHF, OptimumTracker]:
     """Train ExactPPORLHF with a Lightning Trainer on CPU; return the module and its tracker.
     ``batch_size`` counts responses per iteration (prompts x ``num_generations``).
     ``lr_final`` < 1 decays the learning rates linearly to that fraction (LinearLRDecay), over
-    the whole run or, restarting, over every ``lr_period`` iterations.
+    the whole run or, restarting, over every ``lr_period`` iterations, after holding them for the
+    first ``lr_hold`` fraction of it.
 
     ``seed`` is the sampling seed (rollouts, and the critic's head): one task can be trained with
     several. The policy's initialisation, hence pi_ref, is the task's (``task.model_seed``); for a task
@@ -596,7 +605,7 @@ def train(
     seed_everything(seed, verbose=False)  # the module draws its sampling seed base from torch's initial seed
     module = ExactPPORLHF(task, seed=seed if task.model_seed is None else task.model_seed, **module_kwargs)
     tracker = OptimumTracker(every=every, total=iterations)
-    callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(lr_period or iterations, lr_final), tracker]
+    callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(lr_period or iterations, lr_final, lr_hold), tracker]
     trainer = Trainer(**QUIET_TRAINER, max_epochs=1, callbacks=callbacks)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # matrices this small only lose time to thread hand-offs, several-fold on a busy CPU
@@ -613,6 +622,7 @@ def expected_train(
     beta: float,
     lr: float = 2e-3,
     lr_final: float = 0.1,
+    lr_hold: float = 0.0,
     every: int = 50,
     num_minibatches: int = 2,
     **module_kwargs: Any,
@@ -628,7 +638,8 @@ def expected_train(
     ``num_minibatches`` full-batch AdamW steps (as many as the sampled loop takes, each on the whole
     expectation, of which a minibatch is an unbiased half) of the module's own :meth:`PPORLHF.ppo_loss`:
     clipped surrogate plus beta times the KL loss of its ``kl_estimator``, ``kl_loss_weighting`` and
-    ``kl_loss_scope``; lr decayed linearly to ``lr_final`` of ``lr``. A loss whose expected gradient is
+    ``kl_loss_scope``; the lr held for the first ``lr_hold`` fraction of the run, then decayed linearly
+    to ``lr_final`` of ``lr``. A loss whose expected gradient is
     grad J at pi_old = pi_theta has pi* as its fixed point at every number of epochs (at a fixed point the
     first epoch's gradient is 0); a per-token one has :func:`backward_induction` (``soft=False``).
     Returns a row every ``every`` iterations and after the last: the iteration and the fields of
@@ -681,7 +692,7 @@ def expected_train(
         )
         weights = (logprobs.exp().view(-1, 1) / prompts).float().expand(-1, length) / length
         for group in optimizer.param_groups:
-            group["lr"] = lr * (1.0 - (1.0 - lr_final) * iteration / max(iterations - 1, 1))
+            group["lr"] = lr * lr_factor(iteration, iterations, lr_final, lr_hold)
         rows_all = torch.arange(len(input_ids))
         for _ in range(module.hparams.ppo_epochs * num_minibatches):
             loss = module.ppo_loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)

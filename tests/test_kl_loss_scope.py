@@ -166,21 +166,64 @@ def test_critic_free_cells_sample_the_tasks_group_size_unless_told():
     assert [group("random:4", "rloo", "--num-generations", "2"), group("random:4", "gae", "--num-generations", "2")] == [2, 2]
 
 
-def test_critic_free_cells_on_random_tasks_end_at_a_fiftieth_of_the_lr_unless_told():
-    """The lr decays to 1/50 without a critic on random tasks (a per-token cell's end point moves at first order
-    with the noise it ends with), to 1/10 with one and on hand-made tasks; --lr-final overrides each."""
+def test_random_tasks_schedule_the_per_token_cells_apart_unless_told():
+    """On random tasks 120 iterations, the lr held for half of them, then decayed to 1/50; a per-token cell
+    (its end point is no maximum of J and is reached by a slow drift) 150 iterations decayed from the start
+    to 1/10 with a critic, to 1/50 without; hand-made tasks 100 iterations decayed from the start to 1/10;
+    --iterations, --lr-final and --lr-hold override each."""
     import optimum_check
 
-    def final(task, advantage, *argv):
-        return optimum_check.final_lr(optimum_check.task_settings(optimum_check.parse_args(["--task", task, *argv]), task), advantage)
+    def schedule(task, advantage, scope="sequence", *argv):
+        args = optimum_check.parse_args(["--task", task, *argv])
+        settings = optimum_check.task_settings(args, task, scope)
+        found = optimum_check.advantage_settings(args, advantage, settings)
+        return settings["iterations"], found["lr_final"], found["lr_hold"]
 
-    assert [final("random:2", "rloo"), final("random:2", "reinforce_pp"), final("random:2", "gae"), final("terminal", "rloo")] == [
-        0.02,
-        0.02,
-        0.1,
-        0.1,
-    ]
-    assert [final("random:2", "rloo", "--lr-final", "0.5"), final("random:2", "gae", "--lr-final", "0.5")] == [0.5, 0.5]
+    assert [schedule("random:2", a) for a in ("rloo", "reinforce_pp", "gae")] == [(120, 0.02, 0.5)] * 3
+    assert [schedule("random:2", a, "per_token") for a in ("rloo", "gae")] == [(150, 0.02, 0.0), (150, 0.1, 0.0)]
+    assert [schedule("terminal", "rloo", "per_token"), schedule("terminal", "gae")] == [(100, 0.1, 0.0)] * 2
+    argv = ("--iterations", "7", "--lr-final", "0.5", "--lr-hold", "0.25")
+    assert schedule("random:2", "gae", "per_token", *argv) == schedule("random:2", "rloo", "sequence", *argv) == (7, 0.5, 0.25)
+
+    def single(*argv):  # a single run: the per-token schedule only with the KL in the loss, per token
+        args = optimum_check.parse_args(["--task", "random:2", *argv])
+        return optimum_check.task_settings(args, "random:2", optimum_check.single_scope(args))["iterations"]
+
+    assert [single("--kl-penalty", "loss", "--kl-loss-scope", "per_token"), single("--kl-loss-scope", "per_token")] == [150, 120]
+
+
+def test_lr_decay_holds_then_falls_linearly_to_its_final_fraction():
+    """LinearLRDecay over 5 iterations, final 0.1: with hold 0.5 the factors are 1, 1, 1 (progress i / 4 up to
+    one half), then 1 - 0.9 * (0.75 - 0.5) / 0.5 = 0.55 and 0.1; without a hold 1, 0.775, 0.55, 0.325, 0.1;
+    set on every param group of every optimizer, restarting after each period."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rlhf_lightning.exact import LinearLRDecay
+
+    def factors(hold, iterations=5, steps=5):
+        optimizers = [torch.optim.SGD([torch.zeros(1)], lr=2.0), torch.optim.SGD([torch.zeros(1)], lr=4.0)]
+        trainer, module, decay, seen = (
+            SimpleNamespace(optimizers=optimizers),
+            SimpleNamespace(iteration=0),
+            LinearLRDecay(iterations, 0.1, hold),
+            [],
+        )
+        decay.on_train_start(trainer, module)
+        for module.iteration in range(steps):
+            decay.on_train_batch_start(trainer, module, None, 0)
+            seen += [optimizers[0].param_groups[0]["lr"] / 2.0, optimizers[1].param_groups[0]["lr"] / 4.0]
+        return seen
+
+    def both(*expected):  # each factor on both optimizers
+        return pytest.approx([f for f in expected for _ in range(2)])
+
+    assert factors(0.5) == both(1.0, 1.0, 1.0, 0.55, 0.1)
+    assert factors(0.0) == both(1.0, 0.775, 0.55, 0.325, 0.1)
+    assert factors(0.5, iterations=2, steps=4) == both(1.0, 0.1, 1.0, 0.1)
+    with pytest.raises(ValueError, match="hold"):
+        LinearLRDecay(5, 0.1, 1.0)
 
 
 # ---------------------------------------------------------------------- convergence (minutes)

@@ -160,6 +160,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="linear decay of the learning rate to this fraction (default: the task's, 0.1 hand-made, on random tasks 0.1 "
         "with a critic and 0.02 without)",
     )
+    parser.add_argument(
+        "--lr-hold",
+        type=option_number(at_least=0, below=1),
+        help="fraction of the run at the full learning rate before the decay (default: the task's, 0 hand-made, 0.5 random)",
+    )
     parser.add_argument("--ppo-epochs", type=option_number(integer=True, at_least=1), default=4)
     parser.add_argument(
         "--updates",
@@ -262,19 +267,40 @@ def _task(name: str) -> str:
     return name
 
 
+def recipe_settings(
+    args: argparse.Namespace, settings: dict, advantage: str, estimator: str, placement: str, weighting: str, scope: str, epochs: int
+) -> dict:
+    """train() arguments of one KL recipe (a single run's or a matrix cell's) with the task's settings:
+    batch, fixed beta, lr and its schedule, epochs and minibatches, the advantage's (:func:`advantage_settings`)."""
+    return {
+        "batch_size": settings["batch_size"],
+        "kl_estimator": estimator,
+        "beta_controller": FixedBeta(settings["beta"]),
+        "kl_penalty": placement,
+        "kl_loss_weighting": weighting,
+        "kl_loss_scope": scope,
+        "lr": args.lr,
+        "ppo_epochs": epochs,
+        "num_minibatches": num_minibatches(settings, epochs),
+        "log_samples_every_n_steps": 0,
+        "logged": OptimumTracker.READS,
+        **advantage_settings(args, advantage, settings),
+    }
+
+
 def advantage_settings(args: argparse.Namespace, advantage: str, settings: dict) -> dict:
     """train() arguments for an advantage estimator: its critic (gae) or its group size (the task's
-    ``num_generations`` unless the command line gives one), and where its lr ends (:func:`final_lr`)."""
-    lr_final = final_lr(settings, advantage)
+    ``num_generations`` unless the command line gives one), and its lr schedule (where it ends: :func:`final_lr`)."""
+    schedule = {"lr_final": final_lr(settings, advantage), "lr_hold": settings["lr_hold"]}
     if advantage == "gae":
         return {
             "advantage_estimator": GAE(lam=args.lam),
             "critic_lr": args.lr,
             "vf_coef": 0.5,
             "num_generations": 1 if args.num_generations is None else args.num_generations,
-            "lr_final": lr_final,
+            **schedule,
         }
-    return {"advantage_estimator": advantage, "num_generations": settings["num_generations"], "lr_final": lr_final}
+    return {"advantage_estimator": advantage, "num_generations": settings["num_generations"], **schedule}
 
 
 def main(argv=None) -> None:
@@ -284,7 +310,7 @@ def main(argv=None) -> None:
         run_matrix(args)
         return
     for name in args.task:
-        task, settings = task_named(name), task_settings(args, name)
+        task, settings = task_named(name), task_settings(args, name, single_scope(args))
         print(
             f"task={name} estimator={args.estimator} kl_penalty={args.kl_penalty} kl_loss_scope={args.kl_loss_scope} "
             f"advantage={args.advantage[0]} num_generations={advantage_settings(args, args.advantage[0], settings)['num_generations']} "
@@ -301,28 +327,19 @@ def main(argv=None) -> None:
 
 def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     """Train one run with the command line's settings and sampling ``seed``; print its rows; its final gap."""
-    settings = task_settings(args, name)
+    settings = task_settings(args, name, single_scope(args))
     print(f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True)
     print(f"{'iter':>5} {'J':>8} {'J*':>8} {'gap':>8} {'kl_to_opt':>10} {'kl_ref_exact':>13} {'kl_ref_logged':>14}")
     start = time.perf_counter()
     module, tracker = train(
         task,
         **reference_settings(args, settings["iterations"]),
-        batch_size=settings["batch_size"],
         every=args.every,
         seed=seed,
-        kl_estimator=args.estimator,
-        beta_controller=FixedBeta(settings["beta"]),
-        kl_penalty=args.kl_penalty,
-        kl_loss_weighting=args.kl_loss_weighting,
-        kl_loss_scope=args.kl_loss_scope,
         whiten_advantages=False if args.no_whiten else None,
-        lr=args.lr,
-        ppo_epochs=args.ppo_epochs,
-        num_minibatches=num_minibatches(settings, args.ppo_epochs),
-        log_samples_every_n_steps=0,
-        logged=OptimumTracker.READS,
-        **advantage_settings(args, args.advantage[0], settings),
+        **recipe_settings(
+            args, settings, args.advantage[0], args.estimator, args.kl_penalty, args.kl_loss_weighting, args.kl_loss_scope, args.ppo_epochs
+        ),
         **sampling_settings(args),
     )
     for row in tracker.rows:
@@ -342,6 +359,12 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     if args.reference != "none":
         print_iterated(tracker.rows)
     return last["gap"]
+
+
+def single_scope(args: argparse.Namespace) -> str:
+    """The KL loss scope a single run trains with: the command line's where the KL is only in the loss
+    (with ``both`` the reward carries the sequence term)."""
+    return args.kl_loss_scope if args.kl_penalty == "loss" else "sequence"
 
 
 def kept_line(module, last: dict) -> str:
@@ -379,32 +402,42 @@ TASK_SETTINGS = {
         "updates": None,
         "num_generations": 4,
         "lr_final": 0.1,
+        "lr_hold": 0.0,
     },
     "random": {
         "beta": 1.0,
-        "iterations": 150,
+        "iterations": 120,
         "batch_size": 384,
         "estimators": ["k1", "k3"],
         "placements": ["reward", "loss"],
         "weightings": ["importance"],
         "updates": 8,
         "num_generations": 8,
-        # The lr ends at 1/10 with a critic, at 1/50 without: at the per-token fixed point J is not stationary,
-        # so where a cell ends moves at first order with the noise it ends with, and without a critic (a
-        # sequence-level baseline) that noise is larger. rloo per-token on random:5 at four epochs: 0.032 past
-        # the fixed point ending at 1/10, 0.005 at 1/50; random:2 at one epoch 0.029, 0.004 with 4x the batch.
-        # gae's cells are quieter but, ending at 1/50, stop short of the fixed point (random:3 k3, four
-        # epochs: 0.048 short, 0.001-0.007 at 1/10). Neither end puts every critic-free per-token cell within
-        # 0.02 of it (random:3 at one epoch ends 0.07 short at 1/50: docs/results.md, "Second round").
-        "lr_final": {"gae": 0.1, "critic-free": 0.02},
+        # 120 iterations, the lr held for the first half, then decayed to 1/50: a quiet end for the cells whose
+        # end point is a maximum of J (the unbiased and biased classes). 150 iterations, lr decayed to 1/10 with a
+        # critic, 1/50 without (from 2026-11-25 the schedule of every cell), gave the same gaps to 0.001 for 14%
+        # more CPU (docs/results.md, "Fourth round").
+        "lr_final": 0.02,
+        "lr_hold": 0.5,
+        # The per-token cells' own schedule. Their update is not the gradient of any objective, and their end
+        # point not a maximum: J moves at first order with where a cell ends, and the end is reached by a slow
+        # drift that needs a late lr (random:3, four epochs: 0.18 against the fixed point's 0.2291 after 120
+        # iterations of the schedule above, 0.22 after 150 of this one), while at 1/10 without a critic (a
+        # sequence-level baseline) the noise carries them further (rloo on random:5 at four epochs: 0.032 past
+        # the fixed point ending at 1/10, 0.005 at 1/50). Neither end puts every per-token cell within 0.02 of it.
+        "per_token": {"iterations": 150, "lr_hold": 0.0, "lr_final": {"gae": 0.1, "critic-free": 0.02}},
     },
 }
 
 
-def task_settings(args: argparse.Namespace, name: str) -> dict:
-    """beta, iterations, batch size and the matrix's estimators, placements and weightings for task
-    ``name``: the command line's where given, else the task kind's."""
-    defaults = TASK_SETTINGS["random" if name.startswith("random:") else "hand-made"]
+def task_settings(args: argparse.Namespace, name: str, scope: str = "sequence") -> dict:
+    """beta, iterations, batch size, the lr schedule and the matrix's estimators, placements and weightings
+    for task ``name`` and a cell of KL loss ``scope``: the command line's where given, else the task kind's
+    (with its ``per_token`` schedule for a per-token cell)."""
+    defaults = dict(TASK_SETTINGS["random" if name.startswith("random:") else "hand-made"])
+    per_token = defaults.pop("per_token", {})
+    if scope == "per_token":
+        defaults |= per_token
     return {key: default if getattr(args, key) is None else getattr(args, key) for key, default in defaults.items()}
 
 
@@ -518,7 +551,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     """Train one cell with the task's settings; its last exact row, the seconds it took and the cell.
     The task is built in the worker (a random task builds its reference model), from its name."""
     _quiet()
-    settings = task_settings(args, cell.task)
+    settings = task_settings(args, cell.task, cell.scope)
     start = time.perf_counter()
     if args.expected_gradient:
         rows = expected_train(
@@ -527,6 +560,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             settings["beta"],
             lr=args.lr,
             lr_final=final_lr(settings, "gae"),  # the exact advantage: a perfect critic's
+            lr_hold=settings["lr_hold"],
             every=settings["iterations"],
             kl_estimator=cell.estimator,
             kl_loss_weighting="importance" if cell.weighting == "importance" else "none",
@@ -536,23 +570,14 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             log_samples_every_n_steps=0,
         )
         return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
+    weighting = "importance" if cell.weighting == "importance" else "none"
+    scope = "per_token" if cell.scope == "per_token" else "sequence"
     _, tracker = train(
         task_named(cell.task),
         settings["iterations"],
-        batch_size=settings["batch_size"],
         every=settings["iterations"],
         seed=cell.seed,
-        kl_estimator=cell.estimator,
-        beta_controller=FixedBeta(settings["beta"]),
-        kl_penalty=cell.placement,
-        kl_loss_weighting="importance" if cell.weighting == "importance" else "none",
-        kl_loss_scope="per_token" if cell.scope == "per_token" else "sequence",
-        lr=args.lr,
-        ppo_epochs=cell.epochs,
-        num_minibatches=num_minibatches(settings, cell.epochs),
-        log_samples_every_n_steps=0,
-        logged=OptimumTracker.READS,
-        **advantage_settings(args, cell.advantage, settings),
+        **recipe_settings(args, settings, cell.advantage, cell.estimator, cell.placement, weighting, scope, cell.epochs),
     )
     return {**tracker.last, "seconds": time.perf_counter() - start, "cell": cell}
 
