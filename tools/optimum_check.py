@@ -12,7 +12,7 @@ Each kind of task has its own defaults for what the command line leaves out (:da
 beta 0.5, 100 iterations of 48 responses in 2 minibatches per epoch, 4 per prompt without a critic, the lr
 decayed to 1/10, hand-made; beta 1, 150 iterations of 384 responses and 8 optimizer steps each (8 minibatches
 at one epoch, 2 at four; ``--updates``), 8 per prompt and the lr decayed to 1/50 without a critic, to 1/10 with
-one, random).
+one, random; ``--lr-hold`` holds the lr for a fraction of the run before the decay).
 Several tasks, and several sampling ``--seed`` values (the task's reference stays the same), train one
 after another; with more than one seed a ``SEEDS task=... gap_mean= gap_std=`` line follows each task.
 Every run first prints
@@ -108,7 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
     parser.add_argument("--beta", type=option_number(above=0), help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
     parser.add_argument(
-        "--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations (default: the task's, 100 hand-made, 150 random)"
+        "--iterations",
+        type=option_number(integer=True, at_least=1),
+        help="PPO iterations (default: the task's, 100 hand-made, 150 random)",
     )
     parser.add_argument(
         "--seed",
@@ -163,7 +165,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--lr-hold",
         type=option_number(at_least=0, below=1),
-        help="fraction of the run at the full learning rate before the decay (default: the task's, 0 hand-made, 0.5 random)",
+        help="fraction of the run at the full learning rate before the decay (default 0)",
     )
     parser.add_argument("--ppo-epochs", type=option_number(integer=True, at_least=1), default=4)
     parser.add_argument(
@@ -310,7 +312,7 @@ def main(argv=None) -> None:
         run_matrix(args)
         return
     for name in args.task:
-        task, settings = task_named(name), task_settings(args, name, single_scope(args))
+        task, settings = task_named(name), task_settings(args, name)
         print(
             f"task={name} estimator={args.estimator} kl_penalty={args.kl_penalty} kl_loss_scope={args.kl_loss_scope} "
             f"advantage={args.advantage[0]} num_generations={advantage_settings(args, args.advantage[0], settings)['num_generations']} "
@@ -327,7 +329,7 @@ def main(argv=None) -> None:
 
 def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     """Train one run with the command line's settings and sampling ``seed``; print its rows; its final gap."""
-    settings = task_settings(args, name, single_scope(args))
+    settings = task_settings(args, name)
     print(f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True)
     print(f"{'iter':>5} {'J':>8} {'J*':>8} {'gap':>8} {'kl_to_opt':>10} {'kl_ref_exact':>13} {'kl_ref_logged':>14}")
     start = time.perf_counter()
@@ -359,12 +361,6 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     if args.reference != "none":
         print_iterated(tracker.rows)
     return last["gap"]
-
-
-def single_scope(args: argparse.Namespace) -> str:
-    """The KL loss scope a single run trains with: the command line's where the KL is only in the loss
-    (with ``both`` the reward carries the sequence term)."""
-    return args.kl_loss_scope if args.kl_penalty == "loss" else "sequence"
 
 
 def kept_line(module, last: dict) -> str:
@@ -406,38 +402,32 @@ TASK_SETTINGS = {
     },
     "random": {
         "beta": 1.0,
-        "iterations": 120,
+        "iterations": 150,
         "batch_size": 384,
         "estimators": ["k1", "k3"],
         "placements": ["reward", "loss"],
         "weightings": ["importance"],
         "updates": 8,
         "num_generations": 8,
-        # 120 iterations, the lr held for the first half, then decayed to 1/50: a quiet end for the cells whose
-        # end point is a maximum of J (the unbiased and biased classes). 150 iterations, lr decayed to 1/10 with a
-        # critic, 1/50 without (from 2026-11-25 the schedule of every cell), gave the same gaps to 0.001 for 14%
-        # more CPU (docs/results.md, "Fourth round").
-        "lr_final": 0.02,
-        "lr_hold": 0.5,
-        # The per-token cells' own schedule. Their update is not the gradient of any objective, and their end
-        # point not a maximum: J moves at first order with where a cell ends, and the end is reached by a slow
-        # drift that needs a late lr (random:3, four epochs: 0.18 against the fixed point's 0.2291 after 120
-        # iterations of the schedule above, 0.22 after 150 of this one), while at 1/10 without a critic (a
-        # sequence-level baseline) the noise carries them further (rloo on random:5 at four epochs: 0.032 past
-        # the fixed point ending at 1/10, 0.005 at 1/50). Neither end puts every per-token cell within 0.02 of it.
-        "per_token": {"iterations": 150, "lr_hold": 0.0, "lr_final": {"gae": 0.1, "critic-free": 0.02}},
+        # The lr ends at 1/10 with a critic, at 1/50 without: at the per-token fixed point J is not stationary,
+        # so where a cell ends moves at first order with the noise it ends with, and without a critic (a
+        # sequence-level baseline) that noise is larger. rloo per-token on random:5 at four epochs: 0.032 past
+        # the fixed point ending at 1/10, 0.005 at 1/50; random:2 at one epoch 0.029, 0.004 with 4x the batch.
+        # gae's cells are quieter but, ending at 1/50, stop short of the fixed point (random:3 k3, four
+        # epochs: 0.048 short, 0.001-0.007 at 1/10). Neither end puts every critic-free per-token cell within
+        # 0.02 of it (random:3 at one epoch ends 0.07 short at 1/50: docs/results.md, "Second round"). Shorter
+        # runs with a held lr (120 iterations, held for half, then to 1/50) cost 14% less CPU and left the
+        # per-token cells of random:3 0.05 short and the critic-free cells 0.019 from pi* ("Fourth round").
+        "lr_final": {"gae": 0.1, "critic-free": 0.02},
+        "lr_hold": 0.0,
     },
 }
 
 
-def task_settings(args: argparse.Namespace, name: str, scope: str = "sequence") -> dict:
+def task_settings(args: argparse.Namespace, name: str) -> dict:
     """beta, iterations, batch size, the lr schedule and the matrix's estimators, placements and weightings
-    for task ``name`` and a cell of KL loss ``scope``: the command line's where given, else the task kind's
-    (with its ``per_token`` schedule for a per-token cell)."""
-    defaults = dict(TASK_SETTINGS["random" if name.startswith("random:") else "hand-made"])
-    per_token = defaults.pop("per_token", {})
-    if scope == "per_token":
-        defaults |= per_token
+    for task ``name``: the command line's where given, else the task kind's."""
+    defaults = TASK_SETTINGS["random" if name.startswith("random:") else "hand-made"]
     return {key: default if getattr(args, key) is None else getattr(args, key) for key, default in defaults.items()}
 
 
@@ -551,7 +541,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     """Train one cell with the task's settings; its last exact row, the seconds it took and the cell.
     The task is built in the worker (a random task builds its reference model), from its name."""
     _quiet()
-    settings = task_settings(args, cell.task, cell.scope)
+    settings = task_settings(args, cell.task)
     start = time.perf_counter()
     if args.expected_gradient:
         rows = expected_train(
