@@ -268,6 +268,29 @@ def test_matrix_fast_subset_separates_the_biased_cells(capsys):
     assert float(fields["unbiased_max_gap"]) < 0.02, summary
 
 
+def test_matrix_reports_each_per_token_cell_over_its_seeds(capsys):
+    """With several --seed values the matrix prints, per per_token cell, the mean and spread over the seeds of
+    gap - fixed_point_gap (each seed against its own fixed point: a hand-made task's reference is the
+    seed's), and the MATRIX line the largest |mean|; recomputed here from the OPTIMUM lines (4 decimals)."""
+    import statistics
+
+    import optimum_check
+
+    argv = ["--matrix", "--task", "terminal", "--iterations", "3", "--estimators", "k1", "--placements", "loss"]
+    optimum_check.main([*argv, "--weightings", "importance", "--epochs", "1", "--seed", "0", "1", "2"])
+    out = capsys.readouterr().out.splitlines()
+    lines = [dict(item.split("=", 1) for item in line.split()[1:]) for line in out if line.startswith(("OPTIMUM ", "SEEDS ", "MATRIX "))]
+    optimum = [f for f in lines if f.get("scope") == "per_token" and "gap" in f]
+    assert [f["seed"] for f in optimum] == ["0", "1", "2"]
+    deviations = [float(f["gap"]) - float(f["fixed_point_gap"]) for f in optimum]
+    (seeds,) = [f for f in lines if "deviation_mean" in f]
+    assert (seeds["n"], seeds["scope"], seeds["epochs"]) == ("3", "per_token", "1")
+    assert float(seeds["deviation_mean"]) == pytest.approx(statistics.mean(deviations), abs=2e-4)
+    assert float(seeds["deviation_std"]) == pytest.approx(statistics.stdev(deviations), abs=2e-4)
+    (summary,) = [f for f in lines if "per_token_max_mean_deviation" in f]
+    assert float(summary["per_token_max_mean_deviation"]) == pytest.approx(abs(statistics.mean(deviations)), abs=2e-4)
+
+
 def test_per_token_fixed_point_by_hand():
     """exact.backward_induction on 2-token responses over {a, b}, one prompt, beta = 1, reward 1 when the
     second token is a; pi_ref(y1) = (0.5, 0.5), pi_ref(y2 | a) = (0.9, 0.1), pi_ref(y2 | b) = (0.5, 0.5).

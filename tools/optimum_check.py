@@ -46,7 +46,12 @@ of each task (of each seed, for a hand-made task), one line per cell, then a sum
     OPTIMUM ... scope=per_token epochs=4 gap=... expected=per_token fixed_point_gap=<that task's PER_TOKEN gap>
     MATRIX unbiased_max_gap=<largest gap of the cells called unbiased> biased_min_gap=<smallest of those called biased>
            per_token_min_fixed_point_gap=<smallest PER_TOKEN gap over the tasks>
-           per_token_max_deviation=<largest |gap - fixed_point_gap| of the per_token cells> drift_max_gap=...
+           per_token_max_deviation=<largest |gap - fixed_point_gap| of the per_token cells>
+           per_token_max_mean_deviation=<largest |mean over the seeds of gap - fixed_point_gap|> drift_max_gap=...
+
+With several ``--seed`` values each per_token cell also gets a line before it,
+``SEEDS task= advantage= estimator= scope= epochs= n= deviation_mean= deviation_std=`` (gap - fixed_point_gap
+over its sampling seeds: where the cell sits, and how far one seed strays from it).
 
 ``--expected-gradient`` trains the same KL-in-the-loss cells with every rollout replaced by its exact
 expectation (:func:`rlhf_lightning.exact.expected_train`: all responses enumerated, weighted by pi_old, the
@@ -91,7 +96,7 @@ import statistics
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.checks import option_number
@@ -590,6 +595,7 @@ def run_matrix(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     gaps: dict[str, list[float]] = {name: [] for name in CLASSES}
     deviations = []  # |gap - the per-token fixed point's gap| of the per_token cells
+    over_seeds: dict[Cell, list[float]] = {}  # gap - the fixed point's gap of each per_token cell, by sampling seed
     # spawn, not fork: a process forked after torch started its OpenMP threads can deadlock in them.
     pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) if args.jobs > 1 else _InProcess()
     with pool:
@@ -600,6 +606,7 @@ def run_matrix(args: argparse.Namespace) -> None:
             extra = ""
             if cell.expected == "per_token":
                 deviations.append(abs(row["gap"] - fixed_point))
+                over_seeds.setdefault(replace(cell, seed=-1), []).append(row["gap"] - fixed_point)
                 extra = f" fixed_point_gap={fixed_point:.4f}"
             print(
                 f"OPTIMUM task={cell.task} seed={cell.seed} advantage={cell.advantage} estimator={cell.estimator} "
@@ -609,10 +616,17 @@ def run_matrix(args: argparse.Namespace) -> None:
                 f"seconds={row['seconds']:.1f}",
                 flush=True,
             )
-    nan = float("nan")
+    nan, mean_deviations = float("nan"), []
+    for cell, signed in over_seeds.items() if len(args.seed) > 1 else ():
+        mean_deviations.append(abs(statistics.mean(signed)))
+        print(
+            f"SEEDS task={cell.task} advantage={cell.advantage} estimator={cell.estimator} scope={cell.scope} epochs={cell.epochs} "
+            f"n={len(signed)} deviation_mean={statistics.mean(signed):+.4f} deviation_std={statistics.stdev(signed):.4f}"
+        )
     print(
         f"MATRIX unbiased_max_gap={max(gaps['unbiased'], default=nan):.4f} biased_min_gap={min(gaps['biased'], default=nan):.4f} "
         f"per_token_min_fixed_point_gap={min(per_token.values()):.4f} per_token_max_deviation={max(deviations, default=nan):.4f} "
+        f"per_token_max_mean_deviation={max(mean_deviations, default=nan):.4f} "
         f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f}"
     )
 
