@@ -49,7 +49,7 @@ of each task (of each seed, for a hand-made task), one line per cell, then a sum
            per_token_max_deviation=<largest |gap - fixed_point_gap| of the per_token cells>
            per_token_max_mean_deviation=<largest |mean over the seeds of gap - fixed_point_gap|> drift_max_gap=...
 
-With several ``--seed`` values each per_token cell also gets a line before it,
+With several ``--seed`` values each per_token cell also gets a line after the cells' lines, before MATRIX,
 ``SEEDS task= advantage= estimator= scope= epochs= n= deviation_mean= deviation_std=`` (gap - fixed_point_gap
 over its sampling seeds: where the cell sits, and how far one seed strays from it).
 
@@ -113,9 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
     parser.add_argument("--beta", type=option_number(above=0), help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
     parser.add_argument(
-        "--iterations",
-        type=option_number(integer=True, at_least=1),
-        help="PPO iterations (default: the task's, 100 hand-made, 150 random)",
+        "--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations (default: the task's, 100 hand-made, 150 random)"
     )
     parser.add_argument(
         "--seed",
@@ -547,6 +545,8 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     The task is built in the worker (a random task builds its reference model), from its name."""
     _quiet()
     settings = task_settings(args, cell.task)
+    weighting = "importance" if cell.weighting == "importance" else "none"
+    scope = "per_token" if cell.scope == "per_token" else "sequence"
     start = time.perf_counter()
     if args.expected_gradient:
         rows = expected_train(
@@ -558,15 +558,13 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             lr_hold=settings["lr_hold"],
             every=settings["iterations"],
             kl_estimator=cell.estimator,
-            kl_loss_weighting="importance" if cell.weighting == "importance" else "none",
-            kl_loss_scope="per_token" if cell.scope == "per_token" else "sequence",
+            kl_loss_weighting=weighting,
+            kl_loss_scope=scope,
             ppo_epochs=cell.epochs,
             num_minibatches=num_minibatches(settings, cell.epochs),
             log_samples_every_n_steps=0,
         )
         return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
-    weighting = "importance" if cell.weighting == "importance" else "none"
-    scope = "per_token" if cell.scope == "per_token" else "sequence"
     _, tracker = train(
         task_named(cell.task),
         settings["iterations"],
@@ -618,10 +616,11 @@ def run_matrix(args: argparse.Namespace) -> None:
             )
     nan, mean_deviations = float("nan"), []
     for cell, signed in over_seeds.items() if len(args.seed) > 1 else ():
-        mean_deviations.append(abs(statistics.mean(signed)))
+        mean = statistics.mean(signed)
+        mean_deviations.append(abs(mean))
         print(
             f"SEEDS task={cell.task} advantage={cell.advantage} estimator={cell.estimator} scope={cell.scope} epochs={cell.epochs} "
-            f"n={len(signed)} deviation_mean={statistics.mean(signed):+.4f} deviation_std={statistics.stdev(signed):.4f}"
+            f"n={len(signed)} deviation_mean={mean:+.4f} deviation_std={statistics.stdev(signed):.4f}"
         )
     print(
         f"MATRIX unbiased_max_gap={max(gaps['unbiased'], default=nan):.4f} biased_min_gap={min(gaps['biased'], default=nan):.4f} "
