@@ -182,6 +182,32 @@ def test_critic_free_cells_on_random_tasks_end_at_a_fiftieth_of_the_lr_unless_to
     assert [schedule("random:2", a, "--lr-final", "0.5", "--lr-hold", "0.25") for a in ("rloo", "gae")] == [(0.5, 0.25)] * 2
 
 
+def test_random_task_cells_with_a_critic_train_100_iterations_unless_per_token():
+    """On a random task a gae cell with k1 in the reward or a KL in the loss right for the whole response trains
+    100 iterations; a per-token cell and every critic-free cell 150; a hand-made task 100 throughout;
+    --iterations overrides each."""
+    import optimum_check
+
+    def iterations(task, *argv):
+        args = optimum_check.parse_args(["--matrix", "--task", task, "--advantage", "gae", "rloo", *argv])
+        settings = optimum_check.task_settings(args, task)
+        return {
+            (c.advantage, c.placement, c.scope): optimum_check.iterations_of(settings, c.advantage, c.placement, c.scope)
+            for c in optimum_check.matrix_cells(args)
+        }
+
+    assert iterations("random:2") == {
+        ("gae", "reward", "n/a"): 100,
+        ("gae", "loss", "sequence"): 100,
+        ("gae", "loss", "per_token"): 150,
+        ("rloo", "reward", "n/a"): 150,
+        ("rloo", "loss", "sequence"): 150,
+        ("rloo", "loss", "per_token"): 150,
+    }
+    assert set(iterations("terminal").values()) == {100}
+    assert set(iterations("random:2", "--iterations", "40").values()) == {40}
+
+
 def test_lr_decay_holds_then_falls_linearly_to_its_final_fraction():
     """LinearLRDecay over 5 iterations, final 0.1: with hold 0.5 the factors are 1, 1, 1 (progress i / 4 up to
     one half), then 1 - 0.9 * (0.75 - 0.5) / 0.5 = 0.55 and 0.1; without a hold 1, 0.775, 0.55, 0.325, 0.1;

@@ -10,9 +10,10 @@ closed-form optimum of the KL-regularised objective (see rlhf_lightning/exact.py
 4 tokens, responses of 3, a reward that depends on token order and a reference initialised from SEED.
 Each kind of task has its own defaults for what the command line leaves out (:data:`TASK_SETTINGS`:
 beta 0.5, 100 iterations of 48 responses in 2 minibatches per epoch, 4 per prompt without a critic, the lr
-decayed to 1/10, hand-made; beta 1, 150 iterations of 384 responses and 8 optimizer steps each (8 minibatches
+decayed to 1/10, hand-made; beta 1, 384 responses per iteration and 8 optimizer steps each (8 minibatches
 at one epoch, 2 at four; ``--updates``), 8 per prompt and the lr decayed to 1/50 without a critic, to 1/10 with
-one, random; ``--lr-hold`` holds the lr for a fraction of the run before the decay).
+one, 150 iterations but 100 for ``gae`` unless the KL is in the loss per token, random; ``--lr-hold`` holds
+the lr for a fraction of the run before the decay).
 Several tasks, and several sampling ``--seed`` values (the task's reference stays the same), train one
 after another; with more than one seed a ``SEEDS task=... gap_mean= gap_std=`` line follows each task.
 Every run first prints
@@ -42,12 +43,13 @@ weightings default to the task kind's, the full product on hand-made tasks and k
 importance on random ones; ``--jobs`` runs cells in parallel processes) and prints the PER_TOKEN line
 of each task (of each seed, for a hand-made task), one line per cell, then a summary:
 
-    OPTIMUM task=random:1 seed=0 advantage=gae estimator=k3 placement=loss weighting=importance scope=sequence epochs=4 gap=... expected=unbiased
-    OPTIMUM ... scope=per_token epochs=4 gap=... expected=per_token fixed_point_gap=<that task's PER_TOKEN gap>
+    OPTIMUM task=random:1 seed=0 advantage=gae estimator=k3 placement=loss weighting=importance scope=sequence epochs=4 gap=... expected=unbiased iterations=100
+    OPTIMUM ... scope=per_token epochs=4 gap=... expected=per_token fixed_point_gap=<that task's PER_TOKEN gap> iterations=150
     MATRIX unbiased_max_gap=<largest gap of the cells called unbiased> biased_min_gap=<smallest of those called biased>
            per_token_min_fixed_point_gap=<smallest PER_TOKEN gap over the tasks>
            per_token_max_deviation=<largest |gap - fixed_point_gap| of the per_token cells>
            per_token_max_mean_deviation=<largest |mean over the seeds of gap - fixed_point_gap|> drift_max_gap=...
+           wall_s=<seconds> cpu_s=<user CPU seconds of the whole run, its --jobs workers included>
 
 With several ``--seed`` values each per_token cell also gets a line after the cells' lines, before MATRIX,
 ``SEEDS task= advantage= estimator= scope= epochs= n= deviation_mean= deviation_std=`` (gap - fixed_point_gap
@@ -57,7 +59,7 @@ over its sampling seeds: where the cell sits, and how far one seed strays from i
 expectation (:func:`rlhf_lightning.exact.expected_train`: all responses enumerated, weighted by pi_old, the
 exact advantage, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
 gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
-cell adds to them is noise.
+cell adds to them is noise. Every cell trains the task kind's longest run (150 iterations on a random task).
 
 kl_opt is KL(pi* || pi_ref), where kl_ref_exact should land. ``expected`` is what the theory
 (:func:`expected_class`, docs/kl-estimators.md "Which recipe reaches which optimum") says of the cell.
@@ -92,6 +94,7 @@ import argparse
 import itertools
 import logging
 import multiprocessing
+import os
 import statistics
 import time
 import warnings
@@ -113,7 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
     parser.add_argument("--beta", type=option_number(above=0), help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
     parser.add_argument(
-        "--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations (default: the task's, 100 hand-made, 150 random)"
+        "--iterations",
+        type=option_number(integer=True, at_least=1),
+        help="PPO iterations (default: 100 hand-made; random 150, gae's cells 100 unless per token)",
     )
     parser.add_argument(
         "--seed",
@@ -319,7 +324,7 @@ def main(argv=None) -> None:
         print(
             f"task={name} estimator={args.estimator} kl_penalty={args.kl_penalty} kl_loss_scope={args.kl_loss_scope} "
             f"advantage={args.advantage[0]} num_generations={advantage_settings(args, args.advantage[0], settings)['num_generations']} "
-            f"beta={settings['beta']} iterations={settings['iterations']} batch_size={settings['batch_size']} seeds={args.seed} "
+            f"beta={settings['beta']} iterations={iterations_of(settings, args.advantage[0], args.kl_penalty, args.kl_loss_scope)} batch_size={settings['batch_size']} seeds={args.seed} "
             f"temperature={args.temperature} top_p={args.top_p} top_k={args.top_k} engine={args.engine} correction={args.rollout_correction}"
         )
         gaps = [run_single(args, name, task, seed) for seed in args.seed]
@@ -338,7 +343,7 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     start = time.perf_counter()
     module, tracker = train(
         task,
-        **reference_settings(args, settings["iterations"]),
+        **reference_settings(args, iterations_of(settings, args.advantage[0], args.kl_penalty, args.kl_loss_scope)),
         every=args.every,
         seed=seed,
         whiten_advantages=False if args.no_whiten else None,
@@ -405,7 +410,11 @@ TASK_SETTINGS = {
     },
     "random": {
         "beta": 1.0,
-        "iterations": 150,
+        # Cells with a critic whose KL is right for the whole response (or k1 in the reward) are within 0.0097 of
+        # pi* after 100 iterations (0.0060 after 150); a per-token cell's gap moves at first order with where the
+        # run ends and keeps 150, as does every critic-free cell (0.0191 from pi* after 120 with the lr held for
+        # half). That puts the issue's gae matrix at 1795 CPU s, 30 minutes (docs/results.md, "Fifth round").
+        "iterations": {"gae": 100, "per_token": 150, "critic-free": 150},
         "batch_size": 384,
         "estimators": ["k1", "k3"],
         "placements": ["reward", "loss"],
@@ -434,11 +443,27 @@ def task_settings(args: argparse.Namespace, name: str) -> dict:
     return {key: default if getattr(args, key) is None else getattr(args, key) for key, default in defaults.items()}
 
 
+def by_recipe(setting, advantage: str, scope: str = "n/a"):
+    """A task setting that may depend on the recipe (TASK_SETTINGS says why): a plain value (the command
+    line's, a hand-made task's), or one per kind of cell: ``per_token`` for a KL in the loss per token where
+    the setting names it, else ``gae`` (a critic) or ``critic-free``."""
+    if not isinstance(setting, dict):
+        return setting
+    if scope == "per_token" and "per_token" in setting:
+        return setting["per_token"]
+    return setting["gae" if advantage == "gae" else "critic-free"]
+
+
 def final_lr(settings: dict, advantage: str) -> float:
     """The fraction of the lr a cell ends at: the command line's or the task kind's, which on random tasks
-    depends on whether the advantage has a critic (``gae``) or not (TASK_SETTINGS says why)."""
-    final = settings["lr_final"]
-    return final if not isinstance(final, dict) else final["gae" if advantage == "gae" else "critic-free"]
+    depends on whether the advantage has a critic (``gae``) or not."""
+    return by_recipe(settings["lr_final"], advantage)
+
+
+def iterations_of(settings: dict, advantage: str, placement: str, scope: str) -> int:
+    """A run's iterations: the command line's or the task kind's, which on random tasks are fewer for the
+    cells with a critic whose KL is right for the whole response or in the reward."""
+    return by_recipe(settings["iterations"], advantage, scope if placement == "loss" else "n/a")
 
 
 def num_minibatches(settings: dict, epochs: int) -> int:
@@ -547,16 +572,19 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     settings = task_settings(args, cell.task)
     weighting = "importance" if cell.weighting == "importance" else "none"
     scope = "per_token" if cell.scope == "per_token" else "sequence"
+    # --expected-gradient: the task kind's longest run for every cell, sequence and per token alike (its figures)
+    longest = max(settings["iterations"].values()) if isinstance(settings["iterations"], dict) else settings["iterations"]
+    iterations = longest if args.expected_gradient else iterations_of(settings, cell.advantage, cell.placement, cell.scope)
     start = time.perf_counter()
     if args.expected_gradient:
         rows = expected_train(
             task_named(cell.task),
-            settings["iterations"],
+            iterations,
             settings["beta"],
             lr=args.lr,
             lr_final=final_lr(settings, "gae"),  # the exact advantage: a perfect critic's
             lr_hold=settings["lr_hold"],
-            every=settings["iterations"],
+            every=iterations,
             kl_estimator=cell.estimator,
             kl_loss_weighting=weighting,
             kl_loss_scope=scope,
@@ -567,8 +595,8 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
         return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
     _, tracker = train(
         task_named(cell.task),
-        settings["iterations"],
-        every=settings["iterations"],
+        iterations,
+        every=iterations,
         seed=cell.seed,
         **recipe_settings(args, settings, cell.advantage, cell.estimator, cell.placement, weighting, scope, cell.epochs),
     )
@@ -611,7 +639,7 @@ def run_matrix(args: argparse.Namespace) -> None:
                 f"placement={cell.placement} weighting={cell.weighting} scope={cell.scope} epochs={cell.epochs} "
                 f"gap={row['gap']:.4f} kl_ref_exact={row['kl_to_ref']:.4f} kl_opt={row['optimum_kl_to_ref']:.4f} "
                 f"kl_to_opt={row['kl_to_optimum']:.4f} expected={cell.expected}{extra} "
-                f"seconds={row['seconds']:.1f}",
+                f"iterations={row['iteration']} seconds={row['seconds']:.1f}",
                 flush=True,
             )
     nan, mean_deviations = float("nan"), []
@@ -626,8 +654,15 @@ def run_matrix(args: argparse.Namespace) -> None:
         f"MATRIX unbiased_max_gap={max(gaps['unbiased'], default=nan):.4f} biased_min_gap={min(gaps['biased'], default=nan):.4f} "
         f"per_token_min_fixed_point_gap={min(per_token.values()):.4f} per_token_max_deviation={max(deviations, default=nan):.4f} "
         f"per_token_max_mean_deviation={max(mean_deviations, default=nan):.4f} "
-        f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f}"
+        f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f} cpu_s={user_cpu_seconds():.0f}"
     )
+
+
+def user_cpu_seconds() -> float:
+    """User CPU time of this process and of its children that have ended (the ``--jobs`` workers once their
+    pool has shut down): the matrix's budget, in the unit of ``/usr/bin/time``'s "User time"."""
+    times = os.times()
+    return times.user + times.children_user
 
 
 class _InProcess:
