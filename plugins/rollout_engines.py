@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from rlhf_lightning import prefix
 from rlhf_lightning.interfaces import RolloutEngine, Samples, require, require_number
 from rlhf_lightning.models import float32_head
 from rlhf_lightning.registry import register
@@ -28,7 +29,8 @@ class HFGenerate(RolloutEngine):
     samples, FSDP2 weights gathered once), returning its raw logits at every step, so log pi_old
     needs no extra forward, and with a shared critic the hidden states that produced them. The
     sampling RNG is seeded with ``seed`` (forked: the run's own RNG is untouched). ``synced_gpus=False``:
-    with gathered weights generate runs no collective, so each rank may stop at its own EOS."""
+    with gathered weights generate runs no collective, so each rank may stop at its own EOS. With
+    ``model.shared_prompts`` the prefill runs once per distinct prompt (``prefix.prompt_cache``)."""
 
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
         hp = module.hparams
@@ -38,8 +40,9 @@ class HFGenerate(RolloutEngine):
         devices = [module.device] if module.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices), module._generator() as generator:
             torch.manual_seed(seed)
+            cache = prefix.prompt_cache(generator, enc["input_ids"], enc["attention_mask"]) if hp.shared_prompts else {}
             with float32_head(generator, hidden):
-                out = generator.generate(**enc, **truncation, return_dict_in_generate=True, output_logits=True, synced_gpus=False)
+                out = generator.generate(**enc, **cache, **truncation, return_dict_in_generate=True, output_logits=True, synced_gpus=False)
         # step 0 sees the whole prompt, later steps one position each
         states = torch.stack([step[:, -1] for step in hidden], dim=1) if hidden is not None else None
         return Samples(out.sequences, logits=torch.stack(out.logits, dim=1), hidden=states)

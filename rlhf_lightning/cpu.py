@@ -102,9 +102,12 @@ class _OneDNNLinearMode(TorchFunctionMode):
 
 
 def resolve_cpu_linear(choice: CpuLinear) -> Literal["onednn", "aten"]:
-    """``auto`` is oneDNN where this torch build has it, else aten."""
+    """``auto`` is oneDNN where this torch build has it and ATen dispatches AVX-512 kernels (the CPU has
+    AVX-512 and ``ATEN_CPU_CAPABILITY`` does not cap it), else aten: without AVX-512 oneDNN's products are
+    no faster than MKL's forward and slower backward (SmolLM2's GRPO update 43 s against 23 s on an AMD
+    EPYC with AVX2 only: docs/performance.md)."""
     if choice == "auto":
-        return "onednn" if onednn_available() else "aten"
+        return "onednn" if onednn_available() and torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "aten"
     return choice
 
 

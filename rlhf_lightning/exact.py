@@ -382,6 +382,8 @@ class ExactPPORLHF(PPORLHF):
         # PyTorch's own linear: on a 32-wide model oneDNN's routing (a torch function mode that sees
         # every op) costs more than its kernel saves, 1.5x a matrix cell's time (2026-11-27).
         kwargs.setdefault("cpu_linear", "aten")
+        # A task's prompts are 1-2 tokens: sharing them saves nothing and costs a second forward call per pass.
+        kwargs.setdefault("shared_prompts", False)
         super().__init__(
             policy="tiny",
             reward_model=task.reward_model(),

@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 
-from rlhf_lightning import fsdp2, gpu, sampling
+from rlhf_lightning import fsdp2, gpu, prefix, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
 from rlhf_lightning.interfaces import Samples
+from rlhf_lightning.prefix import position_ids, trim_left_padding
 
 BUILTIN_MODELS = ("tiny", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -429,20 +430,25 @@ class PolicyNetworks:
     def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, return_hidden: bool = False):
         """Temperature-scaled float32 logits predicting each response token: (batch, response_len, vocab);
         with ``return_hidden`` also the last layer's hidden states at those positions (batch,
-        response_len, hidden), read from the output layer's input (no other layer's are kept)."""
+        response_len, hidden), read from the output layer's input (no other layer's are kept). Rows
+        that share a prompt share its forward pass (``shared_prompts``: rlhf_lightning/prefix.py)."""
         input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
+        shared = self.hparams.shared_prompts and prefix.distinct_prompts(input_ids, attention_mask, input_ids.shape[1] - response_len)
         hidden = [] if return_hidden else None
         with float32_head(model, hidden):
-            out = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids(attention_mask),
-                use_cache=False,
-                logits_to_keep=response_len + 1,
-            )
-        logits = self._tempered(out.logits[:, :-1])
+            if shared:
+                logits = prefix.shared_prompt_logits(model, input_ids, attention_mask, response_len, *shared, hidden=hidden)
+            else:
+                logits = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids(attention_mask),
+                    use_cache=False,
+                    logits_to_keep=response_len + 1,
+                ).logits[:, :-1]
+        logits = self._tempered(logits)
         if return_hidden:
-            return logits, hidden[0][:, :-1]
+            return logits, hidden[0] if shared else hidden[0][:, :-1]
         return logits
 
     def _tempered(self, logits: Tensor) -> Tensor:
@@ -685,17 +691,3 @@ def adapter_pairs(policy: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     params = dict(policy.named_parameters())
     names = [name for name in params if f".{REFERENCE_ADAPTER}." in name]
     return [params[n] for n in names], [params[n.replace(f".{REFERENCE_ADAPTER}.", ".default.")] for n in names]
-
-
-def trim_left_padding(input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """The rows without their leading columns that are padding in every row. Prompts are
-    left-padded to the longest of the whole batch, so a minibatch of shorter ones carries columns
-    that change no output (attention masks them out, positions count real tokens) but cost a
-    forward's and a backward's work; the response positions, counted from the end, stay put."""
-    first = int(attention_mask.any(0).int().argmax())  # 0 when the first column holds a real token
-    return input_ids[:, first:], attention_mask[:, first:]
-
-
-def position_ids(attention_mask: Tensor) -> Tensor:
-    """Positions counted over real tokens only, as ``generate`` does for left-padded prompts."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -142,8 +142,10 @@ class PPORLHF(PolicyNetworks, LightningModule):
         tiny_config: overrides of the ``tiny`` model's LlamaConfig.
         seed: initialisation seed of the ``tiny`` model.
         cpu_linear: the kernel of fp32 linear layers on a CPU: ``onednn``, ``aten`` (MKL), or
-            ``auto`` (oneDNN where the torch build has it); results agree to float rounding (cpu.py).
+            ``auto`` (oneDNN on an AVX-512 CPU where the torch build has it); results agree to float rounding (cpu.py).
         cpu_malloc: ``tuned`` (glibc keeps freed memory for reuse, CPU runs only) or ``default`` (cpu.py).
+        shared_prompts: rows with the same prompt (``num_generations`` > 1) share one forward pass
+            over it in every trainer forward, the update's included: the same logits to rounding (prefix.py).
         matmul_precision: ``torch.set_float32_matmul_precision`` at start-up (``high``: TF32 on
             Ampere and later GPUs); null leaves torch's default (``highest``).
         max_consecutive_faults: iterations in a row that may be skipped for a non-finite reward,
@@ -204,6 +206,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         trust_remote_code: bool = False,
         cpu_linear: cpu.CpuLinear = "auto",
         cpu_malloc: Literal["tuned", "default"] = "tuned",
+        shared_prompts: bool = True,
         matmul_precision: Optional[gpu.MatmulPrecision] = None,
         max_consecutive_faults: int = 3,
         log_samples_every_n_steps: int = 10,

@@ -46,7 +46,10 @@ def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers_and_c
     # weights differ from the policy's (the tiny model's VADER reward may leave them equal: then none).
     for r in json.loads(saved.read_text()):
         passes, epochs = r["passes"], r["ppo_epochs"]
-        assert passes["rollout"] == {"policy generate": 1, "policy decode step": 31}, r["mode"]
+        # GRPO (4 responses per prompt) prefills each distinct prompt once (rlhf_lightning/prefix.py): a forward,
+        # then generate from its cache, whose first step is the prompt's last token
+        rollout = {"policy fwd": 1, "policy decode step": 32} if r["mode"] == "grpo" else {"policy generate": 1, "policy decode step": 31}
+        assert passes["rollout"] == rollout, r["mode"]
         update = {"policy fwd+bwd": epochs, **({"critic fwd+bwd": epochs} if r["mode"] == "full" else {})}
         assert passes["update"] == update, r["mode"]
         assert passes.get("score_policy", {}) == ({"critic fwd": 1} if r["mode"] == "full" else {}), r["mode"]
@@ -58,6 +61,7 @@ def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers_and_c
 def test_pass_counter_counts_generate_decode_steps_and_forwards_with_and_without_grad_per_phase():
     import torch
 
+    from rlhf_lightning import prefix
     from rlhf_lightning.models import load_causal_lm
 
     model = load_causal_lm("tiny", vocab_size=100)
@@ -72,12 +76,18 @@ def test_pass_counter_counts_generate_decode_steps_and_forwards_with_and_without
     phase[0] = "update"
     model(input_ids=ids).logits.sum().backward()
     model(input_ids=ids).logits.sum().backward()
+    phase[0] = "shared"  # rows sharing prompts (rlhf_lightning/prefix.py): two trunk calls, one pass
+    rows = torch.cat([ids, torch.tensor([[5, 6], [7, 8]])], 1)
+    prefix.shared_prompt_logits(
+        model, rows, torch.ones_like(rows), 2, *prefix.distinct_prompts(rows, torch.ones_like(rows), 3)
+    ).sum().backward()
     phase[0] = None  # between phases: not counted
     model(input_ids=ids)
     assert counter.take() == {
         "rollout": {"policy generate": 1, "policy decode step": 3},
         "score": {"policy fwd": 1},
         "update": {"policy fwd+bwd": 2},
+        "shared": {"policy fwd+bwd": 1},
     }
     assert counter.take() == {}  # take() starts the count afresh
 
@@ -149,6 +159,38 @@ def test_iteration_costs_count_each_pass_once(tiny_shape):
         == [bench.forward_cost(tiny_shape, 2, 5, 0, 3, 300), bench.backward_cost(tiny_shape, 2, 5, 3, False, 300), bench.adamw_cost(500)]
         * 4
     )
+
+    # Shared prompts (2 distinct in the batch of 4, one minibatch: rlhf_lightning/prefix.py): every policy and
+    # reference pass is one over the distinct prompts (3 tokens, the last one's logits) and one over each row's
+    # response_len - 1 = 1 response token after them (its logits); the prefill runs the prompts but their last
+    # token, each row then decodes from it (2 steps); the critic's trunk as before.
+    one = dict(common, ppo_epochs=1, num_minibatches=1)
+    shared = bench.iteration_costs(tiny_shape, **one, critic_trainable=400, prompts=2)
+    assert shared["rollout"] == [
+        bench.forward_cost(tiny_shape, 2, 2, 0, 1),
+        bench.forward_cost(tiny_shape, 4, 1, 2, 1),
+        bench.forward_cost(tiny_shape, 4, 1, 3, 1),
+    ]
+    by_rows = [bench.forward_cost(tiny_shape, 2, 3, 0, 1), bench.forward_cost(tiny_shape, 4, 1, 3, 1)]
+    assert shared["score"] == by_rows * 2 + [bench.forward_cost(tiny_shape, 4, 5)]
+    assert shared["update"] == [
+        *by_rows,
+        bench.backward_cost(tiny_shape, 2, 3, 1, True),
+        bench.backward_cost(tiny_shape, 4, 1, 1, True, past=3),
+        bench.forward_cost(tiny_shape, 4, 5),
+        bench.backward_cost(tiny_shape, 4, 5, 0, True),
+        bench.adamw_cost(400),
+        bench.adamw_cost(500),
+    ]
+    assert bench.iteration_costs(tiny_shape, **one, critic_trainable=400, prompts=4) == bench.iteration_costs(
+        tiny_shape, **one, critic_trainable=400
+    )
+    flops = [sum(f for f, _ in passes) for passes in (shared["score"], full["score"])]
+    assert flops[0] < flops[1]
+    # A backward on cached keys and values: the matmuls of its forward twice over, attention's twice its forward.
+    forward, _ = bench.forward_cost(tiny_shape, 2, 1, 3, 1)
+    attention = 4 * tiny_shape.layers * tiny_shape.attn_dim * 2 * (1 * 3 + 1)
+    assert bench.backward_cost(tiny_shape, 2, 1, 1, True, past=3)[0] == 2 * (forward - attention) + 2 * attention
 
 
 def test_floor_seconds_takes_the_slower_of_compute_and_traffic_per_pass():

@@ -94,9 +94,11 @@ def test_tiny_llama_under_onednn_matches_aten():
 
 
 @needs_onednn
-def test_auto_resolves_to_onednn_where_available():
-    assert cpu.resolve_cpu_linear("auto") == "onednn"
-    assert cpu.resolve_cpu_linear("aten") == "aten"
+def test_auto_resolves_to_onednn_where_aten_dispatches_avx512_else_to_aten(monkeypatch):
+    for capability, kernel in (("AVX512", "onednn"), ("AVX2", "aten"), ("DEFAULT", "aten")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        assert cpu.resolve_cpu_linear("auto") == kernel, capability
+        assert cpu.resolve_cpu_linear("onednn") == "onednn" and cpu.resolve_cpu_linear("aten") == "aten"
 
 
 _STEPS = """

@@ -329,8 +329,10 @@ class PassCounter:
     """Counts the passes over each watched model's trunk, per phase: ``generate`` calls (their
     prefill), decode steps (the other forwards ``generate`` makes, a KV cache in hand), no-grad
     forwards (``fwd``) and forwards with autograd on (``fwd+bwd``: the loop backpropagates every
-    one). A forward is one call of the trunk (the decoder stack), so a LoRA reference (the policy
-    with its adapter off) counts as the policy's trunk, told apart by its phase. ``phase()`` names
+    one). A forward is one call of the trunk (the decoder stack), or two with ``shared_prompts``
+    (rlhf_lightning/prefix.py: the distinct prompts, then the responses on their keys and values,
+    counted once), so a LoRA reference (the policy with its adapter off) counts as the policy's
+    trunk, told apart by its phase. ``phase()`` names
     the phase a pass lands in; None leaves it uncounted (the floors between iterations)."""
 
     def __init__(self, phase=lambda: "all") -> None:
@@ -352,6 +354,8 @@ class PassCounter:
             if phase is None:
                 return
             cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5 names it cache
+            if getattr(cache, "shared_prompts", False):
+                return  # responses on their shared prompts' keys and values: the rest of the pass counted at its prompts
             if cache is not None:
                 kind = "decode step" if cache.get_seq_length() else "generate"
             else:
@@ -615,6 +619,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         lora_params=trainable_numel(module.policy) if lora else 0,
         critic=critic,
         old_logprobs=args.old_logprobs,
+        prompts=len(set(module.last_rollout.prompts)) if module.hparams.shared_prompts else 0,
     )
     return {
         "mode": args.mode,
@@ -869,15 +874,15 @@ def forward_cost(
 
 
 def backward_cost(
-    shape: ModelShape, rows: int, seq: int, logits: int, trains_base: bool, lora_params: int = 0, word_bytes: int = 4
+    shape: ModelShape, rows: int, seq: int, logits: int, trains_base: bool, lora_params: int = 0, word_bytes: int = 4, past: int = 0
 ) -> tuple[float, float]:
-    """(FLOPs, bytes) of the backward of ``forward_cost(shape, rows, seq, 0, logits, lora_params)``:
+    """(FLOPs, bytes) of the backward of ``forward_cost(shape, rows, seq, past, logits, lora_params)``:
     every matmul's input gradient (the forward's matmul FLOPs once more), its weight gradient where
     the weight trains (the base weights with ``trains_base``, the LoRA factors always: the same
-    count again), and attention's four products (twice its forward). Bytes: the weights read again
-    and the trained ones' gradients written."""
-    flops, weight_bytes = forward_cost(shape, rows, seq, 0, logits, lora_params, word_bytes)
-    attention = 4 * shape.layers * shape.attn_dim * rows * seq * (seq + 1) // 2
+    count again), and attention's four products (twice its forward). Bytes: the weights (and the
+    ``past`` keys and values) read again and the trained weights' gradients written."""
+    flops, weight_bytes = forward_cost(shape, rows, seq, past, logits, lora_params, word_bytes)
+    attention = 4 * shape.layers * shape.attn_dim * rows * (seq * past + seq * (seq + 1) // 2)
     matmuls = flops - attention
     if trains_base:
         weight_grads, grad_words = matmuls, weight_bytes / word_bytes
@@ -905,6 +910,7 @@ def iteration_costs(
     critic: str = "separate",
     old_logprobs: str = "forward",
     word_bytes: int = 4,
+    prompts: int = 0,
 ) -> dict[str, list[tuple[float, float]]]:
     """Each phase's passes as (FLOPs, bytes) pairs, one per pass over the weights (a decode step,
     a forward, a backward, an optimizer step): what one PPO iteration must compute at least.
@@ -917,18 +923,43 @@ def iteration_costs(
       and one AdamW step per optimizer.
     ``lora_params``: the adapter's weights (0: full fine-tuning), run unmerged in the policy's
     forwards; ``policy_trainable`` / ``critic_trainable``: the weights each AdamW steps (LoRA: the
-    adapter's; a shared critic's head counts with the policy)."""
+    adapter's; a shared critic's head counts with the policy). ``prompts``: the batch's distinct
+    prompts where rows share them (``model.shared_prompts``, rlhf_lightning/prefix.py; 0: none do):
+    the prefill is then one pass over them but their last token, whose position every row runs as
+    its first decode step, and each policy and reference pass one over the prompts (where fewer than
+    its rows) and one over every row's responses on their keys and values (a separate critic's trunk
+    runs whole rows)."""
     w, seq, rows = word_bytes, prompt_len + response_len, batch // num_minibatches
-    rollout = [forward_cost(shape, batch, prompt_len, 0, 1, 0, w)]
-    rollout += [forward_cost(shape, batch, 1, prompt_len + step, 1, 0, w) for step in range(response_len - 1)]
-    score = [] if old_logprobs == "sampler" else [forward_cost(shape, batch, seq, 0, response_len + 1, lora_params, w)]
-    score.append(forward_cost(shape, batch, seq, 0, response_len + 1, 0, w))
+
+    def forwards(n: int, lora: int) -> list[tuple[float, float]]:
+        """A policy or reference forward over ``n`` rows, its logits at the response positions."""
+        if not prompts or prompts >= n:
+            return [forward_cost(shape, n, seq, 0, response_len + 1, lora, w)]
+        return [
+            forward_cost(shape, prompts, prompt_len, 0, 1, lora, w),
+            forward_cost(shape, n, response_len - 1, prompt_len, response_len - 1, lora, w),
+        ]
+
+    def backwards(n: int) -> list[tuple[float, float]]:
+        trains = not lora_params
+        if not prompts or prompts >= n:
+            return [backward_cost(shape, n, seq, response_len + 1, trains, lora_params, w)]
+        return [
+            backward_cost(shape, prompts, prompt_len, 1, trains, lora_params, w),
+            backward_cost(shape, n, response_len - 1, response_len - 1, trains, lora_params, w, past=prompt_len),
+        ]
+
+    if prompts and prompts < batch:  # the distinct prompts but their last token, then that token for every row
+        rollout = [forward_cost(shape, prompts, prompt_len - 1, 0, 1, 0, w)]
+        rollout += [forward_cost(shape, batch, 1, prompt_len - 1 + step, 1, 0, w) for step in range(response_len)]
+    else:
+        rollout = [forward_cost(shape, batch, prompt_len, 0, 1, 0, w)]
+        rollout += [forward_cost(shape, batch, 1, prompt_len + step, 1, 0, w) for step in range(response_len - 1)]
+    score = [] if old_logprobs == "sampler" else forwards(batch, lora_params)
+    score += forwards(batch, 0)
     if critic == "separate":
         score.append(forward_cost(shape, batch, seq, 0, 0, 0, w))
-    minibatch = [
-        forward_cost(shape, rows, seq, 0, response_len + 1, lora_params, w),
-        backward_cost(shape, rows, seq, response_len + 1, not lora_params, lora_params, w),
-    ]
+    minibatch = [*forwards(rows, lora_params), *backwards(rows)]
     if critic == "separate":  # its own trunk: the policy's without the LM head
         minibatch += [
             forward_cost(shape, rows, seq, 0, 0, 0, w),

@@ -114,6 +114,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), help="model.cpu_linear of our runs (default: the module's)")
     parser.add_argument("--cpu-malloc", choices=("tuned", "default"), help="model.cpu_malloc of our runs (default: the module's)")
     parser.add_argument(
+        "--shared-prompts", choices=("on", "off"), help="model.shared_prompts of our runs (default: the module's, on; --grpo shares them)"
+    )
+    parser.add_argument(
         "--threads",
         type=option_number(integer=True, at_least=0),
         default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
@@ -380,6 +383,8 @@ def set_options(args: argparse.Namespace, model: dict) -> None:
     for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
         if getattr(args, option):
             model[option] = getattr(args, option)
+    if args.shared_prompts:
+        model["shared_prompts"] = args.shared_prompts == "on"
 
 
 def grpo_config(args: argparse.Namespace, trainer: dict, data: dict) -> dict:
@@ -491,7 +496,7 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
     }
     argv = [python, str(Path(__file__).resolve()), "--worker", setup, *(["--grpo"] if args.grpo else [])]
     argv += [word for flag, value in settings.items() for word in (flag, str(value))]
-    for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
+    for option in ("old_logprobs", "cpu_linear", "cpu_malloc", "shared_prompts"):
         if getattr(args, option):
             argv += ["--" + option.replace("_", "-"), getattr(args, option)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}

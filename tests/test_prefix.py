@@ -1,0 +1,117 @@
+"""Rows that share a prompt share its forward pass (rlhf_lightning/prefix.py): the same logits, hidden
+states and gradients as a plain forward, to fp32 rounding, with and without LoRA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_lightning import prefix
+
+from helpers import fit, make_module
+
+PROMPTS = ["a much longer prompt than the other two", "short", "tiny"]
+
+
+def group_batch(module, rows_of=(0, 1, 0, 2, 1, 0), response_len=4):
+    """Rows of prompt + response: prompts ``PROMPTS[i]`` for i in ``rows_of`` (left-padded to the longest),
+    each with its own random response; the last row's response ends early (its last two positions masked)."""
+    enc = module.encode_prompts([PROMPTS[i] for i in rows_of])
+    response = torch.randint(5, 60, (len(rows_of), response_len), generator=torch.Generator().manual_seed(3))
+    response_mask = torch.ones_like(response)
+    response_mask[-1, -2:] = 0
+    return torch.cat([enc["input_ids"], response], 1), torch.cat([enc["attention_mask"], response_mask], 1), response_len
+
+
+def test_distinct_prompts_finds_each_prompts_first_row_and_every_rows_prompt():
+    ids = torch.tensor([[0, 5, 6, 1], [7, 5, 6, 2], [0, 5, 6, 3], [0, 0, 9, 4]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1]])
+    first, inverse = prefix.distinct_prompts(ids, mask, prompt_len=3)
+    # rows 0 and 2 share "_ 5 6" (the pad's id does not matter: row 3's pad 0 against row 1's real 7)
+    assert sorted(first.tolist()) == [0, 1, 3]
+    assert torch.equal(first[inverse], torch.tensor([0, 1, 0, 3]))
+    assert prefix.distinct_prompts(ids[:2], mask[:2], prompt_len=3) is None  # nothing shared: the plain forward
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+@pytest.mark.parametrize("advantage, critic", [("rloo", None), ("gae", "shared")])
+def test_shared_prompt_forward_gives_the_plain_forwards_logits_hidden_states_and_gradients(lora_rank, advantage, critic):
+    module = make_module(lora_rank=lora_rank, advantage_estimator=advantage, num_generations=2, critic=critic, critic_lr=None)
+    ids, mask, response_len = group_batch(module)
+    weights = torch.randn(ids.shape[0], response_len, len(module.tokenizer), generator=torch.Generator().manual_seed(0))
+
+    def outputs(shared: bool):
+        module.hparams.shared_prompts = shared
+        module.policy.zero_grad(set_to_none=True)
+        logits, values = module.policy_outputs(ids, mask, response_len)
+        loss = (weights[..., : logits.shape[-1]] * logits).sum() + (0 if values is None else values.sum())
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+        return logits.detach(), None if values is None else values.detach(), grads
+
+    shared_logits, shared_values, shared_grads = outputs(True)
+    plain_logits, plain_values, plain_grads = outputs(False)
+    assert shared_logits.shape == (ids.shape[0], response_len, plain_logits.shape[-1])
+    torch.testing.assert_close(shared_logits, plain_logits, rtol=0, atol=2e-5)
+    if critic is not None:  # the value head reads the hidden states
+        torch.testing.assert_close(shared_values, plain_values, rtol=0, atol=2e-5)
+    assert shared_grads.keys() == plain_grads.keys() and len(plain_grads) > 0
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=2e-5, msg=name)
+
+
+def test_shared_prompts_run_the_prompt_tokens_once_per_distinct_prompt():
+    """The saving itself: the trunk's first layer sees each distinct prompt's tokens once (3 prompts here),
+    then every row's response; the plain forward sees every row's prompt and response."""
+    module = make_module()
+    ids, mask, response_len = group_batch(module)
+    seen = []
+    hook = module.policy.model.layers[0].register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[:2]))
+    try:
+        with torch.no_grad():
+            for shared in (True, False):
+                module.hparams.shared_prompts = shared
+                module.response_logits(module.policy, ids, mask, response_len)
+    finally:
+        hook.remove()
+    prompt_len = ids.shape[1] - response_len
+    assert seen == [(3, prompt_len), (6, response_len - 1), (6, ids.shape[1])]
+
+
+def test_grpo_trains_the_same_with_and_without_shared_prompts(tmp_path):
+    """Two GRPO iterations (4 responses per prompt, k3 in the loss): the first iteration's statistics (its
+    reference forward and its update's, at the same weights) agree to 1e-5; the second's, after two AdamW
+    steps, to 0.2% (AdamW moves a weight whose gradient is next to 0 by about the lr either way, so the
+    rounding of such a gradient moves weights by up to 0.004 here: the weights themselves are not compared)."""
+
+    def run(shared: bool):
+        module = make_module(
+            advantage_estimator="grpo", num_generations=4, kl_penalty="loss", kl_estimator="k3", critic_lr=None, shared_prompts=shared
+        )
+        return fit(module, tmp_path, iterations=2, batch_size=2)[1].rows
+
+    (shared_first, shared_second), (plain_first, plain_second) = run(True), run(False)
+    for key in ("objective/kl", "objective/reward", "policy/loss", "policy/kl_loss", "policy/approxkl"):
+        assert shared_first[key] == pytest.approx(plain_first[key], rel=0, abs=1e-5), key
+        assert shared_second[key] == pytest.approx(plain_second[key], rel=2e-3, abs=1e-6), key
+    assert plain_second["objective/kl"] > 0.1  # the second iteration's policy has moved from the reference
+
+
+def test_generate_on_shared_prompt_caches_samples_what_it_samples_without_them():
+    """The hf engine prefills each distinct prompt once (prefix.prompt_cache) and generate runs only the last
+    prompt token per row: the same responses from the same seed, the same logits to fp32 rounding."""
+    module = make_module(advantage_estimator="rloo", num_generations=3, critic=None, critic_lr=None, max_new_tokens=8)
+    enc = module.encode_prompts([PROMPTS[i] for i in (0, 0, 0, 1, 1, 1)])
+
+    def sample(shared: bool):
+        module.hparams.shared_prompts = shared
+        return module.rollout_engine.sample(module, enc, seed=5)
+
+    shared, plain = sample(True), sample(False)
+    assert torch.equal(shared.sequences, plain.sequences)
+    assert shared.logits.shape == plain.logits.shape == (6, 8, shared.logits.shape[-1])
+    torch.testing.assert_close(shared.logits, plain.logits, rtol=0, atol=2e-5)
+    assert len(set(map(tuple, plain.sequences[:3, enc["input_ids"].shape[1] :].tolist()))) > 1  # the rows drew their own responses
+    cache = prefix.prompt_cache(module.policy, enc["input_ids"], enc["attention_mask"])
+    assert next(iter(cache.values())).get_seq_length() == enc["input_ids"].shape[1] - 1
+    assert prefix.prompt_cache(module.policy, enc["input_ids"][2:4], enc["attention_mask"][2:4]) == {}  # two prompts, one row each
