@@ -14,7 +14,7 @@ backward (docs/performance.md).
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -62,12 +62,10 @@ def shared_prompt_logits(
     layer's inputs, left holding those positions' hidden states (batch, response_len, hidden)."""
     prompt_len = input_ids.shape[1] - response_len
     prompt_ids, prompt_mask = trim_left_padding(input_ids[first, :prompt_len], attention_mask[first, :prompt_len])
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask), use_cache=True, logits_to_keep=1)
+    out, name = _prompts_once(model, prompt_ids, prompt_mask, inverse)
     logits = [out.logits[inverse]]  # the prompt's last position predicts the first response token
     if response_len > 1:
-        name = cache_argument(model)
         cache = getattr(out, name)
-        cache.reorder_cache(inverse)  # index_select: differentiable, one copy of each prompt per row
         cache.shared_prompts = True  # marked for whoever counts passes (tools/bench.py): the rest of this one
         mask = torch.cat([prompt_mask[inverse], attention_mask[:, prompt_len:-1]], dim=1)
         positions = position_ids(attention_mask)[:, prompt_len:-1]  # counted over the whole row's real tokens
@@ -87,12 +85,17 @@ def prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) ->
     if shared is None or input_ids.shape[1] < 2:
         return {}
     first, inverse = shared
-    ids, mask = input_ids[first, :-1], attention_mask[first, :-1]
+    out, name = _prompts_once(model, input_ids[first, :-1], attention_mask[first, :-1], inverse)
+    return {name: getattr(out, name)}
+
+
+def _prompts_once(model: nn.Module, ids: Tensor, mask: Tensor, inverse: Tensor) -> tuple[Any, str]:
+    """One pass over the distinct prompts ``ids`` (the last position's logits only) and the name of its KV
+    cache in the output, the cache indexed out to every row (``inverse``; index_select: differentiable)."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, logits_to_keep=1)
     name = cache_argument(model)
-    cache = getattr(out, name)
-    cache.reorder_cache(inverse)
-    return {name: cache}
+    getattr(out, name).reorder_cache(inverse)
+    return out, name
 
 
 def cache_argument(model: nn.Module) -> str:
