@@ -29,7 +29,7 @@ builds a fresh module, drives its own ``training_step`` under a real Lightning T
 times its phases (exclusive wall-clock seconds, medians
 over ``--iters`` iterations after ``--warmup``):
 
-- rollout:    ``encode_prompts`` + the policy's ``generate``;
+- rollout:    ``encode_prompts`` + the rollout engine's sample (hf: the shared prompts' prefill, ``generate``);
 - score:      the rest of ``rollout()`` (old log-probs + values forward, reference forward,
               decoding, log-prob gathers, entropy), the KL estimate and the reward;
 - advantages: ``compute_advantages``;
@@ -373,7 +373,6 @@ def bench_module_class(memory: bool = False):
     """PPORLHF with its phases timed (with ``memory``: and their peak RSS, and the RSS before the
     models are built, ``baseline_rss_mb``); the module's own code runs unchanged in between."""
     from rlhf_lightning.module import PPORLHF
-    from rlhf_lightning_plugins.rollout_engines import HFGenerate
 
     class TimedPPORLHF(PPORLHF):
         def configure_model(self) -> None:
@@ -388,10 +387,8 @@ def bench_module_class(memory: bool = False):
             for name, model in (("policy", self.policy), ("reference", self.ref_model), ("critic", getattr(self.critic, "trunk", None))):
                 if model is not None:
                     self.passes.watch(name, model)
-            self.generator = self.policy.get_base_model() if self.hparams.lora_rank else self.policy
-            self.generator.generate = self.clock.wrap("rollout", self.generator.generate)  # instance attribute
-            if not isinstance(self.rollout_engine, HFGenerate):  # another engine: its whole sample (a weight sync included)
-                self.rollout_engine.sample = self.clock.wrap("rollout", self.rollout_engine.sample)
+            # the engine's whole sample: hf's prefill of shared prompts before generate, another engine's weight sync
+            self.rollout_engine.sample = self.clock.wrap("rollout", self.rollout_engine.sample)
             for name in ("checked_scores", "shape_scores"):
                 setattr(self.reward_model, name, self.clock.wrap("score", getattr(self.reward_model, name)))
 
@@ -728,7 +725,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
 
     def generate():
         with torch.no_grad(), autocast():
-            type(plain).generate(plain, **enc)  # the class's generate: the module's timed one is an instance attribute
+            plain.generate(**enc)
 
     def reference_forward():
         with torch.no_grad(), autocast():
