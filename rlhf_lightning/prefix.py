@@ -89,10 +89,44 @@ def prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) ->
     return {name: getattr(out, name)}
 
 
-def _prompts_once(model: nn.Module, ids: Tensor, mask: Tensor, inverse: Tensor) -> tuple[Any, str]:
-    """One pass over the distinct prompts ``ids`` (the last position's logits only) and the name of its KV
-    cache in the output, the cache indexed out to every row (``inverse``; index_select: differentiable)."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, logits_to_keep=1)
+def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: list[int], pad_id: int) -> Optional[Tensor]:
+    """A causal sequence classifier's logits (rows, labels) on token ``rows``, each group of rows (``groups``:
+    the group of every row, e.g. its prompt) running the tokens all its rows start with once: the distinct
+    prefixes in one pass, their KV cache indexed out to the rows, then each row's remaining tokens (at least
+    one) on it; the classifier pools at the last token that is not ``pad_id``, as on the whole row. None when
+    some row's remaining tokens are all ``pad_id`` (its pooled token would lie in the prefix: score whole)."""
+    keys = sorted(set(groups))
+    inverse = torch.tensor([keys.index(g) for g in groups])
+    firsts = [rows[groups.index(key)] for key in keys]
+    prefix_len = [len(first) - 1 for first in firsts]  # every row keeps at least its last token
+    for row, g in zip(rows, inverse.tolist(), strict=True):  # the longest prefix every row of the group shares
+        shared = min(prefix_len[g], len(row) - 1)
+        prefix_len[g] = next((i for i in range(shared) if row[i] != firsts[g][i]), shared)
+    prefix_len = [max(n, 1) for n in prefix_len]
+    rests = [row[prefix_len[g] :] for row, g in zip(rows, inverse.tolist(), strict=True)]
+    if any(all(t == pad_id for t in rest) for rest in rests):
+        return None
+    prefixes = [first[:n] for first, n in zip(firsts, prefix_len, strict=True)]
+    width = max(prefix_len)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prefixes])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
+    device = next(model.parameters()).device
+    ids, mask, inverse = ids.to(device), mask.to(device), inverse.to(device)
+    out, name = _prompts_once(model, ids, mask, inverse, causal_lm=False)
+    longest = max(len(rest) for rest in rests)
+    rest_ids = torch.tensor([rest + [pad_id] * (longest - len(rest)) for rest in rests], device=device)
+    rest_mask = torch.tensor([[1] * len(rest) + [0] * (longest - len(rest)) for rest in rests], device=device)
+    positions = torch.tensor(prefix_len, device=device)[inverse, None] + torch.arange(longest, device=device)
+    full_mask = torch.cat([mask[inverse], rest_mask], dim=1)
+    return model(input_ids=rest_ids, attention_mask=full_mask, position_ids=positions, **{name: getattr(out, name)}).logits
+
+
+def _prompts_once(model: nn.Module, ids: Tensor, mask: Tensor, inverse: Tensor, causal_lm: bool = True) -> tuple[Any, str]:
+    """One pass over the distinct prompts ``ids`` (a causal LM: the last position's logits only; else a
+    sequence classifier) and the name of its KV cache in the output, the cache indexed out to every row
+    (``inverse``; index_select: differentiable)."""
+    keep = {"logits_to_keep": 1} if causal_lm else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, **keep)
     name = cache_argument(model)
     getattr(out, name).reorder_cache(inverse)
     return out, name

@@ -445,6 +445,59 @@ def test_hf_classifier_response_only_and_separator(tiny_classifier):
     torch.testing.assert_close(raw, _score_one_by_one(model, tokenizer, texts), rtol=1e-4, atol=1e-5)
 
 
+def test_hf_classifier_scores_a_shared_prompt_once_as_it_scores_whole_texts(tiny_classifier):
+    """Groups of responses to one prompt run the tokens their texts share once and score as each whole text
+    does alone, groups split across batches (3) or not (32); the tokens the trunk runs are counted."""
+    path, model, tokenizer = tiny_classifier
+    prompts = ["Tell me about the weather in the mountains."] * 3 + ["Write a short poem about the sea."] * 3 + ["Q"] * 2
+    responses = ["Cold.", "Snow, mostly", "", "Waves", "The sea is wide", "s", "A", "B!"]
+    texts = [p + "\n" + r for p, r in zip(prompts, responses, strict=True)]
+    alone = _score_one_by_one(model, tokenizer, texts)
+    for batch_size in (3, 32):
+        rm = HFClassifierReward(path=str(path), batch_size=batch_size)
+        rm.setup(torch.device("cpu"))
+        tokens = []
+        rm.model.model.register_forward_pre_hook(lambda _, args, __, seen=tokens: seen.append(args[0].numel()), with_kwargs=True)
+        raw, _ = rm(prompts, responses, torch.ones(8, dtype=torch.bool))
+        assert rm.shares and raw.unique().numel() == 8
+        torch.testing.assert_close(raw, alone, rtol=1e-4, atol=1e-5)
+    # one batch: the 3 distinct prefixes left-padded to the longest, then every row's rest right-padded
+    rows = tokenizer(texts)["input_ids"]
+    prefix_len = [len(rows[2]) - 1, len(rows[3]) - 5, len(rows[6]) - 1]  # up to the newline; each row keeps a token
+    rests = [len(r) - prefix_len[g] for r, g in zip(rows, [0, 0, 0, 1, 1, 1, 2, 2], strict=True)]
+    assert tokens == [3 * max(prefix_len), 8 * max(rests)]
+    assert sum(tokens) < 0.6 * 8 * max(map(len, rows))  # the whole texts, padded
+    off = HFClassifierReward(path=str(path), batch_size=4, shared_prompts=False)
+    torch.testing.assert_close(off(prompts, responses, torch.ones(8, dtype=torch.bool))[0], alone, rtol=1e-4, atol=1e-5)
+    assert not off.shares
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder_classifier(tmp_path_factory):
+    """A bidirectional classifier (BERT) on the character tokenizer: a prefix's states see what follows it."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from rlhf_lightning.models import char_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = char_tokenizer()
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, num_labels=1
+    )
+    path = tmp_path_factory.mktemp("tiny_bert_rm")
+    BertForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_hf_classifier_scores_whole_texts_on_a_bidirectional_model(tiny_encoder_classifier):
+    rm = HFClassifierReward(path=str(tiny_encoder_classifier))
+    rm.setup(torch.device("cpu"))
+    assert not rm.shares
+    with pytest.raises(ValueError, match=r"reward_model.shared_prompts must be false: .* is not causal"):
+        HFClassifierReward(path=str(tiny_encoder_classifier), shared_prompts=True).setup(torch.device("cpu"))
+
+
 def test_hf_classifier_label_index_out_of_range(tiny_classifier):
     path, _, _ = tiny_classifier
     rm = HFClassifierReward(path=str(path), label_index=1)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 
+from rlhf_lightning import prefix
 from rlhf_lightning.interfaces import RewardModel, require, require_number
 from rlhf_lightning.registry import register
 from rlhf_lightning_plugins.rewards.encoder import EncoderReward
@@ -24,6 +25,11 @@ class HFClassifierReward(EncoderReward):
         label_index: which output logit is the reward (0 for a single-output reward model).
         include_prompt: score ``prompt + separator + response`` rather than the response alone.
         batch_size: texts per forward pass; max_length: truncation length in reward-model tokens.
+        shared_prompts: texts of the same prompt (``num_generations`` > 1) run the tokens they start with
+            once (``prefix.classify_shared_prefixes``: the whole texts' scores to fp32 rounding). Only a
+            causal model scores a prefix the same whatever follows it; ``setup`` checks that on two texts:
+            None (default) shares where it holds and scores whole texts elsewhere, True refuses a model
+            where it does not, False scores whole texts.
     """
 
     def __init__(
@@ -35,12 +41,14 @@ class HFClassifierReward(EncoderReward):
         batch_size: int = 32,
         max_length: int = 512,
         trust_remote_code: bool = False,
+        shared_prompts: Optional[bool] = None,
         **options: Any,
     ) -> None:
         super().__init__(batch_size, max_length, **options)
         require_number("reward_model.label_index", label_index, integer=True, at_least=0)
         self.path, self.label_index, self.include_prompt, self.separator = path, label_index, include_prompt, separator
-        self.trust_remote_code = trust_remote_code
+        self.trust_remote_code, self.shared_prompts = trust_remote_code, shared_prompts
+        self.shares = False  # whether score() shares prefixes: decided in setup
 
     def setup(self, device: torch.device) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -57,13 +65,39 @@ class HFClassifierReward(EncoderReward):
             require(0 <= self.label_index < labels, "reward_model.label_index", requirement, self.label_index)
         self.device = device
         self.model.to(device)
+        if self.shared_prompts is not False:
+            self.shares = self._scores_prefixes_alike()
+            require(self.shares or self.shared_prompts is None, "reward_model.shared_prompts", f"false: {self.path} is not causal", True)
+
+    @torch.inference_mode()
+    def _scores_prefixes_alike(self) -> bool:
+        """Whether two texts that share a prefix score the same through ``classify_shared_prefixes`` as whole
+        (a causal model; a bidirectional encoder's prefix sees what follows it, or takes no KV cache)."""
+        texts = ["The reward model reads this, then alpha", "The reward model reads this, then beta!"]
+        rows = self.tokenizer(texts)["input_ids"]
+        try:
+            shared = prefix.classify_shared_prefixes(self.model, rows, [0, 0], self.tokenizer.pad_token_id)
+        except (TypeError, ValueError, AttributeError, RuntimeError):  # no KV cache in this architecture's forward
+            return False
+        whole = torch.cat([self.model(**enc).logits for enc in self.batches(texts)])
+        return shared is not None and torch.allclose(shared, whole, rtol=1e-4, atol=1e-4)
 
     @torch.inference_mode()
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
         if self.model is None:
             self.setup(self.device)
         texts = [p + self.separator + r if self.include_prompt else r for p, r in zip(prompts, responses, strict=True)]
-        return torch.cat([self.model(**enc).logits[:, self.label_index].float().cpu() for enc in self.batches(texts)])
+        if not (self.shares and self.include_prompt and len(set(prompts)) < len(prompts)):
+            return torch.cat([self.model(**enc).logits[:, self.label_index].float().cpu() for enc in self.batches(texts)])
+        scores = []
+        for start in range(0, len(texts), self.batch_size):
+            chunk = slice(start, start + self.batch_size)
+            rows = self.tokenizer(texts[chunk], truncation=True, max_length=self.max_length)["input_ids"]
+            logits = prefix.classify_shared_prefixes(self.model, rows, list(prompts[chunk]), self.tokenizer.pad_token_id)
+            if logits is None:  # a row ends in pad tokens only: whole texts
+                logits = next(self.model(**enc).logits for enc in self.batches(texts[chunk]))
+            scores.append(logits[:, self.label_index].float().cpu())
+        return torch.cat(scores)
 
 
 # How K member scores r_1..r_K of one response become its reward (Coste et al. 2023, section 3).
