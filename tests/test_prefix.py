@@ -79,10 +79,11 @@ def test_shared_prompts_run_the_prompt_tokens_once_per_distinct_prompt():
 
 
 def test_grpo_trains_the_same_with_and_without_shared_prompts(tmp_path):
-    """Two GRPO iterations (4 responses per prompt, k3 in the loss): the first iteration's statistics (its
-    reference forward and its update's, at the same weights) agree to 1e-5; the second's, after two AdamW
-    steps, to 0.2% (AdamW moves a weight whose gradient is next to 0 by about the lr either way, so the
-    rounding of such a gradient moves weights by up to 0.004 here: the weights themselves are not compared)."""
+    """Two GRPO iterations (4 responses per prompt, k3 in the loss): the first iteration's rollout statistics
+    (its reference forward, at the same weights) agree to 1e-5; its update's (means over the minibatches,
+    all but the first after an AdamW step) and the second iteration's to 0.2% (AdamW moves a weight whose
+    gradient is next to 0 by about the lr either way, so the rounding of such a gradient moves weights by up
+    to 0.004 here: the weights themselves are not compared)."""
 
     def run(shared: bool):
         module = make_module(
@@ -92,7 +93,8 @@ def test_grpo_trains_the_same_with_and_without_shared_prompts(tmp_path):
 
     (shared_first, shared_second), (plain_first, plain_second) = run(True), run(False)
     for key in ("objective/kl", "objective/reward", "policy/loss", "policy/kl_loss", "policy/approxkl"):
-        assert shared_first[key] == pytest.approx(plain_first[key], rel=0, abs=1e-5), key
+        before_any_step = key.startswith("objective/")
+        assert shared_first[key] == pytest.approx(plain_first[key], rel=0 if before_any_step else 2e-3, abs=1e-5), key
         assert shared_second[key] == pytest.approx(plain_second[key], rel=2e-3, abs=1e-6), key
     assert plain_second["objective/kl"] > 0.1  # the second iteration's policy has moved from the reference
 

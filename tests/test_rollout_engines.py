@@ -16,7 +16,7 @@ from rlhf_lightning.exact import TASKS, ExactPPORLHF, kl_divergence, train
 from rlhf_lightning.interfaces import ConfigError, Samples
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
-from rlhf_lightning_plugins.rollout_engines import HFGenerate, VLLMEngine
+from rlhf_lightning_plugins.rollout_engines import DeclaredDraw, HFGenerate, VLLMEngine
 
 from helpers import EXACT_RUN, declared_optimum_run, make_module
 
@@ -245,3 +245,62 @@ def test_optimum_check_prints_the_kept_line_only_for_a_truncating_run(capsys):
     assert f"KL(pi*||pi_ref)={kept['kl_opt']}" in lines[-3]
     optimum_check.main(["--iterations", "2", "--every", "2"])
     assert not any(line.startswith("KEPT ") for line in capsys.readouterr().out.splitlines())
+
+
+# ------------------------------------------------------------------ the draw
+def test_draw_is_the_inverse_cdf_of_the_uniform_it_takes():
+    """sampling.draw on 64 rows over 5000 tokens (some of probability exactly 0, some rows peaked): the first
+    index whose float64 cumulative probability exceeds each row's u, u the same uniforms from the same seed;
+    never a token of probability 0; and over 20000 draws of one row, frequencies within 4 standard errors."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(64, 5000, generator=gen)
+    logits[:, ::7] = sampling.OUTSIDE_LOGIT
+    logits[:8, 123] = 60.0  # peaked rows
+    torch.manual_seed(3)
+    tokens = sampling.draw(logits)
+    torch.manual_seed(3)
+    u = torch.rand(64, 1, dtype=torch.float64)
+    cdf = torch.softmax(logits.float(), -1).double().cumsum(-1)
+    assert torch.equal(tokens, torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0])
+    assert (tokens % 7 != 0).all() and (tokens[:8] == 123).all()
+    row = torch.randn(1, 40, generator=gen).expand(20000, -1)
+    counts = torch.bincount(sampling.draw(row), minlength=40).double()
+    probs = torch.softmax(row[0].double(), -1)
+    assert ((counts / 20000 - probs).abs() <= 4 * (probs * (1 - probs) / 20000).sqrt() + 1e-12).all()
+
+
+def test_declared_draw_takes_temperature_top_k_and_the_eos_ban():
+    """DeclaredDraw on 8000 copies of one row of scores, EOS (id 3) the most likely token: at the first
+    response position (EOS banned, min_new_tokens 2) and at the third, every row gets 0 at one token and -inf
+    elsewhere, and the tokens' frequencies match softmax(scores / 0.7) on the top 5 (EOS out while banned)
+    within 4 standard errors."""
+    scores = torch.randn(1, 50, generator=torch.Generator().manual_seed(1)).expand(8000, -1).clone()
+    scores[:, 3] = scores.max() + 0.5
+    draw = DeclaredDraw(temperature=0.7, top_k=5, top_p=1.0, eos_token_id=3, min_new_tokens=2, prompt_len=10)
+    for prompt_and_response, eos_allowed in ((10, False), (12, True)):
+        torch.manual_seed(0)
+        out = draw(torch.zeros(8000, prompt_and_response, dtype=torch.long), scores.clone())
+        assert ((out == 0).sum(-1) == 1).all() and (out.isinf().sum(-1) == 49).all()
+        declared = scores[0].double() / 0.7
+        if not eos_allowed:
+            declared[3] = -torch.inf
+        declared[declared < declared.topk(5).values[-1]] = -torch.inf
+        probs = torch.softmax(declared, -1)
+        freq = torch.bincount(out.argmax(-1), minlength=50).double() / 8000
+        assert ((freq - probs).abs() <= 4 * (probs * (1 - probs) / 8000).sqrt() + 1e-12).all()
+        assert (freq[3] > 0.2) == eos_allowed
+
+
+def test_hf_engine_samples_inside_top_k_and_bans_eos_before_min_new_tokens():
+    """The hf engine, top-k 3 and min_new_tokens 2 on 64 rows: every sampled token is among the 3 largest
+    of the logits it recorded for that step (EOS out of the first two), and no row ends before 2 tokens."""
+    module = make_module(temperature=0.7, top_k=3, min_new_tokens=2, max_new_tokens=4)
+    enc = module.encode_prompts(["Hello there", "Count to three"] * 32)
+    samples = module.rollout_engine.sample(module, enc, seed=11)
+    response, logits = samples.sequences[:, enc["input_ids"].shape[1] :], samples.logits.float()
+    eos = module.tokenizer.eos_token_id
+    assert not (response[:, :2] == eos).any()
+    logits[:, :2, eos] = -torch.inf
+    top3 = logits.topk(3, dim=-1).indices
+    steps = response.shape[1]
+    assert (top3[:, :steps] == response[..., None]).any(-1)[response != module.tokenizer.pad_token_id].all()
