@@ -34,19 +34,18 @@ class HFGenerate(RolloutEngine):
     token is drawn by :class:`DeclaredDraw`."""
 
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
-        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers import LogitsProcessorList
 
         hp = module.hparams
         # with a shared critic, the last layer's hidden states (float32_head's inputs), one per step
         hidden = [] if hp.old_logprobs == "sampler" and module._shared_critic else None
         drawn = {}
-        if hp.do_sample:  # drawn by DeclaredDraw; generate's greedy step takes its token
-            tokens = dict(pad_token_id=module.tokenizer.pad_token_id, eos_token_id=module.tokenizer.eos_token_id)
-            config = GenerationConfig(do_sample=False, max_new_tokens=hp.max_new_tokens, **tokens)
+        if hp.do_sample:  # drawn by DeclaredDraw, which bans EOS itself; generate's greedy step takes its token
             processor = DeclaredDraw(
                 hp.temperature, hp.top_k, hp.top_p, module.tokenizer.eos_token_id, hp.min_new_tokens, enc["input_ids"].shape[1]
             )
-            drawn = {"generation_config": config, "logits_processor": LogitsProcessorList([processor])}
+            greedy = dict(do_sample=False, temperature=None, top_k=None, top_p=None, min_new_tokens=None)
+            drawn = {**greedy, "logits_processor": LogitsProcessorList([processor])}
         devices = [module.device] if module.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices), module._generator() as generator:
             torch.manual_seed(seed)

@@ -51,15 +51,17 @@ def test_the_task_has_a_large_per_token_gap():
 
 
 def test_sequence_scope_separates_from_per_token_in_a_short_run():
-    """RLOO, 4 responses per prompt, k3 in the loss, importance weighted, one PPO epoch, 60 iterations of
-    192 responses (several seconds each): the sequence scope is already well inside the per-token fixed
-    point's gap, the per-token scope close to it and overpaying KL (measured: gaps 0.057 and 0.206, KL to
-    pi_ref 1.42 and 1.96 against the optimum's 1.32)."""
-    sequence = run(60, 192, ppo_epochs=1)
-    per_token = run(60, 192, ppo_epochs=1, kl_loss_scope="per_token")
-    assert sequence["gap"] < 0.1, sequence
-    assert per_token["gap"] > 0.15, per_token
-    assert per_token["kl_to_ref"] > sequence["kl_to_ref"] + 0.3, (sequence, per_token)
+    """RLOO, 4 responses per prompt, k3 in the loss, importance weighted, 4 PPO epochs, 60 iterations of
+    192 responses (about 10 s each): the sequence scope is already well inside the per-token fixed point's
+    gap (0.2291), the per-token scope far from pi* and overpaying KL. Measured over sampling seeds 0, 1, 2:
+    gaps 0.037, 0.034, 0.026 against 0.228, 0.160, 0.131, KL to pi_ref 1.19-1.32 against 1.64-1.70 (the
+    optimum's 1.32). At one epoch the per-token run is still moving after 60 iterations (0.056-0.146 over
+    the same seeds), so it does not tell the scopes apart."""
+    sequence = run(60, 192)
+    per_token = run(60, 192, kl_loss_scope="per_token")
+    assert sequence["gap"] < 0.06, sequence
+    assert per_token["gap"] > 0.1, per_token
+    assert per_token["kl_to_ref"] > sequence["kl_to_ref"] + 0.25, (sequence, per_token)
 
 
 def test_expected_gradient_reaches_pi_star_only_with_the_sequence_term():

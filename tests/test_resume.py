@@ -148,6 +148,9 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
     sync = ("--model.reference_update=sync", "--model.reference_update.init_args.every_n_iterations=2")
     first = run_cli(tmp_path, "--trainer.limit_train_batches=2", *sync)
     assert first.returncode == 0, first.stderr[-3000:]
+    first_state = torch.load(tmp_path / "lightning_logs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    checkpoint_beta = first_state["rlhf_lightning"]["beta_controller"]["beta"]  # where the band controller took it
+    assert checkpoint_beta != 0.05
 
     refused = run_cli(
         tmp_path,
@@ -180,7 +183,7 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
     assert (
         "resuming with changed settings (checkpoint -> config): model.entropy_coef: 0.0 -> 0.01; model.max_new_tokens: 10 -> 8; "
         "model.lr: 0.003 -> 0.001; "
-        "model.beta_controller.init_args.init_beta: 0.05 -> 0.2 (beta restarts at 0.2; the checkpoint's was 0.022222222222222223); "
+        f"model.beta_controller.init_args.init_beta: 0.05 -> 0.2 (beta restarts at 0.2; the checkpoint's was {checkpoint_beta!r}); "
         "model.advantage_estimator.init_args.lam: 0.95 -> 0.9; model.reference_update.init_args.every_n_iterations: 2 -> 3"
     ) in changed.stderr
 
