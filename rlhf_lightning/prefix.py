@@ -93,8 +93,9 @@ def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: li
     """A causal sequence classifier's logits (rows, labels) on token ``rows``, each group of rows (``groups``:
     the group of every row, e.g. its prompt) running the tokens all its rows start with once: the distinct
     prefixes in one pass, their KV cache indexed out to the rows, then each row's remaining tokens (at least
-    one) on it; the classifier pools at the last token that is not ``pad_id``, as on the whole row. None when
-    some row's remaining tokens are all ``pad_id`` (its pooled token would lie in the prefix: score whole)."""
+    one) on it; the classifier pools at the last token that is not ``pad_id``, as on the whole row. None (score
+    whole rows) when a group's rows share no first token, or some row's remaining tokens are all ``pad_id``
+    (its pooled token would lie in the prefix)."""
     keys = sorted(set(groups))
     inverse = torch.tensor([keys.index(g) for g in groups])
     firsts = [rows[groups.index(key)] for key in keys]
@@ -102,7 +103,8 @@ def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: li
     for row, g in zip(rows, inverse.tolist(), strict=True):  # the longest prefix every row of the group shares
         shared = min(prefix_len[g], len(row) - 1)
         prefix_len[g] = next((i for i in range(shared) if row[i] != firsts[g][i]), shared)
-    prefix_len = [max(n, 1) for n in prefix_len]
+    if min(prefix_len) < 1:  # a group's rows differ from their first token: nothing to share
+        return None
     rests = [row[prefix_len[g] :] for row, g in zip(rows, inverse.tolist(), strict=True)]
     if any(all(t == pad_id for t in rest) for rest in rests):
         return None

@@ -117,3 +117,17 @@ def test_generate_on_shared_prompt_caches_samples_what_it_samples_without_them()
     cache = prefix.prompt_cache(module.policy, enc["input_ids"], enc["attention_mask"])
     assert next(iter(cache.values())).get_seq_length() == enc["input_ids"].shape[1] - 1
     assert prefix.prompt_cache(module.policy, enc["input_ids"][2:4], enc["attention_mask"][2:4]) == {}  # two prompts, one row each
+
+
+def test_classify_shared_prefixes_scores_whole_rows_when_a_group_shares_nothing(tiny_classifier):
+    """None (the caller scores whole rows) when a group's rows differ at their first token or a row's rest is
+    padding only; otherwise the logits of the rows scored whole."""
+    _, model, tokenizer = tiny_classifier
+    pad = tokenizer.pad_token_id
+    rows = [[5, 6, 7], [5, 6, 9, 10], [8, 6], [8, 6, 4]]
+    with torch.no_grad():
+        shared = prefix.classify_shared_prefixes(model, rows, ["a", "a", "b", "b"], pad)
+        whole = torch.cat([model(input_ids=torch.tensor([row])).logits for row in rows])
+        torch.testing.assert_close(shared, whole, rtol=1e-4, atol=1e-5)
+        assert prefix.classify_shared_prefixes(model, [[5, 6], [7, 6]], ["a", "a"], pad) is None
+        assert prefix.classify_shared_prefixes(model, [[5, 6, pad], [5, 6, 7]], ["a", "a"], pad) is None
