@@ -179,12 +179,14 @@ def test_kept_report_without_truncation_keeps_every_response():
 
 
 @pytest.mark.convergence
-def test_training_reaches_the_declared_optimum_at_temperature_07_top_p_08():
-    """Temperature 0.7, top-p 0.8, beta 1 on the terminal task (the one-head model, 100 iterations,
+def test_training_reaches_the_declared_optimum_at_temperature_07_top_p_09():
+    """Temperature 0.7, top-p 0.9, beta 1 on the terminal task (the one-head model, 100 iterations,
     about 20 s): the gap to the closed-form optimum of the declared objective at the final kept sets is
-    <= 0.02, and that optimum is not a point mass: top-p truncates (8 of 27 responses kept per prompt
-    when measured) and pi* spreads over them (top probability 0.49 when measured)."""
-    last, kept = declared_optimum_run()
+    <= 0.02, and that optimum is not a point mass: top-p truncates (13 of 27 responses kept per prompt
+    when measured) and pi* spreads over them (top probability 0.49 when measured). At top-p 0.8 the kept
+    sets shrink to one response per prompt on some sampling streams, where the optimum is that response
+    (seeds 0-3: 1, 1, 3.33, 1 responses; docs/rollout-engines.md)."""
+    last, kept = declared_optimum_run(top_p=0.9)
     assert last["gap"] <= 0.02
     assert 2 <= kept["responses"] < 27 and kept["optimum_top_prob"] < 0.8 and last["optimum_kl_to_ref"] > 0.05
 
