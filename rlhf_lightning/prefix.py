@@ -97,15 +97,15 @@ def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: li
     whole rows) when a group's rows share no first token, or some row's remaining tokens are all ``pad_id``
     (its pooled token would lie in the prefix)."""
     keys = sorted(set(groups))
-    inverse = torch.tensor([keys.index(g) for g in groups])
+    group_of = [keys.index(g) for g in groups]  # each row's group, as an index into keys
     firsts = [rows[groups.index(key)] for key in keys]
     prefix_len = [len(first) - 1 for first in firsts]  # every row keeps at least its last token
-    for row, g in zip(rows, inverse.tolist(), strict=True):  # the longest prefix every row of the group shares
+    for row, g in zip(rows, group_of, strict=True):  # the longest prefix every row of the group shares
         shared = min(prefix_len[g], len(row) - 1)
         prefix_len[g] = next((i for i in range(shared) if row[i] != firsts[g][i]), shared)
     if min(prefix_len) < 1:  # a group's rows differ from their first token: nothing to share
         return None
-    rests = [row[prefix_len[g] :] for row, g in zip(rows, inverse.tolist(), strict=True)]
+    rests = [row[prefix_len[g] :] for row, g in zip(rows, group_of, strict=True)]
     if any(all(t == pad_id for t in rest) for rest in rests):
         return None
     prefixes = [first[:n] for first, n in zip(firsts, prefix_len, strict=True)]
@@ -113,7 +113,7 @@ def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: li
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prefixes])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
     device = next(model.parameters()).device
-    ids, mask, inverse = ids.to(device), mask.to(device), inverse.to(device)
+    ids, mask, inverse = ids.to(device), mask.to(device), torch.tensor(group_of, device=device)
     out, name = _prompts_once(model, ids, mask, inverse, causal_lm=False)
     longest = max(len(rest) for rest in rests)
     rest_ids = torch.tensor([rest + [pad_id] * (longest - len(rest)) for rest in rests], device=device)
