@@ -15,7 +15,9 @@ a given shape and thread count.
 **malloc.** glibc hands every allocation above a (moving) threshold of 128 KB-32 MB to ``mmap``
 and returns it on free, and trims the heap top: a training step's tensors (activations,
 gradients, AdamW's temporaries, 1-100 MB each) then come back as fresh pages, each first write
-a page fault. :func:`tune_malloc` raises the threshold to glibc's maximum (32 MB), stops trimming
+a page fault. :func:`tune_malloc` raises the threshold to glibc's maximum (32 MB), turns ``mmap``
+off (``M_MMAP_MAX`` 0: a tensor above 32 MB, such as the full-vocabulary logits of 32 x 32 tokens,
+200 MB, comes from the heap too; glibc still maps memory when the heap cannot grow), stops trimming
 and pads heap growth, so freed memory is reused in place: far fewer page faults per PPO update
 (docs/performance.md), where a fault can cost tens of microseconds (a virtual machine backing
 guest memory lazily). This is PyTorch's CPU tuning advice (jemalloc or tcmalloc) done with the
@@ -142,8 +144,8 @@ def uses_onednn(device: torch.device, cpu_linear: CpuLinear) -> bool:
 
 
 # mallopt(3) parameters; the values are C ints.
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_MALLOC_TUNING = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 512 << 20))
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -2, -3, -4
+_MALLOC_TUNING = ((_M_MMAP_THRESHOLD, 32 << 20), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 512 << 20))
 
 
 def tune_malloc() -> bool:
