@@ -2,6 +2,7 @@
 
     python tools/matmul_bench.py                  # all threads
     python tools/matmul_bench.py --threads 1
+    python tools/matmul_bench.py --threads 1 --decode-rows 1 8 32   # and a whole decode step's products
 
 For each linear layer shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down
 576x1536, the LM head 49152x576) and each way an iteration uses it (a batch-8 decode step, a
@@ -9,6 +10,13 @@ forward over 8 sequences of 77 tokens, and that forward's two backward products 
 dW = dy^T x), the median seconds of ``F.linear``/``torch.mm`` (MKL) and of ``cpu.OneDNNLinear``'s
 products, their GFLOP/s and the ratio, each pair measured back to back in this one run. The last line reads ``MATMUL onednn_vs_aten=<r>``: the summed oneDNN time of one
 forward+backward of every layer over the summed aten time.
+
+``--decode-rows`` adds what a decode step meets and the table above does not: the step's 211 products
+(30 blocks of 7, and the LM head) each with a weight of its own, read from memory once per step rather
+than hot in cache from the previous round, for each given number of rows. It prints, per kernel, the
+step's milliseconds, its GFLOP/s and the rate at which it gets through the weights (GB/s), beside the
+read bandwidth of a 512 MB sum, and ``DECODE rows=<n> aten_weights_gbps=<..> read_gbps=<..>`` lines: a
+step's floor is its weights' read, so weights_gbps / read_gbps is how near the products come to it.
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ def main() -> None:
     parser.add_argument(
         "--tokens", type=option_number(integer=True, at_least=1), default=8 * 77, help="rows of a forward (batch x sequence)"
     )
+    parser.add_argument(
+        "--decode-rows", type=option_number(integer=True, at_least=1), nargs="*", default=[], help="rows of a decode step's products (cold weights)"
+    )
     args = parser.parse_args()
     import torch
     import torch.nn.functional as F
@@ -87,6 +98,35 @@ def main() -> None:
             )
     print(f"\none SmolLM2 forward+backward's linear layers: aten {totals['aten']:.2f} s, oneDNN {totals['onednn']:.2f} s")
     print(f"MATMUL onednn_vs_aten={totals['onednn'] / totals['aten']:.3f}")
+    if args.decode_rows:
+        decode_step(args.decode_rows, max(3, args.rounds // 4))
+
+
+def decode_step(row_counts: list[int], rounds: int) -> None:
+    """A decode step's products, each weight its own (cold), per kernel and row count (module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from rlhf_lightning import cpu
+
+    block = [SHAPES[name] for name in ("q_proj/o_proj", "k_proj/v_proj", "k_proj/v_proj", "q_proj/o_proj")]
+    block += [SHAPES["gate/up_proj"]] * 2 + [SHAPES["down_proj"]]
+    weights = [torch.randn(shape) for _ in range(30) for shape in block] + [torch.randn(SHAPES["lm_head"])]
+    weight_gb = sum(w.numel() * w.element_size() for w in weights) / 1e9
+    big = torch.randn(128 << 20)  # 512 MB
+    read_gbps = big.numel() * 4 / 1e9 / median_seconds(big.sum, rounds)
+    print(f"\ndecode step: {len(weights)} products, {weight_gb:.2f} GB of weights; read bandwidth {read_gbps:.1f} GB/s")
+    print("| rows | kernel | ms / step | GFLOP/s | weights GB/s |")
+    print("|---:|---|---:|---:|---:|")
+    for rows in row_counts:
+        inputs = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
+        flops = sum(2 * rows * w.numel() for w in weights)
+        rates = {}
+        for kernel, product in (("aten", F.linear), ("onednn", cpu.linear)):
+            seconds = median_seconds(lambda: [product(inputs[w.shape[1]], w) for w in weights], rounds)
+            rates[kernel] = weight_gb / seconds
+            print(f"| {rows} | {kernel} | {seconds * 1e3:.1f} | {flops / seconds / 1e9:.1f} | {rates[kernel]:.1f} |")
+        print(f"DECODE rows={rows} aten_weights_gbps={rates['aten']:.2f} onednn_weights_gbps={rates['onednn']:.2f} read_gbps={read_gbps:.2f}")
 
 
 if __name__ == "__main__":
