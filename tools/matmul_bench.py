@@ -60,7 +60,11 @@ def main() -> None:
         "--tokens", type=option_number(integer=True, at_least=1), default=8 * 77, help="rows of a forward (batch x sequence)"
     )
     parser.add_argument(
-        "--decode-rows", type=option_number(integer=True, at_least=1), nargs="*", default=[], help="rows of a decode step's products (cold weights)"
+        "--decode-rows",
+        type=option_number(integer=True, at_least=1),
+        nargs="*",
+        default=[],
+        help="rows of a decode step's products (cold weights)",
     )
     args = parser.parse_args()
     import torch
@@ -102,6 +106,12 @@ def main() -> None:
         decode_step(args.decode_rows, max(3, args.rounds // 4))
 
 
+def step(product, inputs: dict, weights: list) -> None:
+    """One decode step's products: each weight times the rows of its input width."""
+    for weight in weights:
+        product(inputs[weight.shape[1]], weight)
+
+
 def decode_step(row_counts: list[int], rounds: int) -> None:
     """A decode step's products, each weight its own (cold), per kernel and row count (module docstring)."""
     import torch
@@ -123,10 +133,12 @@ def decode_step(row_counts: list[int], rounds: int) -> None:
         flops = sum(2 * rows * w.numel() for w in weights)
         rates = {}
         for kernel, product in (("aten", F.linear), ("onednn", cpu.linear)):
-            seconds = median_seconds(lambda: [product(inputs[w.shape[1]], w) for w in weights], rounds)
+            seconds = median_seconds(functools.partial(step, product, inputs, weights), rounds)
             rates[kernel] = weight_gb / seconds
             print(f"| {rows} | {kernel} | {seconds * 1e3:.1f} | {flops / seconds / 1e9:.1f} | {rates[kernel]:.1f} |")
-        print(f"DECODE rows={rows} aten_weights_gbps={rates['aten']:.2f} onednn_weights_gbps={rates['onednn']:.2f} read_gbps={read_gbps:.2f}")
+        print(
+            f"DECODE rows={rows} aten_weights_gbps={rates['aten']:.2f} onednn_weights_gbps={rates['onednn']:.2f} read_gbps={read_gbps:.2f}"
+        )
 
 
 if __name__ == "__main__":
