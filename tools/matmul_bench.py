@@ -15,7 +15,7 @@ forward+backward of every layer over the summed aten time.
 (30 blocks of 7, and the LM head) each with a weight of its own, read from memory once per step rather
 than hot in cache from the previous round, for each given number of rows. It prints, per kernel, the
 step's milliseconds, its GFLOP/s and the rate at which it gets through the weights (GB/s), beside the
-read bandwidth of a 512 MB sum, and ``DECODE rows=<n> aten_weights_gbps=<..> read_gbps=<..>`` lines: a
+read bandwidth (``bench.machine_peaks``: a 512 MB sum), and ``DECODE rows=<n> aten_weights_gbps=<..> read_gbps=<..>`` lines: a
 step's floor is its weights' read, so weights_gbps / read_gbps is how near the products come to it.
 """
 
@@ -103,28 +103,29 @@ def main() -> None:
     print(f"\none SmolLM2 forward+backward's linear layers: aten {totals['aten']:.2f} s, oneDNN {totals['onednn']:.2f} s")
     print(f"MATMUL onednn_vs_aten={totals['onednn'] / totals['aten']:.3f}")
     if args.decode_rows:
-        decode_step(args.decode_rows, max(3, args.rounds // 4))
+        decode_report(args.decode_rows, max(3, args.rounds // 4))
 
 
-def step(product, inputs: dict, weights: list) -> None:
+def decode_products(product, inputs: dict, weights: list) -> None:
     """One decode step's products: each weight times the rows of its input width."""
     for weight in weights:
         product(inputs[weight.shape[1]], weight)
 
 
-def decode_step(row_counts: list[int], rounds: int) -> None:
+def decode_report(row_counts: list[int], rounds: int) -> None:
     """A decode step's products, each weight its own (cold), per kernel and row count (module docstring)."""
     import torch
     import torch.nn.functional as F
 
     from rlhf_lightning import cpu
 
+    import bench
+
     block = [SHAPES[name] for name in ("q_proj/o_proj", "k_proj/v_proj", "k_proj/v_proj", "q_proj/o_proj")]
     block += [SHAPES["gate/up_proj"]] * 2 + [SHAPES["down_proj"]]
     weights = [torch.randn(shape) for _ in range(30) for shape in block] + [torch.randn(SHAPES["lm_head"])]
     weight_gb = sum(w.numel() * w.element_size() for w in weights) / 1e9
-    big = torch.randn(128 << 20)  # 512 MB
-    read_gbps = big.numel() * 4 / 1e9 / median_seconds(big.sum, rounds)
+    read_gbps = bench.machine_peaks()["bytes_per_s"] / 1e9
     print(f"\ndecode step: {len(weights)} products, {weight_gb:.2f} GB of weights; read bandwidth {read_gbps:.1f} GB/s")
     print("| rows | kernel | ms / step | GFLOP/s | weights GB/s |")
     print("|---:|---|---:|---:|---:|")
@@ -133,7 +134,7 @@ def decode_step(row_counts: list[int], rounds: int) -> None:
         flops = sum(2 * rows * w.numel() for w in weights)
         rates = {}
         for kernel, product in (("aten", F.linear), ("onednn", cpu.linear)):
-            seconds = median_seconds(functools.partial(step, product, inputs, weights), rounds)
+            seconds = median_seconds(functools.partial(decode_products, product, inputs, weights), rounds)
             rates[kernel] = weight_gb / seconds
             print(f"| {rows} | {kernel} | {seconds * 1e3:.1f} | {flops / seconds / 1e9:.1f} | {rates[kernel]:.1f} |")
         print(
