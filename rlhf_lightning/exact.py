@@ -325,12 +325,15 @@ class ExactTask:
         rows = [backend.score([p] * len(responses), responses) for p in self.prompts]
         return torch.tensor(rows, dtype=torch.float64)
 
-    def dataloader(self, iterations: int, batch_size: int) -> DataLoader:
+    def dataloader(self, iterations: int, batch_size: int, end_batch_size: Optional[int] = None, end_iterations: int = 0) -> DataLoader:
         """``iterations`` batches that each hold every prompt ``batch_size / len(prompts)`` times,
-        so each rollout estimates E_x with x uniform, exactly as the exact sums weigh it."""
-        require(batch_size % len(self.prompts) == 0, "batch_size", f"a multiple of the {len(self.prompts)} prompts", batch_size)
-        batch = list(self.prompts) * (batch_size // len(self.prompts))
-        return DataLoader(batch * iterations, batch_size=batch_size, shuffle=False, collate_fn=list)
+        so each rollout estimates E_x with x uniform, exactly as the exact sums weigh it; the last
+        ``end_iterations`` of them hold ``end_batch_size`` prompts instead."""
+        sizes = [batch_size] * (iterations - end_iterations) + [end_batch_size or batch_size] * end_iterations
+        for name, size in (("batch_size", batch_size), ("end_batch_size", sizes[-1])):
+            require(size % len(self.prompts) == 0, name, f"a multiple of the {len(self.prompts)} prompts", size)
+        batches = [list(self.prompts) * (size // len(self.prompts)) for size in sizes]
+        return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=list)
 
 
 TASKS = {
@@ -588,13 +591,17 @@ def train(
     lr_final: float = 1.0,
     lr_period: Optional[int] = None,
     lr_hold: float = 0.0,
+    end_batch_size: Optional[int] = None,
+    end_iterations: int = 0,
     **module_kwargs: Any,
 ) -> tuple[ExactPPORLHF, OptimumTracker]:
     """Train ExactPPORLHF with a Lightning Trainer on CPU; return the module and its tracker.
     ``batch_size`` counts responses per iteration (prompts x ``num_generations``).
     ``lr_final`` < 1 decays the learning rates linearly to that fraction (LinearLRDecay), over
     the whole run or, restarting, over every ``lr_period`` iterations, after holding them for the
-    first ``lr_hold`` fraction of it.
+    first ``lr_hold`` fraction of it. The last ``end_iterations`` iterations sample ``end_batch_size``
+    responses each: an end with less gradient noise at the same lr (a smaller final lr quiets the end
+    too, but also slows the run; docs/results.md, "Eighth round").
 
     ``seed`` is the sampling seed (rollouts, and the critic's head): one task can be trained with
     several. The policy's initialisation, hence pi_ref, is the task's (``task.model_seed``); for a task
@@ -602,7 +609,9 @@ def train(
     from lightning import Trainer, seed_everything
 
     num_generations = module_kwargs.get("num_generations", 1)
-    require(batch_size % num_generations == 0, "batch_size", f"a multiple of num_generations={num_generations}", batch_size)
+    for name, size in (("batch_size", batch_size), ("end_batch_size", end_batch_size or batch_size)):
+        require(size % num_generations == 0, name, f"a multiple of num_generations={num_generations}", size)
+    require(0 <= end_iterations <= iterations, "end_iterations", f"between 0 and the {iterations} iterations", end_iterations)
 
     seed_everything(seed, verbose=False)  # the module draws its sampling seed base from torch's initial seed
     module = ExactPPORLHF(task, seed=seed if task.model_seed is None else task.model_seed, **module_kwargs)
@@ -612,7 +621,12 @@ def train(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # matrices this small only lose time to thread hand-offs, several-fold on a busy CPU
     try:
-        trainer.fit(module, train_dataloaders=task.dataloader(iterations, batch_size // num_generations))
+        trainer.fit(
+            module,
+            train_dataloaders=task.dataloader(
+                iterations, batch_size // num_generations, (end_batch_size or batch_size) // num_generations, end_iterations
+            ),
+        )
     finally:
         torch.set_num_threads(threads)
     return module, tracker

@@ -210,6 +210,23 @@ def test_random_task_cells_with_a_critic_train_100_iterations_unless_per_token()
     assert set(iterations("random:2", "--iterations", "40").values()) == {40}
 
 
+def test_the_last_iterations_sample_the_end_batch():
+    """ExactTask.dataloader(5, 6, 12, 2): three batches of 6 prompts, then two of 12, each holding every prompt
+    equally often (x uniform, as the exact sums weigh it); a size the prompts do not divide, or more end
+    iterations than the run has, is refused naming the field."""
+    from rlhf_lightning.checks import ConfigError
+
+    task = ExactTask.random(3, num_prompts=3)
+    batches = list(task.dataloader(5, 6, 12, 2))
+    assert [len(b) for b in batches] == [6, 6, 6, 12, 12]
+    assert all(sorted(b) == sorted(task.prompts * (len(b) // 3)) for b in batches)
+    assert [len(b) for b in task.dataloader(3, 6)] == [6, 6, 6]
+    with pytest.raises(ConfigError, match="end_batch_size must be a multiple of the 3 prompts, got 10"):
+        task.dataloader(5, 6, 10, 2)
+    with pytest.raises(ConfigError, match="end_iterations must be between 0 and the 3 iterations, got 4"):
+        train(TASK, 3, batch_size=8, end_batch_size=16, end_iterations=4, num_generations=4, advantage_estimator="rloo")
+
+
 def test_lr_decay_holds_then_falls_linearly_to_its_final_fraction():
     """LinearLRDecay over 5 iterations, final 0.1: with hold 0.5 the factors are 1, 1, 1 (progress i / 4 up to
     one half), then 1 - 0.9 * (0.75 - 0.5) / 0.5 = 0.55 and 0.1; without a hold 1, 0.775, 0.55, 0.325, 0.1;

@@ -13,7 +13,8 @@ beta 0.5, 100 iterations of 48 responses in 2 minibatches per epoch, 4 per promp
 decayed to 1/10, hand-made; beta 1, 384 responses per iteration and 8 optimizer steps each (8 minibatches
 at one epoch, 2 at four; ``--updates``), 8 per prompt and the lr decayed to 1/50 without a critic, to 1/10 with
 one, 150 iterations but 100 for ``gae`` unless the KL is in the loss per token, random; ``--lr-hold`` holds
-the lr for a fraction of the run before the decay).
+the lr for a fraction of the run before the decay; ``--end-batch-size B --end-iterations N`` sample B responses
+in each of the last N iterations, a quieter end at the same lr: docs/results.md, "Eighth round").
 Several tasks, and several sampling ``--seed`` values (the task's reference stays the same), train one
 after another; with more than one seed a ``SEEDS task=... gap_mean= gap_std=`` line follows each task.
 Every run first prints
@@ -163,6 +164,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=option_number(integer=True, at_least=1),
         help="responses per iteration, a multiple of the prompts times --num-generations (default: the task's, 48 hand-made, 384 random)",
     )
+    parser.add_argument(
+        "--end-batch-size",
+        type=option_number(integer=True, at_least=1),
+        help="responses per iteration in the last --end-iterations iterations (default: the task's, --batch-size)",
+    )
+    parser.add_argument(
+        "--end-iterations",
+        type=option_number(integer=True, at_least=0),
+        help="how many of the last iterations sample --end-batch-size responses (default: the task's, 0)",
+    )
     parser.add_argument("--lr", type=option_number(above=0), default=2e-3, help="policy and critic learning rate")
     parser.add_argument(
         "--lr-final",
@@ -284,6 +295,8 @@ def recipe_settings(
     batch, fixed beta, lr and its schedule, epochs and minibatches, the advantage's (:func:`advantage_settings`)."""
     return {
         "batch_size": settings["batch_size"],
+        "end_batch_size": settings["end_batch_size"],
+        "end_iterations": by_recipe(settings["end_iterations"], advantage, scope if placement == "loss" else "n/a"),
         "kl_estimator": estimator,
         "beta_controller": FixedBeta(settings["beta"]),
         "kl_penalty": placement,
@@ -400,6 +413,8 @@ TASK_SETTINGS = {
         "beta": 0.5,
         "iterations": 100,
         "batch_size": 48,
+        "end_batch_size": None,
+        "end_iterations": 0,
         "estimators": list(MATRIX_ESTIMATORS),
         "placements": list(PLACEMENTS),
         "weightings": list(WEIGHTINGS),
@@ -416,6 +431,8 @@ TASK_SETTINGS = {
         # half). That puts the issue's gae matrix at 1795 CPU s, 30 minutes (docs/results.md, "Fifth round").
         "iterations": {"gae": 100, "per_token": 150, "critic-free": 150},
         "batch_size": 384,
+        "end_batch_size": None,
+        "end_iterations": 0,
         "estimators": ["k1", "k3"],
         "placements": ["reward", "loss"],
         "weightings": ["importance"],
