@@ -641,6 +641,8 @@ def expected_train(
     lr_hold: float = 0.0,
     every: int = 50,
     num_minibatches: int = 2,
+    responses: Optional[int] = None,
+    seed: int = 0,
     **module_kwargs: Any,
 ) -> list[dict[str, float]]:
     """PPO with the KL in the loss where every rollout is replaced by its exact expectation: no sampling
@@ -659,7 +661,14 @@ def expected_train(
     grad J at pi_old = pi_theta has pi* as its fixed point at every number of epochs (at a fixed point the
     first epoch's gradient is 0); a per-token one has :func:`backward_induction` (``soft=False``).
     Returns a row every ``every`` iterations and after the last: the iteration and the fields of
-    :func:`optimum_report`."""
+    :func:`optimum_report`.
+
+    ``responses`` N puts back the sampling noise and nothing else of the sampled loop: each iteration
+    draws N responses from pi_old (equally many per prompt, generator seeded by ``seed``) in
+    ``num_minibatches`` minibatches, each used once per epoch, and a minibatch's step weighs each response
+    by how often it was drawn instead of by pi_old (same advantage, same loss). Where the sampled matrix
+    and this part ways is the sampled loop's (critic, engine); where this and the exact path part ways is
+    the noise's."""
     module = ExactPPORLHF(task, kl_penalty="loss", advantage_estimator="rloo", num_generations=2, lr=lr, **module_kwargs)
     module.configure_model()
     optimizer = module.configure_optimizers()
@@ -672,6 +681,10 @@ def expected_train(
         ref_token_logprobs = pm.logprobs_of(module.response_logits(ref, input_ids, attention_mask, length), response)
     num_tokens = len(task.content_tokens)
     shape = (prompts, *[num_tokens] * length)
+    draws = torch.Generator().manual_seed(seed)
+    if responses is not None:
+        per_minibatch = responses // (prompts * num_minibatches)
+        require(per_minibatch >= 1, "responses", f"at least one per prompt and minibatch ({prompts} x {num_minibatches})", responses)
     rows = []
     for iteration in range(iterations + 1):
         logprobs = module.exact_logprobs()
@@ -706,11 +719,17 @@ def expected_train(
             old_values=None,
             entropy=torch.zeros_like(mask),
         )
-        weights = (logprobs.exp().view(-1, 1) / prompts).float().expand(-1, length) / length
+        probs = logprobs.exp()  # (prompts, responses): pi_old(y | x), float64
+        if responses is None:  # the expectation itself, at every step
+            shares = [probs] * num_minibatches
+        else:  # each minibatch's draw, as the share of its responses that each one is
+            drawn = [torch.multinomial(probs, per_minibatch, replacement=True, generator=draws) for _ in range(num_minibatches)]
+            shares = [torch.zeros_like(probs).scatter_add_(1, d, torch.ones_like(d, dtype=probs.dtype)) / per_minibatch for d in drawn]
         for group in optimizer.param_groups:
             group["lr"] = lr * lr_factor(iteration, iterations, lr_final, lr_hold)
         rows_all = torch.arange(len(input_ids))
-        for _ in range(module.hparams.ppo_epochs * num_minibatches):
+        for share in [share for _ in range(module.hparams.ppo_epochs) for share in shares]:
+            weights = (share.view(-1, 1) / prompts).float().expand(-1, length) / length
             loss = module.ppo_loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)
             loss.backward()
             optimizer.step()

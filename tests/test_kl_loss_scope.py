@@ -79,6 +79,26 @@ def test_expected_gradient_reaches_pi_star_only_with_the_sequence_term():
     assert end["per_token"] > 0.15, end
 
 
+def test_expected_path_with_drawn_responses_adds_only_the_noise():
+    """expected_train(responses=N): each step weighs the responses by a draw of N from pi_old instead of by
+    pi_old. With 2.5 million draws per prompt and minibatch it follows the exact path to 1e-3 after 10 iterations
+    (measured 0.00002; 0.0037 with a tenth of them); with 32 draws it strays by more than 0.01 (0.032); the same
+    seed draws the same; fewer draws than prompts x minibatches are refused."""
+    from rlhf_lightning.checks import ConfigError
+
+    def gap(**kwargs):
+        rows = expected_train(TASK, 10, BETA, every=10, kl_estimator="k1", kl_loss_scope="per_token", ppo_epochs=1, **kwargs)
+        return rows[-1]["gap"]
+
+    exact = gap()
+    assert gap(responses=10_000_000) == pytest.approx(exact, abs=1e-3)
+    noisy = gap(responses=32, seed=1)
+    assert abs(noisy - exact) > 0.01
+    assert gap(responses=32, seed=1) == noisy
+    with pytest.raises(ConfigError, match="responses must be at least one per prompt and minibatch"):
+        gap(responses=3)
+
+
 def test_matrix_classes_follow_the_theory():
     """tools/optimum_check.py's expected class of a cell: k1 in the reward and value-unbiased estimators
     in the loss with the sequence scope are right for the whole response; the same losses per token reach

@@ -61,6 +61,9 @@ expectation (:func:`rlhf_lightning.exact.expected_train`: all responses enumerat
 exact advantage, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
 gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
 cell adds to them is noise. Every cell trains the task kind's longest run (150 iterations on a random task).
+``--expected-noise`` puts the noise back and nothing else: each step weighs the responses by a draw of
+``--batch-size`` from pi_old (the ``--seed``'s) instead of by pi_old, the advantage and loss still exact; with
+several seeds the SEEDS lines give where a per-token cell sits under that noise and how far one seed strays.
 
 kl_opt is KL(pi* || pi_ref), where kl_ref_exact should land. ``expected`` is what the theory
 (:func:`expected_class`, docs/kl-estimators.md "Which recipe reaches which optimum") says of the cell.
@@ -201,6 +204,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_reference_args(parser)
     add_sampling_args(parser)
     args = parser.parse_args(argv)
+    if args.expected_noise and not (args.matrix and args.expected_gradient):
+        parser.error("--expected-noise: only with --matrix --expected-gradient (it adds the sampling noise to the exact path)")
     for name, epochs in itertools.product(args.task, args.epochs if args.matrix else [args.ppo_epochs]):
         updates = task_settings(args, name)["updates"]
         if updates is not None and updates % epochs:
@@ -522,6 +527,12 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
         help="replace every rollout by its exact expectation (exact.expected_train): where each cell's expected gradient "
         "leads, without sampling noise; KL in the loss only, the advantage exact (--advantage ignored)",
     )
+    group.add_argument(
+        "--expected-noise",
+        action="store_true",
+        help="with --expected-gradient: each step weighs the responses by a draw of the iteration's --batch-size from "
+        "pi_old (sampling --seed) instead of by pi_old: the sampled loop's noise, with the exact advantage and loss",
+    )
 
 
 def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence", advantage: str = "gae") -> str:
@@ -607,6 +618,8 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             kl_loss_scope=scope,
             ppo_epochs=cell.epochs,
             num_minibatches=num_minibatches(settings, cell.epochs),
+            responses=settings["batch_size"] if args.expected_noise else None,
+            seed=cell.seed,
             log_samples_every_n_steps=0,
         )
         return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
@@ -625,7 +638,7 @@ def run_matrix(args: argparse.Namespace) -> None:
         args.advantage, args.placements = args.advantage[:1], ["loss"]
     cells = matrix_cells(args)
     print(
-        f"tasks={args.task} advantages={args.advantage} seeds={args.seed} cells={len(cells)} jobs={args.jobs} expected_gradient={args.expected_gradient}"
+        f"tasks={args.task} advantages={args.advantage} seeds={args.seed} cells={len(cells)} jobs={args.jobs} expected_gradient={args.expected_gradient} expected_noise={args.expected_noise}"
     )
     for name in args.task:
         print(f"SETTINGS task={name} " + " ".join(f"{key}={value}" for key, value in task_settings(args, name).items()))
