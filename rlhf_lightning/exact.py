@@ -612,6 +612,12 @@ def train(
     for name, size in (("batch_size", batch_size), ("end_batch_size", end_batch_size or batch_size)):
         require(size % num_generations == 0, name, f"a multiple of num_generations={num_generations}", size)
     require(0 <= end_iterations <= iterations, "end_iterations", f"between 0 and the {iterations} iterations", end_iterations)
+    require(
+        (end_batch_size is None) == (end_iterations == 0),
+        "end_batch_size and end_iterations",
+        "given together",
+        (end_batch_size, end_iterations),
+    )
 
     seed_everything(seed, verbose=False)  # the module draws its sampling seed base from torch's initial seed
     module = ExactPPORLHF(task, seed=seed if task.model_seed is None else task.model_seed, **module_kwargs)

@@ -245,6 +245,26 @@ def test_the_last_iterations_sample_the_end_batch():
         task.dataloader(5, 6, 10, 2)
     with pytest.raises(ConfigError, match="end_iterations must be between 0 and the 3 iterations, got 4"):
         train(TASK, 3, batch_size=8, end_batch_size=16, end_iterations=4, num_generations=4, advantage_estimator="rloo")
+    with pytest.raises(ConfigError, match=r"end_batch_size and end_iterations must be given together, got \(16, 0\)"):
+        train(TASK, 3, batch_size=8, end_batch_size=16, num_generations=4, advantage_estimator="rloo")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--end-batch-size", "768"], "give both or neither"),
+        (["--end-iterations", "20"], "give both or neither"),
+        (["--matrix", "--expected-gradient", "--end-batch-size", "768", "--end-iterations", "20"], "not with --expected-gradient"),
+        (["--expected-noise"], "only with --matrix --expected-gradient"),
+    ],
+)
+def test_optimum_check_refuses_flags_that_would_change_nothing(capsys, argv, message):
+    import optimum_check
+
+    with pytest.raises(SystemExit) as exit_info:
+        optimum_check.parse_args(["--task", "random:3", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_lr_decay_holds_then_falls_linearly_to_its_final_fraction():

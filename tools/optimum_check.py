@@ -206,6 +206,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.expected_noise and not (args.matrix and args.expected_gradient):
         parser.error("--expected-noise: only with --matrix --expected-gradient (it adds the sampling noise to the exact path)")
+    if (args.end_batch_size is None) != (not args.end_iterations):
+        parser.error("--end-batch-size and --end-iterations: give both or neither (one alone changes nothing)")
+    if args.end_iterations and args.expected_gradient:
+        parser.error("--end-batch-size / --end-iterations: not with --expected-gradient (the exact path samples no batch)")
     for name, epochs in itertools.product(args.task, args.epochs if args.matrix else [args.ppo_epochs]):
         updates = task_settings(args, name)["updates"]
         if updates is not None and updates % epochs:
