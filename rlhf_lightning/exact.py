@@ -687,8 +687,8 @@ def expected_train(
         ref_token_logprobs = pm.logprobs_of(module.response_logits(ref, input_ids, attention_mask, length), response)
     num_tokens = len(task.content_tokens)
     shape = (prompts, *[num_tokens] * length)
-    draws = torch.Generator().manual_seed(seed)
     if responses is not None:
+        draws = torch.Generator().manual_seed(seed)
         per_minibatch = responses // (prompts * num_minibatches)
         require(per_minibatch >= 1, "responses", f"at least one per prompt and minibatch ({prompts} x {num_minibatches})", responses)
     rows = []

@@ -305,7 +305,7 @@ def recipe_settings(
     return {
         "batch_size": settings["batch_size"],
         "end_batch_size": settings["end_batch_size"],
-        "end_iterations": by_recipe(settings["end_iterations"], advantage, scope if placement == "loss" else "n/a"),
+        "end_iterations": settings["end_iterations"],
         "kl_estimator": estimator,
         "beta_controller": FixedBeta(settings["beta"]),
         "kl_penalty": placement,
