@@ -330,7 +330,7 @@ class ExactTask:
         so each rollout estimates E_x with x uniform, exactly as the exact sums weigh it; the last
         ``end_iterations`` of them hold ``end_batch_size`` prompts instead."""
         sizes = [batch_size] * (iterations - end_iterations) + [end_batch_size or batch_size] * end_iterations
-        for name, size in (("batch_size", batch_size), ("end_batch_size", sizes[-1])):
+        for name, size in (("batch_size", batch_size), ("end_batch_size", end_batch_size or batch_size)):
             require(size % len(self.prompts) == 0, name, f"a multiple of the {len(self.prompts)} prompts", size)
         batches = [list(self.prompts) * (size // len(self.prompts)) for size in sizes]
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=list)

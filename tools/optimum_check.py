@@ -170,12 +170,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--end-batch-size",
         type=option_number(integer=True, at_least=1),
-        help="responses per iteration in the last --end-iterations iterations (default: the task's, --batch-size)",
+        help="responses per iteration in the last --end-iterations iterations (with --end-iterations)",
     )
     parser.add_argument(
         "--end-iterations",
         type=option_number(integer=True, at_least=0),
-        help="how many of the last iterations sample --end-batch-size responses (default: the task's, 0)",
+        default=0,
+        help="how many of the last iterations sample --end-batch-size responses (default 0)",
     )
     parser.add_argument("--lr", type=option_number(above=0), default=2e-3, help="policy and critic learning rate")
     parser.add_argument(
@@ -304,8 +305,8 @@ def recipe_settings(
     batch, fixed beta, lr and its schedule, epochs and minibatches, the advantage's (:func:`advantage_settings`)."""
     return {
         "batch_size": settings["batch_size"],
-        "end_batch_size": settings["end_batch_size"],
-        "end_iterations": settings["end_iterations"],
+        "end_batch_size": args.end_batch_size,
+        "end_iterations": args.end_iterations,
         "kl_estimator": estimator,
         "beta_controller": FixedBeta(settings["beta"]),
         "kl_penalty": placement,
@@ -422,8 +423,6 @@ TASK_SETTINGS = {
         "beta": 0.5,
         "iterations": 100,
         "batch_size": 48,
-        "end_batch_size": None,
-        "end_iterations": 0,
         "estimators": list(MATRIX_ESTIMATORS),
         "placements": list(PLACEMENTS),
         "weightings": list(WEIGHTINGS),
@@ -440,8 +439,6 @@ TASK_SETTINGS = {
         # half). That puts the issue's gae matrix at 1795 CPU s, 30 minutes (docs/results.md, "Fifth round").
         "iterations": {"gae": 100, "per_token": 150, "critic-free": 150},
         "batch_size": 384,
-        "end_batch_size": None,
-        "end_iterations": 0,
         "estimators": ["k1", "k3"],
         "placements": ["reward", "loss"],
         "weightings": ["importance"],
