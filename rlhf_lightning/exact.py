@@ -660,7 +660,8 @@ def expected_train(
     expectation of the module's token-mean loss); the advantage is exact, A_t = r(x, y) - E_{pi_old}[r | x,
     y_<t] (any baseline of the prefix leaves the expectation unchanged); then ``ppo_epochs`` x
     ``num_minibatches`` full-batch AdamW steps (as many as the sampled loop takes, each on the whole
-    expectation, of which a minibatch is an unbiased half) of the module's own :meth:`PPORLHF.ppo_loss`:
+    expectation, of which a minibatch is an unbiased half, its gradients clipped to ``max_grad_norm`` as the
+    module clips them) of the module's own :meth:`PPORLHF.ppo_loss`:
     clipped surrogate plus beta times the KL loss of its ``kl_estimator``, ``kl_loss_weighting`` and
     ``kl_loss_scope``; the lr held for the first ``lr_hold`` fraction of the run, then decayed linearly
     to ``lr_final`` of ``lr``. A loss whose expected gradient is
@@ -738,6 +739,7 @@ def expected_train(
             weights = (share.view(-1, 1) / prompts).float().expand(-1, length) / length
             loss = module.ppo_loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)
             loss.backward()
+            module.on_before_optimizer_step(optimizer)  # the module's gradient clipping, as in the sampled loop
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return rows

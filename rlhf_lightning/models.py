@@ -528,9 +528,10 @@ class PolicyNetworks:
         """Clip the gradients to ``max_grad_norm`` here, where Lightning calls this hook: after the
         precision plugin has unscaled them (16-mixed: ``scaler.unscale_``) and before the step, so
         the clip sees the true norm. Per parameter group (``optimizers: separate``) or over all
-        (``shared``). DeepSpeed clips inside its own step, from its config (``gpu.configure_deepspeed``)."""
+        (``shared``). DeepSpeed clips inside its own step, from its config (``gpu.configure_deepspeed``).
+        Without a trainer too (``exact.expected_train`` steps its optimizer itself)."""
         hp = self.hparams
-        if not hp.max_grad_norm or gpu.is_deepspeed(self.trainer.strategy):
+        if not hp.max_grad_norm or (self._trainer is not None and gpu.is_deepspeed(self.trainer.strategy)):
             return
         groups = [group["params"] for group in optimizer.param_groups]
         for params in groups if hp.optimizers == "separate" else [[p for group in groups for p in group]]:

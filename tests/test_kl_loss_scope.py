@@ -83,14 +83,17 @@ def test_expected_path_with_drawn_responses_adds_only_the_noise():
     """expected_train(responses=N): each step weighs the responses by a draw of N from pi_old instead of by
     pi_old. With 2.5 million draws per prompt and minibatch it follows the exact path to 1e-3 after 10 iterations
     (measured 0.00002; 0.0037 with a tenth of them); with 32 draws it strays by more than 0.01 (0.032); the same
-    seed draws the same; fewer draws than prompts x minibatches are refused."""
+    seed draws the same; fewer draws than prompts x minibatches are refused. Its steps clip the gradients as the
+    module's do (``max_grad_norm``): clipped to 1e-12, AdamW's eps holds the policy where it started."""
     from rlhf_lightning.checks import ConfigError
 
-    def gap(**kwargs):
+    def gap(start=False, **kwargs):
         rows = expected_train(TASK, 10, BETA, every=10, kl_estimator="k1", kl_loss_scope="per_token", ppo_epochs=1, **kwargs)
-        return rows[-1]["gap"]
+        return rows[0 if start else -1]["gap"]
 
-    exact = gap()
+    exact, start = gap(), gap(start=True)
+    assert abs(exact - start) > 0.05
+    assert gap(max_grad_norm=1e-12) == pytest.approx(start, abs=1e-3)
     assert gap(responses=10_000_000) == pytest.approx(exact, abs=1e-3)
     noisy = gap(responses=32, seed=1)
     assert abs(noisy - exact) > 0.01
