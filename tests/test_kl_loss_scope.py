@@ -270,6 +270,21 @@ def test_optimum_check_refuses_flags_that_would_change_nothing(capsys, argv, mes
     assert message in capsys.readouterr().err
 
 
+def test_optimum_check_max_grad_norm_reaches_the_module():
+    """--max-grad-norm is the module's gradient clip: 1.0 by default (the module's own), 0 for none (the
+    module's null), any other value as given; a negative one is refused."""
+    import optimum_check
+
+    def clip(*flags):
+        args = optimum_check.parse_args(["--task", "random:3", *flags])
+        settings = optimum_check.task_settings(args, "random:3")
+        return optimum_check.recipe_settings(args, settings, "gae", "k1", "loss", "importance", "per_token", 4)["max_grad_norm"]
+
+    assert (clip(), clip("--max-grad-norm", "0"), clip("--max-grad-norm", "0.5")) == (1.0, None, 0.5)
+    with pytest.raises(SystemExit):
+        clip("--max-grad-norm", "-1")
+
+
 def test_lr_decay_holds_then_falls_linearly_to_its_final_fraction():
     """LinearLRDecay over 5 iterations, final 0.1: with hold 0.5 the factors are 1, 1, 1 (progress i / 4 up to
     one half), then 1 - 0.9 * (0.75 - 0.5) / 0.5 = 0.55 and 0.1; without a hold 1, 0.775, 0.55, 0.325, 0.1;

@@ -200,6 +200,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--lam", type=option_number(at_least=0, at_most=1), default=1.0, help="GAE lambda (1: Monte Carlo returns minus the critic)"
     )
     parser.add_argument(
+        "--max-grad-norm",
+        type=option_number(at_least=0),
+        default=1.0,
+        help="model.max_grad_norm: each step's gradients clipped to this norm, 0 for none (default 1.0, the module's)",
+    )
+    parser.add_argument(
         "--every", type=option_number(integer=True, at_least=1), default=10, help="print the exact quantities every N iterations"
     )
     add_reference_args(parser)
@@ -313,6 +319,7 @@ def recipe_settings(
         "kl_loss_weighting": weighting,
         "kl_loss_scope": scope,
         "lr": args.lr,
+        "max_grad_norm": args.max_grad_norm or None,  # 0: no clip (the module takes null)
         "ppo_epochs": epochs,
         "num_minibatches": num_minibatches(settings, epochs),
         "log_samples_every_n_steps": 0,
@@ -621,6 +628,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             num_minibatches=num_minibatches(settings, cell.epochs),
             responses=settings["batch_size"] if args.expected_noise else None,
             seed=cell.seed,
+            max_grad_norm=args.max_grad_norm or None,
             log_samples_every_n_steps=0,
         )
         return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
