@@ -14,7 +14,8 @@ decayed to 1/10, hand-made; beta 1, 384 responses per iteration and 8 optimizer 
 at one epoch, 2 at four; ``--updates``), 8 per prompt and the lr decayed to 1/50 without a critic, to 1/10 with
 one, 150 iterations but 100 for ``gae`` unless the KL is in the loss per token, random; ``--lr-hold`` holds
 the lr for a fraction of the run before the decay; ``--end-batch-size B --end-iterations N`` sample B responses
-in each of the last N iterations, a quieter end at the same lr: docs/results.md, "Eighth round").
+in each of the last N iterations, a quieter end at the same lr: docs/results.md, "Eighth round"; ``--max-grad-norm``
+is the module's gradient clip, 1.0, 0 for none: "Ninth round").
 Several tasks, and several sampling ``--seed`` values (the task's reference stays the same), train one
 after another; with more than one seed a ``SEEDS task=... gap_mean= gap_std=`` line follows each task.
 Every run first prints
