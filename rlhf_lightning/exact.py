@@ -168,6 +168,31 @@ def backward_induction(ref_logprobs: Tensor, rewards: Tensor, beta: float, num_t
     return logprobs.view(prompts, responses)
 
 
+def per_token_residuals(
+    logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: float, num_tokens: int
+) -> list[tuple[Tensor, Tensor]]:
+    """How far a policy is from the per-token fixed point, state by state: for each position t, over the prefixes s
+    of t tokens, the residual KL(pi(. | s) || pi_ref(. | s) exp(Q(s, .) / beta) / Z(s)), with Q(s, a) = E_pi[r | s, a]
+    the reward to go under pi's own continuation (no KL of later tokens), beside the prefix's probability P_pi(s);
+    each (prompts, K ** t). Every residual is 0 exactly at :func:`backward_induction` (``soft=False``), the only
+    policy that meets the per-token condition at every state; pi* misses it where the KL still to be paid after a
+    token depends on that token (docs/results.md, "Ninth round": where random:3's noisy runs miss it)."""
+    prompts, responses = logprobs.shape
+    length = round(math.log(responses, num_tokens))
+    shape = (prompts, *[num_tokens] * length)
+    joint, ref, reward = logprobs.double().view(shape), ref_logprobs.double().view(shape), rewards.double().view(shape)
+    out = []
+    for t in range(length):
+        later = tuple(range(t + 2, length + 1))  # the dimensions of the tokens after y_t
+        log_sa, ref_sa = (joint.logsumexp(later), ref.logsumexp(later)) if later else (joint, ref)  # log P(s, a)
+        q = ((joint.exp() * reward).sum(later) if later else joint.exp() * reward) / log_sa.exp().clamp(min=1e-300)
+        policy = log_sa - log_sa.logsumexp(-1, keepdim=True)
+        target = (ref_sa - ref_sa.logsumexp(-1, keepdim=True) + q / beta).log_softmax(-1)
+        residual = (policy.exp() * (policy - target)).sum(-1)
+        out.append((residual.reshape(prompts, -1), log_sa.logsumexp(-1).exp().reshape(prompts, -1)))
+    return out
+
+
 @dataclass
 class OptimumReport:
     """Exact distances of a policy from the KL-regularised optimum."""

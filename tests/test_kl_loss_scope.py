@@ -102,6 +102,28 @@ def test_expected_path_with_drawn_responses_adds_only_the_noise():
         gap(responses=3)
 
 
+def test_per_token_residuals_vanish_at_the_per_token_fixed_point_only():
+    """exact.per_token_residuals on TASK: 0 (1e-10) at every state of backward_induction(soft=False); pi* misses the
+    per-token condition at the first token, where the KL still to pay after it varies (its residual there, weighted
+    by the prefix's probability, is 0.16); the reference misses it everywhere it could. The probabilities of each
+    position's prefixes sum to 1 per prompt."""
+    from rlhf_lightning.exact import backward_induction, optimal_logprobs, per_token_residuals, reference_logprobs
+
+    ref, rewards, tokens = reference_logprobs(TASK), TASK.rewards(), len(TASK.content_tokens)
+
+    def weighted(logprobs):
+        positions = per_token_residuals(logprobs, ref, rewards, BETA, tokens)
+        assert all(prob.sum(-1).tolist() == pytest.approx([1.0] * len(TASK.prompts)) for _, prob in positions)
+        return [float((residual * prob).sum(-1).mean()) for residual, prob in positions]
+
+    fixed_point = backward_induction(ref, rewards, BETA, tokens, soft=False)
+    residuals = [residual for residual, _ in per_token_residuals(fixed_point, ref, rewards, BETA, tokens)]
+    assert max(float(residual.abs().max()) for residual in residuals) < 1e-10
+    optimum = weighted(optimal_logprobs(ref, rewards, BETA))
+    assert optimum[0] == pytest.approx(0.16, abs=0.01) and optimum[-1] == pytest.approx(0.0, abs=1e-10)
+    assert min(weighted(ref)) > 0.01
+
+
 def test_matrix_classes_follow_the_theory():
     """tools/optimum_check.py's expected class of a cell: k1 in the reward and value-unbiased estimators
     in the loss with the sequence scope are right for the whole response; the same losses per token reach
