@@ -212,6 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_reference_args(parser)
     add_sampling_args(parser)
     args = parser.parse_args(argv)
+    args.max_grad_norm = args.max_grad_norm or None  # 0: no clip (the module takes null)
     if args.expected_noise and not (args.matrix and args.expected_gradient):
         parser.error("--expected-noise: only with --matrix --expected-gradient (it adds the sampling noise to the exact path)")
     if (args.end_batch_size is None) != (not args.end_iterations):
@@ -320,7 +321,7 @@ def recipe_settings(
         "kl_loss_weighting": weighting,
         "kl_loss_scope": scope,
         "lr": args.lr,
-        "max_grad_norm": args.max_grad_norm or None,  # 0: no clip (the module takes null)
+        "max_grad_norm": args.max_grad_norm,
         "ppo_epochs": epochs,
         "num_minibatches": num_minibatches(settings, epochs),
         "log_samples_every_n_steps": 0,
@@ -629,7 +630,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             num_minibatches=num_minibatches(settings, cell.epochs),
             responses=settings["batch_size"] if args.expected_noise else None,
             seed=cell.seed,
-            max_grad_norm=args.max_grad_norm or None,
+            max_grad_norm=args.max_grad_norm,
             log_samples_every_n_steps=0,
         )
         return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
