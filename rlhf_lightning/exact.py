@@ -71,7 +71,7 @@ from rlhf_lightning import sampling
 from rlhf_lightning.checks import require
 from rlhf_lightning.cli import QUIET_TRAINER
 from rlhf_lightning.module import PPORLHF, Rollout
-from rlhf_lightning.tabular import enumerate_responses
+from rlhf_lightning.tabular import enumerate_responses, reward_to_go, sum_after
 
 BANNED_LOGIT = -1e4  # added to the logits of non-content tokens: probability exactly 0, entropy still finite
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -133,20 +133,6 @@ def objective(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: flo
     return expected_reward(logprobs, rewards) - beta * kl_divergence(logprobs, ref_logprobs)
 
 
-def _after(tree: Tensor, tokens: int, log: bool = False) -> Tensor:
-    """A response tree (prompts, K, ..., K) summed (``log``: log-sum-exp) over every position after the first
-    ``tokens``: (prompts, K, ..., K) with ``tokens`` token dimensions."""
-    later = tuple(range(tokens + 1, tree.dim()))
-    if not later:
-        return tree
-    return tree.logsumexp(later) if log else tree.sum(later)
-
-
-def _reward_to_go(probs: Tensor, rewards: Tensor, tokens: int) -> Tensor:
-    """E[r | the first ``tokens`` tokens] under ``probs``, both response trees (prompts, K, ..., K)."""
-    return _after(probs * rewards, tokens) / _after(probs, tokens).clamp(min=1e-300)
-
-
 def backward_induction(ref_logprobs: Tensor, rewards: Tensor, beta: float, num_tokens: int, soft: bool = True) -> Tensor:
     """The policy built token by token from the last position back, pi(a | s) ∝ pi_ref(a | s) exp(Q(s, a) / beta),
     as log pi(y|x) over whole responses (same layout as ``ref_logprobs``; responses in the order of
@@ -174,7 +160,7 @@ def backward_induction(ref_logprobs: Tensor, rewards: Tensor, beta: float, num_t
     ref, value = ref_logprobs.double().view(shape), rewards.double().view(shape)
     logprobs = torch.zeros(shape, dtype=torch.float64)
     for t in reversed(range(length)):  # value: (prompts, K ** (t + 1)) over prefixes of t + 1 tokens
-        prefix_and_token = _after(ref, t + 1, log=True)
+        prefix_and_token = sum_after(ref, t + 1, log=True)
         logits = prefix_and_token - prefix_and_token.logsumexp(-1, keepdim=True) + value / beta
         policy = logits.log_softmax(-1)  # log pi(a | prefix of t tokens)
         value = beta * logits.logsumexp(-1) if soft else (policy.exp() * value).sum(-1)
@@ -197,8 +183,8 @@ def per_token_residuals(
     joint, ref, reward = logprobs.double().view(shape), ref_logprobs.double().view(shape), rewards.double().view(shape)
     probs, out = joint.exp(), []
     for t in range(length):
-        log_sa, ref_sa = _after(joint, t + 1, log=True), _after(ref, t + 1, log=True)  # log P(s, a)
-        q = _reward_to_go(probs, reward, t + 1)
+        log_sa, ref_sa = sum_after(joint, t + 1, log=True), sum_after(ref, t + 1, log=True)  # log P(s, a)
+        q = reward_to_go(probs, reward, t + 1)
         policy = log_sa - log_sa.logsumexp(-1, keepdim=True)
         target = (ref_sa - ref_sa.logsumexp(-1, keepdim=True) + q / beta).log_softmax(-1)
         residual = (policy.exp() * (policy - target)).sum(-1)
@@ -743,7 +729,7 @@ def expected_train(
         joint, reward_tree = logprobs.exp().view(shape), rewards.view(shape)
         values = []
         for t in range(length):
-            value = _reward_to_go(joint, reward_tree, t)
+            value = reward_to_go(joint, reward_tree, t)
             values.append(value.reshape(prompts, -1).repeat_interleave(num_tokens ** (length - t), -1))
         advantages = (rewards.unsqueeze(-1) - torch.stack(values, -1)).view(-1, length).float()
         rollout = Rollout(

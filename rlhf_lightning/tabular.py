@@ -12,11 +12,15 @@ tools/kl_estimator_report.py): no Lightning, no model.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.checks import require
 
 
 def enumerate_responses(num_tokens: int, length: int) -> Tensor:
@@ -103,3 +107,134 @@ def flatten(tensors: Sequence[Tensor]) -> Tensor:
 
 def cosine(a: Tensor, b: Tensor) -> float:
     return float(a @ b) / max(float(a.norm()) * float(b.norm()), 1e-300)
+
+
+def sum_after(tree: Tensor, tokens: int, log: bool = False) -> Tensor:
+    """A response tree (prompts, K, ..., K) summed (``log``: log-sum-exp) over every position after the first
+    ``tokens``: (prompts, K, ..., K) with ``tokens`` token dimensions."""
+    later = tuple(range(tokens + 1, tree.dim()))
+    if not later:
+        return tree
+    return tree.logsumexp(later) if log else tree.sum(later)
+
+
+def reward_to_go(probs: Tensor, rewards: Tensor, tokens: int) -> Tensor:
+    """E[r | x, the first ``tokens`` tokens] under ``probs``, both response trees (prompts, K, ..., K)."""
+    return sum_after(probs * rewards, tokens) / sum_after(probs, tokens).clamp(min=1e-300)
+
+
+def conditional_tables(logprobs: Tensor, num_tokens: int) -> list[Tensor]:
+    """log pi(a | x, y_<t) from log pi(y | x) over whole responses (prompts, K ** L), in the order of
+    :func:`enumerate_responses`: L tables (prompts * K ** t, K), prompt-major (row p * K ** t + prefix)."""
+    prompts, responses = logprobs.shape
+    length = round(math.log(responses, num_tokens))
+    tree = logprobs.view(prompts, *[num_tokens] * length)
+    tables = []
+    for t in range(length):
+        joint = sum_after(tree, t + 1, log=True)  # log P(x, y_<=t)
+        tables.append((joint - joint.logsumexp(-1, keepdim=True)).reshape(-1, num_tokens))
+    return tables
+
+
+def sampled_ppo(
+    ref_logprobs: Tensor,
+    rewards: Tensor,
+    beta: float,
+    num_tokens: int,
+    estimator: str = "k1",
+    scope: str = "per_token",
+    iterations: int = 150,
+    responses: int = 384,
+    epochs: int = 1,
+    updates: int = 8,
+    lr: float = 0.05,
+    lr_final: float = 0.1,
+    cliprange: float = 0.2,
+    seed: int = 0,
+) -> Tensor:
+    """PPO with the KL in the loss on a TABULAR policy (one logit vector per prompt and prefix, starting at
+    pi_ref), from sampled responses, with the module's own loss pieces: ``ppo_math.policy_loss`` (token mean),
+    the registered ``estimator``'s values weighted by ``ppo_math.importance_weighted_kl`` (its ratio carrying
+    gradient, its ``score_baseline``) and, for ``scope="sequence"``, ``ppo_math.kl_to_go_loss`` on the log-ratio
+    with the prompt group's baseline, as ``PPORLHF.loss_terms`` adds them. The advantage is exact (a perfect
+    critic): A_t = E_old[r | x, y_<=t] - E_old[r | x, y_<t]. Each iteration draws ``responses`` from pi_old,
+    split evenly over the prompts, and takes ``updates`` Adam steps over ``epochs`` shuffled passes; the lr
+    decays linearly to ``lr_final`` of ``lr``. Returns log pi(y | x), (prompts, K ** L).
+
+    What it is for: each state's conditional moves on its own, so where the sampled loss settles is the loss's
+    doing, not a shared network's (docs/results.md, "Tenth round": the tiny Llama on random:3 settles 0.03-0.04
+    short of the per-token fixed point; this table lands on it)."""
+    from rlhf_lightning.exact import lr_factor  # exact builds its tasks on this module
+    from rlhf_lightning.registry import registry
+
+    kl_estimator = registry("kl_estimator").create(estimator)
+    require(scope in ("per_token", "sequence"), "scope", "per_token or sequence", scope)
+    prompts, num_responses = ref_logprobs.shape
+    per_prompt = responses // prompts
+    require(
+        responses % prompts == 0 and per_prompt * prompts * epochs % updates == 0,
+        "responses",
+        f"a multiple of the {prompts} prompts whose epochs split into {updates} equal minibatches",
+        responses,
+    )
+    all_responses = enumerate_responses(num_tokens, round(math.log(num_responses, num_tokens)))
+    length = all_responses.shape[1]
+    prefixes = prefix_index(all_responses, num_tokens)  # (R, L): y_<t's row within a prompt
+    generator = torch.Generator().manual_seed(seed)
+    ref_tables = conditional_tables(ref_logprobs.double(), num_tokens)
+    table = [t.clone().requires_grad_() for t in ref_tables]
+    optimizer = torch.optim.Adam(table, lr=lr)
+    tree_shape = (prompts, *[num_tokens] * length)
+    rewards = rewards.double()
+
+    def rows(prompt: Tensor, response: Tensor, t: int) -> Tensor:  # row of (x, y_<t) in table t
+        return prompt * num_tokens**t + prefixes[response, t]
+
+    def token_logprobs_of(tables: Sequence[Tensor], prompt: Tensor, response: Tensor) -> Tensor:
+        return torch.stack(
+            [tables[t].log_softmax(-1)[rows(prompt, response, t), all_responses[response, t]] for t in range(length)], dim=-1
+        )
+
+    def joint_logprobs(tables: Sequence[Tensor]) -> Tensor:
+        prompt = torch.arange(prompts).repeat_interleave(num_responses)
+        response = torch.arange(num_responses).repeat(prompts)
+        return token_logprobs_of(tables, prompt, response).sum(-1).view(prompts, num_responses)
+
+    minibatch = per_prompt * prompts * epochs // updates
+    for iteration in range(iterations):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * lr_factor(iteration, iterations, lr_final)
+        with torch.no_grad():
+            old = [t.detach().clone() for t in table]
+            probs = joint_logprobs(old).exp()
+            tree, reward_tree = probs.view(tree_shape), rewards.view(tree_shape)
+            to_go = [reward_to_go(tree, reward_tree, t) for t in range(length + 1)]  # E_old[r | x, y_<t]
+            response = torch.multinomial(probs, per_prompt, replacement=True, generator=generator).flatten()
+            prompt = torch.arange(prompts).repeat_interleave(per_prompt)
+            advantages = torch.stack(
+                [
+                    to_go[t + 1].reshape(prompts, -1)[prompt, prefixes[response, t] * num_tokens + all_responses[response, t]]
+                    - to_go[t].reshape(prompts, -1)[prompt, prefixes[response, t]]
+                    for t in range(length)
+                ],
+                dim=-1,
+            )
+            old_logprobs = token_logprobs_of(old, prompt, response)
+            ref_token_logprobs = token_logprobs_of(ref_tables, prompt, response)
+        for _ in range(epochs):
+            order = torch.randperm(len(response), generator=generator)
+            for start in range(0, len(response), minibatch):
+                idx = order[start : start + minibatch]
+                logprobs = token_logprobs_of(table, prompt[idx], response[idx])
+                mask = torch.ones_like(logprobs, dtype=torch.bool)
+                loss = pm.policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask, cliprange).loss
+                kl = kl_estimator(logprobs, ref_token_logprobs[idx])
+                kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs[idx], mask, True, kl_estimator.score_baseline)
+                if scope == "sequence":
+                    log_ratio = (logprobs - ref_token_logprobs[idx]).detach()
+                    kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs[idx], log_ratio, mask, groups=prompt[idx])
+                optimizer.zero_grad()
+                (loss + beta * kl_loss.mean()).backward()
+                optimizer.step()
+    with torch.no_grad():
+        return joint_logprobs(table)

@@ -108,8 +108,18 @@ from dataclasses import dataclass, replace
 
 from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.checks import option_number
-from rlhf_lightning.exact import TASKS, OptimumTracker, expected_train, per_token_fixed_point_gap, task_named, train
+from rlhf_lightning.exact import (
+    TASKS,
+    OptimumTracker,
+    expected_train,
+    optimum_report,
+    per_token_fixed_point_gap,
+    reference_logprobs,
+    task_named,
+    train,
+)
 from rlhf_lightning.registry import registry
+from rlhf_lightning.tabular import sampled_ppo
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 from rlhf_lightning_plugins.reference_updates import EMA, Reset, Sync
@@ -217,6 +227,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--expected-noise: only with --matrix --expected-gradient (it adds the sampling noise to the exact path)")
     if (args.end_batch_size is None) != (not args.end_iterations):
         parser.error("--end-batch-size and --end-iterations: give both or neither (one alone changes nothing)")
+    if args.tabular and (not args.matrix or args.expected_gradient):
+        parser.error("--tabular: only with --matrix, and not with --expected-gradient (it samples its responses)")
     if args.end_iterations and args.expected_gradient:
         parser.error("--end-batch-size / --end-iterations: not with --expected-gradient (the exact path samples no batch)")
     for name, epochs in itertools.product(args.task, args.epochs if args.matrix else [args.ppo_epochs]):
@@ -538,6 +550,17 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
         "leads, without sampling noise; KL in the loss only, the advantage exact (--advantage ignored)",
     )
     group.add_argument(
+        "--tabular",
+        action="store_true",
+        help="a tabular policy (one logit vector per prompt and prefix, tabular.sampled_ppo) in place of the tiny Llama: "
+        "sampled responses (the task's --batch-size), the module's loss pieces, the exact advantage (--advantage "
+        "ignored), Adam at --tabular-lr; KL in the loss only. Where the sampled loss settles when no shared network "
+        'couples the states (docs/results.md, "Tenth round")',
+    )
+    group.add_argument(
+        "--tabular-lr", type=option_number(above=0), default=0.05, help="with --tabular: Adam's lr on the logits (default 0.05)"
+    )
+    group.add_argument(
         "--expected-noise",
         action="store_true",
         help="with --expected-gradient: each step weighs the responses by a draw of the iteration's --batch-size from "
@@ -614,6 +637,26 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     longest = max(settings["iterations"].values()) if isinstance(settings["iterations"], dict) else settings["iterations"]
     iterations = longest if args.expected_gradient else iterations_of(settings, cell.advantage, cell.placement, cell.scope)
     start = time.perf_counter()
+    if args.tabular:
+        task = task_named(cell.task)
+        ref, rewards = reference_logprobs(task, cell.seed), task.rewards()
+        logprobs = sampled_ppo(
+            ref,
+            rewards,
+            settings["beta"],
+            len(task.content_tokens),
+            cell.estimator,
+            scope,
+            iterations=iterations,
+            responses=settings["batch_size"],
+            epochs=cell.epochs,
+            updates=num_minibatches(settings, cell.epochs) * cell.epochs,
+            lr=args.tabular_lr,
+            lr_final=final_lr(settings, "gae"),
+            seed=cell.seed,
+        )
+        report = optimum_report(logprobs, ref, rewards, settings["beta"])
+        return {**vars(report), "iteration": iterations, "seconds": time.perf_counter() - start, "cell": cell}
     if args.expected_gradient:
         rows = expected_train(
             task_named(cell.task),
@@ -645,11 +688,11 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
 
 
 def run_matrix(args: argparse.Namespace) -> None:
-    if args.expected_gradient:  # the exact advantage: one advantage dimension, and only the loss carries the KL
+    if args.expected_gradient or args.tabular:  # the exact advantage: one advantage dimension, only the loss carries the KL
         args.advantage, args.placements = args.advantage[:1], ["loss"]
     cells = matrix_cells(args)
     print(
-        f"tasks={args.task} advantages={args.advantage} seeds={args.seed} cells={len(cells)} jobs={args.jobs} expected_gradient={args.expected_gradient} expected_noise={args.expected_noise}"
+        f"tasks={args.task} advantages={args.advantage} seeds={args.seed} cells={len(cells)} jobs={args.jobs} expected_gradient={args.expected_gradient} expected_noise={args.expected_noise} tabular={args.tabular}"
     )
     for name in args.task:
         print(f"SETTINGS task={name} " + " ".join(f"{key}={value}" for key, value in task_settings(args, name).items()))
