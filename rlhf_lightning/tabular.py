@@ -151,13 +151,17 @@ def sampled_ppo(
     lr_final: float = 0.1,
     cliprange: float = 0.2,
     seed: int = 0,
+    advantage: Optional[str] = None,
+    group_size: int = 8,
 ) -> Tensor:
     """PPO with the KL in the loss on a TABULAR policy (one logit vector per prompt and prefix, starting at
     pi_ref), from sampled responses, with the module's own loss pieces: ``ppo_math.policy_loss`` (token mean),
     the registered ``estimator``'s values weighted by ``ppo_math.importance_weighted_kl`` (its ratio carrying
     gradient, its ``score_baseline``) and, for ``scope="sequence"``, ``ppo_math.kl_to_go_loss`` on the log-ratio
     with the prompt group's baseline, as ``PPORLHF.loss_terms`` adds them. The advantage is exact (a perfect
-    critic): A_t = E_old[r | x, y_<=t] - E_old[r | x, y_<t]. Each iteration draws ``responses`` from pi_old,
+    critic): A_t = E_old[r | x, y_<=t] - E_old[r | x, y_<t]; or, naming a critic-free ``advantage`` estimator
+    (``rloo``, ``grpo``, ...), that estimator's on groups of ``group_size`` responses to a prompt, the KL scaled
+    by its ``gradient_scale`` as the module scales it. Each iteration draws ``responses`` from pi_old,
     split evenly over the prompts, and takes ``updates`` Adam steps over ``epochs`` shuffled passes; the lr
     decays linearly to ``lr_final`` of ``lr``. Returns log pi(y | x), (prompts, K ** L).
 
@@ -168,13 +172,20 @@ def sampled_ppo(
     from rlhf_lightning.registry import registry
 
     kl_estimator = registry("kl_estimator").create(estimator)
+    estimator_of_advantage = None if advantage is None else registry("advantage_estimator").create(advantage)
+    require(
+        estimator_of_advantage is None or not estimator_of_advantage.needs_critic,
+        "advantage",
+        "a critic-free estimator (None: the exact advantage)",
+        advantage,
+    )
     require(scope in ("per_token", "sequence"), "scope", "per_token or sequence", scope)
     prompts, num_responses = ref_logprobs.shape
     per_prompt = responses // prompts
     require(
-        responses % prompts == 0 and per_prompt * prompts * epochs % updates == 0,
+        responses % prompts == 0 and per_prompt % group_size == 0 and per_prompt * prompts * epochs % updates == 0,
         "responses",
-        f"a multiple of the {prompts} prompts whose epochs split into {updates} equal minibatches",
+        f"a multiple of the {prompts} prompts x group_size {group_size} whose epochs split into {updates} equal minibatches",
         responses,
     )
     all_responses = enumerate_responses(num_tokens, round(math.log(num_responses, num_tokens)))
@@ -219,6 +230,13 @@ def sampled_ppo(
                 ],
                 dim=-1,
             )
+            kl_scale = torch.ones(len(response), dtype=torch.float64)
+            if estimator_of_advantage is not None:
+                scores = torch.zeros_like(advantages)
+                scores[:, -1] = rewards[prompt, response]
+                mask = torch.ones_like(scores)
+                advantages = estimator_of_advantage.checked(scores, mask, None, group_size)[0]
+                kl_scale = estimator_of_advantage.gradient_scale(scores, mask, group_size)
             old_logprobs = token_logprobs_of(old, prompt, response)
             ref_token_logprobs = token_logprobs_of(ref_tables, prompt, response)
         for _ in range(epochs):
@@ -226,7 +244,7 @@ def sampled_ppo(
             for start in range(0, len(response), minibatch):
                 idx = order[start : start + minibatch]
                 logprobs = token_logprobs_of(table, prompt[idx], response[idx])
-                mask = torch.ones_like(logprobs, dtype=torch.bool)
+                mask = torch.ones_like(logprobs)
                 loss = pm.policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask, cliprange).loss
                 kl = kl_estimator(logprobs, ref_token_logprobs[idx])
                 kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs[idx], mask, True, kl_estimator.score_baseline)
@@ -234,7 +252,7 @@ def sampled_ppo(
                     log_ratio = (logprobs - ref_token_logprobs[idx]).detach()
                     kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs[idx], log_ratio, mask, groups=prompt[idx])
                 optimizer.zero_grad()
-                (loss + beta * kl_loss.mean()).backward()
+                (loss + beta * (kl_scale[idx, None] * kl_loss).mean()).backward()
                 optimizer.step()
     with torch.no_grad():
         return joint_logprobs(table)

@@ -553,8 +553,8 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
         "--tabular",
         action="store_true",
         help="a tabular policy (one logit vector per prompt and prefix, tabular.sampled_ppo) in place of the tiny Llama: "
-        "sampled responses (the task's --batch-size), the module's loss pieces, the exact advantage (--advantage "
-        "ignored), Adam at --tabular-lr; KL in the loss only. Where the sampled loss settles when no shared network "
+        "sampled responses (the task's --batch-size), the module's loss pieces, the exact advantage for gae (a perfect "
+        "critic's) or the critic-free --advantage's own, Adam at --tabular-lr; KL in the loss only. Where the sampled loss settles when no shared network "
         'couples the states (docs/results.md, "Tenth round")',
     )
     group.add_argument(
@@ -652,8 +652,10 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             epochs=cell.epochs,
             updates=num_minibatches(settings, cell.epochs) * cell.epochs,
             lr=args.tabular_lr,
-            lr_final=final_lr(settings, "gae"),
+            lr_final=final_lr(settings, cell.advantage),
             seed=cell.seed,
+            advantage=None if cell.advantage == "gae" else cell.advantage,  # gae: the exact advantage, a perfect critic's
+            group_size=settings["num_generations"],
         )
         report = optimum_report(logprobs, ref, rewards, settings["beta"])
         return {**vars(report), "iteration": iterations, "seconds": time.perf_counter() - start, "cell": cell}
@@ -688,8 +690,10 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
 
 
 def run_matrix(args: argparse.Namespace) -> None:
-    if args.expected_gradient or args.tabular:  # the exact advantage: one advantage dimension, only the loss carries the KL
+    if args.expected_gradient:  # the exact advantage: one advantage dimension, and only the loss carries the KL
         args.advantage, args.placements = args.advantage[:1], ["loss"]
+    if args.tabular:  # only the loss carries the KL
+        args.placements = ["loss"]
     cells = matrix_cells(args)
     print(
         f"tasks={args.task} advantages={args.advantage} seeds={args.seed} cells={len(cells)} jobs={args.jobs} expected_gradient={args.expected_gradient} expected_noise={args.expected_noise} tabular={args.tabular}"
