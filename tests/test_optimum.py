@@ -289,6 +289,8 @@ def test_matrix_reports_each_per_token_cell_over_its_seeds(capsys):
     assert float(seeds["deviation_std"]) == pytest.approx(statistics.stdev(deviations), abs=2e-4)
     (summary,) = [f for f in lines if "per_token_max_mean_deviation" in f]
     assert float(summary["per_token_max_mean_deviation"]) == pytest.approx(abs(statistics.mean(deviations)), abs=2e-4)
+    distances = [float(f["fixed_point_distance"]) for f in optimum]
+    assert min(distances) > 0 and summary["per_token_max_fixed_point_distance"] == f"{max(distances):.4f}"
 
 
 def test_per_token_fixed_point_by_hand():

@@ -405,7 +405,8 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     print(f"KL(pi*||pi_ref)={last['optimum_kl_to_ref']:.4f}  {time.perf_counter() - start:.1f} s")
     print(
         f"OPTIMUM task={name} seed={seed} gap={last['gap']:.4f} kl_to_opt={last['kl_to_optimum']:.4f} "
-        f"kl_ref_exact={last['kl_to_ref']:.4f} kl_ref_logged={last['kl_logged']:.4f} logprob_diff_max={last['logprob_diff_max']:.1e}",
+        f"kl_ref_exact={last['kl_to_ref']:.4f} kl_ref_logged={last['kl_logged']:.4f} logprob_diff_max={last['logprob_diff_max']:.1e} "
+        f"fixed_point_distance={last['fixed_point_distance']:.4f}",
         flush=True,
     )
     if module.truncates:
@@ -657,7 +658,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             advantage=None if cell.advantage == "gae" else cell.advantage,  # gae: the exact advantage, a perfect critic's
             group_size=settings["num_generations"],
         )
-        report = optimum_report(logprobs, ref, rewards, settings["beta"])
+        report = optimum_report(logprobs, ref, rewards, settings["beta"], len(task.content_tokens))
         return {**vars(report), "iteration": iterations, "seconds": time.perf_counter() - start, "cell": cell}
     if args.expected_gradient:
         rows = expected_train(
@@ -709,6 +710,7 @@ def run_matrix(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     gaps: dict[str, list[float]] = {name: [] for name in CLASSES}
     deviations = []  # |gap - the per-token fixed point's gap| of the per_token cells
+    distances = []  # their fixed_point_distance: beta KL(pi || fixed point) / |J*|, the gap's unit
     over_seeds: dict[Cell, list[float]] = {}  # gap - the fixed point's gap of each per_token cell, by sampling seed
     # spawn, not fork: a process forked after torch started its OpenMP threads can deadlock in them.
     pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) if args.jobs > 1 else _InProcess()
@@ -720,8 +722,9 @@ def run_matrix(args: argparse.Namespace) -> None:
             extra = ""
             if cell.expected == "per_token":
                 deviations.append(abs(row["gap"] - fixed_point))
+                distances.append(row["fixed_point_distance"])
                 over_seeds.setdefault(replace(cell, seed=-1), []).append(row["gap"] - fixed_point)
-                extra = f" fixed_point_gap={fixed_point:.4f}"
+                extra = f" fixed_point_gap={fixed_point:.4f} fixed_point_distance={row['fixed_point_distance']:.4f}"
             print(
                 f"OPTIMUM task={cell.task} seed={cell.seed} advantage={cell.advantage} estimator={cell.estimator} "
                 f"placement={cell.placement} weighting={cell.weighting} scope={cell.scope} epochs={cell.epochs} "
@@ -742,6 +745,7 @@ def run_matrix(args: argparse.Namespace) -> None:
         f"MATRIX unbiased_max_gap={max(gaps['unbiased'], default=nan):.4f} biased_min_gap={min(gaps['biased'], default=nan):.4f} "
         f"per_token_min_fixed_point_gap={min(per_token.values()):.4f} per_token_max_deviation={max(deviations, default=nan):.4f} "
         f"per_token_max_mean_deviation={max(mean_deviations, default=nan):.4f} "
+        f"per_token_max_fixed_point_distance={max(distances, default=nan):.4f} "
         f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f} cpu_s={user_cpu_seconds():.0f}"
     )
 
