@@ -46,12 +46,17 @@ importance on random ones; ``--jobs`` runs cells in parallel processes) and prin
 of each task (of each seed, for a hand-made task), one line per cell, then a summary:
 
     OPTIMUM task=random:1 seed=0 advantage=gae estimator=k3 placement=loss weighting=importance scope=sequence epochs=4 gap=... expected=unbiased iterations=100
-    OPTIMUM ... scope=per_token epochs=4 gap=... expected=per_token fixed_point_gap=<that task's PER_TOKEN gap> iterations=150
+    OPTIMUM ... scope=per_token epochs=4 gap=... expected=per_token fixed_point_gap=<that task's PER_TOKEN gap> fixed_point_distance=<d> iterations=150
     MATRIX unbiased_max_gap=<largest gap of the cells called unbiased> biased_min_gap=<smallest of those called biased>
            per_token_min_fixed_point_gap=<smallest PER_TOKEN gap over the tasks>
            per_token_max_deviation=<largest |gap - fixed_point_gap| of the per_token cells>
-           per_token_max_mean_deviation=<largest |mean over the seeds of gap - fixed_point_gap|> drift_max_gap=...
+           per_token_max_mean_deviation=<largest |mean over the seeds of gap - fixed_point_gap|>
+           per_token_max_fixed_point_distance=<largest d> drift_max_gap=...
            wall_s=<seconds> cpu_s=<user CPU seconds of the whole run, its --jobs workers included>
+
+d = beta KL(pi || the per-token fixed point) / |J*|: the gap is beta KL(pi || pi*) / |J*|, a distance from pi*
+that moves at second order near it; d is the same distance from the fixed point, where a per-token cell's gap
+moves at first order (docs/results.md, "Tenth round").
 
 With several ``--seed`` values each per_token cell also gets a line after the cells' lines, before MATRIX,
 ``SEEDS task= advantage= estimator= scope= epochs= n= deviation_mean= deviation_std=`` (gap - fixed_point_gap
@@ -62,7 +67,10 @@ expectation (:func:`rlhf_lightning.exact.expected_train`: all responses enumerat
 exact advantage, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
 gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
 cell adds to them is noise. Every cell trains the task kind's longest run (150 iterations on a random task).
-``--expected-noise`` puts the noise back and nothing else: each step weighs the responses by a draw of
+``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.tabular.sampled_ppo`:
+one logit vector per prompt and prefix, sampled responses, the module's loss pieces, the exact advantage for
+``gae`` or the critic-free estimator's own, Adam at ``--tabular-lr``), about a second a cell: where the loss
+settles when no network couples the states. ``--expected-noise`` puts the noise back and nothing else: each step weighs the responses by a draw of
 ``--batch-size`` from pi_old (the ``--seed``'s) instead of by pi_old, the advantage and loss still exact; with
 several seeds the SEEDS lines give where a per-token cell sits under that noise and how far one seed strays.
 
