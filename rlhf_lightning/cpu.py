@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
 from typing import Literal, Optional
 
 import torch
@@ -105,12 +106,27 @@ class _OneDNNLinearMode(TorchFunctionMode):
 
 def resolve_cpu_linear(choice: CpuLinear) -> Literal["onednn", "aten"]:
     """``auto`` is oneDNN where this torch build has it and ATen dispatches AVX-512 kernels (the CPU has
-    AVX-512 and ``ATEN_CPU_CAPABILITY`` does not cap it), else aten: without AVX-512 oneDNN's products are
-    no faster than MKL's forward and slower backward (SmolLM2's GRPO update 43 s against 23 s on an AMD
-    EPYC with AVX2 only: docs/performance.md)."""
+    AVX-512 and ``ATEN_CPU_CAPABILITY`` does not cap it), unless the CPU runs AVX-512 at AVX2's width; else
+    aten. Without AVX-512 oneDNN's products are no faster than MKL's forward and slower backward (SmolLM2's
+    GRPO update 43 s against 23 s on an AMD EPYC with AVX2 only); on AMD's Zen 4, whose AVX-512 is two
+    256-bit halves, oneDNN's AVX-512 gains nothing over MKL's AVX2 path and its route costs (the GRPO
+    update 20.6 s against 12.8 s); on a Zen 5 it ran 2.4x MKL's rate (docs/performance.md)."""
     if choice == "auto":
-        return "onednn" if onednn_available() and torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "aten"
+        avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        return "onednn" if onednn_available() and avx512 and not half_width_avx512() else "aten"
     return choice
+
+
+def half_width_avx512(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU executes AVX-512 at AVX2's width: an AMD processor of family 25 (Zen 4; Zen 3 of that
+    family has no AVX-512). False where ``cpuinfo`` cannot be read (not Linux)."""
+    try:
+        with open(cpuinfo) as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    family = re.search(r"^cpu family\s*:\s*(\d+)", head, re.MULTILINE)
+    return "AuthenticAMD" in head and family is not None and int(family.group(1)) == 25
 
 
 def onednn_linear(enabled: bool = True):

@@ -94,11 +94,32 @@ def test_tiny_llama_under_onednn_matches_aten():
 
 
 @needs_onednn
-def test_auto_resolves_to_onednn_where_aten_dispatches_avx512_else_to_aten(monkeypatch):
-    for capability, kernel in (("AVX512", "onednn"), ("AVX2", "aten"), ("DEFAULT", "aten")):
+def test_auto_resolves_to_onednn_where_aten_dispatches_full_width_avx512_else_to_aten(monkeypatch):
+    for capability, half_width, kernel in (
+        ("AVX512", False, "onednn"),
+        ("AVX512", True, "aten"),
+        ("AVX2", False, "aten"),
+        ("DEFAULT", False, "aten"),
+    ):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
-        assert cpu.resolve_cpu_linear("auto") == kernel, capability
+        monkeypatch.setattr(cpu, "half_width_avx512", lambda half_width=half_width: half_width)
+        assert cpu.resolve_cpu_linear("auto") == kernel, (capability, half_width)
         assert cpu.resolve_cpu_linear("onednn") == "onednn" and cpu.resolve_cpu_linear("aten") == "aten"
+
+
+def test_half_width_avx512_is_amd_family_25_only(tmp_path):
+    """Zen 4 (AuthenticAMD, cpu family 25) runs AVX-512 as two 256-bit halves; Zen 5 (26) and Intel do not; an
+    unreadable file (not Linux) says False."""
+
+    def cpuinfo(vendor, family):
+        path = tmp_path / f"{vendor}{family}"
+        path.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\n")
+        return str(path)
+
+    assert cpu.half_width_avx512(cpuinfo("AuthenticAMD", 25))
+    assert not cpu.half_width_avx512(cpuinfo("AuthenticAMD", 26))
+    assert not cpu.half_width_avx512(cpuinfo("GenuineIntel", 6))
+    assert not cpu.half_width_avx512(str(tmp_path / "missing"))
 
 
 _STEPS = """
