@@ -158,7 +158,7 @@ def sampled_ppo(
     pi_ref), from sampled responses, with the module's own loss pieces: ``ppo_math.policy_loss`` (token mean),
     the registered ``estimator``'s values weighted by ``ppo_math.importance_weighted_kl`` (its ratio carrying
     gradient, its ``score_baseline``) and, for ``scope="sequence"``, ``ppo_math.kl_to_go_loss`` on the log-ratio
-    with the prompt group's baseline, as ``PPORLHF.loss_terms`` adds them. The advantage is exact (a perfect
+    with the prompt group's baseline, as ``PPORLHF.ppo_loss`` adds them. The advantage is exact (a perfect
     critic): A_t = E_old[r | x, y_<=t] - E_old[r | x, y_<t]; or, naming a critic-free ``advantage`` estimator
     (``rloo``, ``grpo``, ...), that estimator's on groups of ``group_size`` responses to a prompt, the KL scaled
     by its ``gradient_scale`` as the module scales it. Each iteration draws ``responses`` from pi_old,
@@ -183,9 +183,10 @@ def sampled_ppo(
     prompts, num_responses = ref_logprobs.shape
     per_prompt = responses // prompts
     require(
-        responses % prompts == 0 and per_prompt % group_size == 0 and per_prompt * prompts * epochs % updates == 0,
+        responses % prompts == 0 and (advantage is None or per_prompt % group_size == 0) and responses * epochs % updates == 0,
         "responses",
-        f"a multiple of the {prompts} prompts x group_size {group_size} whose epochs split into {updates} equal minibatches",
+        f"a multiple of the {prompts} prompts (with an advantage estimator: of {prompts} x group_size {group_size}) "
+        f"whose epochs split into {updates} equal minibatches",
         responses,
     )
     all_responses = enumerate_responses(num_tokens, round(math.log(num_responses, num_tokens)))

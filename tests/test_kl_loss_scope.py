@@ -224,6 +224,9 @@ def test_sampled_ppo_names_what_it_refuses():
         sampled_ppo(ref, rewards, 1.0, 4, scope="both")
     with pytest.raises(ConfigError, match="responses must be a multiple of the 2 prompts"):
         sampled_ppo(ref, rewards, 1.0, 4, responses=9)
+    assert sampled_ppo(ref, rewards, 1.0, 4, responses=4, updates=2, iterations=1).shape == (2, 4)  # no groups needed
+    with pytest.raises(ConfigError, match=r"with an advantage estimator: of 2 x group_size 8\) whose epochs split into 2"):
+        sampled_ppo(ref, rewards, 1.0, 4, responses=4, updates=2, advantage="rloo")
     with pytest.raises(UnknownPluginError, match=r"unknown kl_estimator 'k9'; registered kl_estimator names: .*k1.*k3"):
         sampled_ppo(ref, rewards, 1.0, 4, estimator="k9")
 
