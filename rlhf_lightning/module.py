@@ -142,8 +142,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         tiny_config: overrides of the ``tiny`` model's LlamaConfig.
         seed: initialisation seed of the ``tiny`` model.
         cpu_linear: the kernel of fp32 linear layers on a CPU: ``onednn``, ``aten`` (MKL), or
-            ``auto`` (oneDNN on a CPU with full-width AVX-512 where the torch build has it; not on AMD's Zen 4);
-            results agree to float rounding (cpu.py).
+            ``auto`` (oneDNN where the CPU runs AVX-512 at full width, cpu.py); results agree to float rounding.
         cpu_malloc: ``tuned`` (glibc keeps freed memory for reuse, CPU runs only) or ``default`` (cpu.py).
         shared_prompts: rows with the same prompt (``num_generations`` > 1) share one forward pass
             over it in every trainer forward, the update's included: the same logits to rounding (prefix.py).
