@@ -412,6 +412,8 @@ def test_the_last_iterations_sample_the_end_batch():
         (["--expected-noise"], "only with --matrix --expected-gradient"),
         (["--tabular"], "--tabular: only with --matrix"),
         (["--matrix", "--tabular", "--expected-gradient"], "not with --expected-gradient"),
+        (["--matrix", "--tabular", "--end-batch-size", "768", "--end-iterations", "20"], "not with --tabular"),
+        (["--matrix", "--tabular-lr", "0.1"], "--tabular-lr: only with --tabular"),
     ],
 )
 def test_optimum_check_refuses_flags_that_would_change_nothing(capsys, argv, message):

@@ -239,6 +239,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--tabular: only with --matrix, and not with --expected-gradient (it samples its responses)")
     if args.end_iterations and args.expected_gradient:
         parser.error("--end-batch-size / --end-iterations: not with --expected-gradient (the exact path samples no batch)")
+    if args.end_iterations and args.tabular:
+        parser.error("--end-batch-size / --end-iterations: not with --tabular (tabular.sampled_ppo samples one batch size)")
+    if args.tabular_lr is not None and not args.tabular:
+        parser.error("--tabular-lr: only with --tabular (the tiny Llama's lr is --lr)")
+    args.tabular_lr = args.tabular_lr or 0.05
     for name, epochs in itertools.product(args.task, args.epochs if args.matrix else [args.ppo_epochs]):
         updates = task_settings(args, name)["updates"]
         if updates is not None and updates % epochs:
@@ -566,9 +571,7 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
         "critic's) or the critic-free --advantage's own, Adam at --tabular-lr; KL in the loss only. Where the sampled loss settles when no shared network "
         'couples the states (docs/results.md, "Tenth round")',
     )
-    group.add_argument(
-        "--tabular-lr", type=option_number(above=0), default=0.05, help="with --tabular: Adam's lr on the logits (default 0.05)"
-    )
+    group.add_argument("--tabular-lr", type=option_number(above=0), help="with --tabular: Adam's lr on the logits (default 0.05)")
     group.add_argument(
         "--expected-noise",
         action="store_true",
