@@ -240,6 +240,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         self.reference_updates = 0  # times the reference has moved (checkpointed)
         self.critic: Optional[ValueModel] = None
         self.update_stats = nn.ModuleDict({name.replace("/", "__"): MeanMetric() for name in UPDATE_STATS})
+        self._loss_terms: dict[str, Tensor] = {}  # a micro-batch's logged terms, named in the fault when a loss is not finite
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
         self._rng_to_restore: Optional[dict] = None
         self.generation_seed_base = int(torch.initial_seed()) % 2**31  # saved with checkpoints
@@ -272,15 +273,16 @@ class PPORLHF(PolicyNetworks, LightningModule):
     def training_step(self, prompts: list[str], batch_idx: int) -> IterationOutputs:
         """One PPO iteration. What it returns reaches callbacks' ``on_train_batch_end`` as ``outputs``."""
         beta, timer = self.beta_controller.checked_beta(), Timer(self.device)
-        rollout = self.rollout(self.repeat_prompts(prompts), timer)
+        rollout = self.rollout(self.repeat_prompts(prompts), timer, critic_values=not self.old_values_in_update)
         with timer("score"):
             scored = self.score(rollout, beta)
         if scored.fault is not None:  # on some rank: every rank skips together, or collectives would hang
             return self.skip_iteration(rollout, scored)
         with timer("update"):
+            values = self._first_critic_values(rollout)
             advantages, returns = self.compute_advantages(scored.rewards, rollout)
             scale = self.advantage_estimator.gradient_scale(scored.rewards, rollout.mask, self.hparams.num_generations, self._reduce)
-            skipped_steps = self.ppo_update(rollout, advantages, returns, beta * scale)
+            skipped_steps = self.ppo_update(rollout, advantages, returns, beta * scale, values)
         metrics = self.rollout_metrics(rollout, scored, beta)
         self.update_controllers(metrics)
         outputs = self.end_iteration(rollout, scored, metrics, skipped_steps, timer)
@@ -347,10 +349,10 @@ class PPORLHF(PolicyNetworks, LightningModule):
         return {"rollout": rollout, "kl": scored.kl, "scores": scored.raw_scores, "metrics": metrics, "skipped": False}
 
     @torch.no_grad()
-    def rollout(self, prompts: list[str], timer: Optional[Timer] = None) -> Rollout:
+    def rollout(self, prompts: list[str], timer: Optional[Timer] = None, critic_values: bool = True) -> Rollout:
         """Sample one response per prompt with the rollout engine (timed as ``rollout``), then pi_old
-        and V_old (``_old_policy``) and log pi_ref (one batched forward of the reference, on the
-        sampler's kept set), timed as ``forward``."""
+        and V_old (``_old_policy``; a separate critic's only with ``critic_values``) and log pi_ref
+        (one batched forward of the reference, on the sampler's kept set), timed as ``forward``."""
         hp, timer = self.hparams, timer or Timer(self.device)
         enc = self.encode_prompts(prompts)
         # Sampling draws from its own seed per (run, rank, iteration): ranks sample independently,
@@ -367,7 +369,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         input_ids = torch.cat([enc["input_ids"], response], dim=1)
         keep_logits = self.kl_estimator.needs_logits
         with timer("forward"):
-            old = self._old_policy(samples, input_ids, attention_mask, response, mask)
+            old = self._old_policy(samples, input_ids, attention_mask, response, mask, critic_values)
             other = lambda model: sampling.restrict(self.response_logits(model, input_ids, attention_mask, response.shape[1]), old.kept)
             if self._reference_is_policy():  # the same function: the log-probs just computed, and a KL of exactly 0
                 ref_logits = old.logits
@@ -427,26 +429,40 @@ class PPORLHF(PolicyNetworks, LightningModule):
             advantages = pm.masked_whiten(advantages, rollout.mask, sum_fn=self._reduce)
         return advantages, returns
 
-    def ppo_update(self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], kl_coef: Tensor) -> int:
+    def _first_critic_values(self, rollout: Rollout) -> Optional[Tensor]:
+        """With ``old_values_in_update``: the separate critic's forward of the first minibatch (the
+        whole batch), its graph kept for that minibatch's value loss; V_old is its detached values."""
+        if rollout.old_values is not None or not self.old_values_in_update:
+            return None
+        values = self._critic_values(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        rollout.old_values = values.detach() * rollout.mask
+        return values
+
+    def ppo_update(
+        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], kl_coef: Tensor, values: Optional[Tensor] = None
+    ) -> int:
         """All PPO epochs over the rollout, one optimizer step per minibatch; ``kl_coef`` (batch,) is
         beta times the advantage estimator's gradient scale of each response (a KL in the loss is
-        weighed against the reward as configured). Returns how many steps were skipped because a
-        loss was not finite on some rank (gradients dropped, weights untouched)."""
+        weighed against the reward as configured); ``values``: the first minibatch's critic forward
+        (``_first_critic_values``). Returns how many steps were skipped because a loss was not finite
+        on some rank (gradients dropped, weights untouched)."""
         hp, opt, skipped = self.hparams, self.optimizers(), 0  # clipped in on_before_optimizer_step (models.py)
         for _ in range(hp.ppo_epochs):
             order = torch.randperm(rollout.input_ids.shape[0], device=self.device)
             for minibatch in order.chunk(hp.num_minibatches):
-                if self._accumulate_gradients(rollout, advantages, returns, minibatch, kl_coef):
+                if self._accumulate_gradients(rollout, advantages, returns, minibatch, kl_coef, values):
                     opt.step()
                 else:
                     skipped += 1
                 opt.zero_grad(set_to_none=True)
+                values = None
         return skipped
 
     def _accumulate_gradients(
-        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], minibatch: Tensor, kl_coef: Tensor
+        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], minibatch: Tensor, kl_coef: Tensor, values: Optional[Tensor]
     ) -> bool:
-        """Backward over the minibatch's micro-batches; False (and stop) at a non-finite loss."""
+        """Backward over the minibatch's micro-batches; False (and stop) at a non-finite loss. Given the
+        critic's ``values`` of every row, the value loss goes first, freeing their graph."""
         size = len(minibatch) // self.hparams.gradient_accumulation_steps
         # The loss of the minibatch is sum w * loss_t over all its tokens on all ranks, with the
         # aggregation's weights w (global denominators), times the world size that DDP divides by.
@@ -454,10 +470,14 @@ class PPORLHF(PolicyNetworks, LightningModule):
         weights = weights * self.trainer.world_size
         micro_batches = list(zip(minibatch.split(size), weights.split(size), strict=True))
         for i, (idx, micro_weights) in enumerate(micro_batches):
+            self._loss_terms = {}
             with self._no_grad_sync(last=i == len(micro_batches) - 1):
                 losses = [partial(self.ppo_loss, rollout, advantages, returns, idx, kl_coef, micro_weights)]
-                losses += [partial(self.value_loss, rollout, returns, idx, micro_weights)] if self._critic_apart else []
-                for loss_of in losses:  # the policy's forward and backward, then a separate critic's
+                if values is not None:
+                    losses.insert(0, partial(self.value_loss, rollout, returns, idx, micro_weights, values[idx]))
+                elif self._critic_apart:
+                    losses.append(partial(self.value_loss, rollout, returns, idx, micro_weights))
+                for loss_of in losses:  # the policy's forward and backward, a separate critic's after or before
                     loss = loss_of()
                     if self._any_rank(not torch.isfinite(loss)):
                         self.nonfinite_terms = nonfinite_terms(self._loss_terms, loss)
@@ -475,7 +495,6 @@ class PPORLHF(PolicyNetworks, LightningModule):
         hp = self.hparams
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
         response_len = rollout.response.shape[1]
-        self._loss_terms = {}  # this micro-batch's logged terms, named in the fault when a loss is not finite
         logits, values = self.policy_outputs(input_ids, attention_mask, response_len, critic=not self._critic_apart)
         logits = sampling.restrict(logits, None if rollout.kept is None else rollout.kept[idx])
         logprobs, old_logprobs = pm.logprobs_of(logits, rollout.response[idx]), rollout.old_logprobs[idx]
@@ -687,7 +706,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         self._evaluate(prompts, "test")
 
     def _evaluate(self, prompts: list[str], stage: str) -> None:
-        rollout = self.rollout(prompts)
+        rollout = self.rollout(prompts, critic_values=False)
         with gpu.no_autocast(self.device):
             raw_scores, _ = self.reward_model(rollout.prompts, rollout.responses, rollout.ended_with_eos, update_stats=False)
         reward = raw_scores.mean().item()

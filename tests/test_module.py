@@ -279,6 +279,30 @@ def test_a_separate_critics_own_backward_pass_gives_the_gradients_of_the_summed_
     assert all(torch.equal(a, b) for a, b in zip(apart, summed, strict=True))
 
 
+def _critic_forwards_and_gradients(tmp_path, monkeypatch, in_update: bool):
+    """Two iterations of 2 epochs, one minibatch, a separate critic: each optimizer step's
+    gradients, the critic trunk's forwards and each iteration's V_old; without ``in_update`` V_old
+    is a forward of its own while scoring."""
+    monkeypatch.setattr(PPORLHF, "old_values_in_update", property(lambda self: in_update and self._critic_apart))
+    recorder, forwards = _GradRecorder(), []
+    module = make_module(critic="separate", ppo_epochs=2, whiten_advantages=True)
+    module.critic.trunk.register_forward_pre_hook(lambda *_: forwards.append(torch.is_grad_enabled()))
+    _, history = fit(module, tmp_path, iterations=2, callbacks=[recorder])
+    return recorder.grads, forwards, [out["rollout"].old_values for out in history.outputs]
+
+
+def test_a_separate_critics_old_values_come_from_the_first_minibatchs_forward(tmp_path, monkeypatch):
+    """With one minibatch in one micro-batch, V_old is the update's first critic forward (the critic
+    still has V_old's weights there): one no-grad trunk forward per iteration fewer, and the same
+    V_old and optimizer-step gradients as with a forward of its own."""
+    grads, forwards, old_values = _critic_forwards_and_gradients(tmp_path, monkeypatch, in_update=True)
+    own_grads, own_forwards, own_old_values = _critic_forwards_and_gradients(tmp_path, monkeypatch, in_update=False)
+    assert own_forwards == [False, True, True] * 2 and forwards == [True, True] * 2
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(old_values, own_old_values, strict=True))
+    assert len(grads) == 4 and grads[0].abs().sum() > 0
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(grads, own_grads, strict=True))
+
+
 def test_kl_as_loss_with_full_estimator(tmp_path):
     module = make_module(kl_penalty="loss", kl_estimator="full", whiten_advantages=False)
     _, history = fit(module, tmp_path, iterations=2)

@@ -424,6 +424,10 @@ def bench_module_class(memory: bool = False):
             with self.clock("advantages"):
                 return super().compute_advantages(*args, **kwargs)
 
+        def _first_critic_values(self, *args, **kwargs):  # the update's first critic forward, V_old read from it
+            with self.clock("update"):
+                return super()._first_critic_values(*args, **kwargs)
+
         def ppo_update(self, *args, **kwargs):
             with self.clock("update"):
                 return super().ppo_update(*args, **kwargs)
@@ -769,7 +773,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
             return time.perf_counter() - start
 
     with cpu.onednn_linear(cpu.uses_onednn(device, module.hparams.cpu_linear)):  # the module's linear kernel, as in its iteration
-        seconds = {"critic_forward": clocked(critic_forward) if separate_critic else 0.0}
+        seconds = {"critic_forward": clocked(critic_forward) if separate_critic and not module.old_values_in_update else 0.0}
         with merged():  # merging is not part of the floor
             seconds["generate"], seconds["ref_forward"] = clocked(generate), clocked(reference_forward)
         seconds["fwd_bwd"] = clocked(forward_backward)  # with the adapter unmerged: it trains the adapter
@@ -915,7 +919,8 @@ def iteration_costs(
     - rollout: the prefill (logits for the last prompt position only, as ``generate`` asks) and
       ``response_len - 1`` decode steps, LoRA merged (no adapter work);
     - score: log pi_old (+ V_old with a shared critic) unless it comes from the sampler, the
-      reference (LoRA: the adapter-disabled base), a separate critic's trunk;
+      reference (LoRA: the adapter-disabled base), a separate critic's trunk unless one minibatch
+      takes the whole batch (its first forward in the update gives V_old: ``old_values_in_update``);
     - update: per minibatch and epoch the policy's forward and backward, a separate critic's,
       and one AdamW step per optimizer.
     ``lora_params``: the adapter's weights (0: full fine-tuning), run unmerged in the policy's
@@ -954,7 +959,7 @@ def iteration_costs(
         rollout += [forward_cost(shape, batch, 1, prompt_len + step, 1, 0, w) for step in range(response_len - 1)]
     score = [] if old_logprobs == "sampler" else forwards(batch, lora_params)
     score += forwards(batch, 0)
-    if critic == "separate":
+    if critic == "separate" and num_minibatches > 1:
         score.append(forward_cost(shape, batch, seq, 0, 0, 0, w))
     minibatch = [*forwards(rows, lora_params), *backwards(rows)]
     if critic == "separate":  # its own trunk: the policy's without the LM head
