@@ -33,6 +33,7 @@ def test_our_config_carries_the_setup_and_the_chosen_options(tmp_path, setup):
     assert (model["cpu_linear"], model["cpu_malloc"], model["old_logprobs"]) == ("aten", "default", "forward")
     assert model["ppo_epochs"] == 4 and model["min_new_tokens"] == model["max_new_tokens"] == 32
     assert (model["lora_rank"], model["critic"]) == ((16, "shared") if setup == "lora" else (0, "separate"))
+    assert model["reward_model"]["init_args"] == {"path": "rm", "chat_template": True}  # the conversation, as TRL's reward reads
     unset = argparse.Namespace(**{**vars(args), "cpu_linear": None, "cpu_malloc": None, "old_logprobs": None})
     defaults = compare_trl.our_config(unset)["model"]
     assert not {"cpu_linear", "cpu_malloc", "old_logprobs"} & set(defaults)  # unset: the module's own defaults
@@ -64,5 +65,6 @@ def test_grpo_config_is_configs_grpo_yaml_on_the_workload(tmp_path):
     assert model["lora_rank"] == 0 and model["num_generations"] == 4 and config["data"]["batch_size"] == 8
     assert model["min_new_tokens"] == model["max_new_tokens"] == 32 and (model["ppo_epochs"], model["num_minibatches"]) == (2, 1)
     assert model["beta_controller"] == {"class_path": "fixed", "init_args": {"init_beta": 0.04}} and model["cpu_linear"] == "aten"
+    assert model["reward_model"]["init_args"] == {"path": "rm", "chat_template": True}
     with pytest.raises(SystemExit):
         compare_trl.parse_args(["--grpo", "--setups", "lora"])  # a PPO setup has no GRPO peer

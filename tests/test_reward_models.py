@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import textwrap
 
@@ -476,6 +477,33 @@ def test_hf_classifier_scores_a_shared_prompt_once_as_it_scores_whole_texts(tiny
     off = HFClassifierReward(path=str(path), batch_size=4, shared_prompts=False)
     torch.testing.assert_close(off(prompts, responses, torch.ones(8, dtype=torch.bool))[0], alone, rtol=1e-4, atol=1e-5)
     assert not off.shares
+
+
+def test_hf_classifier_scores_the_chat_templated_conversation(tiny_classifier, tmp_path):
+    """With ``chat_template`` the model reads the prompt's user turn and the response's assistant turn in
+    its tokenizer's template (no tokens added), shared prompts or not; refused without a template and with
+    the options it replaces."""
+    path, model, tokenizer = tiny_classifier
+    chat = tmp_path / "chat_rm"
+    shutil.copytree(path, chat)
+    template = "{% for m in messages %}[{{ m['role'][0] }}] {{ m['content'] }}\n{% endfor %}"
+    (chat / "chat_template.jinja").write_text(template)
+    prompts, responses = ["Say hi.", "Say hi.", "Count:", "Q"], ["hi", "hello", "one two", "A!"]
+    texts = [f"[u] {p}\n[a] {r}\n" for p, r in zip(prompts, responses, strict=True)]
+    expected = _score_one_by_one(model, tokenizer, texts)
+    for shared in (True, False):
+        rm = HFClassifierReward(path=str(chat), chat_template=True, shared_prompts=shared)
+        raw, _ = rm(prompts, responses, torch.ones(4, dtype=torch.bool))
+        assert rm.texts(prompts, responses) == texts and rm.shares == shared
+        torch.testing.assert_close(raw, expected, rtol=1e-4, atol=1e-5)
+    plain, _ = HFClassifierReward(path=str(chat))(prompts, responses, torch.ones(4, dtype=torch.bool))
+    assert (plain - expected).abs().min() > 1e-4  # "prompt\nresponse" is another text
+    with pytest.raises(ValueError, match=r"reward_model.chat_template must be false: the tokenizer in .* has no chat template"):
+        HFClassifierReward(path=str(path), chat_template=True).setup(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"reward_model.include_prompt must be true with reward_model.chat_template"):
+        HFClassifierReward(path=str(chat), chat_template=True, include_prompt=False)
+    with pytest.raises(ValueError, match=r"reward_model.separator must be left out with reward_model.chat_template"):
+        HFClassifierReward(path=str(chat), chat_template=True, separator=" | ")
 
 
 @pytest.fixture(scope="module")

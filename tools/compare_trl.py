@@ -9,10 +9,10 @@ project's CLI, or (``--grpo``) TRL 1.16's GRPOTrainer against ``configs/grpo.yam
 
 ``--grpo``: SmolLM2-135M-Instruct fp32 full fine-tuning, the first ``--batch-size`` (8) built-in
 prompts x ``--num-generations`` (4) responses of exactly ``--max-new-tokens`` (32) tokens, the
-same seeded SmolLM2-trunk reward model on both sides (TRL: as its reward function; ours:
-``hf_classifier``), k3 as a loss term with the same fixed ``--beta`` (0.04, TRL's default), one
-optimizer step per update over all 32 responses, ``--ppo-epochs`` (default 1 2) updates per batch
-(TRL's ``num_iterations``). ``trl_grpo``: ``GRPOTrainer`` (``per_device_train_batch_size`` 32,
+same seeded SmolLM2-trunk reward model on both sides reading the same text, the conversation in
+the chat template (TRL: as its reward function; ours: ``hf_classifier`` with ``chat_template``),
+k3 as a loss term with the same fixed ``--beta`` (0.04, TRL's default), one optimizer step per update
+over all 32 responses, ``--ppo-epochs`` (default 1 2) updates per batch (TRL's ``num_iterations``). ``trl_grpo``: ``GRPOTrainer`` (``per_device_train_batch_size`` 32,
 ``steps_per_generation`` 1, ``bf16=False``, ``generation_kwargs={"min_new_tokens": 32}``); its
 time per batch is the wall clock over its ``num_iterations`` optimizer steps. ``grpo``:
 ``configs/grpo.yaml``'s model section (GRPO advantages, ``critic: none``, k3 in the loss) with
@@ -37,7 +37,9 @@ iteration costs), one minibatch, 1 and 4 PPO epochs.
   sampling for logs). Iteration time: wall clock between consecutive ``on_step_end`` callbacks.
 - ``full``: ``rlhf-lightning fit`` with full fine-tuning, a separate reference copy and a separate
   critic trunk (the defaults), ``min_new_tokens = max_new_tokens``, the ``hf_classifier`` reward
-  on the same reward-model folder; ``--full-critic shared`` puts the value head on the policy's
+  on the same reward-model folder with ``chat_template`` (TRL scores the chat-templated prompt's and
+  the response's tokens; ours their text in the template, two tokens more: the closing ``<|im_end|>\n``;
+  before 2026-11-28 ours scored ``prompt\nresponse``, about 45 tokens a row against TRL's 77); ``--full-critic shared`` puts the value head on the policy's
   trunk instead.
 - ``lora``: the quickstart's setup through the same CLI: a rank-16 LoRA adapter, the
   adapter-disabled policy as the reference, the value head on the policy trunk (``critic: shared``).
@@ -369,7 +371,7 @@ def our_config(args: argparse.Namespace) -> dict:
         "log_samples_every_n_steps": 0,
         "reward_model": {
             "class_path": "rlhf_lightning_plugins.rewards.classifier.HFClassifierReward",
-            "init_args": {"path": args.reward_path},
+            "init_args": {"path": args.reward_path, "chat_template": True},  # the conversation, as TRL scores it
         },
         "lora_rank": 16 if lora else 0,
         "lora_alpha": 32.0,
@@ -400,7 +402,7 @@ def grpo_config(args: argparse.Namespace, trainer: dict, data: dict) -> dict:
         beta_controller={"class_path": "fixed", "init_args": {"init_beta": args.beta}},
         reward_model={
             "class_path": "rlhf_lightning_plugins.rewards.classifier.HFClassifierReward",
-            "init_args": {"path": args.reward_path},
+            "init_args": {"path": args.reward_path, "chat_template": True},  # the conversation, as TRL scores it
         },
         max_new_tokens=args.max_new_tokens,
         min_new_tokens=args.max_new_tokens,

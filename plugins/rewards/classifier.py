@@ -24,6 +24,9 @@ class HFClassifierReward(EncoderReward):
         path: folder of a Hugging Face sequence-classification checkpoint (model and tokenizer).
         label_index: which output logit is the reward (0 for a single-output reward model).
         include_prompt: score ``prompt + separator + response`` rather than the response alone.
+        chat_template: score the conversation of the prompt (user turn) and the response (assistant turn)
+            in the reward model tokenizer's chat template instead (what a reward model trained on chats reads,
+            and what TRL's trainers score: tools/compare_trl.py).
         batch_size: texts per forward pass; max_length: truncation length in reward-model tokens.
         shared_prompts: texts of the same prompt (``num_generations`` > 1) run the tokens they start with
             once (``prefix.classify_shared_prefixes``: the whole texts' scores to fp32 rounding). Only a
@@ -38,6 +41,7 @@ class HFClassifierReward(EncoderReward):
         label_index: int = 0,
         include_prompt: bool = True,
         separator: str = "\n",
+        chat_template: bool = False,
         batch_size: int = 32,
         max_length: int = 512,
         trust_remote_code: bool = False,
@@ -47,6 +51,12 @@ class HFClassifierReward(EncoderReward):
         super().__init__(batch_size, max_length, **options)
         require_number("reward_model.label_index", label_index, integer=True, at_least=0)
         self.path, self.label_index, self.include_prompt, self.separator = path, label_index, include_prompt, separator
+        turns = "(the conversation is the prompt's user turn and the response's assistant turn)"
+        require(include_prompt or not chat_template, "reward_model.include_prompt", f"true with reward_model.chat_template {turns}", False)
+        require(
+            separator == "\n" or not chat_template, "reward_model.separator", f"left out with reward_model.chat_template {turns}", separator
+        )
+        self.chat_template, self.add_special_tokens = chat_template, not chat_template
         self.trust_remote_code, self.shared_prompts = trust_remote_code, shared_prompts
         self.shares = False  # whether score() shares prefixes: decided in setup
 
@@ -60,6 +70,8 @@ class HFClassifierReward(EncoderReward):
                 self.tokenizer.pad_token = self.tokenizer.eos_token
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
             self.model.requires_grad_(False).eval()
+            no_template = f"false: the tokenizer in {self.path} has no chat template"
+            require(self.tokenizer.chat_template or not self.chat_template, "reward_model.chat_template", no_template, True)
             labels = self.model.config.num_labels
             requirement = f"in [0, {labels}): {self.path} has {labels} labels"
             require(0 <= self.label_index < labels, "reward_model.label_index", requirement, self.label_index)
@@ -82,17 +94,24 @@ class HFClassifierReward(EncoderReward):
         whole = torch.cat([self.model(**enc).logits for enc in self.batches(texts)])
         return shared is not None and torch.allclose(shared, whole, rtol=1e-4, atol=1e-4)
 
+    def texts(self, prompts: Sequence[str], responses: Sequence[str]) -> list[str]:
+        """What the model reads of each response: see ``include_prompt``, ``separator`` and ``chat_template``."""
+        if self.chat_template:
+            turns = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}] for p, r in zip(prompts, responses, strict=True)]
+            return [self.tokenizer.apply_chat_template(conversation, tokenize=False) for conversation in turns]
+        return [p + self.separator + r if self.include_prompt else r for p, r in zip(prompts, responses, strict=True)]
+
     @torch.inference_mode()
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor:
         if self.model is None:
             self.setup(self.device)
-        texts = [p + self.separator + r if self.include_prompt else r for p, r in zip(prompts, responses, strict=True)]
+        texts = self.texts(prompts, responses)
         if not (self.shares and self.include_prompt and len(set(prompts)) < len(prompts)):
             return torch.cat([self.model(**enc).logits[:, self.label_index].float().cpu() for enc in self.batches(texts)])
         scores = []
         for start in range(0, len(texts), self.batch_size):
             chunk = slice(start, start + self.batch_size)
-            rows = self.tokenizer(texts[chunk], truncation=True, max_length=self.max_length)["input_ids"]
+            rows = self.encode(texts[chunk])["input_ids"]
             logits = prefix.classify_shared_prefixes(self.model, rows, list(prompts[chunk]), self.tokenizer.pad_token_id)
             if logits is None:  # a row ends in pad tokens only: whole texts
                 logits = next(self.model(**enc).logits for enc in self.batches(texts[chunk]))
@@ -130,7 +149,7 @@ class EnsembleReward(RewardModel):
         combine: ``mean``, ``min`` or ``mean_minus_std``.
         std_coef: lambda of ``mean_minus_std`` (ignored otherwise).
         standardize: standardise members by their ``reward_stats.json`` first.
-        include_prompt, separator, batch_size, max_length: as in :class:`HFClassifierReward`, for every member.
+        include_prompt, separator, chat_template, batch_size, max_length: as in :class:`HFClassifierReward`, for every member.
     """
 
     def __init__(
@@ -141,6 +160,7 @@ class EnsembleReward(RewardModel):
         standardize: bool = True,
         include_prompt: bool = True,
         separator: str = "\n",
+        chat_template: bool = False,
         batch_size: int = 32,
         max_length: int = 512,
         **options: Any,
@@ -151,7 +171,14 @@ class EnsembleReward(RewardModel):
         require_number("reward_model.std_coef", std_coef, at_least=0)
         self.paths, self.combine, self.std_coef, self.standardize = list(paths), combine, float(std_coef), standardize
         self.members = [
-            HFClassifierReward(path, include_prompt=include_prompt, separator=separator, batch_size=batch_size, max_length=max_length)
+            HFClassifierReward(
+                path,
+                include_prompt=include_prompt,
+                separator=separator,
+                chat_template=chat_template,
+                batch_size=batch_size,
+                max_length=max_length,
+            )
             for path in self.paths
         ]
         self.member_mean = torch.zeros(len(self.paths))  # (K,) mu_k

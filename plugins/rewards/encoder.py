@@ -20,12 +20,19 @@ class EncoderReward(RewardModel):
         require_number("reward_model.batch_size", batch_size, integer=True, at_least=1)
         require_number("reward_model.max_length", max_length, integer=True, at_least=1)
         self.batch_size, self.max_length = batch_size, max_length
+        self.add_special_tokens = True  # False for texts a chat template rendered: they carry their own
         self.model = None
         self.tokenizer = None
         self.device = torch.device("cpu")
 
+    def encode(self, texts: Sequence[str], **kwargs: Any) -> Any:
+        """The texts tokenised, each truncated to ``max_length`` tokens, with the tokenizer's special tokens
+        unless the texts carry their own (``add_special_tokens``)."""
+        return self.tokenizer(
+            list(texts), truncation=True, max_length=self.max_length, add_special_tokens=self.add_special_tokens, **kwargs
+        )
+
     def batches(self, texts: Sequence[str]) -> Iterator[Any]:
         """The texts, ``batch_size`` at a time, tokenised (padded, truncated) onto ``self.device``."""
         for start in range(0, len(texts), self.batch_size):
-            chunk = list(texts[start : start + self.batch_size])
-            yield self.tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length).to(self.device)
+            yield self.encode(texts[start : start + self.batch_size], return_tensors="pt", padding=True).to(self.device)
