@@ -433,11 +433,14 @@ class PolicyNetworks:
         response_len, hidden), read from the output layer's input (no other layer's are kept). Rows
         that share a prompt share its forward pass (``shared_prompts``: rlhf_lightning/prefix.py)."""
         input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
-        shared = self.hparams.shared_prompts and prefix.distinct_prompts(input_ids, attention_mask, input_ids.shape[1] - response_len)
+        shared, common = self._shared_prompt_tokens(input_ids, attention_mask, response_len)
         hidden = [] if return_hidden else None
         with float32_head(model, hidden):
             if shared:
                 logits = prefix.shared_prompt_logits(model, input_ids, attention_mask, response_len, *shared, hidden=hidden)
+            elif common:
+                logits = prefix.on_common_prefix(model, input_ids, attention_mask, common, logits_to_keep=response_len + 1).logits[:, :-1]
+                hidden = hidden[-1:] if return_hidden else None  # not the prefix pass's
             else:
                 logits = model(
                     input_ids=input_ids,
@@ -468,9 +471,24 @@ class PolicyNetworks:
         logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
         return logits, self._critic_values(input_ids, attention_mask, response_len)
 
+    def _shared_prompt_tokens(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Any, int]:
+        """With ``shared_prompts``: the rows' distinct prompts (``prefix.distinct_prompts``) where some repeat,
+        else how many first tokens all prompts share (``prefix.common_prefix``: a chat template's system
+        prompt); (None, 0) without."""
+        if not self.hparams.shared_prompts:
+            return None, 0
+        prompt_len = input_ids.shape[1] - response_len
+        shared = prefix.distinct_prompts(input_ids, attention_mask, prompt_len)
+        return shared, 0 if shared else prefix.common_prefix(input_ids, attention_mask, prompt_len)
+
     def _critic_values(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
-        """A separate critic's V(s_t) before each response token, (batch, response_len)."""
+        """A separate critic's V(s_t) before each response token, (batch, response_len); the first tokens
+        all prompts share run once (``_shared_prompt_tokens``; repeated prompts: whole rows)."""
         input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
+        _, common = self._shared_prompt_tokens(input_ids, attention_mask, response_len)
+        if common:
+            hidden = prefix.on_common_prefix(self.critic.trunk, input_ids, attention_mask, common, causal_lm=False).last_hidden_state
+            return self.critic(hidden=hidden[:, -response_len - 1 : -1])
         values = self.critic(input_ids, attention_mask, position_ids(attention_mask))
         return values[:, -response_len - 1 : -1]
 

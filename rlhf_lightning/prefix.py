@@ -76,6 +76,38 @@ def shared_prompt_logits(
     return torch.cat(logits, dim=1)
 
 
+def common_prefix(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> int:
+    """How many first real tokens every row's prompt starts with (after its left padding: a chat
+    template's system prompt and turn header), short of each prompt's last token, whose position
+    predicts the first response token; 0 when the rows differ from their first token or are one."""
+    lengths = attention_mask[:, :prompt_len].sum(-1)
+    shortest = int(lengths.min()) - 1
+    if len(input_ids) < 2 or shortest < 1:
+        return 0
+    starts = prompt_len - lengths  # the prompts' real tokens end where the responses begin
+    tokens = input_ids.gather(1, starts[:, None] + torch.arange(shortest, device=input_ids.device))
+    return int((tokens == tokens[:1]).all(0).int().cumprod(0).sum())
+
+
+def on_common_prefix(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, n: int, causal_lm: bool = True, **kwargs: Any) -> Any:
+    """``model``'s output over the columns after the first ``n`` of rows whose real tokens all start with
+    the same ``n`` (:func:`common_prefix`), from one pass over those ``n`` tokens (one row's; their keys
+    and values indexed out to every row, so gradients add up there) and one over the rest of every row on
+    them: the outputs of a plain forward over those columns, to rounding. Each row's prefix lies within the
+    first ``n`` columns or their left padding (the longest row starts at column 0), so the rest is the
+    columns from ``n`` on, masked where a shorter row's prefix sits. ``causal_lm``: ``model`` has an output
+    layer (the first pass computes one position's logits); ``kwargs`` go to the second pass."""
+    start = int(attention_mask[0].int().argmax())
+    ones = torch.ones(1, n, dtype=attention_mask.dtype, device=attention_mask.device)
+    out, name = _prompts_once(model, input_ids[:1, start : start + n], ones, torch.zeros_like(input_ids[:, 0]), causal_lm)
+    cache = getattr(out, name)
+    cache.shared_prompts = True  # the rest of this pass, for whoever counts passes (tools/bench.py)
+    positions = position_ids(attention_mask)
+    rest = attention_mask * (positions >= n)
+    mask = torch.cat([ones.expand(len(input_ids), n), rest[:, n:]], dim=1)
+    return model(input_ids=input_ids[:, n:], attention_mask=mask, position_ids=positions[:, n:], **{name: cache}, **kwargs)
+
+
 def prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> dict:
     """``generate``'s keyword argument for a KV cache of every row's prompt but its last token, from one
     pass over each distinct prompt (``generate`` then runs only the last prompt token, for every row, and

@@ -186,6 +186,31 @@ def test_iteration_costs_count_each_pass_once(tiny_shape):
     assert bench.iteration_costs(tiny_shape, **one, critic_trainable=400, prompts=4) == bench.iteration_costs(
         tiny_shape, **one, critic_trainable=400
     )
+    # A common prefix (2 of the 3 prompt tokens, every prompt distinct): each policy, reference and critic pass is
+    # one over those tokens for one row (a causal LM's last logits) and one over every row's 3 other positions.
+    prefixed = bench.iteration_costs(tiny_shape, **common, critic_trainable=400, common_prefix=2)
+    assert prefixed["rollout"] == full["rollout"]
+    policy = [bench.forward_cost(tiny_shape, 1, 2, 0, 1), bench.forward_cost(tiny_shape, 2, 3, 2, 3)]
+    assert prefixed["score"] == [bench.forward_cost(tiny_shape, 1, 2, 0, 1), bench.forward_cost(tiny_shape, 4, 3, 2, 3)] * 2 + [
+        bench.forward_cost(tiny_shape, 1, 2),
+        bench.forward_cost(tiny_shape, 4, 3, 2),
+    ]
+    assert (
+        prefixed["update"]
+        == [
+            *policy,
+            bench.backward_cost(tiny_shape, 1, 2, 1, True),
+            bench.backward_cost(tiny_shape, 2, 3, 3, True, past=2),
+            bench.forward_cost(tiny_shape, 1, 2),
+            bench.forward_cost(tiny_shape, 2, 3, 2),
+            bench.backward_cost(tiny_shape, 1, 2, 0, True),
+            bench.backward_cost(tiny_shape, 2, 3, 0, True, past=2),
+            bench.adamw_cost(400),
+            bench.adamw_cost(500),
+        ]
+        * 4
+    )
+    assert sum(f for f, _ in prefixed["update"]) < sum(f for f, _ in full["update"])
     flops = [sum(f for f, _ in passes) for passes in (shared["score"], full["score"])]
     assert flops[0] < flops[1]
     # A backward on cached keys and values: the matmuls of its forward twice over, attention's twice its forward.

@@ -78,6 +78,70 @@ def test_shared_prompts_run_the_prompt_tokens_once_per_distinct_prompt():
     assert seen == [(3, prompt_len), (6, response_len - 1), (6, ids.shape[1])]
 
 
+SYSTEM = "You are a kind assistant. "  # the beginning every prompt shares, as a chat template's system prompt
+
+
+def test_common_prefix_counts_the_first_real_tokens_all_prompts_share():
+    ids = torch.tensor([[0, 0, 5, 6, 7, 1], [5, 6, 7, 8, 9, 2], [0, 5, 6, 8, 9, 3]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1]])
+    # Prompts (5 columns) "5 6 7", "5 6 7 8 9", "5 6 8 9": "5 6" in common; the shortest keeps its last token.
+    assert prefix.common_prefix(ids, mask, prompt_len=5) == 2
+    assert prefix.common_prefix(ids[:2], mask[:2], prompt_len=5) == 2  # "5 6 7" is the whole shortest prompt
+    assert prefix.common_prefix(ids[1:], mask[1:], prompt_len=5) == 2
+    assert prefix.common_prefix(ids[:1], mask[:1], prompt_len=5) == 0  # one row: nothing to share
+    other = ids.clone()
+    other[1, 0] = 4  # row 1 starts with another token
+    assert prefix.common_prefix(other, mask, prompt_len=5) == 0
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+@pytest.mark.parametrize("critic", [None, "shared", "separate"])
+def test_a_common_prefix_forward_gives_the_plain_forwards_logits_values_and_gradients(lora_rank, critic):
+    """Distinct prompts that start alike (a system prompt) run those tokens once: the same logits, values
+    and gradients of policy and critic as a plain forward, to fp32 rounding; the trunk's first layer sees
+    the shared tokens once, then every row's rest."""
+    groups = {"advantage_estimator": "rloo", "num_generations": 2} if critic is None else {}  # what the rows are does not matter here
+    module = make_module(lora_rank=lora_rank, critic=critic, critic_lr=None, **groups)
+    if critic is not None:  # a zero value head (its initialisation) would pass no gradient to a trunk
+        torch.nn.init.normal_(module.critic.head.weight, generator=torch.Generator().manual_seed(1))
+    prompts = [SYSTEM + p for p in PROMPTS]
+    enc = module.encode_prompts(prompts)
+    response = torch.randint(5, 60, (3, 4), generator=torch.Generator().manual_seed(3))
+    ids, mask = torch.cat([enc["input_ids"], response], 1), torch.cat([enc["attention_mask"], torch.ones_like(response)], 1)
+    mask[-1, -1] = 0  # a response that ended early
+    n = prefix.common_prefix(ids, mask, enc["input_ids"].shape[1])
+    assert n == len(module.tokenizer(SYSTEM, add_special_tokens=False)["input_ids"]) > 10
+    weights = torch.randn(3, 4, len(module.tokenizer), generator=torch.Generator().manual_seed(0))
+    models = [m for m in (module.policy, module.critic) if m is not None]
+
+    def outputs(shared: bool):
+        module.hparams.shared_prompts = shared
+        for model in models:
+            model.zero_grad(set_to_none=True)
+        seen = []
+        layer = next(m for m in module.policy.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)).layers[0]
+        hook = layer.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape[:2])))
+        try:
+            logits, values = module.policy_outputs(ids, mask, 4)
+        finally:
+            hook.remove()
+        loss = (weights[..., : logits.shape[-1]] * logits).sum() + (0 if values is None else (values * torch.arange(4.0)).sum())
+        loss.backward()
+        grads = {n: p.grad.clone() for model in models for n, p in model.named_parameters() if p.grad is not None}
+        return logits.detach(), None if values is None else values.detach(), grads, seen
+
+    shared_logits, shared_values, shared_grads, shared_seen = outputs(True)
+    plain_logits, plain_values, plain_grads, plain_seen = outputs(False)
+    assert shared_seen == [(1, n), (3, ids.shape[1] - n)] and plain_seen == [(3, ids.shape[1])]
+    torch.testing.assert_close(shared_logits, plain_logits, rtol=0, atol=2e-5)
+    if critic is not None:
+        assert plain_values.abs().max() > 1e-3
+        torch.testing.assert_close(shared_values, plain_values, rtol=0, atol=2e-5)
+    assert shared_grads.keys() == plain_grads.keys() and len(plain_grads) > 0
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=2e-5, msg=name)
+
+
 def test_grpo_trains_the_same_with_and_without_shared_prompts(tmp_path):
     """Two GRPO iterations (4 responses per prompt, k3 in the loss): the first iteration's rollout statistics
     (its reference forward, at the same weights) agree to 1e-5; its update's (means over the minibatches,

@@ -558,6 +558,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
 
     from rlhf_lightning.cli import QUIET_TRAINER
     from rlhf_lightning.fsdp2 import FSDP2Strategy
+    from rlhf_lightning.prefix import trim_left_padding
 
     quiet()
     load_before = os.getloadavg()[0]
@@ -607,7 +608,8 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     floor_sums = [f["generate"] + f["ref_forward"] + f["critic_forward"] + updates * f["fwd_bwd"] for f in recorder.floors]
     totals = [sum(it.values()) for it in recorder.iterations]
     median = statistics.median
-    enc = module.last_encoding
+    enc, last = module.last_encoding, module.last_rollout
+    _, common = module._shared_prompt_tokens(*trim_left_padding(last.input_ids, last.attention_mask), last.response.shape[1])
     costs = iteration_costs(
         ModelShape.of(module.policy),
         batch=int(enc["input_ids"].shape[0]),
@@ -621,6 +623,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         critic=critic,
         old_logprobs=args.old_logprobs,
         prompts=len(set(module.last_rollout.prompts)) if module.hparams.shared_prompts else 0,
+        common_prefix=common,
     )
     return {
         "mode": args.mode,
@@ -912,6 +915,7 @@ def iteration_costs(
     old_logprobs: str = "forward",
     word_bytes: int = 4,
     prompts: int = 0,
+    common_prefix: int = 0,
 ) -> dict[str, list[tuple[float, float]]]:
     """Each phase's passes as (FLOPs, bytes) pairs, one per pass over the weights (a decode step,
     a forward, a backward, an optimizer step): what one PPO iteration must compute at least.
@@ -930,22 +934,35 @@ def iteration_costs(
     the prefill is then one pass over them but their last token, whose position every row runs as
     its first decode step, and each policy and reference pass one over the prompts (where fewer than
     its rows) and one over every row's responses on their keys and values (a separate critic's trunk
-    runs whole rows)."""
+    runs whole rows). ``common_prefix``: where no prompt repeats, the first tokens all prompts share
+    (``prefix.common_prefix``): each policy, reference and separate-critic pass is then one over them for
+    one row and one over every row's rest (the rollout's prefill runs them in every row)."""
     w, seq, rows = word_bytes, prompt_len + response_len, batch // num_minibatches
 
-    def forwards(n: int, lora: int) -> list[tuple[float, float]]:
-        """A policy or reference forward over ``n`` rows, its logits at the response positions."""
-        if not prompts or prompts >= n:
-            return [forward_cost(shape, n, seq, 0, response_len + 1, lora, w)]
+    def forwards(n: int, lora: int, logits: int = response_len + 1) -> list[tuple[float, float]]:
+        """A policy or reference forward over ``n`` rows, its logits at the response positions (a
+        critic's trunk: ``logits`` 0)."""
+        if common_prefix and (not prompts or prompts >= n):
+            return [
+                forward_cost(shape, 1, common_prefix, 0, min(logits, 1), lora, w),
+                forward_cost(shape, n, seq - common_prefix, common_prefix, logits, lora, w),
+            ]
+        if not prompts or prompts >= n or not logits:
+            return [forward_cost(shape, n, seq, 0, logits, lora, w)]
         return [
             forward_cost(shape, prompts, prompt_len, 0, 1, lora, w),
             forward_cost(shape, n, response_len - 1, prompt_len, response_len - 1, lora, w),
         ]
 
-    def backwards(n: int) -> list[tuple[float, float]]:
-        trains = not lora_params
-        if not prompts or prompts >= n:
-            return [backward_cost(shape, n, seq, response_len + 1, trains, lora_params, w)]
+    def backwards(n: int, logits: int = response_len + 1, lora: int = lora_params) -> list[tuple[float, float]]:
+        trains = not lora
+        if common_prefix and (not prompts or prompts >= n):
+            return [
+                backward_cost(shape, 1, common_prefix, min(logits, 1), trains, lora, w),
+                backward_cost(shape, n, seq - common_prefix, logits, trains, lora, w, past=common_prefix),
+            ]
+        if not prompts or prompts >= n or not logits:
+            return [backward_cost(shape, n, seq, logits, trains, lora, w)]
         return [
             backward_cost(shape, prompts, prompt_len, 1, trains, lora_params, w),
             backward_cost(shape, n, response_len - 1, response_len - 1, trains, lora_params, w, past=prompt_len),
@@ -960,14 +977,10 @@ def iteration_costs(
     score = [] if old_logprobs == "sampler" else forwards(batch, lora_params)
     score += forwards(batch, 0)
     if critic == "separate" and num_minibatches > 1:
-        score.append(forward_cost(shape, batch, seq, 0, 0, 0, w))
+        score += forwards(batch, 0, logits=0)
     minibatch = [*forwards(rows, lora_params), *backwards(rows)]
     if critic == "separate":  # its own trunk: the policy's without the LM head
-        minibatch += [
-            forward_cost(shape, rows, seq, 0, 0, 0, w),
-            backward_cost(shape, rows, seq, 0, True, 0, w),
-            adamw_cost(critic_trainable, w),
-        ]
+        minibatch += [*forwards(rows, 0, logits=0), *backwards(rows, logits=0, lora=0), adamw_cost(critic_trainable, w)]
     minibatch.append(adamw_cost(policy_trainable, w))
     return {"rollout": rollout, "score": score, "update": minibatch * (ppo_epochs * num_minibatches)}
 

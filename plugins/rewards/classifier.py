@@ -28,9 +28,9 @@ class HFClassifierReward(EncoderReward):
             in the reward model tokenizer's chat template instead (what a reward model trained on chats reads,
             and what TRL's trainers score: tools/compare_trl.py).
         batch_size: texts per forward pass; max_length: truncation length in reward-model tokens.
-        shared_prompts: texts of the same prompt (``num_generations`` > 1) run the tokens they start with
-            once (``prefix.classify_shared_prefixes``: the whole texts' scores to fp32 rounding). Only a
-            causal model scores a prefix the same whatever follows it; ``setup`` checks that on two texts:
+        shared_prompts: texts of the same prompt (``num_generations`` > 1), or all texts where every prompt
+            is distinct, run the tokens they start with once (``prefix.classify_shared_prefixes``: the whole
+            texts' scores to fp32 rounding). Only a causal model scores a prefix the same whatever follows it; ``setup`` checks that on two texts:
             None (default) shares where it holds and scores whole texts elsewhere, True refuses a model
             where it does not, False scores whole texts.
     """
@@ -106,13 +106,16 @@ class HFClassifierReward(EncoderReward):
         if self.model is None:
             self.setup(self.device)
         texts = self.texts(prompts, responses)
-        if not (self.shares and self.include_prompt and len(set(prompts)) < len(prompts)):
+        if not (self.shares and self.include_prompt):
             return torch.cat([self.model(**enc).logits[:, self.label_index].float().cpu() for enc in self.batches(texts)])
+        # The rows of a prompt share its tokens; where no prompt repeats, all rows share what every text
+        # starts with, if anything (a chat template's system prompt).
+        groups = list(prompts) if len(set(prompts)) < len(prompts) else [""] * len(prompts)
         scores = []
         for start in range(0, len(texts), self.batch_size):
             chunk = slice(start, start + self.batch_size)
             rows = self.encode(texts[chunk])["input_ids"]
-            logits = prefix.classify_shared_prefixes(self.model, rows, list(prompts[chunk]), self.tokenizer.pad_token_id)
+            logits = prefix.classify_shared_prefixes(self.model, rows, groups[chunk], self.tokenizer.pad_token_id)
             if logits is None:  # a row ends in pad tokens only: whole texts
                 logits = next(self.model(**enc).logits for enc in self.batches(texts[chunk]))
             scores.append(logits[:, self.label_index].float().cpu())
