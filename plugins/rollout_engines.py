@@ -30,7 +30,8 @@ class HFGenerate(RolloutEngine):
     needs no extra forward, and with a shared critic the hidden states that produced them. The
     sampling RNG is seeded with ``seed`` (forked: the run's own RNG is untouched). ``synced_gpus=False``:
     with gathered weights generate runs no collective, so each rank may stop at its own EOS. With
-    ``model.shared_prompts`` the prefill runs once per distinct prompt (``prefix.prompt_cache``). Each
+    ``model.shared_prompts`` the prefill runs once per distinct prompt, or where none repeats, the first
+    tokens all prompts share once (``prefix.prompt_cache``). Each
     token is drawn by :class:`DeclaredDraw`."""
 
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
@@ -51,7 +52,8 @@ class HFGenerate(RolloutEngine):
             torch.manual_seed(seed)
             cache = prefix.prompt_cache(generator, enc["input_ids"], enc["attention_mask"]) if hp.shared_prompts else {}
             with float32_head(generator, hidden):
-                out = generator.generate(**enc, **cache, **drawn, return_dict_in_generate=True, output_logits=True, synced_gpus=False)
+                inputs = {**enc, **cache}  # a cache over a common prefix comes with its own attention mask
+                out = generator.generate(**inputs, **drawn, return_dict_in_generate=True, output_logits=True, synced_gpus=False)
         # step 0 sees the whole prompt, later steps one position each
         states = torch.stack([step[:, -1] for step in hidden], dim=1) if hidden is not None else None
         return Samples(out.sequences, logits=torch.stack(out.logits, dim=1), hidden=states)

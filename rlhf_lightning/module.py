@@ -145,7 +145,9 @@ class PPORLHF(PolicyNetworks, LightningModule):
             ``auto`` (oneDNN where the CPU runs AVX-512 at full width, cpu.py); results agree to float rounding.
         cpu_malloc: ``tuned`` (glibc keeps freed memory for reuse, CPU runs only) or ``default`` (cpu.py).
         shared_prompts: rows with the same prompt (``num_generations`` > 1) share one forward pass
-            over it in every trainer forward, the update's included: the same logits to rounding (prefix.py).
+            over it in every trainer forward, the update's included; where every prompt is distinct, the
+            first tokens they all share (a chat template's system prompt) run once, in the critic's
+            forward too: the same logits to rounding (prefix.py).
         matmul_precision: ``torch.set_float32_matmul_precision`` at start-up (``high``: TF32 on
             Ampere and later GPUs); null leaves torch's default (``highest``).
         max_consecutive_faults: iterations in a row that may be skipped for a non-finite reward,

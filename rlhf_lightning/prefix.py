@@ -109,16 +109,28 @@ def on_common_prefix(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
 
 
 def prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> dict:
-    """``generate``'s keyword argument for a KV cache of every row's prompt but its last token, from one
-    pass over each distinct prompt (``generate`` then runs only the last prompt token, for every row, and
-    samples as it would have); {} when no two rows share a prompt. The prompts keep their left padding:
-    ``generate`` lines its cache up with the columns of ``input_ids``."""
-    shared = distinct_prompts(input_ids, attention_mask, input_ids.shape[1])
-    if shared is None or input_ids.shape[1] < 2:
+    """``generate``'s keyword arguments for a KV cache of every row's prompt but its last token (``generate``
+    then runs only the last prompt token, for every row, and samples as it would have): from one pass over
+    each distinct prompt, or where no prompt repeats from one over the first tokens all prompts share
+    (:func:`on_common_prefix`) and one over every row's columns after them, with the attention mask that
+    lines that cache up with the columns of ``input_ids``; {} when rows share nothing. Distinct prompts keep
+    their left padding: ``generate`` lines its cache up with the columns of ``input_ids``."""
+    if input_ids.shape[1] < 2:
         return {}
-    first, inverse = shared
-    out, name = _prompts_once(model, input_ids[first, :-1], attention_mask[first, :-1], inverse)
-    return {name: getattr(out, name)}
+    shared = distinct_prompts(input_ids, attention_mask, input_ids.shape[1])
+    if shared is not None:
+        first, inverse = shared
+        out, name = _prompts_once(model, input_ids[first, :-1], attention_mask[first, :-1], inverse)
+        return {name: getattr(out, name)}
+    n = common_prefix(input_ids[:, :-1], attention_mask[:, :-1], input_ids.shape[1] - 1)  # a column after it to run
+    if not n:
+        return {}
+    out = on_common_prefix(model, input_ids[:, :-1], attention_mask[:, :-1], n, use_cache=True, logits_to_keep=1)
+    name = cache_argument(model)
+    cache = getattr(out, name)
+    cache.shared_prompts = False  # generate's steps on it are passes of their own
+    rest = attention_mask * (position_ids(attention_mask) >= n)
+    return {name: cache, "attention_mask": torch.cat([torch.ones_like(attention_mask[:, :n]), rest[:, n:]], dim=1)}
 
 
 def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: list[int], pad_id: int) -> Optional[Tensor]:

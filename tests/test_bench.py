@@ -189,7 +189,13 @@ def test_iteration_costs_count_each_pass_once(tiny_shape):
     # A common prefix (2 of the 3 prompt tokens, every prompt distinct): each policy, reference and critic pass is
     # one over those tokens for one row (a causal LM's last logits) and one over every row's 3 other positions.
     prefixed = bench.iteration_costs(tiny_shape, **common, critic_trainable=400, common_prefix=2)
-    assert prefixed["rollout"] == full["rollout"]
+    assert prefixed["rollout"] == full["rollout"]  # the prefill shares a beginning short of the prompt's last 2 tokens
+    assert bench.iteration_costs(tiny_shape, **common, critic_trainable=400, common_prefix=1)["rollout"] == [
+        bench.forward_cost(tiny_shape, 1, 1, 0, 1),
+        bench.forward_cost(tiny_shape, 4, 1, 1, 1),
+        bench.forward_cost(tiny_shape, 4, 1, 2, 1),
+        bench.forward_cost(tiny_shape, 4, 1, 3, 1),
+    ]
     policy = [bench.forward_cost(tiny_shape, 1, 2, 0, 1), bench.forward_cost(tiny_shape, 2, 3, 2, 3)]
     assert prefixed["score"] == [bench.forward_cost(tiny_shape, 1, 2, 0, 1), bench.forward_cost(tiny_shape, 4, 3, 2, 3)] * 2 + [
         bench.forward_cost(tiny_shape, 1, 2),

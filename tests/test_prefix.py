@@ -183,6 +183,28 @@ def test_generate_on_shared_prompt_caches_samples_what_it_samples_without_them()
     assert prefix.prompt_cache(module.policy, enc["input_ids"][2:4], enc["attention_mask"][2:4]) == {}  # two prompts, one row each
 
 
+def test_generate_on_a_common_prefix_cache_samples_what_it_samples_without_it():
+    """Distinct prompts that start alike: the hf engine prefills their common beginning once, then every row's
+    prompt after it but the last token, with the attention mask that lines the cache up with the prompt's
+    columns: the same responses from the same seed, the same logits and hidden states to fp32 rounding."""
+    module = make_module(critic="shared", max_new_tokens=8)
+    enc = module.encode_prompts([SYSTEM + p for p in PROMPTS])
+
+    def sample(shared: bool):
+        module.hparams.shared_prompts = shared
+        return module.rollout_engine.sample(module, enc, seed=5)
+
+    shared, plain = sample(True), sample(False)
+    assert torch.equal(shared.sequences, plain.sequences)
+    torch.testing.assert_close(shared.logits, plain.logits, rtol=0, atol=2e-5)
+    torch.testing.assert_close(shared.hidden, plain.hidden, rtol=0, atol=2e-5)
+    n = prefix.common_prefix(enc["input_ids"], enc["attention_mask"], enc["input_ids"].shape[1])
+    cache = prefix.prompt_cache(module.policy, enc["input_ids"], enc["attention_mask"])
+    assert n > 10 and cache["attention_mask"].shape == enc["attention_mask"].shape
+    assert cache["attention_mask"].sum(-1).tolist() == enc["attention_mask"].sum(-1).tolist()  # every real token, once
+    assert next(v for k, v in cache.items() if k != "attention_mask").get_seq_length() == enc["input_ids"].shape[1] - 1
+
+
 def test_classify_shared_prefixes_scores_whole_rows_when_a_group_shares_nothing(tiny_classifier):
     """None (the caller scores whole rows) when a group's rows differ at their first token or a row's rest is
     padding only; otherwise the logits of the rows scored whole."""

@@ -936,7 +936,8 @@ def iteration_costs(
     its rows) and one over every row's responses on their keys and values (a separate critic's trunk
     runs whole rows). ``common_prefix``: where no prompt repeats, the first tokens all prompts share
     (``prefix.common_prefix``): each policy, reference and separate-critic pass is then one over them for
-    one row and one over every row's rest (the rollout's prefill runs them in every row)."""
+    one row and one over every row's rest, and the prefill one over them, one over every row's prompt after
+    them but its last token, then that token for every row (``prefix.prompt_cache``)."""
     w, seq, rows = word_bytes, prompt_len + response_len, batch // num_minibatches
 
     def forwards(n: int, lora: int, logits: int = response_len + 1) -> list[tuple[float, float]]:
@@ -970,6 +971,10 @@ def iteration_costs(
 
     if prompts and prompts < batch:  # the distinct prompts but their last token, then that token for every row
         rollout = [forward_cost(shape, prompts, prompt_len - 1, 0, 1, 0, w)]
+        rollout += [forward_cost(shape, batch, 1, prompt_len - 1 + step, 1, 0, w) for step in range(response_len)]
+    elif 0 < common_prefix < prompt_len - 1:  # the common beginning once, every row's prompt after it but its last token, then that token
+        rollout = [forward_cost(shape, 1, common_prefix, 0, 1, 0, w)]
+        rollout.append(forward_cost(shape, batch, prompt_len - 1 - common_prefix, common_prefix, 1, 0, w))
         rollout += [forward_cost(shape, batch, 1, prompt_len - 1 + step, 1, 0, w) for step in range(response_len)]
     else:
         rollout = [forward_cost(shape, batch, prompt_len, 0, 1, 0, w)]
