@@ -62,7 +62,10 @@ def shared_prompt_logits(
     layer's inputs, left holding those positions' hidden states (batch, response_len, hidden)."""
     prompt_len = input_ids.shape[1] - response_len
     prompt_ids, prompt_mask = trim_left_padding(input_ids[first, :prompt_len], attention_mask[first, :prompt_len])
-    out, name = _prompts_once(model, prompt_ids, prompt_mask, inverse)
+    heads = len(hidden) if hidden is not None else 0
+    out, name, prompt_mask = _prompts_once(model, prompt_ids, prompt_mask, inverse)
+    if hidden is not None:  # the output layer's input of the prompts' last position only, not of a common beginning's pass
+        hidden[heads:] = hidden[-1:]
     logits = [out.logits[inverse]]  # the prompt's last position predicts the first response token
     if response_len > 1:
         cache = getattr(out, name)
@@ -99,7 +102,7 @@ def on_common_prefix(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
     layer (the first pass computes one position's logits); ``kwargs`` go to the second pass."""
     start = int(attention_mask[0].int().argmax())
     ones = torch.ones(1, n, dtype=attention_mask.dtype, device=attention_mask.device)
-    out, name = _prompts_once(model, input_ids[:1, start : start + n], ones, torch.zeros_like(input_ids[:, 0]), causal_lm)
+    out, name, _ = _prompts_once(model, input_ids[:1, start : start + n], ones, torch.zeros_like(input_ids[:, 0]), causal_lm)
     cache = getattr(out, name)
     cache.shared_prompts = True  # the rest of this pass, for whoever counts passes (tools/bench.py)
     positions = position_ids(attention_mask)
@@ -120,8 +123,8 @@ def prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) ->
     shared = distinct_prompts(input_ids, attention_mask, input_ids.shape[1])
     if shared is not None:
         first, inverse = shared
-        out, name = _prompts_once(model, input_ids[first, :-1], attention_mask[first, :-1], inverse)
-        return {name: getattr(out, name)}
+        out, name, mask = _prompts_once(model, input_ids[first, :-1], attention_mask[first, :-1], inverse)
+        return {name: getattr(out, name), "attention_mask": torch.cat([mask[inverse], attention_mask[:, -1:]], dim=1)}
     n = common_prefix(input_ids[:, :-1], attention_mask[:, :-1], input_ids.shape[1] - 1)  # a column after it to run
     if not n:
         return {}
@@ -158,7 +161,7 @@ def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: li
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prefixes])
     device = next(model.parameters()).device
     ids, mask, inverse = ids.to(device), mask.to(device), torch.tensor(group_of, device=device)
-    out, name = _prompts_once(model, ids, mask, inverse, causal_lm=False)
+    out, name, mask = _prompts_once(model, ids, mask, inverse, causal_lm=False)
     longest = max(len(rest) for rest in rests)
     rest_ids = torch.tensor([rest + [pad_id] * (longest - len(rest)) for rest in rests], device=device)
     rest_mask = torch.tensor([[1] * len(rest) + [0] * (longest - len(rest)) for rest in rests], device=device)
@@ -169,15 +172,24 @@ def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: li
     return model(input_ids=rest_ids, attention_mask=full_mask, position_ids=positions, **{name: cache}).logits
 
 
-def _prompts_once(model: nn.Module, ids: Tensor, mask: Tensor, inverse: Tensor, causal_lm: bool = True) -> tuple[Any, str]:
+def _prompts_once(model: nn.Module, ids: Tensor, mask: Tensor, inverse: Tensor, causal_lm: bool = True) -> tuple[Any, str, Tensor]:
     """One pass over the distinct prompts ``ids`` (a causal LM: the last position's logits only; else a
-    sequence classifier) and the name of its KV cache in the output, the cache indexed out to every row
-    (``inverse``; index_select: differentiable)."""
+    sequence classifier), the first tokens they all share run once (:func:`on_common_prefix`: a chat
+    template's system prompt), and the name of its KV cache in the output, the cache indexed out to every
+    row (``inverse``; index_select: differentiable), with the attention mask (one row per prompt) that lines
+    the cache up with the columns of ``ids``."""
     keep = {"logits_to_keep": 1} if causal_lm else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, **keep)
+    n = common_prefix(ids, mask, ids.shape[1])
     name = cache_argument(model)
+    if n:
+        out = on_common_prefix(model, ids, mask, n, causal_lm, use_cache=True, **keep)
+        getattr(out, name).shared_prompts = False
+        rest = mask * (position_ids(mask) >= n)
+        mask = torch.cat([torch.ones_like(mask[:, :n]), rest[:, n:]], dim=1)
+    else:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, **keep)
     getattr(out, name).reorder_cache(inverse)
-    return out, name
+    return out, name, mask
 
 
 def cache_argument(model: nn.Module) -> str:

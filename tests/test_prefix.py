@@ -13,10 +13,10 @@ from helpers import fit, make_module
 PROMPTS = ["a much longer prompt than the other two", "short", "tiny"]
 
 
-def group_batch(module, rows_of=(0, 1, 0, 2, 1, 0), response_len=4):
-    """Rows of prompt + response: prompts ``PROMPTS[i]`` for i in ``rows_of`` (left-padded to the longest),
-    each with its own random response; the last row's response ends early (its last two positions masked)."""
-    enc = module.encode_prompts([PROMPTS[i] for i in rows_of])
+def group_batch(module, rows_of=(0, 1, 0, 2, 1, 0), response_len=4, system=""):
+    """Rows of prompt + response: prompts ``system + PROMPTS[i]`` for i in ``rows_of`` (left-padded to the
+    longest), each with its own random response; the last row's response ends early (its last two positions masked)."""
+    enc = module.encode_prompts([system + PROMPTS[i] for i in rows_of])
     response = torch.randint(5, 60, (len(rows_of), response_len), generator=torch.Generator().manual_seed(3))
     response_mask = torch.ones_like(response)
     response_mask[-1, -2:] = 0
@@ -35,9 +35,11 @@ def test_distinct_prompts_finds_each_prompts_first_row_and_every_rows_prompt():
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
 @pytest.mark.parametrize("advantage, critic", [("rloo", None), ("gae", "shared")])
-def test_shared_prompt_forward_gives_the_plain_forwards_logits_hidden_states_and_gradients(lora_rank, advantage, critic):
+@pytest.mark.parametrize("system", ["", "You are a kind assistant. "])
+def test_shared_prompt_forward_gives_the_plain_forwards_logits_hidden_states_and_gradients(lora_rank, advantage, critic, system):
+    """With a system prompt the distinct prompts' common beginning runs once too (prefix._prompts_once)."""
     module = make_module(lora_rank=lora_rank, advantage_estimator=advantage, num_generations=2, critic=critic, critic_lr=None)
-    ids, mask, response_len = group_batch(module)
+    ids, mask, response_len = group_batch(module, system=system)
     weights = torch.randn(ids.shape[0], response_len, len(module.tokenizer), generator=torch.Generator().manual_seed(0))
 
     def outputs(shared: bool):
@@ -163,11 +165,13 @@ def test_grpo_trains_the_same_with_and_without_shared_prompts(tmp_path):
     assert plain_second["objective/kl"] > 0.1  # the second iteration's policy has moved from the reference
 
 
-def test_generate_on_shared_prompt_caches_samples_what_it_samples_without_them():
-    """The hf engine prefills each distinct prompt once (prefix.prompt_cache) and generate runs only the last
-    prompt token per row: the same responses from the same seed, the same logits to fp32 rounding."""
+@pytest.mark.parametrize("system", ["", "You are a kind assistant. "])
+def test_generate_on_shared_prompt_caches_samples_what_it_samples_without_them(system):
+    """The hf engine prefills each distinct prompt once (prefix.prompt_cache; their common beginning once) and
+    generate runs only the last prompt token per row: the same responses from the same seed, the same logits
+    to fp32 rounding."""
     module = make_module(advantage_estimator="rloo", num_generations=3, critic=None, critic_lr=None, max_new_tokens=8)
-    enc = module.encode_prompts([PROMPTS[i] for i in (0, 0, 0, 1, 1, 1)])
+    enc = module.encode_prompts([system + PROMPTS[i] for i in (0, 0, 0, 1, 1, 1)])
 
     def sample(shared: bool):
         module.hparams.shared_prompts = shared
@@ -180,7 +184,9 @@ def test_generate_on_shared_prompt_caches_samples_what_it_samples_without_them()
     assert len(set(map(tuple, plain.sequences[:3, enc["input_ids"].shape[1] :].tolist()))) > 1  # the rows drew their own responses
     cache = prefix.prompt_cache(module.policy, enc["input_ids"], enc["attention_mask"])
     assert next(iter(cache.values())).get_seq_length() == enc["input_ids"].shape[1] - 1
-    assert prefix.prompt_cache(module.policy, enc["input_ids"][2:4], enc["attention_mask"][2:4]) == {}  # two prompts, one row each
+    assert cache["attention_mask"].sum(-1).tolist() == enc["attention_mask"].sum(-1).tolist()  # every real token, once
+    if not system:  # two prompts, one row each, nothing in common
+        assert prefix.prompt_cache(module.policy, enc["input_ids"][2:4], enc["attention_mask"][2:4]) == {}
 
 
 def test_generate_on_a_common_prefix_cache_samples_what_it_samples_without_it():

@@ -506,6 +506,27 @@ def test_hf_classifier_scores_the_chat_templated_conversation(tiny_classifier, t
         HFClassifierReward(path=str(chat), chat_template=True, separator=" | ")
 
 
+def test_hf_classifier_runs_what_distinct_prompts_start_with_once(tiny_classifier):
+    """Where no prompt repeats, the texts' common beginning (a system prompt) runs once for the batch; the
+    scores are each text's alone; texts that share no first token are scored whole."""
+    path, model, tokenizer = tiny_classifier
+    prompts = ["System: be kind. " + p for p in ("Hi", "Write a poem", "Q")]
+    responses = ["Hello!", "Roses", "A"]
+    texts = [p + "\n" + r for p, r in zip(prompts, responses, strict=True)]
+    rm = HFClassifierReward(path=str(path))
+    rm.setup(torch.device("cpu"))
+    tokens = []
+    rm.model.model.register_forward_pre_hook(lambda _, args, __: tokens.append(tuple(args[0].shape)), with_kwargs=True)
+    raw, _ = rm(prompts, responses, torch.ones(3, dtype=torch.bool))
+    torch.testing.assert_close(raw, _score_one_by_one(model, tokenizer, texts), rtol=1e-4, atol=1e-5)
+    rows = tokenizer(texts)["input_ids"]
+    shared = len("System: be kind. ")  # the character tokenizer: one token a character
+    assert tokens == [(1, shared), (3, max(map(len, rows)) - shared)]
+    tokens.clear()
+    rm(["Hi", "Q"], ["a", "b"], torch.ones(2, dtype=torch.bool))
+    assert tokens == [(2, 4)]  # "Hi\na", "Q\nb": nothing in common, whole texts
+
+
 @pytest.fixture(scope="module")
 def tiny_encoder_classifier(tmp_path_factory):
     """A bidirectional classifier (BERT) on the character tokenizer: a prefix's states see what follows it."""
