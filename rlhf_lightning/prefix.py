@@ -105,35 +105,32 @@ def on_common_prefix(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
     out, name, _ = _prompts_once(model, input_ids[:1, start : start + n], ones, torch.zeros_like(input_ids[:, 0]), causal_lm)
     cache = getattr(out, name)
     cache.shared_prompts = True  # the rest of this pass, for whoever counts passes (tools/bench.py)
-    positions = position_ids(attention_mask)
-    rest = attention_mask * (positions >= n)
-    mask = torch.cat([ones.expand(len(input_ids), n), rest[:, n:]], dim=1)
-    return model(input_ids=input_ids[:, n:], attention_mask=mask, position_ids=positions[:, n:], **{name: cache}, **kwargs)
+    mask, positions = _after_prefix_mask(attention_mask, n), position_ids(attention_mask)[:, n:]
+    return model(input_ids=input_ids[:, n:], attention_mask=mask, position_ids=positions, **{name: cache}, **kwargs)
+
+
+def _after_prefix_mask(attention_mask: Tensor, n: int) -> Tensor:
+    """The attention mask over a KV cache that holds the ``n`` shared first tokens once, then every row's
+    columns after the first ``n`` (:func:`on_common_prefix`), a shorter row's own copy of them masked."""
+    rest = attention_mask * (position_ids(attention_mask) >= n)
+    return torch.cat([torch.ones_like(attention_mask[:, :n]), rest[:, n:]], dim=1)
 
 
 def prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> dict:
     """``generate``'s keyword arguments for a KV cache of every row's prompt but its last token (``generate``
     then runs only the last prompt token, for every row, and samples as it would have): from one pass over
-    each distinct prompt, or where no prompt repeats from one over the first tokens all prompts share
-    (:func:`on_common_prefix`) and one over every row's columns after them, with the attention mask that
-    lines that cache up with the columns of ``input_ids``; {} when rows share nothing. Distinct prompts keep
-    their left padding: ``generate`` lines its cache up with the columns of ``input_ids``."""
+    each distinct prompt (:func:`_prompts_once`, their common beginning once), every row its own prompt
+    where none repeats, with the attention mask that lines that cache up with the columns of
+    ``input_ids``; {} when rows share neither prompts nor a beginning."""
     if input_ids.shape[1] < 2:
         return {}
     shared = distinct_prompts(input_ids, attention_mask, input_ids.shape[1])
-    if shared is not None:
-        first, inverse = shared
-        out, name, mask = _prompts_once(model, input_ids[first, :-1], attention_mask[first, :-1], inverse)
-        return {name: getattr(out, name), "attention_mask": torch.cat([mask[inverse], attention_mask[:, -1:]], dim=1)}
-    n = common_prefix(input_ids[:, :-1], attention_mask[:, :-1], input_ids.shape[1] - 1)  # a column after it to run
-    if not n:
+    if shared is None and not common_prefix(input_ids[:, :-1], attention_mask[:, :-1], input_ids.shape[1] - 1):
         return {}
-    out = on_common_prefix(model, input_ids[:, :-1], attention_mask[:, :-1], n, use_cache=True, logits_to_keep=1)
-    name = cache_argument(model)
-    cache = getattr(out, name)
-    cache.shared_prompts = False  # generate's steps on it are passes of their own
-    rest = attention_mask * (position_ids(attention_mask) >= n)
-    return {name: cache, "attention_mask": torch.cat([torch.ones_like(attention_mask[:, :n]), rest[:, n:]], dim=1)}
+    rows = torch.arange(len(input_ids), device=input_ids.device)
+    first, inverse = (rows, rows) if shared is None else shared  # every row its own prompt: their common beginning once
+    out, name, mask = _prompts_once(model, input_ids[first, :-1], attention_mask[first, :-1], inverse)
+    return {name: getattr(out, name), "attention_mask": torch.cat([mask[inverse], attention_mask[:, -1:]], dim=1)}
 
 
 def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: list[int], pad_id: int) -> Optional[Tensor]:
@@ -183,9 +180,8 @@ def _prompts_once(model: nn.Module, ids: Tensor, mask: Tensor, inverse: Tensor, 
     name = cache_argument(model)
     if n:
         out = on_common_prefix(model, ids, mask, n, causal_lm, use_cache=True, **keep)
-        getattr(out, name).shared_prompts = False
-        rest = mask * (position_ids(mask) >= n)
-        mask = torch.cat([torch.ones_like(mask[:, :n]), rest[:, n:]], dim=1)
+        getattr(out, name).shared_prompts = False  # later passes on it (generate's steps) are passes of their own
+        mask = _after_prefix_mask(mask, n)
     else:
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True, **keep)
     getattr(out, name).reorder_cache(inverse)

@@ -12,7 +12,8 @@ prompts x ``--num-generations`` (4) responses of exactly ``--max-new-tokens`` (3
 same seeded SmolLM2-trunk reward model on both sides reading the same text, the conversation in
 the chat template (TRL: as its reward function; ours: ``hf_classifier`` with ``chat_template``),
 k3 as a loss term with the same fixed ``--beta`` (0.04, TRL's default), one optimizer step per update
-over all 32 responses, ``--ppo-epochs`` (default 1 2) updates per batch (TRL's ``num_iterations``). ``trl_grpo``: ``GRPOTrainer`` (``per_device_train_batch_size`` 32,
+over all 32 responses, ``--ppo-epochs`` (default 1 2) updates per batch (TRL's ``num_iterations``).
+``trl_grpo``: ``GRPOTrainer`` (``per_device_train_batch_size`` 32,
 ``steps_per_generation`` 1, ``bf16=False``, ``generation_kwargs={"min_new_tokens": 32}``); its
 time per batch is the wall clock over its ``num_iterations`` optimizer steps. ``grpo``:
 ``configs/grpo.yaml``'s model section (GRPO advantages, ``critic: none``, k3 in the loss) with
@@ -39,8 +40,8 @@ iteration costs), one minibatch, 1 and 4 PPO epochs.
   critic trunk (the defaults), ``min_new_tokens = max_new_tokens``, the ``hf_classifier`` reward
   on the same reward-model folder with ``chat_template`` (TRL scores the chat-templated prompt's and
   the response's tokens; ours their text in the template, two tokens more: the closing ``<|im_end|>\n``;
-  before 2026-11-28 ours scored ``prompt\nresponse``, about 45 tokens a row against TRL's 77); ``--full-critic shared`` puts the value head on the policy's
-  trunk instead.
+  before 2026-11-28 ours scored ``prompt\nresponse``, about 45 tokens a row against TRL's 77);
+  ``--full-critic shared`` puts the value head on the policy's trunk instead.
 - ``lora``: the quickstart's setup through the same CLI: a rank-16 LoRA adapter, the
   adapter-disabled policy as the reference, the value head on the policy trunk (``critic: shared``).
 

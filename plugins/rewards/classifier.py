@@ -30,8 +30,8 @@ class HFClassifierReward(EncoderReward):
         batch_size: texts per forward pass; max_length: truncation length in reward-model tokens.
         shared_prompts: texts of the same prompt (``num_generations`` > 1), or all texts where every prompt
             is distinct, run the tokens they start with once (``prefix.classify_shared_prefixes``: the whole
-            texts' scores to fp32 rounding). Only a causal model scores a prefix the same whatever follows it; ``setup`` checks that on two texts:
-            None (default) shares where it holds and scores whole texts elsewhere, True refuses a model
+            texts' scores to fp32 rounding). Only a causal model scores a prefix the same whatever follows
+            it; ``setup`` checks that on two texts: None (default) shares where it holds and scores whole texts elsewhere, True refuses a model
             where it does not, False scores whole texts.
     """
 
