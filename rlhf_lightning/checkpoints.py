@@ -47,7 +47,7 @@ def save_state(module, checkpoint: dict) -> None:
         **{name: _state_of(getattr(module, name)) for name in STATEFUL_PLUGINS},
         "rng": _rng_states(module.device),
         "generation_seed_base": module.generation_seed_base,
-        "faults": dict(module.faults),
+        "faults": module.faults.state_dict(),
         "reference_updates": module.reference_updates,
         "plugins": plugin_kinds(module),
         "plugin_args": plugin_arguments(module),
@@ -69,7 +69,7 @@ def load_state(module, checkpoint: dict) -> None:
     resume = check_compatible(module, checkpoint.get("hyper_parameters", {}), state.get("plugins", {}), state.get("plugin_args", {}))
     module.iteration = state["iteration"]
     module.generation_seed_base = state["generation_seed_base"]
-    module.faults = dict(state["faults"])
+    module.faults.load_state_dict(state["faults"])
     module.reference_updates = state.get("reference_updates", 0)
     for name in STATEFUL_PLUGINS:
         plugin = getattr(module, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,6 +67,46 @@ def nonfinite_terms(terms: dict[str, Any], total: Any) -> str:
     a finite total here, another rank's loss."""
     names = [name for name, value in terms.items() if not math.isfinite(float(value))]
     return ", ".join(names) or ("the weighted sum of finite terms" if not math.isfinite(float(total)) else "another rank's loss")
+
+
+@dataclass
+class Faults:
+    """Iterations and optimizer steps skipped for a non-finite reward, KL or loss (the weights untouched),
+    and how many iterations in a row have had one; a run stops at ``limit`` in a row
+    (``model.max_consecutive_faults``). The counts are checkpointed (``state_dict``)."""
+
+    limit: int
+    skipped_iterations: int = 0
+    skipped_steps: int = 0
+    consecutive: int = 0
+    last_cause: str = ""
+    COUNTS = ("skipped_iterations", "skipped_steps", "consecutive")
+
+    def record(self, cause: str, iteration_skipped: bool, steps: int = 0) -> None:
+        """Count one faulty iteration: skipped whole, or ``steps`` of its optimizer steps skipped."""
+        self.skipped_iterations += int(iteration_skipped)
+        self.skipped_steps += steps
+        self.consecutive += 1
+        self.last_cause = cause
+
+    def stop_if_too_many(self) -> None:
+        if self.consecutive >= self.limit:
+            raise RuntimeError(
+                f"stopping: {self.consecutive} iterations in a row had faults "
+                f"(model.max_consecutive_faults={self.limit}); last cause: {self.last_cause}"
+            )
+
+    def metrics(self, iteration_skipped: bool) -> dict[str, float]:
+        """``faults/iteration_skipped`` (1 at a skipped iteration's step, else 0) and the running counts."""
+        counts = {f"faults/{name}": float(getattr(self, name)) for name in ("skipped_iterations", "skipped_steps")}
+        return {"faults/iteration_skipped": float(iteration_skipped), **counts}
+
+    def state_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.COUNTS}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for name in self.COUNTS:
+            setattr(self, name, int(state[name]))
 
 
 def option_number(integer: bool = False, **bounds: float) -> Callable[[str], Any]:

@@ -27,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from rlhf_lightning import fsdp2, gpu, prefix, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
 from rlhf_lightning.interfaces import Samples
 from rlhf_lightning.prefix import position_ids, trim_left_padding
+from rlhf_lightning.rollout import Rollout
 
 BUILTIN_MODELS = ("tiny", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -493,6 +495,16 @@ class PolicyNetworks:
         return values[:, -response_len - 1 : -1]
 
     @property
+    def _critic_apart(self) -> bool:
+        """A separate critic's value loss is a forward and backward pass of its own, after the policy's
+        (the graphs share no tensor: the gradients are those of the sum): FSDP2 frees a root unit's
+        gathered weights and full gradient only when a backward pass ends, so neither model's root
+        nor activations are then held through the other's backward. Not under DDP, whose reducer
+        expects every parameter's gradient in each pass, nor without a trainer."""
+        ddp = isinstance(getattr(self._trainer, "model", None), DistributedDataParallel)
+        return self.critic is not None and not self._shared_critic and self._trainer is not None and not ddp
+
+    @property
     def old_values_in_update(self) -> bool:
         """Whether a separate critic's V_old comes from the update's first forward of it instead of a
         forward of its own while scoring: when that first minibatch is the whole batch in one
@@ -500,6 +512,15 @@ class PolicyNetworks:
         critic trunk forward per iteration fewer, the same values (tests/test_module.py)."""
         hp = self.hparams
         return self._critic_apart and hp.num_minibatches == 1 and hp.gradient_accumulation_steps == 1
+
+    def _first_critic_values(self, rollout: Rollout) -> Optional[Tensor]:
+        """With ``old_values_in_update``: the separate critic's forward of the first minibatch (the
+        whole batch), its graph kept for that minibatch's value loss; V_old is its detached values."""
+        if rollout.old_values is not None or not self.old_values_in_update:
+            return None
+        values = self._critic_values(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        rollout.old_values = values.detach() * rollout.mask
+        return values
 
     def _old_policy(
         self, samples: Samples, input_ids: Tensor, attention_mask: Tensor, response: Tensor, mask: Tensor, critic_values: bool = True

@@ -22,9 +22,9 @@ entropy controller, if any, the entropy bonus's coefficient), and the reference 
 may move the reference toward the policy (default ``none``: the reference stays the frozen
 starting policy; ``sync``, ``reset`` or ``ema`` every N iterations).
 
-Where things live: the networks, sampling model and reference in models.py (``PolicyNetworks``),
-argument checks in args.py, checkpoint and resume in checkpoints.py, the math in ppo_math.py, CPU
-kernels in cpu.py (a Lightning precision plugin around each step).
+Where things live: the networks, sampling model, reference and critic in models.py (``PolicyNetworks``),
+argument checks and the fault counts in checks.py, checkpoint and resume in checkpoints.py, the math in
+ppo_math.py, CPU kernels in cpu.py (a Lightning precision plugin around each step).
 
 Left out on purpose: reward-model training (tools/) and any home-made distributed code: every
 cross-rank statistic goes through the Lightning strategy's ``reduce``.
@@ -41,13 +41,12 @@ import torch
 from lightning import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from rlhf_lightning import args, checkpoints, cpu, gpu, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
-from rlhf_lightning.checks import nonfinite_terms
+from rlhf_lightning.checks import Faults, nonfinite_terms
 from rlhf_lightning.data import encode_prompts, token_ids
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
@@ -246,7 +245,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
         self._rng_to_restore: Optional[dict] = None
         self.generation_seed_base = int(torch.initial_seed()) % 2**31  # saved with checkpoints
-        self.faults = {"skipped_iterations": 0, "skipped_steps": 0, "consecutive": 0}
+        self.faults = Faults(limit=max_consecutive_faults)
 
     # ------------------------------------------------------------------ setup
     def configure_callbacks(self) -> list:
@@ -341,8 +340,8 @@ class PPORLHF(PolicyNetworks, LightningModule):
             cause = f"non-finite PPO loss: {skipped_steps} optimizer step(s) skipped (not finite: {self.nonfinite_terms}; beta {beta})"
             self._record_fault(cause, iteration_skipped=False, steps=skipped_steps)
         else:
-            self.faults["consecutive"] = 0
-        metrics.update(self._fault_metrics(iteration_skipped=False))
+            self.faults.consecutive = 0
+        metrics.update(self.faults.metrics(iteration_skipped=False))
         metrics.update(self.consume_update_stats())
         metrics.update(timer.metrics())
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rollout.prompts))
@@ -430,15 +429,6 @@ class PPORLHF(PolicyNetworks, LightningModule):
         if hp.whiten_advantages:
             advantages = pm.masked_whiten(advantages, rollout.mask, sum_fn=self._reduce)
         return advantages, returns
-
-    def _first_critic_values(self, rollout: Rollout) -> Optional[Tensor]:
-        """With ``old_values_in_update``: the separate critic's forward of the first minibatch (the
-        whole batch), its graph kept for that minibatch's value loss; V_old is its detached values."""
-        if rollout.old_values is not None or not self.old_values_in_update:
-            return None
-        values = self._critic_values(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
-        rollout.old_values = values.detach() * rollout.mask
-        return values
 
     def ppo_update(
         self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], kl_coef: Tensor, values: Optional[Tensor] = None
@@ -604,16 +594,6 @@ class PPORLHF(PolicyNetworks, LightningModule):
                     del opt.state[param]
 
     @property
-    def _critic_apart(self) -> bool:
-        """A separate critic's value loss is a forward and backward pass of its own, after the policy's
-        (the graphs share no tensor: the gradients are those of the sum): FSDP2 frees a root unit's
-        gathered weights and full gradient only when a backward pass ends, so neither model's root
-        nor activations are then held through the other's backward. Not under DDP, whose reducer
-        expects every parameter's gradient in each pass, nor without a trainer."""
-        ddp = isinstance(getattr(self._trainer, "model", None), DistributedDataParallel)
-        return self.critic is not None and not self._shared_critic and self._trainer is not None and not ddp
-
-    @property
     def _kl_in_reward(self) -> bool:
         return self.hparams.kl_penalty in ("reward", "both")
 
@@ -629,22 +609,11 @@ class PPORLHF(PolicyNetworks, LightningModule):
 
     def _record_fault(self, cause: str, iteration_skipped: bool, steps: int = 0) -> None:
         """Count and report a skipped iteration or update; stop after too many in a row."""
-        self.faults["skipped_iterations"] += int(iteration_skipped)
-        self.faults["skipped_steps"] += steps
-        self.faults["consecutive"] += 1
+        self.faults.record(cause, iteration_skipped, steps)
         rank_zero_warn(f"iteration {self.step}: {cause}; skipped (weights untouched)")
         if iteration_skipped:  # only the fault counts: no metric of an iteration that did not happen
-            self.log_dict(self._fault_metrics(iteration_skipped=True), on_step=True, on_epoch=False, batch_size=1)
-        if self.faults["consecutive"] >= self.hparams.max_consecutive_faults:
-            raise RuntimeError(
-                f"stopping: {self.faults['consecutive']} iterations in a row had faults "
-                f"(model.max_consecutive_faults={self.hparams.max_consecutive_faults}); last cause: {cause}"
-            )
-
-    def _fault_metrics(self, iteration_skipped: bool) -> dict[str, float]:
-        """``faults/iteration_skipped`` (1 at a skipped iteration's step, else 0) and the running counts."""
-        counts = {f"faults/{k}": float(v) for k, v in self.faults.items() if k != "consecutive"}
-        return {"faults/iteration_skipped": float(iteration_skipped), **counts}
+            self.log_dict(self.faults.metrics(iteration_skipped=True), on_step=True, on_epoch=False, batch_size=1)
+        self.faults.stop_if_too_many()
 
     def _no_grad_sync(self, last: bool):
         """Skip DDP's gradient all-reduce on all but the last micro-batch of a minibatch."""

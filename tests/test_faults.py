@@ -53,7 +53,7 @@ def test_nan_reward_skips_that_iteration_and_leaves_weights_untouched(tmp_path):
         _, history = fit(module, tmp_path, iterations=4, callbacks=[snaps])
     assert torch.equal(snaps.before[1], snaps.after[1])  # the skipped iteration changed nothing
     assert not torch.equal(snaps.before[2], snaps.after[2])  # training went on afterwards
-    assert module.faults == {"skipped_iterations": 1, "skipped_steps": 0, "consecutive": 0}
+    assert module.faults.state_dict() == {"skipped_iterations": 1, "skipped_steps": 0, "consecutive": 0}
     assert history.rows[-1]["faults/skipped_iterations"] == 1.0
     assert module.iteration == 4
 
@@ -80,7 +80,7 @@ def test_non_finite_loss_skips_only_that_optimizer_step(tmp_path, monkeypatch):
         UserWarning, match=r"non-finite PPO loss: 1 optimizer step\(s\) skipped \(not finite: the weighted sum of finite terms; beta 0.1\)"
     ):
         fit(module, tmp_path, iterations=1, callbacks=[snaps])
-    assert module.faults["skipped_steps"] == 1 and module.faults["skipped_iterations"] == 0
+    assert module.faults.skipped_steps == 1 and module.faults.skipped_iterations == 0
     assert torch.isfinite(snaps.after[0]).all()
     assert not torch.equal(snaps.before[0], snaps.after[0])  # the first, finite step was taken
 
