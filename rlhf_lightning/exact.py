@@ -286,7 +286,9 @@ class ExactTask:
     for the ``callable`` backend, so training and the exact sums score with the same code.
 
     ``model_seed`` seeds the tiny model's initialisation, which is the reference pi_ref = pi_0 and so
-    part of the task; None (the hand-made tasks) leaves it to the run's seed, as before tasks had one."""
+    part of the task; None (the hand-made tasks) leaves it to the run's seed, as before tasks had one.
+    ``position_embedding`` gives the tiny model a learned absolute position embedding, zero at the start
+    so pi_ref is unchanged (:class:`PositionEmbedding`)."""
 
     prompts: tuple[str, ...] = ("A", "B", "C")
     content_tokens: tuple[str, ...] = ("a", "b", "c")
@@ -294,6 +296,7 @@ class ExactTask:
     reward_function: str = "rlhf_lightning.exact:target_count"
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     model_seed: Optional[int] = None
+    position_embedding: bool = False
 
     @classmethod
     def random(cls, seed: int, num_prompts: int = 2, num_tokens: int = 4, length: int = 3, scale: float = 1.0) -> ExactTask:
@@ -311,7 +314,14 @@ class ExactTask:
         1 its gap (:func:`per_token_fixed_point_gap`) is 0.113, 0.165, 0.229, 0.068, 0.114, 0.156, 0.124,
         0.024 for seeds 1-8, with KL(pi* || pi_ref) 1.0-1.8 nats. The defaults (64 responses per prompt,
         strong sparse transitions, no pair term) are chosen so that every seed 1-5 has a gap >= 0.05 and
-        PPO converges within about 150 iterations (tools/optimum_check.py --matrix)."""
+        PPO converges within about 150 iterations (tools/optimum_check.py --matrix).
+
+        The tiny model gets a position embedding (zero at the start: the reference is the same): the
+        per-token fixed point asks for conditionals that differ by position after the same tokens where
+        pi* and pi_ref hardly do (random:3: after prompt A's "c", total variation 0.33 between the second
+        and third tokens' against 0.05), and one rotary layer did not learn that under sampling noise: the
+        per-token cells ended 0.05 short of the fixed point's gap on average, 0.004 with the embedding
+        (docs/results.md, "Eleventh round")."""
         require(
             1 <= num_prompts <= 26 and 1 <= num_tokens <= 26 and length >= 1,
             "a random task's size",
@@ -338,6 +348,7 @@ class ExactTask:
             reward_function="rlhf_lightning.exact:order_reward",
             reward_kwargs={"tokens": "".join(tokens), "tables": tables},
             model_seed=seed,
+            position_embedding=True,
         )
         centres = (reference_logprobs(task).exp() * task.rewards()).sum(-1)  # E_ref[r | x] with offset 0
         for prompt, centre in zip(prompts, centres.tolist(), strict=True):
@@ -403,6 +414,31 @@ class MaskedHead(nn.Module):
         return self.head(hidden) + self.bias.to(hidden.dtype)
 
 
+class PositionEmbedding(nn.Module):
+    """A learned absolute position embedding added to the input of a decoder's first layer (a forward
+    pre-hook that reads the layer's ``position_ids``), zero at the start so the model computes what it
+    did. The hook is a method of this module, so ``copy.deepcopy`` of the model (the reference, a
+    separate critic's trunk) carries a copy that reads the copy's own weights."""
+
+    def __init__(self, positions: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(positions, width))
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> None:
+        """Add one to a causal LM (``model.model.layers[0]``), as ``model.model.position_embedding``."""
+        config, trunk = model.config, model.model
+        trunk.position_embedding = cls(config.max_position_embeddings, config.hidden_size)
+        trunk.layers[0].register_forward_pre_hook(trunk.position_embedding.add_to_input, with_kwargs=True)
+
+    def add_to_input(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            raise RuntimeError("PositionEmbedding: the decoder layer was called without position_ids")
+        hidden, *rest = args
+        return (hidden + self.weight[positions], *rest), kwargs
+
+
 class ExactPPORLHF(PPORLHF):
     """PPORLHF on an :class:`ExactTask`: the toy tokenizer, a tiny Llama that can only emit
     content tokens, and ``max_new_tokens`` = the task's response length. Every other argument
@@ -418,6 +454,12 @@ class ExactPPORLHF(PPORLHF):
                 f"the task's model_seed {task.model_seed} (it defines pi_ref)",
                 kwargs["seed"],
             )
+        require(
+            not task.position_embedding or kwargs.get("rollout_engine", "hf") == "hf",
+            "the rollout engine of a task with a position embedding",
+            "hf (another engine serves the model without it)",
+            kwargs.get("rollout_engine"),
+        )
         tiny_config = {**EXACT_TINY_CONFIG, **(kwargs.pop("tiny_config", None) or {})}
         # PyTorch's own linear: on a 32-wide model oneDNN's routing (a torch function mode that sees
         # every op) costs more than its kernel saves, 1.5x a matrix cell's time (2026-11-27).
@@ -443,6 +485,12 @@ class ExactPPORLHF(PPORLHF):
         if self.logged is not None:
             dictionary = {name: value for name, value in dictionary.items() if name in self.logged}
         super().log_dict(dictionary, *args, **kwargs)
+
+    def _load_policy(self, empty: bool = False):
+        policy, rows = super()._load_policy(empty)
+        if self.task.position_embedding:  # before the reference and a critic are copied from it
+            PositionEmbedding.attach(policy)
+        return policy, rows
 
     def configure_model(self) -> None:
         if self.policy is not None:

@@ -273,6 +273,34 @@ def test_random_task_is_seeded_centred_and_order_dependent():
         task_named("random:x")
 
 
+def test_random_tasks_position_embedding_starts_at_zero_and_is_each_copys_own():
+    """A random task's tiny model has a learned position embedding (ExactTask.position_embedding) that starts
+    at zero: pi_ref is exactly the model's without it. The reference and a separate critic hold their own
+    copies, so a trained embedding moves the policy only; generate samples with it (the sampler's log-probs
+    are the trainer's); another rollout engine is refused."""
+    import dataclasses
+
+    from rlhf_lightning.exact import TASKS, ExactPPORLHF, ExactTask, reference_logprobs
+
+    task = ExactTask.random(3)
+    assert task.position_embedding and not TASKS["terminal"].position_embedding
+    ref = reference_logprobs(task)
+    torch.testing.assert_close(ref, reference_logprobs(dataclasses.replace(task, position_embedding=False)), rtol=0, atol=0)
+    module = ExactPPORLHF(task, kl_estimator="k1", critic="separate")
+    module.configure_model()
+    weights = [module.policy.model.position_embedding.weight, module.ref_model.model.position_embedding.weight]
+    weights.append(module.critic.trunk.position_embedding.weight)
+    assert len({w.data_ptr() for w in weights}) == 3 and all(float(w.detach().abs().max()) == 0 for w in weights)
+    with torch.no_grad():
+        weights[0].normal_(generator=torch.Generator().manual_seed(0))
+    assert float((module.exact_logprobs() - ref).abs().max()) > 0.5
+    torch.testing.assert_close(module.exact_ref_logprobs(), ref, rtol=0, atol=0)
+    rollout = module.rollout(list(task.prompts) * 4)
+    torch.testing.assert_close(rollout.sampler_logprobs, rollout.trainer_logprobs, rtol=0, atol=1e-5)
+    with pytest.raises(Exception, match="rollout engine of a task with a position embedding"):
+        ExactPPORLHF(task, rollout_engine="vllm")
+
+
 @pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
 def test_train_samples_with_its_own_seed_on_the_tasks_reference():
     """Two sampling seeds on one random task: the same pi_ref and J* (the task's), different trajectories."""

@@ -12,7 +12,8 @@ Each kind of task has its own defaults for what the command line leaves out (:da
 beta 0.5, 100 iterations of 48 responses in 2 minibatches per epoch, 4 per prompt without a critic, the lr
 decayed to 1/10, hand-made; beta 1, 384 responses per iteration and 8 optimizer steps each (8 minibatches
 at one epoch, 2 at four; ``--updates``), 8 per prompt and the lr decayed to 1/50 without a critic, to 1/10 with
-one, 150 iterations but 100 for ``gae`` unless the KL is in the loss per token, random; ``--lr-hold`` holds
+one, 150 iterations but 100 for ``gae`` unless the KL is in the loss per token, where the cells sample 1536
+responses (critic-free) or end on 30 iterations of 1536 (``gae``), random; ``--lr-hold`` holds
 the lr for a fraction of the run before the decay; ``--end-batch-size B --end-iterations N`` sample B responses
 in each of the last N iterations, a quieter end at the same lr: docs/results.md, "Eighth round"; ``--max-grad-norm``
 is the module's gradient clip, 1.0, 0 for none: "Ninth round").
@@ -184,7 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size",
         type=option_number(integer=True, at_least=1),
-        help="responses per iteration, a multiple of the prompts times --num-generations (default: the task's, 48 hand-made, 384 random)",
+        help="responses per iteration, a multiple of the prompts times --num-generations (default: the task's, 48 hand-made, "
+        "384 random, 1536 for a random task's critic-free cells with the KL in the loss per token)",
     )
     parser.add_argument(
         "--end-batch-size",
@@ -194,8 +196,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--end-iterations",
         type=option_number(integer=True, at_least=0),
-        default=0,
-        help="how many of the last iterations sample --end-batch-size responses (default 0)",
+        help="how many of the last iterations sample --end-batch-size responses (default: the task's, 0 but on random "
+        "tasks 30 of 1536 for gae's cells with the KL in the loss per token)",
     )
     parser.add_argument("--lr", type=option_number(above=0), default=2e-3, help="policy and critic learning rate")
     parser.add_argument(
@@ -233,7 +235,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.max_grad_norm = args.max_grad_norm or None  # 0: no clip (the module takes null)
     if args.expected_noise and not (args.matrix and args.expected_gradient):
         parser.error("--expected-noise: only with --matrix --expected-gradient (it adds the sampling noise to the exact path)")
-    if (args.end_batch_size is None) != (not args.end_iterations):
+    if (args.end_batch_size is None) != (args.end_iterations is None):
         parser.error("--end-batch-size and --end-iterations: give both or neither (one alone changes nothing)")
     if args.tabular and (not args.matrix or args.expected_gradient):
         parser.error("--tabular: only with --matrix, and not with --expected-gradient (it samples its responses)")
@@ -337,9 +339,7 @@ def recipe_settings(
     """train() arguments of one KL recipe (a single run's or a matrix cell's) with the task's settings:
     batch, fixed beta, lr and its schedule, epochs and minibatches, the advantage's (:func:`advantage_settings`)."""
     return {
-        "batch_size": settings["batch_size"],
-        "end_batch_size": args.end_batch_size,
-        "end_iterations": args.end_iterations,
+        **{key: recipe_value(settings, key, advantage, placement, scope) for key in ("batch_size", "end_batch_size", "end_iterations")},
         "kl_estimator": estimator,
         "beta_controller": FixedBeta(settings["beta"]),
         "kl_penalty": placement,
@@ -381,7 +381,7 @@ def main(argv=None) -> None:
         print(
             f"task={name} estimator={args.estimator} kl_penalty={args.kl_penalty} kl_loss_scope={args.kl_loss_scope} "
             f"advantage={args.advantage[0]} num_generations={advantage_settings(args, args.advantage[0], settings)['num_generations']} "
-            f"beta={settings['beta']} iterations={iterations_of(settings, args.advantage[0], args.kl_penalty, args.kl_loss_scope)} batch_size={settings['batch_size']} seeds={args.seed} "
+            f"beta={settings['beta']} iterations={iterations_of(settings, args.advantage[0], args.kl_penalty, args.kl_loss_scope)} batch_size={recipe_value(settings, 'batch_size', args.advantage[0], args.kl_penalty, args.kl_loss_scope)} seeds={args.seed} "
             f"temperature={args.temperature} top_p={args.top_p} top_k={args.top_k} engine={args.engine} correction={args.rollout_correction}"
         )
         gaps = [run_single(args, name, task, seed) for seed in args.seed]
@@ -465,6 +465,8 @@ TASK_SETTINGS = {
         "num_generations": 4,
         "lr_final": 0.1,
         "lr_hold": 0.0,
+        "end_batch_size": None,
+        "end_iterations": 0,
     },
     "random": {
         "beta": 1.0,
@@ -473,7 +475,15 @@ TASK_SETTINGS = {
         # run ends and keeps 150, as does every critic-free cell (0.0191 from pi* after 120 with the lr held for
         # half). That puts the issue's gae matrix at 1795 CPU s, 30 minutes (docs/results.md, "Fifth round").
         "iterations": {"gae": 100, "per_token": 150, "critic-free": 150},
-        "batch_size": 384,
+        # A per-token cell's gap moves at first order with where it ends: with 384 responses single sampling seeds
+        # ended up to 0.028 (gae) and 0.042 (critic-free) from the fixed point's gap. gae's cells end on 30
+        # iterations of 1536 (random:3: -0.006 at one and four epochs; 1536 throughout stops 0.014-0.021 short);
+        # the critic-free ones, whose noise is a sequence-level baseline's, sample 1536 throughout (random:3,
+        # rloo and dr_grpo, two seeds each: within 0.019; an end of 1536 left rloo at +0.056): docs/results.md,
+        # "Eleventh round".
+        "batch_size": {"gae": 384, "critic-free": 384, "per_token": {"gae": 384, "critic-free": 1536}},
+        "end_batch_size": {"gae": None, "critic-free": None, "per_token": {"gae": 1536, "critic-free": None}},
+        "end_iterations": {"gae": 0, "critic-free": 0, "per_token": {"gae": 30, "critic-free": 0}},
         "estimators": ["k1", "k3"],
         "placements": ["reward", "loss"],
         "weightings": ["importance"],
@@ -504,11 +514,11 @@ def task_settings(args: argparse.Namespace, name: str) -> dict:
 def by_recipe(setting, advantage: str, scope: str = "n/a"):
     """A task setting that may depend on the recipe (TASK_SETTINGS says why): a plain value (the command
     line's, a hand-made task's), or one per kind of cell: ``per_token`` for a KL in the loss per token where
-    the setting names it, else ``gae`` (a critic) or ``critic-free``."""
+    the setting names it (itself a plain value or one per kind), else ``gae`` (a critic) or ``critic-free``."""
+    if isinstance(setting, dict) and scope == "per_token" and "per_token" in setting:
+        setting = setting["per_token"]
     if not isinstance(setting, dict):
         return setting
-    if scope == "per_token" and "per_token" in setting:
-        return setting["per_token"]
     return setting["gae" if advantage == "gae" else "critic-free"]
 
 
@@ -518,10 +528,16 @@ def final_lr(settings: dict, advantage: str) -> float:
     return by_recipe(settings["lr_final"], advantage)
 
 
+def recipe_value(settings: dict, key: str, advantage: str, placement: str, scope: str):
+    """A run's ``key`` setting (iterations, batch_size, end_batch_size, end_iterations): the command line's or
+    the task kind's, which on random tasks depends on the advantage and, with the KL in the loss, its scope."""
+    return by_recipe(settings[key], advantage, scope if placement == "loss" else "n/a")
+
+
 def iterations_of(settings: dict, advantage: str, placement: str, scope: str) -> int:
     """A run's iterations: the command line's or the task kind's, which on random tasks are fewer for the
     cells with a critic whose KL is right for the whole response or in the reward."""
-    return by_recipe(settings["iterations"], advantage, scope if placement == "loss" else "n/a")
+    return recipe_value(settings, "iterations", advantage, placement, scope)
 
 
 def num_minibatches(settings: dict, epochs: int) -> int:
@@ -660,7 +676,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             cell.estimator,
             scope,
             iterations=iterations,
-            responses=settings["batch_size"],
+            responses=recipe_value(settings, "batch_size", cell.advantage, cell.placement, cell.scope),  # no end batch
             epochs=cell.epochs,
             updates=num_minibatches(settings, cell.epochs) * cell.epochs,
             lr=args.tabular_lr,
@@ -685,7 +701,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             kl_loss_scope=scope,
             ppo_epochs=cell.epochs,
             num_minibatches=num_minibatches(settings, cell.epochs),
-            responses=settings["batch_size"] if args.expected_noise else None,
+            responses=recipe_value(settings, "batch_size", cell.advantage, cell.placement, cell.scope) if args.expected_noise else None,
             seed=cell.seed,
             max_grad_norm=args.max_grad_norm,
             log_samples_every_n_steps=0,
