@@ -12,8 +12,8 @@ Each kind of task has its own defaults for what the command line leaves out (:da
 beta 0.5, 100 iterations of 48 responses in 2 minibatches per epoch, 4 per prompt without a critic, the lr
 decayed to 1/10, hand-made; beta 1, 384 responses per iteration and 8 optimizer steps each (8 minibatches
 at one epoch, 2 at four; ``--updates``), 8 per prompt and the lr decayed to 1/50 without a critic, to 1/10 with
-one, 150 iterations but 100 for ``gae`` unless the KL is in the loss per token, where the cells sample 1536
-responses (critic-free) or end on 30 iterations of 1536 (``gae``), random; ``--lr-hold`` holds
+one, 150 iterations, and with the KL in the loss per token 1536 responses (critic-free) or an end of 30
+iterations of 1536 (``gae``), random; ``--lr-hold`` holds
 the lr for a fraction of the run before the decay; ``--end-batch-size B --end-iterations N`` sample B responses
 in each of the last N iterations, a quieter end at the same lr: docs/results.md, "Eighth round"; ``--max-grad-norm``
 is the module's gradient clip, 1.0, 0 for none: "Ninth round").
@@ -142,7 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--iterations",
         type=option_number(integer=True, at_least=1),
-        help="PPO iterations (default: 100 hand-made; random 150, gae's cells 100 unless per token)",
+        help="PPO iterations (default: 100 hand-made; random 150)",
     )
     parser.add_argument(
         "--seed",
@@ -470,11 +470,11 @@ TASK_SETTINGS = {
     },
     "random": {
         "beta": 1.0,
-        # Cells with a critic whose KL is right for the whole response (or k1 in the reward) are within 0.0097 of
-        # pi* after 100 iterations (0.0060 after 150); a per-token cell's gap moves at first order with where the
-        # run ends and keeps 150, as does every critic-free cell (0.0191 from pi* after 120 with the lr held for
-        # half). That puts the gae matrix at 1795 CPU s, 30 minutes (docs/results.md, "Fifth round").
-        "iterations": {"gae": 100, "per_token": 150, "critic-free": 150},
+        # 150 for every cell: with a critic, 100 left k1 in the reward on random:3 at one epoch 0.0224 from pi* on
+        # sampling seed 0 and 0.0265 on seed 2 (with and without the position embedding; 0.0011 and 0.0148 after
+        # 150); critic-free cells settled within 0.0191 only after 150 (docs/results.md, "Fifth round" and
+        # "Eleventh round").
+        "iterations": 150,
         # A per-token cell's gap moves at first order with where it ends: with 384 responses single sampling seeds
         # ended up to 0.028 (gae) and 0.042 (critic-free) from the fixed point's gap. gae's cells end on 30
         # iterations of 1536 (random:3: -0.006 at one and four epochs; 1536 throughout stops 0.014-0.021 short);
