@@ -186,6 +186,23 @@ def test_iteration_costs_count_each_pass_once(tiny_shape):
     assert bench.iteration_costs(tiny_shape, **one, critic_trainable=400, prompts=4) == bench.iteration_costs(
         tiny_shape, **one, critic_trainable=400
     )
+    # Both (GRPO's groups of a chat template: 2 distinct prompts that share their first token): every pass over the
+    # distinct prompts, the prefill's included, runs that token once for one row, then each prompt's rest on it.
+    two_level = bench.iteration_costs(tiny_shape, **one, critic_trainable=400, prompts=2, common_prefix=1)
+    assert two_level["rollout"] == [
+        bench.forward_cost(tiny_shape, 1, 1, 0, 1),
+        bench.forward_cost(tiny_shape, 2, 1, 1, 1),
+        *shared["rollout"][1:],
+    ]
+    prompts_once = [bench.forward_cost(tiny_shape, 1, 1, 0, 1), bench.forward_cost(tiny_shape, 2, 2, 1, 1)]
+    assert two_level["score"] == [*prompts_once, by_rows[1]] * 2
+    assert two_level["update"][:6] == [
+        *prompts_once,
+        by_rows[1],
+        bench.backward_cost(tiny_shape, 1, 1, 1, True),
+        bench.backward_cost(tiny_shape, 2, 2, 1, True, past=1),
+        bench.backward_cost(tiny_shape, 4, 1, 1, True, past=3),
+    ]
     # A common prefix (2 of the 3 prompt tokens, every prompt distinct): each policy, reference and critic pass is
     # one over those tokens for one row (a causal LM's last logits) and one over every row's 3 other positions.
     prefixed = bench.iteration_costs(tiny_shape, **common, critic_trainable=400, common_prefix=2)

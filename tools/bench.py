@@ -558,7 +558,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
 
     from rlhf_lightning.cli import QUIET_TRAINER
     from rlhf_lightning.fsdp2 import FSDP2Strategy
-    from rlhf_lightning.prefix import trim_left_padding
+    from rlhf_lightning.prefix import common_prefix, trim_left_padding
 
     quiet()
     load_before = os.getloadavg()[0]
@@ -609,7 +609,12 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     totals = [sum(it.values()) for it in recorder.iterations]
     median = statistics.median
     enc, last = module.last_encoding, module.last_rollout
-    _, common = module._shared_prompt_tokens(*trim_left_padding(last.input_ids, last.attention_mask), last.response.shape[1])
+    ids, mask = trim_left_padding(last.input_ids, last.attention_mask)
+    shared, common = module._shared_prompt_tokens(ids, mask, last.response.shape[1])
+    if shared is not None:  # the distinct prompts' common beginning, run once in their pass (prefix._prompts_once)
+        prompt_len = ids.shape[1] - last.response.shape[1]
+        prompt_ids, prompt_mask = trim_left_padding(ids[shared[0], :prompt_len], mask[shared[0], :prompt_len])
+        common = common_prefix(prompt_ids, prompt_mask, prompt_ids.shape[1])
     costs = iteration_costs(
         ModelShape.of(module.policy),
         batch=int(enc["input_ids"].shape[0]),
@@ -934,10 +939,12 @@ def iteration_costs(
     the prefill is then one pass over them but their last token, whose position every row runs as
     its first decode step, and each policy and reference pass one over the prompts (where fewer than
     its rows) and one over every row's responses on their keys and values (a separate critic's trunk
-    runs whole rows). ``common_prefix``: where no prompt repeats, the first tokens all prompts share
-    (``prefix.common_prefix``): each policy, reference and separate-critic pass is then one over them for
+    runs whole rows). ``common_prefix``: the first tokens all prompts share (``prefix.common_prefix``).
+    Where no prompt repeats, each policy, reference and separate-critic pass is then one over them for
     one row and one over every row's rest, and the prefill one over them, one over every row's prompt after
-    them but its last token, then that token for every row (``prefix.prompt_cache``)."""
+    them but its last token, then that token for every row (``prefix.prompt_cache``); where prompts repeat,
+    each pass over the distinct prompts (the prefill's included) is one over them for one row and one over
+    each distinct prompt's rest (``prefix._prompts_once``)."""
     w, seq, rows = word_bytes, prompt_len + response_len, batch // num_minibatches
 
     def forwards(n: int, lora: int, logits: int = response_len + 1) -> list[tuple[float, float]]:
@@ -950,9 +957,16 @@ def iteration_costs(
             ]
         if not prompts or prompts >= n or not logits:
             return [forward_cost(shape, n, seq, 0, logits, lora, w)]
+        return [*prompt_forwards(prompt_len, lora), forward_cost(shape, n, response_len - 1, prompt_len, response_len - 1, lora, w)]
+
+    def prompt_forwards(length: int, lora: int) -> list[tuple[float, float]]:
+        """The pass over the distinct prompts' first ``length`` tokens, the last one's logits: their common
+        beginning once where they share one (``prefix._prompts_once``)."""
+        if not 0 < common_prefix < length:
+            return [forward_cost(shape, prompts, length, 0, 1, lora, w)]
         return [
-            forward_cost(shape, prompts, prompt_len, 0, 1, lora, w),
-            forward_cost(shape, n, response_len - 1, prompt_len, response_len - 1, lora, w),
+            forward_cost(shape, 1, common_prefix, 0, 1, lora, w),
+            forward_cost(shape, prompts, length - common_prefix, common_prefix, 1, lora, w),
         ]
 
     def backwards(n: int, logits: int = response_len + 1, lora: int = lora_params) -> list[tuple[float, float]]:
@@ -964,13 +978,17 @@ def iteration_costs(
             ]
         if not prompts or prompts >= n or not logits:
             return [backward_cost(shape, n, seq, logits, trains, lora, w)]
-        return [
-            backward_cost(shape, prompts, prompt_len, 1, trains, lora_params, w),
-            backward_cost(shape, n, response_len - 1, response_len - 1, trains, lora_params, w, past=prompt_len),
-        ]
+        if 0 < common_prefix < prompt_len:  # the distinct prompts' common beginning once
+            prompt_passes = [
+                backward_cost(shape, 1, common_prefix, 1, trains, lora_params, w),
+                backward_cost(shape, prompts, prompt_len - common_prefix, 1, trains, lora_params, w, past=common_prefix),
+            ]
+        else:
+            prompt_passes = [backward_cost(shape, prompts, prompt_len, 1, trains, lora_params, w)]
+        return [*prompt_passes, backward_cost(shape, n, response_len - 1, response_len - 1, trains, lora_params, w, past=prompt_len)]
 
     if prompts and prompts < batch:  # the distinct prompts but their last token, then that token for every row
-        rollout = [forward_cost(shape, prompts, prompt_len - 1, 0, 1, 0, w)]
+        rollout = prompt_forwards(prompt_len - 1, 0)
         rollout += [forward_cost(shape, batch, 1, prompt_len - 1 + step, 1, 0, w) for step in range(response_len)]
     elif 0 < common_prefix < prompt_len - 1:  # the common beginning once, every row's prompt after it but its last token, then that token
         rollout = [forward_cost(shape, 1, common_prefix, 0, 1, 0, w)]
