@@ -319,9 +319,9 @@ class ExactTask:
         The tiny model gets a position embedding (zero at the start: the reference is the same): the
         per-token fixed point asks for conditionals that differ by position after the same tokens where
         pi* and pi_ref hardly do (random:3: after prompt A's "c", total variation 0.33 between the second
-        and third tokens' against 0.05), and one rotary layer did not learn that under sampling noise: the
-        per-token cells ended 0.05 short of the fixed point's gap on average, 0.004 with the embedding
-        (docs/results.md, "Eleventh round")."""
+        and third tokens' against 0.05), and one rotary layer did not learn that under sampling noise: rloo's
+        per-token cell there ended 0.050 short of the fixed point's gap on average over four sampling seeds,
+        0.004 with the embedding (docs/results.md, "Eleventh round")."""
         require(
             1 <= num_prompts <= 26 and 1 <= num_tokens <= 26 and length >= 1,
             "a random task's size",

@@ -72,11 +72,15 @@ SOFT_LAMBDAS = np.geomspace(0.05, 20, 25)
 
 
 def exact_mode(args: argparse.Namespace) -> str:
-    from optimum_check import TASK_SETTINGS  # what each kind of task converges with (iterations, responses per iteration)
+    from optimum_check import TASK_SETTINGS, by_recipe  # what each kind of task converges with (iterations, responses per iteration)
     from regulariser_frontier import PPO  # the PPO settings that put the KL penalty on the frontier there
 
     kind = TASK_SETTINGS["random" if args.task.startswith("random:") else "hand-made"]
-    iterations, batch_size = args.iterations or kind["iterations"], args.batch_size or kind["batch_size"]
+    # PPO's cells: k1 in the reward with a critic
+    iterations, batch_size = (
+        args.iterations or by_recipe(kind["iterations"], "gae"),
+        args.batch_size or by_recipe(kind["batch_size"], "gae"),
+    )
     task = task_named(args.task)
     ref, rewards = reference_logprobs(task, args.seed), task.rewards()
     curve = [fr.tilted_point(ref, rewards, float(b)) for b in FRONTIER_BETAS]

@@ -67,7 +67,7 @@ over its sampling seeds: where the cell sits, and how far one seed strays from i
 expectation (:func:`rlhf_lightning.exact.expected_train`: all responses enumerated, weighted by pi_old, the
 exact advantage, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
 gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
-cell adds to them is noise. Every cell trains the task kind's longest run (150 iterations on a random task).
+cell adds to them is noise. Every cell trains the task kind's iterations (150 on a random task).
 ``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.tabular.sampled_ppo`:
 one logit vector per prompt and prefix, sampled responses, the module's loss pieces, the exact advantage for
 ``gae`` or the critic-free estimator's own, Adam at ``--tabular-lr``), about a second a cell: where the loss
@@ -535,8 +535,7 @@ def recipe_value(settings: dict, key: str, advantage: str, placement: str, scope
 
 
 def iterations_of(settings: dict, advantage: str, placement: str, scope: str) -> int:
-    """A run's iterations: the command line's or the task kind's, which on random tasks are fewer for the
-    cells with a critic whose KL is right for the whole response or in the reward."""
+    """A run's iterations: the command line's or the task kind's (:func:`recipe_value`)."""
     return recipe_value(settings, "iterations", advantage, placement, scope)
 
 
@@ -661,9 +660,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     settings = task_settings(args, cell.task)
     weighting = "importance" if cell.weighting == "importance" else "none"
     scope = "per_token" if cell.scope == "per_token" else "sequence"
-    # --expected-gradient: the task kind's longest run for every cell, sequence and per token alike (its figures)
-    longest = max(settings["iterations"].values()) if isinstance(settings["iterations"], dict) else settings["iterations"]
-    iterations = longest if args.expected_gradient else iterations_of(settings, cell.advantage, cell.placement, cell.scope)
+    iterations = iterations_of(settings, cell.advantage, cell.placement, cell.scope)
     start = time.perf_counter()
     if args.tabular:
         task = task_named(cell.task)
