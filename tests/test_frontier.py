@@ -362,9 +362,11 @@ def test_smollm2_mode_on_the_tiny_config_prints_the_meter_and_its_fall(tmp_path,
 
 @pytest.mark.convergence
 def test_annealed_beta_reaches_the_optimum_a_fixed_beta_stops_short_of():
-    """random:3 at beta 0.5, k1 in the reward, 150 iterations of 384 (tools/frontier.py's settings): fixed, PPO
-    stops at gap 0.0232 below the frontier (a mode the sampler stopped visiting, docs/results.md); annealed from
-    beta 2 over the first 75 iterations it ends at 0.0008 (KL(pi || pi*) 0.0057, against 0.273)."""
+    """random:3 at beta 0.5, k1 in the reward, 150 iterations of 384 (tools/frontier.py's settings), sampling seeds
+    0, 1, 2: annealed from beta 2 over the first 75 iterations, every run ends within 0.005 of the frontier (0.0008,
+    0.0004, 0.0003); fixed, most stop about 0.022 below it (0.0012, 0.0220, 0.0221: a mode the sampler stops
+    visiting, which seed 0 finds by chance since the random tasks' network has a position embedding; 0.0232,
+    0.0225, 0.0231 without it; docs/results.md)."""
     import frontier as tool
 
     from rlhf_lightning.exact import train
@@ -373,16 +375,16 @@ def test_annealed_beta_reaches_the_optimum_a_fixed_beta_stops_short_of():
 
     task = task_named("random:3")
     ref, rewards = reference_logprobs(task, 0), task.rewards()
-    gaps = {}
-    for anneal_from in (None, 2.0):
+    gaps = {None: [], 2.0: []}
+    for seed, anneal_from in itertools.product((0, 1, 2), gaps):
         _, tracker = train(
             task,
             150,
             every=150,
-            seed=0,
+            seed=seed,
             kl_estimator="k1",
             beta_controller=tool.beta_ctl(0.5, anneal_from, 150),
             **{**PPO, "batch_size": 384},
         )
-        gaps[anneal_from] = fr.frontier_gap(fr.PlanePoint(kl=tracker.last["kl_to_ref"], reward=tracker.last["reward"]), ref, rewards)
-    assert gaps[None] > 0.02 and gaps[2.0] < 0.005, gaps
+        gaps[anneal_from].append(fr.frontier_gap(fr.PlanePoint(kl=tracker.last["kl_to_ref"], reward=tracker.last["reward"]), ref, rewards))
+    assert max(gaps[2.0]) < 0.005 and sorted(gaps[None])[1] > 0.02, gaps
