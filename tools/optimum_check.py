@@ -70,7 +70,7 @@ gradient leads (the sequence cells to pi*, the per-token ones to their fixed poi
 cell adds to them is noise. Every cell trains the task kind's iterations (150 on a random task).
 ``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.tabular.sampled_ppo`:
 one logit vector per prompt and prefix, sampled responses, the module's loss pieces, the exact advantage for
-``gae`` or the critic-free estimator's own, Adam at ``--tabular-lr``), about a second a cell: where the loss
+``gae`` or the critic-free estimator's own, Adam at ``--tabular-lr``, one batch size: the cell's, without an end batch), about a second a cell: where the loss
 settles when no network couples the states. ``--expected-noise`` puts the noise back and nothing else: each step weighs the responses by a draw of
 ``--batch-size`` from pi_old (the ``--seed``'s) instead of by pi_old, the advantage and loss still exact; with
 several seeds the SEEDS lines give where a per-token cell sits under that noise and how far one seed strays.
