@@ -496,8 +496,8 @@ def matrix_cell(
 
 
 # (advantage, the matrix cell and overrides of it, bound on the gap at 4 epochs). Measured 2026-11-28 with the
-# random tasks' position embedding (docs/results.md, "Eleventh round"): see the MATRIX figures there; the
-# cells' random:3 gaps are this test's. grpo is not among them: its division by the group std weighs each
+# random tasks' position embedding, in the matrix (docs/results.md, "Eleventh round"): 0.0014, 0.0066, 0.0062,
+# (gae-k3-both is not a matrix cell), 0.0077. grpo is not among them: its division by the group std weighs each
 # prompt's reward against its KL differently (args warns).
 RECOMMENDED = [
     pytest.param("gae", dict(estimator="k1", placement="reward"), 0.02, id="gae-k1-reward"),
@@ -530,11 +530,9 @@ def test_per_token_scope_lands_at_its_fixed_point(advantage, epochs):
 @pytest.mark.convergence
 def test_matrix_on_a_random_task_separates_the_classes(capsys):
     """tools/optimum_check.py --matrix on random:3 with k3, one epoch (8 minibatches): the unbiased cell within
-    0.02 of pi*, the per-token cell near its fixed point, the biased one (k3 in the reward) far off (measured
-    2026-11-28: 0.0036 after its 100 iterations, 0.2206 against 0.2291, 0.6272; with the inverse-CDF draw of
-    the hf engine, another random stream: 0.0044, 0.0264 from it, 0.6271). A per-token cell strays from its fixed
-    point by up to 0.028 on a single sampling seed (within 0.0161 as the mean over two: docs/results.md),
-    so it is held to 0.03 here: the classes are still 0.17 and more apart."""
+    0.02 of pi*, the per-token cell within 0.02 of its fixed point, the biased one (k3 in the reward) far off
+    (measured 2026-11-28 with the random tasks' position embedding and the per-token cells' end of 1536
+    responses: 0.0016, 0.2226 against 0.2291, 1.1976; docs/results.md, "Eleventh round")."""
     import optimum_check
 
     optimum_check.main(["--matrix", "--task", "random:3", "--estimators", "k3", "--epochs", "1", "--jobs", "2"])
@@ -544,5 +542,5 @@ def test_matrix_on_a_random_task_separates_the_classes(capsys):
     assert classes == {("reward", "n/a"): "biased", ("loss", "sequence"): "unbiased", ("loss", "per_token"): "per_token"}
     summary = dict(item.split("=") for item in next(line for line in out.splitlines() if line.startswith("MATRIX ")).split()[1:])
     assert float(summary["unbiased_max_gap"]) <= 0.02, summary
-    assert float(summary["per_token_max_deviation"]) <= 0.03, summary
+    assert float(summary["per_token_max_deviation"]) <= 0.02, summary
     assert float(summary["biased_min_gap"]) > 0.2, summary
