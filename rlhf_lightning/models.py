@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rlhf_lightning import fsdp2, gpu, prefix, sampling
+from rlhf_lightning import cpu, fsdp2, gpu, prefix, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
 from rlhf_lightning.interfaces import Samples
@@ -690,7 +689,7 @@ def float32_head(model: nn.Module, hidden: Optional[list] = None):
         # Contiguous: without autograd, matmul does not fold the strided slice that ``logits_to_keep``
         # leaves into one product, and runs a batched one over the rows (1.4x the time on CPU).
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.float().contiguous(), head.weight.float(), bias)
+            return cpu.output_layer(x.float().contiguous(), head.weight.float(), bias)
 
     head.forward = forward
     try:

@@ -94,6 +94,56 @@ def test_tiny_llama_under_onednn_matches_aten():
 
 
 @needs_onednn
+def test_output_layer_runs_the_vocabulary_in_chunks_only_without_autograd_outside_onednn():
+    """cpu.output_layer: without autograd on a CPU, one product per VOCAB_CHUNK rows of the output layer, whose
+    values are the single product's (to float rounding); with autograd, inside the oneDNN route or for a layer
+    of at most two chunks, one F.linear."""
+    from torch.overrides import TorchFunctionMode
+
+    class CountLinear(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += func is F.linear
+            return func(*args, **(kwargs or {}))
+
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(3 * cpu.VOCAB_CHUNK + 5, 16, generator=generator), torch.randn(3 * cpu.VOCAB_CHUNK + 5, generator=generator)
+    x = torch.randn(2, 3, 16, generator=generator)
+    with torch.no_grad(), CountLinear() as count:
+        out = cpu.output_layer(x, weight, bias)
+    assert count.calls == 4
+    torch.testing.assert_close(out, F.linear(x, weight, bias))
+    with CountLinear() as count:
+        trained = cpu.output_layer(x.clone().requires_grad_(), weight, bias)
+    assert count.calls == 1 and trained.requires_grad
+    with torch.no_grad(), CountLinear() as count:
+        cpu.output_layer(x, weight[: 2 * cpu.VOCAB_CHUNK])
+    assert count.calls == 1
+    if cpu.onednn_available():
+        with torch.no_grad(), cpu.onednn_linear(), CountLinear() as count:
+            assert cpu.onednn_route_active()
+            torch.testing.assert_close(cpu.output_layer(x, weight, bias), out)
+        assert count.calls == 1 and not cpu.onednn_route_active()
+
+
+def test_the_rollout_samples_the_same_with_the_output_layer_in_chunks(monkeypatch):
+    """The hf engine's decode with the output layer in chunks of 8 vocabulary rows draws the very tokens, and
+    records the logits, of the same decode with one product per step (the tiny model's vocabulary: 13 chunks)."""
+    from helpers import make_module
+
+    module = make_module(max_new_tokens=6, min_new_tokens=6)
+    module.configure_model()
+    enc = module.encode_prompts(["abc", "hello", "xyz", "q"])
+    samples = {}
+    for chunk in (10**9, 8):
+        monkeypatch.setattr(cpu, "VOCAB_CHUNK", chunk)
+        samples[chunk] = module.rollout_engine.sample(module, enc, seed=3)
+    assert module.policy.get_output_embeddings().weight.shape[0] > 2 * 8
+    assert torch.equal(samples[8].sequences, samples[10**9].sequences)
+    torch.testing.assert_close(samples[8].logits, samples[10**9].logits)
+
+
 def test_auto_resolves_to_onednn_where_aten_dispatches_full_width_avx512_else_to_aten(monkeypatch):
     for capability, half_width, kernel in (
         ("AVX512", False, "onednn"),
