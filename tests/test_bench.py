@@ -286,3 +286,23 @@ def test_reset_peak_rss_starts_the_peak_again_from_the_current_rss():
     assert high >= held - 1 and high - bench.rss_mb() > 150
     assert bench.reset_peak_rss()
     assert bench.peak_rss_mb() < high - 150
+
+
+def test_decode_bench_leaves_every_product_out_and_puts_each_back():
+    """``decode_bench.products_left_out``: inside, every linear (the output layer's included) returns zeros
+    of its output's shape, so the logits are all zero; on leaving, the model computes what it did before."""
+    import decode_bench
+    import torch
+
+    from rlhf_lightning.models import load_causal_lm
+
+    model = load_causal_lm("tiny", vocab_size=40)
+    ids = torch.randint(0, 40, (3, 7))
+    with torch.no_grad():
+        before = model(ids).logits
+        with decode_bench.products_left_out(model):
+            inside = model(ids).logits
+        after = model(ids).logits
+    assert before.abs().min() > 0 and torch.equal(inside, torch.zeros(3, 7, 40))
+    assert torch.equal(after, before)
+    assert not any("forward" in m.__dict__ for m in model.modules())

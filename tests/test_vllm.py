@@ -154,10 +154,11 @@ def test_resume_draws_the_same_responses(tmp_path):
 
 
 def test_training_with_vllm_reaches_the_declared_optimum_with_the_correction():
-    """``optimum_check --engine vllm --temperature 0.7 --top-p 0.8 --beta 1 --rollout-correction tis`` (about
+    """``optimum_check --engine vllm --temperature 0.7 --top-p 0.9 --beta 1 --rollout-correction tis`` (about
     30 s): vLLM samples, log pi_old from the trainer's forward weighted by the truncated IS ratio; the gap
-    to the declared objective's optimum is <= 0.02 and that optimum is not a point mass (3.67 of 27
-    responses kept per prompt, top probability 0.67, KL(pi*||ref) 0.16 when measured)."""
-    last, kept = declared_optimum_run(rollout_engine=small_engine(), old_logprobs="forward", rollout_correction="tis")
+    to the declared objective's optimum is <= 0.02 and that optimum is not a point mass. Top-p 0.9 as in
+    the hf engine's test: at 0.8 the kept sets shrink to one response on some sampling streams (2 kept,
+    top probability 0.88 with hf on 2026-11-28), where the optimum is that response."""
+    last, kept = declared_optimum_run(rollout_engine=small_engine(), old_logprobs="forward", rollout_correction="tis", top_p=0.9)
     assert last["gap"] <= 0.02
     assert 2 <= kept["responses"] < 27 and kept["optimum_top_prob"] < 0.8 and last["optimum_kl_to_ref"] > 0.05

@@ -10,7 +10,10 @@ The rows: ``generate`` with PyTorch's own CPU linear kernel (MKL) and with oneDN
 (``model.cpu_linear``, what the module uses on a CPU), ``generate`` with a preallocated (static)
 KV cache, a hand-written KV-cached sampling loop over the model's forward, and with
 ``--compile`` the static-cache ``generate`` with the model's forward compiled by ``torch.compile``
-(inductor; its first call, the compilation, is reported on its own and left out of the median).
+(inductor; its first call, the compilation, is reported on its own and left out of the median),
+and ``generate`` with every product left out (each ``nn.Linear``, the output layer's included,
+returns zeros of its output's shape): what a decode step costs beyond its products (attention, the
+KV cache, norms, the draw, the calls' overhead).
 All draw from the untruncated distribution (top_k = 0, top_p = 1, temperature 1) with the same
 seed, so under one kernel they must draw the very same tokens as that kernel's ``generate``: a
 difference is reported (under the other kernel the logits differ by rounding, and a token may
@@ -18,11 +21,18 @@ too). Rounds alternate the rows so a drifting load hits all alike; the table giv
 median seconds, its ratio to ``generate`` with the default kernel, and the decode floor of the
 roofline (``tools/bench.py``: prefill compute, then each step's weights and KV cache read, at
 this machine's measured rates).
+
+The last line, ``DECODE rest_s=<s> floor_s=<s> products_allowed=<r>``: the row without products,
+the floor, and what the products may take at most, in floors, for ``generate`` to stay within 1.6x of
+the floor (issue 30's bar): 1.6 - rest_s / floor_s. The products' own floor is most of the floor
+(attention's share is small), so a value near 1 asks of the products the matmul rate and the read
+bandwidth at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import sys
@@ -64,6 +74,22 @@ def sample_loop(model, input_ids, attention_mask, max_new_tokens: int, eos_token
     return torch.cat(tokens, dim=1)
 
 
+@contextlib.contextmanager
+def products_left_out(model):
+    """Every ``nn.Linear`` of ``model`` returns zeros of its output's shape while inside: a decode
+    step without its products (instance attributes, removed on leaving)."""
+    import torch
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for m in linears:
+        m.forward = lambda x, out=m.out_features: x.new_zeros(*x.shape[:-1], out)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=option_number(integer=True, at_least=1), default=4)
@@ -80,8 +106,6 @@ def main() -> None:
     if args.engine:
         compare_engines(args)
         return
-    import contextlib
-
     import torch
     from transformers import GenerationConfig
 
@@ -135,6 +159,13 @@ def main() -> None:
     )
     if compiled is not None:
         runs[("generate, static cache, torch.compile", "aten")] = ("aten", generate(static, compiled))
+    rest = ("generate, products left out", default_kernel)
+
+    def without_products():
+        with products_left_out(model):
+            return generate(config)()
+
+    runs[rest] = (default_kernel, without_products)
     seconds, tokens, compile_s = {name: [] for name in runs}, {}, None
     for round_ in range(args.rounds + 1):  # round 0 warms up (and compiles)
         for name, (kernel, run) in runs.items():
@@ -147,7 +178,9 @@ def main() -> None:
                 seconds[name].append(elapsed)
             elif "torch.compile" in name[0]:
                 compile_s = elapsed
-        same = {f"{n[0]} [{n[1]}]": torch.equal(tokens[n], tokens[("generate", runs[n][0])]) for n in runs if n[0] != "generate"}
+        same = {
+            f"{n[0]} [{n[1]}]": torch.equal(tokens[n], tokens[("generate", runs[n][0])]) for n in runs if n[0] != "generate" and n != rest
+        }
         print(
             f"round {round_}: "
             + ", ".join(f"{n[0]} [{n[1]}] {s[-1]:.3f} s" for n, s in seconds.items() if round_)
@@ -169,6 +202,8 @@ def main() -> None:
     for (name, kernel), values in seconds.items():
         median = statistics.median(values)
         print(f"| {name} [{kernel}] | {median:.3f} | {median / base:.3f} | {median / floor:.2f} ({floor:.3f} s) |")
+    rest_s = statistics.median(seconds[rest])
+    print(f"DECODE rest_s={rest_s:.3f} floor_s={floor:.3f} products_allowed={1.6 - rest_s / floor:.3f}")
 
 
 def compare_engines(args: argparse.Namespace) -> None:
