@@ -12,8 +12,10 @@ KV cache, a hand-written KV-cached sampling loop over the model's forward, and w
 ``--compile`` the static-cache ``generate`` with the model's forward compiled by ``torch.compile``
 (inductor; its first call, the compilation, is reported on its own and left out of the median),
 and ``generate`` with every product left out (each ``nn.Linear``, the output layer's included,
-returns zeros of its output's shape): what a decode step costs beyond its products (attention, the
-KV cache, norms, the draw, the calls' overhead).
+returns zeros of its output's shape) drawing as the module's ``hf`` engine does (``DeclaredDraw``: one
+uniform per row, where the other rows' ``multinomial`` takes one exponential per row and token): what
+the module's decode costs beyond its products (attention, the KV cache, norms, the draw, the calls'
+overhead).
 All draw from the untruncated distribution (top_k = 0, top_p = 1, temperature 1) with the same
 seed, so under one kernel they must draw the very same tokens as that kernel's ``generate``: a
 difference is reported (under the other kernel the logits differ by rounding, and a token may
@@ -44,6 +46,7 @@ from rlhf_lightning.checks import option_number
 
 import bench
 import isa
+import roofline
 
 
 @__import__("torch").no_grad()
@@ -107,10 +110,11 @@ def main() -> None:
         compare_engines(args)
         return
     import torch
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, LogitsProcessorList
 
     from rlhf_lightning import cpu
     from rlhf_lightning.models import load_causal_lm, load_tokenizer
+    from rlhf_lightning_plugins.rollout_engines import DeclaredDraw
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -159,11 +163,15 @@ def main() -> None:
     )
     if compiled is not None:
         runs[("generate, static cache, torch.compile", "aten")] = ("aten", generate(static, compiled))
-    rest = ("generate, products left out", default_kernel)
+    rest = ("generate, products left out, the module's draw", default_kernel)
+    greedy = GenerationConfig(
+        **{**config.to_dict(), "do_sample": False, "temperature": None, "top_k": None, "top_p": None, "min_new_tokens": None}
+    )
+    draw = DeclaredDraw(1.0, 0, 1.0, tokenizer.eos_token_id, args.max_new_tokens, prompt_len)
 
     def without_products():
         with products_left_out(model):
-            return generate(config)()
+            return model.generate(**enc, generation_config=greedy, logits_processor=LogitsProcessorList([draw]))[:, prompt_len:]
 
     runs[rest] = (default_kernel, without_products)
     seconds, tokens, compile_s = {name: [] for name in runs}, {}, None
@@ -187,10 +195,10 @@ def main() -> None:
             + f"; same tokens as generate under the same kernel: {same}",
             flush=True,
         )
-    peaks = bench.machine_peaks()
-    shape = bench.ModelShape.of(model)
-    passes = bench.iteration_costs(shape, args.batch_size, prompt_len, args.max_new_tokens, 1, 1, 0)["rollout"]
-    floor = bench.floor_seconds(passes, peaks["flops_per_s"], peaks["bytes_per_s"])
+    peaks = roofline.machine_peaks()
+    shape = roofline.ModelShape.of(model)
+    passes = roofline.iteration_costs(shape, args.batch_size, prompt_len, args.max_new_tokens, 1, 1, 0)["rollout"]
+    floor = roofline.floor_seconds(passes, peaks["flops_per_s"], peaks["bytes_per_s"])
     print(
         f"\n{torch.get_num_threads()} thread(s), {peaks['flops_per_s'] / 1e9:.1f} GFLOP/s, {peaks['bytes_per_s'] / 1e9:.1f} GB/s; "
         f"batch {args.batch_size}, prompt {prompt_len} tokens padded, {args.max_new_tokens} new tokens; medians of {args.rounds}"

@@ -15,7 +15,7 @@ forward+backward of every layer over the summed aten time.
 (30 blocks of 7, and the LM head) each with a weight of its own, read from memory once per step rather
 than hot in cache from the previous round, for each given number of rows. It prints, per kernel, the
 step's milliseconds, its GFLOP/s and the rate at which it gets through the weights (GB/s), beside the
-read bandwidth (``bench.machine_peaks``: a 512 MB sum), and ``DECODE rows=<n> aten_weights_gbps=<..> read_gbps=<..>`` lines: a
+read bandwidth (``roofline.machine_peaks``: a 512 MB sum), and ``DECODE rows=<n> aten_weights_gbps=<..> read_gbps=<..>`` lines: a
 step's floor is its weights' read, so weights_gbps / read_gbps is how near the products come to it.
 """
 
@@ -119,13 +119,13 @@ def decode_report(row_counts: list[int], rounds: int) -> None:
 
     from rlhf_lightning import cpu
 
-    import bench
+    import roofline
 
     block = [SHAPES[name] for name in ("q_proj/o_proj", "k_proj/v_proj", "k_proj/v_proj", "q_proj/o_proj")]
     block += [SHAPES["gate/up_proj"]] * 2 + [SHAPES["down_proj"]]
     weights = [torch.randn(shape) for _ in range(30) for shape in block] + [torch.randn(SHAPES["lm_head"])]
     weight_gb = sum(w.numel() * w.element_size() for w in weights) / 1e9
-    read_gbps = bench.machine_peaks()["bytes_per_s"] / 1e9
+    read_gbps = roofline.machine_peaks()["bytes_per_s"] / 1e9
     print(f"\ndecode step: {len(weights)} products, {weight_gb:.2f} GB of weights; read bandwidth {read_gbps:.1f} GB/s")
     print("| rows | kernel | ms / step | GFLOP/s | weights GB/s |")
     print("|---:|---|---:|---:|---:|")
