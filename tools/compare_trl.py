@@ -4,8 +4,8 @@ project's CLI, or (``--grpo``) TRL 1.16's GRPOTrainer against ``configs/grpo.yam
     pip install "rlhf-lightning[bench]"            # TRL 1.12, in a separate environment is best
     python tools/compare_trl.py                    # 2 rounds of 1 warm-up + 3 timed iterations per run
     python tools/compare_trl.py --quick            # 1 round of 1 warm-up + 2 timed iterations
-    python tools/compare_trl.py --trl-python /work/trl-venv/bin/python --threads 1
-    python tools/compare_trl.py --grpo --trl-python /work/venv-trl/bin/python --threads 1 --isa avx2
+    python tools/compare_trl.py --trl-python ~/venv-trl112/bin/python --threads 1
+    python tools/compare_trl.py --grpo --trl-python ~/venv-trl116/bin/python --threads 1 --isa avx2
 
 ``--grpo``: SmolLM2-135M-Instruct fp32 full fine-tuning, the first ``--batch-size`` (8) built-in
 prompts x ``--num-generations`` (4) responses of exactly ``--max-new-tokens`` (32) tokens, the
