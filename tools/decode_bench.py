@@ -21,7 +21,7 @@ seed, so under one kernel they must draw the very same tokens as that kernel's `
 difference is reported (under the other kernel the logits differ by rounding, and a token may
 too). Rounds alternate the rows so a drifting load hits all alike; the table gives each one's
 median seconds, its ratio to ``generate`` with the default kernel, and the decode floor of the
-roofline (``tools/bench.py``: prefill compute, then each step's weights and KV cache read, at
+roofline (``tools/roofline.py``: prefill compute, then each step's weights and KV cache read, at
 this machine's measured rates).
 
 The last line, ``DECODE rest_s=<s> floor_s=<s> products_allowed=<r>``: the row without products,
