@@ -434,11 +434,13 @@ class PolicyNetworks:
         response_len, hidden), read from the output layer's input (no other layer's are kept). Rows
         that share a prompt share its forward pass (``shared_prompts``: rlhf_lightning/prefix.py)."""
         input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
-        shared, common = self._shared_prompt_tokens(input_ids, attention_mask, response_len)
+        shared, common, beginning = self._shared_prompt_tokens(input_ids, attention_mask, response_len)
         hidden = [] if return_hidden else None
         with float32_head(model, hidden):
             if shared:
-                logits = prefix.shared_prompt_logits(model, input_ids, attention_mask, response_len, *shared, hidden=hidden)
+                logits = prefix.shared_prompt_logits(
+                    model, input_ids, attention_mask, response_len, *shared, hidden=hidden, beginning=beginning
+                )
             elif common:
                 logits = prefix.on_common_prefix(model, input_ids, attention_mask, common, logits_to_keep=response_len + 1).logits[:, :-1]
                 hidden = hidden[-1:] if return_hidden else None  # not the prefix pass's
@@ -472,21 +474,29 @@ class PolicyNetworks:
         logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
         return logits, self._critic_values(input_ids, attention_mask, response_len)
 
-    def _shared_prompt_tokens(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Any, int]:
-        """With ``shared_prompts``: the rows' distinct prompts (``prefix.distinct_prompts``) where some repeat,
-        else how many first tokens all prompts share (``prefix.common_prefix``: a chat template's system
-        prompt); (None, 0) without."""
+    def _shared_prompt_tokens(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Any, int, Optional[int]]:
+        """With ``shared_prompts``, ``(shared, common, beginning)``: the rows' distinct prompts
+        (``prefix.distinct_prompts``) where some repeat, else how many first tokens all prompts share
+        (``prefix.common_prefix``: a chat template's system prompt), and how many the distinct prompts'
+        pass runs once (None: all they share); (None, 0, None) without. Under FSDP2 every forward gathers
+        the weights by collectives, so every rank must run the same passes whatever its prompts: the ranks
+        agree, taking the distinct prompts only where every rank has repeats and the shortest beginnings."""
         if not self.hparams.shared_prompts:
-            return None, 0
+            return None, 0, None
         prompt_len = input_ids.shape[1] - response_len
         shared = prefix.distinct_prompts(input_ids, attention_mask, prompt_len)
-        return shared, 0 if shared else prefix.common_prefix(input_ids, attention_mask, prompt_len)
+        if not self._sharded:
+            return shared, 0 if shared else prefix.common_prefix(input_ids, attention_mask, prompt_len), None
+        beginning = prefix.prompts_beginning(input_ids, attention_mask, response_len, shared[0]) if shared else 0
+        mine = torch.tensor([shared is not None, prefix.common_prefix(input_ids, attention_mask, prompt_len), beginning])
+        every, common, beginning = (int(v) for v in -self._reduce(-mine.double(), op="max"))  # the least on any rank
+        return (shared, 0, beginning) if every else (None, common, None)
 
     def _critic_values(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
         """A separate critic's V(s_t) before each response token, (batch, response_len); the first tokens
         all prompts share run once (``_shared_prompt_tokens``; repeated prompts: whole rows)."""
         input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
-        _, common = self._shared_prompt_tokens(input_ids, attention_mask, response_len)
+        _, common, _ = self._shared_prompt_tokens(input_ids, attention_mask, response_len)
         if common:
             hidden = prefix.on_common_prefix(self.critic.trunk, input_ids, attention_mask, common, causal_lm=False).last_hidden_state
             return self.critic(hidden=hidden[:, -response_len - 1 : -1])

@@ -55,15 +55,18 @@ def shared_prompt_logits(
     first: Tensor,
     inverse: Tensor,
     hidden: Optional[list] = None,
+    beginning: Optional[int] = None,
 ) -> Tensor:
     """The logits predicting each of the last ``response_len`` tokens of every row, (batch, response_len,
     vocab), from one pass over the prompts ``first`` (:func:`distinct_prompts`) and one over the responses
     on their keys and values. ``hidden``: :func:`rlhf_lightning.models.float32_head`'s list of the output
-    layer's inputs, left holding those positions' hidden states (batch, response_len, hidden)."""
+    layer's inputs, left holding those positions' hidden states (batch, response_len, hidden).
+    ``beginning``: how many first tokens of the prompts run once (:func:`_prompts_once`); None counts all
+    they share (:func:`prompts_beginning`), and any smaller count holds too."""
     prompt_len = input_ids.shape[1] - response_len
     prompt_ids, prompt_mask = trim_left_padding(input_ids[first, :prompt_len], attention_mask[first, :prompt_len])
     heads = len(hidden) if hidden is not None else 0
-    out, name, prompt_mask = _prompts_once(model, prompt_ids, prompt_mask, inverse)
+    out, name, prompt_mask = _prompts_once(model, prompt_ids, prompt_mask, inverse, n=beginning)
     if hidden is not None:  # the output layer's input of the prompts' last position only, not of a common beginning's pass
         hidden[heads:] = hidden[-1:]
     logits = [out.logits[inverse]]  # the prompt's last position predicts the first response token
@@ -77,6 +80,13 @@ def shared_prompt_logits(
     if hidden is not None:  # the output layer's inputs: the prompts' last position, then the responses'
         hidden[:] = [torch.cat([hidden[0][inverse], *hidden[1:]], dim=1)]
     return torch.cat(logits, dim=1)
+
+
+def prompts_beginning(input_ids: Tensor, attention_mask: Tensor, response_len: int, first: Tensor) -> int:
+    """How many first tokens the distinct prompts ``first`` share as :func:`shared_prompt_logits` runs them."""
+    prompt_len = input_ids.shape[1] - response_len
+    ids, mask = trim_left_padding(input_ids[first, :prompt_len], attention_mask[first, :prompt_len])
+    return common_prefix(ids, mask, ids.shape[1])
 
 
 def common_prefix(input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> int:
@@ -169,14 +179,16 @@ def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: li
     return model(input_ids=rest_ids, attention_mask=full_mask, position_ids=positions, **{name: cache}).logits
 
 
-def _prompts_once(model: nn.Module, ids: Tensor, mask: Tensor, inverse: Tensor, causal_lm: bool = True) -> tuple[Any, str, Tensor]:
+def _prompts_once(
+    model: nn.Module, ids: Tensor, mask: Tensor, inverse: Tensor, causal_lm: bool = True, n: Optional[int] = None
+) -> tuple[Any, str, Tensor]:
     """One pass over the distinct prompts ``ids`` (a causal LM: the last position's logits only; else a
-    sequence classifier), the first tokens they all share run once (:func:`on_common_prefix`: a chat
-    template's system prompt), and the name of its KV cache in the output, the cache indexed out to every
-    row (``inverse``; index_select: differentiable), with the attention mask (one row per prompt) that lines
-    the cache up with the columns of ``ids``."""
+    sequence classifier), their first ``n`` tokens run once (:func:`on_common_prefix`: a chat template's
+    system prompt; None: all they share), and the name of its KV cache in the output, the cache indexed out
+    to every row (``inverse``; index_select: differentiable), with the attention mask (one row per prompt)
+    that lines the cache up with the columns of ``ids``."""
     keep = {"logits_to_keep": 1} if causal_lm else {}
-    n = common_prefix(ids, mask, ids.shape[1])
+    n = common_prefix(ids, mask, ids.shape[1]) if n is None else n
     name = cache_argument(model)
     if n:
         out = on_common_prefix(model, ids, mask, n, causal_lm, use_cache=True, **keep)

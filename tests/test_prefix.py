@@ -96,6 +96,50 @@ def test_common_prefix_counts_the_first_real_tokens_all_prompts_share():
     assert prefix.common_prefix(other, mask, prompt_len=5) == 0
 
 
+@pytest.mark.parametrize(
+    "other_rank, passes",
+    [
+        ((0, 0, 0), lambda n, prompt, rows: [(6, rows)]),  # another rank's prompts share nothing: the plain forward
+        ((0, 2, 0), lambda n, prompt, rows: [(1, 2), (6, rows - 2)]),  # no repeats there, but 2 first tokens in common
+        ((1, 0, 3), lambda n, prompt, rows: [(1, 3), (3, prompt - 3), (6, 3)]),  # repeats there too, a 3-token beginning
+        ((1, 0, 99), lambda n, prompt, rows: [(1, n), (3, prompt - n), (6, 3)]),  # as this rank's own
+    ],
+    ids=["nothing", "a_beginning", "repeats_shorter", "repeats_longer"],
+)
+def test_sharded_ranks_agree_on_the_passes_and_each_gives_the_plain_logits(monkeypatch, other_rank, passes):
+    """Under FSDP2 every forward gathers weights by collectives, so every rank must run the same passes
+    whatever its prompts (a rank running a prefix pass that another skips waits forever: the two-process
+    FSDP2 runs hung on that). With this rank's rows repeating 3 prompts that share a system prompt, and
+    another rank's (distinct prompts, common beginning, distinct prompts' beginning) as given, the ranks
+    take the distinct prompts only where both have repeats and the shorter beginnings; the trunk's first
+    layer sees those passes, and the logits are the plain forward's."""
+    module = make_module()
+    ids, mask, response_len = group_batch(module, system=SYSTEM)
+    ids, mask = prefix.trim_left_padding(ids, mask)
+    n = len(module.tokenizer(SYSTEM, add_special_tokens=False)["input_ids"])
+    monkeypatch.setattr(type(module), "_sharded", property(lambda self: True))
+    calls = []
+
+    def reduce(t, op="sum"):  # the max over this rank and the other of what each sends: the negated counts
+        calls.append(op)
+        return torch.maximum(t, -torch.tensor(other_rank, dtype=t.dtype))
+
+    monkeypatch.setattr(module, "_reduce", reduce)
+    seen = []
+    hook = module.policy.model.layers[0].register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape[:2])))
+    try:
+        with torch.no_grad():
+            sharded = module.response_logits(module.policy, ids, mask, response_len)
+            sharded_seen = seen[:]
+            module.hparams.shared_prompts = False
+            plain = module.response_logits(module.policy, ids, mask, response_len)
+    finally:
+        hook.remove()
+    assert calls == ["max"]
+    assert sharded_seen == passes(n, ids.shape[1] - response_len, ids.shape[1]) and seen[len(sharded_seen) :] == [(6, ids.shape[1])]
+    torch.testing.assert_close(sharded, plain, rtol=0, atol=2e-5)
+
+
 @pytest.mark.parametrize("lora_rank", [0, 4])
 @pytest.mark.parametrize("critic", [None, "shared", "separate"])
 def test_a_common_prefix_forward_gives_the_plain_forwards_logits_values_and_gradients(lora_rank, critic):

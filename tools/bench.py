@@ -558,7 +558,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
 
     from rlhf_lightning.cli import QUIET_TRAINER
     from rlhf_lightning.fsdp2 import FSDP2Strategy
-    from rlhf_lightning.prefix import common_prefix, trim_left_padding
+    from rlhf_lightning.prefix import prompts_beginning, trim_left_padding
 
     quiet()
     load_before = os.getloadavg()[0]
@@ -610,11 +610,9 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     median = statistics.median
     enc, last = module.last_encoding, module.last_rollout
     ids, mask = trim_left_padding(last.input_ids, last.attention_mask)
-    shared, common = module._shared_prompt_tokens(ids, mask, last.response.shape[1])
+    shared, common, _ = module._shared_prompt_tokens(ids, mask, last.response.shape[1])
     if shared is not None:  # the distinct prompts' common beginning, run once in their pass (prefix._prompts_once)
-        prompt_len = ids.shape[1] - last.response.shape[1]
-        prompt_ids, prompt_mask = trim_left_padding(ids[shared[0], :prompt_len], mask[shared[0], :prompt_len])
-        common = common_prefix(prompt_ids, prompt_mask, prompt_ids.shape[1])
+        common = prompts_beginning(ids, mask, last.response.shape[1], shared[0])
     costs = roofline.iteration_costs(
         roofline.ModelShape.of(module.policy),
         batch=int(enc["input_ids"].shape[0]),
