@@ -478,17 +478,25 @@ class PolicyNetworks:
         """With ``shared_prompts``, ``(shared, common, beginning)``: the rows' distinct prompts
         (``prefix.distinct_prompts``) where some repeat, else how many first tokens all prompts share
         (``prefix.common_prefix``: a chat template's system prompt), and how many the distinct prompts'
-        pass runs once (None: all they share); (None, 0, None) without. Under FSDP2 every forward gathers
-        the weights by collectives, so every rank must run the same passes whatever its prompts: the ranks
-        agree, taking the distinct prompts only where every rank has repeats and the shortest beginnings."""
+        pass runs once (None: all they share); (None, 0, None) without.
+
+        Under FSDP2 every forward gathers the weights by collectives, so every rank must run the same passes
+        whatever its prompts: the ranks agree, taking the distinct prompts only where every rank has repeats
+        and the shortest beginnings. With autograd on there is no beginning pass: FSDP2's backward gathers a
+        block's weights again when gradients reach that block's outputs, and a beginning pass's outputs reach
+        the loss only through the keys and values it leaves in the cache (its blocks' backward then finds
+        their weights freed)."""
         if not self.hparams.shared_prompts:
             return None, 0, None
         prompt_len = input_ids.shape[1] - response_len
         shared = prefix.distinct_prompts(input_ids, attention_mask, prompt_len)
         if not self._sharded:
             return shared, 0 if shared else prefix.common_prefix(input_ids, attention_mask, prompt_len), None
-        beginning = prefix.prompts_beginning(input_ids, attention_mask, response_len, shared[0]) if shared else 0
-        mine = torch.tensor([shared is not None, prefix.common_prefix(input_ids, attention_mask, prompt_len), beginning])
+        common, beginning = 0, 0
+        if not torch.is_grad_enabled():
+            common = prefix.common_prefix(input_ids, attention_mask, prompt_len)
+            beginning = prefix.prompts_beginning(input_ids, attention_mask, response_len, shared[0]) if shared else 0
+        mine = torch.tensor([shared is not None, common, beginning])
         every, common, beginning = (int(v) for v in -self._reduce(-mine.double(), op="max"))  # the least on any rank
         return (shared, 0, beginning) if every else (None, common, None)
 

@@ -267,3 +267,30 @@ def test_classify_shared_prefixes_scores_whole_rows_when_a_group_shares_nothing(
         torch.testing.assert_close(shared, whole, rtol=1e-4, atol=1e-5)
         assert prefix.classify_shared_prefixes(model, [[5, 6], [7, 6]], ["a", "a"], pad) is None
         assert prefix.classify_shared_prefixes(model, [[5, 6, pad], [5, 6, 7]], ["a", "a"], pad) is None
+
+
+@pytest.mark.parametrize("rows_of, passes", [((0, 1, 0, 2, 1, 0), "prompts, responses"), ((0, 1, 2), "whole rows")])
+def test_sharded_forwards_with_autograd_run_no_beginning_pass(monkeypatch, rows_of, passes):
+    """Under FSDP2 a pass over the prompts' common beginning reaches the loss only through the keys and values
+    it caches, so FSDP2's backward would not gather its blocks' weights again: with autograd on, the sharded
+    module runs the distinct prompts whole (or every row whole), and the gradients are the plain forward's."""
+    module = make_module()
+    ids, mask, response_len = group_batch(module, rows_of=rows_of, system=SYSTEM)
+    ids, mask = prefix.trim_left_padding(ids, mask)
+    monkeypatch.setattr(type(module), "_sharded", property(lambda self: True))
+    monkeypatch.setattr(module, "_reduce", lambda t, op="sum": t)  # one rank
+    seen, grads = [], []
+    hook = module.policy.model.layers[0].register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape[:2])))
+    try:
+        for shared in (True, False):
+            module.hparams.shared_prompts = shared
+            module.policy.zero_grad(set_to_none=True)
+            module.response_logits(module.policy, ids, mask, response_len).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None})
+    finally:
+        hook.remove()
+    prompt_len, rows = ids.shape[1] - response_len, len(rows_of)
+    expected = [(3, prompt_len), (rows, response_len - 1)] if passes == "prompts, responses" else [(rows, ids.shape[1])]
+    assert seen == [*expected, (rows, ids.shape[1])]
+    for name, grad in grads[1].items():
+        torch.testing.assert_close(grads[0][name], grad, rtol=1e-4, atol=2e-5, msg=name)
