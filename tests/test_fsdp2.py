@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from helpers import COMPARED, CONFIGS, GLOBAL_BATCH, betas_by_iteration, cli, run_cli
+from helpers import COMPARED, CONFIGS, GLOBAL_BATCH, betas_by_iteration, run_cli
 from summarize_run import read_scalars
 
 # Greedy rollouts and one minibatch, as in test_ddp, so one process and two see the same batches;
@@ -52,27 +52,7 @@ def test_two_fsdp2_ranks_train_on_prompts_most_of_which_begin_alike(tmp_path):
     prompts = [f"You are a kind assistant. Tell me about {w}" for w in words] + ["hi", "why", "no", "ok"]
     path = tmp_path / "prompts.txt"
     path.write_text("\n".join(prompts) + "\n")
-    result = cli(
-        tmp_path,
-        "fit",
-        "--config",
-        str(CONFIGS / "tiny.yaml"),
-        "--config",
-        str(CONFIGS / "fsdp2.yaml"),
-        "--trainer.devices=2",
-        "--trainer.max_epochs=1",
-        "--trainer.limit_train_batches=2",
-        "--trainer.limit_val_batches=0",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.callbacks.every_n_iterations=100",
-        f"--data.train_path={path}",
-        "--data.batch_size=4",
-        "--model.max_new_tokens=6",
-        "--model.ppo_epochs=1",
-        "--model.gradient_accumulation_steps=2",
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run(tmp_path, 2, f"--data.train_path={path}", "--model.ppo_epochs=1")  # 16 prompts: 2 iterations of 4 a rank
     assert len(scalars(tmp_path)["objective/reward"]) == 2
 
 
