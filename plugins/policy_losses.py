@@ -122,11 +122,11 @@ class SeqMeanTokenSum(_ModeAggregation):
 
 @register("loss_aggregation", "constant", description="token sum over responses x a constant length (Dr. GRPO)")
 class ConstantNormaliser(LossAggregation):
-    """1/(N * C) sum_{i,t} loss_{i,t} with a constant C (default ``model.max_new_tokens``): Dr. GRPO's
+    """1/(N * C) sum_{i,t} loss_{i,t} with a constant C (default ``model.sampling.max_new_tokens``): Dr. GRPO's
     normaliser (Liu et al. 2025), the token sum's direction at a fixed scale."""
 
     def __init__(self, normaliser: Optional[float] = None) -> None:
-        require_number("loss_aggregation.normaliser", normaliser, above=0, optional=True)  # null: model.max_new_tokens
+        require_number("loss_aggregation.normaliser", normaliser, above=0, optional=True)  # null: model.sampling.max_new_tokens
         self.normaliser = normaliser
 
     def weights(self, mask, max_new_tokens, sum_fn=None):

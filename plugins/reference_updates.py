@@ -3,7 +3,7 @@
 With a fixed beta and the policy converged to the optimum of each reference before it moves, the
 reference after k syncs or resets is pi_k ∝ pi_0 exp(k r / beta), and an EMA reference after n
 updates of weight alpha is, to first order in the parameters, pi_0 exp(n alpha r / beta)
-(rlhf_lightning/exact.py: ``iterated_optimal_logprobs``, ``ema_reference_logprobs``).
+(rlhf_lightning/exact/closed_form.py: ``iterated_optimal_logprobs``, ``ema_reference_logprobs``).
 """
 
 from __future__ import annotations

@@ -30,27 +30,32 @@ class HFGenerate(RolloutEngine):
     needs no extra forward, and with a shared critic the hidden states that produced them. The
     sampling RNG is seeded with ``seed`` (forked: the run's own RNG is untouched). ``synced_gpus=False``:
     with gathered weights generate runs no collective, so each rank may stop at its own EOS. With
-    ``model.shared_prompts`` the prefill runs once per distinct prompt, or where none repeats, the first
+    ``model.runtime.shared_prompts`` the prefill runs once per distinct prompt, or where none repeats, the first
     tokens all prompts share once (``prefix.prompt_cache``). Each
     token is drawn by :class:`DeclaredDraw`."""
 
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
         from transformers import LogitsProcessorList
 
-        hp = module.hparams
+        sampled = module.sampling
         # with a shared critic, the last layer's hidden states (float32_head's inputs), one per step
-        hidden = [] if hp.old_logprobs == "sampler" and module._shared_critic else None
+        hidden = [] if sampled.old_logprobs == "sampler" and module._shared_critic else None
         drawn = {}
-        if hp.do_sample:  # drawn by DeclaredDraw, which bans EOS itself; generate's greedy step takes its token
+        if sampled.do_sample:  # drawn by DeclaredDraw, which bans EOS itself; generate's greedy step takes its token
             processor = DeclaredDraw(
-                hp.temperature, hp.top_k, hp.top_p, module.tokenizer.eos_token_id, hp.min_new_tokens, enc["input_ids"].shape[1]
+                sampled.temperature,
+                sampled.top_k,
+                sampled.top_p,
+                module.tokenizer.eos_token_id,
+                sampled.min_new_tokens,
+                enc["input_ids"].shape[1],
             )
             greedy = dict(do_sample=False, temperature=None, top_k=None, top_p=None, min_new_tokens=None)
             drawn = {**greedy, "logits_processor": LogitsProcessorList([processor])}
         devices = [module.device] if module.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices), module._generator() as generator:
             torch.manual_seed(seed)
-            cache = prefix.prompt_cache(generator, enc["input_ids"], enc["attention_mask"]) if hp.shared_prompts else {}
+            cache = prefix.prompt_cache(generator, enc["input_ids"], enc["attention_mask"]) if module.runtime.shared_prompts else {}
             with float32_head(generator, hidden):
                 inputs = {**enc, **cache}  # a cache over a common prefix comes with its own attention mask
                 out = generator.generate(**inputs, **drawn, return_dict_in_generate=True, output_logits=True, synced_gpus=False)
@@ -136,18 +141,18 @@ class VLLMEngine(RolloutEngine):
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
         from vllm import SamplingParams
 
-        hp, tokenizer = module.hparams, module.tokenizer
+        sampled, tokenizer = module.sampling, module.tokenizer
         if self.llm is None:
             self._start(module)
         elif module.global_step != self.synced_step:
             self.sync(module)
         params = [
             SamplingParams(
-                temperature=hp.temperature if hp.do_sample else 0.0,
-                top_k=hp.top_k if hp.do_sample else 0,
-                top_p=hp.top_p if hp.do_sample else 1.0,
-                max_tokens=hp.max_new_tokens,
-                min_tokens=hp.min_new_tokens,
+                temperature=sampled.temperature if sampled.do_sample else 0.0,
+                top_k=sampled.top_k if sampled.do_sample else 0,
+                top_p=sampled.top_p if sampled.do_sample else 1.0,
+                max_tokens=sampled.max_new_tokens,
+                min_tokens=sampled.min_new_tokens,
                 stop_token_ids=[tokenizer.eos_token_id],
                 logprobs=0,
                 seed=seed + row,
@@ -187,7 +192,7 @@ class VLLMEngine(RolloutEngine):
             config = copy.deepcopy(model.config)
             config.eos_token_id = module.tokenizer.eos_token_id
             config.save_pretrained(self._folder.name)
-            longest = min(module.hparams.max_prompt_length + module.hparams.max_new_tokens, model.config.max_position_embeddings)
+            longest = min(module.prompts.max_length + module.sampling.max_new_tokens, model.config.max_position_embeddings)
         save_file({name: t.contiguous() for name, t in weights.items()}, os.path.join(self._folder.name, "model.safetensors"))
         dtype = next(iter(weights.values())).dtype
         states = _collect_rng_states()  # vLLM seeds the global generators; the run's own draws must not change

@@ -4,4 +4,4 @@ from rlhf_lightning.interfaces import AdvantageEstimator, BetaController, KLEsti
 from rlhf_lightning.registry import load_plugins, register, register_kind
 
 __all__ = ["AdvantageEstimator", "BetaController", "KLEstimator", "RewardModel", "load_plugins", "register", "register_kind"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

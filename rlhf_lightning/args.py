@@ -1,19 +1,25 @@
-"""The module's arguments: its plugins built from their names, and every check of a setting,
-all before any model loads. ``PPORLHF.__init__`` calls :func:`build_plugins` then
-:func:`check_arguments`; each refusal is a ConfigError naming the field (``model.lr``) and what
-it must be. The arguments themselves are documented on ``PPORLHF``.
+"""The module's arguments: the groups of settings (each field documented and checked where it is
+declared), the plugins built from their names, and the checks across groups, all before any model
+loads. Every refusal is a ConfigError naming the field as the user writes it
+(``model.sampling.temperature``) and what it must be.
+
+``PPORLHF`` takes the plugins and the network keys flat and everything else in these groups; in
+YAML a group reads nested (``model.sampling.temperature``, ``model.kl.placement``). The flat names
+of earlier versions (``model.lr``) are refused by the command with the new key (:func:`refuse_flat_keys`),
+and accepted by the Python API for one release with a FutureWarning (:func:`regroup`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from types import SimpleNamespace
-from typing import Any, Optional
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlhf_lightning import cpu
-from rlhf_lightning.checks import finite_number, require, require_number
+from rlhf_lightning.checks import ConfigError, require, require_number
 from rlhf_lightning.interfaces import KLEstimator, LossAggregation
 from rlhf_lightning.registry import registry
 
@@ -31,38 +37,329 @@ PLUGIN_ARGUMENTS = {
     "reference_update": "reference_update",
     "rollout_engine": "rollout_engine",
 }
-FINITE = (
-    "temperature",
-    "top_p",
-    "rollout_correction_cap",
-    "cliprange_value",
-    "vf_coef",
-    "lr",
-    "critic_lr",
-    "weight_decay",
-    "max_grad_norm",
-    "lora_alpha",
-    "entropy_coef",
-)
-AT_LEAST_ONE = ("ppo_epochs", "num_minibatches", "gradient_accumulation_steps", "max_prompt_length", "max_consecutive_faults")
-AT_LEAST_ZERO = ("log_samples_every_n_steps", "num_logged_samples")  # 0: no sample table
 # Below this temperature a group's responses are mostly one and the same (the sampler all but argmax).
 GREEDY_TEMPERATURE = 0.1
-CHOICES = {
-    "kl_penalty": ("reward", "loss", "both"),
-    "kl_loss_weighting": ("none", "importance"),
-    "kl_loss_scope": ("sequence", "per_token"),
-    "old_logprobs": ("sampler", "forward"),
-    "cpu_malloc": ("tuned", "default"),
-    "special_tokens_in_prompts": ("refuse", "allow"),
-    "optimizers": ("separate", "shared"),
-    "rollout_correction": ("none", "tis", "mis", "seq_tis", "seq_mis"),
+
+
+def _choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
+    requirement = f"'{choices[0]}' or '{choices[1]}'" if len(choices) == 2 else "one of " + ", ".join(choices)
+    require(value in choices, field, requirement, value)
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    """How responses are sampled (``model.sampling``): every log-prob is of the same tempered
+    distribution on the sampler's kept set (sampling.py, docs/rollout-engines.md)."""
+
+    num_generations: int = 1
+    """Responses sampled per prompt; a rollout holds prompts x num_generations responses, each
+    prompt's group in consecutive rows on one rank."""
+    max_new_tokens: int = 32
+    """The longest response in tokens; one that reaches it without EOS is truncated."""
+    min_new_tokens: int = 0
+    """EOS is suppressed before this many tokens (the sampled distribution is then the policy's
+    with EOS removed, and every log-prob is of that distribution)."""
+    do_sample: bool = True
+    """Sample (PPO) or decode greedily (evaluation; tests that need rollouts that depend on the weights alone)."""
+    temperature: float = 1.0
+    """The softmax temperature of the sampled distribution (> 0)."""
+    top_k: int = 0
+    """Keep the k most likely tokens at each step; 0: no top-k truncation."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens with this much probability; 1: no nucleus truncation."""
+    old_logprobs: Literal["sampler", "forward"] = "sampler"
+    """Where the PPO ratio's log pi_old (and a shared critic's V_old) come from: ``sampler`` (the
+    engine's: ``hf``'s logits, no extra forward) or ``forward`` (one batched forward)."""
+    rollout_correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis"] = "none"
+    """Weigh each token's policy loss, KL loss and logged KL by pi_old / pi_sampler of the token
+    (``tis``, ``mis``) or of the response (``seq_tis``, ``seq_mis``)."""
+    rollout_correction_cap: float = 2.0
+    """The weights are truncated at the cap (tis) or 0 outside [1 / cap, cap] (mis); >= 1."""
+
+    def __post_init__(self) -> None:
+        f = "model.sampling."
+        require_number(f + "num_generations", self.num_generations, at_least=1, integer=True)
+        require_number(f + "max_new_tokens", self.max_new_tokens, at_least=1, integer=True)
+        require(
+            isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+            f + "min_new_tokens",
+            "in [0, max_new_tokens]",
+            self.min_new_tokens,
+        )
+        require_number(f + "temperature", self.temperature, above=0)
+        require_number(f + "top_p", self.top_p, above=0, at_most=1)
+        require(isinstance(self.top_k, int) and self.top_k >= 0, f + "top_k", "an integer >= 0 (0: no top-k truncation)", self.top_k)
+        _choice(f + "old_logprobs", self.old_logprobs, ("sampler", "forward"))
+        _choice(f + "rollout_correction", self.rollout_correction, ("none", "tis", "mis", "seq_tis", "seq_mis"))
+        require_number(f + "rollout_correction_cap", self.rollout_correction_cap, at_least=1)
+        require(
+            self.rollout_correction == "none" or self.old_logprobs == "forward",
+            f + "rollout_correction",
+            "'none' unless model.sampling.old_logprobs is 'forward' (the correction weighs each token by pi_old / pi_sampler, "
+            "pi_old from the trainer)",
+            self.rollout_correction,
+        )
+
+
+@dataclass(frozen=True)
+class PromptArgs:
+    """How prompts become tokens (``model.prompts``)."""
+
+    max_length: int = 256
+    """The longest rendered prompt in tokens; a longer prompt is an error naming it."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template when it has one."""
+    special_tokens: Literal["refuse", "allow"] = "refuse"
+    """``refuse`` a prompt containing a special-token string (``<|im_end|>``: it could forge chat
+    turns), or ``allow`` pre-rendered chat text."""
+
+    def __post_init__(self) -> None:
+        require_number("model.prompts.max_length", self.max_length, at_least=1, integer=True)
+        _choice("model.prompts.special_tokens", self.special_tokens, ("refuse", "allow"))
+
+
+@dataclass(frozen=True)
+class KLArgs:
+    """Where beta * KL goes and what its gradient is the gradient of (``model.kl``;
+    docs/kl-estimators.md). The estimator and beta's controller are plugins of their own."""
+
+    placement: Literal["reward", "loss", "both"] = "reward"
+    """Into the per-token ``reward`` (PPO-RLHF), a separate ``loss`` term (GRPO style), or ``both``."""
+    loss_weighting: Literal["none", "importance"] = "importance"
+    """The KL loss term of tokens sampled from pi_old while pi_theta moves over the PPO epochs:
+    ``importance`` weighs each token's estimate by pi_theta(y_t) / pi_old(y_t); ``none``
+    differentiates the estimate as it is."""
+    loss_scope: Literal["sequence", "per_token"] = "sequence"
+    """What the KL loss term's gradient is the gradient of: ``sequence``, the whole response's KL
+    (the per-token term plus the KL still to come, ``ppo_math.kl_to_go_loss``), or ``per_token``,
+    each visited state's own KL, whose fixed point is not the KL-regularised optimum."""
+    ignore_tokens: Optional[list[str]] = None
+    """Tokens left out of the KL penalty wherever they are sampled (``["<|im_end|>"]``: end-of-turn
+    tokens often dominate the KL); ``eos`` means the EOS token."""
+
+    def __post_init__(self) -> None:
+        _choice("model.kl.placement", self.placement, ("reward", "loss", "both"))
+        _choice("model.kl.loss_weighting", self.loss_weighting, ("none", "importance"))
+        _choice("model.kl.loss_scope", self.loss_scope, ("sequence", "per_token"))
+
+    @property
+    def in_reward(self) -> bool:
+        return self.placement in ("reward", "both")
+
+    @property
+    def in_loss(self) -> bool:
+        return self.placement in ("loss", "both")
+
+
+@dataclass(frozen=True)
+class PPOArgs:
+    """The update (``model.ppo``): passes over each rollout and the loss's terms besides the policy loss."""
+
+    epochs: int = 4
+    """Passes over each rollout."""
+    num_minibatches: int = 1
+    """Minibatches per pass, one optimizer step each."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per minibatch."""
+    cliprange_value: float = 0.2
+    """The value loss's clip range (> 0)."""
+    vf_coef: float = 0.1
+    """The value loss's weight (>= 0)."""
+    whiten_advantages: Optional[bool] = None
+    """Whiten the advantages over the global batch; null: the estimator's default (gae: yes;
+    critic-free estimators: no), and no whenever the KL is in the loss."""
+    entropy_coef: float = 0.0
+    """A fixed entropy bonus: - entropy_coef * H_t per token in the loss (>= 0; 0 with an entropy controller)."""
+
+    def __post_init__(self) -> None:
+        f = "model.ppo."
+        for name in ("epochs", "num_minibatches", "gradient_accumulation_steps"):
+            require_number(f + name, getattr(self, name), at_least=1, integer=True)
+        require_number(f + "cliprange_value", self.cliprange_value, above=0)
+        require_number(f + "vf_coef", self.vf_coef, at_least=0)
+        require_number(f + "entropy_coef", self.entropy_coef, at_least=0)
+
+
+@dataclass(frozen=True)
+class OptimArgs:
+    """AdamW and gradient clipping (``model.optim``)."""
+
+    lr: float = 1e-5
+    """The policy's learning rate (> 0)."""
+    critic_lr: Optional[float] = None
+    """The critic's learning rate; null: ``lr``. Unset without a critic."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (>= 0)."""
+    max_grad_norm: Optional[float] = 1.0
+    """Clip the gradient norm to this (> 0); null: no clipping."""
+    optimizers: Literal["separate", "shared"] = "separate"
+    """One AdamW with policy and critic groups, clipped each on its own (``separate``) or jointly (``shared``)."""
+
+    def __post_init__(self) -> None:
+        f = "model.optim."
+        require_number(f + "lr", self.lr, above=0)
+        require_number(f + "critic_lr", self.critic_lr, above=0, optional=True)
+        require_number(f + "weight_decay", self.weight_decay, at_least=0)
+        require_number(f + "max_grad_norm", self.max_grad_norm, above=0, optional=True)
+        _choice(f + "optimizers", self.optimizers, ("separate", "shared"))
+
+
+@dataclass(frozen=True)
+class LoraArgs:
+    """LoRA (``model.lora``): rank 0 is full fine-tuning."""
+
+    rank: int = 0
+    """0 for full fine-tuning; > 0 trains a LoRA adapter and the reference is the same weights with
+    the adapter disabled (no second copy in memory)."""
+    alpha: float = 16.0
+    """The adapter's scale numerator (> 0): its update is scaled by alpha / rank."""
+    target_modules: Optional[list[str]] = None
+    """The modules that get an adapter; null: every linear layer."""
+    merge_for_generation: bool = True
+    """Merge the adapter into the (fp32) base weights while sampling and unmerge after (no LoRA
+    branch per decode step; each merge rounds by at most one ulp)."""
+
+    def __post_init__(self) -> None:
+        require_number("model.lora.rank", self.rank, at_least=0, integer=True)
+        require_number("model.lora.alpha", self.alpha, above=0)
+
+
+@dataclass(frozen=True)
+class RuntimeArgs:
+    """How the run executes and reports (``model.runtime``)."""
+
+    shared_prompts: bool = True
+    """Rows with the same prompt share one forward pass over it in every trainer forward; where
+    every prompt is distinct, the first tokens they all share (a system prompt) run once (prefix.py)."""
+    matmul_precision: Optional[Literal["highest", "high", "medium"]] = None
+    """``torch.set_float32_matmul_precision`` at start-up (``high``: TF32 on Ampere and later
+    GPUs); null leaves torch's default (``highest``)."""
+    max_consecutive_faults: int = 3
+    """Iterations in a row that may be skipped for a non-finite reward, KL or loss before the run
+    stops with the cause."""
+    log_samples_every_n_steps: int = 10
+    """Iterations between sample tables in TensorBoard; 0: none."""
+    num_logged_samples: int = 4
+    """Responses in each sample table."""
+
+    def __post_init__(self) -> None:
+        f = "model.runtime."
+        require(
+            self.matmul_precision in (None, "highest", "high", "medium"),
+            f + "matmul_precision",
+            "highest, high, medium or null",
+            self.matmul_precision,
+        )
+        require_number(f + "max_consecutive_faults", self.max_consecutive_faults, at_least=1, integer=True)
+        require_number(f + "log_samples_every_n_steps", self.log_samples_every_n_steps, at_least=0, integer=True)
+        require_number(f + "num_logged_samples", self.num_logged_samples, at_least=0, integer=True)
+
+
+GROUPS: dict[str, type] = {
+    "sampling": SamplingArgs,
+    "prompts": PromptArgs,
+    "kl": KLArgs,
+    "ppo": PPOArgs,
+    "optim": OptimArgs,
+    "lora": LoraArgs,
+    "runtime": RuntimeArgs,
 }
+# The flat names of earlier versions whose field is spelt differently in its group.
+_RENAMED = {
+    "max_prompt_length": "prompts.max_length",
+    "use_chat_template": "prompts.chat_template",
+    "special_tokens_in_prompts": "prompts.special_tokens",
+    "kl_penalty": "kl.placement",
+    "kl_loss_weighting": "kl.loss_weighting",
+    "kl_loss_scope": "kl.loss_scope",
+    "kl_ignore_tokens": "kl.ignore_tokens",
+    "ppo_epochs": "ppo.epochs",
+    "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_target_modules": "lora.target_modules",
+    "merge_lora_for_generation": "lora.merge_for_generation",
+}
+# Every flat name of earlier versions (``model.lr``) -> its key now under ``model.`` (``optim.lr``).
+FLAT_KEYS: dict[str, str] = {
+    **{
+        f.name: f"{group}.{f.name}"
+        for group, cls in GROUPS.items()
+        for f in dataclasses.fields(cls)
+        if f"{group}.{f.name}" not in _RENAMED.values()
+    },
+    **_RENAMED,
+}
+# Flat settings that left the module: the CPU kernel and malloc are the command's ``cpu`` section.
+MOVED_OUT = {"cpu_linear": "cpu.linear", "cpu_malloc": "cpu.malloc"}
 
 
-def build_plugins(args: dict[str, Any]) -> dict[str, Any]:
+def new_key(flat: str) -> str:
+    """Where a flat ``model.<flat>`` setting of an earlier version lives now, as the user writes it."""
+    return MOVED_OUT[flat] if flat in MOVED_OUT else f"model.{FLAT_KEYS[flat]}"
+
+
+def regroup(flat: dict[str, Any], warn: bool = True) -> dict[str, Any]:
+    """Flat settings of earlier versions (``lr=1e-3``) as this version's group arguments
+    (``optim=OptimArgs(lr=1e-3)``), with a FutureWarning naming each new key; group arguments
+    already given as dataclasses or dicts are merged with them. The Python API's path for one release."""
+    moved = [name for name in flat if name in MOVED_OUT]
+    if moved:
+        raise ConfigError(
+            "; ".join(
+                f"model.{name} moved out of the module: set {MOVED_OUT[name]} (the command's cpu section, cpu.CPUSettings)"
+                for name in moved
+            )
+        )
+    unknown = [name for name in flat if name not in FLAT_KEYS]
+    if unknown:
+        raise TypeError(f"PPORLHF got unexpected keyword arguments {unknown}")
+    if warn:
+        warnings.warn(
+            "flat module settings are deprecated: " + ", ".join(f"model.{name} is now {new_key(name)}" for name in flat),
+            FutureWarning,
+            stacklevel=4,
+        )
+    fields: dict[str, dict[str, Any]] = {}
+    for name, value in flat.items():
+        group, field = FLAT_KEYS[name].split(".")
+        fields.setdefault(group, {})[field] = value
+    return fields
+
+
+def build_groups(given: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
+    """Each group as its dataclass: ``given`` holds what the caller passed per group (a dataclass,
+    a dict of its fields, or None), ``flat`` deprecated flat settings (:func:`regroup`)."""
+    extra = regroup(flat) if flat else {}
+    groups = {}
+    for name, cls in GROUPS.items():
+        value = given.get(name)
+        fields = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value or {})
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        require(not unknown, f"model.{name}", "settings among " + ", ".join(f.name for f in dataclasses.fields(cls)), sorted(unknown))
+        groups[name] = cls(**{**fields, **extra.get(name, {})})
+    return groups
+
+
+def merge_settings(*layers: dict[str, Any]) -> dict[str, Any]:
+    """``PPORLHF`` keyword arguments from layers of settings, a later layer winning field by field
+    within a group; a flat name of earlier versions (``lr``) counts as its group's field, without a
+    warning (for code that layers settings: the lab's harness, the tests' ``make_module``)."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        flat = {name: value for name, value in layer.items() if name in FLAT_KEYS}
+        rest = [(name, value) for name, value in layer.items() if name not in FLAT_KEYS]
+        for name, value in [*rest, *regroup(flat, warn=False).items()]:
+            if name in GROUPS:
+                fields = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value or {})
+                merged[name] = {**merged.get(name, {}), **fields}
+            else:
+                merged[name] = value
+    return merged
+
+
+def build_plugins(args: dict[str, Any], ppo: PPOArgs) -> dict[str, Any]:
     """Every plugin argument as an instance (unknown names fail here, naming the field and the
-    registered choices): ``entropy_coef`` becomes a fixed entropy controller, and a null
+    registered choices): ``model.ppo.entropy_coef`` becomes a fixed entropy controller, and a null
     ``loss_aggregation`` the one the policy loss or advantage estimator is defined with."""
 
     def build(name: str):
@@ -70,9 +367,8 @@ def build_plugins(args: dict[str, Any]) -> dict[str, Any]:
 
     plugins = {name: build(name) for name in ("reward_model", "kl_estimator", "beta_controller", "advantage_estimator", "policy_loss")}
     plugins["loss_aggregation"] = _loss_aggregation(args["loss_aggregation"], plugins)
-    coef = args["entropy_coef"]
-    require_number("model.entropy_coef", coef, at_least=0)
-    require(not (coef and args["entropy_controller"] is not None), "model.entropy_coef", "0 when model.entropy_controller is set", coef)
+    coef = ppo.entropy_coef
+    require(not (coef and args["entropy_controller"] is not None), "model.ppo.entropy_coef", "0 when model.entropy_controller is set", coef)
     if args["entropy_controller"] is not None:
         plugins["entropy_controller"] = build("entropy_controller")
     else:
@@ -100,70 +396,30 @@ def _loss_aggregation(spec: Optional[LossAggregation | str], plugins: dict[str, 
     return registry("loss_aggregation").build(spec, "model.loss_aggregation")
 
 
-def check_arguments(args: dict[str, Any], plugins: dict[str, Any]) -> dict[str, Any]:
-    """Refuse impossible settings and combinations; warn of biased KL recipes. Returns the settings
-    resolved from the plugins (``critic``, ``whiten_advantages``), stored resolved so that
-    checkpoints and the resume check see what was built."""
-    a = SimpleNamespace(**args)
+def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: dict[str, Any]) -> dict[str, Any]:
+    """The rules that join settings of several groups and plugins; warn of biased KL recipes.
+    Returns the settings resolved from the plugins (``critic``, ``ppo.whiten_advantages``), stored
+    resolved so that checkpoints and the resume check see what was built."""
+    sampling, kl, ppo, optim = groups["sampling"], groups["kl"], groups["ppo"], groups["optim"]
     advantage, kl_estimator = plugins["advantage_estimator"], plugins["kl_estimator"]
-    for name, choices in CHOICES.items():
-        requirement = f"'{choices[0]}' or '{choices[1]}'" if len(choices) == 2 else "one of " + ", ".join(choices)
-        require(args[name] in choices, f"model.{name}", requirement, args[name])
     # Whitening divides the advantages (the reward's gradient, and with 'both' the reward's part
     # of the KL's) by their std; a KL loss term is not divided, so beta would no longer weigh the
     # KL against the reward as configured (docs/kl-estimators.md).
     require(
-        a.kl_penalty == "reward" or not a.whiten_advantages,
-        "model.whiten_advantages",
-        "false when the KL is in the loss (kl_penalty: loss or both): whitening rescales the advantages but not the KL loss term",
-        a.whiten_advantages,
+        kl.placement == "reward" or not ppo.whiten_advantages,
+        "model.ppo.whiten_advantages",
+        "false when the KL is in the loss (model.kl.placement: loss or both): whitening rescales the advantages but not the KL loss term",
+        ppo.whiten_advantages,
     )
     require(
-        a.kl_penalty != "loss" or a.kl_loss_scope == "per_token" or kl_estimator.unbiased_value,
-        "model.kl_loss_scope",
+        kl.placement != "loss" or kl.loss_scope == "per_token" or kl_estimator.unbiased_value,
+        "model.kl.loss_scope",
         f"'per_token' with model.kl_estimator {type(kl_estimator).__name__}, whose value is not an unbiased per-token KL "
         "(the KL still to come in the response cannot be estimated from it); or use k1, k3 or full",
-        a.kl_loss_scope,
+        kl.loss_scope,
     )
-    require(a.max_new_tokens >= 1, "model.max_new_tokens", ">= 1", a.max_new_tokens)
-    require(0 <= a.min_new_tokens <= a.max_new_tokens, "model.min_new_tokens", "in [0, max_new_tokens]", a.min_new_tokens)
-    for name in FINITE:  # YAML's .inf and .nan parse as floats: refuse them here, before any model loads
-        require(args[name] is None or finite_number(args[name]), f"model.{name}", "a finite number", args[name])
-    require(
-        a.vf_coef >= 0 and a.weight_decay >= 0 and a.lora_alpha > 0,
-        "model.vf_coef, weight_decay and lora_alpha",
-        ">= 0, >= 0 and > 0",
-        (a.vf_coef, a.weight_decay, a.lora_alpha),
-    )
-    require(a.max_grad_norm is None or a.max_grad_norm > 0, "model.max_grad_norm", "> 0 or null", a.max_grad_norm)
-    require(
-        a.matmul_precision in (None, "highest", "high", "medium"),
-        "model.matmul_precision",
-        "highest, high, medium or null",
-        a.matmul_precision,
-    )
-    require(a.temperature > 0, "model.temperature", "> 0", a.temperature)
-    require(0 < a.top_p <= 1, "model.top_p", "in (0, 1] (1: no nucleus truncation)", a.top_p)
-    require(isinstance(a.top_k, int) and a.top_k >= 0, "model.top_k", "an integer >= 0 (0: no top-k truncation)", a.top_k)
-    require(a.rollout_correction_cap >= 1, "model.rollout_correction_cap", ">= 1", a.rollout_correction_cap)
-    require(
-        a.rollout_correction == "none" or a.old_logprobs == "forward",
-        "model.rollout_correction",
-        "'none' unless model.old_logprobs is 'forward' (the correction weighs each token by pi_old / pi_sampler, pi_old from the trainer)",
-        a.rollout_correction,
-    )
-    require(
-        a.cpu_linear in ("auto", "aten") or (a.cpu_linear == "onednn" and cpu.onednn_available()),
-        "model.cpu_linear",
-        "'auto', 'aten', or 'onednn' where this torch build has oneDNN",
-        a.cpu_linear,
-    )
-    for name in (*AT_LEAST_ONE, "num_generations"):
-        require(args[name] >= 1, f"model.{name}", "an integer >= 1", args[name])
-    require(a.cliprange_value > 0, "model.cliprange_value", "> 0", a.cliprange_value)
-    require(a.lr > 0 and (a.critic_lr is None or a.critic_lr > 0), "model.lr and critic_lr", "> 0", (a.lr, a.critic_lr))
     estimator = type(advantage).__name__
-    critic = a.critic or ("separate" if advantage.needs_critic else "none")
+    critic = critic or ("separate" if advantage.needs_critic else "none")
     require(critic in ("separate", "shared", "none"), "model.critic", "'separate', 'shared', 'none' or null", critic)
     require(
         (critic != "none") == advantage.needs_critic,
@@ -172,60 +428,57 @@ def check_arguments(args: dict[str, Any], plugins: dict[str, Any]) -> dict[str, 
         critic,
     )
     require(
-        critic != "none" or (a.critic_lr is None and a.optimizers == "separate"),
-        "model.critic_lr and optimizers",
+        critic != "none" or (optim.critic_lr is None and optim.optimizers == "separate"),
+        "model.optim.critic_lr and model.optim.optimizers",
         "unset without a critic (model.critic: none)",
-        (a.critic_lr, a.optimizers),
+        (optim.critic_lr, optim.optimizers),
     )
     require(
-        a.num_generations >= advantage.min_group_size,
-        "model.num_generations",
+        sampling.num_generations >= advantage.min_group_size,
+        "model.sampling.num_generations",
         f">= {advantage.min_group_size} with model.advantage_estimator {estimator} (its baseline is taken over each prompt's responses)",
-        a.num_generations,
+        sampling.num_generations,
     )
-    require(a.lora_rank >= 0, "model.lora_rank", ">= 0", a.lora_rank)
-    for name in AT_LEAST_ZERO:
-        require(args[name] >= 0, f"model.{name}", "an integer >= 0", args[name])
     # A group baseline subtracts the mean of a prompt's responses: identical responses, identical
     # rewards, every advantage 0 and nothing learnt.
     require(
-        a.do_sample or advantage.min_group_size < 2,
-        "model.do_sample",
+        sampling.do_sample or advantage.min_group_size < 2,
+        "model.sampling.do_sample",
         f"true with model.advantage_estimator {estimator} (greedy decoding gives every response of a group the same text: "
         "every advantage is 0 and the policy never changes)",
-        a.do_sample,
+        sampling.do_sample,
     )
-    if advantage.min_group_size >= 2 and a.temperature < GREEDY_TEMPERATURE:
+    if advantage.min_group_size >= 2 and sampling.temperature < GREEDY_TEMPERATURE:
         rank_zero_warn(
-            f"model.temperature {a.temperature} with model.advantage_estimator {estimator}: below {GREEDY_TEMPERATURE} the responses "
-            "of a group are mostly identical, so are their rewards, and their advantages are 0 (nothing is learnt from them)"
+            f"model.sampling.temperature {sampling.temperature} with model.advantage_estimator {estimator}: below {GREEDY_TEMPERATURE} "
+            "the responses of a group are mostly identical, so are their rewards, and their advantages are 0 (nothing is learnt from them)"
         )
-    recipe, reason = kl_recipe(kl_estimator, a.kl_penalty, a.kl_loss_weighting, a.kl_loss_scope)
+    recipe, reason = kl_recipe(kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope)
     if recipe == "biased":
         weighting = (
-            f", model.kl_loss_weighting {a.kl_loss_weighting}" if a.kl_penalty != "reward" and kl_estimator.reads_sampled_token() else ""
+            f", model.kl.loss_weighting {kl.loss_weighting}" if kl.placement != "reward" and kl_estimator.reads_sampled_token() else ""
         )
         rank_zero_warn(
-            f"model.kl_estimator {type(kl_estimator).__name__} with model.kl_penalty {a.kl_penalty}{weighting} gives a biased gradient "
+            f"model.kl_estimator {type(kl_estimator).__name__} with model.kl.placement {kl.placement}{weighting} gives a biased gradient "
             f"of the KL: {reason}; the policy converges away from the KL-regularised optimum (docs/kl-estimators.md, 'Which recipe "
-            "reaches which optimum'). Use k1 in the reward, or k3 (or full) in the loss with kl_loss_weighting: importance."
+            "reaches which optimum'). Use k1 in the reward, or k3 (or full) in the loss with model.kl.loss_weighting: importance."
         )
-    if recipe == "drift" and a.ppo_epochs * a.num_minibatches > 1:
+    if recipe == "drift" and ppo.epochs * ppo.num_minibatches > 1:
         rank_zero_warn(
-            f"model.kl_estimator {type(kl_estimator).__name__} in the loss with model.kl_loss_weighting none is right only on a "
-            f"rollout's first minibatch: with model.ppo_epochs {a.ppo_epochs} x model.num_minibatches {a.num_minibatches} the later "
-            "steps take its gradient at pi_theta on pi_old's tokens and drift from the KL's. Use kl_loss_weighting: importance."
+            f"model.kl_estimator {type(kl_estimator).__name__} in the loss with model.kl.loss_weighting none is right only on a "
+            f"rollout's first minibatch: with model.ppo.epochs {ppo.epochs} x model.ppo.num_minibatches {ppo.num_minibatches} the later "
+            "steps take its gradient at pi_theta on pi_old's tokens and drift from the KL's. Use model.kl.loss_weighting: importance."
         )
-    if a.kl_penalty != "reward" and getattr(advantage, "scale", False):
+    if kl.placement != "reward" and getattr(advantage, "scale", False):
         rank_zero_warn(
             f"model.advantage_estimator {type(advantage).__name__} divides each prompt's advantages by its group's reward std "
             "and the KL loss term is not divided: beta weighs the KL against the reward differently for every prompt, so the "
             "policy converges away from the KL-regularised optimum. Use dr_grpo or rloo with the KL in the loss, or the KL in the reward."
         )
-    whiten = a.whiten_advantages
+    whiten = ppo.whiten_advantages
     if whiten is None:  # the estimator's default, off whenever the KL is in the loss (see above)
-        whiten = advantage.whiten and a.kl_penalty == "reward"
-    return {"critic": critic, "whiten_advantages": whiten}
+        whiten = advantage.whiten and kl.placement == "reward"
+    return {"critic": critic, "ppo": dataclasses.replace(ppo, whiten_advantages=whiten)}
 
 
 def kl_recipe(estimator: KLEstimator, placement: str, weighting: str, scope: str = "sequence") -> tuple[str, str]:
@@ -275,7 +528,7 @@ def check_setup(module, datamodule, stage: str) -> None:
     prompt of the data module's files (special-token strings, rendered length, and each reward
     backend's own check: ``RewardModel.check_prompts``); an entropy target the policy can reach."""
     if stage == "fit" and getattr(datamodule, "batch_size", None):
-        check_batch_split(datamodule.batch_size, module.hparams)
+        check_batch_split(datamodule.batch_size, module.sampling, module.ppo)
     for name in ("train_prompts", "val_prompts"):
         prompts, field = getattr(datamodule, name, None), f"data.{name.split('_')[0]}_path"
         if prompts:
@@ -287,7 +540,7 @@ def check_setup(module, datamodule, stage: str) -> None:
     if controller is not None and getattr(controller, "target", None) is not None:
         # The entropy of a distribution over V tokens is at most log V (uniform).
         per_response = controller.unit == "sequence_sum"
-        most = math.log(vocab) * (module.hparams.max_new_tokens if per_response else 1)
+        most = math.log(vocab) * (module.sampling.max_new_tokens if per_response else 1)
         require(
             controller.target < most,
             "model.entropy_controller.init_args.target",
@@ -297,13 +550,13 @@ def check_setup(module, datamodule, stage: str) -> None:
         )
 
 
-def check_batch_split(batch_size: int, hparams) -> None:
+def check_batch_split(batch_size: int, sampling: SamplingArgs, ppo: PPOArgs) -> None:
     """Each rank's rollout (``batch_size`` prompts x ``num_generations``) splits evenly into minibatches and micro-batches."""
-    parts = hparams.num_minibatches * hparams.gradient_accumulation_steps
+    parts = ppo.num_minibatches * ppo.gradient_accumulation_steps
     require(
-        batch_size * hparams.num_generations % parts == 0,
-        "data.batch_size * model.num_generations",
-        f"divisible by model.num_minibatches * model.gradient_accumulation_steps = {hparams.num_minibatches} * "
-        f"{hparams.gradient_accumulation_steps}",
-        f"{batch_size} * {hparams.num_generations}",
+        batch_size * sampling.num_generations % parts == 0,
+        "data.batch_size * model.sampling.num_generations",
+        f"divisible by model.ppo.num_minibatches * model.ppo.gradient_accumulation_steps = {ppo.num_minibatches} * "
+        f"{ppo.gradient_accumulation_steps}",
+        f"{batch_size} * {sampling.num_generations}",
     )

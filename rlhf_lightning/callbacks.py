@@ -47,7 +47,7 @@ def export_policy(module, target: Path) -> Optional[Path]:
             return None
         with torch.random.fork_rng():  # building draws random initial weights that are then replaced
             policy, _ = module._load_policy()
-            if module.hparams.lora_rank:
+            if module.lora.rank:
                 policy = module._add_lora(policy)
         policy.load_state_dict(state)
     elif module.global_rank != 0:

@@ -29,12 +29,13 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from rlhf_lightning import args
 from rlhf_lightning.checks import ConfigError, ConfigFileNotFoundError, require_number
 from rlhf_lightning.registry import canonical_class_path, class_path
 
 # Settings that may not change when a run resumes: they define the weights the checkpoint holds,
 # the reference rebuilt from the config, or the optimizers whose state it holds.
-RESUME_FIXED = ("policy", "tokenizer", "tiny_config", "lora_rank", "lora_alpha", "lora_target_modules", "critic", "optimizers")
+RESUME_FIXED = ("policy", "tokenizer", "tiny_config", "lora.rank", "lora.alpha", "lora.target_modules", "critic", "optim.optimizers")
 STATEFUL_PLUGINS = ("beta_controller", "entropy_controller", "reward_model")
 
 
@@ -106,27 +107,27 @@ def plugin_kinds(module) -> dict[str, Optional[str]]:
 
 def plugin_arguments(module) -> dict[str, dict]:
     """Each plugin's class path and the arguments it was built with (``interfaces.Plugin.init_args``),
-    as plain values; the entropy controller that ``model.entropy_coef`` builds is that setting's."""
+    as plain values; the entropy controller that ``model.ppo.entropy_coef`` builds is that setting's."""
     plugins = {name: getattr(module, name) for name in (*PLUGINS, "gold_reward_model")}
-    if module.hparams.get("entropy_coef"):
+    if module.ppo.entropy_coef:
         del plugins["entropy_controller"]
     return {name: _plain(plugin) for name, plugin in plugins.items() if hasattr(plugin, "init_args")}
 
 
 def _entropy_change(module, saved: dict, saved_kind: Optional[str], resume: Resume) -> None:
-    """The entropy bonus may be switched on or off, or moved between a fixed ``model.entropy_coef``
+    """The entropy bonus may be switched on or off, or moved between a fixed ``model.ppo.entropy_coef``
     and a controller, on resume: such an entropy controller starts afresh (``resume.fresh``) from the
     config's coefficient or its ``init_beta``, and the change is logged. Only a controller replaced by
     a controller of another kind is refused (its state would not fit)."""
-    coefficient = {"checkpoint": bool(saved.get("entropy_coef")), "config": bool(module.hparams.get("entropy_coef"))}
+    coefficient = {"checkpoint": bool(saved.get("ppo.entropy_coef")), "config": bool(module.ppo.entropy_coef)}
     kind = class_path(type(module.entropy_controller)) if module.entropy_controller is not None else None
     if not (coefficient["checkpoint"] or coefficient["config"] or saved_kind is None or kind is None):
         return  # a controller before and after: the same kind resumes its state, another is refused
     resume.fresh.add("entropy_controller")
-    old = "model.entropy_coef" if coefficient["checkpoint"] else saved_kind
-    new = "model.entropy_coef" if coefficient["config"] else kind
-    if old != new and {old, new} - {None, "model.entropy_coef"}:  # a switch on or off of the coefficient is its own change
-        started = f" (starts at init_beta {module.entropy_controller.beta!r})" if new not in (None, "model.entropy_coef") else ""
+    old = "model.ppo.entropy_coef" if coefficient["checkpoint"] else saved_kind
+    new = "model.ppo.entropy_coef" if coefficient["config"] else kind
+    if old != new and {old, new} - {None, "model.ppo.entropy_coef"}:  # a switch on or off of the coefficient is its own change
+        started = f" (starts at init_beta {module.entropy_controller.beta!r})" if new not in (None, "model.ppo.entropy_coef") else ""
         resume.changes["model.entropy_controller"] = f"model.entropy_controller: {old} -> {new}{started}"
 
 
@@ -162,11 +163,11 @@ def check_compatible(module, saved: dict, saved_plugins: dict, saved_args: Optio
     class that has moved since the checkpoint was written is the same kind
     (``registry.canonical_class_path``).
 
-    The entropy bonus may be switched on, off or between ``model.entropy_coef`` values: a fixed
+    The entropy bonus may be switched on, off or between ``model.ppo.entropy_coef`` values: a fixed
     coefficient (``entropy_coef``) is the config's, and a controller added on resume starts from its
     ``init_beta``; only a controller replaced by another kind is refused."""
-    hparams, resume = module.hparams, Resume()
-    fixed = [*RESUME_FIXED, "seed"] if hparams.policy == "tiny" else RESUME_FIXED  # the tiny model is rebuilt from its seed
+    hparams, saved, resume = settings(module.hparams), settings(saved), Resume()
+    fixed = [*RESUME_FIXED, "seed"] if hparams["policy"] == "tiny" else RESUME_FIXED  # the tiny model is rebuilt from its seed
     changed = {f: (saved[f], hparams[f]) for f in hparams if f in saved and saved[f] != hparams[f]}
     differ = [f"model.{f}: checkpoint {old!r}, config {new!r}" for f, (old, new) in changed.items() if f in fixed]
     resume.changes.update({f"model.{f}": f"model.{f}: {old!r} -> {new!r}" for f, (old, new) in changed.items() if f not in fixed})
@@ -190,6 +191,20 @@ def check_compatible(module, saved: dict, saved_plugins: dict, saved_args: Optio
             if key == "init_beta" and name in STATEFUL_PLUGINS:
                 resume.restart_beta[name] = setting
     return resume
+
+
+def settings(hparams: dict) -> dict[str, Any]:
+    """A module's saved settings by the key the user writes under ``model.`` (``optim.lr``): each
+    group's fields under its name. A checkpoint of the versions before the groups holds them flat
+    (``lr``): read as their keys now (``args.FLAT_KEYS``), so it resumes and its changes are named
+    in today's spelling; the CPU settings it holds left the module and are not compared."""
+    flat = {}
+    for name, value in hparams.items():
+        if name in args.GROUPS and isinstance(value, dict):
+            flat.update({f"{name}.{field}": v for field, v in value.items()})
+        elif name not in args.MOVED_OUT:
+            flat[args.FLAT_KEYS.get(name, name)] = value
+    return flat
 
 
 def _state_of(plugin) -> Optional[dict]:

@@ -26,7 +26,7 @@ class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
 
 def require(condition: bool, field: str, requirement: str, value: Any) -> None:
     """Unless ``condition``: ``ConfigError("<field> must be <requirement>, got <value>")``, the one
-    shape of every configuration error (``field`` as the user writes it: ``model.lr``,
+    shape of every configuration error (``field`` as the user writes it: ``model.optim.lr``,
     ``beta_controller.target``, ``KLGuard.max_kl``)."""
     if not condition:
         raise ConfigError(f"{field} must be {requirement}, got {value!r}")
@@ -73,7 +73,7 @@ def nonfinite_terms(terms: dict[str, Any], total: Any) -> str:
 class Faults:
     """Iterations and optimizer steps skipped for a non-finite reward, KL or loss (the weights untouched),
     and how many iterations in a row have had one; a run stops at ``limit`` in a row
-    (``model.max_consecutive_faults``). The counts are checkpointed (``state_dict``)."""
+    (``model.runtime.max_consecutive_faults``). The counts are checkpointed (``state_dict``)."""
 
     limit: int
     skipped_iterations: int = 0
@@ -93,7 +93,7 @@ class Faults:
         if self.consecutive >= self.limit:
             raise RuntimeError(
                 f"stopping: {self.consecutive} iterations in a row had faults "
-                f"(model.max_consecutive_faults={self.limit}); last cause: {self.last_cause}"
+                f"(model.runtime.max_consecutive_faults={self.limit}); last cause: {self.last_cause}"
             )
 
     def metrics(self, iteration_skipped: bool) -> dict[str, float]:

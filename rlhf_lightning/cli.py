@@ -1,7 +1,7 @@
 """The ``rlhf-lightning`` command: a LightningCLI over PPORLHF and PromptDataModule.
 
 rlhf-lightning fit --config configs/tiny.yaml
-rlhf-lightning fit --config configs/tiny.yaml --model.kl_estimator=k3 --model.beta_controller=adaptive
+rlhf-lightning fit --config configs/tiny.yaml --model.kl_estimator=k3 --model.sampling.temperature=0.7
 rlhf-lightning plugins      # every registered plugin, by kind
 """
 
@@ -54,20 +54,6 @@ class _DropAdvertisements(logging.Filter):
         return not record.getMessage().startswith("💡 Tip")
 
 
-# Trainer settings of a scripted run (the tools' runs): one CPU process with no logger, checkpoints,
-# progress bar, model summary, sanity check or validation. Trainer(**QUIET_TRAINER, callbacks=...).
-QUIET_TRAINER: dict = dict(
-    accelerator="cpu",
-    devices=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    num_sanity_val_steps=0,
-    limit_val_batches=0,
-)
-
-
 def quiet_library_noise() -> None:
     """Silence what libraries print at start that a user can do nothing about: Lightning's hosted
     logger tip, and deprecation notices about library internals (transformers' gradient-checkpointing
@@ -108,17 +94,27 @@ def default_logger(root_dir: Optional[str], config_files: list) -> TensorBoardLo
 
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
     """Construct the LightningCLI (it parses and, with ``run``, executes the subcommand)."""
+    from jsonargparse import set_parsing_settings
     from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
 
-    import rlhf_lightning.kl_monitor
-    import rlhf_lightning.optimum_meter  # noqa: F401 (imported, their classes resolve by bare name: class_path: KLGuard)
+    import rlhf_lightning.exact.meter
+    import rlhf_lightning.kl_monitor  # noqa: F401 (imported, their classes resolve by bare name: class_path: KLGuard)
     from rlhf_lightning.checkpoints import AtomicCheckpointIO, check_resume, find_last_checkpoint
+    from rlhf_lightning.cpu import CPUSettings, apply_cpu_settings
     from rlhf_lightning.data import PromptDataModule
     from rlhf_lightning.module import PPORLHF
 
     class RLHFLightningCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            parser.add_class_arguments(CPUSettings, "cpu")
+
+        def instantiate_classes(self) -> None:
+            super().instantiate_classes()
+            config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+            apply_cpu_settings(self.trainer, config["cpu"])
+
         def _parse_ckpt_path(self) -> None:
             """Nothing: Lightning's would load the checkpoint's saved model settings over the command
             line's, silently dropping a change. Here the command line and config are what runs; the
@@ -160,6 +156,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             return super()._instantiate_trainer(config, callbacks)
 
     load_plugins()  # before parsing: class_path and short names must resolve
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # --help shows each group field's docstring
     teach_jsonargparse_short_names()
     return RLHFLightningCLI(
         PPORLHF,
@@ -218,12 +215,16 @@ TRACEBACK_ENV = "RLHF_LIGHTNING_TRACEBACK"
 
 def check_config_files(argv: list[str]) -> None:
     """Every ``--config`` file that exists must hold a mapping of settings: an empty file or a
-    list says so, naming the file (jsonargparse's own message would be "Unexpected config")."""
+    list says so, naming the file (jsonargparse's own message would be "Unexpected config"). A
+    setting under its flat name of an earlier version (``model.lr``), in a file or on the command
+    line, is refused naming its key now (``model.optim.lr``)."""
     import yaml
 
+    from rlhf_lightning.args import FLAT_KEYS, MOVED_OUT, new_key
     from rlhf_lightning.interfaces import ConfigError
 
     paths = [b for a, b in itertools.pairwise(argv) if a == "--config"] + [a[9:] for a in argv if a.startswith("--config=")]
+    flat = {option.split("=")[0][len("--model.") :]: "the command line" for option in argv if option.startswith("--model.")}
     for path in map(Path, paths):
         if not path.is_file():
             continue  # jsonargparse names a missing file itself
@@ -235,6 +236,14 @@ def check_config_files(argv: list[str]) -> None:
             raise ConfigError(f"--config {path}: the file is empty; expected settings such as model:, data:, trainer:")
         if not isinstance(settings, dict):
             raise ConfigError(f"--config {path}: expected a mapping of settings (model:, data:, trainer:), got a {type(settings).__name__}")
+        flat.update({key: f"--config {path}" for key in settings.get("model") or {} if isinstance(settings.get("model"), dict)})
+    moved = {key: where for key, where in flat.items() if key in FLAT_KEYS or key in MOVED_OUT}
+    if moved:
+        raise ConfigError(
+            "settings under their names before version 0.2, now in groups: "
+            + "; ".join(f"model.{key} ({where}) is now {new_key(key)}" for key, where in moved.items())
+            + " (docs/configuration.md)"
+        )
 
 
 def main(args: Optional[list[str]] = None) -> None:

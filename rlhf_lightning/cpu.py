@@ -1,5 +1,6 @@
-"""CPU performance: linear layers through oneDNN (``model.cpu_linear``) and a glibc ``malloc``
-that keeps freed memory (``model.cpu_malloc``).
+"""CPU performance: linear layers through oneDNN (``cpu.linear``) and a glibc ``malloc``
+that keeps freed memory (``cpu.malloc``). The command's ``cpu`` section (:class:`CPUSettings`)
+installs them on the trainer (:func:`apply_cpu_settings`); from Python, call that on a Trainer.
 
 **oneDNN linear.** On a CPU, PyTorch runs every fp32 ``linear`` (and the two products of its
 backward) as an MKL sgemm. MKL runs its AVX-512 kernels only on Intel processors: on others
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import re
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
@@ -36,6 +38,8 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from rlhf_lightning.checks import require
 
 CpuLinear = Literal["auto", "onednn", "aten"]
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -168,19 +172,39 @@ class OneDNNPrecision(Precision):
         return onednn_linear()
 
 
-def apply_cpu_settings(trainer, cpu_linear: CpuLinear, cpu_malloc: Literal["tuned", "default"]) -> None:
-    """``model.cpu_linear`` and ``model.cpu_malloc`` for a run on a CPU: tune malloc, and in full
-    precision swap the strategy's precision plugin for :class:`OneDNNPrecision`. Other precisions
-    keep their plugin: oneDNN's route only serves plain fp32 outside autocast."""
+@dataclass(frozen=True)
+class CPUSettings:
+    """The command's ``cpu`` section: the kernels and allocator of a run on a CPU (ignored on a GPU)."""
+
+    linear: CpuLinear = "auto"
+    """The kernel of fp32 linear layers: ``onednn``, ``aten`` (MKL), or ``auto`` (oneDNN where the CPU
+    runs AVX-512 at full width, :func:`resolve_cpu_linear`); results agree to float rounding."""
+    malloc: Literal["tuned", "default"] = "tuned"
+    """``tuned``: glibc keeps freed memory for reuse (:func:`tune_malloc`); ``default``: glibc's own policy."""
+
+    def __post_init__(self) -> None:
+        require(
+            self.linear in ("auto", "aten") or (self.linear == "onednn" and onednn_available()),
+            "cpu.linear",
+            "'auto', 'aten', or 'onednn' where this torch build has oneDNN",
+            self.linear,
+        )
+        require(self.malloc in ("tuned", "default"), "cpu.malloc", "'tuned' or 'default'", self.malloc)
+
+
+def apply_cpu_settings(trainer, settings: CPUSettings) -> None:
+    """``settings`` for ``trainer``'s run on a CPU: tune malloc, and in full precision swap the
+    strategy's precision plugin for :class:`OneDNNPrecision`. Other precisions keep their plugin:
+    oneDNN's route only serves plain fp32 outside autocast."""
     strategy = trainer.strategy
-    if cpu_malloc == "tuned" and strategy.root_device.type == "cpu":
+    if settings.malloc == "tuned" and strategy.root_device.type == "cpu":
         tune_malloc()
-    if type(strategy.precision_plugin) is Precision and uses_onednn(strategy.root_device, cpu_linear):
+    if type(strategy.precision_plugin) is Precision and uses_onednn(strategy.root_device, settings.linear):
         strategy.precision_plugin = OneDNNPrecision()
 
 
 def uses_onednn(device: torch.device, cpu_linear: CpuLinear) -> bool:
-    """Whether ``model.cpu_linear`` routes fp32 linear layers on ``device`` through oneDNN."""
+    """Whether ``cpu.linear`` routes fp32 linear layers on ``device`` through oneDNN."""
     return device.type == "cpu" and resolve_cpu_linear(cpu_linear) == "onednn"
 
 

@@ -125,7 +125,7 @@ def encode_prompts(
                 raise ConfigError(
                     f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}) contains the special token string(s) {found}, "
                     "which would be tokenised as real special tokens (a forged chat turn or end of turn); remove them, or set "
-                    "model.special_tokens_in_prompts: allow for pre-rendered chat text"
+                    "model.prompts.special_tokens: allow for pre-rendered chat text"
                 )
     template = use_chat_template and getattr(tokenizer, "chat_template", None)
     if template:
@@ -140,7 +140,7 @@ def encode_prompts(
         prompt = distinct[too_long[0]]
         raise ConfigError(
             f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}...) is {int(lengths[too_long[0]])} tokens, longer than "
-            f"model.max_prompt_length={max_prompt_length} ({len(too_long)} such distinct prompts)"
+            f"model.prompts.max_length={max_prompt_length} ({len(too_long)} such distinct prompts)"
         )
     rows = torch.tensor([row_of[prompt] for prompt in prompts])
     return {"input_ids": enc["input_ids"][rows], "attention_mask": enc["attention_mask"][rows]}

@@ -5,7 +5,7 @@ and a warning when a GPU host trains on its CPU. What has run on which machine: 
 **DeepSpeed.** One optimizer (``configure_optimizers``: parameter groups), so Lightning's
 ``DeepSpeedStrategy`` accepts the module. DeepSpeed clips gradients inside its own step from its
 config's ``gradient_clipping`` (Lightning's clipping does nothing under it): that value is
-``model.max_grad_norm``, written into the config here; a config that sets another is refused.
+``model.optim.max_grad_norm``, written into the config here; a config that sets another is refused.
 DeepSpeed clips the norm of all parameters together (``optimizers: shared``'s clip). ZeRO stage 3
 is refused: its parameters are partitioned outside the forward, and the rollout reads whole
 weights outside it (``generate`` would need ``synced_gpus``, the reference check and the reference
@@ -45,7 +45,7 @@ def configure_deepspeed(config: dict, max_grad_norm: Optional[float], gradient_a
     )
     require(
         gradient_accumulation_steps == 1,
-        "model.gradient_accumulation_steps",
+        "model.ppo.gradient_accumulation_steps",
         "1 under DeepSpeed (no no_sync in ZeRO; raise num_minibatches or lower the batch instead)",
         gradient_accumulation_steps,
     )
@@ -54,7 +54,7 @@ def configure_deepspeed(config: dict, max_grad_norm: Optional[float], gradient_a
     require(
         configured in (None, clip),
         "the DeepSpeed config's gradient_clipping",
-        f"unset or model.max_grad_norm ({clip})",
+        f"unset or model.optim.max_grad_norm ({clip})",
         configured,
     )
     config["gradient_clipping"] = clip
@@ -86,20 +86,19 @@ def warn_cpu_fallback(device: torch.device) -> None:
     )
 
 
-def setup(trainer, hparams) -> None:
-    """The start-up checks and settings of this module for ``trainer``'s strategy and device."""
-    strategy = trainer.strategy
+def setup(trainer, module) -> None:
+    """The start-up checks and settings of ``module`` (a PPORLHF) for ``trainer``'s strategy and device."""
+    strategy, optim = trainer.strategy, module.optim
     if is_deepspeed(strategy):
-        configure_deepspeed(strategy.config, hparams.max_grad_norm, hparams.gradient_accumulation_steps)
-        if hparams.max_grad_norm and hparams.optimizers == "separate" and hparams.critic != "none":
-            rank_zero_warn("DeepSpeed clips the joint gradient norm of the policy and the critic (model.optimizers: shared's clip)")
+        configure_deepspeed(strategy.config, optim.max_grad_norm, module.ppo.gradient_accumulation_steps)
+        if optim.max_grad_norm and optim.optimizers == "separate" and module.hparams.critic != "none":
+            rank_zero_warn("DeepSpeed clips the joint gradient norm of the policy and the critic (model.optim.optimizers: shared's clip)")
     precision = str(getattr(trainer, "precision", "32-true"))
-    if hparams.old_logprobs == "sampler" and precision.startswith(("bf16", "16")):
+    if module.sampling.old_logprobs == "sampler" and precision.startswith(("bf16", "16")):
         rank_zero_warn(
-            f"trainer.precision={precision} with model.old_logprobs=sampler: the sampler's cached decode and a forward round "
-            "differently in 16 bits, so the first PPO ratio is not exactly 1 (quickstart: approxkl 4.4e-4); "
-            "model.old_logprobs=forward makes it 1"
+            f"trainer.precision={precision} with model.sampling.old_logprobs=sampler: the sampler's cached decode and a forward round "
+            "differently in 16 bits, so the first PPO ratio is not exactly 1; model.sampling.old_logprobs=forward makes it 1"
         )
-    if hparams.matmul_precision is not None:
-        torch.set_float32_matmul_precision(hparams.matmul_precision)
+    if module.runtime.matmul_precision is not None:
+        torch.set_float32_matmul_precision(module.runtime.matmul_precision)
     warn_cpu_fallback(strategy.root_device)

@@ -176,7 +176,7 @@ class BetaController(Plugin):
 class AdvantageEstimator(Plugin):
     """Turns one rollout's per-token rewards into advantages (and, with a critic, value targets).
 
-    The rollout holds ``group_size`` responses per prompt in consecutive rows (``model.num_generations``),
+    The rollout holds ``group_size`` responses per prompt in consecutive rows (``model.sampling.num_generations``),
     and ``rewards`` is R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in
     the reward), shape (batch, response_len), zero off ``mask``. Class attributes declare what the
     estimator needs, so the module can check a config at start-up:
@@ -185,7 +185,7 @@ class AdvantageEstimator(Plugin):
       critic-free estimator is called with ``values=None`` and returns ``(advantages, None)``.
     - ``min_group_size``: the smallest ``num_generations`` it is defined for (2 for group baselines).
     - ``whiten``: whether the module whitens its advantages over the global batch by default
-      (``model.whiten_advantages: null``); estimators that normalise themselves say False.
+      (``model.ppo.whiten_advantages: null``); estimators that normalise themselves say False.
     - ``loss_aggregation``: the registered loss aggregation the estimator is defined with, if any
       (Dr. GRPO's ``constant``), used when ``model.loss_aggregation`` is null.
     """
@@ -358,7 +358,7 @@ class Samples:
 
 
 class RolloutEngine(Plugin):
-    """Samples the rollout's responses from the policy: ``model.temperature``, ``top_k``, ``top_p``,
+    """Samples the rollout's responses from the policy: ``model.sampling.temperature``, ``top_k``, ``top_p``,
     ``max_new_tokens``, ``min_new_tokens`` and the tokenizer's EOS, read from the module.
 
     The declared distribution (docs/rollout-engines.md): at each position the policy's logits over

@@ -332,12 +332,15 @@ class PolicyNetworks:
         file) is the one full copy, freed once its shards are taken."""
         if self.policy is not None:
             return
-        hp = self.hparams
         sharded = self.device_mesh is not None  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
         copy_of = fsdp2.meta_copy if sharded else copy.deepcopy
         policy, rows = self._load_policy(empty=sharded)
-        self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared", copy_of=copy_of)
-        if hp.lora_rank > 0:
+        self.critic = (
+            None
+            if self.hparams.critic == "none"
+            else ValueModel.from_policy(policy, shared=self.hparams.critic == "shared", copy_of=copy_of)
+        )
+        if self.lora.rank > 0:
             self.policy = self._add_lora(policy)
         else:
             self.policy = policy
@@ -364,11 +367,12 @@ class PolicyNetworks:
         policy.train()
         # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling
         # (greedy: no sampling flags, which save_pretrained refuses without do_sample).
-        sampling = dict(temperature=hp.temperature, top_k=0, top_p=1.0) if hp.do_sample else {}
+        sampled = self.sampling
+        sampling = dict(temperature=sampled.temperature, top_k=0, top_p=1.0) if sampled.do_sample else {}
         policy.generation_config = GenerationConfig(
-            do_sample=hp.do_sample,
-            max_new_tokens=hp.max_new_tokens,
-            min_new_tokens=hp.min_new_tokens,
+            do_sample=sampled.do_sample,
+            max_new_tokens=sampled.max_new_tokens,
+            min_new_tokens=sampled.min_new_tokens,
             **sampling,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
@@ -381,12 +385,11 @@ class PolicyNetworks:
     def _add_lora(self, policy: nn.Module) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
-        hp = self.hparams
         config = LoraConfig(
-            r=hp.lora_rank,
-            lora_alpha=hp.lora_alpha,
+            r=self.lora.rank,
+            lora_alpha=self.lora.alpha,
             lora_dropout=0.0,
-            target_modules=hp.lora_target_modules or "all-linear",
+            target_modules=self.lora.target_modules or "all-linear",
             task_type="CAUSAL_LM",
         )
         with _stand_ins_for_meta(policy):
@@ -417,7 +420,7 @@ class PolicyNetworks:
         )
         mesh = mesh["data_parallel"]
         # With LoRA the base model is the FSDP root: generation calls it directly (see _generator).
-        base = self.policy.get_base_model() if self.hparams.lora_rank else self.policy
+        base = self.policy.get_base_model() if self.lora.rank else self.policy
         fsdp2.shard(base, mesh)
         for model in (self.critic, self.ref_model, self.initial_model):
             if model is not None:
@@ -459,7 +462,7 @@ class PolicyNetworks:
 
     def _tempered(self, logits: Tensor) -> Tensor:
         """``logits / temperature``, without a copy of the full-vocabulary tensor at temperature 1."""
-        return logits if self.hparams.temperature == 1 else logits / self.hparams.temperature
+        return logits if self.sampling.temperature == 1 else logits / self.sampling.temperature
 
     def policy_outputs(
         self, input_ids: Tensor, attention_mask: Tensor, response_len: int, critic: bool = True
@@ -486,7 +489,7 @@ class PolicyNetworks:
         block's weights again when gradients reach that block's outputs, and a beginning pass's outputs reach
         the loss only through the keys and values it leaves in the cache (its blocks' backward then finds
         their weights freed)."""
-        if not self.hparams.shared_prompts:
+        if not self.runtime.shared_prompts:
             return None, 0, None
         prompt_len = input_ids.shape[1] - response_len
         shared = prefix.distinct_prompts(input_ids, attention_mask, prompt_len)
@@ -527,8 +530,7 @@ class PolicyNetworks:
         forward of its own while scoring: when that first minibatch is the whole batch in one
         micro-batch (one minibatch, no accumulation), where the critic still has V_old's weights. One
         critic trunk forward per iteration fewer, the same values (tests/test_module.py)."""
-        hp = self.hparams
-        return self._critic_apart and hp.num_minibatches == 1 and hp.gradient_accumulation_steps == 1
+        return self._critic_apart and self.ppo.num_minibatches == 1 and self.ppo.gradient_accumulation_steps == 1
 
     def _first_critic_values(self, rollout: Rollout) -> Optional[Tensor]:
         """With ``old_values_in_update``: the separate critic's forward of the first minibatch (the
@@ -547,17 +549,17 @@ class PolicyNetworks:
         forward (another engine, ``old_logprobs: forward`` or a rollout correction), V_old (a separate
         critic's only with ``critic_values``), the kept set, and the sampler's own log-probs of the
         sampled tokens (the trainer's past EOS)."""
-        hp, response_len = self.hparams, response.shape[1]
+        sampled, response_len = self.sampling, response.shape[1]
         sampler_logits = None if samples.logits is None else self._tempered(samples.logits.float())
-        if sampler_logits is None or hp.old_logprobs == "forward" or hp.rollout_correction != "none":
+        if sampler_logits is None or sampled.old_logprobs == "forward" or sampled.rollout_correction != "none":
             logits, values = self.policy_outputs(input_ids, attention_mask, response_len, critic=critic_values or self._shared_critic)
         elif self._shared_critic:
             logits, values = sampler_logits, self.critic(hidden=samples.hidden)
         else:
             separate = self.critic is not None and critic_values
             logits, values = sampler_logits, self._critic_values(input_ids, attention_mask, response_len) if separate else None
-        banned = sampling.min_new_tokens_ban(logits.shape, self.tokenizer.eos_token_id, hp.min_new_tokens, logits.device)
-        top_k, top_p = (hp.top_k, hp.top_p) if hp.do_sample else (0, 1.0)
+        banned = sampling.min_new_tokens_ban(logits.shape, self.tokenizer.eos_token_id, sampled.min_new_tokens, logits.device)
+        top_k, top_p = (sampled.top_k, sampled.top_p) if sampled.do_sample else (0, 1.0)
         kept = sampling.kept_tokens(logits if sampler_logits is None else sampler_logits, top_k, top_p, banned)
         if kept is not None:  # the sampled token was kept, whatever rounding at a top-p boundary says (another engine's kernels)
             kept = kept.scatter(-1, response.unsqueeze(-1), True)
@@ -583,15 +585,15 @@ class PolicyNetworks:
         per model (tests/test_gpu_paths.py), and it is what DeepSpeed supports (one optimizer);
         one optimizer step, one GradScaler update under 16-mixed. ``optimizers: separate`` clips
         each group's gradient norm on its own, ``shared`` the norm of both (``on_before_optimizer_step``)."""
-        hp = self.hparams
-        groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad], "lr": hp.lr}]
+        optim = self.optim
+        groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad], "lr": optim.lr}]
         if self.critic is not None:
-            groups.append({"name": "critic", "params": list(self.critic.parameters()), "lr": hp.critic_lr or hp.lr})
+            groups.append({"name": "critic", "params": list(self.critic.parameters()), "lr": optim.critic_lr or optim.lr})
         # fused: one kernel per step instead of a dozen per tensor. Not under 16-mixed/bf16-mixed:
         # a fused AdamW unscales 16-mixed gradients inside its step, after they would be clipped,
         # so the multi-tensor (foreach) AdamW steps instead.
         fused = not (self._trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision))
-        return torch.optim.AdamW(groups, weight_decay=hp.weight_decay, fused=fused)
+        return torch.optim.AdamW(groups, weight_decay=optim.weight_decay, fused=fused)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Clip the gradients to ``max_grad_norm`` here, where Lightning calls this hook: after the
@@ -599,12 +601,12 @@ class PolicyNetworks:
         the clip sees the true norm. Per parameter group (``optimizers: separate``) or over all
         (``shared``). DeepSpeed clips inside its own step, from its config (``gpu.configure_deepspeed``).
         Without a trainer too (``exact.expected_train`` steps its optimizer itself)."""
-        hp = self.hparams
-        if not hp.max_grad_norm or (self._trainer is not None and gpu.is_deepspeed(self.trainer.strategy)):
+        optim = self.optim
+        if not optim.max_grad_norm or (self._trainer is not None and gpu.is_deepspeed(self.trainer.strategy)):
             return
         groups = [group["params"] for group in optimizer.param_groups]
-        for params in groups if hp.optimizers == "separate" else [[p for group in groups for p in group]]:
-            torch.nn.utils.clip_grad_norm_(params, hp.max_grad_norm)
+        for params in groups if optim.optimizers == "separate" else [[p for group in groups for p in group]]:
+            torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm)
 
     @contextlib.contextmanager
     def _generator(self):
@@ -619,10 +621,10 @@ class PolicyNetworks:
         with contextlib.ExitStack() as stack:
             if self._sharded:
                 stack.enter_context(fsdp2.gathered(fsdp2.fsdp_roots(self.policy)[0]))
-            if not self.hparams.lora_rank:
+            if not self.lora.rank:
                 yield self.policy
                 return
-            if self.hparams.merge_lora_for_generation:
+            if self.lora.merge_for_generation:
                 stack.enter_context(merged_adapter(self.policy))
             yield self.policy.get_base_model()
 

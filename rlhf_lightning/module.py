@@ -33,9 +33,10 @@ cross-rank statistic goes through the Lightning strategy's ``reduce``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from functools import partial
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning import LightningModule
@@ -43,8 +44,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from rlhf_lightning import args, checkpoints, cpu, gpu, sampling
+from rlhf_lightning import args, checkpoints, gpu, sampling
 from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.args import KLArgs, LoraArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
 from rlhf_lightning.checks import Faults, nonfinite_terms
 from rlhf_lightning.data import encode_prompts, token_ids
@@ -70,88 +72,16 @@ UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss
 class PPORLHF(PolicyNetworks, LightningModule):
     """PPO-RLHF: rollout -> score -> advantages -> update, with a pluggable KL penalty.
 
-    Args:
-        policy: model spec: ``tiny``, ``smollm2``, a local HF checkpoint folder or a ``.gguf`` file.
-        tokenizer: tokenizer spec; default: the policy's own (``char`` for ``tiny``).
-        reward_model: a registered reward backend name, or ``class_path``/``init_args``.
-        kl_estimator: a registered KL estimator name (k1, k2, k3, abs, full, ...) or ``class_path``.
-        beta_controller: a registered beta controller name (fixed, adaptive, band, ...) or ``class_path``.
-        advantage_estimator: a registered advantage estimator name (gae, grpo, dr_grpo, rloo,
-            reinforce_pp) or ``class_path``; GAE's gamma and lambda are its own arguments.
-        num_generations: responses sampled per prompt; a rollout holds prompts x num_generations
-            responses, each prompt's group in consecutive rows on one rank.
-        policy_loss: a registered policy loss (ppo_clip, clip_higher, dual_clip, gspo, cispo) or
-            ``class_path``; clip ranges are its own arguments.
-        loss_aggregation: how per-token losses are averaged (token_mean, seq_mean_token_mean,
-            seq_mean_token_sum, constant); null: what the policy loss or the advantage estimator
-            is defined with (gspo: seq_mean_token_mean, dr_grpo: constant), else token_mean.
-        entropy_coef: a fixed entropy bonus: - entropy_coef * H_t per token in the loss.
-        entropy_controller: a beta controller (adaptive, pid, ...) whose beta is the entropy bonus's
-            coefficient and whose target is an entropy (in its unit: nats per token or per
-            response): the coefficient rises while the rollout's entropy is below the target.
-        kl_penalty: where beta * KL goes: into the per-token ``reward`` (PPO-RLHF), a separate
-            ``loss`` term (GRPO style), or ``both``.
-        kl_loss_weighting: the KL loss term of tokens sampled from pi_old while pi_theta moves over
-            the PPO epochs: ``importance`` weights each token's estimate by w_t = pi_theta(y_t) /
-            pi_old(y_t) (``ppo_math.importance_weighted_kl``); ``none`` differentiates the estimate
-            as it is. Which estimators each is right for: docs/kl-estimators.md.
-        kl_loss_scope: what the KL loss term's gradient is the gradient of (``loss`` only):
-            ``sequence``, the whole response's KL (the per-token term plus the KL still to come
-            after each token, ``ppo_math.kl_to_go_loss``; needs an estimator with an unbiased value:
-            k1, k3, full), or ``per_token``, each visited state's own KL, whose fixed point is
-            ``exact.backward_induction(soft=False)``, not the KL-regularised optimum.
-        kl_ignore_tokens: tokens left out of the KL penalty wherever they are sampled (e.g.
-            ``["<|im_end|>"]``: end-of-turn tokens often dominate the KL); ``eos`` means the EOS token.
-        gold_reward_model: an optional second reward backend that is only logged
-            (``objective/gold_reward``), to watch a proxy reward being over-optimised.
-        rollout_engine: what samples the responses: ``hf`` (``generate``, the default), ``vllm``
-            (colocated, weights synced after each update) or ``class_path`` (docs/rollout-engines.md).
-        max_new_tokens / min_new_tokens / temperature / top_k / top_p: sampling (top_k 0 and top_p 1:
-            no truncation); every log-prob is of the same tempered distribution on the kept set.
-        rollout_correction / rollout_correction_cap: weigh each token's policy loss, KL loss and
-            logged KL by pi_old / pi_sampler of the token (``tis``, ``mis``) or of the response
-            (``seq_tis``, ``seq_mis``), truncated at the cap (tis) or 0 outside [1 / cap, cap] (mis).
-        do_sample: sample (PPO) or decode greedily (evaluation; tests that need rollouts that
-            depend on the weights alone).
-        max_prompt_length: longest rendered prompt in tokens; longer prompts are an error.
-        old_logprobs: where the PPO ratio's log pi_old (and a shared critic's V_old) come from:
-            ``sampler`` (the engine's: ``hf``'s logits, no extra forward) or ``forward`` (one batched forward).
-        use_chat_template: render prompts with the tokenizer's chat template when it has one.
-        special_tokens_in_prompts: ``refuse`` a prompt containing a special-token string
-            (``<|im_end|>``: it could forge chat turns), or ``allow`` pre-rendered chat text.
-        ppo_epochs / num_minibatches / gradient_accumulation_steps: passes over each rollout,
-            minibatches per pass (one optimizer step each), micro-batches per minibatch.
-        cliprange_value: the value clip. vf_coef: value-loss weight.
-        whiten_advantages: whiten the advantages over the global batch; null: the estimator's
-            default (gae: yes; critic-free estimators: no), and no whenever the KL is in the loss.
-        lr / critic_lr / weight_decay / max_grad_norm: AdamW settings and gradient clipping.
-        optimizers: one AdamW, policy and critic groups: clipped each on its own (``separate``) or jointly.
-        critic: the value head's trunk: a ``separate`` copy of the policy's trunk, ``none`` (no
-            value head, loss or optimizer: the critic-free estimators), or ``shared``
-            with the policy (one forward pass gives log-probs and values; see ValueModel).
-            null: ``separate`` for an estimator that needs a critic, else ``none``.
-        lora_rank: 0 for full fine-tuning; > 0 trains a LoRA adapter and the reference is the
-            same weights with the adapter disabled (no second copy in memory).
-        merge_lora_for_generation: merge the adapter into the (fp32) base weights while sampling
-            and unmerge after (no LoRA branch per decode step; each merge rounds by at most one ulp).
-        reference_update: how the reference moves toward the policy after an iteration: ``none``
-            (frozen, the default), ``sync`` / ``reset`` (ref <- policy every N iterations; reset also
-            clears the policy's optimizer state), ``ema`` (ref <- (1 - alpha) ref + alpha policy).
-            Memory and checkpointing of a moving reference: docs/reference-updates.md.
-        tiny_config: overrides of the ``tiny`` model's LlamaConfig.
-        seed: initialisation seed of the ``tiny`` model.
-        cpu_linear: the kernel of fp32 linear layers on a CPU: ``onednn``, ``aten`` (MKL), or
-            ``auto`` (oneDNN where the CPU runs AVX-512 at full width, cpu.py); results agree to float rounding.
-        cpu_malloc: ``tuned`` (glibc keeps freed memory for reuse, CPU runs only) or ``default`` (cpu.py).
-        shared_prompts: rows with the same prompt (``num_generations`` > 1) share one forward pass
-            over it in every trainer forward, the update's included; where every prompt is distinct, the
-            first tokens they all share (a chat template's system prompt) run once, in the critic's
-            forward too: the same logits to rounding (prefix.py).
-        matmul_precision: ``torch.set_float32_matmul_precision`` at start-up (``high``: TF32 on
-            Ampere and later GPUs); null leaves torch's default (``highest``).
-        max_consecutive_faults: iterations in a row that may be skipped for a non-finite reward,
-            KL or loss before the run stops with the cause.
-        log_samples_every_n_steps / num_logged_samples: sample table sent to TensorBoard.
+    The plugins are flat arguments: a registered short name (``k3``, ``adaptive``), a class name or
+    ``class_path`` with ``init_args`` (docs/plugins.md). So are the network keys: ``policy``
+    (``tiny``, ``smollm2``, a local HF checkpoint folder or a ``.gguf`` file), ``tokenizer`` (default:
+    the policy's own; ``char`` for ``tiny``), ``critic`` (the value head's trunk: a ``separate``
+    copy of the policy's, ``shared`` with it, or ``none`` for the critic-free estimators; null: what
+    the advantage estimator needs), ``tiny_config`` (overrides of the ``tiny`` model's LlamaConfig),
+    ``seed`` (the ``tiny`` model's initialisation) and ``trust_remote_code``. Every other setting is
+    in a group, each field documented where it is declared (args.py): ``sampling``, ``prompts``,
+    ``kl``, ``ppo``, ``optim``, ``lora``, ``runtime``. The flat names of earlier versions
+    (``lr=...``) still work from Python for one release, with a FutureWarning naming the new key.
     """
 
     def __init__(
@@ -162,61 +92,32 @@ class PPORLHF(PolicyNetworks, LightningModule):
         kl_estimator: Union[KLEstimator, str] = "k1",
         beta_controller: Union[BetaController, str] = "fixed",
         advantage_estimator: Union[AdvantageEstimator, str] = "gae",
-        num_generations: int = 1,
         policy_loss: Union[PolicyLoss, str] = "ppo_clip",
         loss_aggregation: Union[LossAggregation, str, None] = None,
-        entropy_coef: float = 0.0,
         entropy_controller: Union[BetaController, str, None] = None,
-        kl_penalty: Literal["reward", "loss", "both"] = "reward",
-        kl_loss_weighting: Literal["none", "importance"] = "importance",
-        kl_loss_scope: Literal["sequence", "per_token"] = "sequence",
-        kl_ignore_tokens: Optional[list[str]] = None,
         gold_reward_model: Union[RewardModel, str, None] = None,
-        max_new_tokens: int = 32,
-        min_new_tokens: int = 0,
-        do_sample: bool = True,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
         rollout_engine: Union[RolloutEngine, str] = "hf",
-        rollout_correction: Literal["none", "tis", "mis", "seq_tis", "seq_mis"] = "none",
-        rollout_correction_cap: float = 2.0,
-        max_prompt_length: int = 256,
-        old_logprobs: Literal["sampler", "forward"] = "sampler",
-        use_chat_template: bool = True,
-        special_tokens_in_prompts: Literal["refuse", "allow"] = "refuse",
-        ppo_epochs: int = 4,
-        num_minibatches: int = 1,
-        gradient_accumulation_steps: int = 1,
-        cliprange_value: float = 0.2,
-        vf_coef: float = 0.1,
-        whiten_advantages: Optional[bool] = None,
-        lr: float = 1e-5,
-        critic_lr: Optional[float] = None,
-        weight_decay: float = 0.0,
-        max_grad_norm: Optional[float] = 1.0,
-        optimizers: Literal["separate", "shared"] = "separate",
-        critic: Optional[Literal["separate", "shared", "none"]] = None,
-        lora_rank: int = 0,
-        lora_alpha: float = 16.0,
-        lora_target_modules: Optional[list[str]] = None,
-        merge_lora_for_generation: bool = True,
         reference_update: Union[ReferenceUpdate, str] = "none",
+        critic: Optional[Literal["separate", "shared", "none"]] = None,
+        sampling: SamplingArgs = SamplingArgs(),
+        prompts: PromptArgs = PromptArgs(),
+        kl: KLArgs = KLArgs(),
+        ppo: PPOArgs = PPOArgs(),
+        optim: OptimArgs = OptimArgs(),
+        lora: LoraArgs = LoraArgs(),
+        runtime: RuntimeArgs = RuntimeArgs(),
         tiny_config: Optional[dict] = None,
         seed: int = 0,
         trust_remote_code: bool = False,
-        cpu_linear: cpu.CpuLinear = "auto",
-        cpu_malloc: Literal["tuned", "default"] = "tuned",
-        shared_prompts: bool = True,
-        matmul_precision: Optional[gpu.MatmulPrecision] = None,
-        max_consecutive_faults: int = 3,
-        log_samples_every_n_steps: int = 10,
-        num_logged_samples: int = 4,
+        **flat_settings: Any,
     ) -> None:
         super().__init__()
-        arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        groups = args.build_groups(
+            dict(sampling=sampling, prompts=prompts, kl=kl, ppo=ppo, optim=optim, lora=lora, runtime=runtime), flat_settings
+        )
+        plugin_specs = {name: value for name, value in locals().items() if name in args.PLUGIN_ARGUMENTS}
         # Plugins first: an unknown name fails here, before any model loads.
-        plugins = args.build_plugins(arguments)
+        plugins = args.build_plugins(plugin_specs, groups["ppo"])
         self.reward_model: RewardModel = plugins["reward_model"]
         self.kl_estimator: KLEstimator = plugins["kl_estimator"]
         self.beta_controller: BetaController = plugins["beta_controller"]
@@ -227,14 +128,24 @@ class PPORLHF(PolicyNetworks, LightningModule):
         self.gold_reward_model: Optional[RewardModel] = plugins["gold_reward_model"]
         self.reference_update: ReferenceUpdate = plugins["reference_update"]
         self.rollout_engine: RolloutEngine = plugins["rollout_engine"]
-        resolved = args.check_arguments(arguments, plugins)
+        groups.update(args.check_across_groups(critic, groups, plugins))
+        self.sampling: SamplingArgs = groups["sampling"]
+        self.prompts: PromptArgs = groups["prompts"]
+        self.kl: KLArgs = groups["kl"]
+        self.ppo: PPOArgs = groups["ppo"]
+        self.optim: OptimArgs = groups["optim"]
+        self.lora: LoraArgs = groups["lora"]
+        self.runtime: RuntimeArgs = groups["runtime"]
+        # The saved hyperparameters: the network keys and each group as plain values, resolved.
+        network = dict(policy=policy, tokenizer=tokenizer, critic=groups["critic"], tiny_config=tiny_config, seed=seed)
+        self.save_hyperparameters(
+            {**network, "trust_remote_code": trust_remote_code, **{name: dataclasses.asdict(groups[name]) for name in args.GROUPS}}
+        )
         self._kl_reads_sampled_token = self.kl_estimator.reads_sampled_token()
-        self.save_hyperparameters(ignore=list(args.PLUGIN_ARGUMENTS))
-        self.hparams.update(resolved)
         self.automatic_optimization = False
 
         self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), trust_remote_code)
-        self.kl_ignore_ids = token_ids(self.tokenizer, kl_ignore_tokens or [], "each of model.kl_ignore_tokens")
+        self.kl_ignore_ids = token_ids(self.tokenizer, self.kl.ignore_tokens or [], "each of model.kl.ignore_tokens")
         self.policy: Optional[nn.Module] = None
         self.ref_model: Optional[nn.Module] = None
         self.initial_model: Optional[nn.Module] = None  # full fine-tuning with a moving reference: pi_0
@@ -245,11 +156,11 @@ class PPORLHF(PolicyNetworks, LightningModule):
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
         self._rng_to_restore: Optional[dict] = None
         self.generation_seed_base = int(torch.initial_seed()) % 2**31  # saved with checkpoints
-        self.faults = Faults(limit=max_consecutive_faults)
+        self.faults = Faults(limit=self.runtime.max_consecutive_faults)
 
     # ------------------------------------------------------------------ setup
     def configure_callbacks(self) -> list:
-        return [TensorBoardViews(self.hparams.log_samples_every_n_steps, self.hparams.num_logged_samples)]
+        return [TensorBoardViews(self.runtime.log_samples_every_n_steps, self.runtime.num_logged_samples)]
 
     def on_fit_start(self) -> None:
         self._setup_reward_models()
@@ -282,7 +193,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         with timer("update"):
             values = self._first_critic_values(rollout)
             advantages, returns = self.compute_advantages(scored.rewards, rollout)
-            scale = self.advantage_estimator.gradient_scale(scored.rewards, rollout.mask, self.hparams.num_generations, self._reduce)
+            scale = self.advantage_estimator.gradient_scale(scored.rewards, rollout.mask, self.sampling.num_generations, self._reduce)
             skipped_steps = self.ppo_update(rollout, advantages, returns, beta * scale, values)
         metrics = self.rollout_metrics(rollout, scored, beta)
         self.update_controllers(metrics)
@@ -292,8 +203,8 @@ class PPORLHF(PolicyNetworks, LightningModule):
 
     def repeat_prompts(self, prompts: list[str]) -> list[str]:
         """Each prompt ``num_generations`` times, its group in consecutive rows of this rank's batch."""
-        args.check_batch_split(len(prompts), self.hparams)
-        return [prompt for prompt in prompts for _ in range(self.hparams.num_generations)]
+        args.check_batch_split(len(prompts), self.sampling, self.ppo)
+        return [prompt for prompt in prompts for _ in range(self.sampling.num_generations)]
 
     def score(self, rollout: Rollout, beta: float) -> Scored:
         """r_RM from the reward backend, the per-token KL estimate, and the per-token rewards
@@ -311,7 +222,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         if self._any_rank(fault is not None):
             return Scored(kl, raw_scores, fault=fault or "a non-finite reward or KL on another rank")
         scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce)
-        kl_in_reward = kl if self._kl_in_reward else torch.zeros_like(kl)
+        kl_in_reward = kl if self.kl.in_reward else torch.zeros_like(kl)
         return Scored(kl, raw_scores, scores, pm.token_rewards(scores.to(self.device), kl_in_reward, rollout.mask, beta))
 
     def skip_iteration(self, rollout: Rollout, scored: Scored) -> IterationOutputs:
@@ -354,7 +265,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         """Sample one response per prompt with the rollout engine (timed as ``rollout``), then pi_old
         and V_old (``_old_policy``; a separate critic's only with ``critic_values``) and log pi_ref
         (one batched forward of the reference, on the sampler's kept set), timed as ``forward``."""
-        hp, timer = self.hparams, timer or Timer(self.device)
+        timer = timer or Timer(self.device)
         enc = self.encode_prompts(prompts)
         # Sampling draws from its own seed per (run, rank, iteration): ranks sample independently,
         # and a resumed run draws the same responses without any generator state to restore.
@@ -389,7 +300,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
             response=response,
             mask=mask,
             ended_with_eos=ended,
-            old_logprobs=old.sampler_logprobs if hp.old_logprobs == "sampler" else old.trainer_logprobs,
+            old_logprobs=old.sampler_logprobs if self.sampling.old_logprobs == "sampler" else old.trainer_logprobs,
             trainer_logprobs=old.trainer_logprobs,
             sampler_logprobs=old.sampler_logprobs,
             ref_logprobs=pm.logprobs_of(ref_logits, response),
@@ -401,7 +312,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
             initial_logits=initial_logits if keep_logits else None,
             kept=old.kept,
             is_weights=sampling.correction_weights(
-                old.trainer_logprobs, old.sampler_logprobs, mask, hp.rollout_correction, hp.rollout_correction_cap
+                old.trainer_logprobs, old.sampler_logprobs, mask, self.sampling.rollout_correction, self.sampling.rollout_correction_cap
             ),
         )
 
@@ -424,9 +335,10 @@ class PPORLHF(PolicyNetworks, LightningModule):
     def compute_advantages(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor, Optional[Tensor]]:
         """The advantage estimator on the per-token rewards (and V_old with a critic), checked,
         then whitened over the global batch when ``whiten_advantages``."""
-        hp = self.hparams
-        advantages, returns = self.advantage_estimator.checked(rewards, rollout.mask, rollout.old_values, hp.num_generations, self._reduce)
-        if hp.whiten_advantages:
+        advantages, returns = self.advantage_estimator.checked(
+            rewards, rollout.mask, rollout.old_values, self.sampling.num_generations, self._reduce
+        )
+        if self.ppo.whiten_advantages:
             advantages = pm.masked_whiten(advantages, rollout.mask, sum_fn=self._reduce)
         return advantages, returns
 
@@ -438,10 +350,10 @@ class PPORLHF(PolicyNetworks, LightningModule):
         weighed against the reward as configured); ``values``: the first minibatch's critic forward
         (``_first_critic_values``). Returns how many steps were skipped because a loss was not finite
         on some rank (gradients dropped, weights untouched)."""
-        hp, opt, skipped = self.hparams, self.optimizers(), 0  # clipped in on_before_optimizer_step (models.py)
-        for _ in range(hp.ppo_epochs):
+        opt, skipped = self.optimizers(), 0  # clipped in on_before_optimizer_step (models.py)
+        for _ in range(self.ppo.epochs):
             order = torch.randperm(rollout.input_ids.shape[0], device=self.device)
-            for minibatch in order.chunk(hp.num_minibatches):
+            for minibatch in order.chunk(self.ppo.num_minibatches):
                 if self._accumulate_gradients(rollout, advantages, returns, minibatch, kl_coef, values):
                     opt.step()
                 else:
@@ -455,10 +367,10 @@ class PPORLHF(PolicyNetworks, LightningModule):
     ) -> bool:
         """Backward over the minibatch's micro-batches; False (and stop) at a non-finite loss. Given the
         critic's ``values`` of every row, the value loss goes first, freeing their graph."""
-        size = len(minibatch) // self.hparams.gradient_accumulation_steps
+        size = len(minibatch) // self.ppo.gradient_accumulation_steps
         # The loss of the minibatch is sum w * loss_t over all its tokens on all ranks, with the
         # aggregation's weights w (global denominators), times the world size that DDP divides by.
-        weights = self.loss_aggregation.weights(rollout.mask[minibatch], self.hparams.max_new_tokens, self._reduce)
+        weights = self.loss_aggregation.weights(rollout.mask[minibatch], self.sampling.max_new_tokens, self._reduce)
         weights = weights * self.trainer.world_size
         micro_batches = list(zip(minibatch.split(size), weights.split(size), strict=True))
         for i, (idx, micro_weights) in enumerate(micro_batches):
@@ -484,7 +396,6 @@ class PPORLHF(PolicyNetworks, LightningModule):
         ``_critic_apart``) (+ kl_coef * KL in the loss) (- entropy bonus), each per-token term summed
         with ``weights``. The critic (gae) learns the returns of the reward alone when the KL is in
         the loss: the KL's future is carried by the loss's sequence term, not by the values."""
-        hp = self.hparams
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
         response_len = rollout.response.shape[1]
         logits, values = self.policy_outputs(input_ids, attention_mask, response_len, critic=not self._critic_apart)
@@ -501,19 +412,19 @@ class PPORLHF(PolicyNetworks, LightningModule):
         }
         if values is not None:
             loss = loss + self.value_loss(rollout, returns, idx, weights, values)
-        if hp.kl_penalty in ("loss", "both"):
+        if self.kl.in_loss:
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
             kl_mask = self.kl_mask(rollout.response[idx], mask)
             kl = pm.masked_select(self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits), kl_mask)
             kl_loss = kl
             # The ratio corrects the sampling of y_t (full sums over the vocabulary: none); its gradient
             # only where no reward carries k's score term.
-            if hp.kl_loss_weighting == "importance" and self._kl_reads_sampled_token:
-                ratio_gradient, baseline = hp.kl_penalty == "loss", self.kl_estimator.score_baseline
+            if self.kl.loss_weighting == "importance" and self._kl_reads_sampled_token:
+                ratio_gradient, baseline = self.kl.placement == "loss", self.kl_estimator.score_baseline
                 kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs, kl_mask, ratio_gradient, baseline)
             # The KL still to come after each token (ppo_math.kl_to_go_loss) from the log-ratio's values (unbiased,
             # light-tailed; full's exact ones), a group baseline on the KL's score terms. 'both': in the returns.
-            if hp.kl_penalty == "loss" and hp.kl_loss_scope == "sequence":
+            if self.kl.placement == "loss" and self.kl.loss_scope == "sequence":
                 values = pm.masked_select(logprobs - rollout.ref_logprobs[idx], kl_mask) if self._kl_reads_sampled_token else kl
                 kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs, values, kl_mask, groups=pm.group_ids(rollout.prompts, idx))
             # The advantage estimator's gradient scale (a group std, a mean baseline's (n - 1) / n) on
@@ -534,9 +445,9 @@ class PPORLHF(PolicyNetworks, LightningModule):
         mask, response_len = rollout.mask[idx], rollout.response.shape[1]
         if values is None:
             values = self._critic_values(rollout.input_ids[idx], rollout.attention_mask[idx], response_len)
-        vf = pm.value_loss_terms(values, rollout.old_values[idx], returns[idx], mask, self.hparams.cliprange_value)
+        vf = pm.value_loss_terms(values, rollout.old_values[idx], returns[idx], mask, self.ppo.cliprange_value)
         self._record_terms({"value/loss": pm.masked_mean(vf.loss, mask), "value/clipfrac": pm.masked_mean(vf.clipped, mask)})
-        return self.hparams.vf_coef * (weights * vf.loss).sum()
+        return self.ppo.vf_coef * (weights * vf.loss).sum()
 
     def _record_terms(self, terms: dict[str, Tensor]) -> None:
         """A loss's logged terms: into the iteration's update statistics, and kept for a fault's message."""
@@ -549,15 +460,15 @@ class PPORLHF(PolicyNetworks, LightningModule):
         """At start-up, before any model loads: the checks that need the tokenizer or the data
         module's prompts (``args.check_setup``); the CPU and GPU settings (cpu.py, gpu.py)."""
         if self._trainer is not None:
-            cpu.apply_cpu_settings(self.trainer, self.hparams.cpu_linear, self.hparams.cpu_malloc)
-            gpu.setup(self.trainer, self.hparams)
+            gpu.setup(self.trainer, self)
         self.rollout_engine.setup(self)
         args.check_setup(self, getattr(self._trainer, "datamodule", None) if self._trainer is not None else None, stage)
 
     def encode_prompts(self, prompts: list[str], field: str = "the prompts") -> dict[str, Tensor]:
         """``data.encode_prompts`` with this module's tokenizer and settings, on its device."""
-        hp = self.hparams
-        enc = encode_prompts(self.tokenizer, prompts, hp.use_chat_template, hp.max_prompt_length, hp.special_tokens_in_prompts, field)
+        enc = encode_prompts(
+            self.tokenizer, prompts, self.prompts.chat_template, self.prompts.max_length, self.prompts.special_tokens, field
+        )
         return {k: v.to(self.device) for k, v in enc.items()}
 
     def _update_entropy_controller(self, metrics: dict[str, float], n_samples: int) -> None:
@@ -592,10 +503,6 @@ class PPORLHF(PolicyNetworks, LightningModule):
             for opt in self.trainer.optimizers:
                 for param in [p for p in opt.state if p in policy_params]:
                     del opt.state[param]
-
-    @property
-    def _kl_in_reward(self) -> bool:
-        return self.hparams.kl_penalty in ("reward", "both")
 
     def _reduce(self, t: Tensor, op: Literal["sum", "max"] = "sum") -> Tensor:
         """``t`` summed (or maxed) over all ranks, through the strategy; ``t`` itself on one process."""

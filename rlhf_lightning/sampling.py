@@ -1,7 +1,7 @@
 """The distribution a rollout is sampled from, and how far the sampler's log-probs are from the trainer's.
 
 The declared distribution (docs/rollout-engines.md): at response position t, with the policy's logits
-l_t and ``model.temperature`` tau,
+l_t and ``model.sampling.temperature`` tau,
 
     pi(a | s_t) = softmax(l_t / tau)(a) 1[a in K_t] / sum_{b in K_t} softmax(l_t / tau)(b),
 

@@ -19,6 +19,7 @@ import torch
 from lightning import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback
 
+from rlhf_lightning import args
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning_plugins.rewards.function import CallableReward
@@ -104,7 +105,7 @@ RUN_ARGS = (
     "--trainer.enable_progress_bar=false",
     "--model.beta_controller=BandBeta",
     "--model.beta_controller.init_args.target=0.5",
-    "--model.max_new_tokens=10",
+    "--model.sampling.max_new_tokens=10",
     "--trainer.callbacks.every_n_iterations=2",
 )
 
@@ -133,13 +134,16 @@ def char_reward(chars: str = "e") -> CallableReward:
 
 
 def make_module(**overrides) -> PPORLHF:
-    """A configured PPORLHF on the tiny model with the char-count reward. Seeded first: the module
+    """A configured PPORLHF on the tiny model with the char-count reward; ``overrides`` are merged into
+    the defaults field by field within a group (``ppo=dict(epochs=1)`` keeps the optimizer's settings;
+    ``args.merge_settings``). Seeded first: the module
     draws its sampling seed from torch's at construction, which would otherwise be whatever the
     previous test left."""
-    kwargs = dict(policy="tiny", reward_model=char_reward(), max_new_tokens=12, ppo_epochs=2, lr=3e-3, critic_lr=3e-3)
-    kwargs.update(overrides)
+    defaults = dict(
+        policy="tiny", reward_model=char_reward(), sampling=dict(max_new_tokens=12), ppo=dict(epochs=2), optim=dict(lr=3e-3, critic_lr=3e-3)
+    )
     seed_everything(0, verbose=False)
-    module = PPORLHF(**kwargs)
+    module = PPORLHF(**args.merge_settings(defaults, overrides))
     module.configure_model()
     return module
 

@@ -196,12 +196,12 @@ def test_builtin_estimators_are_registered_and_listed():
             dict(advantage_estimator="rloo", num_generations=4, critic="shared"),
             r"model.critic must be none with model.advantage_estimator RLOO, got 'shared'",
         ),
-        (dict(advantage_estimator="grpo"), r"model.num_generations must be >= 2 with model.advantage_estimator GRPO .*, got 1"),
+        (dict(advantage_estimator="grpo"), r"model.sampling.num_generations must be >= 2 with model.advantage_estimator GRPO .*, got 1"),
         (
             dict(advantage_estimator="rloo", num_generations=2, critic_lr=1e-3),
-            r"model.critic_lr and optimizers must be unset without a critic",
+            r"model.optim.critic_lr and optimizers must be unset without a critic",
         ),
-        (dict(num_generations=0), r"model.num_generations must be an integer >= 1, got 0"),
+        (dict(num_generations=0), r"model.sampling.num_generations must be an integer >= 1, got 0"),
         (
             dict(advantage_estimator="median"),
             r"unknown advantage_estimator 'median'; registered advantage_estimator names: dr_grpo, gae, grpo",
@@ -217,8 +217,8 @@ def test_start_up_checks_name_both_fields(kwargs, message):
 
 
 def test_critic_free_module_has_no_critic_anywhere(tmp_path):
-    module = make_module(advantage_estimator="grpo", num_generations=2, critic_lr=None)
-    assert module.hparams.critic == "none" and module.critic is None and module.hparams.whiten_advantages is False
+    module = make_module(advantage_estimator="grpo", sampling=dict(num_generations=2), optim=dict(critic_lr=None))
+    assert module.hparams.critic == "none" and module.critic is None and module.ppo.whiten_advantages is False
     trainer, history = fit(module, tmp_path, iterations=2, batch_size=4)
     assert len(trainer.optimizers) == 1
     assert not [k for k in module.state_dict() if k.startswith("critic")]
@@ -233,7 +233,7 @@ def test_the_default_still_builds_a_whitened_gae_with_a_separate_critic():
     module = make_module()
     assert isinstance(module.advantage_estimator, GAE)
     assert module.hparams.critic == "separate" and module.critic.trunk is not None
-    assert module.hparams.whiten_advantages is True
+    assert module.ppo.whiten_advantages is True
 
 
 def test_rollout_groups_each_prompts_responses_in_consecutive_rows(tmp_path):
@@ -244,7 +244,7 @@ def test_rollout_groups_each_prompts_responses_in_consecutive_rows(tmp_path):
             seen.append((list(batch), outputs["rollout"].prompts, list(outputs["rollout"].responses)))
 
     fit(
-        make_module(advantage_estimator="rloo", num_generations=3, critic_lr=None),
+        make_module(advantage_estimator="rloo", sampling=dict(num_generations=3), optim=dict(critic_lr=None)),
         tmp_path,
         iterations=1,
         batch_size=2,
@@ -260,7 +260,7 @@ def test_a_plugin_returning_the_wrong_shape_is_named():
         def __call__(self, rewards, mask, values, group_size, sum_fn=None):
             return rewards[:, :1], None
 
-    module = make_module(advantage_estimator=Broken(), num_generations=2, critic_lr=None)
+    module = make_module(advantage_estimator=Broken(), sampling=dict(num_generations=2), optim=dict(critic_lr=None))
     rollout = module.rollout(["hello", "hello"])
     with pytest.raises(ValueError, match=r"shapes of advantage estimator Broken must be \(\(2, \d+\), None\).*got \(\(2, 1\), None\)"):
         module.compute_advantages(torch.zeros_like(rollout.mask), rollout)

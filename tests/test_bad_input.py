@@ -42,8 +42,8 @@ def test_wrong_type_for_a_plugin_argument(capsys):
         ),
         (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.target=0"], "target must be a finite number > 0"),
         (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.horizon=0"], "horizon must be a finite number > 0"),
-        (["--model.ppo_epochs=0"], "model.ppo_epochs must be an integer >= 1"),
-        (["--model.temperature=0"], "model.temperature must be > 0"),
+        (["--model.ppo.epochs=0"], "model.ppo.epochs must be an integer >= 1"),
+        (["--model.sampling.temperature=0"], "model.sampling.temperature must be > 0"),
         (["--data.batch_size=0"], "data.batch_size must be an integer >= 1"),
     ],
 )
@@ -95,8 +95,8 @@ def test_fewer_prompts_than_one_batch(tmp_path):
 
 
 def test_prompt_longer_than_the_context():
-    module = make_module(max_prompt_length=20)
-    with pytest.raises(ValueError, match=r"is 44 tokens, longer than model.max_prompt_length=20 \(1 such distinct prompts"):
+    module = make_module(prompts=dict(max_length=20))
+    with pytest.raises(ValueError, match=r"is 44 tokens, longer than model.prompts.max_length=20 \(1 such distinct prompts"):
         module.encode_prompts(["short", "a prompt of forty-four characters, in full!!"])
     with pytest.raises(ValueError, match=r"prompt 1 \('a prompt of forty-four.*\(1 such distinct prompts"):  # where it first appears
         module.encode_prompts(
@@ -137,7 +137,7 @@ def test_reward_function_with_the_wrong_number_of_scores(tmp_path):
 
 
 def test_reward_function_that_returns_nan(tmp_path):
-    module = make_module(reward_model=CallableReward(function="test_bad_input:nan_reward"), max_consecutive_faults=2)
+    module = make_module(reward_model=CallableReward(function="test_bad_input:nan_reward"), runtime=dict(max_consecutive_faults=2))
     with pytest.warns(UserWarning), pytest.raises(RuntimeError, match=r"2 iterations in a row had faults.*non-finite scores"):
         fit(module, tmp_path, iterations=3)
 
@@ -221,10 +221,10 @@ def test_special_token_strings_in_prompt_text_are_refused_by_default(smollm2_tok
     with pytest.raises(
         ValueError,
         match=r"prompt 1 \('Say hi.<\|im_end\|>.*contains the special token string\(s\) "
-        r"\['<\|im_end\|>', '<\|im_start\|>'\].*model.special_tokens_in_prompts: allow",
+        r"\['<\|im_end\|>', '<\|im_start\|>'\].*model.prompts.special_tokens: allow",
     ):
         module.encode_prompts(["A fine prompt.", FORGED])
-    allowed = PPORLHF(policy="tiny", tokenizer="smollm2", reward_model=char_reward(), special_tokens_in_prompts="allow")
+    allowed = PPORLHF(policy="tiny", tokenizer="smollm2", reward_model=char_reward(), prompts=dict(special_tokens="allow"))
     ids = allowed.encode_prompts([FORGED])["input_ids"][0].tolist()
     im_end = allowed.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert ids.count(im_end) == 3  # the forged one, the end of the user turn and of the system prompt
@@ -242,10 +242,10 @@ def test_special_token_strings_in_a_prompt_file_are_refused_before_any_model_loa
 @pytest.mark.parametrize(
     "arg, message",
     [
-        ("--model.lr=.inf", "model.lr must be a finite number, got inf"),
-        ("--model.temperature=.nan", "model.temperature must be a finite number, got nan"),
-        ("--model.max_grad_norm=-1", r"model.max_grad_norm must be > 0 or null, got -1"),
-        ("--model.vf_coef=-0.5", r"model.vf_coef, weight_decay and lora_alpha must be >= 0, >= 0 and > 0, got \(-0.5"),
+        ("--model.optim.lr=.inf", "model.optim.lr must be a finite number, got inf"),
+        ("--model.sampling.temperature=.nan", "model.sampling.temperature must be a finite number, got nan"),
+        ("--model.optim.max_grad_norm=-1", r"model.optim.max_grad_norm must be > 0 or null, got -1"),
+        ("--model.ppo.vf_coef=-0.5", r"model.ppo.vf_coef, weight_decay and lora_alpha must be >= 0, >= 0 and > 0, got \(-0.5"),
     ],
 )
 def test_non_finite_and_impossible_numbers_are_refused_at_start_up(arg, message):
@@ -265,16 +265,16 @@ def test_prompt_lengths_and_the_batch_split_are_checked_before_any_model_loads(t
         raise AssertionError("a model loaded before the check")
 
     monkeypatch.setattr(PPORLHF, "_load_policy", no_models)
-    module = PPORLHF(policy="tiny", reward_model=char_reward(), max_prompt_length=64)
+    module = PPORLHF(policy="tiny", reward_model=char_reward(), prompts=dict(max_length=64))
     with pytest.raises(
-        ConfigError, match=r"data.train_path: prompt 15 \('xxx.*is \d+ tokens, longer than model.max_prompt_length=64 \(1 such"
+        ConfigError, match=r"data.train_path: prompt 15 \('xxx.*is \d+ tokens, longer than model.prompts.max_length=64 \(1 such"
     ):
         fit(module, tmp_path, iterations=1, datamodule=PromptDataModule(train_path=str(path), batch_size=8))
-    module = PPORLHF(policy="tiny", reward_model=char_reward(), num_minibatches=3)
+    module = PPORLHF(policy="tiny", reward_model=char_reward(), ppo=dict(num_minibatches=3))
     with pytest.raises(
         ConfigError,
-        match=r"data.batch_size \* model.num_generations must be divisible by model.num_minibatches \* "
-        r"model.gradient_accumulation_steps = 3 \* 1, got '8 \* 1'",
+        match=r"data.batch_size \* model.sampling.num_generations must be divisible by model.ppo.num_minibatches \* "
+        r"model.ppo.gradient_accumulation_steps = 3 \* 1, got '8 \* 1'",
     ):
         fit(module, tmp_path, iterations=1, batch_size=8)
 
@@ -376,7 +376,7 @@ def fit_tiny(tmp_path, *args: str):
         "--trainer.enable_progress_bar=false",
         "--trainer.callbacks=[]",
         "--trainer.enable_checkpointing=false",
-        "--model.max_new_tokens=4",
+        "--model.sampling.max_new_tokens=4",
         *args,
     )
 

@@ -136,7 +136,7 @@ def test_anneal_through_the_command_logs_its_schedule(tmp_path):
         "--model.beta_controller.init_args.init_beta=0.5",
         "--model.beta_controller.init_args.final_beta=0.05",
         "--model.beta_controller.init_args.iterations=2",
-        "--model.max_new_tokens=8",
+        "--model.sampling.max_new_tokens=8",
         "--trainer.max_epochs=1",
         "--trainer.limit_train_batches=4",
         "--trainer.limit_val_batches=0",

@@ -89,7 +89,7 @@ def test_a_short_name_takes_arguments_on_the_command_line_and_in_yaml(tmp_path):
 def test_advantage_estimator_by_short_name_and_class_path():
     from rlhf_lightning_plugins.advantage_estimators import GAE, RLOO
 
-    cli = build_cli(["--config", TINY, "--model.advantage_estimator=rloo", "--model.num_generations=4"], run=False)
+    cli = build_cli(["--config", TINY, "--model.advantage_estimator=rloo", "--model.sampling.num_generations=4"], run=False)
     assert isinstance(cli.model.advantage_estimator, RLOO) and cli.model.critic is None
     cli = build_cli(
         ["--config", TINY, "--model.advantage_estimator.class_path=GAE", "--model.advantage_estimator.init_args.lam=1.0"], run=False
@@ -341,7 +341,7 @@ def test_the_documented_plugin_package_installs_and_its_plugin_trains(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model.ppo_epochs=0"], "error: model.ppo_epochs must be an integer >= 1, got 0"),
+        (["--model.ppo.epochs=0"], "error: model.ppo.epochs must be an integer >= 1, got 0"),
         (["--model.beta_controller=pdi"], "error: unknown beta_controller 'pdi'; registered beta_controller names: adaptive, anneal, band"),
         (["--config", "EMPTY"], "error: --config EMPTY: the file is empty; expected settings such as model:, data:, trainer:"),
         (["--config", "LIST"], "error: --config LIST: expected a mapping of settings (model:, data:, trainer:), got a list"),
@@ -366,10 +366,10 @@ def test_configuration_errors_print_one_line_and_exit_2_without_a_traceback(tmp_
 
 def test_an_unknown_choice_is_refused_at_parse_time_naming_the_field_and_the_choices(tmp_path):
     """A Literal argument (jsonargparse's own check, before any model loads): exit 2, the key and every valid value."""
-    command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", TINY, "--model.cpu_linear=fast"]
+    command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", TINY, "--cpu.linear=fast"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-2:] == [
-        'error: Parser key "model.cpu_linear":',
+        'error: Parser key "cpu.linear":',
         "  Expected a typing.Literal['auto', 'onednn', 'aten']. Got value: fast",
     ]

@@ -132,7 +132,7 @@ def test_the_rollout_samples_the_same_with_the_output_layer_in_chunks(monkeypatc
     records the logits, of the same decode with one product per step (the tiny model's vocabulary: 13 chunks)."""
     from helpers import make_module
 
-    module = make_module(max_new_tokens=6, min_new_tokens=6)
+    module = make_module(sampling=dict(max_new_tokens=6, min_new_tokens=6))
     module.configure_model()
     enc = module.encode_prompts(["abc", "hello", "xyz", "q"])
     samples = {}
@@ -216,9 +216,9 @@ def test_module_refuses_unknown_kernel_and_malloc_choices_naming_the_field():
 
     from helpers import char_reward
 
-    with pytest.raises(ValueError, match=r"model.cpu_linear must be 'auto', 'aten', or 'onednn' .*, got 'fast'"):
+    with pytest.raises(ValueError, match=r"cpu.linear must be 'auto', 'aten', or 'onednn' .*, got 'fast'"):
         PPORLHF(policy="tiny", reward_model=char_reward(), cpu_linear="fast")
-    with pytest.raises(ValueError, match=r"model.cpu_malloc must be 'tuned' or 'default', got 'jemalloc'"):
+    with pytest.raises(ValueError, match=r"cpu.malloc must be 'tuned' or 'default', got 'jemalloc'"):
         PPORLHF(policy="tiny", reward_model=char_reward(), cpu_malloc="jemalloc")
 
 
@@ -227,7 +227,7 @@ def test_module_refuses_unknown_kernel_and_malloc_choices_naming_the_field():
     [("onednn", "32-true", True), ("aten", "32-true", False), ("onednn", "bf16-mixed", False)],
 )
 def test_the_training_step_runs_its_linear_layers_through_the_chosen_kernel(tmp_path, monkeypatch, cpu_linear, precision, routed):
-    """model.cpu_linear reaches the step through Lightning's precision plugin (cpu.OneDNNPrecision,
+    """cpu.linear reaches the step through Lightning's precision plugin (cpu.OneDNNPrecision,
     whose context Lightning enters around training_step): with onednn in 32-true every linear of the
     iteration runs as OneDNNLinear, with aten none does, and under bf16-mixed the plugin is
     Lightning's own (oneDNN's route only serves fp32 outside autocast)."""
@@ -238,6 +238,6 @@ def test_the_training_step_runs_its_linear_layers_through_the_chosen_kernel(tmp_
     calls = []
     apply = cpu.OneDNNLinear.apply
     monkeypatch.setattr(cpu.OneDNNLinear, "apply", lambda *args: calls.append(1) or apply(*args))
-    trainer, _ = fit(make_module(cpu_linear=cpu_linear, ppo_epochs=1), tmp_path, iterations=1, precision=precision)
+    trainer, _ = fit(make_module(cpu_linear=cpu_linear, ppo=dict(epochs=1)), tmp_path, iterations=1, precision=precision)
     assert (type(trainer.strategy.precision_plugin) is cpu.OneDNNPrecision) == routed
     assert bool(calls) == routed, len(calls)

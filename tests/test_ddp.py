@@ -19,10 +19,10 @@ def run(root, devices: int, *extra: str):
         "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
         f"--data.batch_size={GLOBAL_BATCH // devices}",
         "--trainer.limit_train_batches=4",
-        "--model.do_sample=false",
+        "--model.sampling.do_sample=false",
         # One minibatch: with more, one process and two draw differently composed minibatches.
         # A reward the greedy answers earn from the start, so the policy really moves.
-        "--model.num_minibatches=1",
+        "--model.ppo.num_minibatches=1",
         "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
         "--trainer.callbacks+=fault_callbacks.RecordBeta",
         f"--trainer.callbacks.path={root / 'beta.txt'}",
@@ -60,9 +60,9 @@ def test_two_process_ddp_with_a_group_estimator_keeps_groups_on_one_rank_and_sta
     ddp, beta_lines = run(
         root,
         2,
-        "--model.do_sample=true",
+        "--model.sampling.do_sample=true",
         "--model.advantage_estimator=grpo",
-        "--model.num_generations=2",
+        "--model.sampling.num_generations=2",
         "--trainer.callbacks+=fault_callbacks.RecordGroups",
         f"--trainer.callbacks.path={root / 'groups.txt'}",
     )

@@ -59,13 +59,13 @@ def test_nan_reward_skips_that_iteration_and_leaves_weights_untouched(tmp_path):
 
 
 def test_consecutive_faults_stop_the_run_naming_the_cause(tmp_path):
-    module = make_module(reward_model=FlakyReward(nan_calls={0, 1}), max_consecutive_faults=2)
+    module = make_module(reward_model=FlakyReward(nan_calls={0, 1}), runtime=dict(max_consecutive_faults=2))
     with pytest.warns(UserWarning), pytest.raises(RuntimeError, match=r"2 iterations in a row.*FlakyReward returned non-finite"):
         fit(module, tmp_path, iterations=4)
 
 
 def test_non_finite_loss_skips_only_that_optimizer_step(tmp_path, monkeypatch):
-    module = make_module(ppo_epochs=2, num_minibatches=1)
+    module = make_module(ppo=dict(epochs=2, num_minibatches=1))
     calls = {"n": 0}
     original = module.ppo_loss
 
@@ -88,7 +88,7 @@ def test_non_finite_loss_skips_only_that_optimizer_step(tmp_path, monkeypatch):
 def test_a_fault_in_the_loop_names_its_cause_the_value_and_beta(tmp_path, monkeypatch):
     """A non-finite advantage makes the policy loss term non-finite: the skipped step's warning names
     that term and beta; an infinite KL estimate names the estimator, the responses, their values, beta."""
-    module = make_module(ppo_epochs=1)
+    module = make_module(ppo=dict(epochs=1))
     original = module.compute_advantages
     monkeypatch.setattr(module, "compute_advantages", lambda *a: (original(*a)[0] * float("nan"), original(*a)[1]))
     with pytest.warns(UserWarning, match=r"skipped \(not finite: policy/loss; beta 0.1\)"):

@@ -1,4 +1,4 @@
-"""The reward-KL plane (rlhf_lightning/frontier.py): best-of-N and soft best-of-N enumerated exactly
+"""The reward-KL plane (rlhf_lightning/exact/frontier.py): best-of-N and soft best-of-N enumerated exactly
 against hand-computed cases and brute-force samplers, Beirami et al.'s bound against the exact KL,
 the frontier against its own points, and the distance-to-optimum meter against enumeration."""
 
@@ -10,9 +10,17 @@ import math
 import pytest
 import torch
 
-from rlhf_lightning import frontier as fr
-from rlhf_lightning.exact import TASKS, ExactPPORLHF, kl_divergence, log_partition, optimal_logprobs, reference_logprobs, task_named
-from rlhf_lightning.optimum_meter import KLToOptimum
+from rlhf_lightning.exact import (
+    TASKS,
+    ExactPPORLHF,
+    KLToOptimum,
+    kl_divergence,
+    log_partition,
+    optimal_logprobs,
+    reference_logprobs,
+    task_named,
+)
+from rlhf_lightning.exact import frontier as fr
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
 
@@ -225,7 +233,7 @@ def test_bon_from_a_pool_by_brute_force_over_subsets():
 def test_kl_to_optimum_callback_tracks_the_exact_distance_while_training():
     from lightning import Trainer, seed_everything
 
-    from rlhf_lightning.cli import QUIET_TRAINER
+    from rlhf_lightning.trainer_settings import QUIET_TRAINER
     from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
     task, exact = TASKS["terminal"], []

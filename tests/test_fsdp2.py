@@ -18,9 +18,9 @@ from summarize_run import read_scalars
 # two micro-batches per minibatch, so FSDP2's no_sync (block_backward_sync) is on the path.
 COMMON = (
     "--trainer.limit_train_batches=4",
-    "--model.do_sample=false",
-    "--model.num_minibatches=1",
-    "--model.gradient_accumulation_steps=2",
+    "--model.sampling.do_sample=false",
+    "--model.ppo.num_minibatches=1",
+    "--model.ppo.gradient_accumulation_steps=2",
     "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
 )
 
@@ -52,7 +52,7 @@ def test_two_fsdp2_ranks_train_on_prompts_most_of_which_begin_alike(tmp_path):
     prompts = [f"You are a kind assistant. Tell me about {w}" for w in words] + ["hi", "why", "no", "ok"]
     path = tmp_path / "prompts.txt"
     path.write_text("\n".join(prompts) + "\n")
-    run(tmp_path, 2, f"--data.train_path={path}", "--model.ppo_epochs=1")  # 16 prompts: 2 iterations of 4 a rank
+    run(tmp_path, 2, f"--data.train_path={path}", "--model.ppo.epochs=1")  # 16 prompts: 2 iterations of 4 a rank
     assert len(scalars(tmp_path)["objective/reward"]) == 2
 
 
@@ -157,8 +157,8 @@ def test_two_process_fsdp2_with_lora_a_moving_reference_and_bf16_mixed(tmp_path)
     rollouts are identical: greedy from the same weights, and the first iteration's argmax
     survives bf16 rounding on this model)."""
     lora = (
-        "--model.lora_rank=4",
-        "--model.lora_alpha=8",
+        "--model.lora.rank=4",
+        "--model.lora.alpha=8",
         "--model.critic=shared",
         "--trainer.limit_train_batches=2",
         "--model.reference_update=EMA",
@@ -197,14 +197,14 @@ def test_two_process_fsdp2_moves_a_sharded_reference_as_one_process_moves_the_wh
 
 
 @pytest.mark.convergence
-@pytest.mark.parametrize("lora", [(), ("--model.lora_rank=4", "--model.critic=shared")], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [(), ("--model.lora.rank=4", "--model.critic=shared")], ids=["full", "lora"])
 def test_two_process_fsdp2_resets_the_reference_with_full_fine_tuning_and_lora(tmp_path, lora):
     """A reset (a sync plus a fresh optimizer state) copies each rank's shards of the policy (the full
     weights, or the trained adapter) onto the reference's: the next rollout's KL is exactly 0 and the
     starting policy is behind. (aten._foreach_copy_ has no DTensor rule: the copy is of the local
     shards; none and EMA are the tests above.) Every reference update with both therefore runs."""
     reset = ("--model.reference_update=reset", "--model.reference_update.init_args.every_n_iterations=1")
-    run(tmp_path, 2, "--trainer.limit_train_batches=2", "--model.do_sample=true", *reset, *lora)
+    run(tmp_path, 2, "--trainer.limit_train_batches=2", "--model.sampling.do_sample=true", *reset, *lora)
     fsdp = scalars(tmp_path)
     assert fsdp["reference/updates"] == [0.0, 1.0]
     assert fsdp["objective/kl"] == [0.0, 0.0] and fsdp["objective/kl_to_initial"][1] > 0.01
@@ -305,15 +305,15 @@ def test_two_process_fsdp2_grpo_with_shared_prompts_trains_as_with_the_plain_for
     second's to 0.2% (after AdamW steps whose near-zero gradients round either way)."""
     grpo = (
         "--model.advantage_estimator=grpo",
-        "--model.num_generations=4",
+        "--model.sampling.num_generations=4",
         "--model.critic=none",
-        "--model.kl_penalty=loss",
+        "--model.kl.placement=loss",
         "--model.kl_estimator=k3",
-        "--model.do_sample=true",
+        "--model.sampling.do_sample=true",
         "--trainer.limit_train_batches=2",
     )
     run(tmp_path / "shared", 2, *grpo)
-    run(tmp_path / "plain", 2, *grpo, "--model.shared_prompts=false")
+    run(tmp_path / "plain", 2, *grpo, "--model.runtime.shared_prompts=false")
     shared, plain = scalars(tmp_path / "shared"), scalars(tmp_path / "plain")
     for name in ("objective/reward", "objective/kl", "policy/loss", "policy/kl_loss", "policy/approxkl"):
         (shared_first, shared_second), (plain_first, plain_second) = shared[name], plain[name]

@@ -42,7 +42,7 @@ def test_one_grouped_adamw_steps_as_one_adamw_per_model(optimizers):
     module used before: one AdamW per model, each clipped on its own (``separate``), or one clip
     over both (``shared``). The clip fires: max_grad_norm is below every gradient norm."""
     module = attach_trainer(
-        make_module(critic="separate", lr=1e-2, critic_lr=3e-2, weight_decay=0.1, max_grad_norm=0.05, optimizers=optimizers)
+        make_module(critic="separate", optim=dict(lr=1e-2, critic_lr=3e-2, weight_decay=0.1, max_grad_norm=0.05, optimizers=optimizers))
     )
     opt = module.configure_optimizers()
     assert [g["name"] for g in opt.param_groups] == ["policy", "critic"]
@@ -114,7 +114,7 @@ def test_16_mixed_clips_the_unscaled_gradients_and_updates_the_scaler_once_per_s
     norms, scaler = {}, torch.amp.GradScaler("cpu")
     for name, plugins in (("32-true", []), ("16-mixed", [MixedPrecision("16-mixed", "cpu", scaler)])):
         recorder = StepGradients()
-        module = make_module(critic="separate", ppo_epochs=1, num_minibatches=2, max_grad_norm=0.5)
+        module = make_module(critic="separate", ppo=dict(epochs=1, num_minibatches=2), optim=dict(max_grad_norm=0.5))
         fit(module, tmp_path, iterations=2, callbacks=[recorder], plugins=plugins)
         norms[name] = torch.tensor(recorder.norms)
     assert norms["16-mixed"].shape == (4, 2)
@@ -135,18 +135,18 @@ def test_deepspeed_config_takes_max_grad_norm_and_refuses_what_cannot_work():
     gpu.configure_deepspeed(none, None, 1)
     assert none["gradient_clipping"] == 0.0
     with pytest.raises(
-        ConfigError, match=r"the DeepSpeed config's gradient_clipping must be unset or model.max_grad_norm \(1.0\), got 0.3"
+        ConfigError, match=r"the DeepSpeed config's gradient_clipping must be unset or model.optim.max_grad_norm \(1.0\), got 0.3"
     ):
         gpu.configure_deepspeed({"gradient_clipping": 0.3}, 1.0, 1)
     with pytest.raises(ConfigError, match=r"trainer.strategy must be DeepSpeed ZeRO stage 0, 1 or 2 .*got 'deepspeed stage 3'"):
         gpu.configure_deepspeed({"zero_optimization": {"stage": 3}}, 1.0, 1)
-    with pytest.raises(ConfigError, match=r"model.gradient_accumulation_steps must be 1 under DeepSpeed"):
+    with pytest.raises(ConfigError, match=r"model.ppo.gradient_accumulation_steps must be 1 under DeepSpeed"):
         gpu.configure_deepspeed({}, 1.0, 2)
 
 
 def test_under_deepspeed_the_module_leaves_clipping_to_deepspeed():
     DeepSpeedStrategy = type("DeepSpeedStrategy", (), {})
-    module = attach_trainer(make_module(max_grad_norm=1e-3), strategy=DeepSpeedStrategy())
+    module = attach_trainer(make_module(optim=dict(max_grad_norm=1e-3)), strategy=DeepSpeedStrategy())
     assert gpu.is_deepspeed(module.trainer.strategy) and not gpu.is_deepspeed(SimpleNamespace())
     opt = module.configure_optimizers()
     for p in module.policy.parameters():
@@ -159,7 +159,7 @@ def test_under_deepspeed_the_module_leaves_clipping_to_deepspeed():
 def test_merging_into_a_bf16_base_gives_the_base_back_bit_for_bit():
     """W + BA - BA in bf16 moves W (checked: the test would see it); merged_adapter restores the
     copy instead, and samples from the merged weights meanwhile."""
-    module = make_module(lora_rank=4)
+    module = make_module(lora=dict(rank=4))
     module.policy.to(torch.bfloat16)
     with torch.no_grad():
         for name, p in module.policy.named_parameters():
@@ -202,7 +202,9 @@ def test_bf16_true_lora_keeps_the_base_and_the_reference_bit_identical(tmp_path)
     for bit those after Lightning's cast. (Issue 33: the former guard read the dtype before the
     cast, and the quickstart's SmolLM2 base moved by 0.37% of its weights in 3 iterations.)"""
     recorder = FrozenBase()
-    module = make_module(lora_rank=4, lora_alpha=8, critic="shared", num_minibatches=2, lr=3e-2, merge_lora_for_generation=True)
+    module = make_module(
+        lora=dict(rank=4, alpha=8, merge_for_generation=True), ppo=dict(num_minibatches=2), optim=dict(lr=3e-2), critic="shared"
+    )
     _, history = fit(module, tmp_path, iterations=8, callbacks=[recorder], precision="bf16-true")
     (base0, ref0), (base1, ref1) = recorder.snapshots
     assert {p.dtype for p in base0.values()} == {torch.bfloat16}
@@ -234,7 +236,7 @@ def test_bf16_mixed_first_ratio_is_one_and_rewards_score_outside_autocast(tmp_pa
     minibatch's ratio is 1 (approxkl ~ 0, no clipping; this held before too: both passes rounded
     alike; the sampler's gap is measured in docs/distributed.md#gpus), the log-probs are float32,
     and the reward backend is called with autocast off (it was called inside the step's autocast)."""
-    module = make_module(ppo_epochs=1, num_minibatches=1, old_logprobs="forward", critic="separate")
+    module = make_module(ppo=dict(epochs=1, num_minibatches=1), sampling=dict(old_logprobs="forward"), critic="separate")
     autocast_at_scoring = []
     checked_scores = module.reward_model.checked_scores
 
@@ -287,7 +289,9 @@ def test_rollout_memory_is_a_few_logits_tensors_and_no_layer_but_the_last(smollm
     peaks at 4 float32 (batch, response, vocab) tensors (the stacked logits, and log_softmax,
     exp and product for the entropy; the per-step logits are freed once stacked; before: 5), and
     generate keeps no hidden states but the last layer's."""
-    module = make_module(tokenizer="smollm2", tiny_config={"hidden_size": 32, "intermediate_size": 64}, max_new_tokens=16, critic="shared")
+    module = make_module(
+        tokenizer="smollm2", tiny_config={"hidden_size": 32, "intermediate_size": 64}, sampling=dict(max_new_tokens=16), critic="shared"
+    )
     generate = type(module.policy).generate
     calls = []
 
@@ -352,8 +356,8 @@ def test_start_up_sets_matmul_precision_and_warns_of_the_16_bit_sampler_ratio(mo
     assert calls == ["high"]
     trainer.precision = "bf16-mixed"
     with pytest.warns(
-        UserWarning, match=r"trainer.precision=bf16-mixed with model.old_logprobs=sampler: .* model.old_logprobs=forward makes it 1"
+        UserWarning, match=r"trainer.precision=bf16-mixed with model.sampling.old_logprobs=sampler: .* model.sampling.old_logprobs=forward makes it 1"
     ):
         gpu.setup(trainer, SimpleNamespace(matmul_precision=None, old_logprobs="sampler"))
-    with pytest.raises(ConfigError, match=r"model.matmul_precision must be highest, high, medium or null, got 'fast'"):
-        make_module(matmul_precision="fast")
+    with pytest.raises(ConfigError, match=r"model.runtime.matmul_precision must be highest, high, medium or null, got 'fast'"):
+        make_module(runtime=dict(matmul_precision="fast"))

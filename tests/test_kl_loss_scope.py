@@ -1,4 +1,4 @@
-"""model.kl_loss_scope against the closed-form optimum, on random order-dependent tasks (ExactTask.random)
+"""model.kl.loss_scope against the closed-form optimum, on random order-dependent tasks (ExactTask.random)
 where the per-token fixed point lies far from pi*.
 
 With the KL in the loss, ``kl_loss_scope: per_token`` follows grad KL(pi(.|s) || pi_ref(.|s)) at each
@@ -152,13 +152,12 @@ def test_the_gap_is_a_distance_from_pi_star_and_fixed_point_distance_the_same_fr
 
 
 def test_a_tabular_policy_lands_on_each_scopes_fixed_point():
-    """tabular.sampled_ppo (the module's loss pieces on one logit vector per prompt and prefix, sampled responses,
+    """exact.sampled_ppo (the module's loss pieces on one logit vector per prompt and prefix, sampled responses,
     an exact advantage) on TASK, 1536 responses, one epoch: with the KL per token each seed ends within 0.02 of
     backward_induction(soft=False)'s gap (measured +0.0068 and +0.0081), 0.2 and more from pi*, and its
     fixed_point_distance under 0.005; with the sequence term within 0.01 of pi* (0.0015). The tiny Llama's cells on TASK settle 0.03-0.04 short of the fixed point at
     any batch tried (docs/results.md, "Tenth round"): what the table does not share, the network does."""
-    from rlhf_lightning.exact import optimum_report, reference_logprobs
-    from rlhf_lightning.tabular import sampled_ppo
+    from rlhf_lightning.exact import optimum_report, reference_logprobs, sampled_ppo
 
     ref, rewards, tokens = reference_logprobs(TASK), TASK.rewards(), len(TASK.content_tokens)
     fixed_point = per_token_fixed_point_gap(TASK, BETA)
@@ -174,12 +173,11 @@ def test_a_tabular_policy_lands_on_each_scopes_fixed_point():
 
 
 def test_a_tabular_policy_with_a_group_baseline_reaches_pi_star_with_the_sequence_term():
-    """tabular.sampled_ppo with rloo's advantage (groups of 8 per prompt, the KL scaled by its gradient_scale), k3 in
+    """exact.sampled_ppo with rloo's advantage (groups of 8 per prompt, the KL scaled by its gradient_scale), k3 in
     the loss with the sequence term, 1536 responses, the lr to 1/50: within 0.01 of pi* on TASK (measured 0.0016);
     per token it stays 0.2 and more away. An advantage that needs a critic is refused."""
     from rlhf_lightning.checks import ConfigError
-    from rlhf_lightning.exact import optimum_report, reference_logprobs
-    from rlhf_lightning.tabular import sampled_ppo
+    from rlhf_lightning.exact import optimum_report, reference_logprobs, sampled_ppo
 
     ref, rewards, tokens = reference_logprobs(TASK), TASK.rewards(), len(TASK.content_tokens)
 
@@ -195,7 +193,7 @@ def test_a_tabular_policy_with_a_group_baseline_reaches_pi_star_with_the_sequenc
 
 def test_optimum_check_tabular_matrix_runs_the_loss_cells_on_a_table(capsys):
     """``tools/optimum_check.py --matrix --tabular`` on random:3: only the loss cells (the reward placement is the
-    sampled loop's), each as tabular.sampled_ppo with the task's settings; the per-token cell lands within 0.02 of
+    sampled loop's), each as exact.sampled_ppo with the task's settings; the per-token cell lands within 0.02 of
     its fixed point's gap and 0.005 of it by fixed_point_distance (measured 0.0068, 0.0011), the sequence cell
     within 0.01 of pi*."""
     import optimum_check
@@ -219,7 +217,7 @@ def test_conditional_tables_rebuild_the_policy_they_came_from():
     """tabular.conditional_tables: the per-state conditionals of a whole-response policy, each a distribution, whose
     product along every response is the response's probability again."""
     from rlhf_lightning.exact import reference_logprobs
-    from rlhf_lightning.tabular import conditional_tables, enumerate_responses, prefix_index
+    from rlhf_lightning.exact.tabular import conditional_tables, enumerate_responses, prefix_index
 
     ref, tokens = reference_logprobs(TASK), len(TASK.content_tokens)
     tables = conditional_tables(ref, tokens)
@@ -238,8 +236,8 @@ def test_conditional_tables_rebuild_the_policy_they_came_from():
 
 def test_sampled_ppo_names_what_it_refuses():
     from rlhf_lightning.checks import ConfigError
+    from rlhf_lightning.exact import sampled_ppo
     from rlhf_lightning.registry import UnknownPluginError
-    from rlhf_lightning.tabular import sampled_ppo
 
     ref, rewards = torch.zeros(2, 4).log_softmax(-1), torch.zeros(2, 4)
     with pytest.raises(ConfigError, match="scope must be per_token or sequence, got 'both'"):

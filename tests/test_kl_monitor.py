@@ -228,7 +228,7 @@ def test_rollbacks_that_do_not_help_stop_the_run(tmp_path):
 
 def test_scalars_text_images_and_histograms_share_one_step_axis(tmp_path):
     """Every record of an iteration is stamped with its 0-based index, the step of its scalars."""
-    module = make_module(log_samples_every_n_steps=1)
+    module = make_module(runtime=dict(log_samples_every_n_steps=1))
     logger = TensorBoardLogger(str(tmp_path), name="", version="steps")
     fit(module, tmp_path, iterations=3, batch_size=4, callbacks=[TokenKLView(every_n_iterations=1)], logger=logger, log_every_n_steps=1)
     events = EventAccumulator(logger.log_dir, size_guidance={"images": 0, "histograms": 0, "tensors": 0, "scalars": 0})

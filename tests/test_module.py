@@ -42,7 +42,7 @@ def test_sampler_and_forward_logprobs_agree_with_chat_template(smollm2_tokenizer
     The SmolLM2 pad token is its EOS, which also closes the chat turns inside the prompt: a mask
     built from ids != pad would hide those, and left padding needs matching position ids.
     """
-    module = make_module(tokenizer="smollm2", tiny_config={"hidden_size": 32, "intermediate_size": 64}, max_new_tokens=6)
+    module = make_module(tokenizer="smollm2", tiny_config={"hidden_size": 32, "intermediate_size": 64}, sampling=dict(max_new_tokens=6))
     enc = module.encode_prompts(PROMPTS)
     eos = smollm2_tokenizer.eos_token_id
     in_prompt_eos = (enc["input_ids"] == eos) & (enc["attention_mask"] == 1)
@@ -112,7 +112,7 @@ def test_a_minibatch_of_short_prompts_scores_the_same_without_the_batchs_padding
 
 
 def test_rollout_masks_after_eos_and_puts_score_on_last_token():
-    module = make_module(max_new_tokens=40)
+    module = make_module(sampling=dict(max_new_tokens=40))
     torch.manual_seed(1)
     rollout = module.rollout(PROMPTS * 4)
     eos, pad = module.tokenizer.eos_token_id, module.tokenizer.pad_token_id
@@ -133,7 +133,7 @@ def test_rollout_masks_after_eos_and_puts_score_on_last_token():
 
 
 def test_lora_reference_is_the_adapter_disabled_policy():
-    module = make_module(lora_rank=4)
+    module = make_module(lora=dict(rank=4))
     assert module.ref_model is None
     enc = module.encode_prompts(PROMPTS[:2])
     ids, attn = enc["input_ids"], enc["attention_mask"]
@@ -157,7 +157,7 @@ def test_lora_generation_with_merged_adapter_samples_the_policy_and_restores_the
     responses = {}
     for merge in (True, False):
         torch.manual_seed(0)  # peft draws lora_A from the global generator
-        module = make_module(lora_rank=4, merge_lora_for_generation=merge, max_new_tokens=8, seed=3)
+        module = make_module(lora=dict(rank=4, merge_for_generation=merge), sampling=dict(max_new_tokens=8), seed=3)
         push_adapter(module)
         base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "base_layer" in n}
         rollout = module.rollout(PROMPTS)
@@ -174,7 +174,7 @@ def test_lora_generation_with_merged_adapter_samples_the_policy_and_restores_the
 
 def test_fit_raises_reward_and_logs_every_metric(tmp_path):
     """End to end on the tiny model: reward (number of 'e's) rises within 20 iterations."""
-    module = make_module(max_new_tokens=16, num_minibatches=2, ppo_epochs=4, vf_coef=0.5)
+    module = make_module(sampling=dict(max_new_tokens=16), ppo=dict(num_minibatches=2, epochs=4, vf_coef=0.5))
     _, history = fit(module, tmp_path, iterations=20, batch_size=16)
     reward = history.series("objective/reward")
     assert len(reward) == 20
@@ -241,13 +241,11 @@ def test_gradient_accumulation_equals_one_big_minibatch(tmp_path, policy_loss, a
         recorder = _GradRecorder()
         module = make_module(
             reward_model=char_reward("aeiou "),
-            gradient_accumulation_steps=steps,
-            ppo_epochs=1,
-            optimizers="shared",
-            max_grad_norm=None,
+            ppo=dict(gradient_accumulation_steps=steps, epochs=1),
+            optim=dict(optimizers="shared", max_grad_norm=None),
+            kl=dict(placement="both"),
             policy_loss=policy_loss,
             loss_aggregation=aggregation,
-            kl_penalty="both",
         )
         fit(module, tmp_path, iterations=1, callbacks=[recorder])
         grads[steps] = recorder.grads[0]
@@ -260,7 +258,7 @@ def _gradients_and_backward_passes(tmp_path, monkeypatch, apart: bool) -> tuple[
     passes run; without ``apart`` the value loss is in the policy's (one backward pass of the sum)."""
     monkeypatch.setattr(PPORLHF, "_critic_apart", property(lambda self: apart))
     recorder, passes = _GradRecorder(), []
-    module = make_module(critic="separate", num_minibatches=2, gradient_accumulation_steps=2, kl_penalty="both")
+    module = make_module(critic="separate", ppo=dict(num_minibatches=2, gradient_accumulation_steps=2), kl=dict(placement="both"))
     manual_backward = module.manual_backward
     module.manual_backward = lambda loss: (passes.append(loss), manual_backward(loss))
     fit(module, tmp_path, iterations=1, callbacks=[recorder])
@@ -285,7 +283,7 @@ def _critic_forwards_and_gradients(tmp_path, monkeypatch, in_update: bool):
     is a forward of its own while scoring."""
     monkeypatch.setattr(PPORLHF, "old_values_in_update", property(lambda self: in_update and self._critic_apart))
     recorder, forwards = _GradRecorder(), []
-    module = make_module(critic="separate", ppo_epochs=2, whiten_advantages=True)
+    module = make_module(critic="separate", ppo=dict(epochs=2, whiten_advantages=True))
     module.critic.trunk.register_forward_pre_hook(lambda *_: forwards.append(torch.is_grad_enabled()))
     _, history = fit(module, tmp_path, iterations=2, callbacks=[recorder])
     return recorder.grads, forwards, [out["rollout"].old_values for out in history.outputs]
@@ -304,7 +302,7 @@ def test_a_separate_critics_old_values_come_from_the_first_minibatchs_forward(tm
 
 
 def test_kl_as_loss_with_full_estimator(tmp_path):
-    module = make_module(kl_penalty="loss", kl_estimator="full", whiten_advantages=False)
+    module = make_module(kl=dict(placement="loss"), ppo=dict(whiten_advantages=False), kl_estimator="full")
     _, history = fit(module, tmp_path, iterations=2)
     assert history.rows[-1]["policy/kl_loss"] >= 0  # the exact KL is never negative
     # The penalty is not in the reward: the trained reward is the raw score.
@@ -332,7 +330,7 @@ def test_checkpoint_round_trip_restores_beta_weights_and_iteration(tmp_path):
 
 
 def test_kl_ignore_tokens_leaves_those_positions_out_of_the_penalty():
-    module = make_module(max_new_tokens=40, kl_ignore_tokens=["eos", "e"])
+    module = make_module(sampling=dict(max_new_tokens=40), kl=dict(ignore_tokens=["eos", "e"]))
     torch.manual_seed(3)
     rollout = module.rollout(PROMPTS * 4)
     kl = module.kl_per_token(rollout)
@@ -341,8 +339,8 @@ def test_kl_ignore_tokens_leaves_those_positions_out_of_the_penalty():
     assert ignored[rollout.mask.bool()].any()
     assert torch.equal(kl[ignored], torch.zeros_like(kl[ignored]))
     assert torch.equal(kl[~ignored], full[~ignored])
-    with pytest.raises(ValueError, match=r"each of model.kl_ignore_tokens must be 'eos' or a single token of this tokenizer, got 'ee'"):
-        make_module(kl_ignore_tokens=["ee"])
+    with pytest.raises(ValueError, match=r"each of model.kl.ignore_tokens must be 'eos' or a single token of this tokenizer, got 'ee'"):
+        make_module(kl=dict(ignore_tokens=["ee"]))
 
 
 def test_gold_reward_is_logged_beside_the_proxy(tmp_path):
@@ -359,7 +357,7 @@ def test_export_merges_lora_and_transformers_loads_it(tmp_path):
 
     from rlhf_lightning.callbacks import export_policy
 
-    module = make_module(lora_rank=4)
+    module = make_module(lora=dict(rank=4))
     push_adapter(module)
     export_policy(module, tmp_path / "policy")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
@@ -381,11 +379,9 @@ def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_
         module = make_module(
             tokenizer="smollm2",
             tiny_config={"hidden_size": 32, "intermediate_size": 64},
-            max_new_tokens=6,
-            temperature=0.7,
+            sampling=dict(max_new_tokens=6, temperature=0.7, old_logprobs=source),
+            lora=dict(rank=lora_rank),
             critic=critic,
-            lora_rank=lora_rank,
-            old_logprobs=source,
         )
         with torch.no_grad():
             module.critic.head.weight.copy_(torch.linspace(-1, 1, module.critic.head.weight.numel()).view_as(module.critic.head.weight))
@@ -401,24 +397,28 @@ def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_
 
 
 def test_unknown_old_logprobs_source_is_refused():
-    with pytest.raises(ValueError, match=r"model.old_logprobs must be 'sampler' or 'forward', got 'cache'"):
-        PPORLHF(policy="tiny", reward_model=char_reward(), old_logprobs="cache")
+    with pytest.raises(ValueError, match=r"model.sampling.old_logprobs must be 'sampler' or 'forward', got 'cache'"):
+        PPORLHF(policy="tiny", reward_model=char_reward(), sampling=dict(old_logprobs="cache"))
 
 
 @pytest.mark.parametrize("kl_penalty", ["loss", "both"])
 def test_whitening_with_a_kl_loss_term_is_refused(kl_penalty):
     """Whitening divides the reward's advantages by their std and not the KL loss term: beta then no longer
     weighs the KL as configured (tests/test_optimum.py, README: gap 0.50 instead of 0.001 on the bandit)."""
-    with pytest.raises(ValueError, match=r"model.whiten_advantages must be false when the KL is in the loss"):
-        PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty=kl_penalty, kl_estimator="k3", whiten_advantages=True)
+    with pytest.raises(ValueError, match=r"model.ppo.whiten_advantages must be false when the KL is in the loss"):
+        PPORLHF(
+            policy="tiny", reward_model=char_reward(), kl=dict(placement=kl_penalty), ppo=dict(whiten_advantages=True), kl_estimator="k3"
+        )
     # By default (null) GAE whitens only while the KL is in the reward alone.
-    assert PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty=kl_penalty, kl_estimator="k3").hparams.whiten_advantages is False
-    assert PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty="reward").hparams.whiten_advantages is True
+    assert (
+        PPORLHF(policy="tiny", reward_model=char_reward(), kl=dict(placement=kl_penalty), kl_estimator="k3").ppo.whiten_advantages is False
+    )
+    assert PPORLHF(policy="tiny", reward_model=char_reward(), kl=dict(placement="reward")).ppo.whiten_advantages is True
 
 
 def test_unknown_kl_loss_weighting_is_refused():
-    with pytest.raises(ValueError, match=r"model.kl_loss_weighting must be 'none' or 'importance', got 'ratio'"):
-        PPORLHF(policy="tiny", reward_model=char_reward(), kl_loss_weighting="ratio")
+    with pytest.raises(ValueError, match=r"model.kl.loss_weighting must be 'none' or 'importance', got 'ratio'"):
+        PPORLHF(policy="tiny", reward_model=char_reward(), kl=dict(loss_weighting="ratio"))
 
 
 @pytest.mark.parametrize("estimator, warns", [("k3+", True), ("k1+", True), ("k3", False), ("full", False), ("k2", False)])
@@ -431,11 +431,9 @@ def test_straight_through_estimator_with_importance_weighting_warns(estimator, w
             PPORLHF(
                 policy="tiny",
                 reward_model=char_reward(),
-                kl_penalty="loss",
+                kl=dict(placement="loss", loss_weighting=weighting, loss_scope="per_token"),
+                ppo=dict(whiten_advantages=False),
                 kl_estimator=estimator,
-                kl_loss_weighting=weighting,
-                kl_loss_scope="per_token",
-                whiten_advantages=False,
             )
     messages = [str(w.message) for w in caught if "not the derivative of its value" in str(w.message)]
     assert len(messages) == int(warns), messages
@@ -451,8 +449,8 @@ def test_grpo_with_the_kl_in_the_loss_warns_that_its_std_division_moves_the_opti
                 policy="tiny",
                 reward_model=char_reward(),
                 advantage_estimator=advantage,
-                num_generations=2,
-                kl_penalty="loss",
+                sampling=dict(num_generations=2),
+                kl=dict(placement="loss"),
                 kl_estimator="k3",
             )
     messages = [str(w.message) for w in caught if "group's reward std" in str(w.message)]
@@ -462,19 +460,21 @@ def test_grpo_with_the_kl_in_the_loss_warns_that_its_std_division_moves_the_opti
 @pytest.mark.parametrize("estimator, refused", [("k2", True), ("abs", True), ("k1", False), ("k3", False), ("full", False), ("k3+", False)])
 def test_the_sequence_kl_loss_needs_an_estimator_whose_value_is_unbiased(estimator, refused):
     """The KL still to come is estimated from the estimator's values: k2 and abs estimate another quantity."""
-    build = lambda: PPORLHF(policy="tiny", reward_model=char_reward(), kl_penalty="loss", kl_estimator=estimator)
+    build = lambda: PPORLHF(policy="tiny", reward_model=char_reward(), kl=dict(placement="loss"), kl_estimator=estimator)
     if refused:
-        with pytest.raises(ValueError, match=r"model.kl_loss_scope must be 'per_token' with model.kl_estimator .* or use k1, k3 or full"):
+        with pytest.raises(ValueError, match=r"model.kl.loss_scope must be 'per_token' with model.kl_estimator .* or use k1, k3 or full"):
             build()
     else:
-        assert build().hparams.kl_loss_scope == "sequence"
+        assert build().kl.loss_scope == "sequence"
 
 
 def test_kl_loss_is_the_importance_weighted_term_and_the_rollout_kl_stays_unweighted(tmp_path):
     """policy/kl_loss is the mean of w_t k_t over the minibatches; objective/kl is the rollout's own
     (unweighted) estimate. On the first minibatch w = 1 exactly (old_logprobs: forward), so the loss
     term there equals the rollout's per-token mean."""
-    module = make_module(kl_penalty="loss", kl_estimator="k3", whiten_advantages=False, ppo_epochs=1, old_logprobs="forward")
+    module = make_module(
+        kl=dict(placement="loss"), ppo=dict(whiten_advantages=False, epochs=1), sampling=dict(old_logprobs="forward"), kl_estimator="k3"
+    )
     seen = []
     original = module.ppo_loss
 

@@ -18,9 +18,9 @@ STRATEGIES = {"ddp": ("--trainer.strategy=ddp",), "fsdp2": ("--config", str(CONF
 SHORT = (
     "--trainer.limit_train_batches=2",
     "--data.batch_size=4",
-    "--model.max_new_tokens=8",
+    "--model.sampling.max_new_tokens=8",
     "--model.advantage_estimator=grpo",
-    "--model.num_generations=2",
+    "--model.sampling.num_generations=2",
     "--model.critic=none",
 )
 

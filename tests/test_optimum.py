@@ -1,7 +1,7 @@
 """Ground truth: PPO-RLHF against the closed-form optimum of the KL-regularised objective.
 
 pi*(y|x) = pi_ref(y|x) exp(r(x, y) / beta) / Z(x) and J* = beta E_x log Z(x) are computed by
-enumerating every response of a toy task (rlhf_lightning/exact.py); training runs the unchanged
+enumerating every response of a toy task (rlhf_lightning/exact/); training runs the unchanged
 PPORLHF loop on it. About a minute on a 2-core CPU (each run is deterministic for its seed).
 
 What the runs show: with the KL penalty in the per-token reward, PPO follows the score-function

@@ -144,15 +144,17 @@ def test_loss_aggregation_defaults_follow_the_plugins_and_conflicts_are_refused(
 
     assert isinstance(PPORLHF(policy="tiny").loss_aggregation, TokenMean)
     assert isinstance(PPORLHF(policy="tiny", policy_loss="gspo").loss_aggregation, SeqMeanTokenMean)
-    assert isinstance(PPORLHF(policy="tiny", advantage_estimator="dr_grpo", num_generations=2).loss_aggregation, ConstantNormaliser)
-    explicit = PPORLHF(policy="tiny", advantage_estimator="dr_grpo", num_generations=2, loss_aggregation="token_mean")
+    assert isinstance(
+        PPORLHF(policy="tiny", advantage_estimator="dr_grpo", sampling=dict(num_generations=2)).loss_aggregation, ConstantNormaliser
+    )
+    explicit = PPORLHF(policy="tiny", advantage_estimator="dr_grpo", sampling=dict(num_generations=2), loss_aggregation="token_mean")
     assert isinstance(explicit.loss_aggregation, TokenMean)
     with pytest.raises(
         ValueError,
         match=r"model.loss_aggregation must be set when model.policy_loss GSPO and "
         r"model.advantage_estimator DrGRPO are defined with different aggregations",
     ):
-        PPORLHF(policy="tiny", policy_loss="gspo", advantage_estimator="dr_grpo", num_generations=2)
+        PPORLHF(policy="tiny", policy_loss="gspo", advantage_estimator="dr_grpo", sampling=dict(num_generations=2))
     with pytest.raises(KeyError, match=r"unknown policy_loss 'ppo'; registered policy_loss names: cispo, clip_higher"):
         PPORLHF(policy="tiny", policy_loss="ppo")
     with pytest.raises(ValueError, match=r"policy_loss.clip_high must be a finite number > 0, got -0.1"):
@@ -160,7 +162,7 @@ def test_loss_aggregation_defaults_follow_the_plugins_and_conflicts_are_refused(
 
 
 def test_entropy_bonus_is_minus_coef_times_the_weighted_entropy():
-    module = make_module(entropy_coef=0.5, critic="shared")
+    module = make_module(ppo=dict(entropy_coef=0.5), critic="shared")
     torch.manual_seed(0)
     rollout = module.rollout(["hello", "abc"])
     zeros = torch.zeros_like(rollout.mask)
@@ -171,8 +173,8 @@ def test_entropy_bonus_is_minus_coef_times_the_weighted_entropy():
     # Zero advantages, values equal to their targets: only the bonus is left (on-policy, entropy as sampled).
     entropy = pm.masked_mean(pm.entropy_of(logits), rollout.mask)
     assert loss.item() == pytest.approx(-0.5 * entropy.item(), rel=1e-5)
-    with pytest.raises(ValueError, match=r"model.entropy_coef must be 0 when model.entropy_controller is set, got 0.1"):
-        make_module(entropy_coef=0.1, entropy_controller="adaptive")
+    with pytest.raises(ValueError, match=r"model.ppo.entropy_coef must be 0 when model.entropy_controller is set, got 0.1"):
+        make_module(ppo=dict(entropy_coef=0.1), entropy_controller="adaptive")
 
 
 @pytest.mark.parametrize("entropy, expected_coef", [(1.0, 0.1 * (1 + 0.2 / 10)), (3.0, 0.1 * (1 - 0.2 / 10)), (2.0, 0.1)])

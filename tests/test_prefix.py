@@ -3,6 +3,8 @@ states and gradients as a plain forward, to fp32 rounding, with and without LoRA
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -38,12 +40,18 @@ def test_distinct_prompts_finds_each_prompts_first_row_and_every_rows_prompt():
 @pytest.mark.parametrize("system", ["", "You are a kind assistant. "])
 def test_shared_prompt_forward_gives_the_plain_forwards_logits_hidden_states_and_gradients(lora_rank, advantage, critic, system):
     """With a system prompt the distinct prompts' common beginning runs once too (prefix._prompts_once)."""
-    module = make_module(lora_rank=lora_rank, advantage_estimator=advantage, num_generations=2, critic=critic, critic_lr=None)
+    module = make_module(
+        lora=dict(rank=lora_rank),
+        sampling=dict(num_generations=2),
+        optim=dict(critic_lr=None),
+        advantage_estimator=advantage,
+        critic=critic,
+    )
     ids, mask, response_len = group_batch(module, system=system)
     weights = torch.randn(ids.shape[0], response_len, len(module.tokenizer), generator=torch.Generator().manual_seed(0))
 
     def outputs(shared: bool):
-        module.hparams.shared_prompts = shared
+        module.runtime = replace(module.runtime, shared_prompts=shared)
         module.policy.zero_grad(set_to_none=True)
         logits, values = module.policy_outputs(ids, mask, response_len)
         loss = (weights[..., : logits.shape[-1]] * logits).sum() + (0 if values is None else values.sum())
@@ -72,7 +80,7 @@ def test_shared_prompts_run_the_prompt_tokens_once_per_distinct_prompt():
     try:
         with torch.no_grad():
             for shared in (True, False):
-                module.hparams.shared_prompts = shared
+                module.runtime = replace(module.runtime, shared_prompts=shared)
                 module.response_logits(module.policy, ids, mask, response_len)
     finally:
         hook.remove()
@@ -131,7 +139,7 @@ def test_sharded_ranks_agree_on_the_passes_and_each_gives_the_plain_logits(monke
         with torch.no_grad():
             sharded = module.response_logits(module.policy, ids, mask, response_len)
             sharded_seen = seen[:]
-            module.hparams.shared_prompts = False
+            module.runtime = replace(module.runtime, shared_prompts=False)
             plain = module.response_logits(module.policy, ids, mask, response_len)
     finally:
         hook.remove()
@@ -147,7 +155,7 @@ def test_a_common_prefix_forward_gives_the_plain_forwards_logits_values_and_grad
     and gradients of policy and critic as a plain forward, to fp32 rounding; the trunk's first layer sees
     the shared tokens once, then every row's rest."""
     groups = {"advantage_estimator": "rloo", "num_generations": 2} if critic is None else {}  # what the rows are does not matter here
-    module = make_module(lora_rank=lora_rank, critic=critic, critic_lr=None, **groups)
+    module = make_module(lora=dict(rank=lora_rank), optim=dict(critic_lr=None), critic=critic, **groups)
     if critic is not None:  # a zero value head (its initialisation) would pass no gradient to a trunk
         torch.nn.init.normal_(module.critic.head.weight, generator=torch.Generator().manual_seed(1))
     prompts = [SYSTEM + p for p in PROMPTS]
@@ -161,7 +169,7 @@ def test_a_common_prefix_forward_gives_the_plain_forwards_logits_values_and_grad
     models = [m for m in (module.policy, module.critic) if m is not None]
 
     def outputs(shared: bool):
-        module.hparams.shared_prompts = shared
+        module.runtime = replace(module.runtime, shared_prompts=shared)
         for model in models:
             model.zero_grad(set_to_none=True)
         seen = []
@@ -197,7 +205,12 @@ def test_grpo_trains_the_same_with_and_without_shared_prompts(tmp_path):
 
     def run(shared: bool):
         module = make_module(
-            advantage_estimator="grpo", num_generations=4, kl_penalty="loss", kl_estimator="k3", critic_lr=None, shared_prompts=shared
+            advantage_estimator="grpo",
+            sampling=dict(num_generations=4),
+            kl=dict(placement="loss"),
+            optim=dict(critic_lr=None),
+            runtime=dict(shared_prompts=shared),
+            kl_estimator="k3",
         )
         return fit(module, tmp_path, iterations=2, batch_size=2)[1].rows
 
@@ -214,11 +227,13 @@ def test_generate_on_shared_prompt_caches_samples_what_it_samples_without_them(s
     """The hf engine prefills each distinct prompt once (prefix.prompt_cache; their common beginning once) and
     generate runs only the last prompt token per row: the same responses from the same seed, the same logits
     to fp32 rounding."""
-    module = make_module(advantage_estimator="rloo", num_generations=3, critic=None, critic_lr=None, max_new_tokens=8)
+    module = make_module(
+        advantage_estimator="rloo", sampling=dict(num_generations=3, max_new_tokens=8), optim=dict(critic_lr=None), critic=None
+    )
     enc = module.encode_prompts([system + PROMPTS[i] for i in (0, 0, 0, 1, 1, 1)])
 
     def sample(shared: bool):
-        module.hparams.shared_prompts = shared
+        module.runtime = replace(module.runtime, shared_prompts=shared)
         return module.rollout_engine.sample(module, enc, seed=5)
 
     shared, plain = sample(True), sample(False)
@@ -237,11 +252,11 @@ def test_generate_on_a_common_prefix_cache_samples_what_it_samples_without_it():
     """Distinct prompts that start alike: the hf engine prefills their common beginning once, then every row's
     prompt after it but the last token, with the attention mask that lines the cache up with the prompt's
     columns: the same responses from the same seed, the same logits and hidden states to fp32 rounding."""
-    module = make_module(critic="shared", max_new_tokens=8)
+    module = make_module(critic="shared", sampling=dict(max_new_tokens=8))
     enc = module.encode_prompts([SYSTEM + p for p in PROMPTS])
 
     def sample(shared: bool):
-        module.hparams.shared_prompts = shared
+        module.runtime = replace(module.runtime, shared_prompts=shared)
         return module.rollout_engine.sample(module, enc, seed=5)
 
     shared, plain = sample(True), sample(False)
@@ -283,7 +298,7 @@ def test_sharded_forwards_with_autograd_run_no_beginning_pass(monkeypatch, rows_
     hook = module.policy.model.layers[0].register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape[:2])))
     try:
         for shared in (True, False):
-            module.hparams.shared_prompts = shared
+            module.runtime = replace(module.runtime, shared_prompts=shared)
             module.policy.zero_grad(set_to_none=True)
             module.response_logits(module.policy, ids, mask, response_len).sum().backward()
             grads.append({n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None})

@@ -113,7 +113,7 @@ def _policy_params(module):
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_update_reference_applies_the_ema_by_hand(lora_rank):
-    module = make_module(lora_rank=lora_rank, reference_update=EMA(0.25, every_n_iterations=2))
+    module = make_module(lora=dict(rank=lora_rank), reference_update=EMA(0.25, every_n_iterations=2))
     refs, policy = module._reference_parameters()
     assert len(refs) == len(policy) and refs and not any(p.requires_grad for p in refs)
     with torch.no_grad():
@@ -131,8 +131,8 @@ def test_update_reference_applies_the_ema_by_hand(lora_rank):
 
 
 def test_lora_reference_adapter_is_frozen_and_starts_as_the_base():
-    module = make_module(lora_rank=4, reference_update="sync")
-    plain = make_module(lora_rank=4)
+    module = make_module(lora=dict(rank=4), reference_update="sync")
+    plain = make_module(lora=dict(rank=4))
     trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}
     assert trainable == {n for n, p in plain.policy.named_parameters() if p.requires_grad}  # the same optimizer
     assert not any(".reference." in n for n in trainable)
@@ -151,7 +151,7 @@ def test_lora_reference_adapter_is_frozen_and_starts_as_the_base():
 def test_kl_is_exactly_zero_on_the_rollout_after_a_sync(tmp_path, lora_rank, old_logprobs):
     # sampler: log pi_old from generate differs from a forward by rounding, so the zeros hold only
     # because a reference equal to the policy takes the policy's own log-probs.
-    module = make_module(lora_rank=lora_rank, reference_update=Sync(2), old_logprobs=old_logprobs)
+    module = make_module(lora=dict(rank=lora_rank), sampling=dict(old_logprobs=old_logprobs), reference_update=Sync(2))
     _, history = fit(module, tmp_path, iterations=5)
     kl, kl_max, kl_initial = (history.series(k) for k in ("objective/kl", "objective/kl_max", "objective/kl_to_initial"))
     assert history.series("reference/updates") == [0, 0, 1, 1, 2]  # logged before the update after iterations 2 and 4

@@ -19,12 +19,12 @@ WATCHED = ("objective/reward", "objective/kl", "objective/beta", "objective/kl_m
 
 
 # Critic-free: 4 prompts x 2 responses per iteration, GRPO's group baseline, no value loss to watch.
-GROUPED = ("--model.advantage_estimator=grpo", "--model.num_generations=2", "--data.batch_size=4")
+GROUPED = ("--model.advantage_estimator=grpo", "--model.sampling.num_generations=2", "--data.batch_size=4")
 # A moving reference: the checkpoint after iteration 2 holds the reference reset at its end (full
 # fine-tuning: the moved copy), and the resumed run goes through the next reset; LoRA: the EMA
 # reference adapter, moved after every iteration.
 RESET = ("--model.reference_update=Reset", "--model.reference_update.init_args.every_n_iterations=2")
-LORA_EMA = ("--model.lora_rank=4", "--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")
+LORA_EMA = ("--model.lora.rank=4", "--model.reference_update=EMA", "--model.reference_update.init_args.alpha=0.5")
 
 
 # gae in the fast tier; the others (minutes on 2 cores) in the convergence tier.
@@ -142,7 +142,7 @@ def test_ckpt_path_last_without_a_checkpoint_is_an_error_that_says_where_it_look
 def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are_refused_naming_each(tmp_path):
     """Every model.* change on resume, a plugin's own arguments included, is logged and runs: the
     metrics of the resumed iterations show the new values, not the checkpoint's. A run without an
-    entropy bonus resumes with one (model.entropy_coef: nothing to load), a changed coefficient is the
+    entropy bonus resumes with one (model.ppo.entropy_coef: nothing to load), a changed coefficient is the
     one used, a changed init_beta restarts beta there, and a reference synced every 2 iterations
     (after iterations 2, 4, ...) synced every 3 instead has moved twice by iteration 4."""
     sync = ("--model.reference_update=sync", "--model.reference_update.init_args.every_n_iterations=2")
@@ -159,13 +159,13 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
         "--model.critic=shared",
         "--model.beta_controller=PIDBeta",
         "--model.beta_controller.init_args.target=0.5",
-        "--model.lora_rank=4",
+        "--model.lora.rank=4",
         *sync,
     )
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert refused.stderr.strip().splitlines()[-1] == (
         "error: checkpoint is incompatible with this config (these settings cannot change on resume); "
-        "model.critic: checkpoint 'separate', config 'shared'; model.lora_rank: checkpoint 0, config 4; "
+        "model.critic: checkpoint 'separate', config 'shared'; model.lora.rank: checkpoint 0, config 4; "
         "model.beta_controller: checkpoint rlhf_lightning_plugins.beta_controllers.BandBeta, config rlhf_lightning_plugins.beta_controllers.PIDBeta"
     )
 
@@ -177,12 +177,12 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
         "--model.beta_controller.init_args.init_beta=0.2",
     )
     changed = run_cli(
-        tmp_path, *resume, "--trainer.max_epochs=2", "--model.lr=0.001", "--model.max_new_tokens=8", "--model.entropy_coef=0.01", *changes
+        tmp_path, *resume, "--trainer.max_epochs=2", "--model.optim.lr=0.001", "--model.sampling.max_new_tokens=8", "--model.ppo.entropy_coef=0.01", *changes
     )
     assert changed.returncode == 0, changed.stderr[-3000:]
     assert (
-        "resuming with changed settings (checkpoint -> config): model.entropy_coef: 0.0 -> 0.01; model.max_new_tokens: 10 -> 8; "
-        "model.lr: 0.003 -> 0.001; "
+        "resuming with changed settings (checkpoint -> config): model.ppo.entropy_coef: 0.0 -> 0.01; model.sampling.max_new_tokens: 10 -> 8; "
+        "model.optim.lr: 0.003 -> 0.001; "
         f"model.beta_controller.init_args.init_beta: 0.05 -> 0.2 (beta restarts at 0.2; the checkpoint's was {checkpoint_beta!r}); "
         "model.advantage_estimator.init_args.lam: 0.95 -> 0.9; model.reference_update.init_args.every_n_iterations: 2 -> 3"
     ) in changed.stderr
@@ -196,9 +196,9 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
     groups = state["optimizer_states"][0]["param_groups"]
     assert [(g["name"], g["lr"]) for g in groups] == [("policy", 0.001), ("critic", 0.001)]  # the new lr ran (critic_lr unset: lr)
 
-    again = run_cli(tmp_path, *resume, "--trainer.max_epochs=3", "--model.max_new_tokens=8", *changes, "--model.entropy_coef=0.05")
+    again = run_cli(tmp_path, *resume, "--trainer.max_epochs=3", "--model.sampling.max_new_tokens=8", *changes, "--model.ppo.entropy_coef=0.05")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming with changed settings (checkpoint -> config): model.entropy_coef: 0.01 -> 0.05" in again.stderr
+    assert "resuming with changed settings (checkpoint -> config): model.ppo.entropy_coef: 0.01 -> 0.05" in again.stderr
     scalars = read_scalars([str(run) for run in runs()])
     assert scalars["objective/entropy_coef"] == pytest.approx({2: 0.01, 3: 0.01, 4: 0.05, 5: 0.05})  # 0-based steps of iterations 3-6
     assert scalars["objective/beta"][2] == pytest.approx(0.2)  # BandBeta moves beta after iteration 3 has used it
@@ -303,7 +303,7 @@ def test_two_runs_started_together_on_one_root_dir_never_share_a_version_folder(
                 str(CONFIGS / "tiny.yaml"),
                 *RUN_ARGS,
                 "--trainer.limit_train_batches=2",
-                f"--model.lr={lr}",
+                f"--model.optim.lr={lr}",
             ],
             cwd=tmp_path,
             stdout=subprocess.DEVNULL,

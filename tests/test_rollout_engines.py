@@ -74,7 +74,7 @@ def test_hf_rollout_samples_inside_the_kept_set_and_replays_it():
     """With top_k and top_p every sampled token is in its kept set, the trainer's forward on the kept
     set gives the sampler's log-probs (fp32 rounding), EOS is out of the kept set before
     min_new_tokens, and each position's declared distribution sums to 1."""
-    module = make_module(top_k=20, top_p=0.7, temperature=0.8, min_new_tokens=3, old_logprobs="forward")
+    module = make_module(sampling=dict(top_k=20, top_p=0.7, temperature=0.8, min_new_tokens=3, old_logprobs="forward"))
     rollout = module.rollout(["hello", "abc", "xyz", "q"] * 4)
     kept, response, mask = rollout.kept, rollout.response, rollout.mask.bool()
     assert kept.gather(-1, response.unsqueeze(-1)).squeeze(-1)[mask].all()
@@ -101,12 +101,12 @@ def test_a_kv_cache_that_is_not_positive_is_refused_before_vllm_is_looked_for(va
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"top_p": 0.0}, r"model.top_p must be in \(0, 1\]"),
-        ({"top_p": 1.5}, r"model.top_p must be in \(0, 1\]"),
-        ({"top_k": -1}, r"model.top_k must be an integer >= 0"),
-        ({"rollout_correction": "clip"}, r"model.rollout_correction must be one of none, tis, mis, seq_tis, seq_mis"),
-        ({"rollout_correction": "tis"}, r"model.rollout_correction must be 'none' unless model.old_logprobs is 'forward'"),
-        ({"rollout_correction_cap": 0.5}, r"model.rollout_correction_cap must be >= 1"),
+        ({"top_p": 0.0}, r"model.sampling.top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"model.sampling.top_p must be in \(0, 1\]"),
+        ({"top_k": -1}, r"model.sampling.top_k must be an integer >= 0"),
+        ({"rollout_correction": "clip"}, r"model.sampling.rollout_correction must be one of none, tis, mis, seq_tis, seq_mis"),
+        ({"rollout_correction": "tis"}, r"model.sampling.rollout_correction must be 'none' unless model.sampling.old_logprobs is 'forward'"),
+        ({"rollout_correction_cap": 0.5}, r"model.sampling.rollout_correction_cap must be >= 1"),
         ({"rollout_engine": "sglang"}, r"unknown rollout_engine 'sglang'; registered rollout_engine names: hf, vllm"),
     ],
 )
@@ -124,7 +124,7 @@ def _declared_tables(module: ExactPPORLHF, estimator) -> tuple[torch.Tensor, tor
     logits = module.response_logits(module.policy, input_ids, attention_mask, length)
     with module._reference() as ref:
         ref_logits = module.response_logits(ref, input_ids, attention_mask, length)
-    kept = sampling.kept_tokens(logits, module.hparams.top_k, module.hparams.top_p)
+    kept = sampling.kept_tokens(logits, module.sampling.top_k, module.sampling.top_p)
     logits, ref_logits = sampling.restrict(logits, kept), sampling.restrict(ref_logits, kept)
     response = input_ids[:, -length:]
     logprobs, ref_logprobs = logits.log_softmax(-1).gather(-1, response[..., None])[..., 0], None
@@ -212,7 +212,7 @@ class PerturbedSampler(HFGenerate):
             samples = super().sample(module, enc, seed)
         finally:
             handle.remove()
-        hp, response = module.hparams, samples.sequences[:, enc["input_ids"].shape[1] :]
+        hp, response = module.sampling, samples.sequences[:, enc["input_ids"].shape[1] :]
         logits = samples.logits.float() / hp.temperature
         logits = sampling.restrict(logits, sampling.kept_tokens(logits, hp.top_k, hp.top_p))
         return Samples(samples.sequences, logprobs=logits.log_softmax(-1).gather(-1, response.unsqueeze(-1)).squeeze(-1))
@@ -296,7 +296,7 @@ def test_declared_draw_takes_temperature_top_k_and_the_eos_ban():
 def test_hf_engine_samples_inside_top_k_and_bans_eos_before_min_new_tokens():
     """The hf engine, top-k 3 and min_new_tokens 2 on 64 rows: every sampled token is among the 3 largest
     of the logits it recorded for that step (EOS out of the first two), and no row ends before 2 tokens."""
-    module = make_module(temperature=0.7, top_k=3, min_new_tokens=2, max_new_tokens=4)
+    module = make_module(sampling=dict(temperature=0.7, top_k=3, min_new_tokens=2, max_new_tokens=4))
     enc = module.encode_prompts(["Hello there", "Count to three"] * 32)
     samples = module.rollout_engine.sample(module, enc, seed=11)
     response, logits = samples.sequences[:, enc["input_ids"].shape[1] :], samples.logits.float()

@@ -1,5 +1,5 @@
 """The sequence term of a KL in the loss (ppo_math.kl_to_go_loss) against the exact gradient of the
-whole response's KL, on tabular policies whose every response is enumerated (rlhf_lightning/tabular.py).
+whole response's KL, on tabular policies whose every response is enumerated (rlhf_lightning/exact/tabular.py).
 
 A per-token KL loss gives grad KL(pi(.|s_t) || pi_ref(.|s_t)) at each visited state; the response's
 KL also charges y_t for the KL of the states it leads to, E[s_t sum_{t' > t} k_t']. Here every
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning import tabular as tb
+from rlhf_lightning.exact import tabular as tb
 
 K, L = 3, 3  # 27 responses
 

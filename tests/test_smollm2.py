@@ -32,7 +32,7 @@ def test_converted_checkpoint_matches_the_gguf_and_loads_in_seconds(smollm2_toke
 def test_quickstart_model_writes_sensible_text(smollm2_tokenizer):
     from helpers import make_module
 
-    module = make_module(policy="smollm2", lora_rank=8, critic="shared", max_new_tokens=16, do_sample=False)
+    module = make_module(policy="smollm2", lora=dict(rank=8), sampling=dict(max_new_tokens=16, do_sample=False), critic="shared")
     rollout = module.rollout(["What is the capital of France? Answer in one word."])
     assert "paris" in rollout.responses[0].lower()
 

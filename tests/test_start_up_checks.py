@@ -86,11 +86,11 @@ def test_every_biased_kl_recipe_warns_at_start_up_and_no_other_does(estimator):
             assert len(messages) == (recipe == "biased"), (placement, weighting, messages)
             if messages:
                 assert messages[0].startswith(f"model.kl_estimator {type(registry('kl_estimator').create(estimator)).__name__} ")
-                assert f"model.kl_penalty {placement}" in messages[0] and reason in messages[0]
+                assert f"model.kl.placement {placement}" in messages[0] and reason in messages[0]
             drifting = [m for m in warned if "is right only on a rollout's first minibatch" in m]
             assert len(drifting) == (recipe == "drift"), (placement, weighting, drifting)  # 4 PPO epochs by default
             if recipe == "drift":  # one epoch of one minibatch: always on-policy, nothing to warn of
-                assert "with model.ppo_epochs 4 x model.num_minibatches 1 the later steps" in drifting[0], drifting
+                assert "with model.ppo.epochs 4 x model.ppo.num_minibatches 1 the later steps" in drifting[0], drifting
                 one_step = [m for m in start_up_warnings(**settings, ppo_epochs=1) if "first minibatch" in m]
                 assert one_step == [], one_step
 
@@ -113,12 +113,12 @@ def test_the_recipe_table_names_why():
 def test_a_group_estimator_without_sampling_is_refused_and_a_near_greedy_temperature_warns(estimator):
     """Greedy decoding gives a group one response repeated: every advantage 0, nothing learnt."""
     name = type(registry("advantage_estimator").create(estimator)).__name__
-    with pytest.raises(ValueError, match=rf"^model.do_sample must be true with model.advantage_estimator {name} \(greedy decoding"):
-        PPORLHF(policy="tiny", reward_model=char_reward(), advantage_estimator=estimator, num_generations=2, do_sample=False)
+    with pytest.raises(ValueError, match=rf"^model.sampling.do_sample must be true with model.advantage_estimator {name} \(greedy decoding"):
+        PPORLHF(policy="tiny", reward_model=char_reward(), advantage_estimator=estimator, sampling=dict(num_generations=2, do_sample=False))
     cold = start_up_warnings(advantage_estimator=estimator, num_generations=2, temperature=0.01)
-    assert [m for m in cold if m.startswith(f"model.temperature 0.01 with model.advantage_estimator {name}: below 0.1")]
-    assert not [m for m in start_up_warnings(advantage_estimator=estimator, num_generations=2) if "model.temperature" in m]
-    assert not [m for m in start_up_warnings(temperature=0.01) if "model.temperature" in m]  # gae: a critic, no group
+    assert [m for m in cold if m.startswith(f"model.sampling.temperature 0.01 with model.advantage_estimator {name}: below 0.1")]
+    assert not [m for m in start_up_warnings(advantage_estimator=estimator, num_generations=2) if "model.sampling.temperature" in m]
+    assert not [m for m in start_up_warnings(temperature=0.01) if "model.sampling.temperature" in m]  # gae: a critic, no group
 
 
 @pytest.mark.parametrize(
@@ -140,12 +140,12 @@ def test_a_clip_range_that_removes_the_lower_clip_is_refused(loss, args, message
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"entropy_coef": float("inf")}, "model.entropy_coef must be a finite number >= 0, got inf"),
-        ({"entropy_coef": float("nan")}, "model.entropy_coef must be a finite number >= 0, got nan"),
-        ({"entropy_coef": -0.1}, "model.entropy_coef must be a finite number >= 0, got -0.1"),
-        ({"entropy_coef": 0.1, "entropy_controller": "adaptive"}, "model.entropy_coef must be 0 when model.entropy_controller is set"),
-        ({"log_samples_every_n_steps": -1}, "model.log_samples_every_n_steps must be an integer >= 0, got -1"),
-        ({"num_logged_samples": -2}, "model.num_logged_samples must be an integer >= 0, got -2"),
+        ({"entropy_coef": float("inf")}, "model.ppo.entropy_coef must be a finite number >= 0, got inf"),
+        ({"entropy_coef": float("nan")}, "model.ppo.entropy_coef must be a finite number >= 0, got nan"),
+        ({"entropy_coef": -0.1}, "model.ppo.entropy_coef must be a finite number >= 0, got -0.1"),
+        ({"entropy_coef": 0.1, "entropy_controller": "adaptive"}, "model.ppo.entropy_coef must be 0 when model.entropy_controller is set"),
+        ({"log_samples_every_n_steps": -1}, "model.runtime.log_samples_every_n_steps must be an integer >= 0, got -1"),
+        ({"num_logged_samples": -2}, "model.runtime.num_logged_samples must be an integer >= 0, got -2"),
     ],
 )
 def test_numeric_extremes_are_refused_naming_the_field_written(settings, message):
@@ -245,28 +245,28 @@ def test_a_checkpoint_from_another_strategy_is_refused_naming_it_before_any_mode
 # The rows of docs/troubleshooting.md added with these checks, through the command as a user types them.
 REFUSED_ROWS = [
     (
-        ("--model.advantage_estimator=grpo", "--model.num_generations=2", "--model.do_sample=false"),
-        "error: model.do_sample must be true with model.advantage_estimator GRPO (greedy decoding gives every response of a group "
+        ("--model.advantage_estimator=grpo", "--model.sampling.num_generations=2", "--model.sampling.do_sample=false"),
+        "error: model.sampling.do_sample must be true with model.advantage_estimator GRPO (greedy decoding gives every response of a group "
         "the same text: every advantage is 0 and the policy never changes), got False",
     ),
     (
         ("--model.policy_loss=clip_higher", "--model.policy_loss.clip_low=1"),
         "error: policy_loss.clip_low must be a finite number in (0, 1), got 1.0",
     ),
-    (("--model.entropy_coef=.inf",), "error: model.entropy_coef must be a finite number >= 0, got inf"),
+    (("--model.ppo.entropy_coef=.inf",), "error: model.ppo.entropy_coef must be a finite number >= 0, got inf"),
 ]
 WARNED_ROWS = [
     (
         ("--model.kl_estimator=k3",),
-        "model.kl_estimator K3 with model.kl_penalty reward gives a biased gradient of the KL: as a per-token reward",
+        "model.kl_estimator K3 with model.kl.placement reward gives a biased gradient of the KL: as a per-token reward",
     ),
     (
-        ("--model.kl_estimator=k3+", "--model.kl_penalty=both", "--model.whiten_advantages=false"),
-        "model.kl_estimator StraightThroughKL with model.kl_penalty both, model.kl_loss_weighting importance gives a biased gradient",
+        ("--model.kl_estimator=k3+", "--model.kl.placement=both", "--model.ppo.whiten_advantages=false"),
+        "model.kl_estimator StraightThroughKL with model.kl.placement both, model.kl.loss_weighting importance gives a biased gradient",
     ),
     (
-        ("--model.advantage_estimator=rloo", "--model.num_generations=2", "--model.temperature=0.05"),
-        "model.temperature 0.05 with model.advantage_estimator RLOO: below 0.1 the responses of a group are mostly identical",
+        ("--model.advantage_estimator=rloo", "--model.sampling.num_generations=2", "--model.sampling.temperature=0.05"),
+        "model.sampling.temperature 0.05 with model.advantage_estimator RLOO: below 0.1 the responses of a group are mostly identical",
     ),
 ]
 
@@ -299,5 +299,5 @@ def test_a_checkpoint_incompatible_with_the_config_is_refused_before_any_model_l
     assert (code, line) == (
         2,
         "error: checkpoint is incompatible with this config (these settings cannot change on resume); "
-        "model.critic: checkpoint 'shared', config 'separate'; model.lora_rank: checkpoint 4, config 0",
+        "model.critic: checkpoint 'shared', config 'separate'; model.lora.rank: checkpoint 4, config 0",
     )

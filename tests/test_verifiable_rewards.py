@@ -105,7 +105,7 @@ def test_pass_at_k_callback_samples_max_k_answers_per_question_and_averages_over
 def test_pass_at_k_is_logged_in_a_fit_with_the_exact_answer_reward(tmp_path):
     train, val = make_arithmetic_prompts.main(["--out-dir", str(tmp_path), "--train", "8", "--val", "4"])
     data = PromptDataModule(train_path=str(train), val_path=str(val), batch_size=4, val_batch_size=4)
-    module = make_module(reward_model=ExactAnswerReward(), max_new_tokens=4)
+    module = make_module(reward_model=ExactAnswerReward(), sampling=dict(max_new_tokens=4))
     trainer, _ = fit(module, tmp_path, iterations=1, datamodule=data, callbacks=[PassAtK(ks=[1, 2])], limit_val_batches=1)
     metrics = trainer.callback_metrics
     # The random tiny model writes characters, not sums: every sample is wrong.

@@ -68,7 +68,7 @@ def test_greedy_responses_equal_hf_and_sampled_ones_follow_its_rules():
     min_new_tokens, at most max_new_tokens, and the log-probs of the declared distribution."""
     prompts = PROMPTS * 2
     greedy = {
-        name: make_module(rollout_engine=engine, do_sample=False, tiny_config=HEADS_OF_32).rollout(prompts)
+        name: make_module(rollout_engine=engine, sampling=dict(do_sample=False), tiny_config=HEADS_OF_32).rollout(prompts)
         for name, engine in (("hf", "hf"), ("vllm", small_engine()))
     }
     assert torch.equal(greedy["hf"].response, greedy["vllm"].response)
