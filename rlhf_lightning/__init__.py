@@ -1,7 +1,28 @@
 """rlhf-lightning: PPO-RLHF with a KL penalty as a clean, hackable PyTorch Lightning program."""
 
-from rlhf_lightning.interfaces import AdvantageEstimator, BetaController, KLEstimator, RewardModel
+from rlhf_lightning.interfaces import (
+    AdvantageEstimator,
+    BetaController,
+    KLEstimator,
+    LossAggregation,
+    PolicyLoss,
+    ReferenceUpdate,
+    RewardModel,
+    RolloutEngine,
+)
 from rlhf_lightning.registry import load_plugins, register, register_kind
 
-__all__ = ["AdvantageEstimator", "BetaController", "KLEstimator", "RewardModel", "load_plugins", "register", "register_kind"]
+__all__ = [
+    "AdvantageEstimator",
+    "BetaController",
+    "KLEstimator",
+    "LossAggregation",
+    "PolicyLoss",
+    "ReferenceUpdate",
+    "RewardModel",
+    "RolloutEngine",
+    "load_plugins",
+    "register",
+    "register_kind",
+]
 __version__ = "0.2.0"

@@ -88,8 +88,9 @@ def warn_cpu_fallback(device: torch.device) -> None:
 
 def setup(trainer, module) -> None:
     """The start-up checks and settings of ``module`` (a PPORLHF) for ``trainer``'s strategy and device."""
-    strategy, optim = trainer.strategy, module.optim
+    strategy = trainer.strategy
     if is_deepspeed(strategy):
+        optim = module.optim
         configure_deepspeed(strategy.config, optim.max_grad_norm, module.ppo.gradient_accumulation_steps)
         if optim.max_grad_norm and optim.optimizers == "separate" and module.hparams.critic != "none":
             rank_zero_warn("DeepSpeed clips the joint gradient norm of the policy and the critic (model.optim.optimizers: shared's clip)")

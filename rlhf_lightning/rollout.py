@@ -37,10 +37,6 @@ class Rollout:
     kept: Optional[Tensor] = None  # (batch, response_len, vocab) bool: the sampler's kept set, replayed; None: every token
     is_weights: Optional[Tensor] = None  # the rollout correction's weights (sampling.correction_weights); None: none
 
-    @property
-    def prompt_len(self) -> int:
-        return self.input_ids.shape[1] - self.response.shape[1]
-
 
 @dataclass
 class Scored:

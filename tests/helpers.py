@@ -20,6 +20,7 @@ from lightning import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lightning import args
+from rlhf_lightning.cpu import CPUSettings, apply_cpu_settings
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning_plugins.rewards.function import CallableReward
@@ -172,9 +173,11 @@ def fit(
     callbacks=(),
     datamodule=None,
     ckpt_path=None,
+    cpu_settings: Optional[CPUSettings] = None,
     **trainer_kwargs,
 ):
-    """Run ``iterations`` PPO iterations on CPU; return (trainer, metrics history)."""
+    """Run ``iterations`` PPO iterations on CPU, with ``cpu_settings`` applied as the command applies
+    its ``cpu`` section; return (trainer, metrics history)."""
     seed_everything(seed, verbose=False)
     history = MetricsHistory()
     kwargs = dict(
@@ -193,13 +196,15 @@ def fit(
     )
     kwargs.update(trainer_kwargs)
     trainer = Trainer(**kwargs)
+    if cpu_settings is not None:
+        apply_cpu_settings(trainer, cpu_settings)
     trainer.fit(module, datamodule=datamodule or PromptDataModule(batch_size=batch_size), ckpt_path=ckpt_path)
     return trainer, history
 
 
 # The terminal task's model that vLLM's CPU attention can serve (one head of 32; heads of 16 have no kernel).
 ONE_HEAD = {"num_attention_heads": 1, "num_key_value_heads": 1}
-# tools/optimum_check.py's settings on the terminal task: 100 iterations of 48 responses, the learning rate decaying to 0.1x
+# tools/studies/optimum_check.py's settings on the terminal task: 100 iterations of 48 responses, the learning rate decaying to 0.1x
 EXACT_RUN = dict(lr=2e-3, critic_lr=2e-3, vf_coef=0.5, num_minibatches=2, log_samples_every_n_steps=0, lr_final=0.1, every=100)
 
 

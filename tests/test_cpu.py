@@ -211,15 +211,18 @@ def test_tuned_malloc_serves_step_sized_tensors_from_the_heap_and_keeps_them_fre
     assert tuned_mmapped == 0 and tuned_free >= 200, (tuned_mmapped, tuned_free)
 
 
-def test_module_refuses_unknown_kernel_and_malloc_choices_naming_the_field():
+def test_unknown_kernel_and_malloc_choices_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"cpu.linear must be 'auto', 'aten', or 'onednn' .*, got 'fast'"):
+        cpu.CPUSettings(linear="fast")
+    with pytest.raises(ValueError, match=r"cpu.malloc must be 'tuned' or 'default', got 'jemalloc'"):
+        cpu.CPUSettings(malloc="jemalloc")
+
+
+def test_the_module_refuses_its_former_cpu_settings_naming_the_cpu_section():
     from rlhf_lightning.module import PPORLHF
 
-    from helpers import char_reward
-
-    with pytest.raises(ValueError, match=r"cpu.linear must be 'auto', 'aten', or 'onednn' .*, got 'fast'"):
-        PPORLHF(policy="tiny", reward_model=char_reward(), cpu_linear="fast")
-    with pytest.raises(ValueError, match=r"cpu.malloc must be 'tuned' or 'default', got 'jemalloc'"):
-        PPORLHF(policy="tiny", reward_model=char_reward(), cpu_malloc="jemalloc")
+    with pytest.raises(ValueError, match=r"model.cpu_linear moved out of the module: set cpu.linear"):
+        PPORLHF(policy="tiny", cpu_linear="aten")
 
 
 @pytest.mark.parametrize(
@@ -238,6 +241,7 @@ def test_the_training_step_runs_its_linear_layers_through_the_chosen_kernel(tmp_
     calls = []
     apply = cpu.OneDNNLinear.apply
     monkeypatch.setattr(cpu.OneDNNLinear, "apply", lambda *args: calls.append(1) or apply(*args))
-    trainer, _ = fit(make_module(cpu_linear=cpu_linear, ppo=dict(epochs=1)), tmp_path, iterations=1, precision=precision)
+    settings = cpu.CPUSettings(linear=cpu_linear, malloc="default")
+    trainer, _ = fit(make_module(ppo=dict(epochs=1)), tmp_path, iterations=1, precision=precision, cpu_settings=settings)
     assert (type(trainer.strategy.precision_plugin) is cpu.OneDNNPrecision) == routed
     assert bool(calls) == routed, len(calls)

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from rlhf_lightning import checkpoints, gpu
+from rlhf_lightning.args import RuntimeArgs, SamplingArgs
 from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.models import float32_head, merged_adapter
 
@@ -348,16 +349,20 @@ def test_a_gpu_host_training_on_its_cpu_says_so(monkeypatch):
 
 
 def test_start_up_sets_matmul_precision_and_warns_of_the_16_bit_sampler_ratio(monkeypatch):
+    def settings(matmul_precision):  # the module's groups that gpu.setup reads
+        return SimpleNamespace(sampling=SamplingArgs(old_logprobs="sampler"), runtime=RuntimeArgs(matmul_precision=matmul_precision))
+
     calls = []
     monkeypatch.setattr(torch, "set_float32_matmul_precision", calls.append)
     trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
     for precision in ("high", None):
-        gpu.setup(trainer, SimpleNamespace(matmul_precision=precision, old_logprobs="sampler"))
+        gpu.setup(trainer, settings(matmul_precision=precision))
     assert calls == ["high"]
     trainer.precision = "bf16-mixed"
     with pytest.warns(
-        UserWarning, match=r"trainer.precision=bf16-mixed with model.sampling.old_logprobs=sampler: .* model.sampling.old_logprobs=forward makes it 1"
+        UserWarning,
+        match=r"trainer.precision=bf16-mixed with model.sampling.old_logprobs=sampler: .* model.sampling.old_logprobs=forward makes it 1",
     ):
-        gpu.setup(trainer, SimpleNamespace(matmul_precision=None, old_logprobs="sampler"))
+        gpu.setup(trainer, settings(matmul_precision=None))
     with pytest.raises(ConfigError, match=r"model.runtime.matmul_precision must be highest, high, medium or null, got 'fast'"):
         make_module(runtime=dict(matmul_precision="fast"))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_lightning import args
 from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
@@ -24,7 +25,7 @@ def start_up_warnings(**settings) -> list[str]:
     """The warnings PPORLHF gives at construction (before any model loads) with ``settings``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        PPORLHF(policy="tiny", reward_model=char_reward(), **settings)
+        PPORLHF(**args.merge_settings(dict(policy="tiny", reward_model=char_reward()), settings))
     return [str(w.message) for w in caught]
 
 
@@ -48,7 +49,7 @@ def test_the_docs_matrix_is_the_code_table():
 
 def test_the_advantage_docs_kl_in_the_loss_table_is_the_code_table():
     """docs/advantages-and-losses.md's KL-in-the-loss table (critic-free estimator x k1/k3 x weighting):
-    each cell's class is tools/optimum_check.py's expected class (args.kl_recipe, and grpo's std), and
+    each cell's class is tools/studies/optimum_check.py's expected class (args.kl_recipe, and grpo's std), and
     PPORLHF warns at start-up exactly for the cells it calls biased."""
     from optimum_check import expected_class
 
@@ -113,7 +114,9 @@ def test_the_recipe_table_names_why():
 def test_a_group_estimator_without_sampling_is_refused_and_a_near_greedy_temperature_warns(estimator):
     """Greedy decoding gives a group one response repeated: every advantage 0, nothing learnt."""
     name = type(registry("advantage_estimator").create(estimator)).__name__
-    with pytest.raises(ValueError, match=rf"^model.sampling.do_sample must be true with model.advantage_estimator {name} \(greedy decoding"):
+    with pytest.raises(
+        ValueError, match=rf"^model.sampling.do_sample must be true with model.advantage_estimator {name} \(greedy decoding"
+    ):
         PPORLHF(policy="tiny", reward_model=char_reward(), advantage_estimator=estimator, sampling=dict(num_generations=2, do_sample=False))
     cold = start_up_warnings(advantage_estimator=estimator, num_generations=2, temperature=0.01)
     assert [m for m in cold if m.startswith(f"model.sampling.temperature 0.01 with model.advantage_estimator {name}: below 0.1")]
