@@ -85,7 +85,7 @@ class RLOO(_GroupBaseline):
 class Reinforce(AdvantageEstimator):
     """REINFORCE without a baseline (Williams 1992): A_t = G_t = sum_{s >= t} gamma^(s-t) R_s.
     Unbiased and high-variance; the reference point for the baselines above, and the estimator
-    under which a loss aggregation's length bias shows plainly (tools/length_bias.py)."""
+    under which a loss aggregation's length bias shows plainly (tools/studies/length_bias.py)."""
 
     def __init__(self, gamma: float = 1.0) -> None:
         require_number("advantage_estimator.gamma", gamma, at_least=0, at_most=1)

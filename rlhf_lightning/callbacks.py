@@ -168,7 +168,7 @@ class IterationTimer(Callback):
     """Logs ``timing/iteration_s``: wall-clock seconds of each PPO iteration (training batch),
     from the end of the previous one (the first: from its own start), so everything a user waits
     for between two iterations counts, logging and callbacks included. The module's ``timing/*``
-    phases add up to a little less. ``tools/compare_trl.py`` reads it."""
+    phases add up to a little less. ``tools/benchmarks/compare_trl.py`` reads it."""
 
     def __init__(self) -> None:
         self._since: Optional[float] = None

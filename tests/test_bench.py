@@ -1,4 +1,4 @@
-"""tools/bench.py: in --tiny mode (full, LoRA and GRPO) every run finishes and the BENCH line carries finite, positive numbers;
+"""tools/benchmarks/bench.py: in --tiny mode (full, LoRA and GRPO) every run finishes and the BENCH line carries finite, positive numbers;
 its pass counter, memory lines and peak RSS; decode_bench's products left out. The roofline's counts: tests/test_roofline.py."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers_and_c
     # One thread: on a busy 2-core CPU spinning OpenMP threads only add noise (and minutes).
     saved = tmp_path / "results.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench.py"), "--tiny", "--threads", "1", "--save", str(saved)],
+        [sys.executable, str(REPO / "tools" / "benchmarks" / "bench.py"), "--tiny", "--threads", "1", "--save", str(saved)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -136,10 +136,11 @@ def test_reset_peak_rss_starts_the_peak_again_from_the_current_rss():
 def test_decode_bench_leaves_every_product_out_and_puts_each_back():
     """``decode_bench.products_left_out``: inside, every linear (the output layer's included) returns zeros
     of its output's shape, so the logits are all zero; on leaving, the model computes what it did before."""
-    import decode_bench
     import torch
 
     from rlhf_lightning.models import load_causal_lm
+
+    import decode_bench
 
     model = load_causal_lm("tiny", vocab_size=40)
     ids = torch.randint(0, 40, (3, 7))

@@ -1,4 +1,4 @@
-"""tools/compare_trl.py without TRL: the ratios it prints, and the config our side runs (the
+"""tools/benchmarks/compare_trl.py without TRL: the ratios it prints, and the config our side runs (the
 options a user would set reach ``model:``)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The pid and dual beta controllers (plugins/beta_controllers.py): hand-computed beta sequences, clamps,
-state round trip, validation, closed-loop behaviour on a toy plant, and tools/compare_controllers.py."""
+state round trip, validation, closed-loop behaviour on a toy plant, and tools/studies/compare_controllers.py."""
 
 from __future__ import annotations
 
@@ -282,14 +282,14 @@ def test_closed_loop_adaptive_moves_toward_the_target(init_beta, above):
 
 
 # ---------------------------------------------------------------------------------------------
-# tools/compare_controllers.py
+# tools/studies/compare_controllers.py
 
 
 @pytest.mark.convergence
 def test_compare_controllers_tool_fast(tmp_path):
     out = tmp_path / "compare"
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "compare_controllers.py"), "--fast", "--out", str(out)],
+        [sys.executable, str(REPO / "tools" / "studies" / "compare_controllers.py"), "--fast", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,

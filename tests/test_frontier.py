@@ -252,7 +252,7 @@ def test_kl_to_optimum_callback_tracks_the_exact_distance_while_training():
     seed_everything(0, verbose=False)
     module = ExactPPORLHF(task, seed=0, beta_controller=FixedBeta(1.0), lr=2e-3, critic_lr=2e-3, log_samples_every_n_steps=0)
     meter = KLToOptimum(every=3, num_prompts=3, reference_samples=1500, policy_samples=1500)
-    # a second run from the same reference with the first's pool loaded (tools/frontier.py's later betas): no new
+    # a second run from the same reference with the first's pool loaded (tools/studies/kl_frontier.py's later betas): no new
     # pool, and the start still measured, with the first's prompts and reference scores
     reused = KLToOptimum(every=3, beta=2.0, num_prompts=1, reference_samples=10, policy_samples=200)
     try:
@@ -300,9 +300,9 @@ def test_kl_to_optimum_refuses_a_small_beta_and_bad_arguments():
 
 @pytest.mark.convergence
 def test_frontier_tool_fast_prints_its_line(tmp_path, capsys):
-    """tools/frontier.py --exact --fast (about 10 s): one PPO run at beta 0.5 within 0.02 of the frontier,
+    """tools/studies/kl_frontier.py --exact --fast (about 10 s): one PPO run at beta 0.5 within 0.02 of the frontier,
     and best-of-N's exact KL on the terminal task (4 reward values) far below the bound at N = 64."""
-    import frontier as tool
+    import kl_frontier as tool
 
     line = tool.main(["--exact", "--fast", "--out", str(tmp_path)])
     assert line in capsys.readouterr().out
@@ -314,11 +314,11 @@ def test_frontier_tool_fast_prints_its_line(tmp_path, capsys):
 
 
 def test_frontier_anneal_from_lowers_beta_over_the_first_half_then_holds_it():
-    """tools/frontier.py --anneal-from 2: each PPO run's controller goes 2 -> its beta geometrically over half the
+    """tools/studies/kl_frontier.py --anneal-from 2: each PPO run's controller goes 2 -> its beta geometrically over half the
     iterations (2 * 0.25 ** (i / 75) at beta 0.5 over 150), then stays; without the option, fixed."""
-    import frontier as tool
-
     from rlhf_lightning_plugins.beta_controllers import AnnealedBeta, FixedBeta
+
+    import kl_frontier as tool
 
     args = tool.parse_args(["--exact", "--task", "random:3", "--betas", "0.5", "--anneal-from", "2"])
     ctl = tool.beta_ctl(0.5, args.anneal_from, 150)
@@ -330,13 +330,14 @@ def test_frontier_anneal_from_lowers_beta_over_the_first_half_then_holds_it():
 
 
 def test_train_on_meter_prompts_writes_the_first_prompts_of_the_configs_set(tmp_path):
-    """tools/frontier.py --train-on-meter-prompts: the first --prompts prompts of the config's training set (the
+    """tools/studies/kl_frontier.py --train-on-meter-prompts: the first --prompts prompts of the config's training set (the
     built-in one for the quickstart, else its data.train_path) in <out>/meter_prompts.jsonl, which the data module
     reads back as that set, in that order."""
-    import frontier as tool
     import yaml
 
     from rlhf_lightning.data import BUILTIN_TRAIN, load_prompts
+
+    import kl_frontier as tool
 
     args = tool.parse_args(["--smollm2", "--prompts", "3", "--train-on-meter-prompts", "--out", str(tmp_path)])
     args.out = tmp_path
@@ -350,10 +351,10 @@ def test_train_on_meter_prompts_writes_the_first_prompts_of_the_configs_set(tmp_
 
 
 def test_smollm2_mode_on_the_tiny_config_prints_the_meter_and_its_fall(tmp_path, capsys):
-    """tools/frontier.py --smollm2's whole path (pool, PPO run, meter lines, CSV, figure) on configs/tiny.yaml in
+    """tools/studies/kl_frontier.py --smollm2's whole path (pool, PPO run, meter lines, CSV, figure) on configs/tiny.yaml in
     seconds: best-of-N lines for each N, one PPO line per measurement (the start and iterations 1, 2), each with
     the meter and its fall since the start (0 at the start), the figure written."""
-    import frontier as tool
+    import kl_frontier as tool
 
     argv = "--smollm2 --config configs/tiny.yaml --prompts 2 --pool 16 --policy-samples 4 --betas 10 --iterations 2 --meter-every 1"
     argv += " --train-on-meter-prompts --bon 1 2 --bootstrap 5 --reward-max 24 --max-tail 100"
@@ -370,15 +371,14 @@ def test_smollm2_mode_on_the_tiny_config_prints_the_meter_and_its_fall(tmp_path,
 
 @pytest.mark.convergence
 def test_annealed_beta_reaches_the_optimum_a_fixed_beta_stops_short_of():
-    """random:3 at beta 0.5, k1 in the reward, 150 iterations of 384 (tools/frontier.py's settings), sampling seeds
+    """random:3 at beta 0.5, k1 in the reward, 150 iterations of 384 (tools/studies/kl_frontier.py's settings), sampling seeds
     0, 1, 2: annealed from beta 2 over the first 75 iterations, every run ends within 0.005 of the frontier (0.0008,
     0.0004, 0.0003); fixed, most stop about 0.022 below it (0.0012, 0.0220, 0.0221: a mode the sampler stops
     visiting, which seed 0 finds by chance since the random tasks' network has a position embedding; 0.0232,
     0.0225, 0.0231 without it; docs/results.md)."""
-    import frontier as tool
-
     from rlhf_lightning.exact import train
 
+    import kl_frontier as tool
     from regulariser_frontier import PPO
 
     task = task_named("random:3")

@@ -1,4 +1,4 @@
-"""tools/gao_fit.py: the least-squares fit of R(d) = d (alpha - beta log d) (Gao et al. 2022)
+"""tools/studies/gao_fit.py: the least-squares fit of R(d) = d (alpha - beta log d) (Gao et al. 2022)
 recovers known coefficients, its R^2 is 1 - SS_res / SS_tot, and a logged run is read, made
 relative to its first iteration, summarised by blocks and plotted."""
 

@@ -1,4 +1,4 @@
-"""tools/isa.py: the ISA line the speed tools print, read from oneDNN's, MKL's and ATen's own
+"""tools/benchmarks/isa.py: the ISA line the speed tools print, read from oneDNN's, MKL's and ATen's own
 reports, and ``--isa avx2`` reaching a torch loaded after it (re-executing when torch was loaded
 before). No timing."""
 
@@ -44,7 +44,7 @@ def test_apply_reexecutes_a_process_that_loaded_torch_and_its_children_inherit_t
     script = tmp_path / "tool.py"
     script.write_text(
         "import os, subprocess, sys\n"
-        f"sys.path.insert(0, {str(REPO / 'tools')!r})\n"
+        f"sys.path.insert(0, {str(REPO / 'tools' / 'benchmarks')!r})\n"
         "import torch\n"
         "import isa\n"
         "isa.apply('avx2', __file__, sys.argv[1:])\n"

@@ -192,7 +192,7 @@ def test_a_tabular_policy_with_a_group_baseline_reaches_pi_star_with_the_sequenc
 
 
 def test_optimum_check_tabular_matrix_runs_the_loss_cells_on_a_table(capsys):
-    """``tools/optimum_check.py --matrix --tabular`` on random:3: only the loss cells (the reward placement is the
+    """``tools/studies/optimum_check.py --matrix --tabular`` on random:3: only the loss cells (the reward placement is the
     sampled loop's), each as exact.sampled_ppo with the task's settings; the per-token cell lands within 0.02 of
     its fixed point's gap and 0.005 of it by fixed_point_distance (measured 0.0068, 0.0011), the sequence cell
     within 0.01 of pi*."""
@@ -252,7 +252,7 @@ def test_sampled_ppo_names_what_it_refuses():
 
 
 def test_matrix_classes_follow_the_theory():
-    """tools/optimum_check.py's expected class of a cell: k1 in the reward and value-unbiased estimators
+    """tools/studies/optimum_check.py's expected class of a cell: k1 in the reward and value-unbiased estimators
     in the loss with the sequence scope are right for the whole response; the same losses per token reach
     the per-token fixed point; k3+ importance (its score term twice) and k2 importance (a biased value) are
     wrong even on-policy; the reward's returns carry the sequence term with 'both'."""
@@ -480,7 +480,7 @@ def test_lr_decay_holds_then_falls_linearly_to_its_final_fraction():
 def matrix_cell(
     advantage: str, estimator: str = "k3", placement: str = "loss", scope: str = "sequence", epochs: int = 4, **overrides
 ) -> dict:
-    """One cell of ``tools/optimum_check.py --matrix --task random:3`` (sampling seed 0) at the matrix's own settings
+    """One cell of ``tools/studies/optimum_check.py --matrix --task random:3`` (sampling seed 0) at the matrix's own settings
     (optimum_check.recipe_settings: batch, end batch, iterations and lr schedule of the cell's kind), ``overrides``
     on top; the last exact row."""
     import optimum_check
@@ -527,7 +527,7 @@ def test_per_token_scope_lands_at_its_fixed_point(advantage, epochs):
 
 @pytest.mark.convergence
 def test_matrix_on_a_random_task_separates_the_classes(capsys):
-    """tools/optimum_check.py --matrix on random:3 with k3, one epoch (8 minibatches): the unbiased cell within
+    """tools/studies/optimum_check.py --matrix on random:3 with k3, one epoch (8 minibatches): the unbiased cell within
     0.02 of pi*, the per-token cell within 0.02 of its fixed point, the biased one (k3 in the reward) far off
     (measured 2026-11-28 with the random tasks' position embedding and the per-token cells' end of 1536
     responses: 0.0016, 0.2226 against 0.2291, 1.1976; docs/results.md, "Eleventh round")."""

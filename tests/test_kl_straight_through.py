@@ -1,4 +1,4 @@
-"""Straight-through KL estimators (plugins/kl_estimators.py) and tools/kl_estimator_report.py.
+"""Straight-through KL estimators (plugins/kl_estimators.py) and tools/studies/kl_estimator_report.py.
 
 k3+ = k3.detach() + (k2 - k2.detach()): the value of k3 = exp(-x) - 1 + x, the gradient of
 k2 = x^2 / 2, with x = log p(y) - log q(y). On a categorical p = softmax(theta) with samples y ~ p,

@@ -14,9 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from helpers import REPO
-
-PACKAGE = REPO / "rlhf_lightning"
+PACKAGE = Path(__file__).resolve().parents[1] / "rlhf_lightning"
 
 
 def layer(module: str) -> int:
@@ -36,7 +34,7 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module:  # `from p import m` imports p.m where m is a module
                 targets |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module for a in node.names}
         targets = {t for t in targets if t in files and t != name}
-        parents = {p for t in targets for p in files if t.startswith(f"{p}.") and p != root.name and not name.startswith(p)}
+        parents = {p for t in targets for p in files if t.startswith(f"{p}.") and p != root.name and not f"{name}.".startswith(f"{p}.")}
         graph[name] = targets | parents
     return graph
 

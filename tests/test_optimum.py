@@ -239,7 +239,7 @@ def test_recommended_critic_free_kl_in_the_loss_reaches_the_optimum():
 
 @pytest.mark.convergence
 def test_matrix_fast_subset_separates_the_biased_cells(capsys):
-    """tools/optimum_check.py --matrix on the bandit task (one token: no sequence-level term), 4 epochs:
+    """tools/studies/optimum_check.py --matrix on the bandit task (one token: no sequence-level term), 4 epochs:
     the importance-weighted k1 and k3 losses reach pi*; unweighted k1 (a zero-mean gradient on-policy,
     E_old[grad log pi_theta] off-policy) and importance-weighted k3+ (the score term counted twice) do not."""
     import optimum_check

@@ -1,6 +1,6 @@
 """Policy losses and loss aggregations against hand-computed values, the contract over the
 registry, the entropy bonus and its controller, and the length bias of the aggregations
-(tools/length_bias.py). Gradient accumulation under every aggregation: tests/test_module.py."""
+(tools/studies/length_bias.py). Gradient accumulation under every aggregation: tests/test_module.py."""
 
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ def test_entropy_controller_state_is_checkpointed():
 
 # ---------------------------------------------------------------------- the length bias, measured
 def test_a_length_blind_reward_shortens_responses_only_under_the_per_response_token_mean(tmp_path):
-    """tools/length_bias.py --fast: constant reward +1, REINFORCE without a baseline. The 1/|y|
+    """tools/studies/length_bias.py --fast: constant reward +1, REINFORCE without a baseline. The 1/|y|
     weights make short responses likelier (measured 18.5 -> 12.8 tokens in 12 iterations); the
     length-independent token sum does not move the length (19.2 -> 19.3)."""
     summary = length_bias.main(
@@ -213,7 +213,7 @@ def test_a_length_blind_reward_shortens_responses_only_under_the_per_response_to
 
 @pytest.mark.convergence
 def test_regulariser_frontier_fast_puts_the_kl_penalty_on_the_exact_frontier(tmp_path):
-    """tools/regulariser_frontier.py --fast: the beta = 0.5 run lands on the exact frontier well short
+    """tools/studies/regulariser_frontier.py --fast: the beta = 0.5 run lands on the exact frontier well short
     of the reward maximiser's KL, while PPO's clip alone (beta = 0) runs to the maximiser (KL ~4)."""
     import regulariser_frontier
 

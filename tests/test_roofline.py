@@ -1,4 +1,4 @@
-"""tools/roofline.py: the FLOP and byte counts of each pass against hand-derived values on the tiny model, each
+"""tools/benchmarks/roofline.py: the FLOP and byte counts of each pass against hand-derived values on the tiny model, each
 phase's passes counted once (prompts shared, a common beginning, LoRA, a shared or separate critic), and the floor."""
 
 from __future__ import annotations

@@ -331,7 +331,7 @@ def test_train_samples_with_its_own_seed_on_the_tasks_reference():
 
 # ---------------------------------------------------------------------- the report's sequence-level table
 def test_kl_estimator_report_sequence_level():
-    """tools/kl_estimator_report.py's sequence table on the 4-token, length-4 order-dependent table, registered
+    """tools/studies/kl_estimator_report.py's sequence table on the 4-token, length-4 order-dependent table, registered
     estimators: corrected configurations at cosine 1 on-policy and >= 0.99 off-policy, per-token ones far off
     (measured 0.43), k2's biased value visible in its term, k3+ importance (score term twice) wrong."""
     from rlhf_lightning.registry import registry

@@ -1,6 +1,6 @@
-"""Every script in tools/ checks its arguments as the command checks its settings: 0 where at least
+"""Every script in tools/ and its folders checks its arguments as the command checks its settings: 0 where at least
 1 is needed, negative, NaN and inf numbers, and missing or empty folders and files end in argparse's
-exit status 2 with a line naming the option (``rlhf_lightning.checks.option_number``, ``log_folder``,
+exit status 2 with a line naming the option (tools/_cli_args.py: ``option_number``, ``log_folder``,
 ``existing_file``), before any work starts."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ TOOLS = (
     "compare_controllers",
     "compare_trl",
     "decode_bench",
-    "frontier",
     "gao_fit",
     "kl_estimator_report",
+    "kl_frontier",
     "length_bias",
     "make_arithmetic_prompts",
     "matmul_bench",
@@ -34,9 +34,9 @@ COUNT = {
     "compare_controllers": "--iterations",
     "compare_trl": "--iters",
     "decode_bench": "--rounds",
-    "frontier": "--iterations",
     "gao_fit": "--blocks",
     "kl_estimator_report": "--samples",
+    "kl_frontier": "--iterations",
     "length_bias": "--iterations",
     "make_arithmetic_prompts": "--train",
     "matmul_bench": "--tokens",
@@ -49,8 +49,8 @@ COUNT = {
 }
 REAL = {
     "compare_controllers": ("--target", "a finite number > 0"),
-    "frontier": ("--betas", "a finite number > 0"),
     "kl_estimator_report": ("--offpolicy-lr", "a finite number > 0"),
+    "kl_frontier": ("--betas", "a finite number > 0"),
     "length_bias": ("--reward", "a finite number"),
     "optimum_check": ("--beta", "a finite number > 0"),
     "regulariser_frontier": ("--betas", "a finite number > 0"),
@@ -60,7 +60,7 @@ REAL = {
 
 
 def run_tool(monkeypatch, capsys, tool: str, *argv: str) -> tuple[int, str]:
-    """``python tools/<tool>.py <argv>`` in this process: its exit status and last line on stderr."""
+    """``python tools/[benchmarks/ or studies/]<tool>.py <argv>`` in this process: its exit status and last line on stderr."""
     module = importlib.import_module(tool)
     monkeypatch.setattr(sys, "argv", [f"{tool}.py", *argv])
     with pytest.raises(SystemExit) as stopped:

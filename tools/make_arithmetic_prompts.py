@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from rlhf_lightning.checks import option_number
+from _cli_args import option_number
 
 TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
 

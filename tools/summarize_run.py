@@ -14,7 +14,7 @@ import argparse
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rlhf_lightning.checks import log_folder, option_number
+from _cli_args import log_folder, option_number
 
 COLUMNS = (
     "objective/reward",

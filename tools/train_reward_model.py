@@ -68,8 +68,9 @@ from lightning import LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
-from rlhf_lightning.checks import existing_file, option_number
 from rlhf_lightning_plugins.rewards.classifier import REWARD_STATS_FILE
+
+from _cli_args import existing_file, option_number
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 # Per trunk: learning rate and transformer blocks trained (None: all), unless given on the command line.

@@ -26,7 +26,7 @@ class HFClassifierReward(EncoderReward):
         include_prompt: score ``prompt + separator + response`` rather than the response alone.
         chat_template: score the conversation of the prompt (user turn) and the response (assistant turn)
             in the reward model tokenizer's chat template instead (what a reward model trained on chats reads,
-            and what TRL's trainers score: tools/compare_trl.py).
+            and what TRL's trainers score: tools/benchmarks/compare_trl.py).
         batch_size: texts per forward pass; max_length: truncation length in reward-model tokens.
         shared_prompts: texts of the same prompt (``num_generations`` > 1), or all texts where every prompt
             is distinct, run the tokens they start with once (``prefix.classify_shared_prefixes``: the whole

@@ -16,5 +16,5 @@ def exclamation_count(prompts: Sequence[str], responses: Sequence[str], cap: int
 
 
 def constant(prompts: Sequence[str], responses: Sequence[str], value: float = 1.0) -> list[float]:
-    """The same score for every response, whatever its length or content (tools/length_bias.py)."""
+    """The same score for every response, whatever its length or content (tools/studies/length_bias.py)."""
     return [value] * len(responses)

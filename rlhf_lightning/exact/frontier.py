@@ -2,7 +2,7 @@
 distributions over enumerated responses, and the distance of a policy from the optimum estimated
 from samples. Pure functions of log-probabilities and rewards; no model, no Lightning.
 
-Layout as in :mod:`rlhf_lightning.exact`: (prompts, responses) tensors, one row per prompt, each
+Layout as in :mod:`rlhf_lightning.exact.closed_form`: (prompts, responses) tensors, one row per prompt, each
 row a distribution over that prompt's responses (every response of an enumerable task, or a pool
 of n samples from pi_ref, each with probability 1 / n).
 
@@ -46,7 +46,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
-from rlhf_lightning.exact import expected_reward, kl_divergence, optimal_logprobs
+from rlhf_lightning.exact.closed_form import expected_reward, kl_divergence, optimal_logprobs
 
 
 # ---------------------------------------------------------------------- best-of-N
@@ -82,8 +82,8 @@ def bon_logprobs(ref_logprobs: Tensor, rewards: Tensor, n: int) -> Tensor:
 def soft_bon_logprobs(ref_logprobs: Tensor, rewards: Tensor, n: int, lam: float, step: float = 0.05) -> Tensor:
     """log P_soft(y|x) of soft best-of-``n`` at temperature ``lam`` (module docstring): (prompts, responses).
     The integral runs over u = log t with nodes ``step`` apart, from where the integrand is ~exp(-25)
-    to 50 / min w: the trapezoid rule on a smooth integrand that vanishes at both ends (the rows sum to 1
-    within 1e-9 on the tests' tasks). Refused where a row's reward range exceeds 700 lam: its smallest
+    to 50 / min w: the trapezoid rule on a smooth integrand that vanishes at both ends (tests/test_frontier.py
+    checks that the rows sum to 1). Refused where a row's reward range exceeds 700 lam: its smallest
     weights would underflow float64 (where lam is far below every gap between rewards, soft best-of-N is
     best-of-N: :func:`bon_logprobs`)."""
     if n < 1 or not lam > 0:

@@ -1,13 +1,13 @@
 """Phase-by-phase benchmark of one PPO-RLHF iteration, against the floors of the same work.
 
-    python tools/bench.py                                  # SmolLM2, full, LoRA and GRPO, 1 and 4 PPO epochs
-    python tools/bench.py --mode lora --ppo-epochs 4 --iters 3 --threads 1
-    python tools/bench.py --profile                        # plus torch.profiler's top ops of one iteration
-    python tools/bench.py --device cuda --bf16             # GPU, bf16 autocast
-    python tools/bench.py --tiny                           # the tiny random model, 2 iterations (the tests)
-    python tools/bench.py --isa avx2 --threads 1           # as on an AVX2-only CPU (oneDNN, MKL and ATen capped)
-    python tools/bench.py --mode full --ppo-epochs 1 --strategy fsdp2 --devices 2 --threads 1   # per rank
-    python tools/bench.py --mode full --ppo-epochs 1 --warmup 1 --iters 1 --strategy fsdp2 --devices 2 --threads 1 --memory
+    python tools/benchmarks/bench.py                                  # SmolLM2, full, LoRA and GRPO, 1 and 4 PPO epochs
+    python tools/benchmarks/bench.py --mode lora --ppo-epochs 4 --iters 3 --threads 1
+    python tools/benchmarks/bench.py --profile                        # plus torch.profiler's top ops of one iteration
+    python tools/benchmarks/bench.py --device cuda --bf16             # GPU, bf16 autocast
+    python tools/benchmarks/bench.py --tiny                           # the tiny random model, 2 iterations (the tests)
+    python tools/benchmarks/bench.py --isa avx2 --threads 1           # as on an AVX2-only CPU (oneDNN, MKL and ATen capped)
+    python tools/benchmarks/bench.py --mode full --ppo-epochs 1 --strategy fsdp2 --devices 2 --threads 1   # per rank
+    python tools/benchmarks/bench.py --mode full --ppo-epochs 1 --warmup 1 --iters 1 --strategy fsdp2 --devices 2 --threads 1 --memory
 
 The workload is fixed: SmolLM2-135M-Instruct (``--policy``), the first ``--batch-size`` (8)
 built-in prompts every iteration, rendered with the chat template (SmolLM2's adds a system
@@ -84,7 +84,7 @@ if each process held nothing but its baseline and its share of the states; and l
 (per-rank batch the same: activations do not shrink). Use ``--warmup 1 --iters 1`` or more: the
 first iteration runs its forwards before AdamW's moments exist.
 
-The first line says which instruction set oneDNN, MKL and ATen run (``tools/isa.py``); ``--isa
+The first line says which instruction set oneDNN, MKL and ATen run (``tools/benchmarks/isa.py``); ``--isa
 avx2`` caps them at AVX2 on a CPU with more, for the figures of an AVX2-only machine. After the
 tables, each run's passes over a model's trunk in its last timed iteration, per phase
 (``PassCounter``: ``generate`` calls, decode steps, forwards, forwards with backward): what the
@@ -115,12 +115,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from rlhf_lightning.checks import option_number
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
 import isa
 import roofline
+from _cli_args import option_number
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULT_PREFIX = "BENCH_RESULT "
 # --memory: glibc mmaps every block from 64 KiB up and unmaps it when freed, so an RSS counts the
 # tensors held, not the heap's high-water mark (a shard is half its tensor: FSDP2 moves many of
@@ -556,9 +556,9 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     from lightning import Trainer, seed_everything
     from torch.utils.data import DataLoader
 
-    from rlhf_lightning.cli import QUIET_TRAINER
     from rlhf_lightning.fsdp2 import FSDP2Strategy
     from rlhf_lightning.prefix import prompts_beginning, trim_left_padding
+    from rlhf_lightning.trainer_settings import QUIET_TRAINER
 
     quiet()
     load_before = os.getloadavg()[0]

@@ -1,20 +1,20 @@
 """PPO, best-of-N and the exact KL-regularised frontier on one reward-KL plane.
 
-    python tools/frontier.py --exact                      # terminal task: frontier, BoN 1..64, soft BoN, PPO at 4 betas
-    python tools/frontier.py --exact --fast               # seconds: one PPO beta of 20 iterations (the tests)
-    python tools/frontier.py --exact --task random:3      # a task with distinct rewards and an order-dependent reward
-    python tools/frontier.py --smollm2 --prompts 4 --pool 64 --betas 0.3 0.5 --iterations 15 --batch-size 4 \
+    python tools/studies/kl_frontier.py --exact                      # terminal task: frontier, BoN 1..64, soft BoN, PPO at 4 betas
+    python tools/studies/kl_frontier.py --exact --fast               # seconds: one PPO beta of 20 iterations (the tests)
+    python tools/studies/kl_frontier.py --exact --task random:3      # a task with distinct rewards and an order-dependent reward
+    python tools/studies/kl_frontier.py --smollm2 --prompts 4 --pool 64 --betas 0.3 0.5 --iterations 15 --batch-size 4 \
         --override=--model.advantage_estimator=rloo --override=--model.num_generations=4 \
         --override=--model.critic=none --override=--model.critic_lr=null   # PPO with RLOO, no critic
-    python tools/frontier.py --meter-table                # bias and spread of the sampled log Z against n
+    python tools/studies/kl_frontier.py --meter-table                # bias and spread of the sampled log Z against n
 
 ``--exact`` (``rlhf_lightning.exact``'s enumerable tasks; every number exact): the frontier
 pi_beta ∝ pi_ref exp(r / beta) over a dense beta grid (the most reward any policy gets at each
 KL), best-of-N for N = 1..64 enumerated with ties (``frontier.bon_logprobs``), soft best-of-N for
 N in ``--soft-n`` over a temperature grid, and PPO trained at each of ``--betas``
-(``exact.train``, the settings of tools/regulariser_frontier.py: k1 in the reward, lr 2e-3 decayed
+(``exact.train``, the settings of tools/studies/regulariser_frontier.py: k1 in the reward, lr 2e-3 decayed
 to 2e-4, 4 epochs of 2 minibatches; iterations and responses per iteration those of the task's kind
-in tools/optimum_check.py, 100 x 48 hand-made, 150 x 384 random) against the reference of its
+in tools/studies/optimum_check.py, 100 x 48 hand-made, 150 x 384 random) against the reference of its
 seed; ``--anneal-from B`` starts each PPO run at beta B and lowers it to its own beta over the first half of
 the run (the ``anneal`` controller), which reaches optima that a run fixed at a small beta stops short of
 (docs/results.md). Prints a table and
@@ -51,6 +51,7 @@ import argparse
 import csv
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -62,9 +63,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from rlhf_lightning import frontier as fr
-from rlhf_lightning.checks import option_number
+from rlhf_lightning.exact import frontier as fr
 from rlhf_lightning.exact import log_partition, reference_logprobs, task_named, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
+from _cli_args import option_number
 
 BON_N = tuple(range(1, 65))
 FRONTIER_BETAS = np.geomspace(0.02, 100, 300)
@@ -223,7 +226,7 @@ def meter_prompt_file(args: argparse.Namespace) -> Path:
 
 
 def smollm2_mode(args: argparse.Namespace) -> None:
-    from rlhf_lightning.optimum_meter import KLToOptimum
+    from rlhf_lightning.exact import KLToOptimum
 
     from sweep_beta import fixed_beta, prepare
     from sweep_beta import train as train_config
@@ -480,7 +483,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="runs/frontier", help="output folder")
     args = parser.parse_args(argv)
-    # exact: None leaves the iterations to the task's kind (tools/optimum_check.py's TASK_SETTINGS)
+    # exact: None leaves the iterations to the task's kind (tools/studies/optimum_check.py's TASK_SETTINGS)
     default_betas, default_iterations = ([0.25, 0.5, 1.0, 2.0], None) if not args.smollm2 else ([0.1, 0.3, 1.0], 20)
     if args.meter_table:
         default_betas = [0.25, 1.0, 4.0]

@@ -1,11 +1,11 @@
 """Sweep the KL coefficient beta: one PPO-RLHF run per beta, same seed, fixed controller.
 
-    python tools/sweep_beta.py                                   # the default task, 6 betas, 80 iterations
-    python tools/sweep_beta.py --betas 0 0.1 1 --iterations 60 --out /tmp/my_sweep
-    python tools/sweep_beta.py --fast                            # 2 betas, 10 iterations (the tests)
-    python tools/sweep_beta.py --full                            # 9 betas, 80 iterations
-    python tools/sweep_beta.py --config configs/quickstart.yaml --betas 0 0.05 0.2 --iterations 40
-    python tools/sweep_beta.py --advantage grpo --num-generations 4     # critic-free, GRPO's group baseline
+    python tools/studies/sweep_beta.py                                   # the default task, 6 betas, 80 iterations
+    python tools/studies/sweep_beta.py --betas 0 0.1 1 --iterations 60 --out /tmp/my_sweep
+    python tools/studies/sweep_beta.py --fast                            # 2 betas, 10 iterations (the tests)
+    python tools/studies/sweep_beta.py --full                            # 9 betas, 80 iterations
+    python tools/studies/sweep_beta.py --config configs/quickstart.yaml --betas 0 0.05 0.2 --iterations 40
+    python tools/studies/sweep_beta.py --advantage grpo --num-generations 4     # critic-free, GRPO's group baseline
 
 Every run trains ``--config`` (any rlhf-lightning YAML) through LightningCLI with the beta
 controller replaced by ``FixedBeta(beta)``; the seed, prompts and everything else stay as the
@@ -38,6 +38,7 @@ import argparse
 import csv
 import logging
 import math
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -47,9 +48,10 @@ from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from rlhf_lightning.checks import existing_file, option_number
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
+from _cli_args import existing_file, option_number
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "tiny.yaml"
 DEFAULT_BETAS = (0.0, 0.01, 0.05, 0.1, 0.2, 0.5)
 FULL_BETAS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)

@@ -1,8 +1,8 @@
 """Reward hacking with and without the KL penalty: train configs/reward_hacking.yaml twice and compare.
 
-    python tools/reward_hacking_report.py                    # 40 iterations per run, report in runs/reward_hacking
-    python tools/reward_hacking_report.py --fast             # 10 iterations per run (the tests)
-    python tools/reward_hacking_report.py --config my.yaml --iterations 60 --out /tmp/hacking
+    python tools/studies/reward_hacking_report.py                    # 40 iterations per run, report in runs/reward_hacking
+    python tools/studies/reward_hacking_report.py --fast             # 10 iterations per run (the tests)
+    python tools/studies/reward_hacking_report.py --config my.yaml --iterations 60 --out /tmp/hacking
 
 The proxy reward of the config counts exclamation marks. Run ``no_penalty`` is the config with its
 controller replaced by ``FixedBeta(0)``; run ``penalised`` is the config as written (its KL
@@ -17,13 +17,14 @@ TensorBoard logs go under ``<out>/<run>/``.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rlhf_lightning.checks import existing_file, option_number
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
+from _cli_args import existing_file, option_number
 from sweep_beta import REPO, RUN_OVERRIDES, fixed_beta, prepare, train
 
 DEFAULT_CONFIG = REPO / "configs" / "reward_hacking.yaml"

@@ -1,7 +1,7 @@
 """Compare the beta controllers on one task: KL and beta over time against the KL target.
 
-    python tools/compare_controllers.py [--iterations 80] [--target 4] [--out runs/compare_controllers] [--fast]
-    python tools/compare_controllers.py --advantage grpo --num-generations 4    # critic-free training
+    python tools/studies/compare_controllers.py [--iterations 80] [--target 4] [--out runs/compare_controllers] [--fast]
+    python tools/studies/compare_controllers.py --advantage grpo --num-generations 4    # critic-free training
 
 Runs fixed, adaptive, band, pid and dual through the real training loop on the same task and
 seed: the tiny random Llama (``policy: tiny``) learning to write the letter "e" (reward =
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -36,13 +37,15 @@ import matplotlib.pyplot as plt
 import torch
 from lightning import Callback, Trainer, seed_everything
 
-from rlhf_lightning.checks import option_number
-from rlhf_lightning.cli import QUIET_TRAINER
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.interfaces import BetaController
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
+from rlhf_lightning.trainer_settings import QUIET_TRAINER
 from rlhf_lightning_plugins.rewards.function import CallableReward
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
+from _cli_args import option_number
 
 BATCH_SIZE = 8
 # name -> extra init_args beyond init_beta and target

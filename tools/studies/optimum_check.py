@@ -1,10 +1,10 @@
 """Train PPORLHF on a task small enough to enumerate and measure how far it lands from the
-closed-form optimum of the KL-regularised objective (see rlhf_lightning/exact.py).
+closed-form optimum of the KL-regularised objective (see rlhf_lightning/exact/).
 
-    python tools/optimum_check.py --estimator k1 --beta 0.5 --iterations 100
-    python tools/optimum_check.py --advantage rloo --num-generations 4     # critic-free
-    python tools/optimum_check.py --beta 1.5 --reference reset --resets 3  # 3 phases, reset after each
-    python tools/optimum_check.py --task random:3 --kl-penalty loss --estimator k3 --kl-loss-scope per_token --seed 0 1 2
+    python tools/studies/optimum_check.py --estimator k1 --beta 0.5 --iterations 100
+    python tools/studies/optimum_check.py --advantage rloo --num-generations 4     # critic-free
+    python tools/studies/optimum_check.py --beta 1.5 --reference reset --resets 3  # 3 phases, reset after each
+    python tools/studies/optimum_check.py --task random:3 --kl-penalty loss --estimator k3 --kl-loss-scope per_token --seed 0 1 2
 
 ``--task`` names a hand-made task (terminal, bandit) or ``random:SEED``, ``ExactTask.random(SEED)``: 2 prompts,
 4 tokens, responses of 3, a reward that depends on token order and a reference initialised from SEED.
@@ -68,7 +68,7 @@ expectation (:func:`rlhf_lightning.exact.expected_train`: all responses enumerat
 exact advantage, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
 gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
 cell adds to them is noise. Every cell trains the task kind's iterations (150 on a random task).
-``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.tabular.sampled_ppo`:
+``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.exact.sampled_ppo`:
 one logit vector per prompt and prefix, sampled responses, the module's loss pieces, the exact advantage for
 ``gae`` or the critic-free estimator's own, Adam at ``--tabular-lr``, one batch size: the cell's, without an end batch), about a second a cell: where the loss
 settles when no network couples the states. ``--expected-noise`` puts the noise back and nothing else: each step weighs the responses by a draw of
@@ -110,13 +110,14 @@ import logging
 import multiprocessing
 import os
 import statistics
+import sys
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from rlhf_lightning.args import kl_recipe
-from rlhf_lightning.checks import option_number
 from rlhf_lightning.exact import (
     TASKS,
     OptimumTracker,
@@ -124,14 +125,17 @@ from rlhf_lightning.exact import (
     optimum_report,
     per_token_fixed_point_gap,
     reference_logprobs,
+    sampled_ppo,
     task_named,
     train,
 )
 from rlhf_lightning.registry import registry
-from rlhf_lightning.tabular import sampled_ppo
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 from rlhf_lightning_plugins.reference_updates import EMA, Reset, Sync
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
+from _cli_args import option_number
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -242,7 +246,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.end_iterations and args.expected_gradient:
         parser.error("--end-batch-size / --end-iterations: not with --expected-gradient (the exact path samples no batch)")
     if args.end_iterations and args.tabular:
-        parser.error("--end-batch-size / --end-iterations: not with --tabular (tabular.sampled_ppo samples one batch size)")
+        parser.error("--end-batch-size / --end-iterations: not with --tabular (exact.sampled_ppo samples one batch size)")
     if args.tabular_lr is not None and not args.tabular:
         parser.error("--tabular-lr: only with --tabular (the tiny Llama's lr is --lr)")
     args.tabular_lr = args.tabular_lr or 0.05
@@ -581,7 +585,7 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tabular",
         action="store_true",
-        help="a tabular policy (one logit vector per prompt and prefix, tabular.sampled_ppo) in place of the tiny Llama: "
+        help="a tabular policy (one logit vector per prompt and prefix, exact.sampled_ppo) in place of the tiny Llama: "
         "sampled responses (the task's --batch-size), the module's loss pieces, the exact advantage for gae (a perfect "
         "critic's) or the critic-free --advantage's own, Adam at --tabular-lr; KL in the loss only. Where the sampled loss settles when no shared network "
         'couples the states (docs/results.md, "Tenth round")',

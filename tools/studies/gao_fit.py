@@ -1,6 +1,6 @@
 """Fit Gao et al.'s over-optimisation law to measured gold-reward curves, and plot them.
 
-    python tools/gao_fit.py single=runs/overopt/single/lightning_logs/overoptimisation/version_0 \\
+    python tools/studies/gao_fit.py single=runs/overopt/single/lightning_logs/overoptimisation/version_0 \\
         min=runs/overopt/min/lightning_logs/overoptimisation+overoptimisation_ensemble/version_0 \\
         --out tools/figures/gao_fit.png
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -39,8 +40,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from rlhf_lightning.checks import log_folder, option_number
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the shared argument types, summarize_run
+from _cli_args import log_folder, option_number
 from summarize_run import read_scalars
 
 

@@ -1,8 +1,8 @@
 """Length bias of the loss aggregations: a reward that ignores length, and which aggregations
 still move the response length.
 
-    python tools/length_bias.py                      # 4 aggregations x 3 seeds, 30 iterations
-    python tools/length_bias.py --fast               # the test's version
+    python tools/studies/length_bias.py                      # 4 aggregations x 3 seeds, 30 iterations
+    python tools/studies/length_bias.py --fast               # the test's version
 
 The tiny random Llama (``policy: tiny``) is trained with REINFORCE without a baseline
 (``advantage_estimator: reinforce``) on a constant reward of +1 (``rewards.toy:constant``), no KL
@@ -26,17 +26,20 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 from lightning import Callback, Trainer, seed_everything
 
-from rlhf_lightning.checks import option_number
-from rlhf_lightning.cli import QUIET_TRAINER
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.trainer_settings import QUIET_TRAINER
 from rlhf_lightning_plugins.rewards.function import CallableReward
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
+from _cli_args import option_number
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 

@@ -2,8 +2,8 @@
 reference on the enumerable task, for a beta sweep, a clip-higher sweep, an entropy-target sweep
 and beta = 0 alone.
 
-    python tools/regulariser_frontier.py                 # 2 seeds, 60 iterations per run (a few CPU minutes)
-    python tools/regulariser_frontier.py --fast          # the tests' version
+    python tools/studies/regulariser_frontier.py                 # 2 seeds, 60 iterations per run (a few CPU minutes)
+    python tools/studies/regulariser_frontier.py --fast          # the tests' version
 
 Every run trains the unchanged PPO loop on ``rlhf_lightning.exact``'s terminal task (3 prompts,
 3-token responses over 3 letters, reward = count of the prompt's letter, at most 3), where the
@@ -29,6 +29,7 @@ import argparse
 import csv
 import logging
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -40,10 +41,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from rlhf_lightning.checks import option_number
 from rlhf_lightning.exact import TASKS, ExactPPORLHF, expected_reward, kl_divergence, optimal_logprobs, train
 from rlhf_lightning_plugins.beta_controllers import FixedBeta, PIDBeta
 from rlhf_lightning_plugins.policy_losses import ClipHigher
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
+from _cli_args import option_number
 
 PPO = dict(batch_size=48, lr=2e-3, critic_lr=2e-3, lr_final=0.1, ppo_epochs=4, num_minibatches=2, vf_coef=0.5, log_samples_every_n_steps=0)
 

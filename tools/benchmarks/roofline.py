@@ -1,6 +1,6 @@
 """The roofline of a PPO-RLHF iteration: what each phase must compute and move at least, from the
-model's shape, and this machine's rates to turn that into seconds (``tools/bench.py``'s roofline
-table, ``tools/decode_bench.py``'s floor).
+model's shape, and this machine's rates to turn that into seconds (``tools/benchmarks/bench.py``'s roofline
+table, ``tools/benchmarks/decode_bench.py``'s floor).
 
 ``iteration_costs`` lists each phase's passes over the weights as (FLOPs, bytes) pairs (a decode
 step, a forward, a backward, an AdamW step), ``machine_peaks`` measures the sustained matmul rate

@@ -8,7 +8,7 @@ For a beta, the optimum of J(pi) = E r - beta KL(pi || pi_ref) is pi_beta ∝ pi
 The callback samples ``reference_samples`` responses per meter prompt from the starting policy
 (the reference) before the first update and keeps their training scores; then, and every ``every``
 iterations, it samples ``policy_samples`` responses per prompt from the policy and estimates both
-terms (:func:`rlhf_lightning.frontier.kl_to_optimum`, log Z with its delta-method bias removed and
+terms (:func:`rlhf_lightning.exact.frontier.kl_to_optimum`, log Z with its delta-method bias removed and
 its standard error). The reference pool is kept, so log Z follows the beta of a moving controller.
 Where the estimate cannot be trusted it logs why instead of a number (a warning, and a TensorBoard
 text ``kl_to_optimum``): the effective sample size of exp(r / beta) below ``min_ess`` (a heavy
@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lightning.checks import require, require_number
-from rlhf_lightning.frontier import OptimumDistance, kl_to_optimum, log_partition_estimate
+from rlhf_lightning.exact.frontier import OptimumDistance, kl_to_optimum, log_partition_estimate
 
 
 class KLToOptimum(Callback):

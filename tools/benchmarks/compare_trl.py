@@ -2,10 +2,10 @@
 project's CLI, or (``--grpo``) TRL 1.16's GRPOTrainer against ``configs/grpo.yaml``'s setup.
 
     pip install "rlhf-lightning[bench]"            # TRL 1.12, in a separate environment is best
-    python tools/compare_trl.py                    # 2 rounds of 1 warm-up + 3 timed iterations per run
-    python tools/compare_trl.py --quick            # 1 round of 1 warm-up + 2 timed iterations
-    python tools/compare_trl.py --trl-python ~/venv-trl112/bin/python --threads 1
-    python tools/compare_trl.py --grpo --trl-python ~/venv-trl116/bin/python --threads 1 --isa avx2
+    python tools/benchmarks/compare_trl.py                    # 2 rounds of 1 warm-up + 3 timed iterations per run
+    python tools/benchmarks/compare_trl.py --quick            # 1 round of 1 warm-up + 2 timed iterations
+    python tools/benchmarks/compare_trl.py --trl-python ~/venv-trl112/bin/python --threads 1
+    python tools/benchmarks/compare_trl.py --grpo --trl-python ~/venv-trl116/bin/python --threads 1 --isa avx2
 
 ``--grpo``: SmolLM2-135M-Instruct fp32 full fine-tuning, the first ``--batch-size`` (8) built-in
 prompts x ``--num-generations`` (4) responses of exactly ``--max-new-tokens`` (32) tokens, the
@@ -23,7 +23,7 @@ batch, and CPU seconds of the process per batch (with one thread the work itself
 the machine runs). Every run also reports its passes per batch over each model's trunk
 (``bench.PassCounter``: policy, reference, reward model) and its peak RSS.
 
-The first line says which instruction set the kernels run (``tools/isa.py``); ``--isa avx2``
+The first line says which instruction set the kernels run (``tools/benchmarks/isa.py``); ``--isa avx2``
 runs both sides as on an AVX2-only CPU.
 
 The workload (the issue's): SmolLM2-135M-Instruct in fp32, the first 8 built-in prompts rendered
@@ -79,12 +79,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from rlhf_lightning.checks import option_number
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
 import bench
 import isa
+from _cli_args import option_number
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULT_PREFIX = "COMPARE_RESULT "
 SETUPS = ("trl", "full", "lora")
 GRPO_SETUPS = ("trl_grpo", "grpo")

@@ -1,10 +1,10 @@
 """The rollout's decode: ``generate`` against its alternatives on the same workload.
 
-    python tools/decode_bench.py                   # SmolLM2, 8 chat prompts, 32 new tokens, 4 rounds
-    python tools/decode_bench.py --threads 1 --rounds 6
-    python tools/decode_bench.py --compile         # also a torch.compile'd decode step (minutes to compile)
-    python tools/decode_bench.py --engine vllm     # the rollout engines: hf's generate against vLLM (docs/rollout-engines.md)
-    python tools/decode_bench.py --isa avx2        # as on an AVX2-only CPU (the first line names the kernels' ISA)
+    python tools/benchmarks/decode_bench.py                   # SmolLM2, 8 chat prompts, 32 new tokens, 4 rounds
+    python tools/benchmarks/decode_bench.py --threads 1 --rounds 6
+    python tools/benchmarks/decode_bench.py --compile         # also a torch.compile'd decode step (minutes to compile)
+    python tools/benchmarks/decode_bench.py --engine vllm     # the rollout engines: hf's generate against vLLM (docs/rollout-engines.md)
+    python tools/benchmarks/decode_bench.py --isa avx2        # as on an AVX2-only CPU (the first line names the kernels' ISA)
 
 The rows: ``generate`` with PyTorch's own CPU linear kernel (MKL) and with oneDNN's
 (``model.cpu_linear``, what the module uses on a CPU), ``generate`` with a preallocated (static)
@@ -21,7 +21,7 @@ seed, so under one kernel they must draw the very same tokens as that kernel's `
 difference is reported (under the other kernel the logits differ by rounding, and a token may
 too). Rounds alternate the rows so a drifting load hits all alike; the table gives each one's
 median seconds, its ratio to ``generate`` with the default kernel, and the decode floor of the
-roofline (``tools/roofline.py``: prefill compute, then each step's weights and KV cache read, at
+roofline (``tools/benchmarks/roofline.py``: prefill compute, then each step's weights and KV cache read, at
 this machine's measured rates).
 
 The last line, ``DECODE rest_s=<s> floor_s=<s> products_allowed=<r>``: the row without products,
@@ -41,12 +41,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rlhf_lightning.checks import option_number
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
 import bench
 import isa
 import roofline
+from _cli_args import option_number
 
 
 @__import__("torch").no_grad()

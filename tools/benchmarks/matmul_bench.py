@@ -1,8 +1,8 @@
 """PyTorch's CPU linear kernel (MKL) against oneDNN's (``model.cpu_linear``), on SmolLM2's shapes.
 
-    python tools/matmul_bench.py                  # all threads
-    python tools/matmul_bench.py --threads 1
-    python tools/matmul_bench.py --threads 1 --decode-rows 1 8 32   # and a whole decode step's products
+    python tools/benchmarks/matmul_bench.py                  # all threads
+    python tools/benchmarks/matmul_bench.py --threads 1
+    python tools/benchmarks/matmul_bench.py --threads 1 --decode-rows 1 8 32   # and a whole decode step's products
 
 For each linear layer shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down
 576x1536, the LM head 49152x576) and each way an iteration uses it (a batch-8 decode step, a
@@ -28,9 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from rlhf_lightning.checks import option_number
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
+from _cli_args import option_number
 
 SHAPES = {
     "q_proj/o_proj": (576, 576),

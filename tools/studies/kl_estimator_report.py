@@ -1,8 +1,8 @@
 """Every registered KL estimator against the exact KL, on real samples: values and gradients.
 
-    python tools/kl_estimator_report.py                        # SmolLM2-135M, 64 samples of 32 tokens
-    python tools/kl_estimator_report.py --fast                 # the tiny random Llama (the tests)
-    python tools/kl_estimator_report.py --samples 128 --push 0.02 --out /tmp/kl
+    python tools/studies/kl_estimator_report.py                        # SmolLM2-135M, 64 samples of 32 tokens
+    python tools/studies/kl_estimator_report.py --fast                 # the tiny random Llama (the tests)
+    python tools/studies/kl_estimator_report.py --samples 128 --push 0.02 --out /tmp/kl
 
 Setup. The reference is the model itself (``--policy``, default ``smollm2``); the policy is the
 same weights plus a rank-8 LoRA adapter on every linear layer whose B matrices (zero at init) are
@@ -42,7 +42,7 @@ estimators weighted) at 1.000, the unweighted ones drifting with the distance mo
 Sequence level (``kl_penalty: loss`` for the whole response). The columns above compare each
 position's gradient with grad KL(pi(.|s_t) || pi_ref(.|s_t)) at the same states: right per token. The
 response's KL also charges each token for the KL of the states it leads to (ppo_math.kl_to_go_loss).
-A second table measures that on an order-dependent tabular policy (rlhf_lightning/tabular.py:
+A second table measures that on an order-dependent tabular policy (rlhf_lightning/exact/tabular.py:
 ``--seq-tokens`` tokens, responses of ``--seq-length``, every response enumerated, so each expected
 gradient is an exact finite sum): the cosine between each configuration's expected gradient and the exact
 gradient of KL(pi_theta || pi_ref) of the response distribution, per token (weighting none or importance,
@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,13 +69,15 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning import tabular as tb
-from rlhf_lightning.checks import option_number
 from rlhf_lightning.data import BUILTIN_TRAIN, load_prompts
+from rlhf_lightning.exact import tabular as tb
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
+from _cli_args import option_number
+
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "runs" / "kl_estimator_report" / "report.md"
 DEFAULT_PUSH = {"smollm2": 0.05, "tiny": 0.5}  # smollm2: about 3 nats per 32-token response
 FAST = dict(policy="tiny", samples=32)

@@ -1,0 +1,185 @@
+"""The KL-regularised optimum in closed form, on tasks small enough to enumerate every response.
+
+The KL-regularised objective
+
+    J(pi) = E_x [ E_{y~pi(.|x)} r(x, y)  -  beta * KL(pi(.|x) || pi_ref(.|x)) ]
+
+has the closed-form maximiser pi*(y|x) = pi_ref(y|x) exp(r(x, y) / beta) / Z(x) with
+Z(x) = sum_y pi_ref(y|x) exp(r(x, y) / beta), and J* = J(pi*) = beta * E_x log Z(x)
+(e.g. Rafailov et al. 2023, "Direct Preference Optimization", eq. 4). For any pi,
+J(pi) = J* - beta * KL(pi || pi*), so the objective gap measures the distance to the optimum
+in the KL that matters.
+
+A reference that moves (PPORLHF's ``reference_update``): if the policy converges to the optimum
+of its reference before every sync or reset, the reference after k of them is the iterated optimum
+
+    pi_k(y|x) ∝ pi_0(y|x) exp(k r(x, y) / beta),
+
+the optimum of the original objective at beta / k (:func:`iterated_optimal_logprobs`): resets anneal
+beta. An EMA reference ref <- (1 - alpha) ref + alpha pi moves its log-probabilities by the
+geometric mixture (exact when they are linear in the averaged parameters, first order otherwise),
+log ref' = (1 - alpha) log ref + alpha log pi - log norm; with the policy at ref's optimum that is
+ref' ∝ ref exp(alpha r / beta), so n updates give pi_{n alpha} (:func:`ema_reference_logprobs`). Its
+only fixed points (ref = pi*(ref)) are distributions on argmax_y r(x, y): no KL-regularised
+interior optimum survives a reference that keeps following the policy.
+
+Functions on log-probabilities take tensors of shape (num_prompts, num_responses), one row per
+prompt, each row a distribution over all responses in the order of :func:`enumerate_responses`.
+Pure functions of tensors: no model, no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.exact.tabular import reward_to_go, sum_after
+
+
+def log_partition(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
+    """log Z(x) = log sum_y pi_ref(y|x) exp(r(x, y) / beta): (prompts, responses) -> (prompts,)."""
+    return torch.logsumexp(ref_logprobs.double() + rewards.double() / beta, dim=-1)
+
+
+def optimal_logprobs(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
+    """log pi*(y|x) = log pi_ref(y|x) + r(x, y) / beta - log Z(x)."""
+    return ref_logprobs.double() + rewards.double() / beta - log_partition(ref_logprobs, rewards, beta).unsqueeze(-1)
+
+
+def iterated_optimal_logprobs(initial_logprobs: Tensor, rewards: Tensor, beta: float, k: float) -> Tensor:
+    """log pi_k = log pi_0 + k r / beta - log Z_k: the optimum after k converged reference resets
+    (k may be fractional: an EMA reference), i.e. the optimum at beta / k."""
+    return optimal_logprobs(initial_logprobs, rewards, beta / k)
+
+
+def ema_reference_logprobs(ref_logprobs: Tensor, rewards: Tensor, beta: float, alpha: float) -> Tensor:
+    """One EMA update of a reference whose policy sits at its optimum, as a normalised geometric
+    mixture: log ref' = (1 - alpha) log ref + alpha log pi*(ref) - log norm."""
+    mixed = (1 - alpha) * ref_logprobs.double() + alpha * optimal_logprobs(ref_logprobs, rewards, beta)
+    return mixed - torch.logsumexp(mixed, dim=-1, keepdim=True)
+
+
+def optimal_objective(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> float:
+    """J* = beta * E_x log Z(x)."""
+    return float(beta * log_partition(ref_logprobs, rewards, beta).mean())
+
+
+def kl_divergence(logp: Tensor, logq: Tensor) -> float:
+    """E_x KL(p(.|x) || q(.|x)) = E_x sum_y p (log p - log q), with 0 log 0 = 0."""
+    logp, logq = logp.double(), logq.double()
+    p = logp.exp()
+    terms = torch.where(p > 0, p * (logp - logq), torch.zeros((), dtype=torch.float64))
+    return float(terms.sum(-1).mean())
+
+
+def expected_reward(logprobs: Tensor, rewards: Tensor) -> float:
+    """E_x E_{y~pi} r(x, y)."""
+    return float((logprobs.double().exp() * rewards.double()).sum(-1).mean())
+
+
+def objective(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: float) -> float:
+    """J(pi) = E_x [ E_{y~pi} r(x, y) - beta * KL(pi(.|x) || pi_ref(.|x)) ]."""
+    return expected_reward(logprobs, rewards) - beta * kl_divergence(logprobs, ref_logprobs)
+
+
+def backward_induction(ref_logprobs: Tensor, rewards: Tensor, beta: float, num_tokens: int, soft: bool = True) -> Tensor:
+    """The policy built token by token from the last position back, pi(a | s) ∝ pi_ref(a | s) exp(Q(s, a) / beta),
+    as log pi(y|x) over whole responses (same layout as ``ref_logprobs``; responses in the order of
+    :func:`enumerate_responses` over ``num_tokens`` content tokens; the reward is terminal).
+
+    ``soft=True``: Q(s, a) = V(s + a) with V(s) = beta log sum_a pi_ref(a|s) exp(Q(s, a) / beta), the
+    soft value that charges the KL of every later token: this is pi* itself (equal to
+    :func:`optimal_logprobs`). ``soft=False``: V(s) = E_{a~pi}[Q(s, a)], the expected reward to go
+    with no KL of later tokens: the fixed point of a per-token KL loss, grad E[r] - beta E_s grad
+    KL(pi(.|s) || pi_ref(.|s)) = 0 at every visited s, which never charges a token for the KL of the
+    states it leads to (Tang & Munos, 2025, "On a few pitfalls in KL divergence gradient estimation
+    for RL", sec. 4).
+
+    The two differ whenever the KL still to be paid after a token depends on the tokens already chosen:
+    soft Q(s, a) = E[r | s, a] - beta * (the KL the optimal continuation of s + a pays), and the
+    per-token fixed point drops the second part. That is so for almost every reward that depends on
+    token order (pairs, transitions, positions), even under a reference that ignores the prefix, a
+    uniform one included (the :meth:`ExactTask.random` tasks); it vanishes when the
+    continuation's optimal KL is the same after every token, as on a one-token bandit or with a terminal
+    reward that counts tokens under a prefix-independent reference.
+    """
+    prompts, responses = ref_logprobs.shape
+    length = round(math.log(responses, num_tokens))
+    shape = (prompts, *[num_tokens] * length)
+    ref, value = ref_logprobs.double().view(shape), rewards.double().view(shape)
+    logprobs = torch.zeros(shape, dtype=torch.float64)
+    for t in reversed(range(length)):  # value: (prompts, K ** (t + 1)) over prefixes of t + 1 tokens
+        prefix_and_token = sum_after(ref, t + 1, log=True)
+        logits = prefix_and_token - prefix_and_token.logsumexp(-1, keepdim=True) + value / beta
+        policy = logits.log_softmax(-1)  # log pi(a | prefix of t tokens)
+        value = beta * logits.logsumexp(-1) if soft else (policy.exp() * value).sum(-1)
+        logprobs = logprobs + policy.view(*policy.shape, *[1] * (length - t - 1))
+    return logprobs.view(prompts, responses)
+
+
+def per_token_residuals(
+    logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: float, num_tokens: int
+) -> list[tuple[Tensor, Tensor]]:
+    """How far a policy is from the per-token fixed point, state by state: for each position t, over the prefixes s
+    of t tokens, the residual KL(pi(. | s) || pi_ref(. | s) exp(Q(s, .) / beta) / Z(s)), with Q(s, a) = E_pi[r | s, a]
+    the reward to go under pi's own continuation (no KL of later tokens), beside the prefix's probability P_pi(s);
+    each (prompts, K ** t). Every residual is 0 exactly at :func:`backward_induction` (``soft=False``), the only
+    policy that meets the per-token condition at every state; pi* misses it where the KL still to be paid after a
+    token depends on that token."""
+    prompts, responses = logprobs.shape
+    length = round(math.log(responses, num_tokens))
+    shape = (prompts, *[num_tokens] * length)
+    joint, ref, reward = logprobs.double().view(shape), ref_logprobs.double().view(shape), rewards.double().view(shape)
+    probs, out = joint.exp(), []
+    for t in range(length):
+        log_sa, ref_sa = sum_after(joint, t + 1, log=True), sum_after(ref, t + 1, log=True)  # log P(s, a)
+        q = reward_to_go(probs, reward, t + 1)
+        policy = log_sa - log_sa.logsumexp(-1, keepdim=True)
+        target = (ref_sa - ref_sa.logsumexp(-1, keepdim=True) + q / beta).log_softmax(-1)
+        residual = (policy.exp() * (policy - target)).sum(-1)
+        out.append((residual.reshape(prompts, -1), log_sa.logsumexp(-1).exp().reshape(prompts, -1)))
+    return out
+
+
+@dataclass
+class OptimumReport:
+    """Exact distances of a policy from the KL-regularised optimum."""
+
+    objective: float  # J(pi)
+    optimum: float  # J*
+    gap: float  # (J* - J(pi)) / |J*|
+    kl_to_optimum: float  # E_x KL(pi || pi*)
+    kl_to_ref: float  # E_x KL(pi || pi_ref)
+    optimum_kl_to_ref: float  # E_x KL(pi* || pi_ref): where an exact learner's KL should land
+    reward: float  # E_x E_pi r
+    fixed_point_distance: float = math.nan  # beta E_x KL(pi || per-token fixed point) / |J*| (given num_tokens)
+
+
+def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: float, num_tokens: Optional[int] = None) -> OptimumReport:
+    """Every exact quantity of ``logprobs`` against the optimum defined by ``ref_logprobs``, ``rewards``, ``beta``.
+
+    The gap is a distance: J* - J(pi) = beta KL(pi || pi*) for every pi, so gap = beta KL(pi || pi*) / |J*|. With
+    ``num_tokens`` (responses in the order of :func:`enumerate_responses`) ``fixed_point_distance`` is the same
+    distance from the per-token fixed point (:func:`backward_induction`, ``soft=False``), in the same unit: where a
+    per-token cell should be 0. Its gap is no such distance: J is not stationary at the fixed point, so the gap of a
+    policy near it moves at first order: a run close to the fixed point can lie much further from its gap."""
+    opt = optimal_logprobs(ref_logprobs, rewards, beta)
+    j, j_star = objective(logprobs, ref_logprobs, rewards, beta), optimal_objective(ref_logprobs, rewards, beta)
+    distance = math.nan
+    if num_tokens is not None:
+        fixed_point = backward_induction(ref_logprobs, rewards, beta, num_tokens, soft=False)
+        distance = beta * kl_divergence(logprobs, fixed_point) / abs(j_star)
+    return OptimumReport(
+        objective=j,
+        optimum=j_star,
+        gap=(j_star - j) / abs(j_star),
+        kl_to_optimum=kl_divergence(logprobs, opt),
+        kl_to_ref=kl_divergence(logprobs, ref_logprobs),
+        optimum_kl_to_ref=kl_divergence(opt, ref_logprobs),
+        reward=expected_reward(logprobs, rewards),
+        fixed_point_distance=distance,
+    )

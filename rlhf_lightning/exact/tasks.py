@@ -1,0 +1,391 @@
+"""Toy tasks small enough to enumerate every response, and the tiny network PPORLHF trains on them.
+
+A task: a handful of one-token prompts, K content tokens and responses of exactly L tokens, so
+there are K**L responses per prompt and every expectation of the closed forms
+(:mod:`rlhf_lightning.exact.closed_form`) is a finite sum. The policy is a randomly initialised
+tiny Llama trained by the unchanged PPORLHF loop (rollout -> score -> GAE -> PPO update); E_x is
+uniform over the prompts (every training batch holds each prompt equally often).
+
+Fixed-length responses: PPORLHF ends a response at its first EOS, and ``min_new_tokens``
+works by suppressing EOS inside ``generate`` only, so the forward pass would score a
+different distribution from the one sampled. Here the language-model head itself adds a
+constant -1e4 to the logits of every token that is not a content token (EOS, pad, unk,
+prompt tokens): generate and the forward pass both read the same head, so both see
+probability exactly 0 there (exp(-1e4) underflows to 0 even in float64), the sampler can
+never emit EOS, and with ``max_new_tokens = L`` every response is L content tokens with a
+response mask of all ones. The bias is finite rather than -inf so that entropies and the
+``full`` estimator's sum_a pi(a) (log pi(a) - log pi_ref(a)) stay 0 * finite = 0, not NaN.
+
+With ``top_k`` / ``top_p`` (rlhf_lightning/sampling.py) every distribution here is the declared one:
+tempered and restricted, at each prefix, to the kept set the policy's own sampler keeps there, for
+the reference too (:meth:`ExactPPORLHF.exact_logprobs`); the optimum is then that of the declared
+objective at those kept sets (docs/rollout-engines.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from rlhf_lightning import ppo_math as pm
+from rlhf_lightning import sampling
+from rlhf_lightning.checks import require
+from rlhf_lightning.exact.closed_form import OptimumReport, backward_induction, optimal_logprobs, optimum_report
+from rlhf_lightning.exact.tabular import enumerate_responses
+from rlhf_lightning.module import PPORLHF
+
+BANNED_LOGIT = -1e4  # added to the logits of non-content tokens: probability exactly 0, entropy still finite
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+EXACT_TINY_CONFIG = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=16,
+    initializer_range=0.2,
+)
+
+
+def target_count(prompts: Sequence[str], responses: Sequence[str], scale: float = 1.0) -> list[float]:
+    """Reward for the ``callable`` backend: scale * how often the prompt's letter, lower-cased,
+    occurs in the response (prompt "A" rewards "a"). Terminal: it scores the whole sequence."""
+    return [scale * response.count(prompt.strip().lower()) for prompt, response in zip(prompts, responses, strict=True)]
+
+
+def toy_tokenizer(prompt_tokens: Sequence[str], content_tokens: Sequence[str]):
+    """A word-level tokenizer over single characters: <pad>, <eos>, <unk>, the prompt tokens,
+    then the content tokens, each one character (the layout of models.char_tokenizer)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = [*SPECIAL_TOKENS, *prompt_tokens, *content_tokens]
+    require(
+        len(set(tokens)) == len(tokens) and all(len(t) == 1 for t in (*prompt_tokens, *content_tokens)),
+        "the task's prompt and content tokens",
+        "distinct single characters",
+        tokens[3:],
+    )
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left")
+
+
+def order_reward(prompts: Sequence[str], responses: Sequence[str], tokens: str, tables: dict[str, dict]) -> list[float]:
+    """Reward for the ``callable`` backend that depends on token order: with the prompt's ``tables``
+    (``position`` (L, K), ``transition`` (K, K), optionally ``pair`` (K, K) as nested lists, ``offset`` a number)
+    and y_t the index of the t-th character in ``tokens``,
+
+        r(x, y) = offset + sum_t position[t][y_t] + sum_t transition[y_t][y_{t+1}] + sum_{t < t'} pair[y_t][y_t'].
+
+    Positions reward a token at one place, transitions one token right after another, pairs one
+    token anywhere before another (asymmetric: "a..b" is not "b..a")."""
+    scores = []
+    for prompt, response in zip(prompts, responses, strict=True):
+        table = tables[prompt]
+        y = [tokens.index(c) for c in response]
+        score = table["offset"] + sum(table["position"][t][a] for t, a in enumerate(y))
+        score += sum(table["transition"][a][b] for a, b in itertools.pairwise(y))
+        if "pair" in table:
+            score += sum(table["pair"][y[t]][b] for t in range(len(y)) for b in y[t + 1 :])
+        scores.append(score)
+    return scores
+
+
+@dataclass(frozen=True)
+class ExactTask:
+    """Prompts, content tokens and a fixed response length; the reward is a ``module:function``
+    for the ``callable`` backend, so training and the exact sums score with the same code.
+
+    ``model_seed`` seeds the tiny model's initialisation, which is the reference pi_ref = pi_0 and so
+    part of the task; None (the hand-made tasks) leaves it to the run's seed, as before tasks had one.
+    ``position_embedding`` gives the tiny model a learned absolute position embedding, zero at the start
+    so pi_ref is unchanged (:class:`PositionEmbedding`)."""
+
+    prompts: tuple[str, ...] = ("A", "B", "C")
+    content_tokens: tuple[str, ...] = ("a", "b", "c")
+    response_length: int = 3
+    reward_function: str = "rlhf_lightning.exact.tasks:target_count"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    model_seed: Optional[int] = None
+    position_embedding: bool = False
+
+    @classmethod
+    def random(cls, seed: int, num_prompts: int = 2, num_tokens: int = 4, length: int = 3, scale: float = 1.0) -> ExactTask:
+        """A seeded task whose reward depends on token order (:func:`order_reward`). Per prompt, times
+        ``scale``: position weights 0.1 N(0, 1) and sparse transitions, a quarter of the (a, b) pairs
+        (drawn at random) worth +-2 (1 + 0.5 |N(0, 1)|), the others 0. The reference is the tiny model
+        initialised from ``seed`` (non-uniform and prefix-dependent), so one seed fixes the whole task;
+        training samples with a seed of its own (:func:`~rlhf_lightning.exact.training.train`). ``offset``
+        centres each prompt's reward under the reference, E_ref[r | x] = 0: J(pi_ref) = 0 and the gap (J* - J) / J* is the fraction of
+        the attainable improvement a policy misses.
+
+        A sparse transition makes the KL still to be paid depend on the token just chosen (after a token
+        with a rewarded successor the optimal continuation leaves pi_ref, elsewhere it stays close), so
+        the per-token fixed point (:func:`backward_induction`, ``soft=False``) lies away from pi* (its gap:
+        :func:`per_token_fixed_point_gap`). The defaults (64 responses per prompt, strong sparse transitions,
+        no pair term) are chosen so that on every seed from 1 to 5 the two lie clearly apart and PPO converges
+        within the iterations ``tools/studies/optimum_check.py --matrix`` gives a random task.
+
+        The tiny model gets a position embedding (zero at the start: the reference is the same): the
+        per-token fixed point asks for conditionals that differ by position after the same tokens where
+        pi* and pi_ref hardly do, and one rotary layer did not learn that under sampling noise: without the
+        embedding rloo's per-token cell ended well short of the fixed point's gap."""
+        require(
+            1 <= num_prompts <= 26 and 1 <= num_tokens <= 26 and length >= 1,
+            "a random task's size",
+            "1-26 prompts, 1-26 tokens, length >= 1",
+            (num_prompts, num_tokens, length),
+        )
+        generator = torch.Generator().manual_seed(seed)
+        prompts = tuple(chr(ord("A") + i) for i in range(num_prompts))
+        tokens = tuple(chr(ord("a") + i) for i in range(num_tokens))
+
+        def normal(*shape: int) -> Tensor:
+            return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+        tables = {}
+        for prompt in prompts:
+            position, transition = 0.1 * normal(length, num_tokens), normal(num_tokens, num_tokens)
+            kept = torch.rand(num_tokens, num_tokens, generator=generator) < 0.25
+            transition = torch.where(kept, 2 * (transition.sign() + 0.5 * transition), torch.zeros((), dtype=torch.float64))
+            tables[prompt] = {"offset": 0.0, "position": (scale * position).tolist(), "transition": (scale * transition).tolist()}
+        task = cls(
+            prompts=prompts,
+            content_tokens=tokens,
+            response_length=length,
+            reward_function="rlhf_lightning.exact.tasks:order_reward",
+            reward_kwargs={"tokens": "".join(tokens), "tables": tables},
+            model_seed=seed,
+            position_embedding=True,
+        )
+        centres = (reference_logprobs(task).exp() * task.rewards()).sum(-1)  # E_ref[r | x] with offset 0
+        for prompt, centre in zip(prompts, centres.tolist(), strict=True):
+            tables[prompt]["offset"] = -centre  # the task's own reward_kwargs: set before anyone else sees it
+        return task
+
+    @property
+    def responses(self) -> list[str]:
+        """All K ** L responses as text, in the order of :func:`enumerate_responses`."""
+        indices = enumerate_responses(len(self.content_tokens), self.response_length)
+        return ["".join(self.content_tokens[i] for i in row) for row in indices.tolist()]
+
+    def reward_model(self):
+        from rlhf_lightning_plugins.rewards.function import CallableReward
+
+        return CallableReward(function=self.reward_function, kwargs=dict(self.reward_kwargs))
+
+    def rewards(self) -> Tensor:
+        """r(x, y) for every prompt and response: (prompts, responses), from the reward backend itself."""
+        responses = self.responses
+        backend = self.reward_model()
+        rows = [backend.score([p] * len(responses), responses) for p in self.prompts]
+        return torch.tensor(rows, dtype=torch.float64)
+
+    def dataloader(self, iterations: int, batch_size: int, end_batch_size: Optional[int] = None, end_iterations: int = 0) -> DataLoader:
+        """``iterations`` batches that each hold every prompt ``batch_size / len(prompts)`` times,
+        so each rollout estimates E_x with x uniform, exactly as the exact sums weigh it; the last
+        ``end_iterations`` of them hold ``end_batch_size`` prompts instead."""
+        sizes = [batch_size] * (iterations - end_iterations) + [end_batch_size or batch_size] * end_iterations
+        for name, size in (("batch_size", batch_size), ("end_batch_size", end_batch_size or batch_size)):
+            require(size % len(self.prompts) == 0, name, f"a multiple of the {len(self.prompts)} prompts", size)
+        batches = [list(self.prompts) * (size // len(self.prompts)) for size in sizes]
+        return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=list)
+
+
+TASKS = {
+    "terminal": ExactTask(),
+    "bandit": ExactTask(response_length=1),
+}
+
+
+def task_named(name: str) -> ExactTask:
+    """A task of :data:`TASKS` by name, or ``random:SEED`` for ``ExactTask.random(SEED)``."""
+    if name.startswith("random:"):
+        seed = name.split(":", 1)[1]
+        require(seed.isdigit(), "a random task", "random:SEED with SEED a non-negative integer", name)
+        return ExactTask.random(int(seed))
+    require(name in TASKS, "the task", f"one of {sorted(TASKS)} or random:SEED", name)
+    return TASKS[name]
+
+
+class MaskedHead(nn.Module):
+    """The LM head plus a constant bias of BANNED_LOGIT on every id outside ``allowed_ids``."""
+
+    def __init__(self, head: nn.Module, vocab_size: int, allowed_ids: Sequence[int]) -> None:
+        super().__init__()
+        self.head = head
+        bias = torch.full((vocab_size,), BANNED_LOGIT)
+        bias[list(allowed_ids)] = 0.0
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.head(hidden) + self.bias.to(hidden.dtype)
+
+
+class PositionEmbedding(nn.Module):
+    """A learned absolute position embedding added to the input of a decoder's first layer (a forward
+    pre-hook that reads the layer's ``position_ids``), zero at the start so the model computes what it
+    did. The hook is a method of this module, so ``copy.deepcopy`` of the model (the reference, a
+    separate critic's trunk) carries a copy that reads the copy's own weights."""
+
+    def __init__(self, positions: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(positions, width))
+
+    @classmethod
+    def attach(cls, model: nn.Module) -> None:
+        """Add one to a causal LM (``model.model.layers[0]``), as ``model.model.position_embedding``."""
+        config, trunk = model.config, model.model
+        trunk.position_embedding = cls(config.max_position_embeddings, config.hidden_size)
+        trunk.layers[0].register_forward_pre_hook(trunk.position_embedding.add_to_input, with_kwargs=True)
+
+    def add_to_input(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            raise RuntimeError("PositionEmbedding: the decoder layer was called without position_ids")
+        hidden, *rest = args
+        return (hidden + self.weight[positions], *rest), kwargs
+
+
+class ExactPPORLHF(PPORLHF):
+    """PPORLHF on an :class:`ExactTask`: the toy tokenizer, a tiny Llama that can only emit
+    content tokens, and ``max_new_tokens`` = the task's response length. Every other argument
+    (estimator, controller, PPO settings) goes to PPORLHF unchanged."""
+
+    def __init__(self, task: ExactTask = TASKS["terminal"], logged: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
+        fixed = {"policy", "tokenizer", "reward_model", "max_new_tokens", "min_new_tokens", "lora_rank"} & set(kwargs)
+        require(not fixed, "ExactPPORLHF's arguments", "free of what the task sets itself", sorted(fixed))
+        if task.model_seed is not None:  # the task's reference: the initialisation is the task's, not the run's
+            require(
+                kwargs.setdefault("seed", task.model_seed) == task.model_seed,
+                "ExactPPORLHF's seed",
+                f"the task's model_seed {task.model_seed} (it defines pi_ref)",
+                kwargs["seed"],
+            )
+        require(
+            not task.position_embedding or kwargs.get("rollout_engine", "hf") == "hf",
+            "the rollout engine of a task with a position embedding",
+            "hf (another engine serves the model without it)",
+            kwargs.get("rollout_engine"),
+        )
+        tiny_config = {**EXACT_TINY_CONFIG, **(kwargs.pop("tiny_config", None) or {})}
+        # PyTorch's own linear: on a 32-wide model oneDNN's routing (a torch function mode that sees
+        # every op) costs more than its kernel saves.
+        kwargs.setdefault("cpu_linear", "aten")
+        # A task's prompts are 1-2 tokens: sharing them saves nothing and costs a second forward call per pass.
+        kwargs.setdefault("shared_prompts", False)
+        super().__init__(
+            policy="tiny",
+            reward_model=task.reward_model(),
+            max_new_tokens=task.response_length,
+            tiny_config=tiny_config,
+            **kwargs,
+        )
+        self.task, self.logged = task, logged
+        self.tokenizer = toy_tokenizer(task.prompts, task.content_tokens)
+        self.content_ids = self.tokenizer.convert_tokens_to_ids(list(task.content_tokens))
+        self.sampled_token_ids = list(self.content_ids)  # MaskedHead's set, for an engine serving the bare model (vllm)
+
+    def log_dict(self, dictionary, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``log_dict`` of the metrics named in ``logged`` (all where None): each
+        ``self.log`` has a fixed cost, a noticeable share of a tiny matrix cell's time when spent on metrics
+        its tracker never reads."""
+        if self.logged is not None:
+            dictionary = {name: value for name, value in dictionary.items() if name in self.logged}
+        super().log_dict(dictionary, *args, **kwargs)
+
+    def _load_policy(self, empty: bool = False):
+        policy, rows = super()._load_policy(empty)
+        if self.task.position_embedding:  # before the reference and a critic are copied from it
+            PositionEmbedding.attach(policy)
+        return policy, rows
+
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        super().configure_model()
+        for model in filter(None, (self.policy, self.ref_model, self.initial_model)):
+            model.lm_head = MaskedHead(model.lm_head, len(self.tokenizer), self.content_ids)
+
+    def _all_responses(self) -> tuple[Tensor, Tensor]:
+        """input_ids and attention_mask of every (prompt, response) pair: (prompts * responses, len)."""
+        enc = self.encode_prompts(list(self.task.prompts))
+        indices = enumerate_responses(len(self.task.content_tokens), self.task.response_length).to(self.device)
+        response_ids = torch.tensor(self.content_ids, device=self.device)[indices]  # (responses, L)
+        n_prompts, n_responses = enc["input_ids"].shape[0], response_ids.shape[0]
+        input_ids = torch.cat([enc["input_ids"].repeat_interleave(n_responses, 0), response_ids.repeat(n_prompts, 1)], dim=1)
+        attention_mask = torch.cat(
+            [enc["attention_mask"].repeat_interleave(n_responses, 0), torch.ones_like(response_ids).repeat(n_prompts, 1)], dim=1
+        )
+        return input_ids, attention_mask
+
+    @torch.no_grad()
+    def exact_logprobs(self, model: Optional[nn.Module] = None) -> Tensor:
+        """log pi(y|x) of ``model`` (default: the policy) for every prompt and response, from one
+        batched forward pass scored exactly as PPO scores rollouts: the declared distribution
+        (``sampling``), restricted at each prefix to the kept set the policy's sampler keeps there
+        (with top_k / top_p; a response outside them has probability 0): (prompts, responses), float64."""
+        input_ids, attention_mask = self._all_responses()
+        length = self.task.response_length
+        logits = self.response_logits(model or self.policy, input_ids, attention_mask, length)
+        kept = None
+        if self.truncates:  # the policy's kept sets, also for another model
+            policy_logits = logits if model is None else self.response_logits(self.policy, input_ids, attention_mask, length)
+            kept = sampling.kept_tokens(policy_logits, self.hparams.top_k, self.hparams.top_p)
+        logprobs = pm.logprobs_of(sampling.restrict(logits, kept), input_ids[:, -length:]).double().sum(-1)
+        return logprobs.view(len(self.task.prompts), -1).cpu()
+
+    @property
+    def truncates(self) -> bool:
+        """Whether sampling keeps a subset of the tokens (top_k, top_p): the declared reference then
+        depends on the policy's kept sets, and is recomputed with them."""
+        return self.hparams.do_sample and (bool(self.hparams.top_k) or self.hparams.top_p < 1)
+
+    def exact_ref_logprobs(self) -> Tensor:
+        with self._reference() as ref:
+            return self.exact_logprobs(ref)
+
+    def exact_report(self, rewards: Optional[Tensor] = None) -> OptimumReport:
+        """The policy's exact distances from the optimum at the current (fixed) beta."""
+        rewards = self.task.rewards() if rewards is None else rewards
+        return optimum_report(self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.beta_controller.beta)
+
+    def kept_report(self) -> dict[str, float]:
+        """What the policy's kept sets (top_k / top_p) leave of the task, means over the prompts: the
+        ``responses`` with a positive declared probability, the declared optimum's largest probability
+        ``optimum_top_prob`` (max_y pi*(y|x)) and the best reward among them, ``best_kept_reward``. One
+        response and a top probability of 1 make the optimum a point mass (KL 0, a gap of 0 by construction)."""
+        rewards = self.task.rewards()
+        kept = self.exact_logprobs() > sampling.OUTSIDE_LOGIT / 2  # a response with a dropped token: log q <= OUTSIDE_LOGIT
+        optimum = optimal_logprobs(self.exact_ref_logprobs(), rewards, self.beta_controller.beta).exp()
+        return {
+            "responses": kept.sum(-1).double().mean().item(),
+            "optimum_top_prob": optimum.amax(-1).mean().item(),
+            "best_kept_reward": rewards.masked_fill(~kept, -math.inf).amax(-1).mean().item(),
+        }
+
+
+def reference_logprobs(task: ExactTask, seed: int = 0) -> Tensor:
+    """log pi_ref(y|x) of ``task`` exactly as :func:`~rlhf_lightning.exact.training.train` builds it (the tiny model initialised from
+    ``task.model_seed``, else from ``seed``): (prompts, responses), float64."""
+    init = task.model_seed if task.model_seed is not None else seed
+    module = ExactPPORLHF(task, seed=init)
+    module.configure_model()
+    return module.exact_ref_logprobs()
+
+
+def per_token_fixed_point_gap(task: ExactTask, beta: float, seed: int = 0) -> float:
+    """Exact gap (J* - J) / |J*| of the fixed point of a per-token KL loss on ``task`` at ``beta``
+    (:func:`backward_induction`, ``soft=False``): what a loss path without the sequence term converges to."""
+    ref, rewards = reference_logprobs(task, seed), task.rewards()
+    fixed_point = backward_induction(ref, rewards, beta, len(task.content_tokens), soft=False)
+    return optimum_report(fixed_point, ref, rewards, beta).gap

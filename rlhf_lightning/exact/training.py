@@ -1,0 +1,408 @@
+"""Three ways to train on an enumerable task, each measured against the closed-form optimum.
+
+- :func:`train`: the unchanged PPORLHF loop under a Lightning Trainer, from sampled rollouts, with an
+  :class:`OptimumTracker` writing the exact distances every few iterations;
+- :func:`expected_train`: the module's own loss with every rollout replaced by its exact expectation,
+  so where it goes is where the loss's expected gradient leads (no sampling noise);
+- :func:`sampled_ppo`: the module's loss pieces on a tabular policy (one logit vector per prompt and
+  prefix), from sampled responses, so where it settles is the loss's doing, not a shared network's.
+
+What they show (tests/test_optimum.py, tools/studies/optimum_check.py): with the penalty in the reward
+only k1 reaches pi*. PPO differentiates the rewards only through log pi of the sampled token, so
+E_pi[grad kl_t] is lost; it is 0 for k1, but not for k3 nor for full, which collapse towards the
+reward maximiser there and reach pi* with kl_penalty 'both' and unwhitened advantages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+from lightning import Trainer, seed_everything
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.checks import require
+from rlhf_lightning.exact.closed_form import optimum_report
+from rlhf_lightning.exact.tabular import conditional_tables, enumerate_responses, prefix_index, reward_to_go
+from rlhf_lightning.exact.tasks import ExactPPORLHF, ExactTask
+from rlhf_lightning.module import Rollout
+from rlhf_lightning.registry import registry
+from rlhf_lightning.trainer_settings import QUIET_TRAINER
+
+
+class OptimumTracker(Callback):
+    """Every ``every`` PPO iterations (and after the last), the exact OptimumReport of the policy
+    against the reference it trained on in that iteration, next to ``kl_logged``: the mean of the
+    logged objective/kl over the iterations since the last row. The logged value of an iteration
+    estimates the KL of the policy that sampled its rollout.
+
+    Each row also measures the policy against the iterated optimum pi_k ∝ pi_0 exp(k r / beta), with
+    k = 1 + the summed weights alpha of the reference updates before that iteration (k = 1, the
+    plain optimum, for a frozen reference): ``k``, ``iterated_gap`` (the gap of J at beta / k with
+    reference pi_0), ``iterated_kl_to_optimum`` = KL(pi || pi_k) and ``kl_to_initial`` = KL(pi || pi_0)."""
+
+    READS = ("objective/kl", "rollout/logprob_diff_max")  # the logged metrics it reads (ExactPPORLHF's ``logged``)
+
+    def __init__(self, every: int = 10, total: Optional[int] = None) -> None:
+        self.every, self.total = every, total
+        self.rows: list[dict[str, float]] = []
+        self._logged: list[float] = []
+        self._rewards: Optional[Tensor] = None
+        self._initial: Optional[Tensor] = None  # log pi_0: (prompts, responses)
+        self._ref: Optional[Tensor] = None  # log pi_ref before the iteration
+        self._k = 1.0
+        self._diff_max = 0.0  # the largest rollout/logprob_diff_max so far: the sampler against the trainer
+
+    def on_train_start(self, trainer, pl_module: ExactPPORLHF) -> None:
+        self._rewards = pl_module.task.rewards()
+        self._initial = pl_module.exact_ref_logprobs()
+        self._ref = self._initial
+        self.rows.append(self._row(pl_module, 0, math.nan))
+
+    def on_train_batch_start(self, trainer, pl_module: ExactPPORLHF, batch, batch_idx) -> None:
+        done = pl_module.iteration
+        self._k = 1.0 + sum(pl_module.reference_update.weight(i) for i in range(1, done + 1))
+        if pl_module.reference_update.moves:
+            self._ref = pl_module.exact_ref_logprobs()
+
+    def on_train_batch_end(self, trainer, pl_module: ExactPPORLHF, outputs, batch, batch_idx) -> None:
+        self._logged.append(float(trainer.callback_metrics["objective/kl"]))
+        self._diff_max = max(self._diff_max, float(trainer.callback_metrics.get("rollout/logprob_diff_max", 0.0)))
+        iteration = pl_module.iteration
+        if iteration % self.every == 0 or iteration == self.total:
+            self.rows.append(self._row(pl_module, iteration, sum(self._logged) / len(self._logged)))
+            self._logged = []
+
+    def _row(self, pl_module: ExactPPORLHF, iteration: int, kl_logged: float) -> dict[str, float]:
+        logprobs, beta = pl_module.exact_logprobs(), pl_module.beta_controller.beta
+        # With top_k / top_p the optimum is that of the declared objective at the policy's own kept sets.
+        ref = pl_module.exact_ref_logprobs() if pl_module.truncates else self._ref
+        report = optimum_report(logprobs, ref, self._rewards, beta, len(pl_module.task.content_tokens))
+        iterated = optimum_report(logprobs, self._initial, self._rewards, beta / self._k)
+        return {
+            "iteration": iteration,
+            **vars(report),
+            "kl_logged": kl_logged,
+            "logprob_diff_max": self._diff_max,
+            "k": self._k,
+            "iterated_gap": iterated.gap,
+            "iterated_kl_to_optimum": iterated.kl_to_optimum,
+            "kl_to_initial": iterated.kl_to_ref,
+        }
+
+    @property
+    def last(self) -> dict[str, float]:
+        return self.rows[-1]
+
+
+def lr_factor(iteration: int, iterations: int, final: float, hold: float = 0.0) -> float:
+    """The fraction of the lr at ``iteration`` of ``iterations``: 1 for the first ``hold`` fraction,
+    then falling linearly to ``final`` at the last iteration."""
+    progress = iteration / max(iterations - 1, 1)
+    return 1.0 - (1.0 - final) * max(progress - hold, 0.0) / (1.0 - hold)
+
+
+class LinearLRDecay(Callback):
+    """Learning rates hold their configured values for the first ``hold`` fraction of ``iterations``
+    PPO iterations, then fall linearly to ``final`` times them at the last, and start again after each
+    ``iterations`` (one decay per reference phase when the reference is reset every ``iterations``):
+    with a constant step size stochastic updates only reach a noise ball around the optimum; a
+    decaying one lets the last iterate settle inside it."""
+
+    def __init__(self, iterations: int, final: float = 0.1, hold: float = 0.0) -> None:
+        require(0 <= hold < 1, "hold", "in [0, 1)", hold)
+        self.iterations, self.final, self.hold = iterations, final, hold
+        self._initial: list[list[float]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._initial = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        factor = lr_factor(pl_module.iteration % self.iterations, self.iterations, self.final, self.hold)
+        for opt, initial in zip(trainer.optimizers, self._initial, strict=True):
+            for group, lr in zip(opt.param_groups, initial, strict=True):
+                group["lr"] = lr * factor
+
+
+def train(
+    task: ExactTask,
+    iterations: int,
+    batch_size: int = 48,
+    every: int = 10,
+    seed: int = 0,
+    lr_final: float = 1.0,
+    lr_period: Optional[int] = None,
+    lr_hold: float = 0.0,
+    end_batch_size: Optional[int] = None,
+    end_iterations: int = 0,
+    **module_kwargs: Any,
+) -> tuple[ExactPPORLHF, OptimumTracker]:
+    """Train ExactPPORLHF with a Lightning Trainer on CPU; return the module and its tracker.
+    ``batch_size`` counts responses per iteration (prompts x ``num_generations``).
+    ``lr_final`` < 1 decays the learning rates linearly to that fraction (LinearLRDecay), over
+    the whole run or, restarting, over every ``lr_period`` iterations, after holding them for the
+    first ``lr_hold`` fraction of it. The last ``end_iterations`` iterations sample ``end_batch_size``
+    responses each: an end with less gradient noise at the same lr (a smaller final lr quiets the end
+    too, but also slows the run).
+
+    ``seed`` is the sampling seed (rollouts, and the critic's head): one task can be trained with
+    several. The policy's initialisation, hence pi_ref, is the task's (``task.model_seed``); for a task
+    without one (``terminal``, ``bandit``) ``seed`` sets it too, as it always has."""
+    num_generations = module_kwargs.get("num_generations", 1)
+    for name, size in (("batch_size", batch_size), ("end_batch_size", end_batch_size or batch_size)):
+        require(size % num_generations == 0, name, f"a multiple of num_generations={num_generations}", size)
+    require(0 <= end_iterations <= iterations, "end_iterations", f"between 0 and the {iterations} iterations", end_iterations)
+    require(
+        (end_batch_size is None) == (end_iterations == 0),
+        "end_batch_size and end_iterations",
+        "given together",
+        (end_batch_size, end_iterations),
+    )
+
+    seed_everything(seed, verbose=False)  # the module draws its sampling seed base from torch's initial seed
+    module = ExactPPORLHF(task, seed=seed if task.model_seed is None else task.model_seed, **module_kwargs)
+    tracker = OptimumTracker(every=every, total=iterations)
+    callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(lr_period or iterations, lr_final, lr_hold), tracker]
+    trainer = Trainer(**QUIET_TRAINER, max_epochs=1, callbacks=callbacks)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # matrices this small only lose time to thread hand-offs
+    try:
+        trainer.fit(
+            module,
+            train_dataloaders=task.dataloader(
+                iterations, batch_size // num_generations, (end_batch_size or batch_size) // num_generations, end_iterations
+            ),
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return module, tracker
+
+
+def expected_train(
+    task: ExactTask,
+    iterations: int,
+    beta: float,
+    lr: float = 2e-3,
+    lr_final: float = 0.1,
+    lr_hold: float = 0.0,
+    every: int = 50,
+    num_minibatches: int = 2,
+    responses: Optional[int] = None,
+    seed: int = 0,
+    **module_kwargs: Any,
+) -> list[dict[str, float]]:
+    """PPO with the KL in the loss where every rollout is replaced by its exact expectation: no sampling
+    noise, so where it goes is where the loss's expected gradient leads (bias against noise: the matrix of
+    ``tools/studies/optimum_check.py --expected-gradient``).
+
+    Each iteration: pi_old = the current policy; the "rollout" is every response of every prompt, each
+    response's per-token losses weighted by pi_old(y|x) / (prompts * length) (so the weighted sum is the
+    expectation of the module's token-mean loss); the advantage is exact, A_t = r(x, y) - E_{pi_old}[r | x,
+    y_<t] (any baseline of the prefix leaves the expectation unchanged); then ``ppo_epochs`` x
+    ``num_minibatches`` full-batch AdamW steps (as many as the sampled loop takes, each on the whole
+    expectation, of which a minibatch is an unbiased half, its gradients clipped to ``max_grad_norm`` as the
+    module clips them) of the module's own :meth:`PPORLHF.ppo_loss`:
+    clipped surrogate plus beta times the KL loss of its ``kl_estimator``, ``kl_loss_weighting`` and
+    ``kl_loss_scope``; the lr held for the first ``lr_hold`` fraction of the run, then decayed linearly
+    to ``lr_final`` of ``lr``. A loss whose expected gradient is
+    grad J at pi_old = pi_theta has pi* as its fixed point at every number of epochs (at a fixed point the
+    first epoch's gradient is 0); a per-token one has :func:`backward_induction` (``soft=False``).
+    Returns a row every ``every`` iterations and after the last: the iteration and the fields of
+    :func:`optimum_report`.
+
+    ``responses`` N puts back the sampling noise and nothing else of the sampled loop: each iteration
+    draws N responses from pi_old (equally many per prompt, generator seeded by ``seed``) in
+    ``num_minibatches`` minibatches, each used once per epoch, and a minibatch's step weighs each response
+    by how often it was drawn instead of by pi_old (same advantage, same loss). Where the sampled matrix
+    and this part ways is the sampled loop's (critic, engine); where this and the exact path part ways is
+    the noise's."""
+    module = ExactPPORLHF(task, kl_penalty="loss", advantage_estimator="rloo", num_generations=2, lr=lr, **module_kwargs)
+    module.configure_model()
+    optimizer = module.configure_optimizers()
+    rewards, length = task.rewards(), task.response_length
+    ref_logprobs = module.exact_ref_logprobs()
+    input_ids, attention_mask = module._all_responses()
+    prompts, response = rewards.shape[0], input_ids[:, -length:]
+    mask = torch.ones_like(response, dtype=torch.float32)
+    with module._reference() as ref:
+        ref_token_logprobs = pm.logprobs_of(module.response_logits(ref, input_ids, attention_mask, length), response)
+    num_tokens = len(task.content_tokens)
+    shape = (prompts, *[num_tokens] * length)
+    if responses is not None:
+        draws = torch.Generator().manual_seed(seed)
+        per_minibatch = responses // (prompts * num_minibatches)
+        require(per_minibatch >= 1, "responses", f"at least one per prompt and minibatch ({prompts} x {num_minibatches})", responses)
+    rows = []
+    for iteration in range(iterations + 1):
+        logprobs = module.exact_logprobs()
+        if iteration % every == 0 or iteration == iterations:
+            rows.append({"iteration": iteration, **vars(optimum_report(logprobs, ref_logprobs, rewards, beta, num_tokens))})
+        if iteration == iterations:
+            break
+        with torch.no_grad():
+            old_logprobs = pm.logprobs_of(module.response_logits(module.policy, input_ids, attention_mask, length), response)
+        # V_old(x, y_<t) = E_{pi_old}[r | x, y_<t]: sums of pi_old(y) r over the responses sharing the prefix
+        joint, reward_tree = logprobs.exp().view(shape), rewards.view(shape)
+        values = []
+        for t in range(length):
+            value = reward_to_go(joint, reward_tree, t)
+            values.append(value.reshape(prompts, -1).repeat_interleave(num_tokens ** (length - t), -1))
+        advantages = (rewards.unsqueeze(-1) - torch.stack(values, -1)).view(-1, length).float()
+        rollout = Rollout(
+            # one group per row: enumerated responses are not independent samples, so no leave-one-out
+            # baseline (ppo_math.kl_to_go_loss's groups); the exact expectation needs none
+            prompts=[str(row) for row in range(len(input_ids))],
+            responses=[],
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response=response,
+            mask=mask,
+            ended_with_eos=torch.zeros(len(input_ids), dtype=torch.bool),
+            old_logprobs=old_logprobs,
+            trainer_logprobs=old_logprobs,
+            sampler_logprobs=old_logprobs,
+            ref_logprobs=ref_token_logprobs,
+            old_values=None,
+            entropy=torch.zeros_like(mask),
+        )
+        probs = logprobs.exp()  # (prompts, responses): pi_old(y | x), float64
+        if responses is None:  # the expectation itself, at every step
+            shares = [probs] * num_minibatches
+        else:  # each minibatch's draw, as the share of its responses that each one is
+            drawn = [torch.multinomial(probs, per_minibatch, replacement=True, generator=draws) for _ in range(num_minibatches)]
+            shares = [torch.zeros_like(probs).scatter_add_(1, d, torch.ones_like(d, dtype=probs.dtype)) / per_minibatch for d in drawn]
+        for group in optimizer.param_groups:
+            group["lr"] = lr * lr_factor(iteration, iterations, lr_final, lr_hold)
+        rows_all = torch.arange(len(input_ids))
+        for share in [share for _ in range(module.hparams.ppo_epochs) for share in shares]:
+            weights = (share.view(-1, 1) / prompts).float().expand(-1, length) / length
+            loss = module.ppo_loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)
+            loss.backward()
+            module.on_before_optimizer_step(optimizer)  # the module's gradient clipping, as in the sampled loop
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return rows
+
+
+def sampled_ppo(
+    ref_logprobs: Tensor,
+    rewards: Tensor,
+    beta: float,
+    num_tokens: int,
+    estimator: str = "k1",
+    scope: str = "per_token",
+    iterations: int = 150,
+    responses: int = 384,
+    epochs: int = 1,
+    updates: int = 8,
+    lr: float = 0.05,
+    lr_final: float = 0.1,
+    cliprange: float = 0.2,
+    seed: int = 0,
+    advantage: Optional[str] = None,
+    group_size: int = 8,
+) -> Tensor:
+    """PPO with the KL in the loss on a TABULAR policy (one logit vector per prompt and prefix, starting at
+    pi_ref), from sampled responses, with the module's own loss pieces: ``ppo_math.policy_loss`` (token mean),
+    the registered ``estimator``'s values weighted by ``ppo_math.importance_weighted_kl`` (its ratio carrying
+    gradient, its ``score_baseline``) and, for ``scope="sequence"``, ``ppo_math.kl_to_go_loss`` on the log-ratio
+    with the prompt group's baseline, as ``PPORLHF.ppo_loss`` adds them. The advantage is exact (a perfect
+    critic): A_t = E_old[r | x, y_<=t] - E_old[r | x, y_<t]; or, naming a critic-free ``advantage`` estimator
+    (``rloo``, ``grpo``, ...), that estimator's on groups of ``group_size`` responses to a prompt, the KL scaled
+    by its ``gradient_scale`` as the module scales it. Each iteration draws ``responses`` from pi_old,
+    split evenly over the prompts, and takes ``updates`` Adam steps over ``epochs`` shuffled passes; the lr
+    decays linearly to ``lr_final`` of ``lr``. Returns log pi(y | x), (prompts, K ** L).
+
+    What it is for: each state's conditional moves on its own, so where the sampled loss settles is the loss's
+    doing, not a shared network's (a tiny Llama can settle short of the per-token fixed point where this table
+    lands on it)."""
+    kl_estimator = registry("kl_estimator").create(estimator)
+    estimator_of_advantage = None if advantage is None else registry("advantage_estimator").create(advantage)
+    require(
+        estimator_of_advantage is None or not estimator_of_advantage.needs_critic,
+        "advantage",
+        "a critic-free estimator (None: the exact advantage)",
+        advantage,
+    )
+    require(scope in ("per_token", "sequence"), "scope", "per_token or sequence", scope)
+    prompts, num_responses = ref_logprobs.shape
+    per_prompt = responses // prompts
+    require(
+        responses % prompts == 0 and (advantage is None or per_prompt % group_size == 0) and responses * epochs % updates == 0,
+        "responses",
+        f"a multiple of the {prompts} prompts (with an advantage estimator: of {prompts} x group_size {group_size}) "
+        f"whose epochs split into {updates} equal minibatches",
+        responses,
+    )
+    all_responses = enumerate_responses(num_tokens, round(math.log(num_responses, num_tokens)))
+    length = all_responses.shape[1]
+    prefixes = prefix_index(all_responses, num_tokens)  # (R, L): y_<t's row within a prompt
+    generator = torch.Generator().manual_seed(seed)
+    ref_tables = conditional_tables(ref_logprobs.double(), num_tokens)
+    table = [t.clone().requires_grad_() for t in ref_tables]
+    optimizer = torch.optim.Adam(table, lr=lr)
+    tree_shape = (prompts, *[num_tokens] * length)
+    rewards = rewards.double()
+
+    def rows(prompt: Tensor, response: Tensor, t: int) -> Tensor:  # row of (x, y_<t) in table t
+        return prompt * num_tokens**t + prefixes[response, t]
+
+    def token_logprobs_of(tables: Sequence[Tensor], prompt: Tensor, response: Tensor) -> Tensor:
+        return torch.stack(
+            [tables[t].log_softmax(-1)[rows(prompt, response, t), all_responses[response, t]] for t in range(length)], dim=-1
+        )
+
+    def joint_logprobs(tables: Sequence[Tensor]) -> Tensor:
+        prompt = torch.arange(prompts).repeat_interleave(num_responses)
+        response = torch.arange(num_responses).repeat(prompts)
+        return token_logprobs_of(tables, prompt, response).sum(-1).view(prompts, num_responses)
+
+    minibatch = per_prompt * prompts * epochs // updates
+    for iteration in range(iterations):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * lr_factor(iteration, iterations, lr_final)
+        with torch.no_grad():
+            old = [t.detach().clone() for t in table]
+            probs = joint_logprobs(old).exp()
+            tree, reward_tree = probs.view(tree_shape), rewards.view(tree_shape)
+            to_go = [reward_to_go(tree, reward_tree, t) for t in range(length + 1)]  # E_old[r | x, y_<t]
+            response = torch.multinomial(probs, per_prompt, replacement=True, generator=generator).flatten()
+            prompt = torch.arange(prompts).repeat_interleave(per_prompt)
+            advantages = torch.stack(
+                [
+                    to_go[t + 1].reshape(prompts, -1)[prompt, prefixes[response, t] * num_tokens + all_responses[response, t]]
+                    - to_go[t].reshape(prompts, -1)[prompt, prefixes[response, t]]
+                    for t in range(length)
+                ],
+                dim=-1,
+            )
+            kl_scale = torch.ones(len(response), dtype=torch.float64)
+            if estimator_of_advantage is not None:
+                scores = torch.zeros_like(advantages)
+                scores[:, -1] = rewards[prompt, response]
+                mask = torch.ones_like(scores)
+                advantages = estimator_of_advantage.checked(scores, mask, None, group_size)[0]
+                kl_scale = estimator_of_advantage.gradient_scale(scores, mask, group_size)
+            old_logprobs = token_logprobs_of(old, prompt, response)
+            ref_token_logprobs = token_logprobs_of(ref_tables, prompt, response)
+        for _ in range(epochs):
+            order = torch.randperm(len(response), generator=generator)
+            for start in range(0, len(response), minibatch):
+                idx = order[start : start + minibatch]
+                logprobs = token_logprobs_of(table, prompt[idx], response[idx])
+                mask = torch.ones_like(logprobs)
+                loss = pm.policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask, cliprange).loss
+                kl = kl_estimator(logprobs, ref_token_logprobs[idx])
+                kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs[idx], mask, True, kl_estimator.score_baseline)
+                if scope == "sequence":
+                    log_ratio = (logprobs - ref_token_logprobs[idx]).detach()
+                    kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs[idx], log_ratio, mask, groups=prompt[idx])
+                optimizer.zero_grad()
+                (loss + beta * (kl_scale[idx, None] * kl_loss).mean()).backward()
+                optimizer.step()
+    with torch.no_grad():
+        return joint_logprobs(table)
