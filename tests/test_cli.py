@@ -266,10 +266,9 @@ def test_plugin_bases_are_abstract():
 def test_docs_document_every_plugin_alias_and_argument():
     """docs/plugins.md's table has a row for every registered plugin (with its aliases), and
     docs/configuration.md names every argument of the module and the data module."""
+    import dataclasses
     import inspect
     import re
-
-    import dataclasses
 
     from rlhf_lightning.args import GROUPS
     from rlhf_lightning.data import PromptDataModule
@@ -287,7 +286,9 @@ def test_docs_document_every_plugin_alias_and_argument():
     documented = [f"model.{group}.{field.name}" for group, cls in GROUPS.items() for field in dataclasses.fields(cls)]
     for cls, prefix in ((PPORLHF, "model"), (PromptDataModule, "data")):
         for name, parameter in list(inspect.signature(cls.__init__).parameters.items())[1:]:
-            if parameter.kind is not parameter.VAR_KEYWORD and name not in GROUPS:  # the flat names of earlier versions; each group field below
+            if (
+                parameter.kind is not parameter.VAR_KEYWORD and name not in GROUPS
+            ):  # the flat names of earlier versions; each group field below
                 documented.append(f"{prefix}.{name}")
     for key in documented:
         assert re.search(rf"`{re.escape(key)}`", configuration), f"docs/configuration.md does not document {key}"

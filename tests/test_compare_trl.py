@@ -29,14 +29,15 @@ def test_summary_is_the_median_over_all_rounds_and_its_ratio_to_trl_with_the_sam
 def test_our_config_carries_the_setup_and_the_chosen_options(tmp_path, setup):
     args = compare_trl.parse_args(["--cpu-linear", "aten", "--cpu-malloc", "default", "--old-logprobs", "forward"])
     args.worker, args.workdir, args.epochs, args.reward_path = setup, str(tmp_path), 4, "rm"
-    model = compare_trl.our_config(args)["model"]
-    assert (model["cpu_linear"], model["cpu_malloc"], model["old_logprobs"]) == ("aten", "default", "forward")
-    assert model["ppo_epochs"] == 4 and model["min_new_tokens"] == model["max_new_tokens"] == 32
-    assert (model["lora_rank"], model["critic"]) == ((16, "shared") if setup == "lora" else (0, "separate"))
+    config = compare_trl.our_config(args)
+    model = config["model"]
+    assert (config["cpu"], model["sampling"]["old_logprobs"]) == ({"linear": "aten", "malloc": "default"}, "forward")
+    assert model["ppo"]["epochs"] == 4 and model["sampling"]["min_new_tokens"] == model["sampling"]["max_new_tokens"] == 32
+    assert (model["lora"]["rank"], model["critic"]) == ((16, "shared") if setup == "lora" else (0, "separate"))
     assert model["reward_model"]["init_args"] == {"path": "rm", "chat_template": True}  # the conversation, as TRL's reward reads
     unset = argparse.Namespace(**{**vars(args), "cpu_linear": None, "cpu_malloc": None, "old_logprobs": None})
-    defaults = compare_trl.our_config(unset)["model"]
-    assert not {"cpu_linear", "cpu_malloc", "old_logprobs"} & set(defaults)  # unset: the module's own defaults
+    defaults = compare_trl.our_config(unset)
+    assert "cpu" not in defaults and "old_logprobs" not in defaults["model"]["sampling"]  # unset: the defaults
 
 
 def test_grpo_rows_are_compared_with_trls_grpo_and_the_line_gives_time_and_cpu_ratios():
@@ -59,12 +60,21 @@ def test_grpo_config_is_configs_grpo_yaml_on_the_workload(tmp_path):
     config = compare_trl.our_config(args)
     model = config["model"]
     # From configs/grpo.yaml: GRPO's group advantages, no critic, k3 as a loss term.
-    assert (model["advantage_estimator"], model["critic"], model["kl_estimator"], model["kl_penalty"]) == ("grpo", "none", "k3", "loss")
+    assert (model["advantage_estimator"], model["critic"], model["kl_estimator"], model["kl"]["placement"]) == (
+        "grpo",
+        "none",
+        "k3",
+        "loss",
+    )
     # The workload: full fine-tuning as TRL's GRPOTrainer without PEFT, 4 generations of exactly 32 tokens
     # for each of 8 prompts, 2 updates of one minibatch, TRL's beta held fixed, the kernel chosen.
-    assert model["lora_rank"] == 0 and model["num_generations"] == 4 and config["data"]["batch_size"] == 8
-    assert model["min_new_tokens"] == model["max_new_tokens"] == 32 and (model["ppo_epochs"], model["num_minibatches"]) == (2, 1)
-    assert model["beta_controller"] == {"class_path": "fixed", "init_args": {"init_beta": 0.04}} and model["cpu_linear"] == "aten"
+    sampling = model["sampling"]
+    assert model["lora"]["rank"] == 0 and sampling["num_generations"] == 4 and config["data"]["batch_size"] == 8
+    assert sampling["min_new_tokens"] == sampling["max_new_tokens"] == 32 and (model["ppo"]["epochs"], model["ppo"]["num_minibatches"]) == (
+        2,
+        1,
+    )
+    assert model["beta_controller"] == {"class_path": "fixed", "init_args": {"init_beta": 0.04}} and config["cpu"]["linear"] == "aten"
     assert model["reward_model"]["init_args"] == {"path": "rm", "chat_template": True}
     with pytest.raises(SystemExit):
         compare_trl.parse_args(["--grpo", "--setups", "lora"])  # a PPO setup has no GRPO peer

@@ -177,7 +177,13 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
         "--model.beta_controller.init_args.init_beta=0.2",
     )
     changed = run_cli(
-        tmp_path, *resume, "--trainer.max_epochs=2", "--model.optim.lr=0.001", "--model.sampling.max_new_tokens=8", "--model.ppo.entropy_coef=0.01", *changes
+        tmp_path,
+        *resume,
+        "--trainer.max_epochs=2",
+        "--model.optim.lr=0.001",
+        "--model.sampling.max_new_tokens=8",
+        "--model.ppo.entropy_coef=0.01",
+        *changes,
     )
     assert changed.returncode == 0, changed.stderr[-3000:]
     assert (
@@ -196,7 +202,9 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
     groups = state["optimizer_states"][0]["param_groups"]
     assert [(g["name"], g["lr"]) for g in groups] == [("policy", 0.001), ("critic", 0.001)]  # the new lr ran (critic_lr unset: lr)
 
-    again = run_cli(tmp_path, *resume, "--trainer.max_epochs=3", "--model.sampling.max_new_tokens=8", *changes, "--model.ppo.entropy_coef=0.05")
+    again = run_cli(
+        tmp_path, *resume, "--trainer.max_epochs=3", "--model.sampling.max_new_tokens=8", *changes, "--model.ppo.entropy_coef=0.05"
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming with changed settings (checkpoint -> config): model.ppo.entropy_coef: 0.01 -> 0.05" in again.stderr
     scalars = read_scalars([str(run) for run in runs()])

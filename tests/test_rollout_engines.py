@@ -105,7 +105,10 @@ def test_a_kv_cache_that_is_not_positive_is_refused_before_vllm_is_looked_for(va
         ({"top_p": 1.5}, r"model.sampling.top_p must be in \(0, 1\]"),
         ({"top_k": -1}, r"model.sampling.top_k must be an integer >= 0"),
         ({"rollout_correction": "clip"}, r"model.sampling.rollout_correction must be one of none, tis, mis, seq_tis, seq_mis"),
-        ({"rollout_correction": "tis"}, r"model.sampling.rollout_correction must be 'none' unless model.sampling.old_logprobs is 'forward'"),
+        (
+            {"rollout_correction": "tis"},
+            r"model.sampling.rollout_correction must be 'none' unless model.sampling.old_logprobs is 'forward'",
+        ),
         ({"rollout_correction_cap": 0.5}, r"model.sampling.rollout_correction_cap must be >= 1"),
         ({"rollout_engine": "sglang"}, r"unknown rollout_engine 'sglang'; registered rollout_engine names: hf, vllm"),
     ],

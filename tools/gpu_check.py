@@ -47,9 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 PHASES = ("rollout", "forward", "score", "update")
 SHORT = ("--trainer.max_epochs=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false")
-TINY = ("--config", "configs/tiny.yaml", *SHORT, "--trainer.limit_train_batches=3", "--model.max_new_tokens=16")
+TINY = ("--config", "configs/tiny.yaml", *SHORT, "--trainer.limit_train_batches=3", "--model.sampling.max_new_tokens=16")
 # The first minibatch's ratio is exactly 1 only against a forward's log-probs, in one minibatch.
-RATIO = ("--model.old_logprobs=forward", "--model.ppo_epochs=1", "--model.num_minibatches=1")
+RATIO = ("--model.sampling.old_logprobs=forward", "--model.ppo.epochs=1", "--model.ppo.num_minibatches=1")
 SMOLLM2 = ("--config", "configs/quickstart.yaml", *SHORT, "--trainer.limit_train_batches=3")
 DEEPSPEED_3_REFUSAL = "trainer.strategy must be DeepSpeed ZeRO stage 0, 1 or 2"
 

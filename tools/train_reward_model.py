@@ -217,7 +217,9 @@ def sample_pairs(
     from rlhf_lightning.module import PPORLHF
 
     # The PPO module renders prompts and samples exactly as rollouts do; the shared critic adds no trunk copy.
-    sampler = PPORLHF(policy=policy, reward_model=build_gold(gold), critic="shared", max_new_tokens=max_new_tokens, temperature=temperature)
+    sampler = PPORLHF(
+        policy=policy, reward_model=build_gold(gold), critic="shared", sampling=dict(max_new_tokens=max_new_tokens, temperature=temperature)
+    )
     sampler.configure_model()
     pairs, ties, started = [], 0, time.perf_counter()
     torch.manual_seed(seed)

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from rlhf_lightning import args, sampling
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning import sampling
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact.closed_form import OptimumReport, backward_induction, optimal_logprobs, optimum_report
 from rlhf_lightning.exact.tabular import enumerate_responses
@@ -262,7 +262,10 @@ class ExactPPORLHF(PPORLHF):
     (estimator, controller, PPO settings) goes to PPORLHF unchanged."""
 
     def __init__(self, task: ExactTask = TASKS["terminal"], logged: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
-        fixed = {"policy", "tokenizer", "reward_model", "max_new_tokens", "min_new_tokens", "lora_rank"} & set(kwargs)
+        kwargs = args.merge_settings(kwargs)
+        fixed = {"policy", "tokenizer", "reward_model"} & set(kwargs)
+        fixed |= {f"sampling.{name}" for name in ("max_new_tokens", "min_new_tokens") if name in kwargs.get("sampling", {})}
+        fixed |= {"lora.rank"} if "rank" in kwargs.get("lora", {}) else set()
         require(not fixed, "ExactPPORLHF's arguments", "free of what the task sets itself", sorted(fixed))
         if task.model_seed is not None:  # the task's reference: the initialisation is the task's, not the run's
             require(
@@ -278,17 +281,10 @@ class ExactPPORLHF(PPORLHF):
             kwargs.get("rollout_engine"),
         )
         tiny_config = {**EXACT_TINY_CONFIG, **(kwargs.pop("tiny_config", None) or {})}
-        # PyTorch's own linear: on a 32-wide model oneDNN's routing (a torch function mode that sees
-        # every op) costs more than its kernel saves.
-        kwargs.setdefault("cpu_linear", "aten")
         # A task's prompts are 1-2 tokens: sharing them saves nothing and costs a second forward call per pass.
-        kwargs.setdefault("shared_prompts", False)
+        task_settings = dict(runtime=dict(shared_prompts=False), sampling=dict(max_new_tokens=task.response_length))
         super().__init__(
-            policy="tiny",
-            reward_model=task.reward_model(),
-            max_new_tokens=task.response_length,
-            tiny_config=tiny_config,
-            **kwargs,
+            **args.merge_settings(task_settings, kwargs, dict(policy="tiny", reward_model=task.reward_model(), tiny_config=tiny_config))
         )
         self.task, self.logged = task, logged
         self.tokenizer = toy_tokenizer(task.prompts, task.content_tokens)
@@ -340,7 +336,7 @@ class ExactPPORLHF(PPORLHF):
         kept = None
         if self.truncates:  # the policy's kept sets, also for another model
             policy_logits = logits if model is None else self.response_logits(self.policy, input_ids, attention_mask, length)
-            kept = sampling.kept_tokens(policy_logits, self.hparams.top_k, self.hparams.top_p)
+            kept = sampling.kept_tokens(policy_logits, self.sampling.top_k, self.sampling.top_p)
         logprobs = pm.logprobs_of(sampling.restrict(logits, kept), input_ids[:, -length:]).double().sum(-1)
         return logprobs.view(len(self.task.prompts), -1).cpu()
 
@@ -348,7 +344,7 @@ class ExactPPORLHF(PPORLHF):
     def truncates(self) -> bool:
         """Whether sampling keeps a subset of the tokens (top_k, top_p): the declared reference then
         depends on the policy's kept sets, and is recomputed with them."""
-        return self.hparams.do_sample and (bool(self.hparams.top_k) or self.hparams.top_p < 1)
+        return self.sampling.do_sample and (bool(self.sampling.top_k) or self.sampling.top_p < 1)
 
     def exact_ref_logprobs(self) -> Tensor:
         with self._reference() as ref:

@@ -278,7 +278,7 @@ def expected_train(
         for group in optimizer.param_groups:
             group["lr"] = lr * lr_factor(iteration, iterations, lr_final, lr_hold)
         rows_all = torch.arange(len(input_ids))
-        for share in [share for _ in range(module.hparams.ppo_epochs) for share in shares]:
+        for share in [share for _ in range(module.ppo.epochs) for share in shares]:
             weights = (share.view(-1, 1) / prompts).float().expand(-1, length) / length
             loss = module.ppo_loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)
             loss.backward()

@@ -69,7 +69,7 @@ one more floor is measured: ``generate`` on the sharded policy as FSDP2's hooks 
 block all-gathered again at each decode step (``sharded gen``; full fine-tuning only).
 
 ``--memory`` (with ``--strategy ddp|fsdp2``) runs the same work in one process first, then on
-``--devices`` processes, both with ``model.cpu_malloc: default`` and glibc's
+``--devices`` processes, both with ``cpu.malloc: default`` and glibc's
 ``MALLOC_MMAP_THRESHOLD_=65536`` (blocks from 64 KiB up are mmapped and returned when freed, so an
 RSS counts what is held, not what the heap once held; ``--cpu-malloc tuned`` measures the
 module's default instead). Each process's peak RSS is read per phase (VmHWM, started again at
@@ -164,7 +164,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--old-logprobs",
         choices=("forward", "sampler"),
         default="sampler",
-        help="model.old_logprobs (the module's default: sampler): reuse the sampler's logits, or recompute log pi_old with a forward",
+        help="model.sampling.old_logprobs (the module's default: sampler): reuse the sampler's logits, or recompute log pi_old with a forward",
     )
     parser.add_argument(
         "--engine",
@@ -172,11 +172,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default="hf",
         help="model.rollout_engine; vllm also prints DECODE vllm_vs_hf= (bare generate's seconds over the rollout's, a sync included)",
     )
-    parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), default="auto", help="model.cpu_linear: CPU linear kernel")
+    parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), default="auto", help="cpu.linear: CPU linear kernel")
     parser.add_argument(
         "--cpu-malloc",
         choices=("tuned", "default"),
-        help="model.cpu_malloc (default: tuned, the module's; with --memory: default, so glibc returns freed blocks)",
+        help="cpu.malloc (default: tuned, the module's; with --memory: default, so glibc returns freed blocks)",
     )
     parser.add_argument("--critic", choices=("separate", "shared"), help="critic trunk (default: full separate, lora shared)")
     parser.add_argument(
@@ -556,6 +556,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     from lightning import Trainer, seed_everything
     from torch.utils.data import DataLoader
 
+    from rlhf_lightning import cpu
     from rlhf_lightning.fsdp2 import FSDP2Strategy
     from rlhf_lightning.prefix import prompts_beginning, trim_left_padding
     from rlhf_lightning.trainer_settings import QUIET_TRAINER
@@ -567,26 +568,25 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     seed_everything(0, verbose=False)
     lora, grpo = args.mode in ("lora", "grpo"), args.mode == "grpo"
     critic = "none" if grpo else args.critic or ("shared" if lora else "separate")
-    group = dict(advantage_estimator="grpo", num_generations=args.num_generations) if grpo else {}
     module = bench_module_class(args.memory)(
         policy=args.policy,
         reward_model=args.reward,
-        max_new_tokens=args.max_new_tokens,
-        min_new_tokens=args.max_new_tokens,
-        use_chat_template=not args.no_chat_template,
-        ppo_epochs=ppo_epochs,
-        num_minibatches=args.num_minibatches,
+        sampling=dict(
+            max_new_tokens=args.max_new_tokens,
+            min_new_tokens=args.max_new_tokens,
+            old_logprobs=args.old_logprobs,
+            num_generations=args.num_generations if grpo else 1,
+        ),
+        prompts=dict(chat_template=not args.no_chat_template),
+        ppo=dict(epochs=ppo_epochs, num_minibatches=args.num_minibatches),
         critic=critic,
-        old_logprobs=args.old_logprobs,
         rollout_engine=args.engine,
-        cpu_linear=args.cpu_linear,
-        cpu_malloc=args.cpu_malloc,
-        lora_rank=args.lora_rank if lora else 0,
-        lora_alpha=2.0 * args.lora_rank,
-        log_samples_every_n_steps=0,
-        **group,
+        lora=dict(rank=args.lora_rank if lora else 0, alpha=2.0 * args.lora_rank),
+        runtime=dict(log_samples_every_n_steps=0),
+        **(dict(advantage_estimator="grpo") if grpo else {}),
     )
-    prompts_per_batch = args.batch_size // module.hparams.num_generations  # the same number of responses in every mode
+    cpu_settings = cpu.CPUSettings(linear=args.cpu_linear, malloc=args.cpu_malloc)
+    prompts_per_batch = args.batch_size // module.sampling.num_generations  # the same number of responses in every mode
     prompts = builtin_prompts(prompts_per_batch)
     batches = args.warmup + args.iters + int(args.profile)
     # Each rank draws its share of the loader: batches of the same prompts on every rank.
@@ -602,6 +602,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
             callbacks=[recorder],
             default_root_dir=root,
         )
+        cpu.apply_cpu_settings(trainer, cpu_settings)  # what the command's cpu section does
         trainer.fit(module, train_dataloaders=loader)
     gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else 0.0
     updates = ppo_epochs * args.num_minibatches
@@ -625,7 +626,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         lora_params=trainable_numel(module.policy) if lora else 0,
         critic=critic,
         old_logprobs=args.old_logprobs,
-        prompts=len(set(module.last_rollout.prompts)) if module.hparams.shared_prompts else 0,
+        prompts=len(set(module.last_rollout.prompts)) if module.runtime.shared_prompts else 0,
         common_prefix=common,
     )
     return {
@@ -712,7 +713,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     device = module.device
     sharded = fsdp2.is_sharded(module.policy)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.bf16 else contextlib.nullcontext
-    lora = module.hparams.lora_rank > 0
+    lora = module.lora.rank > 0
     plain = module.policy.get_base_model() if lora else module.policy
     reference = plain if lora else module.ref_model
     separate_critic = module.critic is not None and module.critic.trunk is not None
@@ -778,7 +779,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
                 torch.cuda.synchronize(device)
             return time.perf_counter() - start
 
-    with cpu.onednn_linear(cpu.uses_onednn(device, module.hparams.cpu_linear)):  # the module's linear kernel, as in its iteration
+    with cpu.onednn_linear(cpu.uses_onednn(device, args.cpu_linear)):  # the run's linear kernel, as in its iteration
         seconds = {"critic_forward": clocked(critic_forward) if separate_critic and not module.old_values_in_update else 0.0}
         with merged():  # merging is not part of the floor
             seconds["generate"], seconds["ref_forward"] = clocked(generate), clocked(reference_forward)

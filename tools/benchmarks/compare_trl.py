@@ -113,11 +113,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=option_number(integer=True, at_least=1), default=8)
     parser.add_argument("--max-new-tokens", type=option_number(integer=True, at_least=1), default=32)
     parser.add_argument("--full-critic", choices=("separate", "shared"), default="separate", help="the full setup's critic trunk")
-    parser.add_argument("--old-logprobs", choices=("forward", "sampler"), help="model.old_logprobs of our runs (default: the module's)")
-    parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), help="model.cpu_linear of our runs (default: the module's)")
-    parser.add_argument("--cpu-malloc", choices=("tuned", "default"), help="model.cpu_malloc of our runs (default: the module's)")
     parser.add_argument(
-        "--shared-prompts", choices=("on", "off"), help="model.shared_prompts of our runs (default: the module's, on; --grpo shares them)"
+        "--old-logprobs", choices=("forward", "sampler"), help="model.sampling.old_logprobs of our runs (default: the module's)"
+    )
+    parser.add_argument("--cpu-linear", choices=("auto", "onednn", "aten"), help="cpu.linear of our runs (default: the module's)")
+    parser.add_argument("--cpu-malloc", choices=("tuned", "default"), help="cpu.malloc of our runs (default: the module's)")
+    parser.add_argument(
+        "--shared-prompts",
+        choices=("on", "off"),
+        help="model.runtime.shared_prompts of our runs (default: the module's, on; --grpo shares them)",
     )
     parser.add_argument(
         "--threads",
@@ -365,29 +369,29 @@ def our_config(args: argparse.Namespace) -> dict:
     lora = args.worker == "lora"
     model = {
         "policy": "smollm2",
-        "max_new_tokens": args.max_new_tokens,
-        "min_new_tokens": args.max_new_tokens,
-        "ppo_epochs": args.epochs,
-        "num_minibatches": 1,
-        "log_samples_every_n_steps": 0,
+        "sampling": {"max_new_tokens": args.max_new_tokens, "min_new_tokens": args.max_new_tokens},
+        "ppo": {"epochs": args.epochs, "num_minibatches": 1},
+        "runtime": {"log_samples_every_n_steps": 0},
         "reward_model": {
             "class_path": "rlhf_lightning_plugins.rewards.classifier.HFClassifierReward",
             "init_args": {"path": args.reward_path, "chat_template": True},  # the conversation, as TRL scores it
         },
-        "lora_rank": 16 if lora else 0,
-        "lora_alpha": 32.0,
+        "lora": {"rank": 16 if lora else 0, "alpha": 32.0},
         "critic": "shared" if lora else args.full_critic,
     }
-    set_options(args, model)
-    return {"seed_everything": 0, "trainer": trainer_config(args), "model": model, "data": data}
+    return with_options(args, {"seed_everything": 0, "trainer": trainer_config(args), "model": model, "data": data})
 
 
-def set_options(args: argparse.Namespace, model: dict) -> None:
-    for option in ("old_logprobs", "cpu_linear", "cpu_malloc"):
-        if getattr(args, option):
-            model[option] = getattr(args, option)
+def with_options(args: argparse.Namespace, config: dict) -> dict:
+    """``config`` with the options chosen on the command line: the old log-probs' source, the shared
+    prompts (the module's groups) and the CPU kernel and malloc (the command's ``cpu`` section)."""
+    model = config["model"]
+    if args.old_logprobs:
+        model.setdefault("sampling", {})["old_logprobs"] = args.old_logprobs
     if args.shared_prompts:
-        model["shared_prompts"] = args.shared_prompts == "on"
+        model.setdefault("runtime", {})["shared_prompts"] = args.shared_prompts == "on"
+    cpu = {name: getattr(args, f"cpu_{name}") for name in ("linear", "malloc") if getattr(args, f"cpu_{name}")}
+    return {**config, "cpu": cpu} if cpu else config
 
 
 def grpo_config(args: argparse.Namespace, trainer: dict, data: dict) -> dict:
@@ -398,21 +402,22 @@ def grpo_config(args: argparse.Namespace, trainer: dict, data: dict) -> dict:
 
     model = yaml.safe_load((REPO / "configs" / "grpo.yaml").read_text())["model"]
     model.update(
-        lora_rank=0,
-        num_generations=args.num_generations,
         beta_controller={"class_path": "fixed", "init_args": {"init_beta": args.beta}},
         reward_model={
             "class_path": "rlhf_lightning_plugins.rewards.classifier.HFClassifierReward",
             "init_args": {"path": args.reward_path, "chat_template": True},  # the conversation, as TRL scores it
         },
-        max_new_tokens=args.max_new_tokens,
-        min_new_tokens=args.max_new_tokens,
-        ppo_epochs=args.epochs,
-        num_minibatches=1,
-        log_samples_every_n_steps=0,
     )
-    set_options(args, model)
-    return {"seed_everything": 0, "trainer": trainer, "model": model, "data": data}
+    model["lora"] = {**model.get("lora", {}), "rank": 0}
+    model["sampling"] = {
+        **model.get("sampling", {}),
+        "num_generations": args.num_generations,
+        "max_new_tokens": args.max_new_tokens,
+        "min_new_tokens": args.max_new_tokens,
+    }
+    model["ppo"] = {**model.get("ppo", {}), "epochs": args.epochs, "num_minibatches": 1}
+    model["runtime"] = {**model.get("runtime", {}), "log_samples_every_n_steps": 0}
+    return with_options(args, {"seed_everything": 0, "trainer": trainer, "model": model, "data": data})
 
 
 def trainer_config(args: argparse.Namespace) -> dict:

@@ -7,7 +7,7 @@
     python tools/benchmarks/decode_bench.py --isa avx2        # as on an AVX2-only CPU (the first line names the kernels' ISA)
 
 The rows: ``generate`` with PyTorch's own CPU linear kernel (MKL) and with oneDNN's
-(``model.cpu_linear``, what the module uses on a CPU), ``generate`` with a preallocated (static)
+(``cpu.linear``, what the module uses on a CPU), ``generate`` with a preallocated (static)
 KV cache, a hand-written KV-cached sampling loop over the model's forward, and with
 ``--compile`` the static-cache ``generate`` with the model's forward compiled by ``torch.compile``
 (inductor; its first call, the compilation, is reported on its own and left out of the median),
@@ -229,7 +229,9 @@ def compare_engines(args: argparse.Namespace) -> None:
 
     bench.quiet()
     n = args.max_new_tokens
-    module = PPORLHF(policy="smollm2", rollout_engine=args.engine, max_new_tokens=n, min_new_tokens=n, old_logprobs="forward")
+    module = PPORLHF(
+        policy="smollm2", rollout_engine=args.engine, sampling=dict(max_new_tokens=n, min_new_tokens=n, old_logprobs="forward")
+    )
     module.configure_model()
     hf, engine, ratios = HFGenerate(), module.rollout_engine, []
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Which instruction set the CPU kernels run with, and ``--isa avx2``: run as on an AVX2-only machine.
 
-Every speed figure depends on the instruction set the matrix kernels run: oneDNN (``model.cpu_linear``)
+Every speed figure depends on the instruction set the matrix kernels run: oneDNN (``cpu.linear``)
 and MKL (PyTorch's own ``linear``) each pick the widest the CPU has (MKL only on Intel CPUs; on
 AMD it runs AVX2 at most, and its banner names no instruction set: "Intel(R) Architecture processors"), and ATen's vectorised ops (softmax, norms, AdamW) are built for several and
 dispatch at start-up. The speed tools (``bench.py``, ``compare_trl.py``, ``decode_bench.py``) print

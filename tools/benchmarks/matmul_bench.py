@@ -1,4 +1,4 @@
-"""PyTorch's CPU linear kernel (MKL) against oneDNN's (``model.cpu_linear``), on SmolLM2's shapes.
+"""PyTorch's CPU linear kernel (MKL) against oneDNN's (``cpu.linear``), on SmolLM2's shapes.
 
     python tools/benchmarks/matmul_bench.py                  # all threads
     python tools/benchmarks/matmul_bench.py --threads 1

@@ -130,7 +130,7 @@ def iteration_costs(
     ``lora_params``: the adapter's weights (0: full fine-tuning), run unmerged in the policy's
     forwards; ``policy_trainable`` / ``critic_trainable``: the weights each AdamW steps (LoRA: the
     adapter's; a shared critic's head counts with the policy). ``prompts``: the batch's distinct
-    prompts where rows share them (``model.shared_prompts``, rlhf_lightning/prefix.py; 0: none do):
+    prompts where rows share them (``model.runtime.shared_prompts``, rlhf_lightning/prefix.py; 0: none do):
     the prefill is then one pass over them but their last token, whose position every row runs as
     its first decode step, and each policy and reference pass one over the prompts (where fewer than
     its rows) and one over every row's responses on their keys and values (a separate critic's trunk
@@ -210,7 +210,7 @@ def floor_seconds(passes: Sequence[tuple[float, float]], flops_per_s: float, byt
 
 def machine_peaks(device: str = "cpu", dtype_name: str = "float32", seconds: float = 1.0) -> dict[str, float]:
     """This machine's sustained matmul FLOP/s (2048 x 2048 products, best of repeated rounds, with
-    the faster of PyTorch's own kernel and, on a CPU, oneDNN's: ``model.cpu_linear``) and read
+    the faster of PyTorch's own kernel and, on a CPU, oneDNN's: ``cpu.linear``) and read
     bandwidth (sum over a 512 MB tensor, best of rounds), each over about ``seconds``."""
     import torch
 

@@ -94,14 +94,11 @@ def run_controller(
         kl_estimator="k1",
         beta_controller=ctrl,
         advantage_estimator=advantage,
-        num_generations=num_generations,
+        sampling=dict(num_generations=num_generations, max_new_tokens=max_new_tokens),
+        ppo=dict(epochs=2, num_minibatches=1, vf_coef=0.5),
+        optim=dict(lr=3e-3),
+        runtime=dict(log_samples_every_n_steps=0),
         reward_model=CallableReward(function="rlhf_lightning_plugins.rewards.toy:char_count", kwargs={"chars": "e"}),
-        max_new_tokens=max_new_tokens,
-        ppo_epochs=2,
-        num_minibatches=1,
-        lr=3e-3,
-        vf_coef=0.5,
-        log_samples_every_n_steps=0,
     )
     recorder = Recorder(iterations)
     trainer = Trainer(**QUIET_TRAINER, max_epochs=-1, callbacks=[recorder], default_root_dir=str(workdir))

@@ -116,12 +116,12 @@ def build_module(policy: str, max_new_tokens: int, push: float, seed: int) -> PP
     torch.manual_seed(seed)  # the tiny model's weights and the sampler's seed base
     module = PPORLHF(
         policy=policy,
-        lora_rank=8,
+        lora=dict(rank=8),
+        kl=dict(placement="loss"),
+        ppo=dict(whiten_advantages=False),
+        sampling=dict(max_new_tokens=max_new_tokens),
         critic="shared",
         kl_estimator=EXACT,
-        kl_penalty="loss",
-        whiten_advantages=False,
-        max_new_tokens=max_new_tokens,
         seed=seed,
         reward_model=CallableReward(function="rlhf_lightning_plugins.rewards.toy:char_count"),  # unused
     )

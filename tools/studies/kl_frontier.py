@@ -4,8 +4,8 @@
     python tools/studies/kl_frontier.py --exact --fast               # seconds: one PPO beta of 20 iterations (the tests)
     python tools/studies/kl_frontier.py --exact --task random:3      # a task with distinct rewards and an order-dependent reward
     python tools/studies/kl_frontier.py --smollm2 --prompts 4 --pool 64 --betas 0.3 0.5 --iterations 15 --batch-size 4 \
-        --override=--model.advantage_estimator=rloo --override=--model.num_generations=4 \
-        --override=--model.critic=none --override=--model.critic_lr=null   # PPO with RLOO, no critic
+        --override=--model.advantage_estimator=rloo --override=--model.sampling.num_generations=4 \
+        --override=--model.critic=none --override=--model.optim.critic_lr=null   # PPO with RLOO, no critic
     python tools/studies/kl_frontier.py --meter-table                # bias and spread of the sampled log Z against n
 
 ``--exact`` (``rlhf_lightning.exact``'s enumerable tasks; every number exact): the frontier
@@ -236,7 +236,7 @@ def smollm2_mode(args: argparse.Namespace) -> None:
     points = [row for path in args.append for row in read_ppo_rows(path)]
     if pool_state is not None:
         points += bon_points(pool_state["reference_scores"], args)
-    overrides = [f"--data.batch_size={args.batch_size or 8}", "--model.log_samples_every_n_steps=0", *args.override]
+    overrides = [f"--data.batch_size={args.batch_size or 8}", "--model.runtime.log_samples_every_n_steps=0", *args.override]
     if args.train_on_meter_prompts:  # every iteration trains on the meter's prompts: the meter measures the objective trained
         overrides += [f"--data.train_path={meter_prompt_file(args)}", f"--data.batch_size={args.prompts}"]
     for beta in args.betas:
@@ -455,7 +455,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--override",
         action="append",
         default=[],
-        help="smollm2: a LightningCLI argument for every PPO run, e.g. --override=--model.lr=1e-3",
+        help="smollm2: a LightningCLI argument for every PPO run, e.g. --override=--model.optim.lr=1e-3",
     )
     parser.add_argument(
         "--replot", action="store_true", help="smollm2: no training; the figure of --pool-from's best-of-N and --append's PPO rows"

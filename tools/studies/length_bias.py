@@ -64,12 +64,11 @@ def run(aggregation: str, seed: int, iterations: int, reward: float, workdir: Pa
         loss_aggregation=aggregation,
         reward_model=CallableReward(function="rlhf_lightning_plugins.rewards.toy:constant", kwargs={"value": reward}),
         beta_controller="fixed",
-        kl_penalty="reward",
-        max_new_tokens=24,
-        ppo_epochs=2,
-        num_minibatches=1,
-        lr=3e-3,
-        log_samples_every_n_steps=0,
+        kl=dict(placement="reward"),
+        sampling=dict(max_new_tokens=24),
+        ppo=dict(epochs=2, num_minibatches=1),
+        optim=dict(lr=3e-3),
+        runtime=dict(log_samples_every_n_steps=0),
     )
     module.beta_controller.beta = 0.0
     lengths = Lengths()

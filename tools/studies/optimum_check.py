@@ -169,10 +169,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--kl-loss-weighting",
         choices=("importance", "none"),
         default="importance",
-        help="model.kl_loss_weighting of a KL in the loss (default importance)",
+        help="model.kl.loss_weighting of a KL in the loss (default importance)",
     )
     parser.add_argument(
-        "--kl-loss-scope", choices=SCOPES, default="sequence", help="model.kl_loss_scope of a KL in the loss (default sequence)"
+        "--kl-loss-scope", choices=SCOPES, default="sequence", help="model.kl.loss_scope of a KL in the loss (default sequence)"
     )
     parser.add_argument(
         "--advantage",
@@ -228,7 +228,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-grad-norm",
         type=option_number(at_least=0),
         default=1.0,
-        help="model.max_grad_norm: each step's gradients clipped to this norm, 0 for none (default 1.0, the module's)",
+        help="model.optim.max_grad_norm: each step's gradients clipped to this norm, 0 for none (default 1.0, the module's)",
     )
     parser.add_argument(
         "--every", type=option_number(integer=True, at_least=1), default=10, help="print the exact quantities every N iterations"
@@ -275,14 +275,23 @@ def add_reference_args(parser: argparse.ArgumentParser) -> None:
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling (docs/rollout-engines.md)")
-    group.add_argument("--temperature", type=option_number(above=0), default=1.0, help="model.temperature (default 1)")
-    group.add_argument("--top-p", type=option_number(above=0, at_most=1), default=1.0, help="model.top_p (default 1: no truncation)")
-    group.add_argument("--top-k", type=option_number(integer=True, at_least=0), default=0, help="model.top_k (default 0: no truncation)")
+    group.add_argument("--temperature", type=option_number(above=0), default=1.0, help="model.sampling.temperature (default 1)")
+    group.add_argument(
+        "--top-p", type=option_number(above=0, at_most=1), default=1.0, help="model.sampling.top_p (default 1: no truncation)"
+    )
+    group.add_argument(
+        "--top-k", type=option_number(integer=True, at_least=0), default=0, help="model.sampling.top_k (default 0: no truncation)"
+    )
     group.add_argument("--engine", default="hf", help="model.rollout_engine: hf (default), vllm, or any registered name")
     group.add_argument(
-        "--rollout-correction", choices=("none", "tis", "mis", "seq_tis", "seq_mis"), default="none", help="model.rollout_correction"
+        "--rollout-correction",
+        choices=("none", "tis", "mis", "seq_tis", "seq_mis"),
+        default="none",
+        help="model.sampling.rollout_correction",
     )
-    group.add_argument("--old-logprobs", choices=("sampler", "forward"), help="model.old_logprobs (default: forward with a correction)")
+    group.add_argument(
+        "--old-logprobs", choices=("sampler", "forward"), help="model.sampling.old_logprobs (default: forward with a correction)"
+    )
     group.add_argument(
         "--heads",
         type=option_number(integer=True, at_least=1),
@@ -568,7 +577,7 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=SCOPES,
         default=list(SCOPES),
-        help="model.kl_loss_scope of the 'loss' cells (default both; one-token tasks: sequence only)",
+        help="model.kl.loss_scope of the 'loss' cells (default both; one-token tasks: sequence only)",
     )
     group.add_argument(
         "--epochs", nargs="+", type=option_number(integer=True, at_least=1), default=[1, 4], help="ppo_epochs values (default 1 4)"

@@ -58,7 +58,7 @@ FULL_BETAS = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 FAST_BETAS = (0.0, 0.5)
 DEFAULT_TASK = (  # applied only when --config is not given; see the docstring
     '--model.reward_model.init_args.kwargs={"chars": "e", "scale": 0.5}',
-    "--model.lr=6e-3",
+    "--model.optim.lr=6e-3",
 )
 DEFAULT_TASK_PROMPTS = 16  # configs/tiny.yaml's data.batch_size
 # Every run: no progress bar or export callbacks, no checkpoints, as many epochs as the iterations need
@@ -260,7 +260,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def advantage_overrides(name: Optional[str], num_generations: Optional[int]) -> list[str]:
-    """CLI arguments selecting an advantage estimator; the last one is always ``--model.num_generations``."""
+    """CLI arguments selecting an advantage estimator; the last one is always ``--model.sampling.num_generations``."""
     if name is None:
         if num_generations is not None:
             raise SystemExit("--num-generations goes with --advantage")
@@ -270,7 +270,7 @@ def advantage_overrides(name: Optional[str], num_generations: Optional[int]) -> 
     load_plugins()
     estimator = registry("advantage_estimator").get(name)
     num_generations = num_generations or (4 if estimator.min_group_size > 1 else 1)
-    return [f"--model.advantage_estimator={name}", f"--model.num_generations={num_generations}"]
+    return [f"--model.advantage_estimator={name}", f"--model.sampling.num_generations={num_generations}"]
 
 
 def prepare(threads: int, out: str) -> Path:
