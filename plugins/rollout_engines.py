@@ -39,7 +39,7 @@ class HFGenerate(RolloutEngine):
 
         sampled = module.sampling
         # with a shared critic, the last layer's hidden states (float32_head's inputs), one per step
-        hidden = [] if sampled.old_logprobs == "sampler" and module._shared_critic else None
+        hidden = [] if sampled.old_logprobs == "sampler" and module.networks.shared_critic else None
         drawn = {}
         if sampled.do_sample:  # drawn by DeclaredDraw, which bans EOS itself; generate's greedy step takes its token
             processor = DeclaredDraw(
@@ -53,7 +53,7 @@ class HFGenerate(RolloutEngine):
             greedy = dict(do_sample=False, temperature=None, top_k=None, top_p=None, min_new_tokens=None)
             drawn = {**greedy, "logits_processor": LogitsProcessorList([processor])}
         devices = [module.device] if module.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), module._generator() as generator:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), module.networks.generator() as generator:
             torch.manual_seed(seed)
             cache = prefix.prompt_cache(generator, enc["input_ids"], enc["attention_mask"]) if module.runtime.shared_prompts else {}
             with float32_head(generator, hidden):
@@ -186,7 +186,7 @@ class VLLMEngine(RolloutEngine):
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # no spawned engine process: no __main__ guard needed
         self._folder = tempfile.TemporaryDirectory(prefix="rlhf-lightning-vllm-")
-        with module._generator() as model:
+        with module.networks.generator() as model:
             weights = dict(hf_weights(model))
             # The tokenizer's EOS as the checkpoint's: vLLM also bans the config's EOS before min_tokens.
             config = copy.deepcopy(model.config)
@@ -217,7 +217,7 @@ class VLLMEngine(RolloutEngine):
         keys and values the old weights computed). On a CPU vLLM packs every linear weight for
         oneDNN at load; a tied ``lm_head`` keeps its own packed copy of the embeddings, so it is
         packed again after the reload."""
-        with module._generator() as model:
+        with module.networks.generator() as model:
             weights = list(hf_weights(model))
             tied = bool(getattr(model.config, "tie_word_embeddings", False))
 

@@ -484,7 +484,7 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
 def kl_recipe(estimator: KLEstimator, placement: str, weighting: str, scope: str = "sequence") -> tuple[str, str]:
     """The class of a KL recipe (docs/kl-estimators.md, "Which recipe reaches which optimum"), with
     why, read from the estimator's properties (``KLEstimator``): the one table the start-up warning,
-    ``tools/optimum_check.py``'s expected classes and the docs' matrix (``tests/test_kl_loss_scope.py``)
+    ``tools/studies/optimum_check.py``'s expected classes and the docs' matrix (``tests/test_kl_loss_scope.py``)
     are checked against. With s = grad log pi:
 
     ``unbiased``: the whole response's KL gradient at every minibatch of every epoch (converges to pi*).

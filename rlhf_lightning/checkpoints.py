@@ -53,9 +53,9 @@ def save_state(module, checkpoint: dict) -> None:
         "plugins": plugin_kinds(module),
         "plugin_args": plugin_arguments(module),
         "strategy": type(module.trainer.strategy).__name__ if module._trainer is not None else None,
-        "sharded": module._sharded,  # whole weights with the rebuilt ones left out, or every rank's shards of all
+        "sharded": module.networks.sharded,  # whole weights with the rebuilt ones left out, or every rank's shards of all
     }
-    rebuilt = () if module._sharded else ("initial_model.",) if module.reference_updates else ("initial_model.", "ref_model.")
+    rebuilt = () if module.networks.sharded else ("initial_model.",) if module.reference_updates else ("initial_model.", "ref_model.")
     for key in [k for k in checkpoint["state_dict"] if k.startswith(rebuilt)]:
         del checkpoint["state_dict"][key]
 

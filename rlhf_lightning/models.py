@@ -21,19 +21,14 @@ import shutil
 import string
 import tempfile
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 
-from rlhf_lightning import cpu, fsdp2, gpu, prefix, sampling
-from rlhf_lightning import ppo_math as pm
+from rlhf_lightning import cpu, fsdp2
+from rlhf_lightning.args import LoraArgs, SamplingArgs
 from rlhf_lightning.checks import require
-from rlhf_lightning.interfaces import Samples
-from rlhf_lightning.prefix import position_ids, trim_left_padding
-from rlhf_lightning.rollout import Rollout
 
 BUILTIN_MODELS = ("tiny", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -293,402 +288,101 @@ class ValueModel(nn.Module):
         return self.head(hidden).squeeze(-1).float()
 
 
-class OldPolicy(NamedTuple):
-    """pi_old of a rollout (``PolicyNetworks._old_policy``); per-token tensors (batch, response_len)."""
-
-    logits: Tensor  # (batch, response_len, vocab): tempered, restricted to the kept set
-    values: Optional[Tensor]  # V_old(s_t); None without a critic
-    kept: Optional[Tensor]  # (batch, response_len, vocab) bool: the sampler's kept set; None: every token
-    trainer_logprobs: Tensor  # log pi_old of the sampled tokens, from ``logits``
-    sampler_logprobs: Tensor  # the rollout engine's own (equal to trainer_logprobs when ``hf`` logits are used)
-
-
 REFERENCE_ADAPTER = "reference"  # LoRA: the moving reference's own frozen adapter beside "default"
 
 
-class PolicyNetworks:
-    """The networks of ``PPORLHF`` (a mixin of it): the policy, its critic, the reference and the
-    starting policy; how they are built (``configure_model``: LoRA, FSDP2 sharding), the forward
-    passes the loop reads (``response_logits``, ``policy_outputs``, ``_old_policy``), the model that
-    the ``hf`` rollout engine samples with (``_generator``) and the reference (``_reference``, ``_initial``, ``_reference_is_policy``,
-    ``_move_reference``). The algorithm itself is in ``module.py``.
+def load_policy(
+    spec: str,
+    tokenizer,
+    sampling: SamplingArgs,
+    seed: int,
+    trust_remote_code: bool,
+    tiny_config: Optional[dict],
+    trainer=None,
+    empty: bool = False,
+) -> tuple[nn.Module, fsdp2.Rows]:
+    """The policy network of ``spec`` (``model.policy``), without LoRA and unsharded, with a
+    generation config of ``sampling``'s, and where its weights' rows are read from: its checkpoint
+    file when ``empty`` and the checkpoint is a safetensors folder (the policy then on the meta
+    device), else the policy's own tensors. Under several processes of ``trainer`` one process per
+    machine converts a first-used GGUF into the cache while the others wait."""
+    from transformers import GenerationConfig
 
-    A reference whose weights equal the policy's (iteration 0, right after a sync) computes the
-    policy's very function: its forward is skipped and the KL is exactly 0 (``_reference_is_policy``).
-    Under LoRA the reference is the same weights with the adapter disabled (no second copy in
-    memory), or, when it moves, a second frozen adapter.
-    """
+    if spec != "tiny" and trainer is not None and trainer.world_size > 1:
+        if trainer.local_rank == 0:
+            _pretrained_location(spec)
+        trainer.strategy.barrier()
+    tensors = CheckpointTensors.of(spec) if empty else None
+    policy = load_causal_lm(spec, len(tokenizer), seed, trust_remote_code, tiny_config, empty=tensors is not None)
+    policy.train()
+    # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling
+    # (greedy: no sampling flags, which save_pretrained refuses without do_sample).
+    flags = dict(temperature=sampling.temperature, top_k=0, top_p=1.0) if sampling.do_sample else {}
+    policy.generation_config = GenerationConfig(
+        do_sample=sampling.do_sample,
+        max_new_tokens=sampling.max_new_tokens,
+        min_new_tokens=sampling.min_new_tokens,
+        **flags,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    if tensors is not None:
+        return policy, tensors
+    whole = {name: p.detach() for name, p in policy.named_parameters()}
+    return policy, lambda name, start, end: whole[name][start:end]
 
-    policy: Optional[nn.Module]
-    ref_model: Optional[nn.Module]
-    initial_model: Optional[nn.Module]
-    critic: Optional[ValueModel]
 
-    def configure_model(self) -> None:
-        """Build the networks. Under FSDP2 (ModelParallelStrategy) no rank holds a full copy of
-        them: the critic's trunk and the reference are skeletons on the meta device, and so is the
-        policy when its checkpoint is a safetensors folder; once sharded, each rank reads its own
-        rows of every tensor (``fsdp2.materialise``). A policy built whole (the tiny model, a GGUF
-        file) is the one full copy, freed once its shards are taken."""
-        if self.policy is not None:
-            return
-        sharded = self.device_mesh is not None  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
-        copy_of = fsdp2.meta_copy if sharded else copy.deepcopy
-        policy, rows = self._load_policy(empty=sharded)
-        self.critic = (
-            None
-            if self.hparams.critic == "none"
-            else ValueModel.from_policy(policy, shared=self.hparams.critic == "shared", copy_of=copy_of)
-        )
-        if self.lora.rank > 0:
-            self.policy = self._add_lora(policy)
-        else:
-            self.policy = policy
-            self.ref_model = frozen_copy(policy, copy_of)
-            self.initial_model = frozen_copy(policy, copy_of) if self.reference_update.moves else None
-        if sharded:
-            self._shard_models(rows, prefix=policy.base_model_prefix)
+def add_lora(policy: nn.Module, lora: LoraArgs, reference_moves: bool) -> nn.Module:
+    """``policy`` with a trainable LoRA adapter of ``lora``'s (a PeftModel); with a moving reference,
+    a second, frozen adapter equal to the first (the reference starts as the policy)."""
+    from peft import LoraConfig, get_peft_model
 
-    def _load_policy(self, empty: bool = False) -> tuple[nn.Module, fsdp2.Rows]:
-        """The policy network as configured, without LoRA and unsharded, and where its weights'
-        rows are read from: its checkpoint file when ``empty`` and the checkpoint is a safetensors
-        folder (the policy then on the meta device), else the policy's own tensors."""
-        from transformers import GenerationConfig
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=0.0,
+        target_modules=lora.target_modules or "all-linear",
+        task_type="CAUSAL_LM",
+    )
+    with _stand_ins_for_meta(policy):
+        policy = get_peft_model(policy, config)
+        if reference_moves:  # a frozen copy of the (no-op) initial adapter
+            with torch.random.fork_rng(devices=[]):  # its random init is overwritten: draw nothing from the run's RNG
+                policy.add_adapter(REFERENCE_ADAPTER, config)
+            policy.set_requires_grad(REFERENCE_ADAPTER, False)
+            move_toward(*adapter_pairs(policy), 1.0)
+    return policy
 
-        hp = self.hparams
-        if hp.policy != "tiny" and self._trainer is not None and self.trainer.world_size > 1:
-            # A first use converts SmolLM2's GGUF into the cache: one process per machine does it, the others wait.
-            if self.trainer.local_rank == 0:
-                _pretrained_location(hp.policy)
-            self.trainer.strategy.barrier()
-        tensors = CheckpointTensors.of(hp.policy) if empty else None
-        on_meta = tensors is not None
-        policy = load_causal_lm(hp.policy, len(self.tokenizer), hp.seed, hp.trust_remote_code, hp.tiny_config, on_meta)
-        policy.train()
-        # Our own generation config, so no checkpoint default (top_k=50, top_p=0.9, ...) truncates sampling
-        # (greedy: no sampling flags, which save_pretrained refuses without do_sample).
-        sampled = self.sampling
-        sampling = dict(temperature=sampled.temperature, top_k=0, top_p=1.0) if sampled.do_sample else {}
-        policy.generation_config = GenerationConfig(
-            do_sample=sampled.do_sample,
-            max_new_tokens=sampled.max_new_tokens,
-            min_new_tokens=sampled.min_new_tokens,
-            **sampling,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-        )
-        if tensors is not None:
-            return policy, tensors
-        whole = {name: p.detach() for name, p in policy.named_parameters()}
-        return policy, lambda name, start, end: whole[name][start:end]
 
-    def _add_lora(self, policy: nn.Module) -> nn.Module:
-        from peft import LoraConfig, get_peft_model
-
-        config = LoraConfig(
-            r=self.lora.rank,
-            lora_alpha=self.lora.alpha,
-            lora_dropout=0.0,
-            target_modules=self.lora.target_modules or "all-linear",
-            task_type="CAUSAL_LM",
-        )
-        with _stand_ins_for_meta(policy):
-            policy = get_peft_model(policy, config)
-            if self.reference_update.moves:  # a frozen copy of the (no-op) initial adapter
-                with torch.random.fork_rng(devices=[]):  # its random init is overwritten: draw nothing from the run's RNG
-                    policy.add_adapter(REFERENCE_ADAPTER, config)
-                policy.set_requires_grad(REFERENCE_ADAPTER, False)
-                move_toward(*adapter_pairs(policy), 1.0)
-        return policy
-
-    def _shard_models(self, rows: fsdp2.Rows, prefix: str) -> None:
-        """FSDP2: shard the policy (with its LoRA adapters), the critic and the reference (and a
-        moving reference's starting policy) per transformer block over the data-parallel mesh.
-        The reference is sharded like the policy (it is as large, and it runs one no-grad forward
-        per iteration: one gather per block); with LoRA it is the policy itself with the adapter
-        disabled (or its frozen reference adapter, sharded with its blocks). A moving reference
-        moves shard by shard: each rank updates its own shards toward the policy's. Every trainable parameter
-        must be under ``fully_shard``: ModelParallelStrategy has no DDP to average the rest.
-        Then every parameter still on the meta device gets this rank's rows from ``rows`` (named
-        as in the policy; ``prefix``: the policy's trunk, which the critic's trunk copies)."""
-        mesh = self.device_mesh
-        require(
-            mesh["tensor_parallel"].size() == 1,
-            "trainer.strategy",
-            "data-parallel sharding (tensor_parallel_size 1, e.g. rlhf_lightning.fsdp2.FSDP2Strategy)",
-            f"tensor_parallel_size {mesh['tensor_parallel'].size()}",
-        )
-        mesh = mesh["data_parallel"]
-        # With LoRA the base model is the FSDP root: generation calls it directly (see _generator).
-        base = self.policy.get_base_model() if self.lora.rank else self.policy
-        fsdp2.shard(base, mesh)
-        for model in (self.critic, self.ref_model, self.initial_model):
-            if model is not None:
-                fsdp2.shard(model, mesh, frozen=model is not self.critic)
-        fsdp2.materialise(base, rows, lambda name: name.replace(".base_layer.", "."))  # a LoRA layer's own linear
-        if self.critic is not None:
-            fsdp2.materialise(self.critic, rows, lambda name: prefix + name.removeprefix("trunk"))
-        for model in filter(None, (self.ref_model, self.initial_model)):
-            fsdp2.materialise(model, rows)
-
-    def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, return_hidden: bool = False):
-        """Temperature-scaled float32 logits predicting each response token: (batch, response_len, vocab);
-        with ``return_hidden`` also the last layer's hidden states at those positions (batch,
-        response_len, hidden), read from the output layer's input (no other layer's are kept). Rows
-        that share a prompt share its forward pass (``shared_prompts``: rlhf_lightning/prefix.py)."""
-        input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
-        shared, common, beginning = self._shared_prompt_tokens(input_ids, attention_mask, response_len)
-        hidden = [] if return_hidden else None
-        with float32_head(model, hidden):
-            if shared:
-                logits = prefix.shared_prompt_logits(
-                    model, input_ids, attention_mask, response_len, *shared, hidden=hidden, beginning=beginning
-                )
-            elif common:
-                logits = prefix.on_common_prefix(model, input_ids, attention_mask, common, logits_to_keep=response_len + 1).logits[:, :-1]
-                hidden = hidden[-1:] if return_hidden else None  # not the prefix pass's
-            else:
-                logits = model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids(attention_mask),
-                    use_cache=False,
-                    logits_to_keep=response_len + 1,
-                ).logits[:, :-1]
-        logits = self._tempered(logits)
-        if return_hidden:
-            return logits, hidden[0] if shared else hidden[0][:, :-1]
-        return logits
-
-    def _tempered(self, logits: Tensor) -> Tensor:
-        """``logits / temperature``, without a copy of the full-vocabulary tensor at temperature 1."""
-        return logits if self.sampling.temperature == 1 else logits / self.sampling.temperature
-
-    def policy_outputs(
-        self, input_ids: Tensor, attention_mask: Tensor, response_len: int, critic: bool = True
-    ) -> tuple[Tensor, Optional[Tensor]]:
-        """Policy logits and critic values V(s_t) before each response token, (batch, response_len);
-        values are None without a critic or when not ``critic`` (the caller runs a separate critic apart)."""
-        if self.critic is None or not critic:
-            return self.response_logits(self.policy, input_ids, attention_mask, response_len), None
-        if self._shared_critic:  # one forward pass gives both
-            logits, hidden = self.response_logits(self.policy, input_ids, attention_mask, response_len, True)
-            return logits, self.critic(hidden=hidden)
-        logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
-        return logits, self._critic_values(input_ids, attention_mask, response_len)
-
-    def _shared_prompt_tokens(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Any, int, Optional[int]]:
-        """With ``shared_prompts``, ``(shared, common, beginning)``: the rows' distinct prompts
-        (``prefix.distinct_prompts``) where some repeat, else how many first tokens all prompts share
-        (``prefix.common_prefix``: a chat template's system prompt), and how many the distinct prompts'
-        pass runs once (None: all they share); (None, 0, None) without.
-
-        Under FSDP2 every forward gathers the weights by collectives, so every rank must run the same passes
-        whatever its prompts: the ranks agree, taking the distinct prompts only where every rank has repeats
-        and the shortest beginnings. With autograd on there is no beginning pass: FSDP2's backward gathers a
-        block's weights again when gradients reach that block's outputs, and a beginning pass's outputs reach
-        the loss only through the keys and values it leaves in the cache (its blocks' backward then finds
-        their weights freed)."""
-        if not self.runtime.shared_prompts:
-            return None, 0, None
-        prompt_len = input_ids.shape[1] - response_len
-        shared = prefix.distinct_prompts(input_ids, attention_mask, prompt_len)
-        if not self._sharded:
-            return shared, 0 if shared else prefix.common_prefix(input_ids, attention_mask, prompt_len), None
-        common, beginning = 0, 0
-        if not torch.is_grad_enabled():
-            common = prefix.common_prefix(input_ids, attention_mask, prompt_len)
-            beginning = prefix.prompts_beginning(input_ids, attention_mask, response_len, shared[0]) if shared else 0
-        mine = torch.tensor([shared is not None, common, beginning])
-        every, common, beginning = (int(v) for v in -self._reduce(-mine.double(), op="max"))  # the least on any rank
-        return (shared, 0, beginning) if every else (None, common, None)
-
-    def _critic_values(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
-        """A separate critic's V(s_t) before each response token, (batch, response_len); the first tokens
-        all prompts share run once (``_shared_prompt_tokens``; repeated prompts: whole rows)."""
-        input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
-        _, common, _ = self._shared_prompt_tokens(input_ids, attention_mask, response_len)
-        if common:
-            hidden = prefix.on_common_prefix(self.critic.trunk, input_ids, attention_mask, common, causal_lm=False).last_hidden_state
-            return self.critic(hidden=hidden[:, -response_len - 1 : -1])
-        values = self.critic(input_ids, attention_mask, position_ids(attention_mask))
-        return values[:, -response_len - 1 : -1]
-
-    @property
-    def _critic_apart(self) -> bool:
-        """A separate critic's value loss is a forward and backward pass of its own, after the policy's
-        (the graphs share no tensor: the gradients are those of the sum): FSDP2 frees a root unit's
-        gathered weights and full gradient only when a backward pass ends, so neither model's root
-        nor activations are then held through the other's backward. Not under DDP, whose reducer
-        expects every parameter's gradient in each pass, nor without a trainer."""
-        ddp = isinstance(getattr(self._trainer, "model", None), DistributedDataParallel)
-        return self.critic is not None and not self._shared_critic and self._trainer is not None and not ddp
-
-    @property
-    def old_values_in_update(self) -> bool:
-        """Whether a separate critic's V_old comes from the update's first forward of it instead of a
-        forward of its own while scoring: when that first minibatch is the whole batch in one
-        micro-batch (one minibatch, no accumulation), where the critic still has V_old's weights. One
-        critic trunk forward per iteration fewer, the same values (tests/test_module.py)."""
-        return self._critic_apart and self.ppo.num_minibatches == 1 and self.ppo.gradient_accumulation_steps == 1
-
-    def _first_critic_values(self, rollout: Rollout) -> Optional[Tensor]:
-        """With ``old_values_in_update``: the separate critic's forward of the first minibatch (the
-        whole batch), its graph kept for that minibatch's value loss; V_old is its detached values."""
-        if rollout.old_values is not None or not self.old_values_in_update:
-            return None
-        values = self._critic_values(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
-        rollout.old_values = values.detach() * rollout.mask
-        return values
-
-    def _old_policy(
-        self, samples: Samples, input_ids: Tensor, attention_mask: Tensor, response: Tensor, mask: Tensor, critic_values: bool = True
-    ) -> OldPolicy:
-        """pi_old at sampling time on the declared distribution (``sampling``: tempered, restricted to
-        the sampler's kept set): the trainer's logits, from the sampler's (``hf``) or from one batched
-        forward (another engine, ``old_logprobs: forward`` or a rollout correction), V_old (a separate
-        critic's only with ``critic_values``), the kept set, and the sampler's own log-probs of the
-        sampled tokens (the trainer's past EOS)."""
-        sampled, response_len = self.sampling, response.shape[1]
-        sampler_logits = None if samples.logits is None else self._tempered(samples.logits.float())
-        if sampler_logits is None or sampled.old_logprobs == "forward" or sampled.rollout_correction != "none":
-            logits, values = self.policy_outputs(input_ids, attention_mask, response_len, critic=critic_values or self._shared_critic)
-        elif self._shared_critic:
-            logits, values = sampler_logits, self.critic(hidden=samples.hidden)
-        else:
-            separate = self.critic is not None and critic_values
-            logits, values = sampler_logits, self._critic_values(input_ids, attention_mask, response_len) if separate else None
-        banned = sampling.min_new_tokens_ban(logits.shape, self.tokenizer.eos_token_id, sampled.min_new_tokens, logits.device)
-        top_k, top_p = (sampled.top_k, sampled.top_p) if sampled.do_sample else (0, 1.0)
-        kept = sampling.kept_tokens(logits if sampler_logits is None else sampler_logits, top_k, top_p, banned)
-        if kept is not None:  # the sampled token was kept, whatever rounding at a top-p boundary says (another engine's kernels)
-            kept = kept.scatter(-1, response.unsqueeze(-1), True)
-        logits = sampling.restrict(logits, kept)
-        trainer_logprobs = pm.logprobs_of(logits, response)
-        if sampler_logits is logits:  # the sampler's logits are the trainer's (``hf``)
-            sampler_logprobs = trainer_logprobs
-        elif sampler_logits is not None:
-            sampler_logprobs = pm.logprobs_of(sampling.restrict(sampler_logits, kept), response)
-        else:
-            sampler_logprobs = torch.where(mask.bool(), samples.logprobs.to(logits.device), trainer_logprobs)
-        return OldPolicy(logits, values, kept, trainer_logprobs, sampler_logprobs)
-
-    def on_train_start(self) -> None:
-        # What this rank holds of policy, critic and reference: its shards under FSDP2.
-        self.param_numel_local = fsdp2.local_numel(self.policy, self.critic, self.ref_model, self.initial_model)
-        for logger in self.loggers:
-            logger.log_metrics({"memory/param_numel_local": float(self.param_numel_local)}, step=self.iteration)
-
-    def configure_optimizers(self) -> torch.optim.AdamW:
-        """One AdamW over the parameter groups ``policy`` (lr) and ``critic`` (critic_lr), each with
-        its own weight decay: AdamW's update is per parameter, so this is the update of one AdamW
-        per model (tests/test_gpu_paths.py), and it is what DeepSpeed supports (one optimizer);
-        one optimizer step, one GradScaler update under 16-mixed. ``optimizers: separate`` clips
-        each group's gradient norm on its own, ``shared`` the norm of both (``on_before_optimizer_step``)."""
-        optim = self.optim
-        groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad], "lr": optim.lr}]
-        if self.critic is not None:
-            groups.append({"name": "critic", "params": list(self.critic.parameters()), "lr": optim.critic_lr or optim.lr})
-        # fused: one kernel per step instead of a dozen per tensor. Not under 16-mixed/bf16-mixed:
-        # a fused AdamW unscales 16-mixed gradients inside its step, after they would be clipped,
-        # so the multi-tensor (foreach) AdamW steps instead.
-        fused = not (self._trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision))
-        return torch.optim.AdamW(groups, weight_decay=optim.weight_decay, fused=fused)
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        """Clip the gradients to ``max_grad_norm`` here, where Lightning calls this hook: after the
-        precision plugin has unscaled them (16-mixed: ``scaler.unscale_``) and before the step, so
-        the clip sees the true norm. Per parameter group (``optimizers: separate``) or over all
-        (``shared``). DeepSpeed clips inside its own step, from its config (``gpu.configure_deepspeed``).
-        Without a trainer too (``exact.expected_train`` steps its optimizer itself)."""
-        optim = self.optim
-        if not optim.max_grad_norm or (self._trainer is not None and gpu.is_deepspeed(self.trainer.strategy)):
-            return
-        groups = [group["params"] for group in optimizer.param_groups]
-        for params in groups if optim.optimizers == "separate" else [[p for group in groups for p in group]]:
-            torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm)
-
-    @contextlib.contextmanager
-    def _generator(self):
-        """The model that samples. LoRA: the PeftModel's base model, which carries the injected
-        LoRA layers (PeftModel.generate adds its own overhead per decode step), with the adapter merged into
-        the base weights while it samples when ``merge_lora_for_generation`` (no LoRA branch in
-        each of the hundreds of decode-step linears; unmerging restores fp32 weights to within
-        one rounding step). FSDP2: the policy's full weights are gathered once for the whole
-        rollout (``fsdp2.gathered``; a merge then writes into the gathered copy only, and the
-        shards stay bit-exact), instead of every block being all-gathered again at each of the
-        ``max_new_tokens`` decode steps by FSDP2's forward hooks."""
-        with contextlib.ExitStack() as stack:
-            if self._sharded:
-                stack.enter_context(fsdp2.gathered(fsdp2.fsdp_roots(self.policy)[0]))
-            if not self.lora.rank:
-                yield self.policy
-                return
-            if self.lora.merge_for_generation:
-                stack.enter_context(merged_adapter(self.policy))
-            yield self.policy.get_base_model()
-
-    @contextlib.contextmanager
-    def _reference(self):
-        """The reference: a separate copy, or the LoRA policy with its adapter disabled (frozen
-        reference) or with the reference adapter active instead of the policy's (moving reference)."""
-        if self.ref_model is not None:
-            yield self.ref_model
-        elif self.reference_update.moves:
-            self.policy.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
-            try:
-                yield self.policy
-            finally:
-                self.policy.set_adapter("default")  # trainable again; the reference adapter stays frozen
-        else:
-            with self.policy.disable_adapter():
-                yield self.policy
-
-    @property
-    def _sharded(self) -> bool:
-        """The models are FSDP2-sharded (ModelParallelStrategy)."""
-        return fsdp2.is_sharded(self.policy)
-
-    @contextlib.contextmanager
-    def _initial(self):
-        """The starting policy pi_0 beside a moving reference: its frozen copy, or the adapter-disabled LoRA policy."""
-        if self.initial_model is not None:
-            yield self.initial_model
-        else:
-            with self.policy.disable_adapter():
-                yield self.policy
-
-    def _reference_parameters(self) -> tuple[list[Tensor], list[Tensor]]:
-        """The moving reference's parameters and the policy's they move toward, in matching order."""
-        if self.ref_model is not None:
-            return list(self.ref_model.parameters()), list(self.policy.parameters())
-        return adapter_pairs(self.policy)
-
-    def _reference_is_policy(self) -> bool:
-        """Whether the reference computes the policy's very function, its weights equal bit for bit:
-        a full copy before the first optimizer step or right after a sync; under LoRA the reference
-        adapter equal to the policy's, or the adapter-disabled reference while the policy's adapter
-        is still the identity (every lora_B zero: x + 0 = x exactly). Its log-probs are then the
-        policy's own (from the sampler or a forward), so the KL is exactly 0 and no reference
-        forward runs; compared smallest tensors first, so a trained policy differs within a few."""
-        if self.ref_model is not None or self.reference_update.moves:
-            pairs = list(zip(*self._reference_parameters(), strict=True))
-        else:
-            pairs = [(p, torch.zeros_like(p)) for name, p in self.policy.named_parameters() if ".lora_B.default." in name]
-        same = all(torch.equal(local_tensor(a), local_tensor(b)) for a, b in sorted(pairs, key=lambda pair: pair[0].numel()))
-        return not self._any_rank(not same)
-
-    @property
-    def _shared_critic(self) -> bool:
-        """A value head on the policy's own hidden states (no trunk of its own)."""
-        return self.critic is not None and self.critic.trunk is None
-
-    def _move_reference(self, alpha: float) -> None:
-        """ref <- (1 - alpha) ref + alpha policy, on every rank the same update of the same weights
-        (under FSDP2 each rank moves its own shards, not a root's copy still gathered from a forward)."""
-        if self._sharded:
-            fsdp2.reshard(self.policy, self.ref_model)
-        move_toward(*self._reference_parameters(), alpha)
+def shard_models(mesh, policy: nn.Module, critic, ref_model, initial_model, rows: fsdp2.Rows, lora: bool) -> None:
+    """FSDP2: shard the policy (with its LoRA adapters), the critic and the reference (and a
+    moving reference's starting policy) per transformer block over the data-parallel ``mesh``.
+    The reference is sharded like the policy (it is as large, and it runs one no-grad forward
+    per iteration: one gather per block); with LoRA it is the policy itself with the adapter
+    disabled (or its frozen reference adapter, sharded with its blocks). A moving reference
+    moves shard by shard: each rank updates its own shards toward the policy's. Every trainable parameter
+    must be under ``fully_shard``: ModelParallelStrategy has no DDP to average the rest.
+    Then every parameter still on the meta device gets this rank's rows from ``rows`` (named
+    as in the policy; the critic's trunk copies the policy's)."""
+    require(
+        mesh["tensor_parallel"].size() == 1,
+        "trainer.strategy",
+        "data-parallel sharding (tensor_parallel_size 1, e.g. rlhf_lightning.fsdp2.FSDP2Strategy)",
+        f"tensor_parallel_size {mesh['tensor_parallel'].size()}",
+    )
+    mesh = mesh["data_parallel"]
+    # With LoRA the base model is the FSDP root: generation calls it directly (Networks.generator).
+    base = policy.get_base_model() if lora else policy
+    trunk = base.base_model_prefix
+    fsdp2.shard(base, mesh)
+    for model in (critic, ref_model, initial_model):
+        if model is not None:
+            fsdp2.shard(model, mesh, frozen=model is not critic)
+    fsdp2.materialise(base, rows, lambda name: name.replace(".base_layer.", "."))  # a LoRA layer's own linear
+    if critic is not None:
+        fsdp2.materialise(critic, rows, lambda name: trunk + name.removeprefix("trunk"))
+    for model in filter(None, (ref_model, initial_model)):
+        fsdp2.materialise(model, rows)
 
 
 @contextlib.contextmanager

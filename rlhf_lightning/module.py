@@ -22,7 +22,8 @@ entropy controller, if any, the entropy bonus's coefficient), and the reference 
 may move the reference toward the policy (default ``none``: the reference stays the frozen
 starting policy; ``sync``, ``reset`` or ``ema`` every N iterations).
 
-Where things live: the networks, sampling model, reference and critic in models.py (``PolicyNetworks``),
+Where things live: the networks (policy, critic, reference, sampling model) and their passes in
+networks.py (``self.networks``), their loading in models.py,
 argument checks and the fault counts in checks.py, checkpoint and resume in checkpoints.py, the math in
 ppo_math.py, CPU kernels in cpu.py (a Lightning precision plugin around each step).
 
@@ -33,6 +34,7 @@ cross-rank statistic goes through the Lightning strategy's ``reduce``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import warnings
 from functools import partial
@@ -40,11 +42,13 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning import LightningModule
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
-from rlhf_lightning import args, checkpoints, gpu, sampling
+from rlhf_lightning import args, checkpoints, fsdp2, gpu, models, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import KLArgs, LoraArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
@@ -60,7 +64,8 @@ from rlhf_lightning.interfaces import (
     RewardModel,
     RolloutEngine,
 )
-from rlhf_lightning.models import PolicyNetworks, ValueModel, load_tokenizer
+from rlhf_lightning.models import ValueModel, add_lora, frozen_copy, load_tokenizer, shard_models
+from rlhf_lightning.networks import Networks
 from rlhf_lightning.rollout import IterationOutputs, Rollout, Scored
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
@@ -69,7 +74,7 @@ warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode a
 UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss", "policy/entropy")
 
 
-class PPORLHF(PolicyNetworks, LightningModule):
+class PPORLHF(LightningModule):
     """PPO-RLHF: rollout -> score -> advantages -> update, with a pluggable KL penalty.
 
     The plugins are flat arguments: a registered short name (``k3``, ``adaptive``), a class name or
@@ -151,6 +156,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         self.initial_model: Optional[nn.Module] = None  # full fine-tuning with a moving reference: pi_0
         self.reference_updates = 0  # times the reference has moved (checkpointed)
         self.critic: Optional[ValueModel] = None
+        self.networks: Optional[Networks] = None  # the part that runs them, once built (configure_model)
         self.update_stats = nn.ModuleDict({name.replace("/", "__"): MeanMetric() for name in UPDATE_STATS})
         self._loss_terms: dict[str, Tensor] = {}  # a micro-batch's logged terms, named in the fault when a loss is not finite
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
@@ -281,16 +287,18 @@ class PPORLHF(PolicyNetworks, LightningModule):
         input_ids = torch.cat([enc["input_ids"], response], dim=1)
         keep_logits = self.kl_estimator.needs_logits
         with timer("forward"):
-            old = self._old_policy(samples, input_ids, attention_mask, response, mask, critic_values)
-            other = lambda model: sampling.restrict(self.response_logits(model, input_ids, attention_mask, response.shape[1]), old.kept)
-            if self._reference_is_policy():  # the same function: the log-probs just computed, and a KL of exactly 0
+            old = self.networks.old_policy(samples, input_ids, attention_mask, response, mask, critic_values)
+            other = lambda model: sampling.restrict(
+                self.networks.response_logits(model, input_ids, attention_mask, response.shape[1]), old.kept
+            )
+            if self.networks.reference_is_policy():  # the same function: the log-probs just computed, and a KL of exactly 0
                 ref_logits = old.logits
             else:
-                with self._reference() as ref:
+                with self.networks.reference() as ref:
                     ref_logits = other(ref)
             initial_logits = None
             if self.reference_update.moves:  # the starting policy, for objective/kl_to_initial
-                with self._initial() as initial:
+                with self.networks.initial() as initial:
                     initial_logits = other(initial)
         return Rollout(
             prompts=list(prompts),
@@ -398,7 +406,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         the loss: the KL's future is carried by the loss's sequence term, not by the values."""
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
         response_len = rollout.response.shape[1]
-        logits, values = self.policy_outputs(input_ids, attention_mask, response_len, critic=not self._critic_apart)
+        logits, values = self.networks.policy_outputs(input_ids, attention_mask, response_len, critic=not self._critic_apart)
         logits = sampling.restrict(logits, None if rollout.kept is None else rollout.kept[idx])
         logprobs, old_logprobs = pm.logprobs_of(logits, rollout.response[idx]), rollout.old_logprobs[idx]
         pg_loss, clipped = self.policy_loss(logprobs, old_logprobs, advantages[idx], mask)
@@ -444,7 +452,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         the separate critic."""
         mask, response_len = rollout.mask[idx], rollout.response.shape[1]
         if values is None:
-            values = self._critic_values(rollout.input_ids[idx], rollout.attention_mask[idx], response_len)
+            values = self.networks.critic_values(rollout.input_ids[idx], rollout.attention_mask[idx], response_len)
         vf = pm.value_loss_terms(values, rollout.old_values[idx], returns[idx], mask, self.ppo.cliprange_value)
         self._record_terms({"value/loss": pm.masked_mean(vf.loss, mask), "value/clipfrac": pm.masked_mean(vf.clipped, mask)})
         return self.ppo.vf_coef * (weights * vf.loss).sum()
@@ -454,6 +462,111 @@ class PPORLHF(PolicyNetworks, LightningModule):
         self._loss_terms.update(terms)
         for name, value in terms.items():
             self.update_stats[name.replace("/", "__")].update(value.detach().float())
+
+    # ------------------------------------------------------------------ the networks
+    def configure_model(self) -> None:
+        """Build the networks (models.py) and the part that runs them (``self.networks``). Under FSDP2
+        (ModelParallelStrategy) no rank holds a full copy of them: the critic's trunk and the reference
+        are skeletons on the meta device, and so is the policy when its checkpoint is a safetensors
+        folder; once sharded, each rank reads its own rows of every tensor (``fsdp2.materialise``). A
+        policy built whole (the tiny model, a GGUF file) is the one full copy, freed once its shards are taken."""
+        if self.policy is not None:
+            return
+        hp, sharded = self.hparams, self.device_mesh is not None  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
+        copy_of = fsdp2.meta_copy if sharded else copy.deepcopy
+        policy, rows = self.load_policy(empty=sharded)
+        self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared", copy_of=copy_of)
+        if self.lora.rank > 0:
+            self.policy = add_lora(policy, self.lora, self.reference_update.moves)
+        else:
+            self.policy = policy
+            self.ref_model = frozen_copy(policy, copy_of)
+            self.initial_model = frozen_copy(policy, copy_of) if self.reference_update.moves else None
+        if sharded:
+            shard_models(self.device_mesh, self.policy, self.critic, self.ref_model, self.initial_model, rows, lora=self.lora.rank > 0)
+        self.networks = Networks(
+            self.policy,
+            self.critic,
+            self.ref_model,
+            self.initial_model,
+            sampling=self.sampling,
+            shared_prompts=self.runtime.shared_prompts,
+            lora=self.lora,
+            reference_moves=self.reference_update.moves,
+            eos_token_id=self.tokenizer.eos_token_id,
+            reduce=self._reduce,
+        )
+
+    def load_policy(self, empty: bool = False) -> tuple[nn.Module, fsdp2.Rows]:
+        """The policy network as configured, unsharded and without LoRA (``models.load_policy``): where a
+        subclass changes it before the reference and the critic are copied from it (the lab's tasks do)."""
+        hp = self.hparams
+        return models.load_policy(
+            hp.policy, self.tokenizer, self.sampling, hp.seed, hp.trust_remote_code, hp.tiny_config, self._trainer, empty
+        )
+
+    def on_train_start(self) -> None:
+        # What this rank holds of policy, critic and reference: its shards under FSDP2.
+        self.param_numel_local = fsdp2.local_numel(self.policy, self.critic, self.ref_model, self.initial_model)
+        for logger in self.loggers:
+            logger.log_metrics({"memory/param_numel_local": float(self.param_numel_local)}, step=self.iteration)
+
+    # ------------------------------------------------------------------ optimizers
+    def configure_optimizers(self) -> torch.optim.AdamW:
+        """One AdamW over the parameter groups ``policy`` (lr) and ``critic`` (critic_lr), each with
+        its own weight decay: AdamW's update is per parameter, so this is the update of one AdamW
+        per model (tests/test_gpu_paths.py), and it is what DeepSpeed supports (one optimizer);
+        one optimizer step, one GradScaler update under 16-mixed. ``optimizers: separate`` clips
+        each group's gradient norm on its own, ``shared`` the norm of both (``on_before_optimizer_step``)."""
+        optim = self.optim
+        groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad], "lr": optim.lr}]
+        if self.critic is not None:
+            groups.append({"name": "critic", "params": list(self.critic.parameters()), "lr": optim.critic_lr or optim.lr})
+        # fused: one kernel per step instead of a dozen per tensor. Not under 16-mixed/bf16-mixed:
+        # a fused AdamW unscales 16-mixed gradients inside its step, after they would be clipped,
+        # so the multi-tensor (foreach) AdamW steps instead.
+        fused = not (self._trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision))
+        return torch.optim.AdamW(groups, weight_decay=optim.weight_decay, fused=fused)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Clip the gradients to ``max_grad_norm`` here, where Lightning calls this hook: after the
+        precision plugin has unscaled them (16-mixed: ``scaler.unscale_``) and before the step, so
+        the clip sees the true norm. Per parameter group (``optimizers: separate``) or over all
+        (``shared``). DeepSpeed clips inside its own step, from its config (``gpu.configure_deepspeed``).
+        Without a trainer too (``exact.expected_train`` steps its optimizer itself)."""
+        optim = self.optim
+        if not optim.max_grad_norm or (self._trainer is not None and gpu.is_deepspeed(self.trainer.strategy)):
+            return
+        groups = [group["params"] for group in optimizer.param_groups]
+        for params in groups if optim.optimizers == "separate" else [[p for group in groups for p in group]]:
+            torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm)
+
+    @property
+    def _critic_apart(self) -> bool:
+        """A separate critic's value loss is a forward and backward pass of its own, after the policy's
+        (the graphs share no tensor: the gradients are those of the sum): FSDP2 frees a root unit's
+        gathered weights and full gradient only when a backward pass ends, so neither model's root
+        nor activations are then held through the other's backward. Not under DDP, whose reducer
+        expects every parameter's gradient in each pass, nor without a trainer."""
+        ddp = isinstance(getattr(self._trainer, "model", None), DistributedDataParallel)
+        return self.critic is not None and not self.networks.shared_critic and self._trainer is not None and not ddp
+
+    @property
+    def old_values_in_update(self) -> bool:
+        """Whether a separate critic's V_old comes from the update's first forward of it instead of a
+        forward of its own while scoring: when that first minibatch is the whole batch in one
+        micro-batch (one minibatch, no accumulation), where the critic still has V_old's weights. One
+        critic trunk forward per iteration fewer, the same values (tests/test_module.py)."""
+        return self._critic_apart and self.ppo.num_minibatches == 1 and self.ppo.gradient_accumulation_steps == 1
+
+    def _first_critic_values(self, rollout: Rollout) -> Optional[Tensor]:
+        """With ``old_values_in_update``: the separate critic's forward of the first minibatch (the
+        whole batch), its graph kept for that minibatch's value loss; V_old is its detached values."""
+        if rollout.old_values is not None or not self.old_values_in_update:
+            return None
+        values = self.networks.critic_values(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        rollout.old_values = values.detach() * rollout.mask
+        return values
 
     # ------------------------------------------------------------------ pieces
     def setup(self, stage: str) -> None:
@@ -496,7 +609,7 @@ class PPORLHF(PolicyNetworks, LightningModule):
         alpha = self.reference_update.weight(self.iteration)
         if not alpha:
             return
-        self._move_reference(alpha)
+        self.networks.move_reference(alpha)
         self.reference_updates += 1
         if self.reference_update.reset_optimizer:
             policy_params = {p for p in self.policy.parameters() if p.requires_grad}

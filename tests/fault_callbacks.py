@@ -58,7 +58,7 @@ class RecordReference(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         import hashlib
 
-        reference, _ = pl_module._reference_parameters()
+        reference, _ = pl_module.networks.reference_parameters()
         digest = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes() for p in reference)).hexdigest()
         with open(self.path, "a") as f:
             f.write(f"{trainer.global_rank} {pl_module.iteration} {digest}\n")

@@ -199,7 +199,7 @@ def test_builtin_estimators_are_registered_and_listed():
         (dict(advantage_estimator="grpo"), r"model.sampling.num_generations must be >= 2 with model.advantage_estimator GRPO .*, got 1"),
         (
             dict(advantage_estimator="rloo", num_generations=2, critic_lr=1e-3),
-            r"model.optim.critic_lr and optimizers must be unset without a critic",
+            r"model.optim.critic_lr and model.optim.optimizers must be unset without a critic",
         ),
         (dict(num_generations=0), r"model.sampling.num_generations must be an integer >= 1, got 0"),
         (

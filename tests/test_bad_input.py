@@ -264,7 +264,7 @@ def test_prompt_lengths_and_the_batch_split_are_checked_before_any_model_loads(t
     def no_models(self):
         raise AssertionError("a model loaded before the check")
 
-    monkeypatch.setattr(PPORLHF, "_load_policy", no_models)
+    monkeypatch.setattr(PPORLHF, "load_policy", no_models)
     module = PPORLHF(policy="tiny", reward_model=char_reward(), prompts=dict(max_length=64))
     with pytest.raises(
         ConfigError, match=r"data.train_path: prompt 15 \('xxx.*is \d+ tokens, longer than model.prompts.max_length=64 \(1 such"

@@ -5,6 +5,7 @@ modules, and the resume check compares them through registry.canonical_class_pat
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import run_cli
@@ -45,3 +46,19 @@ def test_the_last_iteration_is_in_last_ckpt_and_a_checkpoint_of_the_old_plugin_l
     assert f"--ckpt_path last: {ckpt.relative_to(tmp_path)}" in resumed.stderr
     (log,) = tmp_path.glob("lightning_logs/*/version_1")
     assert sorted(read_scalars(str(log))["objective/beta"]) == [3, 4, 5]  # the second epoch's iterations, 0-based steps
+
+
+def test_a_checkpoint_written_before_the_groups_resumes_and_names_changes_in_todays_spelling():
+    """Checkpoints of 0.1 hold the module's settings flat (``lr``, ``ppo_epochs``, ``cpu_linear``): read as
+    their grouped keys, the one that differs is logged as model.optim.lr, and the CPU settings, which left the
+    module for the command's cpu section, are not compared."""
+    from rlhf_lightning import checkpoints
+
+    from helpers import make_module
+
+    module = make_module()  # lr 3e-3, 2 epochs, 12 new tokens
+    flat = {"policy": "tiny", "tokenizer": None, "critic": "separate", "seed": 0, "lr": 1e-3, "ppo_epochs": 2, "max_new_tokens": 12}
+    resume = checkpoints.check_compatible(module, {**flat, "kl_penalty": "reward", "cpu_linear": "onednn"}, {})
+    assert resume.changes == {"model.optim.lr": "model.optim.lr: 0.001 -> 0.003"}
+    with pytest.raises(ValueError, match=r"model.lora.rank: checkpoint 4, config 0"):
+        checkpoints.check_compatible(module, {**flat, "lora_rank": 4}, {})

@@ -75,8 +75,7 @@ def test_a_short_name_takes_arguments_on_the_command_line_and_in_yaml(tmp_path):
           beta_controller: {class_path: pid, init_args: {target: 2.5}}
           advantage_estimator: {class_path: gae, init_args: {lam: 0.9}}
           kl_estimator: k1+
-          kl_penalty: loss
-          kl_loss_weighting: none
+          kl: {placement: loss, loss_weighting: none}
     """)
     )
     cli = build_cli(["--config", TINY, "--config", str(overlay)], run=False)

@@ -185,8 +185,8 @@ class FrozenBase(Callback):
     def snapshot(self, module) -> None:
         base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if not p.requires_grad}
         enc = module.encode_prompts(PROMPTS)
-        with torch.no_grad(), module._reference() as ref:
-            logits = module.response_logits(ref, enc["input_ids"], enc["attention_mask"], 4)
+        with torch.no_grad(), module.networks.reference() as ref:
+            logits = module.networks.response_logits(ref, enc["input_ids"], enc["attention_mask"], 4)
         self.snapshots.append((base, logits))
 
     def on_train_start(self, trainer, pl_module) -> None:

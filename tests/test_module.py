@@ -7,8 +7,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.models import position_ids, trim_left_padding
 from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.prefix import position_ids, trim_left_padding
 
 from helpers import char_reward, fit, make_module
 
@@ -55,7 +55,7 @@ def test_sampler_and_forward_logprobs_agree_with_chat_template(smollm2_tokenizer
     mask = pm.response_mask(response, eos)
     attention_mask = torch.cat([enc["attention_mask"], mask.long()], dim=1)
     with torch.no_grad():
-        logits = module.response_logits(module.policy, out.sequences, attention_mask, response.shape[1])
+        logits = module.networks.response_logits(module.policy, out.sequences, attention_mask, response.shape[1])
     ours = pm.logprobs_of(logits, response)
     sampler = pm.logprobs_of(torch.stack(out.scores, dim=1), response)
     assert torch.allclose(ours * mask, sampler * mask, atol=1e-4)
@@ -69,14 +69,14 @@ def test_left_padding_changes_nothing():
     ids = torch.cat([enc["input_ids"], response], 1)
     attn = torch.cat([enc["attention_mask"], torch.ones_like(response)], 1)
     with torch.no_grad():
-        batched = pm.logprobs_of(module.response_logits(module.policy, ids, attn, 3), response)
+        batched = pm.logprobs_of(module.networks.response_logits(module.policy, ids, attn, 3), response)
         garbage = ids.clone()
         garbage[attn == 0] = 7  # change every padded prompt position
-        garbled = pm.logprobs_of(module.response_logits(module.policy, garbage, attn, 3), response)
+        garbled = pm.logprobs_of(module.networks.response_logits(module.policy, garbage, attn, 3), response)
         alone_enc = module.encode_prompts(["short"])
         alone_ids = torch.cat([alone_enc["input_ids"], response[1:]], 1)
         alone_attn = torch.cat([alone_enc["attention_mask"], torch.ones_like(response[1:])], 1)
-        alone = pm.logprobs_of(module.response_logits(module.policy, alone_ids, alone_attn, 3), response[1:])
+        alone = pm.logprobs_of(module.networks.response_logits(module.policy, alone_ids, alone_attn, 3), response[1:])
     assert torch.allclose(batched, garbled, atol=1e-5)
     assert torch.allclose(batched[1], alone[0], atol=1e-5)
 
@@ -99,7 +99,7 @@ def test_a_minibatch_of_short_prompts_scores_the_same_without_the_batchs_padding
     ids, attn = torch.cat([enc["input_ids"], response], 1)[1:], torch.cat([enc["attention_mask"], torch.ones_like(response)], 1)[1:]
     assert (attn[:, 0] == 0).all()  # the minibatch carries all-pad columns
     with torch.no_grad():
-        logits, values = module.policy_outputs(ids, attn, 3)
+        logits, values = module.networks.policy_outputs(ids, attn, 3)
         out = module.policy(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), output_hidden_states=True)
         untrimmed = out.logits[:, -4:-1].float()
         untrimmed_values = (
@@ -138,12 +138,12 @@ def test_lora_reference_is_the_adapter_disabled_policy():
     enc = module.encode_prompts(PROMPTS[:2])
     ids, attn = enc["input_ids"], enc["attention_mask"]
     with torch.no_grad():
-        base = module.response_logits(module.policy.get_base_model(), ids, attn, 3)
+        base = module.networks.response_logits(module.policy.get_base_model(), ids, attn, 3)
         push_adapter(module)
-        policy = module.response_logits(module.policy, ids, attn, 3)
-        with module._reference() as ref:
-            reference = module.response_logits(ref, ids, attn, 3)
-        after = module.response_logits(module.policy, ids, attn, 3)
+        policy = module.networks.response_logits(module.policy, ids, attn, 3)
+        with module.networks.reference() as ref:
+            reference = module.networks.response_logits(ref, ids, attn, 3)
+        after = module.networks.response_logits(module.policy, ids, attn, 3)
     assert not torch.allclose(policy, base, atol=1e-3)
     assert torch.allclose(reference, base, atol=1e-6)
     assert torch.allclose(after, policy)  # the adapter is back on after the reference pass

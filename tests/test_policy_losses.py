@@ -169,7 +169,7 @@ def test_entropy_bonus_is_minus_coef_times_the_weighted_entropy():
     weights = TokenMean().weights(rollout.mask, max_new_tokens=12)
     with torch.no_grad():
         loss = module.ppo_loss(rollout, zeros, rollout.old_values, torch.arange(2), kl_coef=torch.zeros(2), weights=weights)
-        logits, _values = module.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        logits, _values = module.networks.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
     # Zero advantages, values equal to their targets: only the bonus is left (on-policy, entropy as sampled).
     entropy = pm.masked_mean(pm.entropy_of(logits), rollout.mask)
     assert loss.item() == pytest.approx(-0.5 * entropy.item(), rel=1e-5)

@@ -3,8 +3,6 @@ states and gradients as a plain forward, to fp32 rounding, with and without LoRA
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -51,9 +49,9 @@ def test_shared_prompt_forward_gives_the_plain_forwards_logits_hidden_states_and
     weights = torch.randn(ids.shape[0], response_len, len(module.tokenizer), generator=torch.Generator().manual_seed(0))
 
     def outputs(shared: bool):
-        module.runtime = replace(module.runtime, shared_prompts=shared)
+        module.networks.shared_prompts = shared
         module.policy.zero_grad(set_to_none=True)
-        logits, values = module.policy_outputs(ids, mask, response_len)
+        logits, values = module.networks.policy_outputs(ids, mask, response_len)
         loss = (weights[..., : logits.shape[-1]] * logits).sum() + (0 if values is None else values.sum())
         loss.backward()
         grads = {n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None}
@@ -80,8 +78,8 @@ def test_shared_prompts_run_the_prompt_tokens_once_per_distinct_prompt():
     try:
         with torch.no_grad():
             for shared in (True, False):
-                module.runtime = replace(module.runtime, shared_prompts=shared)
-                module.response_logits(module.policy, ids, mask, response_len)
+                module.networks.shared_prompts = shared
+                module.networks.response_logits(module.policy, ids, mask, response_len)
     finally:
         hook.remove()
     prompt_len = ids.shape[1] - response_len
@@ -125,22 +123,22 @@ def test_sharded_ranks_agree_on_the_passes_and_each_gives_the_plain_logits(monke
     ids, mask, response_len = group_batch(module, system=SYSTEM)
     ids, mask = prefix.trim_left_padding(ids, mask)
     n = len(module.tokenizer(SYSTEM, add_special_tokens=False)["input_ids"])
-    monkeypatch.setattr(type(module), "_sharded", property(lambda self: True))
+    monkeypatch.setattr(type(module.networks), "sharded", property(lambda self: True))
     calls = []
 
     def reduce(t, op="sum"):  # the max over this rank and the other of what each sends: the negated counts
         calls.append(op)
         return torch.maximum(t, -torch.tensor(other_rank, dtype=t.dtype))
 
-    monkeypatch.setattr(module, "_reduce", reduce)
+    monkeypatch.setattr(module.networks, "reduce", reduce)
     seen = []
     hook = module.policy.model.layers[0].register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape[:2])))
     try:
         with torch.no_grad():
-            sharded = module.response_logits(module.policy, ids, mask, response_len)
+            sharded = module.networks.response_logits(module.policy, ids, mask, response_len)
             sharded_seen = seen[:]
-            module.runtime = replace(module.runtime, shared_prompts=False)
-            plain = module.response_logits(module.policy, ids, mask, response_len)
+            module.networks.shared_prompts = False
+            plain = module.networks.response_logits(module.policy, ids, mask, response_len)
     finally:
         hook.remove()
     assert calls == ["max"]
@@ -169,14 +167,14 @@ def test_a_common_prefix_forward_gives_the_plain_forwards_logits_values_and_grad
     models = [m for m in (module.policy, module.critic) if m is not None]
 
     def outputs(shared: bool):
-        module.runtime = replace(module.runtime, shared_prompts=shared)
+        module.networks.shared_prompts = shared
         for model in models:
             model.zero_grad(set_to_none=True)
         seen = []
         layer = next(m for m in module.policy.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)).layers[0]
         hook = layer.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape[:2])))
         try:
-            logits, values = module.policy_outputs(ids, mask, 4)
+            logits, values = module.networks.policy_outputs(ids, mask, 4)
         finally:
             hook.remove()
         loss = (weights[..., : logits.shape[-1]] * logits).sum() + (0 if values is None else (values * torch.arange(4.0)).sum())
@@ -233,7 +231,7 @@ def test_generate_on_shared_prompt_caches_samples_what_it_samples_without_them(s
     enc = module.encode_prompts([system + PROMPTS[i] for i in (0, 0, 0, 1, 1, 1)])
 
     def sample(shared: bool):
-        module.runtime = replace(module.runtime, shared_prompts=shared)
+        module.networks.shared_prompts = shared
         return module.rollout_engine.sample(module, enc, seed=5)
 
     shared, plain = sample(True), sample(False)
@@ -256,7 +254,7 @@ def test_generate_on_a_common_prefix_cache_samples_what_it_samples_without_it():
     enc = module.encode_prompts([SYSTEM + p for p in PROMPTS])
 
     def sample(shared: bool):
-        module.runtime = replace(module.runtime, shared_prompts=shared)
+        module.networks.shared_prompts = shared
         return module.rollout_engine.sample(module, enc, seed=5)
 
     shared, plain = sample(True), sample(False)
@@ -292,15 +290,15 @@ def test_sharded_forwards_with_autograd_run_no_beginning_pass(monkeypatch, rows_
     module = make_module()
     ids, mask, response_len = group_batch(module, rows_of=rows_of, system=SYSTEM)
     ids, mask = prefix.trim_left_padding(ids, mask)
-    monkeypatch.setattr(type(module), "_sharded", property(lambda self: True))
-    monkeypatch.setattr(module, "_reduce", lambda t, op="sum": t)  # one rank
+    monkeypatch.setattr(type(module.networks), "sharded", property(lambda self: True))
+    monkeypatch.setattr(module.networks, "reduce", lambda t, op="sum": t)  # one rank
     seen, grads = [], []
     hook = module.policy.model.layers[0].register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape[:2])))
     try:
         for shared in (True, False):
-            module.runtime = replace(module.runtime, shared_prompts=shared)
+            module.networks.shared_prompts = shared
             module.policy.zero_grad(set_to_none=True)
-            module.response_logits(module.policy, ids, mask, response_len).sum().backward()
+            module.networks.response_logits(module.policy, ids, mask, response_len).sum().backward()
             grads.append({n: p.grad.clone() for n, p in module.policy.named_parameters() if p.grad is not None})
     finally:
         hook.remove()

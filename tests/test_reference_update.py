@@ -114,7 +114,7 @@ def _policy_params(module):
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_update_reference_applies_the_ema_by_hand(lora_rank):
     module = make_module(lora=dict(rank=lora_rank), reference_update=EMA(0.25, every_n_iterations=2))
-    refs, policy = module._reference_parameters()
+    refs, policy = module.networks.reference_parameters()
     assert len(refs) == len(policy) and refs and not any(p.requires_grad for p in refs)
     with torch.no_grad():
         for p in policy:
@@ -139,9 +139,9 @@ def test_lora_reference_adapter_is_frozen_and_starts_as_the_base():
     enc = module.encode_prompts(["hello there", "a b"])
     with torch.no_grad():
         with module.policy.disable_adapter():
-            base = module.response_logits(module.policy, enc["input_ids"], enc["attention_mask"], 3)
-        with module._reference() as ref:
-            reference = module.response_logits(ref, enc["input_ids"], enc["attention_mask"], 3)
+            base = module.networks.response_logits(module.policy, enc["input_ids"], enc["attention_mask"], 3)
+        with module.networks.reference() as ref:
+            reference = module.networks.response_logits(ref, enc["input_ids"], enc["attention_mask"], 3)
     assert torch.equal(reference, base)  # the copied adapter's B is 0: the base, bit for bit
     assert {n for n, p in module.policy.named_parameters() if p.requires_grad} == trainable  # restored
 

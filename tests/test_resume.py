@@ -187,7 +187,7 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
     )
     assert changed.returncode == 0, changed.stderr[-3000:]
     assert (
-        "resuming with changed settings (checkpoint -> config): model.ppo.entropy_coef: 0.0 -> 0.01; model.sampling.max_new_tokens: 10 -> 8; "
+        "resuming with changed settings (checkpoint -> config): model.sampling.max_new_tokens: 10 -> 8; model.ppo.entropy_coef: 0.0 -> 0.01; "
         "model.optim.lr: 0.003 -> 0.001; "
         f"model.beta_controller.init_args.init_beta: 0.05 -> 0.2 (beta restarts at 0.2; the checkpoint's was {checkpoint_beta!r}); "
         "model.advantage_estimator.init_args.lam: 0.95 -> 0.9; model.reference_update.init_args.every_n_iterations: 2 -> 3"
@@ -198,7 +198,7 @@ def test_on_resume_allowed_changes_take_effect_and_are_logged_and_fixed_ones_are
         return sorted((v for v in logs.iterdir() if (v / "checkpoints").exists()), key=lambda v: int(v.name[8:]))
 
     state = torch.load(runs()[1] / "checkpoints" / "last.ckpt", weights_only=True)
-    assert state["rlhf_lightning"]["iteration"] == 4 and state["hyper_parameters"]["lr"] == 0.001
+    assert state["rlhf_lightning"]["iteration"] == 4 and state["hyper_parameters"]["optim"]["lr"] == 0.001
     groups = state["optimizer_states"][0]["param_groups"]
     assert [(g["name"], g["lr"]) for g in groups] == [("policy", 0.001), ("critic", 0.001)]  # the new lr ran (critic_lr unset: lr)
 
@@ -327,7 +327,7 @@ def test_two_runs_started_together_on_one_root_dir_never_share_a_version_folder(
     lrs = {yaml.safe_load((v / "config.yaml").read_text())["model"]["lr"] for v in versions}
     assert lrs == {0.001, 0.002}  # each run's own config, neither overwritten
     for version in versions:
-        assert torch.load(version / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["lr"] in lrs
+        assert torch.load(version / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["optim"]["lr"] in lrs
 
 
 def test_the_version_folder_is_claimed_before_anything_is_written_in_it(tmp_path):

@@ -81,7 +81,9 @@ def test_hf_rollout_samples_inside_the_kept_set_and_replays_it():
     assert not kept[:, :3, module.tokenizer.eos_token_id].any()
     assert kept.sum(-1)[mask].float().mean() < 20  # top-p truncates below top-k
     assert (rollout.trainer_logprobs - rollout.sampler_logprobs)[mask].abs().max() < 1e-4
-    probs = sampling.restrict(module.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, 12), kept).softmax(-1)
+    probs = sampling.restrict(module.networks.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, 12), kept).softmax(
+        -1
+    )
     assert torch.allclose(probs.sum(-1), torch.ones(()), atol=1e-5) and probs[~kept].max() == 0
 
 
@@ -101,15 +103,15 @@ def test_a_kv_cache_that_is_not_positive_is_refused_before_vllm_is_looked_for(va
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"top_p": 0.0}, r"model.sampling.top_p must be in \(0, 1\]"),
-        ({"top_p": 1.5}, r"model.sampling.top_p must be in \(0, 1\]"),
+        ({"top_p": 0.0}, r"model.sampling.top_p must be a finite number in \(0, 1\]"),
+        ({"top_p": 1.5}, r"model.sampling.top_p must be a finite number in \(0, 1\]"),
         ({"top_k": -1}, r"model.sampling.top_k must be an integer >= 0"),
         ({"rollout_correction": "clip"}, r"model.sampling.rollout_correction must be one of none, tis, mis, seq_tis, seq_mis"),
         (
             {"rollout_correction": "tis"},
             r"model.sampling.rollout_correction must be 'none' unless model.sampling.old_logprobs is 'forward'",
         ),
-        ({"rollout_correction_cap": 0.5}, r"model.sampling.rollout_correction_cap must be >= 1"),
+        ({"rollout_correction_cap": 0.5}, r"model.sampling.rollout_correction_cap must be a finite number >= 1"),
         ({"rollout_engine": "sglang"}, r"unknown rollout_engine 'sglang'; registered rollout_engine names: hf, vllm"),
     ],
 )
@@ -124,9 +126,9 @@ def _declared_tables(module: ExactPPORLHF, estimator) -> tuple[torch.Tensor, tor
     summed value on every response, with the policy's kept sets replayed for the reference."""
     input_ids, attention_mask = module._all_responses()
     length = module.task.response_length
-    logits = module.response_logits(module.policy, input_ids, attention_mask, length)
-    with module._reference() as ref:
-        ref_logits = module.response_logits(ref, input_ids, attention_mask, length)
+    logits = module.networks.response_logits(module.policy, input_ids, attention_mask, length)
+    with module.networks.reference() as ref:
+        ref_logits = module.networks.response_logits(ref, input_ids, attention_mask, length)
     kept = sampling.kept_tokens(logits, module.sampling.top_k, module.sampling.top_p)
     logits, ref_logits = sampling.restrict(logits, kept), sampling.restrict(ref_logits, kept)
     response = input_ids[:, -length:]

@@ -169,7 +169,7 @@ def command(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
         raise AssertionError("a model loaded before the check")
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(PPORLHF, "_load_policy", no_models)
+    monkeypatch.setattr(PPORLHF, "load_policy", no_models)
     with pytest.raises(SystemExit) as stopped:
         main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.enable_progress_bar=false", *args])
     return stopped.value.code, capsys.readouterr().err.strip().splitlines()[-1]

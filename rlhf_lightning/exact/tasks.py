@@ -299,8 +299,8 @@ class ExactPPORLHF(PPORLHF):
             dictionary = {name: value for name, value in dictionary.items() if name in self.logged}
         super().log_dict(dictionary, *args, **kwargs)
 
-    def _load_policy(self, empty: bool = False):
-        policy, rows = super()._load_policy(empty)
+    def load_policy(self, empty: bool = False):
+        policy, rows = super().load_policy(empty)
         if self.task.position_embedding:  # before the reference and a critic are copied from it
             PositionEmbedding.attach(policy)
         return policy, rows
@@ -332,10 +332,10 @@ class ExactPPORLHF(PPORLHF):
         (with top_k / top_p; a response outside them has probability 0): (prompts, responses), float64."""
         input_ids, attention_mask = self._all_responses()
         length = self.task.response_length
-        logits = self.response_logits(model or self.policy, input_ids, attention_mask, length)
+        logits = self.networks.response_logits(model or self.policy, input_ids, attention_mask, length)
         kept = None
         if self.truncates:  # the policy's kept sets, also for another model
-            policy_logits = logits if model is None else self.response_logits(self.policy, input_ids, attention_mask, length)
+            policy_logits = logits if model is None else self.networks.response_logits(self.policy, input_ids, attention_mask, length)
             kept = sampling.kept_tokens(policy_logits, self.sampling.top_k, self.sampling.top_p)
         logprobs = pm.logprobs_of(sampling.restrict(logits, kept), input_ids[:, -length:]).double().sum(-1)
         return logprobs.view(len(self.task.prompts), -1).cpu()
@@ -347,7 +347,7 @@ class ExactPPORLHF(PPORLHF):
         return self.sampling.do_sample and (bool(self.sampling.top_k) or self.sampling.top_p < 1)
 
     def exact_ref_logprobs(self) -> Tensor:
-        with self._reference() as ref:
+        with self.networks.reference() as ref:
             return self.exact_logprobs(ref)
 
     def exact_report(self, rewards: Optional[Tensor] = None) -> OptimumReport:

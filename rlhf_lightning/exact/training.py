@@ -228,8 +228,8 @@ def expected_train(
     input_ids, attention_mask = module._all_responses()
     prompts, response = rewards.shape[0], input_ids[:, -length:]
     mask = torch.ones_like(response, dtype=torch.float32)
-    with module._reference() as ref:
-        ref_token_logprobs = pm.logprobs_of(module.response_logits(ref, input_ids, attention_mask, length), response)
+    with module.networks.reference() as ref:
+        ref_token_logprobs = pm.logprobs_of(module.networks.response_logits(ref, input_ids, attention_mask, length), response)
     num_tokens = len(task.content_tokens)
     shape = (prompts, *[num_tokens] * length)
     if responses is not None:
@@ -244,7 +244,7 @@ def expected_train(
         if iteration == iterations:
             break
         with torch.no_grad():
-            old_logprobs = pm.logprobs_of(module.response_logits(module.policy, input_ids, attention_mask, length), response)
+            old_logprobs = pm.logprobs_of(module.networks.response_logits(module.policy, input_ids, attention_mask, length), response)
         # V_old(x, y_<t) = E_{pi_old}[r | x, y_<t]: sums of pi_old(y) r over the responses sharing the prefix
         joint, reward_tree = logprobs.exp().view(shape), rewards.view(shape)
         values = []

@@ -304,9 +304,9 @@ class PhaseClock:
             self._switch()
             self._stack.pop()
 
-    def wrap(self, name: str, fn):
+    def wrap(self, name: str, fn, within: Optional[str] = None):
         def timed(*args, **kwargs):
-            with self(name):
+            with self(name, within):
                 return fn(*args, **kwargs)
 
         return timed
@@ -391,6 +391,19 @@ def bench_module_class(memory: bool = False):
             self.rollout_engine.sample = self.clock.wrap("rollout", self.rollout_engine.sample)
             for name in ("checked_scores", "shape_scores"):
                 setattr(self.reward_model, name, self.clock.wrap("score", getattr(self.reward_model, name)))
+            # the networks' scoring passes: the policy's (not the update's forwards), pi_old's (the sampler's
+            # logits, or a forward: policy_outputs, not timed twice) and the reference's
+            networks = self.networks
+            for name in ("policy_outputs", "old_policy"):
+                setattr(networks, name, self.clock.wrap("score_policy", getattr(networks, name), within="score"))
+            reference = networks.reference
+
+            @contextlib.contextmanager
+            def timed_reference():
+                with self.clock("score_ref", within="score"), reference() as ref:
+                    yield ref
+
+            networks.reference = timed_reference
 
         # Arguments pass through untouched: the benchmark must not depend on the signatures.
         def encode_prompts(self, *args, **kwargs):
@@ -402,19 +415,6 @@ def bench_module_class(memory: bool = False):
             with self.clock("score"):  # whatever rollout() does besides generating is scoring
                 self.last_rollout = super().rollout(*args, **kwargs)
                 return self.last_rollout
-
-        def policy_outputs(self, *args, **kwargs):
-            with self.clock("score_policy", within="score"):  # not the forwards of the update
-                return super().policy_outputs(*args, **kwargs)
-
-        def _old_policy(self, *args, **kwargs):  # pi_old: the sampler's logits, or a forward (policy_outputs, not timed twice)
-            with self.clock("score_policy", within="score"):
-                return super()._old_policy(*args, **kwargs)
-
-        @contextlib.contextmanager
-        def _reference(self):
-            with self.clock("score_ref", within="score"), super()._reference() as ref:
-                yield ref
 
         def kl_per_token(self, *args, **kwargs):
             with self.clock("score"):
@@ -611,7 +611,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     median = statistics.median
     enc, last = module.last_encoding, module.last_rollout
     ids, mask = trim_left_padding(last.input_ids, last.attention_mask)
-    shared, common, _ = module._shared_prompt_tokens(ids, mask, last.response.shape[1])
+    shared, common, _ = module.networks.shared_prompt_tokens(ids, mask, last.response.shape[1])
     if shared is not None:  # the distinct prompts' common beginning, run once in their pass (prefix._prompts_once)
         common = prompts_beginning(ids, mask, last.response.shape[1], shared[0])
     costs = roofline.iteration_costs(
@@ -621,7 +621,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         response_len=int(module.last_rollout.response.shape[1]),
         ppo_epochs=ppo_epochs,
         num_minibatches=args.num_minibatches,
-        policy_trainable=trainable_numel(module.policy) + (trainable_numel(module.critic) if module._shared_critic else 0),
+        policy_trainable=trainable_numel(module.policy) + (trainable_numel(module.critic) if module.networks.shared_critic else 0),
         critic_trainable=trainable_numel(module.critic) if critic == "separate" else 0,
         lora_params=trainable_numel(module.policy) if lora else 0,
         critic=critic,
@@ -708,7 +708,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     import torch
 
     from rlhf_lightning import cpu, fsdp2
-    from rlhf_lightning.models import position_ids
+    from rlhf_lightning.prefix import position_ids
 
     device = module.device
     sharded = fsdp2.is_sharded(module.policy)

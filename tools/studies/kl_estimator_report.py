@@ -239,7 +239,7 @@ def measure(module: PPORLHF, estimators: dict, prompts: Sequence[str], batch_siz
         mask = rollout.mask.float()
         response_len = rollout.response.shape[1]
         # The same forward pass with gradients, as ppo_loss does (on-policy: pi = pi_old).
-        logits = module.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, response_len)
+        logits = module.networks.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, response_len)
         logprobs = pm.logprobs_of(logits, rollout.response)
         logp_all, ref_logp_all = logits.log_softmax(-1), rollout.ref_logits.log_softmax(-1)  # (batch, len, vocab)
         for name, estimator in estimators.items():
@@ -268,7 +268,7 @@ def move_policy(module: PPORLHF, rollout, epochs: int, lr: float, seed: int) -> 
     optimizer = torch.optim.Adam(lora_parameters(module), lr=lr)
 
     def logprobs() -> Tensor:
-        logits = module.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        logits = module.networks.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
         return pm.logprobs_of(logits, rollout.response)
 
     for _ in range(epochs):
@@ -295,7 +295,7 @@ def measure_off_policy(module: PPORLHF, estimators: dict, prompts: Sequence[str]
         mask = rollout.mask.float()
         with torch.enable_grad():
             out["moved"].append(move_policy(module, rollout, epochs, lr, seed=b))
-        logits = module.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        logits = module.networks.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
         logp, ref_logp, old_logp = logits.log_softmax(-1), rollout.ref_logits.log_softmax(-1), rollout.old_logits.log_softmax(-1)
         exact = estimators[EXACT](None, None, logits, rollout.ref_logits)  # (batch, response_len)
         out["exact"].add(flat_grad(pm.masked_mean(exact, mask), params))

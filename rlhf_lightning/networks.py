@@ -1,0 +1,272 @@
+"""The networks PPO reads, as one part the LightningModule owns and calls by name
+(``self.networks.reference()``): the policy, its critic, the reference and the starting policy, and
+every pass over them the loop needs. How they are built (loading, LoRA, FSDP2 sharding) is in
+models.py; the Lightning hooks are the module's.
+
+A reference whose weights equal the policy's (iteration 0, right after a sync) computes the policy's
+very function: its forward is skipped and the KL is exactly 0 (``reference_is_policy``). Under LoRA
+the reference is the same weights with the adapter disabled (no second copy in memory), or, when it
+moves, a second frozen adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_lightning import fsdp2, prefix, sampling
+from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.args import LoraArgs, SamplingArgs
+from rlhf_lightning.interfaces import Samples
+from rlhf_lightning.models import REFERENCE_ADAPTER, ValueModel, adapter_pairs, float32_head, local_tensor, merged_adapter, move_toward
+from rlhf_lightning.prefix import position_ids, trim_left_padding
+
+Reduce = Callable[..., Tensor]  # a tensor summed (or maxed, op="max") over all ranks
+
+
+class OldPolicy(NamedTuple):
+    """pi_old of a rollout (``Networks.old_policy``); per-token tensors (batch, response_len)."""
+
+    logits: Tensor  # (batch, response_len, vocab): tempered, restricted to the kept set
+    values: Optional[Tensor]  # V_old(s_t); None without a critic
+    kept: Optional[Tensor]  # (batch, response_len, vocab) bool: the sampler's kept set; None: every token
+    trainer_logprobs: Tensor  # log pi_old of the sampled tokens, from ``logits``
+    sampler_logprobs: Tensor  # the rollout engine's own (equal to trainer_logprobs when ``hf`` logits are used)
+
+
+class Networks:
+    """The policy, its critic (None without one), the reference (None when it is the LoRA policy
+    with its adapter disabled or a reference adapter) and the starting policy beside a moving
+    reference (None otherwise), with the passes over them.
+
+    Its inputs are explicit: the sampling settings (temperature, the kept set), ``shared_prompts``,
+    the LoRA settings, whether the reference moves, the EOS token, and ``reduce`` over the ranks
+    (the strategy's: FSDP2's ranks agree on the passes they run). The module registers the models
+    itself (Lightning's checkpoints, devices and strategies see them there); this part holds them to
+    run them."""
+
+    def __init__(
+        self,
+        policy: nn.Module,
+        critic: Optional[ValueModel],
+        ref_model: Optional[nn.Module],
+        initial_model: Optional[nn.Module],
+        *,
+        sampling: SamplingArgs,
+        shared_prompts: bool,
+        lora: LoraArgs,
+        reference_moves: bool,
+        eos_token_id: int,
+        reduce: Reduce,
+    ) -> None:
+        self.policy, self.critic, self.ref_model, self.initial_model = policy, critic, ref_model, initial_model
+        self.sampling, self.shared_prompts, self.lora = sampling, shared_prompts, lora
+        self.reference_moves, self.eos_token_id, self.reduce = reference_moves, eos_token_id, reduce
+
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank."""
+        device = next(self.policy.parameters()).device
+        return bool(self.reduce(torch.tensor(float(flag), device=device)) > 0)
+
+    # ------------------------------------------------------------------ forward passes
+    def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, return_hidden: bool = False):
+        """Temperature-scaled float32 logits predicting each response token: (batch, response_len, vocab);
+        with ``return_hidden`` also the last layer's hidden states at those positions (batch,
+        response_len, hidden), read from the output layer's input (no other layer's are kept). Rows
+        that share a prompt share its forward pass (``shared_prompts``: rlhf_lightning/prefix.py)."""
+        input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
+        shared, common, beginning = self.shared_prompt_tokens(input_ids, attention_mask, response_len)
+        hidden = [] if return_hidden else None
+        with float32_head(model, hidden):
+            if shared:
+                logits = prefix.shared_prompt_logits(
+                    model, input_ids, attention_mask, response_len, *shared, hidden=hidden, beginning=beginning
+                )
+            elif common:
+                logits = prefix.on_common_prefix(model, input_ids, attention_mask, common, logits_to_keep=response_len + 1).logits[:, :-1]
+                hidden = hidden[-1:] if return_hidden else None  # not the prefix pass's
+            else:
+                logits = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids(attention_mask),
+                    use_cache=False,
+                    logits_to_keep=response_len + 1,
+                ).logits[:, :-1]
+        logits = self.tempered(logits)
+        if return_hidden:
+            return logits, hidden[0] if shared else hidden[0][:, :-1]
+        return logits
+
+    def tempered(self, logits: Tensor) -> Tensor:
+        """``logits / temperature``, without a copy of the full-vocabulary tensor at temperature 1."""
+        return logits if self.sampling.temperature == 1 else logits / self.sampling.temperature
+
+    def policy_outputs(
+        self, input_ids: Tensor, attention_mask: Tensor, response_len: int, critic: bool = True
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """Policy logits and critic values V(s_t) before each response token, (batch, response_len);
+        values are None without a critic or when not ``critic`` (the caller runs a separate critic apart)."""
+        if self.critic is None or not critic:
+            return self.response_logits(self.policy, input_ids, attention_mask, response_len), None
+        if self.shared_critic:  # one forward pass gives both
+            logits, hidden = self.response_logits(self.policy, input_ids, attention_mask, response_len, True)
+            return logits, self.critic(hidden=hidden)
+        logits = self.response_logits(self.policy, input_ids, attention_mask, response_len)
+        return logits, self.critic_values(input_ids, attention_mask, response_len)
+
+    def critic_values(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> Tensor:
+        """A separate critic's V(s_t) before each response token, (batch, response_len); the first tokens
+        all prompts share run once (``shared_prompt_tokens``; repeated prompts: whole rows)."""
+        input_ids, attention_mask = trim_left_padding(input_ids, attention_mask)
+        _, common, _ = self.shared_prompt_tokens(input_ids, attention_mask, response_len)
+        if common:
+            hidden = prefix.on_common_prefix(self.critic.trunk, input_ids, attention_mask, common, causal_lm=False).last_hidden_state
+            return self.critic(hidden=hidden[:, -response_len - 1 : -1])
+        values = self.critic(input_ids, attention_mask, position_ids(attention_mask))
+        return values[:, -response_len - 1 : -1]
+
+    def shared_prompt_tokens(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Any, int, Optional[int]]:
+        """With ``shared_prompts``, ``(shared, common, beginning)``: the rows' distinct prompts
+        (``prefix.distinct_prompts``) where some repeat, else how many first tokens all prompts share
+        (``prefix.common_prefix``: a chat template's system prompt), and how many the distinct prompts'
+        pass runs once (None: all they share); (None, 0, None) without.
+
+        Under FSDP2 every forward gathers the weights by collectives, so every rank must run the same passes
+        whatever its prompts: the ranks agree, taking the distinct prompts only where every rank has repeats
+        and the shortest beginnings. With autograd on there is no beginning pass: FSDP2's backward gathers a
+        block's weights again when gradients reach that block's outputs, and a beginning pass's outputs reach
+        the loss only through the keys and values it leaves in the cache (its blocks' backward then finds
+        their weights freed)."""
+        if not self.shared_prompts:
+            return None, 0, None
+        prompt_len = input_ids.shape[1] - response_len
+        shared = prefix.distinct_prompts(input_ids, attention_mask, prompt_len)
+        if not self.sharded:
+            return shared, 0 if shared else prefix.common_prefix(input_ids, attention_mask, prompt_len), None
+        common, beginning = 0, 0
+        if not torch.is_grad_enabled():
+            common = prefix.common_prefix(input_ids, attention_mask, prompt_len)
+            beginning = prefix.prompts_beginning(input_ids, attention_mask, response_len, shared[0]) if shared else 0
+        mine = torch.tensor([shared is not None, common, beginning])
+        every, common, beginning = (int(v) for v in -self.reduce(-mine.double(), op="max"))  # the least on any rank
+        return (shared, 0, beginning) if every else (None, common, None)
+
+    def old_policy(
+        self, samples: Samples, input_ids: Tensor, attention_mask: Tensor, response: Tensor, mask: Tensor, critic_values: bool = True
+    ) -> OldPolicy:
+        """pi_old at sampling time on the declared distribution (``sampling``: tempered, restricted to
+        the sampler's kept set): the trainer's logits, from the sampler's (``hf``) or from one batched
+        forward (another engine, ``old_logprobs: forward`` or a rollout correction), V_old (a separate
+        critic's only with ``critic_values``), the kept set, and the sampler's own log-probs of the
+        sampled tokens (the trainer's past EOS)."""
+        sampled, response_len = self.sampling, response.shape[1]
+        sampler_logits = None if samples.logits is None else self.tempered(samples.logits.float())
+        if sampler_logits is None or sampled.old_logprobs == "forward" or sampled.rollout_correction != "none":
+            logits, values = self.policy_outputs(input_ids, attention_mask, response_len, critic=critic_values or self.shared_critic)
+        elif self.shared_critic:
+            logits, values = sampler_logits, self.critic(hidden=samples.hidden)
+        else:
+            separate = self.critic is not None and critic_values
+            logits, values = sampler_logits, self.critic_values(input_ids, attention_mask, response_len) if separate else None
+        banned = sampling.min_new_tokens_ban(logits.shape, self.eos_token_id, sampled.min_new_tokens, logits.device)
+        top_k, top_p = (sampled.top_k, sampled.top_p) if sampled.do_sample else (0, 1.0)
+        kept = sampling.kept_tokens(logits if sampler_logits is None else sampler_logits, top_k, top_p, banned)
+        if kept is not None:  # the sampled token was kept, whatever rounding at a top-p boundary says (another engine's kernels)
+            kept = kept.scatter(-1, response.unsqueeze(-1), True)
+        logits = sampling.restrict(logits, kept)
+        trainer_logprobs = pm.logprobs_of(logits, response)
+        if sampler_logits is logits:  # the sampler's logits are the trainer's (``hf``)
+            sampler_logprobs = trainer_logprobs
+        elif sampler_logits is not None:
+            sampler_logprobs = pm.logprobs_of(sampling.restrict(sampler_logits, kept), response)
+        else:
+            sampler_logprobs = torch.where(mask.bool(), samples.logprobs.to(logits.device), trainer_logprobs)
+        return OldPolicy(logits, values, kept, trainer_logprobs, sampler_logprobs)
+
+    # ------------------------------------------------------------------ the sampler and the reference
+    @contextlib.contextmanager
+    def generator(self):
+        """The model that samples. LoRA: the PeftModel's base model, which carries the injected
+        LoRA layers (PeftModel.generate adds its own overhead per decode step), with the adapter merged into
+        the base weights while it samples when ``lora.merge_for_generation`` (no LoRA branch in
+        each of the hundreds of decode-step linears; unmerging restores fp32 weights to within
+        one rounding step). FSDP2: the policy's full weights are gathered once for the whole
+        rollout (``fsdp2.gathered``; a merge then writes into the gathered copy only, and the
+        shards stay bit-exact), instead of every block being all-gathered again at each of the
+        ``max_new_tokens`` decode steps by FSDP2's forward hooks."""
+        with contextlib.ExitStack() as stack:
+            if self.sharded:
+                stack.enter_context(fsdp2.gathered(fsdp2.fsdp_roots(self.policy)[0]))
+            if not self.lora.rank:
+                yield self.policy
+                return
+            if self.lora.merge_for_generation:
+                stack.enter_context(merged_adapter(self.policy))
+            yield self.policy.get_base_model()
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference: a separate copy, or the LoRA policy with its adapter disabled (frozen
+        reference) or with the reference adapter active instead of the policy's (moving reference)."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        elif self.reference_moves:
+            self.policy.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+            try:
+                yield self.policy
+            finally:
+                self.policy.set_adapter("default")  # trainable again; the reference adapter stays frozen
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    @contextlib.contextmanager
+    def initial(self):
+        """The starting policy pi_0 beside a moving reference: its frozen copy, or the adapter-disabled LoRA policy."""
+        if self.initial_model is not None:
+            yield self.initial_model
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    def reference_is_policy(self) -> bool:
+        """Whether the reference computes the policy's very function, its weights equal bit for bit:
+        a full copy before the first optimizer step or right after a sync; under LoRA the reference
+        adapter equal to the policy's, or the adapter-disabled reference while the policy's adapter
+        is still the identity (every lora_B zero: x + 0 = x exactly). Its log-probs are then the
+        policy's own (from the sampler or a forward), so the KL is exactly 0 and no reference
+        forward runs; compared smallest tensors first, so a trained policy differs within a few."""
+        if self.ref_model is not None or self.reference_moves:
+            pairs = list(zip(*self.reference_parameters(), strict=True))
+        else:
+            pairs = [(p, torch.zeros_like(p)) for name, p in self.policy.named_parameters() if ".lora_B.default." in name]
+        same = all(torch.equal(local_tensor(a), local_tensor(b)) for a, b in sorted(pairs, key=lambda pair: pair[0].numel()))
+        return not self.any_rank(not same)
+
+    def move_reference(self, alpha: float) -> None:
+        """ref <- (1 - alpha) ref + alpha policy, on every rank the same update of the same weights
+        (under FSDP2 each rank moves its own shards, not a root's copy still gathered from a forward)."""
+        if self.sharded:
+            fsdp2.reshard(self.policy, self.ref_model)
+        move_toward(*self.reference_parameters(), alpha)
+
+    def reference_parameters(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The moving reference's parameters and the policy's they move toward, in matching order."""
+        if self.ref_model is not None:
+            return list(self.ref_model.parameters()), list(self.policy.parameters())
+        return adapter_pairs(self.policy)
+
+    @property
+    def shared_critic(self) -> bool:
+        """A value head on the policy's own hidden states (no trunk of its own)."""
+        return self.critic is not None and self.critic.trunk is None
+
+    @property
+    def sharded(self) -> bool:
+        """The models are FSDP2-sharded (ModelParallelStrategy)."""
+        return fsdp2.is_sharded(self.policy)
