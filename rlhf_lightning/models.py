@@ -20,6 +20,7 @@ import os
 import shutil
 import string
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -48,13 +49,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RLHF_LIGHTNING_CACHE", Path.home() / ".cache" / "rlhf_lightning"))
 
 
-def char_tokenizer():
-    """A character-level tokenizer (letters, digits, punctuation) with <pad>, <eos> and <unk>."""
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")  # the character tokenizers' first ids: 0, 1, 2
+CHARS = " \n" + string.ascii_letters + string.digits + ".,!?'\"-:;()"
+
+
+def char_tokenizer(chars: Sequence[str] = CHARS):
+    """A character-level tokenizer: <pad>, <eos> and <unk>, then one token per character of ``chars``
+    (letters, digits and punctuation by default; the lab's tasks give their own)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = list(" \n" + string.ascii_letters + string.digits + ".,!?'\"-:;()")
-    vocab = {token: i for i, token in enumerate(["<pad>", "<eos>", "<unk>", *chars])}
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()

@@ -39,10 +39,10 @@ from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact.closed_form import OptimumReport, backward_induction, optimal_logprobs, optimum_report
 from rlhf_lightning.exact.tabular import enumerate_responses
+from rlhf_lightning.models import SPECIAL_TOKENS, char_tokenizer
 from rlhf_lightning.module import PPORLHF
 
 BANNED_LOGIT = -1e4  # added to the logits of non-content tokens: probability exactly 0, entropy still finite
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 EXACT_TINY_CONFIG = dict(
     hidden_size=32,
     intermediate_size=64,
@@ -61,22 +61,16 @@ def target_count(prompts: Sequence[str], responses: Sequence[str], scale: float 
 
 
 def toy_tokenizer(prompt_tokens: Sequence[str], content_tokens: Sequence[str]):
-    """A word-level tokenizer over single characters: <pad>, <eos>, <unk>, the prompt tokens,
-    then the content tokens, each one character (the layout of models.char_tokenizer)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokens = [*SPECIAL_TOKENS, *prompt_tokens, *content_tokens]
+    """The character tokenizer (``models.char_tokenizer``) over a task's prompt tokens, then its content
+    tokens, each one character."""
+    tokens = [*prompt_tokens, *content_tokens]
     require(
-        len(set(tokens)) == len(tokens) and all(len(t) == 1 for t in (*prompt_tokens, *content_tokens)),
+        len(set(tokens)) == len(tokens) and all(len(t) == 1 for t in tokens) and not set(tokens) & set(SPECIAL_TOKENS),
         "the task's prompt and content tokens",
         "distinct single characters",
-        tokens[3:],
+        tokens,
     )
-    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left")
+    return char_tokenizer(tokens)
 
 
 def order_reward(prompts: Sequence[str], responses: Sequence[str], tokens: str, tables: dict[str, dict]) -> list[float]:
