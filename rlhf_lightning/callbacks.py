@@ -96,7 +96,7 @@ class TensorBoardViews(Callback):
         rollout, scores, kl = outputs["rollout"], outputs["scores"], outputs["kl"]
         rows = ["| prompt | response | score | KL |", "|---|---|---|---|"]
         for i in range(min(self.num_samples, len(rollout.prompts))):
-            cells = [_md(rollout.prompts[i]), _md(rollout.responses[i]), f"{scores[i]:.3f}", f"{kl[i].sum():.3f}"]
+            cells = [_md(rollout.prompts[i]), _md(rollout.response_texts[i]), f"{scores[i]:.3f}", f"{kl[i].sum():.3f}"]
             rows.append("| " + " | ".join(cells) + " |")
         trainer.logger.experiment.add_text("samples", "\n".join(rows), global_step=pl_module.step)
 
@@ -158,7 +158,7 @@ class PassAtK(Callback):
             return
         prompts = [prompt for prompt in batch for _ in range(self.n)]  # a prompt's n samples adjacent
         rollout = pl_module.rollout(prompts)
-        scores = pl_module.reward_model.checked_scores(rollout.prompts, rollout.responses)  # (prompts * n,)
+        scores = pl_module.reward_model.checked_scores(rollout.prompts, rollout.response_texts)  # (prompts * n,)
         correct = (scores >= self.threshold).view(len(batch), self.n).sum(-1).tolist()  # per prompt
         metrics = {f"val/pass@{k}": sum(pass_at_k(self.n, c, k) for c in correct) / len(correct) for k in self.ks}
         pl_module.log_dict(metrics, batch_size=len(batch), sync_dist=True)

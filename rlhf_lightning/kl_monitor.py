@@ -337,7 +337,7 @@ class TokenKLView(Callback):
         if not loggers or outputs.get("skipped", True):
             return
         rollout, kl = outputs["rollout"], outputs["kl"]
-        kl, mask = kl.detach().float().cpu(), rollout.mask.bool().cpu()
+        kl, mask = kl.detach().float().cpu(), rollout.response_mask.bool().cpu()
         image = self.draw(pl_module.tokenizer, rollout, kl, mask)
         values = kl[mask]
         values = values[torch.isfinite(values)]
@@ -352,7 +352,7 @@ class TokenKLView(Callback):
         rows = seq_kl.argsort(descending=True) if self.order == "max_kl" else torch.arange(len(seq_kl))
         samples = []
         for i in rows[: self.num_samples].tolist():
-            ids = rollout.response[i].cpu()[mask[i]]
+            ids = rollout.responses[i].cpu()[mask[i]]
             texts = tokenizer.batch_decode(ids[: self.max_tokens].view(-1, 1))
             cut = f", first {self.max_tokens} of {len(ids)} tokens" if len(ids) > self.max_tokens else f", {len(ids)} tokens"
             header = f"#{i}  KL {seq_kl[i]:.3g} nats{cut}  |  prompt: {rollout.prompts[i][:80]!r}"

@@ -66,7 +66,7 @@ from rlhf_lightning.interfaces import (
 )
 from rlhf_lightning.models import ValueModel, add_lora, frozen_copy, load_tokenizer, shard_models
 from rlhf_lightning.networks import Networks
-from rlhf_lightning.rollout import IterationOutputs, Rollout, Scored
+from rlhf_lightning.trajectory import IterationOutputs, Scored, Trajectory
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -199,7 +199,9 @@ class PPORLHF(LightningModule):
         with timer("update"):
             values = self._first_critic_values(rollout)
             advantages, returns = self.compute_advantages(scored.rewards, rollout)
-            scale = self.advantage_estimator.gradient_scale(scored.rewards, rollout.mask, self.sampling.num_generations, self._reduce)
+            scale = self.advantage_estimator.gradient_scale(
+                scored.rewards, rollout.response_mask, self.sampling.num_generations, self._reduce
+            )
             skipped_steps = self.ppo_update(rollout, advantages, returns, beta * scale, values)
         metrics = self.rollout_metrics(rollout, scored, beta)
         self.update_controllers(metrics)
@@ -212,14 +214,14 @@ class PPORLHF(LightningModule):
         args.check_batch_split(len(prompts), self.sampling, self.ppo)
         return [prompt for prompt in prompts for _ in range(self.sampling.num_generations)]
 
-    def score(self, rollout: Rollout, beta: float) -> Scored:
+    def score(self, rollout: Trajectory, beta: float) -> Scored:
         """r_RM from the reward backend, the per-token KL estimate, and the per-token rewards
         R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in the reward).
         A non-finite reward or KL on any rank is a fault, named in ``Scored.fault``."""
         kl, raw_scores, fault = self.kl_per_token(rollout), None, None
         try:
             with gpu.no_autocast(self.device):
-                raw_scores = self.reward_model.checked_scores(rollout.prompts, rollout.responses)
+                raw_scores = self.reward_model.checked_scores(rollout.prompts, rollout.response_texts)
         except FloatingPointError as err:
             fault = str(err)
         if fault is None and not torch.isfinite(kl).all():
@@ -229,9 +231,9 @@ class PPORLHF(LightningModule):
             return Scored(kl, raw_scores, fault=fault or "a non-finite reward or KL on another rank")
         scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce)
         kl_in_reward = kl if self.kl.in_reward else torch.zeros_like(kl)
-        return Scored(kl, raw_scores, scores, pm.token_rewards(scores.to(self.device), kl_in_reward, rollout.mask, beta))
+        return Scored(kl, raw_scores, scores, pm.token_rewards(scores.to(self.device), kl_in_reward, rollout.response_mask, beta))
 
-    def skip_iteration(self, rollout: Rollout, scored: Scored) -> IterationOutputs:
+    def skip_iteration(self, rollout: Trajectory, scored: Scored) -> IterationOutputs:
         """Count a faulty iteration (weights untouched) and log it as skipped, without stale metrics."""
         self.iteration += 1
         self._record_fault(scored.fault, iteration_skipped=True)
@@ -248,7 +250,7 @@ class PPORLHF(LightningModule):
             self._update_entropy_controller(metrics, n_samples)
 
     def end_iteration(
-        self, rollout: Rollout, scored: Scored, metrics: dict[str, float], skipped_steps: int, timer: Timer
+        self, rollout: Trajectory, scored: Scored, metrics: dict[str, float], skipped_steps: int, timer: Timer
     ) -> IterationOutputs:
         """Count the iteration and its faults; log its metrics (docs/metrics.md)."""
         self.iteration += 1
@@ -267,7 +269,7 @@ class PPORLHF(LightningModule):
         return {"rollout": rollout, "kl": scored.kl, "scores": scored.raw_scores, "metrics": metrics, "skipped": False}
 
     @torch.no_grad()
-    def rollout(self, prompts: list[str], timer: Optional[Timer] = None, critic_values: bool = True) -> Rollout:
+    def rollout(self, prompts: list[str], timer: Optional[Timer] = None, critic_values: bool = True) -> Trajectory:
         """Sample one response per prompt with the rollout engine (timed as ``rollout``), then pi_old
         and V_old (``_old_policy``; a separate critic's only with ``critic_values``) and log pi_ref
         (one batched forward of the reference, on the sampler's kept set), timed as ``forward``."""
@@ -300,13 +302,13 @@ class PPORLHF(LightningModule):
             if self.reference_update.moves:  # the starting policy, for objective/kl_to_initial
                 with self.networks.initial() as initial:
                     initial_logits = other(initial)
-        return Rollout(
+        return Trajectory(
             prompts=list(prompts),
-            responses=self.tokenizer.batch_decode(response, skip_special_tokens=True),
+            response_texts=self.tokenizer.batch_decode(response, skip_special_tokens=True),
             input_ids=input_ids,
             attention_mask=attention_mask,
-            response=response,
-            mask=mask,
+            responses=response,
+            response_mask=mask,
             ended_with_eos=ended,
             old_logprobs=old.sampler_logprobs if self.sampling.old_logprobs == "sampler" else old.trainer_logprobs,
             trainer_logprobs=old.trainer_logprobs,
@@ -324,7 +326,7 @@ class PPORLHF(LightningModule):
             ),
         )
 
-    def kl_per_token(self, rollout: Rollout, to_initial: bool = False) -> Tensor:
+    def kl_per_token(self, rollout: Trajectory, to_initial: bool = False) -> Tensor:
         """The penalised per-token KL estimate (batch, response_len), zero off the KL mask; with
         ``to_initial`` the same estimate against the starting policy (a moving reference only); of the
         trainer's pi_old (a rollout correction weighs its reward through the policy loss)."""
@@ -332,7 +334,7 @@ class PPORLHF(LightningModule):
             (rollout.initial_logprobs, rollout.initial_logits) if to_initial else (rollout.ref_logprobs, rollout.ref_logits)
         )
         kl = self.kl_estimator.checked(rollout.trainer_logprobs, ref_logprobs, rollout.old_logits, ref_logits)
-        return pm.masked_select(kl, self.kl_mask(rollout.response, rollout.mask))
+        return pm.masked_select(kl, self.kl_mask(rollout.responses, rollout.response_mask))
 
     def kl_mask(self, response: Tensor, mask: Tensor) -> Tensor:
         """The response mask without the positions of ``kl_ignore_tokens``."""
@@ -340,18 +342,18 @@ class PPORLHF(LightningModule):
             return mask
         return mask * ~torch.isin(response, self.kl_ignore_ids.to(response.device))
 
-    def compute_advantages(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor, Optional[Tensor]]:
+    def compute_advantages(self, rewards: Tensor, rollout: Trajectory) -> tuple[Tensor, Optional[Tensor]]:
         """The advantage estimator on the per-token rewards (and V_old with a critic), checked,
         then whitened over the global batch when ``whiten_advantages``."""
         advantages, returns = self.advantage_estimator.checked(
-            rewards, rollout.mask, rollout.old_values, self.sampling.num_generations, self._reduce
+            rewards, rollout.response_mask, rollout.old_values, self.sampling.num_generations, self._reduce
         )
         if self.ppo.whiten_advantages:
-            advantages = pm.masked_whiten(advantages, rollout.mask, sum_fn=self._reduce)
+            advantages = pm.masked_whiten(advantages, rollout.response_mask, sum_fn=self._reduce)
         return advantages, returns
 
     def ppo_update(
-        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], kl_coef: Tensor, values: Optional[Tensor] = None
+        self, rollout: Trajectory, advantages: Tensor, returns: Optional[Tensor], kl_coef: Tensor, values: Optional[Tensor] = None
     ) -> int:
         """All PPO epochs over the rollout, one optimizer step per minibatch; ``kl_coef`` (batch,) is
         beta times the advantage estimator's gradient scale of each response (a KL in the loss is
@@ -371,14 +373,20 @@ class PPORLHF(LightningModule):
         return skipped
 
     def _accumulate_gradients(
-        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], minibatch: Tensor, kl_coef: Tensor, values: Optional[Tensor]
+        self,
+        rollout: Trajectory,
+        advantages: Tensor,
+        returns: Optional[Tensor],
+        minibatch: Tensor,
+        kl_coef: Tensor,
+        values: Optional[Tensor],
     ) -> bool:
         """Backward over the minibatch's micro-batches; False (and stop) at a non-finite loss. Given the
         critic's ``values`` of every row, the value loss goes first, freeing their graph."""
         size = len(minibatch) // self.ppo.gradient_accumulation_steps
         # The loss of the minibatch is sum w * loss_t over all its tokens on all ranks, with the
         # aggregation's weights w (global denominators), times the world size that DDP divides by.
-        weights = self.loss_aggregation.weights(rollout.mask[minibatch], self.sampling.max_new_tokens, self._reduce)
+        weights = self.loss_aggregation.weights(rollout.response_mask[minibatch], self.sampling.max_new_tokens, self._reduce)
         weights = weights * self.trainer.world_size
         micro_batches = list(zip(minibatch.split(size), weights.split(size), strict=True))
         for i, (idx, micro_weights) in enumerate(micro_batches):
@@ -398,17 +406,17 @@ class PPORLHF(LightningModule):
         return True
 
     def ppo_loss(
-        self, rollout: Rollout, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, kl_coef: Tensor, weights: Tensor
+        self, rollout: Trajectory, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, kl_coef: Tensor, weights: Tensor
     ) -> Tensor:
         """On the rows ``idx``: the policy loss (+ ``value_loss`` with a critic, unless it is
         ``_critic_apart``) (+ kl_coef * KL in the loss) (- entropy bonus), each per-token term summed
         with ``weights``. The critic (gae) learns the returns of the reward alone when the KL is in
         the loss: the KL's future is carried by the loss's sequence term, not by the values."""
-        input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.mask[idx]
-        response_len = rollout.response.shape[1]
+        input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.response_mask[idx]
+        response_len = rollout.responses.shape[1]
         logits, values = self.networks.policy_outputs(input_ids, attention_mask, response_len, critic=not self._critic_apart)
         logits = sampling.restrict(logits, None if rollout.kept is None else rollout.kept[idx])
-        logprobs, old_logprobs = pm.logprobs_of(logits, rollout.response[idx]), rollout.old_logprobs[idx]
+        logprobs, old_logprobs = pm.logprobs_of(logits, rollout.responses[idx]), rollout.old_logprobs[idx]
         pg_loss, clipped = self.policy_loss(logprobs, old_logprobs, advantages[idx], mask)
         is_weights = 1.0 if rollout.is_weights is None else rollout.is_weights[idx]
         pg_loss = pg_loss * is_weights
@@ -422,7 +430,7 @@ class PPORLHF(LightningModule):
             loss = loss + self.value_loss(rollout, returns, idx, weights, values)
         if self.kl.in_loss:
             ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
-            kl_mask = self.kl_mask(rollout.response[idx], mask)
+            kl_mask = self.kl_mask(rollout.responses[idx], mask)
             kl = pm.masked_select(self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits), kl_mask)
             kl_loss = kl
             # The ratio corrects the sampling of y_t (full sums over the vocabulary: none); its gradient
@@ -446,11 +454,11 @@ class PPORLHF(LightningModule):
         self._record_terms(stats)
         return loss
 
-    def value_loss(self, rollout: Rollout, returns: Tensor, idx: Tensor, weights: Tensor, values: Optional[Tensor] = None) -> Tensor:
+    def value_loss(self, rollout: Trajectory, returns: Tensor, idx: Tensor, weights: Tensor, values: Optional[Tensor] = None) -> Tensor:
         """On the rows ``idx``: vf_coef * the clipped value loss, each per-token term summed with
         ``weights``, of ``values`` (a shared critic's, from the policy's forward) or of a forward of
         the separate critic."""
-        mask, response_len = rollout.mask[idx], rollout.response.shape[1]
+        mask, response_len = rollout.response_mask[idx], rollout.responses.shape[1]
         if values is None:
             values = self.networks.critic_values(rollout.input_ids[idx], rollout.attention_mask[idx], response_len)
         vf = pm.value_loss_terms(values, rollout.old_values[idx], returns[idx], mask, self.ppo.cliprange_value)
@@ -559,13 +567,13 @@ class PPORLHF(LightningModule):
         critic trunk forward per iteration fewer, the same values (tests/test_module.py)."""
         return self._critic_apart and self.ppo.num_minibatches == 1 and self.ppo.gradient_accumulation_steps == 1
 
-    def _first_critic_values(self, rollout: Rollout) -> Optional[Tensor]:
+    def _first_critic_values(self, rollout: Trajectory) -> Optional[Tensor]:
         """With ``old_values_in_update``: the separate critic's forward of the first minibatch (the
         whole batch), its graph kept for that minibatch's value loss; V_old is its detached values."""
         if rollout.old_values is not None or not self.old_values_in_update:
             return None
-        values = self.networks.critic_values(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
-        rollout.old_values = values.detach() * rollout.mask
+        values = self.networks.critic_values(rollout.input_ids, rollout.attention_mask, rollout.responses.shape[1])
+        rollout.old_values = values.detach() * rollout.response_mask
         return values
 
     # ------------------------------------------------------------------ pieces
@@ -642,9 +650,9 @@ class PPORLHF(LightningModule):
         return self.trainer.strategy.block_backward_sync()
 
     # ------------------------------------------------------------------ metrics
-    def rollout_metrics(self, rollout: Rollout, scored: Scored, beta: float) -> dict[str, float]:
+    def rollout_metrics(self, rollout: Trajectory, scored: Scored, beta: float) -> dict[str, float]:
         """Global (all-rank) means of what the rollout saw; each name is documented in docs/metrics.md."""
-        mask, kl, raw_scores, scores = rollout.mask, scored.kl, scored.raw_scores, scored.scores
+        mask, kl, raw_scores, scores = rollout.response_mask, scored.kl, scored.raw_scores, scored.scores
         kl = kl if rollout.is_weights is None else kl * rollout.is_weights  # E_sampler[w k] = E_pi_old[k]
         kl_seq = kl.sum(-1)
         counts = [torch.tensor(float(len(raw_scores)), device=self.device), raw_scores.to(self.device).sum(), scores.to(self.device).sum()]
@@ -658,7 +666,7 @@ class PPORLHF(LightningModule):
         gold = {}
         if self.gold_reward_model is not None:
             with gpu.no_autocast(self.device):
-                gold_scores = self.gold_reward_model.checked_scores(rollout.prompts, rollout.responses, "model.gold_reward_model")
+                gold_scores = self.gold_reward_model.checked_scores(rollout.prompts, rollout.response_texts, "model.gold_reward_model")
             gold = {"objective/gold_reward": float(self._reduce(gold_scores.sum().double().to(self.device))) / n}
         return {
             "objective/reward": reward / n,
@@ -699,14 +707,14 @@ class PPORLHF(LightningModule):
     def _evaluate(self, prompts: list[str], stage: str) -> None:
         rollout = self.rollout(prompts, critic_values=False)
         with gpu.no_autocast(self.device):
-            raw_scores, _ = self.reward_model(rollout.prompts, rollout.responses, rollout.ended_with_eos, update_stats=False)
+            raw_scores, _ = self.reward_model(rollout.prompts, rollout.response_texts, rollout.ended_with_eos, update_stats=False)
         reward = raw_scores.mean().item()
         kl = self.kl_per_token(rollout).sum(-1).mean().item()
         metrics = {
             f"{stage}/reward": reward,
             f"{stage}/kl": kl,
             f"{stage}/net": reward - self.beta_controller.beta * kl,
-            f"{stage}/length": rollout.mask.sum(-1).mean().item(),
+            f"{stage}/length": rollout.response_mask.sum(-1).mean().item(),
         }
         self.log_dict(metrics, batch_size=len(prompts), sync_dist=True)
 

@@ -241,7 +241,7 @@ def test_rollout_groups_each_prompts_responses_in_consecutive_rows(tmp_path):
 
     class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append((list(batch), outputs["rollout"].prompts, list(outputs["rollout"].responses)))
+            seen.append((list(batch), outputs["rollout"].prompts, list(outputs["rollout"].response_texts)))
 
     fit(
         make_module(advantage_estimator="rloo", sampling=dict(num_generations=3), optim=dict(critic_lr=None)),
@@ -263,7 +263,7 @@ def test_a_plugin_returning_the_wrong_shape_is_named():
     module = make_module(advantage_estimator=Broken(), sampling=dict(num_generations=2), optim=dict(critic_lr=None))
     rollout = module.rollout(["hello", "hello"])
     with pytest.raises(ValueError, match=r"shapes of advantage estimator Broken must be \(\(2, \d+\), None\).*got \(\(2, 1\), None\)"):
-        module.compute_advantages(torch.zeros_like(rollout.mask), rollout)
+        module.compute_advantages(torch.zeros_like(rollout.response_mask), rollout)
 
 
 # ---------------------------------------------------------------------- against the closed-form optimum

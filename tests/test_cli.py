@@ -216,7 +216,7 @@ def test_third_party_rollout_engine_samples_the_rollout(external_engine, tmp_pat
     assert type(engine).__name__ == "CountingHF"
     cli.model.configure_model()
     rollout = cli.model.rollout(["hello", "abc"])
-    assert type(engine).calls == 1 and rollout.response.shape[0] == 2
+    assert type(engine).calls == 1 and rollout.responses.shape[0] == 2
 
 
 def test_console_script_runs_the_tiny_config(tmp_path):

@@ -304,7 +304,7 @@ def test_rollout_memory_is_a_few_logits_tensors_and_no_layer_but_the_last(smollm
     with LiveBytes() as memory:
         rollout = module.rollout(PROMPTS * 2)
     assert not any(call.get("output_hidden_states") for call in calls)
-    batch, response_len = rollout.response.shape
+    batch, response_len = rollout.responses.shape
     logits_bytes = batch * response_len * len(module.tokenizer) * 4
     model_bytes = sum(p.numel() * 4 for p in module.parameters())
     print(f"rollout peak {memory.peak / 2**20:.1f} MB, logits {logits_bytes / 2**20:.1f} MB, model {model_bytes / 2**20:.1f} MB")

@@ -212,7 +212,7 @@ def test_token_kl_view_writes_an_image_and_a_histogram(tmp_path):
     # The last histogram is the per-token KL of the last iteration's response tokens.
     hist = events.Histograms("kl_tokens/per_token")[-1].histogram_value
     outputs = history.outputs[-1]
-    mask = outputs["rollout"].mask.bool()
+    mask = outputs["rollout"].response_mask.bool()
     assert hist.num == int(mask.sum())
     assert hist.sum == pytest.approx(float(outputs["kl"][mask].sum()), abs=1e-4)
 

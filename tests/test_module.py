@@ -116,16 +116,16 @@ def test_rollout_masks_after_eos_and_puts_score_on_last_token():
     torch.manual_seed(1)
     rollout = module.rollout(PROMPTS * 4)
     eos, pad = module.tokenizer.eos_token_id, module.tokenizer.pad_token_id
-    lengths = rollout.mask.sum(-1).long()
-    for row, length in zip(rollout.response, lengths, strict=True):
+    lengths = rollout.response_mask.sum(-1).long()
+    for row, length in zip(rollout.responses, lengths, strict=True):
         assert (row[length:] == pad).all()  # nothing after the first EOS survives
         assert (row[: length - 1] != eos).all()
-    assert rollout.ended_with_eos.any() and (rollout.old_values * (1 - rollout.mask)).abs().sum() == 0
+    assert rollout.ended_with_eos.any() and (rollout.old_values * (1 - rollout.response_mask)).abs().sum() == 0
     # Every response ends with EOS or runs to max_new_tokens.
     assert ((lengths == 40) | rollout.ended_with_eos).all()
     scores = torch.arange(len(lengths), dtype=torch.float32)
     kl = module.kl_per_token(rollout)
-    rewards = pm.token_rewards(scores, kl, rollout.mask, beta=0.5)
+    rewards = pm.token_rewards(scores, kl, rollout.response_mask, beta=0.5)
     last = lengths - 1
     expected = -0.5 * kl
     expected[torch.arange(len(lengths)), last] += scores
@@ -161,13 +161,13 @@ def test_lora_generation_with_merged_adapter_samples_the_policy_and_restores_the
         push_adapter(module)
         base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "base_layer" in n}
         rollout = module.rollout(PROMPTS)
-        responses[merge] = rollout.response
+        responses[merge] = rollout.responses
         drift = max(float((p - base[n]).abs().max()) for n, p in module.policy.named_parameters() if n in base)
         assert drift < 1e-6
         assert not any(getattr(m, "merged", False) for m in module.policy.modules())
         # the sampled tokens are likely under the policy: its old log-probs beat the reference's
         assert (
-            float(pm.masked_mean(rollout.old_logprobs - rollout.ref_logprobs, rollout.mask)) > 0
+            float(pm.masked_mean(rollout.old_logprobs - rollout.ref_logprobs, rollout.response_mask)) > 0
         )  # E_pi = KL(pi, ref); E_ref would be < 0
     assert torch.equal(responses[True], responses[False])
 
@@ -334,9 +334,9 @@ def test_kl_ignore_tokens_leaves_those_positions_out_of_the_penalty():
     torch.manual_seed(3)
     rollout = module.rollout(PROMPTS * 4)
     kl = module.kl_per_token(rollout)
-    full = (rollout.old_logprobs - rollout.ref_logprobs) * rollout.mask  # k1, no ignored tokens
-    ignored = (rollout.response == module.tokenizer.eos_token_id) | (rollout.response == module.tokenizer.convert_tokens_to_ids("e"))
-    assert ignored[rollout.mask.bool()].any()
+    full = (rollout.old_logprobs - rollout.ref_logprobs) * rollout.response_mask  # k1, no ignored tokens
+    ignored = (rollout.responses == module.tokenizer.eos_token_id) | (rollout.responses == module.tokenizer.convert_tokens_to_ids("e"))
+    assert ignored[rollout.response_mask.bool()].any()
     assert torch.equal(kl[ignored], torch.zeros_like(kl[ignored]))
     assert torch.equal(kl[~ignored], full[~ignored])
     with pytest.raises(ValueError, match=r"each of model.kl.ignore_tokens must be 'eos' or a single token of this tokenizer, got 'ee'"):
@@ -347,7 +347,7 @@ def test_gold_reward_is_logged_beside_the_proxy(tmp_path):
     module = make_module(reward_model=char_reward("e"), gold_reward_model=char_reward("aeiou"))
     _, history = fit(module, tmp_path, iterations=2)
     rollout = history.outputs[-1]["rollout"]
-    expected = sum(sum(ch in "aeiou" for ch in r) for r in rollout.responses) / len(rollout.responses)
+    expected = sum(sum(ch in "aeiou" for ch in r) for r in rollout.response_texts) / len(rollout.response_texts)
     assert history.rows[-1]["objective/gold_reward"] == pytest.approx(expected)
     assert history.rows[-1]["objective/gold_reward"] >= history.rows[-1]["objective/reward"]  # 'e' is a vowel
 
@@ -388,8 +388,8 @@ def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_
         push_adapter(module)
         rollouts[source] = module.rollout(PROMPTS)
     sampler, forward = rollouts["sampler"], rollouts["forward"]
-    assert torch.equal(sampler.response, forward.response)
-    mask = forward.mask
+    assert torch.equal(sampler.responses, forward.responses)
+    mask = forward.response_mask
     assert mask.sum() > 10
     for field in ("old_logprobs", "old_values", "entropy", "ref_logprobs"):
         assert torch.allclose(getattr(sampler, field) * mask, getattr(forward, field) * mask, atol=1e-4), field
@@ -487,7 +487,7 @@ def test_kl_loss_is_the_importance_weighted_term_and_the_rollout_kl_stays_unweig
     _, history = fit(module, tmp_path, iterations=1)
     rollout, kl = history.outputs[-1]["rollout"], history.outputs[-1]["kl"]
     first_kl_loss, first_idx = seen[0]
-    mask = rollout.mask[first_idx]
+    mask = rollout.response_mask[first_idx]
     assert first_kl_loss == pytest.approx(float((kl[first_idx] * mask).sum() / mask.sum()), rel=1e-5)
     assert history.rows[-1]["objective/kl"] == pytest.approx(float(kl.sum(-1).mean()), rel=1e-5)
 

@@ -150,12 +150,12 @@ def test_rollouts_have_fixed_length_and_the_enumerated_logprobs():
     n = 2000
     prompts = list(task.prompts) * n
     rollout = module.rollout(prompts)
-    assert rollout.response.shape == (3 * n, task.response_length)
-    assert rollout.mask.all() and not rollout.ended_with_eos.any()
-    assert all(len(r) == task.response_length for r in rollout.responses)
+    assert rollout.responses.shape == (3 * n, task.response_length)
+    assert rollout.response_mask.all() and not rollout.ended_with_eos.any()
+    assert all(len(r) == task.response_length for r in rollout.response_texts)
     # The rollout's per-token log-probs add up to the enumerated log pi(y|x) and log pi_ref(y|x).
     prompt_index = torch.tensor([task.prompts.index(p) for p in prompts])
-    response_index = torch.tensor([task.responses.index(r) for r in rollout.responses])
+    response_index = torch.tensor([task.responses.index(r) for r in rollout.response_texts])
     table, ref_table = module.exact_logprobs(), module.exact_ref_logprobs()
     torch.testing.assert_close(rollout.old_logprobs.sum(-1).double(), table[prompt_index, response_index], atol=1e-5, rtol=0)
     torch.testing.assert_close(rollout.ref_logprobs.sum(-1).double(), ref_table[prompt_index, response_index], atol=1e-5, rtol=0)

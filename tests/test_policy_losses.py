@@ -165,13 +165,13 @@ def test_entropy_bonus_is_minus_coef_times_the_weighted_entropy():
     module = make_module(ppo=dict(entropy_coef=0.5), critic="shared")
     torch.manual_seed(0)
     rollout = module.rollout(["hello", "abc"])
-    zeros = torch.zeros_like(rollout.mask)
-    weights = TokenMean().weights(rollout.mask, max_new_tokens=12)
+    zeros = torch.zeros_like(rollout.response_mask)
+    weights = TokenMean().weights(rollout.response_mask, max_new_tokens=12)
     with torch.no_grad():
         loss = module.ppo_loss(rollout, zeros, rollout.old_values, torch.arange(2), kl_coef=torch.zeros(2), weights=weights)
-        logits, _values = module.networks.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        logits, _values = module.networks.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.responses.shape[1])
     # Zero advantages, values equal to their targets: only the bonus is left (on-policy, entropy as sampled).
-    entropy = pm.masked_mean(pm.entropy_of(logits), rollout.mask)
+    entropy = pm.masked_mean(pm.entropy_of(logits), rollout.response_mask)
     assert loss.item() == pytest.approx(-0.5 * entropy.item(), rel=1e-5)
     with pytest.raises(ValueError, match=r"model.ppo.entropy_coef must be 0 when model.entropy_controller is set, got 0.1"):
         make_module(ppo=dict(entropy_coef=0.1), entropy_controller="adaptive")

@@ -76,7 +76,7 @@ def test_hf_rollout_samples_inside_the_kept_set_and_replays_it():
     min_new_tokens, and each position's declared distribution sums to 1."""
     module = make_module(sampling=dict(top_k=20, top_p=0.7, temperature=0.8, min_new_tokens=3, old_logprobs="forward"))
     rollout = module.rollout(["hello", "abc", "xyz", "q"] * 4)
-    kept, response, mask = rollout.kept, rollout.response, rollout.mask.bool()
+    kept, response, mask = rollout.kept, rollout.responses, rollout.response_mask.bool()
     assert kept.gather(-1, response.unsqueeze(-1)).squeeze(-1)[mask].all()
     assert not kept[:, :3, module.tokenizer.eos_token_id].any()
     assert kept.sum(-1)[mask].float().mean() < 20  # top-p truncates below top-k
@@ -152,7 +152,7 @@ def test_estimator_means_equal_the_enumerated_kl_of_the_declared_distributions()
         for param in module.policy.parameters():
             param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
     rollout = module.rollout(list(module.task.prompts) * 1000)
-    assert rollout.kept is not None and (rollout.kept.sum(-1) < 3)[rollout.mask.bool()].float().mean() > 0.3
+    assert rollout.kept is not None and (rollout.kept.sum(-1) < 3)[rollout.response_mask.bool()].float().mean() > 0.3
     declared_kl = kl_divergence(module.exact_logprobs(), module.exact_ref_logprobs())
     untruncated = ExactPPORLHF(TASKS["terminal"], temperature=0.7, seed=0)
     untruncated.configure_model()
@@ -161,7 +161,7 @@ def test_estimator_means_equal_the_enumerated_kl_of_the_declared_distributions()
     for name in [entry.name for entry in registry("kl_estimator").entries()]:
         estimator = registry("kl_estimator").create(name)
         samples = estimator(rollout.trainer_logprobs, rollout.ref_logprobs, rollout.old_logits, rollout.ref_logits)
-        samples = (samples * rollout.mask).sum(-1).double()
+        samples = (samples * rollout.response_mask).sum(-1).double()
         mean, stderr = samples.mean().item(), samples.std().item() / math.sqrt(len(samples))
         logq, values = _declared_tables(module, estimator)
         expected = (logq.exp() * values).sum(-1).mean().item()  # prompts equally often in the rollout

@@ -48,7 +48,7 @@ def test_backward_cost_full_and_lora_by_hand(tiny_shape):
 def test_iteration_costs_count_each_pass_once(tiny_shape):
     common = dict(batch=4, prompt_len=3, response_len=2, ppo_epochs=2, num_minibatches=2, policy_trainable=500)
     full = roofline.iteration_costs(tiny_shape, **common, critic_trainable=400)
-    # Rollout: the prefill and response_len - 1 = 1 decode step.
+    # Trajectory: the prefill and response_len - 1 = 1 decode step.
     assert full["rollout"] == [roofline.forward_cost(tiny_shape, 4, 3, 0, 1), roofline.forward_cost(tiny_shape, 4, 1, 3, 1)]
     # Score: log pi_old, log pi_ref (3 logits each: response_len + 1) and the critic's trunk.
     assert full["score"] == [roofline.forward_cost(tiny_shape, 4, 5, 0, 3)] * 2 + [roofline.forward_cost(tiny_shape, 4, 5)]

@@ -34,7 +34,7 @@ def test_quickstart_model_writes_sensible_text(smollm2_tokenizer):
 
     module = make_module(policy="smollm2", lora=dict(rank=8), sampling=dict(max_new_tokens=16, do_sample=False), critic="shared")
     rollout = module.rollout(["What is the capital of France? Answer in one word."])
-    assert "paris" in rollout.responses[0].lower()
+    assert "paris" in rollout.response_texts[0].lower()
 
 
 def test_a_gguf_file_is_a_model_spec(smollm2_tokenizer):

@@ -37,7 +37,7 @@ def vllm_module(**overrides):
 
 
 def max_diff(rollout) -> float:
-    return float(((rollout.trainer_logprobs - rollout.sampler_logprobs) * rollout.mask).abs().max())
+    return float(((rollout.trainer_logprobs - rollout.sampler_logprobs) * rollout.response_mask).abs().max())
 
 
 @pytest.mark.parametrize(
@@ -71,14 +71,14 @@ def test_greedy_responses_equal_hf_and_sampled_ones_follow_its_rules():
         name: make_module(rollout_engine=engine, sampling=dict(do_sample=False), tiny_config=HEADS_OF_32).rollout(prompts)
         for name, engine in (("hf", "hf"), ("vllm", small_engine()))
     }
-    assert torch.equal(greedy["hf"].response, greedy["vllm"].response)
-    assert torch.equal(greedy["hf"].mask, greedy["vllm"].mask)
+    assert torch.equal(greedy["hf"].responses, greedy["vllm"].responses)
+    assert torch.equal(greedy["hf"].response_mask, greedy["vllm"].response_mask)
     module = vllm_module(top_k=30, top_p=0.8, min_new_tokens=4, max_new_tokens=10)
     rollout = module.rollout(prompts * 4)
-    mask = rollout.mask.bool()
-    assert rollout.response.shape[1] <= 10
-    assert rollout.kept.gather(-1, rollout.response[..., None])[..., 0][mask].all()
-    assert not (rollout.response[:, :4] == module.tokenizer.eos_token_id).any()
+    mask = rollout.response_mask.bool()
+    assert rollout.responses.shape[1] <= 10
+    assert rollout.kept.gather(-1, rollout.responses[..., None])[..., 0][mask].all()
+    assert not (rollout.responses[:, :4] == module.tokenizer.eos_token_id).any()
     assert max_diff(rollout) < FP32_ROUNDING
     assert rollout.ended_with_eos.any() or mask.all()
 
@@ -125,7 +125,7 @@ def test_groups_of_generations_differ_and_a_moving_reference_is_followed(tmp_pat
     initial = vllm_module(**settings).policy  # the same seeded initialisation: the policy did move away from it
     assert max((p - q).abs().max().item() for p, q in zip(module.policy.parameters(), initial.parameters(), strict=True)) > 1e-3
     for output in history.outputs:
-        responses = output["rollout"].responses
+        responses = output["rollout"].response_texts
         assert len(responses) == 8 and all(len(set(responses[i : i + 4])) > 1 for i in (0, 4)), responses
     assert history.series("objective/kl") == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)  # the first: the reference starts as the policy
     assert module.rollout_engine.syncs == 2 and max(history.series("rollout/logprob_diff_max")) < FP32_ROUNDING
@@ -150,7 +150,7 @@ def test_resume_draws_the_same_responses(tmp_path):
     assert len(resumed.rows) == 2
     for key in ("objective/kl", "objective/reward", "response/length", "rollout/logprob_diff_max"):
         assert resumed.series(key) == pytest.approx(straight.series(key)[2:], abs=1e-5), key
-    assert [o["rollout"].responses for o in resumed.outputs] == [o["rollout"].responses for o in straight.outputs[2:]]
+    assert [o["rollout"].response_texts for o in resumed.outputs] == [o["rollout"].response_texts for o in straight.outputs[2:]]
 
 
 def test_training_with_vllm_reaches_the_declared_optimum_with_the_correction():

@@ -107,9 +107,9 @@ class KLToOptimum(Callback):
         scores, log_ratios = [], []
         for prompt in self.prompts:
             rollout = pl_module.rollout([prompt] * per_prompt)
-            raw = pl_module.reward_model.checked_scores(rollout.prompts, rollout.responses)
+            raw = pl_module.reward_model.checked_scores(rollout.prompts, rollout.response_texts)
             scores.append(pl_module.reward_model.shape_scores(raw, rollout.ended_with_eos, update_stats=False).double())
-            log_ratios.append(((rollout.old_logprobs - rollout.ref_logprobs) * rollout.mask).sum(-1).double().cpu())
+            log_ratios.append(((rollout.old_logprobs - rollout.ref_logprobs) * rollout.response_mask).sum(-1).double().cpu())
         return torch.stack(scores), torch.stack(log_ratios)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

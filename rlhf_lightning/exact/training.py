@@ -29,7 +29,7 @@ from rlhf_lightning.checks import require
 from rlhf_lightning.exact.closed_form import optimum_report
 from rlhf_lightning.exact.tabular import conditional_tables, enumerate_responses, prefix_index, reward_to_go
 from rlhf_lightning.exact.tasks import ExactPPORLHF, ExactTask
-from rlhf_lightning.module import Rollout
+from rlhf_lightning.module import Trajectory
 from rlhf_lightning.registry import registry
 from rlhf_lightning.trainer_settings import QUIET_TRAINER
 
@@ -252,15 +252,15 @@ def expected_train(
             value = reward_to_go(joint, reward_tree, t)
             values.append(value.reshape(prompts, -1).repeat_interleave(num_tokens ** (length - t), -1))
         advantages = (rewards.unsqueeze(-1) - torch.stack(values, -1)).view(-1, length).float()
-        rollout = Rollout(
+        rollout = Trajectory(
             # one group per row: enumerated responses are not independent samples, so no leave-one-out
             # baseline (ppo_math.kl_to_go_loss's groups); the exact expectation needs none
             prompts=[str(row) for row in range(len(input_ids))],
-            responses=[],
+            response_texts=[],
             input_ids=input_ids,
             attention_mask=attention_mask,
-            response=response,
-            mask=mask,
+            responses=response,
+            response_mask=mask,
             ended_with_eos=torch.zeros(len(input_ids), dtype=torch.bool),
             old_logprobs=old_logprobs,
             trainer_logprobs=old_logprobs,

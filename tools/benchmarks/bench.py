@@ -492,7 +492,7 @@ def iteration_recorder(args: argparse.Namespace):
             if batch_idx >= warmup:
                 self.iterations.append(seconds)
                 self.floors.append(floors)
-                self.tokens.append(float(pl_module.last_rollout.mask.sum()))
+                self.tokens.append(float(pl_module.last_rollout.response_mask.sum()))
                 self.passes.append(passes)
 
     return IterationRecorder()
@@ -611,14 +611,14 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
     median = statistics.median
     enc, last = module.last_encoding, module.last_rollout
     ids, mask = trim_left_padding(last.input_ids, last.attention_mask)
-    shared, common, _ = module.networks.shared_prompt_tokens(ids, mask, last.response.shape[1])
+    shared, common, _ = module.networks.shared_prompt_tokens(ids, mask, last.responses.shape[1])
     if shared is not None:  # the distinct prompts' common beginning, run once in their pass (prefix._prompts_once)
-        common = prompts_beginning(ids, mask, last.response.shape[1], shared[0])
+        common = prompts_beginning(ids, mask, last.responses.shape[1], shared[0])
     costs = roofline.iteration_costs(
         roofline.ModelShape.of(module.policy),
         batch=int(enc["input_ids"].shape[0]),
         prompt_len=int(enc["input_ids"].shape[1]),
-        response_len=int(module.last_rollout.response.shape[1]),
+        response_len=int(module.last_rollout.responses.shape[1]),
         ppo_epochs=ppo_epochs,
         num_minibatches=args.num_minibatches,
         policy_trainable=trainable_numel(module.policy) + (trainable_numel(module.critic) if module.networks.shared_critic else 0),
@@ -646,7 +646,7 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         "batch": int(enc["input_ids"].shape[0]),
         "prompt_len": int(enc["input_ids"].shape[1]),
         "prompt_len_mean": float(enc["attention_mask"].sum(-1).float().mean()),
-        "response_len": int(module.last_rollout.response.shape[1]),
+        "response_len": int(module.last_rollout.responses.shape[1]),
         "iter_s": median(totals),
         "tokens_per_s": median(t / s for t, s in zip(recorder.tokens, totals, strict=True)),
         "phases": {p: median(it.get(p, 0.0) for it in recorder.iterations) for p in PHASES},
@@ -718,7 +718,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
     reference = plain if lora else module.ref_model
     separate_critic = module.critic is not None and module.critic.trunk is not None
     enc, rollout = module.last_encoding, module.last_rollout
-    response_len = rollout.response.shape[1]
+    response_len = rollout.responses.shape[1]
     rows = slice(0, rollout.input_ids.shape[0] // args.num_minibatches)
     ids, attn = rollout.input_ids, rollout.attention_mask
     positions = position_ids(attn)
@@ -756,7 +756,7 @@ def measure_floors(module, args: argparse.Namespace) -> dict[str, float]:
                 logits_to_keep=response_len + 1,
                 output_hidden_states=module.critic is not None and not separate_critic,
             )
-            logprobs = out.logits[:, :-1].float().log_softmax(-1).gather(-1, rollout.response[rows, :, None])
+            logprobs = out.logits[:, :-1].float().log_softmax(-1).gather(-1, rollout.responses[rows, :, None])
             if module.critic is None:
                 values = torch.zeros(())
             elif separate_critic:

@@ -236,11 +236,11 @@ def measure(module: PPORLHF, estimators: dict, prompts: Sequence[str], batch_siz
     for b, start in enumerate(range(0, len(prompts), batch_size)):
         module.iteration = b  # rollout seeds its sampler from the iteration: a fresh draw per batch
         rollout = module.rollout(list(prompts[start : start + batch_size]))
-        mask = rollout.mask.float()
-        response_len = rollout.response.shape[1]
+        mask = rollout.response_mask.float()
+        response_len = rollout.responses.shape[1]
         # The same forward pass with gradients, as ppo_loss does (on-policy: pi = pi_old).
         logits = module.networks.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, response_len)
-        logprobs = pm.logprobs_of(logits, rollout.response)
+        logprobs = pm.logprobs_of(logits, rollout.responses)
         logp_all, ref_logp_all = logits.log_softmax(-1), rollout.ref_logits.log_softmax(-1)  # (batch, len, vocab)
         for name, estimator in estimators.items():
             args = (logprobs, rollout.ref_logprobs, logits, rollout.ref_logits)
@@ -263,22 +263,22 @@ def move_policy(module: PPORLHF, rollout, epochs: int, lr: float, seed: int) -> 
     response, away from pi_old = the policy that sampled ``rollout``; returns the mean
     |log pi_theta - log pi_old| per response token after them."""
     generator = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (rollout.mask.shape[0], 1), generator=generator).to(rollout.mask) * 2 - 1
-    advantages = signs.expand_as(rollout.mask)
+    signs = torch.randint(0, 2, (rollout.response_mask.shape[0], 1), generator=generator).to(rollout.response_mask) * 2 - 1
+    advantages = signs.expand_as(rollout.response_mask)
     optimizer = torch.optim.Adam(lora_parameters(module), lr=lr)
 
     def logprobs() -> Tensor:
-        logits = module.networks.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
-        return pm.logprobs_of(logits, rollout.response)
+        logits = module.networks.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.responses.shape[1])
+        return pm.logprobs_of(logits, rollout.responses)
 
     for _ in range(epochs):
         optimizer.zero_grad()
-        loss, _ = module.policy_loss(logprobs(), rollout.old_logprobs, advantages, rollout.mask)
-        pm.masked_mean(loss, rollout.mask).backward()
+        loss, _ = module.policy_loss(logprobs(), rollout.old_logprobs, advantages, rollout.response_mask)
+        pm.masked_mean(loss, rollout.response_mask).backward()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     with torch.no_grad():
-        return float(pm.masked_mean((logprobs() - rollout.old_logprobs).abs(), rollout.mask))
+        return float(pm.masked_mean((logprobs() - rollout.old_logprobs).abs(), rollout.response_mask))
 
 
 def measure_off_policy(module: PPORLHF, estimators: dict, prompts: Sequence[str], batch_size: int, epochs: int, lr: float) -> dict:
@@ -292,10 +292,10 @@ def measure_off_policy(module: PPORLHF, estimators: dict, prompts: Sequence[str]
     for b, start in enumerate(range(0, len(prompts), batch_size)):
         module.iteration = b
         rollout = module.rollout(list(prompts[start : start + batch_size]))  # sampled from pi_old
-        mask = rollout.mask.float()
+        mask = rollout.response_mask.float()
         with torch.enable_grad():
             out["moved"].append(move_policy(module, rollout, epochs, lr, seed=b))
-        logits = module.networks.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.response.shape[1])
+        logits = module.networks.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, rollout.responses.shape[1])
         logp, ref_logp, old_logp = logits.log_softmax(-1), rollout.ref_logits.log_softmax(-1), rollout.old_logits.log_softmax(-1)
         exact = estimators[EXACT](None, None, logits, rollout.ref_logits)  # (batch, response_len)
         out["exact"].add(flat_grad(pm.masked_mean(exact, mask), params))

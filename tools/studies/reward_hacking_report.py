@@ -60,8 +60,8 @@ def evaluate(module, prompts: Sequence[str], batch_size: int) -> tuple[list[str]
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
             rollout = module.rollout(list(prompts[start : start + batch_size]))
-            responses += rollout.responses
-            scores += module.reward_model.checked_scores(rollout.prompts, rollout.responses).tolist()
+            responses += rollout.response_texts
+            scores += module.reward_model.checked_scores(rollout.prompts, rollout.response_texts).tolist()
             kls += module.kl_per_token(rollout).sum(-1).tolist()
     return responses, sum(scores) / len(scores), sum(kls) / len(kls)
 

@@ -14,15 +14,15 @@ from torch import Tensor
 
 
 @dataclass
-class Rollout:
+class Trajectory:
     """Everything one iteration learns from. Per-token tensors are (batch, response_len)."""
 
     prompts: list[str]
-    responses: list[str]
+    response_texts: list[str]  # decoded, special tokens left out
     input_ids: Tensor  # (batch, prompt_len + response_len): prompt then response
     attention_mask: Tensor  # same shape: the tokenizer's prompt mask, then the response mask
-    response: Tensor  # response token ids
-    mask: Tensor  # 1 on real response tokens, up to and including the first EOS
+    responses: Tensor  # (batch, response_len) response token ids, pad after EOS
+    response_mask: Tensor  # 1 on real response tokens, up to and including the first EOS
     ended_with_eos: Tensor  # (batch,) bool
     old_logprobs: Tensor  # log pi_old of the sampled tokens in the PPO ratio: the sampler's or the trainer's (old_logprobs)
     trainer_logprobs: Tensor  # log pi_old from the trainer's model (the KL's); the sampler's own: sampler_logprobs
@@ -52,7 +52,7 @@ class Scored:
 class IterationOutputs(TypedDict):
     """What ``training_step`` returns: callbacks receive it as ``outputs`` in ``on_train_batch_end``."""
 
-    rollout: Rollout
+    rollout: Trajectory
     kl: Tensor  # (batch, response_len), as in Scored
     scores: Optional[Tensor]  # r_RM per response, as the backend returned it
     metrics: dict[str, float]  # the iteration's logged metrics; empty for a skipped iteration
