@@ -404,7 +404,7 @@ def test_unknown_old_logprobs_source_is_refused():
 @pytest.mark.parametrize("kl_penalty", ["loss", "both"])
 def test_whitening_with_a_kl_loss_term_is_refused(kl_penalty):
     """Whitening divides the reward's advantages by their std and not the KL loss term: beta then no longer
-    weighs the KL as configured (tests/test_optimum.py, README: gap 0.50 instead of 0.001 on the bandit)."""
+    weighs the KL as configured (tests/test_exact.py, README: gap 0.50 instead of 0.001 on the bandit)."""
     with pytest.raises(ValueError, match=r"model.ppo.whiten_advantages must be false when the KL is in the loss"):
         PPORLHF(
             policy="tiny", reward_model=char_reward(), kl=dict(placement=kl_penalty), ppo=dict(whiten_advantages=True), kl_estimator="k3"

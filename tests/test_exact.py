@@ -340,7 +340,7 @@ def test_ema_reference_moves_the_optimum_by_alpha_per_update():
     the policy sits near pi_{1 + 2 alpha} = pi_2. Only near: the average is taken in weight space, which
     is the geometric mixture of the exact map only to first order (measured: gap 0.031 to pi_2, 0.0042
     to its own reference's optimum); the exact map's fixed points, the reward maximisers, are in
-    tests/test_reference_update.py."""
+    tests/test_reference_updates.py."""
     _start, end = run("k1", beta=1.5, iterations=3 * PHASE, reference_update=EMA(0.5, every_n_iterations=PHASE), lr_period=PHASE)
     assert end["k"] == 2.0
     assert end["gap"] < 0.02, end
