@@ -9,9 +9,9 @@ into every x86 PyTorch and what ``torch.compile``'s CPU backend calls for linear
 AVX-512 where the CPU has it (measured: docs/performance.md). :func:`onednn_linear` is a
 torch function mode: inside it each ``F.linear`` on plain CPU fp32 tensors runs as
 :class:`OneDNNLinear`; anything else (a GPU, bf16, a DTensor or other tensor subclass) runs as
-it would have. Results equal MKL's to float rounding (about 1e-6 relative, ``tests/test_cpu.py``),
-so trajectories differ from an ``aten`` run's at rounding level; each kernel is deterministic for
-a given shape and thread count.
+it would have. Results equal MKL's to float rounding (``tests/test_cpu.py`` checks them against
+float64), so trajectories differ from an ``aten`` run's at rounding level; each kernel is
+deterministic for a given shape and thread count.
 
 **malloc.** glibc hands every allocation above a (moving) threshold of 128 KB-32 MB to ``mmap``
 and returns it on free, and trims the heap top: a training step's tensors (activations,
@@ -19,9 +19,9 @@ gradients, AdamW's temporaries, 1-100 MB each) then come back as fresh pages, ea
 a page fault. :func:`tune_malloc` raises the threshold to glibc's maximum (32 MB), turns ``mmap``
 off (``M_MMAP_MAX`` 0: a tensor above 32 MB, such as the full-vocabulary logits of 32 x 32 tokens,
 200 MB, comes from the heap too; glibc still maps memory when the heap cannot grow), stops trimming
-and pads heap growth, so freed memory is reused in place: far fewer page faults per PPO update
-(docs/performance.md), where a fault can cost tens of microseconds (a virtual machine backing
-guest memory lazily). This is PyTorch's CPU tuning advice (jemalloc or tcmalloc) done with the
+and pads heap growth, so freed memory is reused in place: far fewer page faults per PPO update.
+A fault costs most on a virtual machine that backs guest memory lazily (docs/performance.md has
+the counts and costs). This is PyTorch's CPU tuning advice (jemalloc or tcmalloc) done with the
 allocator already loaded. The process keeps its peak heap instead of returning it to the system.
 """
 
@@ -118,11 +118,11 @@ VOCAB_CHUNK = 1024  # output-layer rows per product in :func:`output_layer`
 
 def output_layer(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``F.linear(x, weight, bias)`` for a language model's output layer. On a CPU without autograd and outside
-    the oneDNN route it runs as products of ``VOCAB_CHUNK`` vocabulary rows each: MKL takes 22.9 ms for 8 rows
-    by SmolLM2's 49152 x 576 output layer as one product and 16.6 ms as 48 of 1024 rows (32 rows: 38.7
-    against 30.7 ms; one thread, the Zen 4 EPYC, its AVX2 path), the very same values there (each output is the
-    same dot product over the hidden size); a decode step samples from these logits. oneDNN's product gains
-    nothing from it (14.8 against 16.3 ms), and the backward of a chunked product would be 48 small ones."""
+    the oneDNN route it runs as products of ``VOCAB_CHUNK`` vocabulary rows each. MKL's AVX2 path runs a
+    large output layer (SmolLM2's 49152 x 576) faster in such chunks than as one product, with the very same
+    values (each output is the same dot product over the hidden size); a decode step samples from these
+    logits. oneDNN's product gains nothing from chunks, and the backward of a chunked product would be many
+    small ones. The timings are in docs/performance.md ("The output layer in vocabulary chunks")."""
     rows = weight.shape[0]
     if torch.is_grad_enabled() or x.device.type != "cpu" or rows <= 2 * VOCAB_CHUNK or onednn_route_active():
         return F.linear(x, weight, bias)
@@ -136,10 +136,10 @@ def output_layer(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
 def resolve_cpu_linear(choice: CpuLinear) -> Literal["onednn", "aten"]:
     """``auto`` is oneDNN where this torch build has it and ATen dispatches AVX-512 kernels (the CPU has
     AVX-512 and ``ATEN_CPU_CAPABILITY`` does not cap it), unless the CPU runs AVX-512 at AVX2's width; else
-    aten. Without AVX-512 oneDNN's products are no faster than MKL's forward and slower backward (SmolLM2's
-    GRPO update 43 s against 23 s on an AMD EPYC with AVX2 only); on AMD's Zen 4, whose AVX-512 is two
-    256-bit halves, oneDNN's AVX-512 gains nothing over MKL's AVX2 path and its route costs (the GRPO
-    update 20.6 s against 12.8 s); on a Zen 5 it ran 2.4x MKL's rate (docs/performance.md)."""
+    aten. Without AVX-512 oneDNN's forward products are no faster than MKL's and its backward ones are
+    slower, so the update is slower through them. On AMD's Zen 4, whose AVX-512 is two 256-bit halves, oneDNN's
+    AVX-512 gains nothing over MKL's AVX2 path and its route costs time. On a Zen 5, with AVX-512 at full
+    width, oneDNN's products are much faster than MKL's. The measurements are in docs/performance.md."""
     if choice == "auto":
         avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
         return "onednn" if onednn_available() and avx512 and not half_width_avx512() else "aten"

@@ -394,7 +394,7 @@ def shard_models(mesh, policy: nn.Module, critic, ref_model, initial_model, rows
 def float32_head(model: nn.Module, hidden: Optional[list] = None):
     """The model's output layer computing float32 logits under every precision: outside autocast,
     from float32 copies of its input and weights (bf16-mixed: the layer would return bf16 logits,
-    off by ~0.06 for logits of 16-32, so the first PPO ratio would not be 1; bf16-true: float32
+    whose rounding would keep the first PPO ratio from being 1; bf16-true: float32
     products of the bf16 values). Each call's input, the last layer's hidden states at the kept
     positions, is appended to ``hidden`` when given."""
     head = model.get_output_embeddings()
@@ -406,7 +406,7 @@ def float32_head(model: nn.Module, hidden: Optional[list] = None):
             hidden.append(x)
         bias = None if head.bias is None else head.bias.float()
         # Contiguous: without autograd, matmul does not fold the strided slice that ``logits_to_keep``
-        # leaves into one product, and runs a batched one over the rows (1.4x the time on CPU).
+        # leaves into one product, and runs a slower batched one over the rows on CPU.
         with torch.autocast(x.device.type, enabled=False):
             return cpu.output_layer(x.float().contiguous(), head.weight.float(), bias)
 

@@ -284,11 +284,11 @@ def kl_to_go_loss(
     with s_t = grad log pi_theta(y_t | s_t), rho_t = pi_theta(y_t | s_t) / pi_old(y_t | s_t) (carrying
     gradient), k = ``kl`` per-token values whose mean at each state is its KL (only their values are used;
     PPORLHF passes the log-ratio's, log pi - log pi_ref, for every estimator that reads the sampled token:
-    k3's exp(-x) - 1 + x is heavy-tailed where pi << pi_ref and made this term's variance up to 15 times
-    larger at pi* on the random tasks; full's exact values otherwise) and
+    k3's exp(-x) - 1 + x is heavy-tailed where pi << pi_ref and made this term's variance much larger
+    at pi* on the random tasks, docs/kl-estimators.md; full's exact values otherwise) and
     W_{t,t'} = prod_{t < tau <= t'} rho_tau (``cumulative``) or rho_t' (``token``), both detached;
     ``none``: G = 0, only the baseline below (``kl_loss_scope: per_token`` adds no term: there the baseline
-    raised k3's per-token gradient variance 1.7-2.7x and left the cells 0.03-0.06 past their fixed point).
+    raised k3's per-token gradient variance and left the cells further from their fixed point).
     Computed as (rho_t - sg(rho_t)) * sg(G_t), DiCE's "magic box": adding it changes no logged value.
 
     Why. With y ~ pi_theta and an estimator whose VALUE is unbiased at every state, E[k_t | s_t] =
@@ -330,11 +330,10 @@ def kl_to_go_loss(
     (:func:`leave_one_out_mean`): a baseline for the whole score coefficient of the KL at t, the same-token
     k_t that the ratio of :func:`importance_weighted_kl` carries included. The other rows are sampled
     independently of row i's tokens, so E_old[grad rho_t * b_t | s_t] = b_t grad E_old[rho_t | s_t] = 0:
-    the expected gradient is unchanged, at every epoch. Without it the KL still to pay (about a nat per
-    response at beta 1 on the random tasks) is a score-function coefficient with mean far from 0, and the
-    loss path is noisier than the reward path, whose returns the critic or the group centres: on
-    random:3 (k1 in the loss, 1 epoch, 192 responses) the gap to J* after 150 iterations was 0.0425 without
-    it, 0.0235 with twice the responses. At t = 0 the group shares the state; later the mean is over the
+    the expected gradient is unchanged, at every epoch. Without it the KL still to pay is a score-function
+    coefficient with mean far from 0 (its size on the random tasks: docs/kl-estimators.md), and the loss
+    path is noisier than the reward path, whose returns the critic or the group centres, so sampled runs
+    end further from J*. At t = 0 the group shares the state; later the mean is over the
     group's other prefixes, still valid, less tight.
     Positions off ``mask`` contribute 0 (masked before exp; the KL there must be 0 or masked too).
     """

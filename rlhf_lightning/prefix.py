@@ -6,9 +6,8 @@ through the model once, their keys and values are kept (the model's own KV cache
 to their rows, and each row's response then runs on top of its prompt's: the logits of a plain
 forward to rounding, and the same gradients (autograd carries each response's back through the
 shared keys and values into the one prompt pass, where they add up). What it saves is the prompt
-tokens' work on every response but one per prompt: on SmolLM2 with 8 chat prompts of 38-45 tokens
-x 4 responses of 32, 44% of the tokens of every reference forward and every update's forward and
-backward (docs/performance.md).
+tokens' work on every response but one per prompt, in every reference forward and every update's
+forward and backward (docs/performance.md has the prompts' share on a SmolLM2 workload).
 """
 
 from __future__ import annotations
