@@ -523,7 +523,7 @@ class PPORLHF(LightningModule):
     def configure_optimizers(self) -> torch.optim.AdamW:
         """One AdamW over the parameter groups ``policy`` (lr) and ``critic`` (critic_lr), each with
         its own weight decay: AdamW's update is per parameter, so this is the update of one AdamW
-        per model (tests/test_gpu_paths.py), and it is what DeepSpeed supports (one optimizer);
+        per model (tests/test_gpu.py), and it is what DeepSpeed supports (one optimizer);
         one optimizer step, one GradScaler update under 16-mixed. ``optimizers: separate`` clips
         each group's gradient norm on its own, ``shared`` the norm of both (``on_before_optimizer_step``)."""
         optim = self.optim

@@ -7,7 +7,7 @@
 - :func:`sampled_ppo`: the module's loss pieces on a tabular policy (one logit vector per prompt and
   prefix), from sampled responses, so where it settles is the loss's doing, not a shared network's.
 
-What they show (tests/test_optimum.py, tools/studies/optimum_check.py): with the penalty in the reward
+What they show (tests/test_exact.py, tools/studies/optimum_check.py): with the penalty in the reward
 only k1 reaches pi*. PPO differentiates the rewards only through log pi of the sampled token, so
 E_pi[grad kl_t] is lost; it is 0 for k1, but not for k3 nor for full, which collapse towards the
 reward maximiser there and reach pi* with kl_penalty 'both' and unwhitened advantages.
