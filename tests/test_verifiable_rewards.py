@@ -94,7 +94,7 @@ def test_pass_at_k_callback_samples_max_k_answers_per_question_and_averages_over
     answers = {"What is 1 + 1?": ["2", "3", "4", "5"], "What is 2 + 2?": ["4", "4", "1", "4"]}
     logged = {}
     module = SimpleNamespace(
-        rollout=lambda prompts: SimpleNamespace(prompts=prompts, responses=[answers[p][i % 4] for i, p in enumerate(prompts)]),
+        rollout=lambda prompts: SimpleNamespace(prompts=prompts, response_texts=[answers[p][i % 4] for i, p in enumerate(prompts)]),
         reward_model=ExactAnswerReward(),
         log_dict=lambda metrics, **kwargs: logged.update(metrics),
     )
