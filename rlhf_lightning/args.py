@@ -89,6 +89,14 @@ class SamplingArgs:
         require_number(f + "temperature", self.temperature, above=0)
         require_number(f + "top_p", self.top_p, above=0, at_most=1)
         require(isinstance(self.top_k, int) and self.top_k >= 0, f + "top_k", "an integer >= 0 (0: no top-k truncation)", self.top_k)
+        # One kept token: the declared distribution is a point mass, every log-prob 0, no gradient.
+        require(
+            self.top_k != 1 or not self.do_sample,
+            f + "top_k",
+            "0 or >= 2 (top_k 1 keeps one token at each position: sampling is greedy, every log-prob of the sampled distribution "
+            "is 0, no gradient reaches the policy and nothing is learnt; for greedy rollouts set model.sampling.do_sample: false)",
+            self.top_k,
+        )
         _choice(f + "old_logprobs", self.old_logprobs, ("sampler", "forward"))
         _choice(f + "rollout_correction", self.rollout_correction, ("none", "tis", "mis", "seq_tis", "seq_mis"))
         require_number(f + "rollout_correction_cap", self.rollout_correction_cap, at_least=1)
@@ -523,31 +531,74 @@ def kl_recipe(estimator: KLEstimator, placement: str, weighting: str, scope: str
     return token, reason if token == "biased" else ""
 
 
-def check_setup(module, datamodule, stage: str) -> None:
+def check_setup(module, datamodule, stage: str) -> Optional[int]:
     """At start-up, once the tokenizer is loaded and before any model is: the batch split; every
     prompt of the data module's files (special-token strings, rendered length, and each reward
-    backend's own check: ``RewardModel.check_prompts``); an entropy target the policy can reach."""
+    backend's own check: ``RewardModel.check_prompts``); a nucleus that keeps one token; an entropy
+    target the policy can reach. Returns the longest rendered prompt in tokens (None without
+    prompt files), for :func:`check_context` once the policy's context is known."""
     if stage == "fit" and getattr(datamodule, "batch_size", None):
         check_batch_split(datamodule.batch_size, module.sampling, module.ppo)
+    longest = None
     for name in ("train_prompts", "val_prompts"):
         prompts, field = getattr(datamodule, name, None), f"data.{name.split('_')[0]}_path"
         if prompts:
-            module.encode_prompts(prompts, field)
+            enc = module.encode_prompts(prompts, field)
+            longest = max(longest or 0, int(enc["attention_mask"].sum(-1).max()))
             for role in ("reward_model", "gold_reward_model"):
                 if getattr(module, role) is not None:
                     getattr(module, role).check_prompts(prompts, field, f"model.{role}")
-    controller, vocab = module.entropy_controller, len(module.tokenizer)
+    sampling, vocab = module.sampling, len(module.tokenizer)
+    # The most likely token always stays in the nucleus; at top_p <= 1 / V no other ever joins it.
+    require(
+        not sampling.do_sample or sampling.top_p * vocab > 1,
+        "model.sampling.top_p",
+        f"> 1 / V = {1 / vocab:.3g} with the tokenizer's V = {vocab} tokens (below it the nucleus is the most likely token alone at "
+        "every position: sampling is greedy, every log-prob of the sampled distribution is 0 and nothing is learnt)",
+        sampling.top_p,
+    )
+    controller = module.entropy_controller
     if controller is not None and getattr(controller, "target", None) is not None:
-        # The entropy of a distribution over V tokens is at most log V (uniform).
+        # The entropy is of the sampled distribution, over its kept set: at most log of its size (uniform).
+        kept = min(vocab, sampling.top_k) if sampling.do_sample and sampling.top_k else vocab
         per_response = controller.unit == "sequence_sum"
-        most = math.log(vocab) * (module.sampling.max_new_tokens if per_response else 1)
+        most = math.log(kept) * (sampling.max_new_tokens if per_response else 1)
+        within = f"model.sampling.top_k = {kept} kept tokens" if kept < vocab else f"the tokenizer's V = {vocab} tokens"
+        bound = f"max_new_tokens x log {'top_k' if kept < vocab else 'V'}" if per_response else f"log {'top_k' if kept < vocab else 'V'}"
         require(
             controller.target < most,
             "model.entropy_controller.init_args.target",
-            f"< {most:.4g} nats per {'response (max_new_tokens x log V)' if per_response else 'token (log V)'} with the tokenizer's "
-            f"V = {vocab} tokens (no policy's entropy is higher: the coefficient would only grow)",
+            f"< {most:.4g} nats per {'response' if per_response else 'token'} ({bound}) with {within} (no policy's entropy is "
+            "higher: the coefficient would only grow)",
             controller.target,
         )
+    return longest
+
+
+# Where a model's config keeps its context, in positions (transformers' names across architectures).
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def check_context(prompts: PromptArgs, sampling: SamplingArgs, config: Any, longest_prompt: Optional[int] = None) -> None:
+    """The policy must hold a prompt and its response: the longest prompt (``longest_prompt`` tokens,
+    the prompt files' as rendered; unknown: ``model.prompts.max_length``) plus
+    ``model.sampling.max_new_tokens`` within the context its ``config`` declares
+    (``max_position_embeddings``). Past it the positions are ones the model never saw (rotary
+    embeddings extrapolate, learnt ones index out of range): sampling goes on silently on garbage.
+    A config that declares no context is not checked."""
+    name = next((name for name in CONTEXT_FIELDS if isinstance(getattr(config, name, None), int)), None)
+    if name is None:
+        return
+    context = getattr(config, name)
+    prompt = prompts.max_length if longest_prompt is None else longest_prompt
+    what = "model.prompts.max_length" if longest_prompt is None else "the longest prompt (model.prompts.max_length bounds it)"
+    require(
+        prompt + sampling.max_new_tokens <= context,
+        f"{what} + model.sampling.max_new_tokens",
+        f"<= {context} positions, the policy's context (its {type(config).__name__}'s {name}); lower "
+        f"model.sampling.max_new_tokens to at most {max(context - prompt, 0)}, or shorten the prompts",
+        f"{prompt} + {sampling.max_new_tokens} = {prompt + sampling.max_new_tokens}",
+    )
 
 
 def check_batch_split(batch_size: int, sampling: SamplingArgs, ppo: PPOArgs) -> None:

@@ -12,9 +12,11 @@ resumes from one, when it is written, and how it is written and read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
 import random
+import shutil
 import signal
 import tempfile
 import zipfile
@@ -66,7 +68,7 @@ def load_state(module, checkpoint: dict) -> None:
     training batch (loading and loader setup in between draw random numbers); the config's optimizer
     settings (lr, critic_lr, weight_decay) win over those stored beside the Adam moments, which
     Lightning loads next."""
-    state = checkpoint["rlhf_lightning"]
+    state = checkpoint_state(checkpoint)
     resume = check_compatible(module, checkpoint.get("hyper_parameters", {}), state.get("plugins", {}), state.get("plugin_args", {}))
     module.iteration = state["iteration"]
     module.generation_seed_base = state["generation_seed_base"]
@@ -93,6 +95,38 @@ def load_state(module, checkpoint: dict) -> None:
     for saved in checkpoint.get("optimizer_states", []):
         for saved_group, group in zip(saved["param_groups"], module.configure_optimizers().param_groups, strict=False):
             saved_group.update({key: value for key, value in group.items() if key != "params"})
+
+
+# What a resume reads of the module's part of a checkpoint (``save_state``); the rest has defaults.
+REQUIRED_STATE = ("iteration", "generation_seed_base", "faults")
+
+
+def checkpoint_state(checkpoint: Any, path: Any = None, complete: bool = True) -> dict:
+    """The module's part of a loaded checkpoint (``save_state``), or a ConfigError naming the file
+    (``path``, when known) and what it lacks: a bare ``state_dict``, another LightningModule's
+    checkpoint, or (``complete``) one of an rlhf-lightning version before the state a resume reads."""
+    name = "the checkpoint" if path is None else f"checkpoint {path}"
+    state = checkpoint.get("rlhf_lightning") if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict):
+        if not isinstance(checkpoint, dict):
+            what = f"a {type(checkpoint).__name__}"
+        elif "state_dict" in checkpoint:
+            what = f"another LightningModule's checkpoint (Lightning {checkpoint.get('pytorch-lightning_version', 'unknown')})"
+        elif checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+            what = "a bare state_dict of tensors, as torch.save(model.state_dict()) writes"
+        else:
+            what = f"a dict with keys {', '.join(sorted(map(str, checkpoint))[:8]) or 'none'}"
+        raise ConfigError(
+            f"{name} has no 'rlhf_lightning' state: not written by rlhf-lightning ({what}). --ckpt_path resumes a run of this "
+            "program from its own checkpoint (last.ckpt); to start from other weights, name their folder as model.policy"
+        )
+    missing = [key for key in REQUIRED_STATE if key not in state]
+    if complete and missing:
+        raise ConfigError(
+            f"{name} was written by an earlier rlhf-lightning version: its 'rlhf_lightning' state lacks {', '.join(map(repr, missing))}, "
+            "which a resume restores; it cannot be resumed: start a new run"
+        )
+    return state
 
 
 PLUGINS = ("reward_model", "beta_controller", "entropy_controller", "kl_estimator", "advantage_estimator", "policy_loss")
@@ -365,9 +399,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.fsync(partial.fileno())
             os.chmod(partial.name, 0o666 & ~_UMASK)  # the temporary file is private; a checkpoint is not
             os.replace(partial.name, target)
-        except BaseException:
+        except BaseException as err:
             with contextlib.suppress(OSError):
                 os.unlink(partial.name)
+            if isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as "unexpected pos"
+                raise write_error(target, err) from err
             raise
         folder = os.open(target.parent, os.O_RDONLY)
         try:
@@ -379,13 +415,32 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if get_protocol(str(path)) == "file":
             check_checkpoint_file(Path(path))
         try:
-            return super().load_checkpoint(path, map_location, weights_only)
+            checkpoint = super().load_checkpoint(path, map_location, weights_only)
         except Exception as err:  # torch.load's advice (weights_only=False) would be wrong for a damaged file
             raise ConfigError(f"checkpoint {path} cannot be read: {str(err).splitlines()[0]}") from err
+        checkpoint_state(checkpoint, path)  # named here, with its file, rather than as a KeyError in load_state
+        return checkpoint
 
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+
+
+def write_error(target: Path, err: BaseException) -> OSError:
+    """The OSError of a checkpoint that could not be written, naming ``target`` and the cause: the
+    first OSError behind ``err`` (torch.save turns a failed write into a RuntimeError, "unexpected
+    pos", with the OSError as its context), a full disk said in words, with the space left."""
+    target, cause = Path(os.path.abspath(target)), err
+    while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+        cause = cause.__cause__ or cause.__context__
+    code = cause.errno if cause is not None else errno.EIO
+    if code in FULL:
+        free = shutil.disk_usage(target.parent).free if target.parent.exists() else 0
+        reason = f"{FULL[code]} ({free / 2**20:.0f} MiB free in {target.parent})"
+    else:
+        reason = str(cause or err).splitlines()[0] if str(cause or err) else type(err).__name__
+    return OSError(code, f"cannot write checkpoint {target}: {reason}; nothing was written, a previous {target.name} is intact")
 
 
 def check_checkpoint_file(path: Path) -> None:
@@ -418,8 +473,8 @@ def check_resume(path: str, module, strategy) -> None:
     try:
         meta = torch.load(Path(path) / "meta.pt" if folder else path, mmap=True, weights_only=True, map_location="cpu")
     except Exception:  # damaged, truncated, or not a checkpoint: AtomicCheckpointIO's load says which
-        meta = {}
-    saved = meta.get("rlhf_lightning", {}) if isinstance(meta, dict) else {}
+        meta = None
+    saved = {} if meta is None else checkpoint_state(meta, path, complete=False)
     # A file of whole weights written without sharding leaves out the frozen reference the module rebuilds, which
     # FSDP2 would load strictly; one gathered from FSDP2's shards (save_distributed_checkpoint: false) has it.
     if folder != sharded_strategy and (folder or saved.get("sharded") is False):
@@ -430,8 +485,9 @@ def check_resume(path: str, module, strategy) -> None:
             f"checkpoint {path} was written by {written}; trainer.strategy {type(strategy).__name__} cannot resume it: "
             "resume with the strategy it was written with"
         )
-    if saved:
+    if meta is not None:
         check_compatible(module, meta.get("hyper_parameters", {}), saved.get("plugins", {}), saved.get("plugin_args", {}))
+        checkpoint_state(meta, path)  # then what an earlier version's checkpoint lacks
 
 
 def find_last_checkpoint(trainer) -> str:

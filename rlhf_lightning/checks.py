@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,9 +26,39 @@ class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
 def require(condition: bool, field: str, requirement: str, value: Any) -> None:
     """Unless ``condition``: ``ConfigError("<field> must be <requirement>, got <value>")``, the one
     shape of every configuration error (``field`` as the user writes it: ``model.optim.lr``,
-    ``beta_controller.target``, ``KLGuard.max_kl``)."""
+    ``KLGuard.max_kl``). A plugin names its arguments by its kind (``beta_controller.target``); while
+    the command builds it for a module argument, the field is that argument's
+    (``model.entropy_controller.init_args.target``: :func:`plugin_field`)."""
     if not condition:
-        raise ConfigError(f"{field} must be {requirement}, got {value!r}")
+        raise ConfigError(f"{plugin_field(field)} must be {requirement}, got {value!r}")
+
+
+# A plugin's own argument as it names it: its kind, then the argument (``reward_model.url``).
+_PLUGIN_FIELD = re.compile(r"(?!(?:model|data|trainer|cpu)\.)[a-z][a-z0-9_]*\.(\w+)")
+
+
+def plugin_field(field: str) -> str:
+    """``field`` as the user wrote it: a plugin's argument (``beta_controller.target``) is qualified by
+    the module argument the command is building the plugin for, if any (``model.entropy_controller``:
+    the same class serves two arguments), into ``model.entropy_controller.init_args.target``; any other
+    field, or a plugin built in Python, as it is.
+
+    The command's parser (jsonargparse) builds each ``class_path`` plugin before the module, through
+    its ``ActionTypeHint.instantiate_classes`` for the argument's key, and its error names neither the
+    key nor the argument: the key is read from that call's frame, found only when a check fails.
+    tests/test_messages.py runs this through the command, so a jsonargparse release that renames the
+    call fails there, where the message falls back to the plugin's own name."""
+    match = _PLUGIN_FIELD.fullmatch(field)
+    if match is None:
+        return field
+    frame = sys._getframe(1)
+    while frame is not None:
+        action = frame.f_locals.get("self") if frame.f_code.co_name == "instantiate_classes" else None
+        key = getattr(action, "dest", None)
+        if type(action).__module__.startswith("jsonargparse") and isinstance(key, str) and key.startswith("model."):
+            return f"{key}.init_args.{match.group(1)}"
+        frame = frame.f_back
+    return field
 
 
 def require_number(

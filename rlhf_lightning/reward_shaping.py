@@ -13,12 +13,19 @@ from torch import Tensor
 
 from rlhf_lightning.checks import ConfigError, require_number
 
+# Beyond this a score is no reward's scale but a broken backend's: float32 (7 digits) loses the
+# KL penalty beside it, and from about 1e18 the squares in the advantages' whitening and the value
+# loss overflow, so the PPO loss turns non-finite and its fault would name the loss, not the backend.
+MAX_ABS_SCORE = 1e15
+
 
 def check_scores(raw: Any, backend: str, n_responses: int) -> Tensor:
     """A backend's scores as float32 (n_responses,) on CPU. Anything but a tensor, an array or a
     list of numbers, or a wrong shape, is a ``ConfigError`` naming the backend (the backend is
-    broken: the run stops); a non-finite score is a ``FloatingPointError`` (a fault: the module
-    skips the iteration)."""
+    broken: the run stops); a non-finite score, or one beyond +-``MAX_ABS_SCORE``, is a
+    ``FloatingPointError`` naming the backend's argument, its class and the scores (a fault: the
+    module skips the iteration). ``backend``: the class, with its role when not the trained reward
+    (``ExactAnswerReward (model.gold_reward_model)``)."""
     if not isinstance(raw, (Tensor, np.ndarray, list, tuple)):
         raise ConfigError(
             f"reward model {backend} returned a {type(raw).__name__}; expected a tensor, an array or a list of "
@@ -36,6 +43,14 @@ def check_scores(raw: Any, backend: str, n_responses: int) -> Tensor:
     bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
     if bad:
         raise FloatingPointError(f"reward model {backend} returned non-finite scores for responses {bad}: {scores[bad].tolist()}")
+    huge = (scores.abs() > MAX_ABS_SCORE).nonzero().flatten().tolist()
+    if huge:
+        name, _, role = backend.partition(" (")
+        raise FloatingPointError(
+            f"{role.rstrip(')') or 'model.reward_model'} {name} returned scores beyond +-{MAX_ABS_SCORE:g} for responses "
+            f"{huge[:8]}{' ...' if len(huge) > 8 else ''}: [{', '.join(f'{v:.4g}' for v in scores[huge[:8]].tolist())}] (the PPO loss would overflow float32 or lose "
+            "the KL penalty beside them); scale the backend's scores down"
+        )
     return scores
 
 

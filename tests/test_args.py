@@ -254,7 +254,7 @@ REFUSED_ROWS = [
     ),
     (
         ("--model.policy_loss=clip_higher", "--model.policy_loss.clip_low=1"),
-        "error: policy_loss.clip_low must be a finite number in (0, 1), got 1.0",
+        "error: model.policy_loss.init_args.clip_low must be a finite number in (0, 1), got 1.0",
     ),
     (("--model.ppo.entropy_coef=.inf",), "error: model.ppo.entropy_coef must be a finite number >= 0, got inf"),
 ]

@@ -409,16 +409,19 @@ def test_a_reward_function_over_its_timeout_stops_the_run(tmp_path):
     [
         (
             ["--model.reward_model.init_args.kwargs={chars: e, colour: red}"],
-            "error: reward_model.function rlhf_lightning_plugins.rewards.toy:char_count(prompts, responses, chars='e', scale=1.0) cannot be "
-            "called as (prompts, responses, chars=..., colour=...) with reward_model.kwargs {'chars': 'e', 'colour': 'red'}: got an "
-            "unexpected keyword argument 'colour'",
+            "error: model.reward_model.init_args.function rlhf_lightning_plugins.rewards.toy:char_count(prompts, responses, chars='e', "
+            "scale=1.0) cannot be called as (prompts, responses, chars=..., colour=...) with model.reward_model.init_args.kwargs "
+            "{'chars': 'e', 'colour': 'red'}: got an unexpected keyword argument 'colour'",
         ),
         (
             ["--model.reward_model.init_args.function=test_bad_input:raising_reward"],
-            "error: reward_model.function test_bad_input:raising_reward(prompts, responses) cannot be called as (prompts, responses, "
-            "chars=...) with reward_model.kwargs {'chars': 'e'}: got an unexpected keyword argument 'chars'",
+            "error: model.reward_model.init_args.function test_bad_input:raising_reward(prompts, responses) cannot be called as (prompts, "
+            "responses, chars=...) with model.reward_model.init_args.kwargs {'chars': 'e'}: got an unexpected keyword argument 'chars'",
         ),
-        (["--model.reward_model.init_args.timeout=.nan"], "error: reward_model.timeout must be a finite number > 0, or null, got nan"),
+        (
+            ["--model.reward_model.init_args.timeout=.nan"],
+            "error: model.reward_model.init_args.timeout must be a finite number > 0, or null, got nan",
+        ),
     ],
     ids=["unknown-keyword", "function-without-kwargs", "nan-timeout"],
 )

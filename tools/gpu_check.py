@@ -1,7 +1,7 @@
 """One command that checks the GPU paths on a machine with a GPU (docs/distributed.md#gpus).
 
     python tools/gpu_check.py            # every check, 3 at a time, within ~10 minutes on one GPU
-    python tools/gpu_check.py --only tiny-bf16   # the checks whose name contains a string
+    python tools/gpu_check.py --only tiny-bf16   # the checks whose name contains a string (none: exit 2)
 
 Each check is a short ``rlhf-lightning fit`` in its own folder (3 PPO iterations unless said):
 
@@ -243,6 +243,11 @@ def main(
     parser.add_argument("--root", default=None, help="folder for the runs (default: a temporary one, removed after)")
     parser.add_argument("--accelerator", default="gpu", help="gpu; cpu runs the harness itself on a CPU (16-mixed becomes bf16-mixed)")
     args = parser.parse_args(argv)
+    wanted = [s for s in args.only.split(",") if s]
+    known = [c.name for c in checks(gpus=2, deepspeed=True, accelerator=args.accelerator)]  # every check on some machine
+    unknown = [s for s in wanted if not any(s in name for name in known)]
+    if unknown:  # before the GPU question: a typo is a typo on any machine
+        parser.error(f"--only {','.join(unknown)}: no check's name contains it; the checks: {', '.join(known)}")
     why = reason() if args.accelerator == "gpu" else None
     if why is not None:
         print(f"GPU_CHECK skipped: {why}")
@@ -252,7 +257,13 @@ def main(
     gpus = torch.cuda.device_count()
     deepspeed = importlib_available("deepspeed")
     todo = checks(gpus, deepspeed, args.accelerator)
-    wanted = [s for s in args.only.split(",") if s]
+    absent = [s for s in wanted if not any(s in c.name for c in todo)]
+    if absent:  # a check this machine cannot run (one GPU, no deepspeed): refused, not passed=0 failed=0
+        here = ", ".join(c.name for c in todo)
+        parser.error(
+            f"--only {','.join(absent)}: no such check on this machine ({gpus} GPU(s), deepspeed "
+            f"{'installed' if deepspeed else 'not installed'}); the checks here: {here}"
+        )
     todo = [c for c in todo if not wanted or any(s in c.name for s in wanted)]
     root = Path(args.root or tempfile.mkdtemp(prefix="gpu_check."))
     device = torch.cuda.get_device_name(0) if gpus else "CPU"

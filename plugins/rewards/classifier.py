@@ -60,14 +60,37 @@ class HFClassifierReward(EncoderReward):
         self.trust_remote_code, self.shared_prompts = trust_remote_code, shared_prompts
         self.shares = False  # whether score() shares prefixes: decided in setup
 
-    def setup(self, device: torch.device) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    def load_tokenizer(self) -> None:
+        """The reward model's tokenizer (once), with a pad token, truncating from the left: a text longer
+        than ``max_length`` keeps its end, the response, which is what the classifier pools (cut from the
+        right, every response of a long prompt would fall outside what it reads: one score for all)."""
+        from transformers import AutoTokenizer
 
-        if self.model is None:
+        if self.tokenizer is None:
             self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
-            self.model = AutoModelForSequenceClassification.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
             if self.tokenizer.pad_token is None:
                 self.tokenizer.pad_token = self.tokenizer.eos_token
+            self.tokenizer.truncation_side = "left"
+
+    def check_prompts(self, prompts: Sequence[str], field: str, role: str) -> None:
+        """Warn at start-up of prompts that alone fill ``max_length`` as the model reads them (their
+        conversation or ``prompt + separator``): it will read their responses but not their starts."""
+        super().check_prompts(prompts, field, role)
+        if not self.include_prompt:
+            return
+        try:
+            self.load_tokenizer()
+        except (OSError, ValueError):  # no tokenizer there: setup names the folder
+            return
+        distinct = list(dict.fromkeys(prompts))
+        self.warn_if_truncated(self.texts(distinct, [""] * len(distinct)), f"prompts of {field}", " with an empty response")
+
+    def setup(self, device: torch.device) -> None:
+        from transformers import AutoModelForSequenceClassification
+
+        if self.model is None:
+            self.load_tokenizer()
+            self.model = AutoModelForSequenceClassification.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
             self.model.requires_grad_(False).eval()
             no_template = f"false: the tokenizer in {self.path} has no chat template"
@@ -91,7 +114,7 @@ class HFClassifierReward(EncoderReward):
             shared = prefix.classify_shared_prefixes(self.model, rows, [0, 0], self.tokenizer.pad_token_id)
         except (TypeError, ValueError, AttributeError, RuntimeError):  # no KV cache in this architecture's forward
             return False
-        whole = torch.cat([self.model(**enc).logits for enc in self.batches(texts)])
+        whole = torch.cat([self.model(**enc).logits for enc in self.batches(texts, warn=False)])
         return shared is not None and torch.allclose(shared, whole, rtol=1e-4, atol=1e-4)
 
     def texts(self, prompts: Sequence[str], responses: Sequence[str]) -> list[str]:
@@ -196,6 +219,10 @@ class EnsembleReward(RewardModel):
         stats = Path(path) / REWARD_STATS_FILE
         require(stats.is_file(), "reward_model.paths", f"model folders with a {REWARD_STATS_FILE} (or standardize: false)", path)
         return stats
+
+    def check_prompts(self, prompts: Sequence[str], field: str, role: str) -> None:
+        for member in self.members:
+            member.check_prompts(prompts, field, role)
 
     def setup(self, device: torch.device) -> None:
         for member in self.members:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from rlhf_lightning.checks import plugin_field
 from rlhf_lightning.interfaces import ConfigError, RewardModel, require_number
 from rlhf_lightning.registry import canonical_class_path, register
 
@@ -19,6 +20,7 @@ from rlhf_lightning.registry import canonical_class_path, register
 def import_function(spec: str, field: str = "reward_model.function") -> Callable:
     """Import ``package.module:function`` (only what the config names; a built-in function named
     where it lived before it moved, ``rlhf_lightning_plugins.toy_rewards:char_count``, where it is now)."""
+    field = plugin_field(field)
     module_name, sep, attr = canonical_class_path(spec).partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{field} must look like 'package.module:function', got {spec!r}")
@@ -69,8 +71,8 @@ class CallableReward(RewardModel):
                     parameters=[q.replace(annotation=empty) for q in signature.parameters.values()], return_annotation=empty
                 )
                 raise ConfigError(
-                    f"reward_model.function {function}{signature} cannot be called as (prompts, responses"
-                    f"{''.join(f', {k}=...' for k in self.kwargs)}) with reward_model.kwargs {self.kwargs}: {err}"
+                    f"{plugin_field('reward_model.function')} {function}{signature} cannot be called as (prompts, responses"
+                    f"{''.join(f', {k}=...' for k in self.kwargs)}) with {plugin_field('reward_model.kwargs')} {self.kwargs}: {err}"
                 ) from None
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> Tensor | Sequence[float]:

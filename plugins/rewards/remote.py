@@ -57,7 +57,7 @@ class RemoteReward(RewardModel):
     scores or scores that are not numbers fail at once, since repeating would not help.
 
     Args:
-        url: ``http://`` or ``https://`` address the batches are POSTed to.
+        url: ``http://`` or ``https://`` address the batches are POSTed to (required).
         scores_key: key of the score list in the JSON answer.
         timeout: seconds allowed for each request as a whole (connecting, the headers and the
             whole body): a server that keeps trickling bytes is cut off at the deadline.
@@ -70,7 +70,7 @@ class RemoteReward(RewardModel):
 
     def __init__(
         self,
-        url: str,
+        url: Optional[str] = None,
         scores_key: str = "scores",
         timeout: float = 30.0,
         max_retries: int = 3,
@@ -83,7 +83,9 @@ class RemoteReward(RewardModel):
         super().__init__(**options)
         parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
         web_address = parts is not None and parts.scheme in ("http", "https") and bool(parts.netloc)
-        require(web_address, "reward_model.url", "an http:// or https:// address", url)
+        # Optional in the signature only so that a missing url is this message, not the parser's
+        # "Does not validate against any of the Union subtypes".
+        require(web_address, "reward_model.url", "the scoring server's http:// or https:// address (http://host:port/path)", url)
         require_number("reward_model.timeout", timeout, above=0)
         require_number("reward_model.max_retries", max_retries, integer=True, at_least=0)
         require_number("reward_model.backoff", backoff, at_least=0)
