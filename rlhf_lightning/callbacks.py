@@ -63,10 +63,9 @@ def export_policy(module, target: Path) -> Optional[Path]:
 
 class TensorBoardViews(Callback):
     """What ``PPORLHF`` adds to a TensorBoard log beside its scalars (the module installs it through
-    ``configure_callbacks``): the Custom Scalars page, the first view worth opening (reward, the KL
-    the controller sees beside its target, beta, the largest per-response KL, the entropy), and
-    every ``every_n_steps`` iterations a markdown table of ``num_samples`` prompts, responses,
-    scores and KL as text (``samples``)."""
+    ``configure_callbacks``): the Custom Scalars page (:func:`custom_scalars_layout`), the first view
+    worth opening, and every ``every_n_steps`` iterations a markdown table of ``num_samples`` prompts,
+    responses, scores and KL as text (``samples``)."""
 
     def __init__(self, every_n_steps: int = 10, num_samples: int = 4) -> None:
         self.every_n_steps, self.num_samples = every_n_steps, num_samples
@@ -74,19 +73,12 @@ class TensorBoardViews(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         if not isinstance(trainer.logger, TensorBoardLogger) or trainer.global_rank != 0:
             return
-        unit = pl_module.beta_controller.unit
-        charts = {
-            "reward": ["objective/reward", "objective/gold_reward", "val/reward"],
-            f"KL ({unit}) and the controller's target": [
-                "objective/kl" if unit == "sequence_sum" else "objective/kl_per_token",
-                "objective/kl_target",
-            ],
-            "beta": ["objective/beta"],
-            "KL max (nats per response)": ["objective/kl_max"],
-            "entropy (nats per token)": ["objective/entropy"],
-        }
-        layout = {title: ["Multiline", [f"^{tag}$" for tag in tags]] for title, tags in charts.items()}
-        trainer.logger.experiment.add_custom_scalars({"rlhf-lightning": layout})
+        layout = custom_scalars_layout(
+            unit=getattr(pl_module.beta_controller, "unit", "sequence_sum"),
+            has_target=hasattr(pl_module.beta_controller, "target"),
+            has_gold=pl_module.gold_reward_model is not None,
+        )
+        trainer.logger.experiment.add_custom_scalars(layout)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if outputs["skipped"] or not self.every_n_steps or pl_module.step % self.every_n_steps:
@@ -99,6 +91,49 @@ class TensorBoardViews(Callback):
             cells = [_md(rollout.prompts[i]), _md(rollout.response_texts[i]), f"{scores[i]:.3f}", f"{kl[i].sum():.3f}"]
             rows.append("| " + " | ".join(cells) + " |")
         trainer.logger.experiment.add_text("samples", "\n".join(rows), global_step=pl_module.step)
+
+
+# The Custom Scalars page. TensorBoard draws a chart's lines in one colour per run, told apart
+# only by their markers and the hover tooltip, and gives a layout no legend and no axis settings:
+# each chart's title names its lines in the order listed, each chart holds one quantity on one
+# scale, and the y axis fits the runs drawn (one config's runs: --logdir lightning_logs/<config>).
+SEEDS_CATEGORY = "rlhf-lightning: reward, KL, beta, net objective"
+MORE_CATEGORY = "rlhf-lightning: entropy, lengths, the PPO update"
+
+
+def custom_scalars_layout(unit: str = "sequence_sum", has_target: bool = True, has_gold: bool = False) -> dict:
+    """The Custom Scalars layout, ``{category: {chart title: ["Multiline", [tag regexes]]}}`` in the
+    order TensorBoard shows it: first the run at a glance (reward; the KL's mean and max beside the
+    controller's target, in the controller's ``unit``; beta; the net objective reward - beta * KL),
+    then what explains it (entropy, response length, the PPO update's approximate KL and clip
+    fraction). ``has_target``: the controller holds a KL target (``objective/kl_target`` is logged);
+    ``has_gold``: a gold reward is watched (its own chart: its scale is not the trained reward's)."""
+    target = ", the controller's target (objective/kl_target)" if has_target else ""
+    target_tag = ["objective/kl_target"] if has_target else []
+    seeds = {"reward: objective/reward (training batch), val/reward (held-out prompts)": ["objective/reward", "val/reward"]}
+    if has_gold:
+        seeds["gold reward (watched, not trained on): objective/gold_reward"] = ["objective/gold_reward"]
+    if unit == "sequence_sum":
+        seeds[f"KL per response (nats): mean (objective/kl), max (objective/kl_max){target}"] = [
+            "objective/kl",
+            "objective/kl_max",
+            *target_tag,
+        ]
+    else:  # the target is per token; the largest response's KL is a sum over its tokens: two scales
+        seeds[f"KL per token (nats): mean (objective/kl_per_token){target}"] = ["objective/kl_per_token", *target_tag]
+        seeds["KL per response (nats): mean (objective/kl), max (objective/kl_max)"] = ["objective/kl", "objective/kl_max"]
+    seeds["beta, the KL coefficient: objective/beta"] = ["objective/beta"]
+    seeds["net objective, reward - beta * KL: objective/net (training batch), val/net (held-out prompts)"] = ["objective/net", "val/net"]
+    more = {
+        "entropy (nats per token): objective/entropy": ["objective/entropy"],
+        "response length (tokens): response/length (training batch), val/length (held-out prompts)": ["response/length", "val/length"],
+        "PPO update: approximate KL to the rollout's policy (policy/approxkl)": ["policy/approxkl"],
+        "PPO update: fraction of tokens clipped (policy/clipfrac)": ["policy/clipfrac"],
+    }
+    return {
+        category: {title: ["Multiline", [f"^{tag}$" for tag in tags]] for title, tags in charts.items()}
+        for category, charts in ((SEEDS_CATEGORY, seeds), (MORE_CATEGORY, more))
+    }
 
 
 def _md(text: str, limit: int = 300) -> str:

@@ -1,0 +1,79 @@
+"""The Custom Scalars page TensorBoardViews writes: its charts, their titles (the only legend
+TensorBoard gives a chart) and the tags each draws, in the order TensorBoard shows them."""
+
+from __future__ import annotations
+
+import re
+
+from rlhf_lightning.callbacks import MORE_CATEGORY, SEEDS_CATEGORY, custom_scalars_layout
+
+
+def charts(layout: dict, category: str) -> list[tuple[str, list[str]]]:
+    """(title, tags) per chart of ``category``, in order; every chart a Multiline of exact tags."""
+    found = []
+    for title, (kind, regexes) in layout[category].items():
+        assert kind == "Multiline", title
+        assert all(r.startswith("^") and r.endswith("$") for r in regexes), regexes
+        found.append((title, [r[1:-1] for r in regexes]))
+    return found
+
+
+def test_the_first_category_is_reward_kl_beside_its_target_beta_and_the_net_objective():
+    layout = custom_scalars_layout(unit="sequence_sum", has_target=True, has_gold=False)
+    assert list(layout) == [SEEDS_CATEGORY, MORE_CATEGORY]
+    assert charts(layout, SEEDS_CATEGORY) == [
+        ("reward: objective/reward (training batch), val/reward (held-out prompts)", ["objective/reward", "val/reward"]),
+        (
+            "KL per response (nats): mean (objective/kl), max (objective/kl_max), the controller's target (objective/kl_target)",
+            ["objective/kl", "objective/kl_max", "objective/kl_target"],
+        ),
+        ("beta, the KL coefficient: objective/beta", ["objective/beta"]),
+        ("net objective, reward - beta * KL: objective/net (training batch), val/net (held-out prompts)", ["objective/net", "val/net"]),
+    ]
+    assert [tags for _, tags in charts(layout, MORE_CATEGORY)] == [
+        ["objective/entropy"],
+        ["response/length", "val/length"],
+        ["policy/approxkl"],
+        ["policy/clipfrac"],
+    ]
+
+
+def test_every_title_names_its_lines_in_order():
+    """The title is the legend: each tag a chart draws is named in its title, in the order drawn."""
+    for unit in ("sequence_sum", "token_mean"):
+        for has_target in (True, False):
+            layout = custom_scalars_layout(unit=unit, has_target=has_target, has_gold=True)
+            for category in layout:
+                for title, tags in charts(layout, category):
+                    places = [title.find(tag) for tag in tags]
+                    assert -1 not in places and places == sorted(places), (title, tags)
+
+
+def test_a_per_token_target_is_drawn_with_the_per_token_kl_and_the_max_apart():
+    """A token_mean controller's target is per token; the largest response's KL is a sum over
+    tokens: on one axis the target would be a flat line at the bottom."""
+    layout = custom_scalars_layout(unit="token_mean", has_target=True)
+    kl_charts = [tags for title, tags in charts(layout, SEEDS_CATEGORY) if title.startswith("KL")]
+    assert kl_charts == [["objective/kl_per_token", "objective/kl_target"], ["objective/kl", "objective/kl_max"]]
+
+
+def test_no_target_no_target_line_and_a_gold_reward_gets_its_own_chart():
+    """A fixed beta logs no objective/kl_target (a chart naming it would list a missing tag); a gold
+    reward (0..1) is not drawn on the trained proxy's axis (a learned score of any scale)."""
+    layout = custom_scalars_layout(unit="sequence_sum", has_target=False, has_gold=True)
+    tags = [tag for _, chart_tags in charts(layout, SEEDS_CATEGORY) for tag in chart_tags]
+    assert "objective/kl_target" not in tags and not any("target" in title for title in layout[SEEDS_CATEGORY])
+    (gold,) = [chart_tags for _, chart_tags in charts(layout, SEEDS_CATEGORY) if "objective/gold_reward" in chart_tags]
+    assert gold == ["objective/gold_reward"]
+    assert charts(layout, SEEDS_CATEGORY)[0][1] == ["objective/reward", "val/reward"]
+
+
+def test_every_charted_tag_is_a_documented_metric():
+    """Each tag on the page is in docs/metrics.md (a renamed metric would leave an empty chart)."""
+    from helpers import REPO
+
+    page = (REPO / "docs" / "metrics.md").read_text()
+    layout = custom_scalars_layout(unit="token_mean", has_target=True, has_gold=True)
+    tags = {tag for category in layout for _, chart_tags in charts(layout, category) for tag in chart_tags}
+    missing = sorted(tag for tag in tags if not re.search(rf"`{re.escape(tag)}`", page))
+    assert not missing, missing
