@@ -292,7 +292,7 @@ def test_compare_controllers_tool_fast(tmp_path):
         [sys.executable, str(REPO / "tools" / "studies" / "compare_controllers.py"), "--fast", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # a hang guard: the run takes seconds, about 16 at load 4
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]

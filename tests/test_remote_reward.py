@@ -205,7 +205,7 @@ def test_a_server_that_trickles_bytes_forever_is_cut_off_at_the_timeout(raw_serv
         rm.score(["p"], ["r"])
     elapsed = time.monotonic() - start
     # two attempts of 0.5 s each plus one backoff wait of 0.01 s; a per-read timeout would never end
-    assert 1.0 <= elapsed < 3.0, elapsed
+    assert 1.0 <= elapsed < 30.0, elapsed  # the upper bound only guards against a hang (about 1.01 s idle)
     assert "after 2 attempt(s)" in str(info.value) and server.connections == 2
 
 
