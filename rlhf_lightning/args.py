@@ -83,7 +83,7 @@ class SamplingArgs:
         require(
             isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens,
             f + "min_new_tokens",
-            "in [0, max_new_tokens]",
+            f"an integer in [0, model.sampling.max_new_tokens = {self.max_new_tokens}]",
             self.min_new_tokens,
         )
         require_number(f + "temperature", self.temperature, above=0)
@@ -230,6 +230,12 @@ class LoraArgs:
     def __post_init__(self) -> None:
         require_number("model.lora.rank", self.rank, at_least=0, integer=True)
         require_number("model.lora.alpha", self.alpha, above=0)
+        require(
+            self.rank > 0 or self.target_modules is None,
+            "model.lora.target_modules",
+            "null with model.lora.rank 0 (full fine-tuning: no adapter is built; set model.lora.rank > 0 for LoRA)",
+            self.target_modules,
+        )
 
 
 @dataclass(frozen=True)

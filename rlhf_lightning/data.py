@@ -243,6 +243,7 @@ class PromptDataModule(LightningDataModule):
         super().__init__()
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             require_number(f"data.{name}", value, integer=True, at_least=1)
+        require_number("data.num_workers", num_workers, integer=True, at_least=0)
         self.train_path = train_path or str(BUILTIN_TRAIN)
         self.val_path = val_path or str(BUILTIN_VALIDATION)
         self.prompt_column, self.batch_size, self.val_batch_size = prompt_column, batch_size, val_batch_size

@@ -265,3 +265,47 @@ def test_a_full_disk_names_the_checkpoint_and_leaves_the_previous_one(tmp_path, 
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no partial file
     assert torch.load(target, weights_only=True) == {"iteration": 1}
+
+
+# --- a hostile tour: what was a traceback or a parser's union error, now one line naming the field
+
+TOUR = [
+    (("--data.num_workers=-1",), "error: data.num_workers must be an integer >= 0, got -1"),
+    (
+        ("--model.sampling.max_new_tokens=8", "--model.sampling.min_new_tokens=20"),
+        "error: model.sampling.min_new_tokens must be an integer in [0, model.sampling.max_new_tokens = 8], got 20",
+    ),
+    (
+        ("--model.lora.target_modules=[q_proj]",),
+        "error: model.lora.target_modules must be null with model.lora.rank 0 (full fine-tuning: no adapter is built; set "
+        "model.lora.rank > 0 for LoRA), got ['q_proj']",
+    ),
+    (
+        ("--model.reward_model=hf_classifier",),
+        "error: model.reward_model.init_args.path must be a local folder (a Hugging Face sequence-classification checkpoint: config, "
+        "weights, tokenizer), got None",
+    ),
+    (
+        ("--model.gold_reward_model=hf_classifier", "--model.gold_reward_model.init_args.path=/nonexistent"),
+        "error: model.gold_reward_model.init_args.path must be an existing folder (a Hugging Face sequence-classification checkpoint: "
+        "config, weights, tokenizer), got '/nonexistent'",
+    ),
+    (("--model.reward_model=ensemble",), "error: model.reward_model.init_args.paths must be a list of at least 2 model folders, got None"),
+    (
+        ("--model.reward_model=embedding_similarity",),
+        "error: model.reward_model.init_args.target must be a non-empty string (required), got None",
+    ),
+    (
+        ("--model.beta_controller=pid", "--model.beta_controller.init_args.beta_min=0"),
+        "error: model.beta_controller.init_args.beta_min must be a finite number > 0, got 0.0",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    TOUR,
+    ids=["num-workers", "min-new-tokens", "lora-modules-without-rank", "classifier-path", "classifier-folder", "ensemble", "target", "pid"],
+)
+def test_hostile_values_are_refused_in_one_line_naming_the_field(tmp_path, monkeypatch, capsys, args, line):
+    assert command(tmp_path, monkeypatch, capsys, *args) == (2, line)

@@ -15,6 +15,8 @@ from rlhf_lightning.interfaces import RewardModel, require, require_number
 from rlhf_lightning.registry import register
 from rlhf_lightning_plugins.rewards.encoder import EncoderReward
 
+CHECKPOINT = "a Hugging Face sequence-classification checkpoint: config, weights, tokenizer"
+
 
 @register("reward_model", "hf_classifier", description="a local AutoModelForSequenceClassification checkpoint")
 class HFClassifierReward(EncoderReward):
@@ -37,7 +39,7 @@ class HFClassifierReward(EncoderReward):
 
     def __init__(
         self,
-        path: str,
+        path: Optional[str] = None,
         label_index: int = 0,
         include_prompt: bool = True,
         separator: str = "\n",
@@ -50,6 +52,8 @@ class HFClassifierReward(EncoderReward):
     ) -> None:
         super().__init__(batch_size, max_length, **options)
         require_number("reward_model.label_index", label_index, integer=True, at_least=0)
+        # Optional in the signature only so that a missing path is this message, not the parser's union error.
+        require(isinstance(path, (str, Path)) and bool(str(path)), "reward_model.path", f"a local folder ({CHECKPOINT})", path)
         self.path, self.label_index, self.include_prompt, self.separator = path, label_index, include_prompt, separator
         turns = "(the conversation is the prompt's user turn and the response's assistant turn)"
         require(include_prompt or not chat_template, "reward_model.include_prompt", f"true with reward_model.chat_template {turns}", False)
@@ -67,6 +71,7 @@ class HFClassifierReward(EncoderReward):
         from transformers import AutoTokenizer
 
         if self.tokenizer is None:
+            require(Path(self.path).is_dir(), f"{self.role}.init_args.path", f"an existing folder ({CHECKPOINT})", str(self.path))
             self.tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
             if self.tokenizer.pad_token is None:
                 self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -76,11 +81,12 @@ class HFClassifierReward(EncoderReward):
         """Warn at start-up of prompts that alone fill ``max_length`` as the model reads them (their
         conversation or ``prompt + separator``): it will read their responses but not their starts."""
         super().check_prompts(prompts, field, role)
+        require(Path(self.path).is_dir(), f"{role}.init_args.path", f"an existing folder ({CHECKPOINT})", str(self.path))
         if not self.include_prompt:
             return
         try:
             self.load_tokenizer()
-        except (OSError, ValueError):  # no tokenizer there: setup names the folder
+        except OSError:  # a folder without a tokenizer: setup's load names what it lacks
             return
         distinct = list(dict.fromkeys(prompts))
         self.warn_if_truncated(self.texts(distinct, [""] * len(distinct)), f"prompts of {field}", " with an empty response")
@@ -180,7 +186,7 @@ class EnsembleReward(RewardModel):
 
     def __init__(
         self,
-        paths: Sequence[str],
+        paths: Optional[Sequence[str]] = None,
         combine: Literal["mean", "min", "mean_minus_std"] = "mean",
         std_coef: float = 1.0,
         standardize: bool = True,
@@ -192,7 +198,9 @@ class EnsembleReward(RewardModel):
         **options: Any,
     ) -> None:
         super().__init__(**options)
-        require(not isinstance(paths, str) and len(paths) >= 2, "reward_model.paths", "a list of at least 2 model folders", paths)
+        # Optional in the signature only so that missing paths are this message, not the parser's union error.
+        enough = isinstance(paths, Sequence) and not isinstance(paths, str) and len(paths) >= 2
+        require(enough, "reward_model.paths", "a list of at least 2 model folders", paths)
         require(combine in ENSEMBLE_COMBINATIONS, "reward_model.combine", f"one of {', '.join(ENSEMBLE_COMBINATIONS)}", combine)
         require_number("reward_model.std_coef", std_coef, at_least=0)
         self.paths, self.combine, self.std_coef, self.standardize = list(paths), combine, float(std_coef), standardize
@@ -221,6 +229,8 @@ class EnsembleReward(RewardModel):
         return stats
 
     def check_prompts(self, prompts: Sequence[str], field: str, role: str) -> None:
+        for path in self.paths:
+            require(Path(path).is_dir(), f"{role}.init_args.paths", f"existing folders (each {CHECKPOINT})", str(path))
         for member in self.members:
             member.check_prompts(prompts, field, role)
 

@@ -128,11 +128,12 @@ class EmbeddingSimilarityReward(SentenceEmbeddingReward):
     Embeddings and the encoder's options as in :class:`SentenceEmbeddingReward`.
 
     Args:
-        target: description of the desired response, e.g. "a polite and helpful answer".
+        target: description of the desired response, e.g. "a polite and helpful answer" (required).
     """
 
-    def __init__(self, target: str, **options: Any) -> None:
-        require(isinstance(target, str) and bool(target.strip()), "reward_model.target", "a non-empty string", target)
+    def __init__(self, target: Optional[str] = None, **options: Any) -> None:
+        # Optional in the signature only so that a missing target is this message, not the parser's union error.
+        require(isinstance(target, str) and bool(target.strip()), "reward_model.target", "a non-empty string (required)", target)
         super().__init__(**options)
         self.target = target
         self.target_embedding: Optional[Tensor] = None  # (hidden,)
