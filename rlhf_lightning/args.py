@@ -587,23 +587,58 @@ CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length
 
 def check_context(prompts: PromptArgs, sampling: SamplingArgs, config: Any, longest_prompt: Optional[int] = None) -> None:
     """The policy must hold a prompt and its response: the longest prompt (``longest_prompt`` tokens,
-    the prompt files' as rendered; unknown: ``model.prompts.max_length``) plus
-    ``model.sampling.max_new_tokens`` within the context its ``config`` declares
-    (``max_position_embeddings``). Past it the positions are ones the model never saw (rotary
-    embeddings extrapolate, learnt ones index out of range): sampling goes on silently on garbage.
-    A config that declares no context is not checked."""
+    the prompt files' as rendered: ``check_setup`` returns it; unknown, as when prompts come only in
+    batches: one token) plus ``model.sampling.max_new_tokens`` within the context its ``config``
+    declares (``max_position_embeddings``). Past it the positions are ones the model never saw
+    (rotary embeddings extrapolate, learnt ones index out of range): sampling goes on silently on
+    garbage. A config that declares no context is not checked."""
     name = next((name for name in CONTEXT_FIELDS if isinstance(getattr(config, name, None), int)), None)
     if name is None:
         return
-    context = getattr(config, name)
-    prompt = prompts.max_length if longest_prompt is None else longest_prompt
-    what = "model.prompts.max_length" if longest_prompt is None else "the longest prompt (model.prompts.max_length bounds it)"
+    context, prompt = getattr(config, name), 1 if longest_prompt is None else longest_prompt
+    what = (
+        "a one-token prompt" if longest_prompt is None else f"the longest prompt (model.prompts.max_length {prompts.max_length} bounds it)"
+    )
     require(
         prompt + sampling.max_new_tokens <= context,
         f"{what} + model.sampling.max_new_tokens",
-        f"<= {context} positions, the policy's context (its {type(config).__name__}'s {name}); lower "
-        f"model.sampling.max_new_tokens to at most {max(context - prompt, 0)}, or shorten the prompts",
+        f"<= {context} positions, the policy's context (its {type(config).__name__}'s {name}); lower model.sampling.max_new_tokens "
+        f"to at most {max(context - prompt, 0)}, or shorten the prompts",
         f"{prompt} + {sampling.max_new_tokens} = {prompt + sampling.max_new_tokens}",
+    )
+
+
+# Past this share of the first rollout's response positions sampled from one token alone, next to nothing is learnt.
+POINT_MASS_SHARE = 0.5
+# A token of probability above 1 - this under pi_old is sampled from a point mass, as far as float32 tells.
+POINT_MASS_GAP = 1e-6
+
+
+def point_mass_warning(sampling: SamplingArgs, old_logprobs: Any, kept: Any, mask: Any) -> Optional[str]:
+    """For the first rollout (the module warns with it): why the run will learn next to nothing when
+    on most response positions (more than ``POINT_MASS_SHARE``) the sampled distribution is a point
+    mass: a kept set of one token (a nucleus so small, or top_k 1), or a sampled token of probability
+    1 to float32 (a temperature so low). There the log-prob is 0 whatever the weights: no gradient.
+    Tensors (batch, response_len) for ``old_logprobs`` and ``mask``, (batch, response_len, vocab) bool or
+    None for ``kept``. None when the share is below the bound."""
+    real = mask.bool()
+    single = old_logprobs.detach() > -POINT_MASS_GAP
+    if kept is not None:
+        single = single | (kept.sum(-1) == 1)
+    share = float((single & real).sum()) / max(float(real.sum()), 1.0)
+    if share <= POINT_MASS_SHARE:
+        return None
+    setting = (
+        f"model.sampling.top_p {sampling.top_p}"
+        if sampling.top_p < 1
+        else f"model.sampling.top_k {sampling.top_k}"
+        if sampling.top_k
+        else f"model.sampling.temperature {sampling.temperature}"
+    )
+    return (
+        f"{setting}: at the first rollout {share:.0%} of the response positions were sampled from one token alone (a point mass: "
+        "its log-prob is 0 whatever the weights, so no gradient reaches the policy there) and next to nothing will be learnt; "
+        "raise it (or leave model.sampling.top_p 1, top_k 0, temperature 1)"
     )
 
 

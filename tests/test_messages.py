@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from rlhf_lightning.args import PromptArgs, SamplingArgs, check_context
+from rlhf_lightning.args import PromptArgs, SamplingArgs, check_context, point_mass_warning
 from rlhf_lightning.checkpoints import AtomicCheckpointIO, checkpoint_state
 from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.interfaces import RewardModel
@@ -110,20 +110,39 @@ def test_a_nucleus_below_one_over_v_is_refused_at_start_up(tmp_path, monkeypatch
     assert line.endswith("got 0.01")
 
 
+@pytest.mark.parametrize(
+    "sampling, setting",
+    [({}, None), ({"top_p": 0.014}, "model.sampling.top_p 0.014"), ({"temperature": 1e-9}, "model.sampling.temperature 1e-09")],
+    ids=["declared", "one-token-nucleus", "frozen-temperature"],
+)
+def test_a_first_rollout_sampled_from_one_token_is_named(sampling, setting):
+    """The tiny model is near uniform over its 78 tokens (p about 0.013 each): a nucleus of 0.014 keeps
+    the most likely token alone, as a temperature of 1e-9 does; the module warns with this at its first rollout."""
+    module = make_module(sampling=dict(max_new_tokens=6, **sampling))
+    rollout = module.rollout(module.repeat_prompts(["Write a story.", "Hello there", "Count to three", "Why?"]))
+    message = point_mass_warning(module.sampling, rollout.old_logprobs, rollout.kept, rollout.response_mask)
+    if setting is None:
+        assert message is None
+    else:
+        assert message.startswith(f"{setting}: at the first rollout 100% of the response positions were sampled from one token alone")
+
+
 # --- 6. the policy's context
 
 
 def test_a_prompt_and_response_longer_than_the_context_are_refused():
+    """A 512-position model asked for 400-token prompts and 112-token responses: 624 positions."""
     config = LlamaConfig(max_position_embeddings=512)
     with pytest.raises(ConfigError) as refused:
-        check_context(PromptArgs(max_length=512), SamplingArgs(max_new_tokens=112), config)
-    assert str(refused.value) == (
-        "model.prompts.max_length + model.sampling.max_new_tokens must be <= 512 positions, the policy's context (its LlamaConfig's "
-        "max_position_embeddings); lower model.sampling.max_new_tokens to at most 0, or shorten the prompts, got '512 + 112 = 624'"
-    )
-    with pytest.raises(ConfigError, match=r"^the longest prompt \(model.prompts.max_length bounds it\) \+ model.sampling.max_new_tokens"):
         check_context(PromptArgs(max_length=512), SamplingArgs(max_new_tokens=112), config, longest_prompt=401)
+    assert str(refused.value) == (
+        "the longest prompt (model.prompts.max_length 512 bounds it) + model.sampling.max_new_tokens must be <= 512 positions, the "
+        "policy's context (its LlamaConfig's max_position_embeddings); lower model.sampling.max_new_tokens to at most 111, or shorten "
+        "the prompts, got '401 + 112 = 513'"
+    )
     check_context(PromptArgs(max_length=512), SamplingArgs(max_new_tokens=112), config, longest_prompt=400)  # the files' prompts fit
+    with pytest.raises(ConfigError, match=r"^a one-token prompt \+ model.sampling.max_new_tokens must be <= 512 .* got '1 \+ 600 = 601'$"):
+        check_context(PromptArgs(), SamplingArgs(max_new_tokens=600), config)  # no prompt files: prompts come in batches
     check_context(PromptArgs(), SamplingArgs(), object())  # a config without a context is not checked
 
 
