@@ -163,6 +163,7 @@ class PPORLHF(LightningModule):
         self._rng_to_restore: Optional[dict] = None
         self.generation_seed_base = int(torch.initial_seed()) % 2**31  # saved with checkpoints
         self.faults = Faults(limit=self.runtime.max_consecutive_faults)
+        self.longest_prompt: Optional[int] = None  # tokens, of the data module's prompt files (setup)
 
     # ------------------------------------------------------------------ setup
     def configure_callbacks(self) -> list:
@@ -256,7 +257,8 @@ class PPORLHF(LightningModule):
         self.iteration += 1
         if skipped_steps:
             beta = metrics["objective/beta"]
-            cause = f"non-finite PPO loss: {skipped_steps} optimizer step(s) skipped (not finite: {self.nonfinite_terms}; beta {beta})"
+            rewards = f"rewards up to {float(scored.raw_scores.abs().max()):.3g} from model.reward_model {type(self.reward_model).__name__}"
+            cause = f"non-finite PPO loss: {skipped_steps} optimizer step(s) skipped (not finite: {self.nonfinite_terms}; beta {beta}; {rewards})"
             self._record_fault(cause, iteration_skipped=False, steps=skipped_steps)
         else:
             self.faults.consecutive = 0
@@ -302,7 +304,7 @@ class PPORLHF(LightningModule):
             if self.reference_update.moves:  # the starting policy, for objective/kl_to_initial
                 with self.networks.initial() as initial:
                     initial_logits = other(initial)
-        return Trajectory(
+        trajectory = Trajectory(
             prompts=list(prompts),
             response_texts=self.tokenizer.batch_decode(response, skip_special_tokens=True),
             input_ids=input_ids,
@@ -325,6 +327,11 @@ class PPORLHF(LightningModule):
                 old.trainer_logprobs, old.sampler_logprobs, mask, self.sampling.rollout_correction, self.sampling.rollout_correction_cap
             ),
         )
+        if self.training and self.iteration == 0:  # a sampler that draws one token alone: nothing to learn, said once
+            untrainable = args.point_mass_warning(self.sampling, trajectory.old_logprobs, trajectory.kept, trajectory.response_mask)
+            if untrainable:
+                rank_zero_warn(untrainable)
+        return trajectory
 
     def kl_per_token(self, rollout: Trajectory, to_initial: bool = False) -> Tensor:
         """The penalised per-token KL estimate (batch, response_len), zero off the KL mask; with
@@ -483,6 +490,7 @@ class PPORLHF(LightningModule):
         hp, sharded = self.hparams, self.device_mesh is not None  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
         copy_of = fsdp2.meta_copy if sharded else copy.deepcopy
         policy, rows = self.load_policy(empty=sharded)
+        args.check_context(self.prompts, self.sampling, policy.config, self.longest_prompt)
         self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared", copy_of=copy_of)
         if self.lora.rank > 0:
             self.policy = add_lora(policy, self.lora, self.reference_update.moves)
@@ -583,7 +591,8 @@ class PPORLHF(LightningModule):
         if self._trainer is not None:
             gpu.setup(self.trainer, self)
         self.rollout_engine.setup(self)
-        args.check_setup(self, getattr(self._trainer, "datamodule", None) if self._trainer is not None else None, stage)
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        self.longest_prompt = args.check_setup(self, datamodule, stage)
 
     def encode_prompts(self, prompts: list[str], field: str = "the prompts") -> dict[str, Tensor]:
         """``data.encode_prompts`` with this module's tokenizer and settings, on its device."""

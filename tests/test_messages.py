@@ -328,3 +328,16 @@ TOUR = [
 )
 def test_hostile_values_are_refused_in_one_line_naming_the_field(tmp_path, monkeypatch, capsys, args, line):
     assert command(tmp_path, monkeypatch, capsys, *args) == (2, line)
+
+
+def test_the_module_refuses_a_response_past_the_policys_context_before_the_first_rollout():
+    """The module checks the context when it builds the policy: the tiny model has 512 positions."""
+    with pytest.raises(ConfigError, match=r"model.sampling.max_new_tokens must be <= 512 positions, the policy's context"):
+        make_module(sampling=dict(max_new_tokens=600))
+
+
+def test_the_first_training_rollout_from_a_near_zero_temperature_warns_naming_it(tmp_path):
+    """A temperature so low that every sampled token has probability 1 in float32: a point mass, no gradient;
+    the first training iteration says so, naming the setting."""
+    with pytest.warns(UserWarning, match=r"model.sampling.temperature 1e-09: at the first rollout 100% of the response positions"):
+        fit(make_module(sampling=dict(temperature=1e-9), ppo=dict(epochs=1)), tmp_path, iterations=1)
