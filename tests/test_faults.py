@@ -77,7 +77,8 @@ def test_non_finite_loss_skips_only_that_optimizer_step(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "ppo_loss", loss_with_one_nan)
     snaps = Snapshots()
     with pytest.warns(
-        UserWarning, match=r"non-finite PPO loss: 1 optimizer step\(s\) skipped \(not finite: the weighted sum of finite terms; beta 0.1; rewards up to [0-9.e+]+ from model.reward_model \w+\)"
+        UserWarning,
+        match=r"non-finite PPO loss: 1 optimizer step\(s\) skipped \(not finite: the weighted sum of finite terms; beta 0.1; rewards up to [0-9.e+]+ from model.reward_model \w+\)",
     ):
         fit(module, tmp_path, iterations=1, callbacks=[snaps])
     assert module.faults.skipped_steps == 1 and module.faults.skipped_iterations == 0
@@ -91,7 +92,9 @@ def test_a_fault_in_the_loop_names_its_cause_the_value_and_beta(tmp_path, monkey
     module = make_module(ppo=dict(epochs=1))
     original = module.compute_advantages
     monkeypatch.setattr(module, "compute_advantages", lambda *a: (original(*a)[0] * float("nan"), original(*a)[1]))
-    with pytest.warns(UserWarning, match=r"skipped \(not finite: policy/loss; beta 0.1; rewards up to [0-9.e+]+ from model.reward_model \w+\)"):
+    with pytest.warns(
+        UserWarning, match=r"skipped \(not finite: policy/loss; beta 0.1; rewards up to [0-9.e+]+ from model.reward_model \w+\)"
+    ):
         fit(module, tmp_path, iterations=1)
 
     module = make_module()
