@@ -7,14 +7,23 @@ rlhf-lightning plugins      # every registered plugin, by kind
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import math
 import os
+import shlex
 import signal
 import sys
+import threading
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
+
+from lightning.pytorch.callbacks import RichProgressBar
+from rich.progress import ProgressColumn
+from rich.text import Text
 
 from rlhf_lightning.registry import REGISTRIES, load_plugins, preset_arguments, teach_jsonargparse_short_names
 
@@ -54,14 +63,127 @@ class _DropAdvertisements(logging.Filter):
         return not record.getMessage().startswith("💡 Tip")
 
 
+class _DropWeightsOnlyDefault(logging.Filter):
+    """Lightning logs "`weights_only` was not set, defaulting to `False`" at every checkpoint
+    ``trainer.save_checkpoint`` writes without the argument (IterationCheckpoint's): the default is
+    the full checkpoint a resume needs, nothing to act on, and it printed inside the progress bar."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("`weights_only` was not set")
+
+
 def quiet_library_noise() -> None:
-    """Silence what libraries print at start that a user can do nothing about: Lightning's hosted
-    logger tip, and deprecation notices about library internals (transformers' gradient-checkpointing
-    property, torch's pytree LeafSpec as Lightning uses it). Warnings about the user's own settings stay."""
+    """Silence what libraries print that a user can do nothing about: Lightning's hosted logger tip,
+    its note on each checkpoint's default ``weights_only``, and deprecation notices about library
+    internals (transformers' gradient-checkpointing property, torch's pytree LeafSpec as Lightning
+    uses it). Warnings about the user's own settings stay."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_DropAdvertisements())
+    logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector").addFilter(_DropWeightsOnlyDefault())
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*is_gradient_checkpointing.*")
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+class IterationProgressBar(RichProgressBar):
+    """Lightning's Rich progress bar as a PPO run wants it: iterations done of the epoch's, the time so
+    far and left and the rate from the mean iteration since the epoch began (Lightning's, from the last
+    30 s, shows none while iterations take longer), ``s/it`` below one iteration a second, and the
+    module's ``reward``, ``kl`` and ``beta`` without Lightning's ``v_num``. Redrawn every second, so the
+    clock moves while an iteration runs (Lightning's redraws only when a batch ends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ticking: Optional[threading.Event] = None
+
+    def configure_columns(self, trainer) -> list:
+        from lightning.pytorch.callbacks.progress.rich_progress import CustomTimeColumn, ProcessingSpeedColumn
+
+        columns = super().configure_columns(trainer)
+        return [
+            _TimeColumn(self.theme.time)
+            if isinstance(c, CustomTimeColumn)
+            else _RateColumn(self.theme.processing_speed)
+            if isinstance(c, ProcessingSpeedColumn)
+            else c
+            for c in columns
+        ]
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        if self.progress is not None and self.train_progress_bar_id is not None:  # the pace carries over, not the clock
+            self.progress.update(self.train_progress_bar_id, ended_at=0.0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._note_pace(self.train_progress_bar_id)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx: int = 0) -> None:
+        super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+        self._note_pace(self.val_progress_bar_id)
+
+    def _note_pace(self, task_id) -> None:
+        """Record on the task, as a batch ends, the mean seconds per batch so far and when it ended."""
+        if self.progress is None or task_id is None:
+            return
+        task = self.progress.tasks[task_id]
+        if task.completed and task.elapsed:
+            self.progress.update(task_id, per_iteration=task.elapsed / task.completed, ended_at=task.elapsed)
+
+    def _init_progress(self, trainer) -> None:
+        super()._init_progress(trainer)
+        if self.progress is not None and self._ticking is None:
+            self._ticking = threading.Event()
+            threading.Thread(target=self._tick, args=(self._ticking,), daemon=True, name="progress-bar-clock").start()
+
+    def _tick(self, stop: threading.Event) -> None:
+        while not stop.wait(1.0):
+            progress = self.progress
+            if progress is not None and not self._progress_stopped:
+                progress.soft_refresh()  # Lightning's refresh thread redraws at its next turn
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        if self._ticking is not None:
+            self._ticking.set()
+            self._ticking = None
+
+
+class _TimeColumn(ProgressColumn):
+    """``elapsed • left``: the batches to go at the mean pace so far (``per_iteration``), counting down from
+    the last batch's end (``ended_at``) to no less than the batches after the running one."""
+
+    max_refresh = 0.5
+
+    def __init__(self, style) -> None:
+        super().__init__()
+        self.style = style
+
+    def render(self, task) -> Text:
+        elapsed = (task.finished_time if task.finished else task.elapsed) or 0.0
+        each, to_go = task.fields.get("per_iteration"), (task.total or math.inf) - task.completed
+        left = "-:--:--"
+        if each is not None and math.isfinite(to_go):
+            since = max(0.0, elapsed - task.fields.get("ended_at", elapsed))
+            left = str(timedelta(seconds=round(max(each * (to_go - 1), each * to_go - since, 0.0))))
+        return Text(f"{timedelta(seconds=int(elapsed))} • {left}", style=self.style)
+
+
+class _RateColumn(ProgressColumn):
+    """The mean pace so far: iterations per second, or seconds per iteration when slower than one a second."""
+
+    def __init__(self, style) -> None:
+        super().__init__()
+        self.style = style
+
+    def render(self, task) -> Text:
+        each = task.fields.get("per_iteration")
+        rate = "-- it/s" if each is None else f"{each:.1f}s/it" if each > 1 else f"{1 / each:.2f}it/s"
+        return Text(rate, style=self.style)
 
 
 def default_logger(root_dir: Optional[str], config_files: list) -> TensorBoardLogger:
@@ -95,7 +217,7 @@ def default_logger(root_dir: Optional[str], config_files: list) -> TensorBoardLo
 def build_cli(args: Optional[list[str]] = None, run: bool = True):
     """Construct the LightningCLI (it parses and, with ``run``, executes the subcommand)."""
     from jsonargparse import set_parsing_settings
-    from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+    from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
 
@@ -110,10 +232,12 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         def add_arguments_to_parser(self, parser) -> None:
             parser.add_class_arguments(CPUSettings, "cpu")
 
+        def cpu_settings(self) -> CPUSettings:
+            return (self.config_init[self.subcommand] if self.subcommand else self.config_init)["cpu"]
+
         def instantiate_classes(self) -> None:
             super().instantiate_classes()
-            config = self.config_init[self.subcommand] if self.subcommand else self.config_init
-            apply_cpu_settings(self.trainer, config["cpu"])
+            apply_cpu_settings(self.trainer, self.cpu_settings())
 
         def _parse_ckpt_path(self) -> None:
             """Nothing: Lightning's would load the checkpoint's saved model settings over the command
@@ -131,6 +255,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             return kwargs
 
         def _run_subcommand(self, subcommand: str) -> None:
+            set_threads(self.cpu_settings().threads, processes=self.trainer.num_devices)
             try:
                 super()._run_subcommand(subcommand)
             except RuntimeError as err:
@@ -138,6 +263,8 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
                 if refusal is None:
                     raise
                 raise refusal from err
+            if subcommand == "fit" and self.trainer.is_global_zero:
+                print(where_the_logs_are(self.trainer.logger), flush=True)
 
         def _instantiate_trainer(self, config, callbacks):
             # Every checkpoint is written atomically and checked when read, unless the user chose a CheckpointIO.
@@ -149,7 +276,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             # A Rich progress bar (reward, KL, beta) unless the user disabled bars or chose one.
             chosen = [*(config.get("callbacks") or []), *callbacks]
             if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
-                callbacks = [*callbacks, RichProgressBar()]
+                callbacks = [*callbacks, IterationProgressBar()]
             if config.get("logger") in (None, True):  # Lightning's default logger, named after the run's config
                 configs = (self.config.get(self.subcommand) if self.subcommand else self.config).get("config") or []
                 config = {**config, "logger": default_logger(config.get("default_root_dir"), configs)}
@@ -166,6 +293,50 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         seed_everything_default=0,
         save_config_kwargs={"overwrite": False},  # never another run's config (each run has its own version_N)
         trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0},
+    )
+
+
+def set_threads(requested: Optional[int], processes: int) -> None:
+    """Set torch's intra-op threads for the run (``cpu.threads``, ``OMP_NUM_THREADS`` or the machine's
+    free cores: ``cpu.machine_threads``) and log the choice in one line, with the OpenMP wait policy."""
+    import torch
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from rlhf_lightning.cpu import machine_threads, wait_policy
+
+    choice = machine_threads(requested, processes)
+    torch.set_num_threads(choice.threads)
+    rank_zero_info(choice.line(wait_policy() or "the runtime's default (idle threads spin a while)"))
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as a user types it here: relative to the working folder where it lies inside it."""
+    path = Path(os.path.abspath(path))  # not resolved: a virtualenv's python is a link out of it
+    with contextlib.suppress(ValueError):
+        path = path.relative_to(Path.cwd())
+    return shlex.quote(str(path))
+
+
+def where_the_logs_are(logger) -> str:
+    """What a finished ``fit`` prints: the run's log folder (its ``version_N``) and, for TensorBoard's
+    logs, the two commands that show them: TensorBoard on the folder and ``tools/summarize_run.py``
+    over blocks of 5 iterations."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    if logger is None or logger.log_dir is None:
+        return "no logger: this run wrote no logs (trainer.logger)"
+    run = shown_path(Path(logger.log_dir))
+    if not isinstance(logger, TensorBoardLogger):
+        return f"logs: {run}"
+    python = Path(sys.executable)
+    tensorboard = python.parent / "tensorboard"
+    summarize = Path(__file__).resolve().parents[1] / "tools" / "summarize_run.py"  # a source checkout's
+    return "\n".join(
+        (
+            f"logs: {run}",
+            f"  {shown_path(tensorboard) if tensorboard.exists() else 'tensorboard'} --logdir {run}",
+            f"  {shown_path(python)} {shown_path(summarize) if summarize.exists() else 'tools/summarize_run.py'} {run} --blocks 5",
+        )
     )
 
 
@@ -246,10 +417,37 @@ def check_config_files(argv: list[str]) -> None:
         )
 
 
+RUNS = ("fit", "validate", "test", "predict")  # the subcommands that run the trainer
+
+
+def restart_with_passive_wait(argv: list[str]) -> None:
+    """Start this command afresh, in this process, with OpenMP's idle threads sleeping
+    (``cpu.set_passive_wait``), where the environment chose no wait policy and a run may take more
+    than one thread. The OpenMP runtime reads its policy once, when torch loads it, and the package
+    has loaded torch before the command starts; with its default policy an idle thread spins for
+    milliseconds on a core that other jobs on a shared machine want. Only where this process is the
+    command (``rlhf-lightning`` or ``python -m rlhf_lightning.cli``), for a subcommand that runs the trainer."""
+    from rlhf_lightning import cpu
+
+    main_module = sys.modules.get("__main__")
+    command = (
+        getattr(getattr(main_module, "__spec__", None), "name", None) == "rlhf_lightning.cli" or Path(sys.argv[0]).name == "rlhf-lightning"
+    )
+    one_thread = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip() == "1"
+    if not command or not argv or argv[0] not in RUNS or one_thread or os.name != "posix" or cpu.available_cores() < 2:
+        return
+    if cpu.set_passive_wait():  # now in os.environ, so the fresh start keeps it and does not restart again
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 def main(args: Optional[list[str]] = None) -> None:
     """The command. A configuration error (an impossible value, an unknown plugin, a bad file) is
     printed as ``error: ...`` and exits with status 2, without a traceback unless the environment
     sets RLHF_LIGHTNING_TRACEBACK=1."""
+    if args is None:
+        restart_with_passive_wait(sys.argv[1:])
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from rlhf_lightning.interfaces import ConfigError

