@@ -210,6 +210,10 @@ def default_logger(root_dir: Optional[str], config_files: list) -> TensorBoardLo
                 except FileExistsError:  # another run claimed it since the listing
                     version += 1
 
+        def log_metrics(self, metrics, step=None) -> None:
+            # Lightning adds `epoch` to every step; as a tag it would sort above the run's own metrics.
+            super().log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step)
+
     name = "+".join(Path(str(path)).stem for path in config_files)
     return ClaimingTensorBoardLogger(save_dir=Path(root_dir or ".") / "lightning_logs", name=name, default_hp_metric=False)
 
@@ -334,7 +338,8 @@ def where_the_logs_are(logger) -> str:
     return "\n".join(
         (
             f"logs: {run}",
-            f"  {shown_path(tensorboard) if tensorboard.exists() else 'tensorboard'} --logdir {run}",
+            f"  {shown_path(tensorboard) if tensorboard.exists() else 'tensorboard'} --logdir {run}"
+            "   (then http://localhost:6006/#custom_scalars: reward, KL and its target, beta, the net objective)",
             f"  {shown_path(python)} {shown_path(summarize) if summarize.exists() else 'tools/summarize_run.py'} {run} --blocks 5",
         )
     )

@@ -131,7 +131,9 @@ def test_where_the_logs_are_names_the_folder_and_both_commands(tmp_path, monkeyp
     logger = TensorBoardLogger(tmp_path / "lightning_logs", name="tiny", version=3)
     lines = where_the_logs_are(logger).splitlines()
     assert lines[0] == "logs: lightning_logs/tiny/version_3"
-    assert re.fullmatch(r"  \S*tensorboard --logdir lightning_logs/tiny/version_3", lines[1])
+    assert re.fullmatch(
+        r"  \S*tensorboard --logdir lightning_logs/tiny/version_3   \(then http://localhost:6006/#custom_scalars: .*\)", lines[1]
+    )
     assert re.fullmatch(r"  \S*python\S* \S*tools/summarize_run.py lightning_logs/tiny/version_3 --blocks 5", lines[2])
     assert where_the_logs_are(None).startswith("no logger")
 
