@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from rlhf_lightning import cpu, fsdp2
 from rlhf_lightning.args import LoraArgs, SamplingArgs
-from rlhf_lightning.checks import require
+from rlhf_lightning.checks import ConfigFileNotFoundError, require
 
 BUILTIN_MODELS = ("tiny", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -184,8 +184,9 @@ def _pretrained_location(spec: str, tokenizer_only: bool = False) -> tuple[str, 
         return str(path.parent), {"gguf_file": path.name}
     if path.is_dir():
         return str(path), {}
-    raise FileNotFoundError(
-        f"model {spec!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}), a local checkpoint folder, nor a .gguf file"
+    raise ConfigFileNotFoundError(
+        f"model.policy (or model.tokenizer) must be a built-in model ({', '.join(BUILTIN_MODELS)}), a local checkpoint folder "
+        f"or a .gguf file, got {spec!r}: no such folder or file"
     )
 
 

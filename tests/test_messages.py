@@ -341,3 +341,16 @@ def test_the_first_training_rollout_from_a_near_zero_temperature_warns_naming_it
     the first training iteration says so, naming the setting."""
     with pytest.warns(UserWarning, match=r"model.sampling.temperature 1e-09: at the first rollout 100% of the response positions"):
         fit(make_module(sampling=dict(temperature=1e-9), ppo=dict(epochs=1)), tmp_path, iterations=1)
+
+
+def test_a_policy_path_that_does_not_exist_is_one_line_naming_the_field(tmp_path, monkeypatch, capsys):
+    from rlhf_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--model.policy=/nonexistent/model"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: model.policy (or model.tokenizer) must be a built-in model (tiny, smollm2), a local checkpoint folder or a "
+        ".gguf file, got '/nonexistent/model': no such folder or file"
+    )
