@@ -343,14 +343,13 @@ def regroup(flat: dict[str, Any], warn: bool = True) -> dict[str, Any]:
 def build_groups(given: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
     """Each group as its dataclass: ``given`` holds what the caller passed per group (a dataclass,
     a dict of its fields, or None), ``flat`` deprecated flat settings (:func:`regroup`)."""
-    extra = regroup(flat) if flat else {}
+    settings = merge_settings(given, regroup(flat) if flat else {})
     groups = {}
     for name, cls in GROUPS.items():
-        value = given.get(name)
-        fields = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value or {})
+        fields = settings.get(name, {})
         unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
         require(not unknown, f"model.{name}", "settings among " + ", ".join(f.name for f in dataclasses.fields(cls)), sorted(unknown))
-        groups[name] = cls(**{**fields, **extra.get(name, {})})
+        groups[name] = cls(**fields)
     return groups
 
 

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Optional
 
+import pytest
 import torch
 from lightning import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback
@@ -291,3 +292,19 @@ class Server:
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join(timeout=5)
+
+
+def command(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """``rlhf-lightning fit --config configs/tiny.yaml <args>`` in this process, in ``tmp_path``, with
+    loading a model an error (the checks must come first): its exit status and the last line it printed
+    to stderr."""
+    from rlhf_lightning.cli import main
+
+    def no_models(self, empty=False):
+        raise AssertionError("a model loaded before the check")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(PPORLHF, "load_policy", no_models)
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.enable_progress_bar=false", *args])
+    return stopped.value.code, capsys.readouterr().err.strip().splitlines()[-1]

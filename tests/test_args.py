@@ -16,7 +16,7 @@ from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
 
-from helpers import CONFIGS, char_reward
+from helpers import CONFIGS, char_reward, command
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -158,21 +158,6 @@ def test_numeric_extremes_are_refused_naming_the_field_written(settings, message
 
 # ---------------------------------------------------------------------------------------------
 # Through the command, before any model loads
-
-
-def command(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """``rlhf-lightning fit --config configs/tiny.yaml <args>`` in ``tmp_path``, with loading a model an
-    error: its exit status and the last line it printed to stderr."""
-    from rlhf_lightning.cli import main
-
-    def no_models(self):
-        raise AssertionError("a model loaded before the check")
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(PPORLHF, "load_policy", no_models)
-    with pytest.raises(SystemExit) as stopped:
-        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.enable_progress_bar=false", *args])
-    return stopped.value.code, capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("role", ["reward_model", "gold_reward_model"])

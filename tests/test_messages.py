@@ -16,27 +16,10 @@ from rlhf_lightning.args import PromptArgs, SamplingArgs, check_context, point_m
 from rlhf_lightning.checkpoints import AtomicCheckpointIO, checkpoint_state
 from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.interfaces import RewardModel
-from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.reward_shaping import check_scores
 from rlhf_lightning_plugins.rewards.classifier import HFClassifierReward
 
-from helpers import CONFIGS, cli, fit, make_module
-
-
-def command(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """``rlhf-lightning fit --config configs/tiny.yaml <args>`` in this process, a model load an error:
-    its exit status and the last line it printed to stderr."""
-    from rlhf_lightning.cli import main
-
-    def no_models(self, empty=False):
-        raise AssertionError("a model loaded before the check")
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(PPORLHF, "load_policy", no_models)
-    with pytest.raises(SystemExit) as stopped:
-        main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.enable_progress_bar=false", *args])
-    return stopped.value.code, capsys.readouterr().err.strip().splitlines()[-1]
-
+from helpers import CONFIGS, cli, command, fit, make_module
 
 # --- 1. a plugin's argument is named by the module argument it was built for
 
