@@ -327,7 +327,8 @@ class IterationCheckpoint(ModelCheckpoint):
         # Set before saving, as Lightning does (it is part of the state), so that its own end-of-epoch
         # save of last.ckpt overwrites this file instead of versioning a last-v1.ckpt beside it.
         self.last_model_path = str(path)
-        trainer.save_checkpoint(path)  # every rank takes part (sharded checkpoints); rank 0 writes a single file
+        # every rank takes part (sharded checkpoints); rank 0 writes a single file; the whole state a resume needs
+        trainer.save_checkpoint(path, weights_only=False)
         self._saved_at = pl_module.iteration
         return path
 

@@ -63,23 +63,13 @@ class _DropAdvertisements(logging.Filter):
         return not record.getMessage().startswith("💡 Tip")
 
 
-class _DropWeightsOnlyDefault(logging.Filter):
-    """Lightning logs "`weights_only` was not set, defaulting to `False`" at every checkpoint
-    ``trainer.save_checkpoint`` writes without the argument (IterationCheckpoint's): the default is
-    the full checkpoint a resume needs, nothing to act on, and it printed inside the progress bar."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("`weights_only` was not set")
-
-
 def quiet_library_noise() -> None:
-    """Silence what libraries print that a user can do nothing about: Lightning's hosted logger tip,
-    its note on each checkpoint's default ``weights_only``, and deprecation notices about library
+    """Silence what libraries print that a user can do nothing about: Lightning's hosted logger tip
+    and deprecation notices about library
     internals (transformers' gradient-checkpointing property, torch's pytree LeafSpec as Lightning
     uses it). Warnings about the user's own settings stay."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_DropAdvertisements())
-    logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector").addFilter(_DropWeightsOnlyDefault())
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*is_gradient_checkpointing.*")
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*isinstance\(treespec, LeafSpec\).*")
 
