@@ -162,8 +162,11 @@ class Timer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
-        """``timing/<phase>_s`` and (GPU) ``memory/<phase>_peak_gb``."""
-        return {**{f"timing/{k}_s": v for k, v in self.seconds.items()}, **{f"memory/{k}_peak_gb": v for k, v in self.peak_gb.items()}}
+        """``timing/<phase>_s`` and (GPU) ``system/memory/<phase>_peak_gb``."""
+        return {
+            **{f"timing/{k}_s": v for k, v in self.seconds.items()},
+            **{f"system/memory/{k}_peak_gb": v for k, v in self.peak_gb.items()},
+        }
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

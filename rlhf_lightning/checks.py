@@ -126,9 +126,9 @@ class Faults:
             )
 
     def metrics(self, iteration_skipped: bool) -> dict[str, float]:
-        """``faults/iteration_skipped`` (1 at a skipped iteration's step, else 0) and the running counts."""
-        counts = {f"faults/{name}": float(getattr(self, name)) for name in ("skipped_iterations", "skipped_steps")}
-        return {"faults/iteration_skipped": float(iteration_skipped), **counts}
+        """``system/faults/iteration_skipped`` (1 at a skipped iteration's step, else 0) and the running counts."""
+        counts = {f"system/faults/{name}": float(getattr(self, name)) for name in ("skipped_iterations", "skipped_steps")}
+        return {"system/faults/iteration_skipped": float(iteration_skipped), **counts}
 
     def state_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.COUNTS}

@@ -96,9 +96,9 @@ class KLGuard(Callback):
     checkpoints keep counting), the data order, and the reward backend's running statistics.
     Costs, with rollback only: one CPU copy of the trainable weights and optimizer state.
 
-    Events count as metrics ``kl_guard/spikes``, ``kl_guard/violations`` and ``kl_guard/rollbacks``
-    (cumulative, logged every iteration), are warned with ``rank_zero_warn`` and, with a
-    TensorBoardLogger, written as text under ``kl_guard``. Values of a rolled-back iteration do
+    Events count as metrics ``system/kl_guard/spikes``, ``system/kl_guard/violations`` and
+    ``system/kl_guard/rollbacks`` (cumulative, logged every iteration), are warned with
+    ``rank_zero_warn`` and, with a TensorBoardLogger, written as text under ``kl_guard``. Values of a rolled-back iteration do
     not enter the running levels. Counters and levels are saved with checkpoints; snapshots are not.
 
     Args:
@@ -196,7 +196,7 @@ class KLGuard(Callback):
             self.good_iterations += 1
             if self.action == "rollback" and self.good_iterations % self.snapshot_every == 0:
                 self.snapshot = self.take_snapshot(trainer, pl_module)
-        pl_module.log_dict({f"kl_guard/{k}": float(v) for k, v in self.counts.items()}, on_step=True, on_epoch=False)
+        pl_module.log_dict({f"system/kl_guard/{k}": float(v) for k, v in self.counts.items()}, on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ decisions
     def spikes(self, values: dict[str, float]) -> list[str]:

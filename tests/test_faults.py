@@ -54,7 +54,7 @@ def test_nan_reward_skips_that_iteration_and_leaves_weights_untouched(tmp_path):
     assert torch.equal(snaps.before[1], snaps.after[1])  # the skipped iteration changed nothing
     assert not torch.equal(snaps.before[2], snaps.after[2])  # training went on afterwards
     assert module.faults.state_dict() == {"skipped_iterations": 1, "skipped_steps": 0, "consecutive": 0}
-    assert history.rows[-1]["faults/skipped_iterations"] == 1.0
+    assert history.rows[-1]["system/faults/skipped_iterations"] == 1.0
     assert module.iteration == 4
 
 
@@ -118,7 +118,7 @@ def test_a_skipped_iteration_shows_in_tensorboard_as_skipped_without_stale_metri
     with pytest.warns(UserWarning, match=r"iteration 1: reward model FlakyReward returned non-finite scores"):
         _, history = fit(module, tmp_path, iterations=3, logger=logger, log_every_n_steps=1)
     scalars = read_scalars(logger.log_dir)
-    assert scalars["faults/iteration_skipped"] == {0: 0.0, 1: 1.0, 2: 0.0}  # the step the warning names
-    assert scalars["faults/skipped_iterations"] == {0: 0.0, 1: 1.0, 2: 1.0}
+    assert scalars["system/faults/iteration_skipped"] == {0: 0.0, 1: 1.0, 2: 0.0}  # the step the warning names
+    assert scalars["system/faults/skipped_iterations"] == {0: 0.0, 1: 1.0, 2: 1.0}
     assert list(scalars["objective/reward"]) == [0, 2]  # nothing logged for the skipped step
     assert [o["skipped"] for o in history.outputs] == [False, True, False] and history.outputs[1]["metrics"] == {}

@@ -54,7 +54,7 @@ def test_checks_cover_the_issue_list():
 
 def test_judging_a_run_from_its_scalars():
     check = gpu_check.Check("tiny-bf16-mixed", (), ratio_tolerance=1e-4)
-    logged = {"objective/reward": {0: 1.0, 1: 2.0}, "objective/kl": {0: 0.0, 1: 0.1}, "memory/update_peak_gb": {0: 0.5, 1: 0.75}}
+    logged = {"objective/reward": {0: 1.0, 1: 2.0}, "objective/kl": {0: 0.0, 1: 0.1}, "system/memory/update_peak_gb": {0: 0.5, 1: 0.75}}
     assert gpu_check.judge(check, {**logged, "policy/approxkl": {0: 3e-5, 1: 0.2}}, 1.0).peak_gb == {"update": 0.75}
     assert not gpu_check.judge(check, {**logged, "policy/approxkl": {0: 1.2e-3}}, 1.0).passed  # bf16 logits' ratio
     assert not gpu_check.judge(check, {**logged, "objective/kl": {0: float("nan")}, "policy/approxkl": {0: 0.0}}, 1.0).passed

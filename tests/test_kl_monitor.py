@@ -69,7 +69,7 @@ def test_spikes_over_the_ema_level_warn_once_per_iteration():
     ]  # messages name an iteration by its TensorBoard step (0-based): it5, it6, it9 above
     assert "objective/kl = 6 > 3 x running level 0.8125" in messages[1] and "objective/kl_max = 12" in messages[1]
     assert guard.counts == {"spikes": 3, "violations": 0, "rollbacks": 0}
-    assert module.logged[-1] == {"kl_guard/spikes": 3.0, "kl_guard/violations": 0.0, "kl_guard/rollbacks": 0.0}
+    assert module.logged[-1] == {"system/kl_guard/spikes": 3.0, "system/kl_guard/violations": 0.0, "system/kl_guard/rollbacks": 0.0}
     assert not trainer.should_stop
 
 
@@ -173,11 +173,11 @@ def test_budget_exceeded_with_stop_ends_the_run_after_that_iteration(tmp_path):
         trainer, history = fit(module, tmp_path, iterations=6, batch_size=4, callbacks=[guard], logger=logger, log_every_n_steps=1)
     assert module.iteration == 3 and len(history.rows) == 3
     assert trainer.should_stop and "stopping the run" in guard.stop_reason
-    assert float(trainer.callback_metrics["kl_guard/violations"]) == 1.0
+    assert float(trainer.callback_metrics["system/kl_guard/violations"]) == 1.0
     events = EventAccumulator(logger.log_dir)
     events.Reload()
     assert "kl_guard/text_summary" in events.Tags()["tensors"]
-    assert [e.value for e in events.Scalars("kl_guard/violations")] == [0.0, 0.0, 1.0]
+    assert [e.value for e in events.Scalars("system/kl_guard/violations")] == [0.0, 0.0, 1.0]
 
 
 def test_rollback_restores_the_last_good_weights_optimizer_state_and_beta(tmp_path):

@@ -21,7 +21,7 @@ Each check is a short ``rlhf-lightning fit`` in its own folder (3 PPO iterations
 
 A check passes when its run exits 0 with finite reward and KL (and whatever it adds). The table
 gives seconds (runs share the GPU: not a speed measure), the first minibatch's approxkl, and the
-peak allocated GPU memory (GiB) of each phase (``memory/<phase>_peak_gb``, the maximum over
+peak allocated GPU memory (GiB) of each phase (``system/memory/<phase>_peak_gb``, the maximum over
 iterations); its last line is ``GPU_CHECK passed=<n> failed=<n>``. Without a GPU it prints why and
 exits 0. Exit status: 1 when a check failed.
 """
@@ -168,7 +168,7 @@ def run_check(check: Check, root: Path) -> Result:
 
 def judge(check: Check, logged: dict[str, dict[int, float]], seconds: float) -> Result:
     """Pass or fail a finished run from its logged scalars."""
-    peak = {phase: max(logged[f"memory/{phase}_peak_gb"].values()) for phase in PHASES if f"memory/{phase}_peak_gb" in logged}
+    peak = {phase: max(logged[f"system/memory/{phase}_peak_gb"].values()) for phase in PHASES if f"system/memory/{phase}_peak_gb" in logged}
     approxkl = next(iter(logged.get("policy/approxkl", {}).values()), None)
     values = [v for tag in ("objective/reward", "objective/kl") for v in logged.get(tag, {}).values()]
     result = Result(check.name, True, seconds, approxkl, peak)
