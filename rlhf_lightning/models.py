@@ -393,6 +393,7 @@ def add_lora(policy: nn.Module, lora: LoraArgs, reference_moves: bool) -> nn.Mod
     a second, frozen adapter equal to the first (the reference starts as the policy)."""
     from peft import LoraConfig, get_peft_model
 
+    check_lora_targets(policy, lora.target_modules)
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
@@ -408,6 +409,26 @@ def add_lora(policy: nn.Module, lora: LoraArgs, reference_moves: bool) -> nn.Mod
             policy.set_requires_grad(REFERENCE_ADAPTER, False)
             move_toward(*adapter_pairs(policy), 1.0)
     return policy
+
+
+def check_lora_targets(policy: nn.Module, target_modules: Optional[list[str]]) -> None:
+    """Each of ``model.lora.target_modules`` names a layer LoRA can adapt in ``policy`` (peft's rule: a
+    module whose name is the target or ends in ``.<target>``); else one ConfigError naming the
+    unmatched names and the policy's adaptable layer names (peft raises only when no name matches,
+    and then as a traceback)."""
+    from transformers.pytorch_utils import Conv1D
+
+    adaptable = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, Conv1D)
+    names = [name for name, module in policy.named_modules() if name and isinstance(module, adaptable)]
+    unmatched = [t for t in target_modules or () if not any(name == t or name.endswith(f".{t}") for name in names)]
+    layers = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in names}))
+    require(
+        not unmatched,
+        "model.lora.target_modules",
+        f"names of the policy's layers LoRA can adapt ({layers}) or null for every linear layer; "
+        f"{', '.join(map(repr, unmatched))} match none",
+        list(target_modules or ()),
+    )
 
 
 def shard_models(mesh, policy: nn.Module, critic, ref_model, initial_model, rows: fsdp2.Rows, lora: bool) -> None:

@@ -337,3 +337,25 @@ def test_a_policy_path_that_does_not_exist_is_one_line_naming_the_field(tmp_path
         "error: model.policy (or model.tokenizer) must be a built-in model (tiny, smollm2), a local checkpoint folder or a "
         ".gguf file, got '/nonexistent/model': no such folder or file"
     )
+
+
+def test_lora_target_modules_the_policy_has_not_got_are_one_line_naming_the_field_and_its_layers(tmp_path):
+    """peft raises a traceback when no target matches (and ignores one that does not, beside one that
+    does); the tiny Llama's adaptable layers are its attention and MLP projections, embedding and head."""
+    result = cli(
+        tmp_path,
+        "fit",
+        "--config",
+        str(CONFIGS / "tiny.yaml"),
+        "--trainer.enable_progress_bar=false",
+        "--model.lora.rank=4",
+        "--model.lora.target_modules=[q_proj,qproj,mlp]",
+        timeout=600,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: model.lora.target_modules must be names of the policy's layers LoRA can adapt (down_proj, embed_tokens, gate_proj, "
+        "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj) or null for every linear layer; 'qproj', 'mlp' match none, "
+        "got ['q_proj', 'qproj', 'mlp']"
+    )
+    assert "Traceback" not in result.stderr and not list(tmp_path.glob("lightning_logs/*/*/checkpoints/*"))
