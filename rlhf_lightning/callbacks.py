@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from rlhf_lightning.fsdp2 import full_state_dict, is_sharded
 from rlhf_lightning.interfaces import require
+from rlhf_lightning.models import add_lora
 
 
 class ExportPolicy(Callback):
@@ -46,9 +47,9 @@ def export_policy(module, target: Path) -> Optional[Path]:
         if module.global_rank != 0:
             return None
         with torch.random.fork_rng():  # building draws random initial weights that are then replaced
-            policy, _ = module._load_policy()
+            policy, _ = module.load_policy()
             if module.lora.rank:
-                policy = module._add_lora(policy)
+                policy = add_lora(policy, module.lora, module.reference_update.moves)
         policy.load_state_dict(state)
     elif module.global_rank != 0:
         return None

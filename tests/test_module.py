@@ -367,6 +367,28 @@ def test_export_merges_lora_and_transformers_loads_it(tmp_path):
     assert (tmp_path / "policy" / "tokenizer_config.json").exists()
 
 
+@pytest.mark.parametrize("reference_update", [None, "EMA"])
+def test_a_sharded_lora_policy_is_exported_through_an_unsharded_copy_built_from_the_config(tmp_path, monkeypatch, reference_update):
+    """Under FSDP2 the export loads the gathered state into a copy the module builds again (its
+    policy, then its adapters, with a moving reference's second one): the sharding stubbed out here,
+    the rebuilt copy must take the state and export the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_lightning import callbacks
+    from rlhf_lightning_plugins.reference_updates import EMA
+
+    moving = {"reference_update": EMA(0.5)} if reference_update else {}
+    module = make_module(lora=dict(rank=4), **moving)
+    push_adapter(module)
+    monkeypatch.setattr(callbacks, "is_sharded", lambda policy: True)
+    monkeypatch.setattr(callbacks, "full_state_dict", lambda policy: policy.state_dict())
+    callbacks.export_policy(module, tmp_path / "policy")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, module.policy(input_ids=ids).logits, atol=1e-4)
+
+
 @pytest.mark.parametrize("critic", ["shared", "separate"])
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_old_logprobs_and_values_from_the_sampler_equal_a_fresh_forward(smollm2_tokenizer, critic, lora_rank):
