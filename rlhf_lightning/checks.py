@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-import sys
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,29 +38,30 @@ def require(condition: bool, field: str, requirement: str, value: Any) -> None:
 # A plugin's own argument as it names it: its kind, then the argument (``reward_model.url``).
 _PLUGIN_FIELD = re.compile(r"(?!(?:model|data|trainer|cpu)\.)[a-z][a-z0-9_]*\.(\w+)")
 
+# The module argument (``model.entropy_controller``) whose plugin the command is building, if any.
+_BUILDING: ContextVar[Optional[str]] = ContextVar("building_plugin_for", default=None)
+
+
+@contextlib.contextmanager
+def building_plugin_for(key: str) -> Iterator[None]:
+    """Within: plugins are built for the module argument ``key`` (``model.entropy_controller``), so
+    their checks name their arguments under it (:func:`plugin_field`). The command enters it around
+    its parser's building of each ``model.*`` argument (``cli.name_plugin_arguments``)."""
+    token = _BUILDING.set(key)
+    try:
+        yield
+    finally:
+        _BUILDING.reset(token)
+
 
 def plugin_field(field: str) -> str:
     """``field`` as the user wrote it: a plugin's argument (``beta_controller.target``) is qualified by
-    the module argument the command is building the plugin for, if any (``model.entropy_controller``:
-    the same class serves two arguments), into ``model.entropy_controller.init_args.target``; any other
-    field, or a plugin built in Python, as it is.
-
-    The command's parser (jsonargparse) builds each ``class_path`` plugin before the module, through
-    its ``ActionTypeHint.instantiate_classes`` for the argument's key, and its error names neither the
-    key nor the argument: the key is read from that call's frame, found only when a check fails.
-    tests/test_messages.py runs this through the command, so a jsonargparse release that renames the
-    call fails there, where the message falls back to the plugin's own name."""
+    the module argument the command is building the plugin for (:func:`building_plugin_for`;
+    ``model.entropy_controller``: the same class serves two arguments), into
+    ``model.entropy_controller.init_args.target``; any other field, or a plugin built in Python, as it is."""
     match = _PLUGIN_FIELD.fullmatch(field)
-    if match is None:
-        return field
-    frame = sys._getframe(1)
-    while frame is not None:
-        action = frame.f_locals.get("self") if frame.f_code.co_name == "instantiate_classes" else None
-        key = getattr(action, "dest", None)
-        if type(action).__module__.startswith("jsonargparse") and isinstance(key, str) and key.startswith("model."):
-            return f"{key}.init_args.{match.group(1)}"
-        frame = frame.f_back
-    return field
+    key = _BUILDING.get()
+    return field if match is None or key is None else f"{key}.init_args.{match.group(1)}"
 
 
 def require_number(

@@ -230,6 +230,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             return (self.config_init[self.subcommand] if self.subcommand else self.config_init)["cpu"]
 
         def instantiate_classes(self) -> None:
+            name_plugin_arguments(self._parser(self.subcommand))
             super().instantiate_classes()
             apply_cpu_settings(self.trainer, self.cpu_settings())
 
@@ -309,6 +310,30 @@ def shown_path(path: Path) -> str:
     with contextlib.suppress(ValueError):
         path = path.relative_to(Path.cwd())
     return shlex.quote(str(path))
+
+
+def name_plugin_arguments(parser) -> None:
+    """Build each ``model.*`` plugin argument of ``parser`` within ``checks.building_plugin_for(key)``, so
+    a plugin's check names the key the user wrote (``model.entropy_controller.init_args.target``),
+    not its kind's (``beta_controller.target``), where one class serves two arguments.
+    jsonargparse builds a ``class_path`` argument through its action's ``instantiate_classes`` and has no
+    hook that is told the key; this wraps that method on each such action (once).
+    tests/test_messages.py runs it through the command, so a jsonargparse release that builds
+    otherwise fails there, where the message falls back to the plugin's own name."""
+    from jsonargparse._typehints import ActionTypeHint
+
+    from rlhf_lightning.checks import building_plugin_for
+
+    for action in parser._actions:
+        build = action.__dict__.get("instantiate_classes")
+        if not isinstance(action, ActionTypeHint) or not action.dest.startswith("model.") or build is not None:
+            continue
+
+        def build_for_key(value, build=action.instantiate_classes, key=action.dest):
+            with building_plugin_for(key):
+                return build(value)
+
+        action.instantiate_classes = build_for_key
 
 
 def where_the_logs_are(logger) -> str:
