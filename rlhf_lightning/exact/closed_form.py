@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from rlhf_lightning.exact.tabular import reward_to_go, sum_after
+from rlhf_lightning.exact.tabular import expected_log_ratio, log_normalise, reward_to_go, sum_after
 
 
 def log_partition(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
@@ -70,10 +70,7 @@ def optimal_objective(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> flo
 
 def kl_divergence(logp: Tensor, logq: Tensor) -> float:
     """E_x KL(p(.|x) || q(.|x)) = E_x sum_y p (log p - log q), with 0 log 0 = 0."""
-    logp, logq = logp.double(), logq.double()
-    p = logp.exp()
-    terms = torch.where(p > 0, p * (logp - logq), torch.zeros((), dtype=torch.float64))
-    return float(terms.sum(-1).mean())
+    return float(expected_log_ratio(logp.double(), logq.double()).mean())
 
 
 def expected_reward(logprobs: Tensor, rewards: Tensor) -> float:
@@ -113,12 +110,91 @@ def backward_induction(ref_logprobs: Tensor, rewards: Tensor, beta: float, num_t
     ref, value = ref_logprobs.double().view(shape), rewards.double().view(shape)
     logprobs = torch.zeros(shape, dtype=torch.float64)
     for t in reversed(range(length)):  # value: (prompts, K ** (t + 1)) over prefixes of t + 1 tokens
-        prefix_and_token = sum_after(ref, t + 1, log=True)
-        logits = prefix_and_token - prefix_and_token.logsumexp(-1, keepdim=True) + value / beta
-        policy = logits.log_softmax(-1)  # log pi(a | prefix of t tokens)
-        value = beta * logits.logsumexp(-1) if soft else (policy.exp() * value).sum(-1)
+        logits = log_normalise(sum_after(ref, t + 1, log=True)) + value / beta
+        policy = log_normalise(logits)  # log pi(a | prefix of t tokens); -inf where no response goes
+        value = beta * logits.logsumexp(-1) if soft else torch.where(policy > -math.inf, policy.exp() * value, 0.0).sum(-1)
         logprobs = logprobs + policy.view(*policy.shape, *[1] * (length - t - 1))
     return logprobs.view(prompts, responses)
+
+
+def weighted_fixed_point(
+    ref_logprobs: Tensor,
+    rewards: Tensor,
+    beta: float,
+    num_tokens: int,
+    weights: Tensor,
+    lengths: Tensor,
+    scope: str = "sequence",
+    rounds: int = 500,
+    tolerance: float = 1e-12,
+) -> Tensor:
+    """Where PPO with the KL in the loss settles when each response's loss is weighted by ``weights`` w(y)
+    (paths,): ``seq_mean_token_mean`` weighs response i by 1 / |y_i| (``lengths``, tokens up to and including
+    EOS), while ``token_mean``, ``seq_mean_token_sum`` and ``constant`` weigh every response alike (w constant:
+    this is then pi* for ``scope='sequence'`` and :func:`backward_induction` (``soft=False``) for ``per_token``).
+    Log pi(y|x) in the layout of ``ref_logprobs`` (the tree over ``num_tokens`` symbols, EOS the last).
+
+    The baselines are the critic-free estimators' (rloo, grpo, dr_grpo; grpo's std scales the reward and
+    the KL alike): the reward's b_r(x) = E_pi[r | x] and, for the sequence scope, the KL's group baseline of
+    ``ppo_math.kl_to_go_loss``, b_t(x) = E_pi[L_{>=t} | x, |y| > t] with L_{>=t} = sum_{t' >= t} l_t' and
+    l_t = log pi(y_t | s_t) / pi_ref(y_t | s_t). The expected gradient of the loss on the logit of a at state s
+    (t tokens in) is P(s) pi(a|s) (h(s, a) - sum_b pi(b|s) h(s, b)) with
+
+        h(s, a) = E_pi[ w(y) (r(y) - b_r - beta (L_{>=t}(y) - b_t)) | s, a ]          (per_token: beta l_t only),
+
+    so at an interior stationary point h(s, .) is one constant c(s) over the actions. With l_t(a|s) inside
+    L_{>=t}, m = E[w | s, a] and n = E[w (r - beta L_{>t}) | s, a] over pi's own continuation,
+
+        l(a|s) = (n - (b_r - beta b_t) m - c(s)) / (beta m),     pi(a|s) = pi_ref(a|s) exp(l(a|s)),
+
+    c(s) the root of sum_a pi(a|s) = 1 (Newton: the log-sum is convex and decreasing in c). Solved from the
+    last position back, as :func:`backward_induction`, inside a fixed point on the baselines (which depend
+    on pi): ``rounds`` at most, until no log-probability moves by more than ``tolerance``. A constant w makes
+    the baselines drop out (they multiply m, the same for every action) and gives pi* or the per-token
+    fixed point in one round; 1 / |y| makes them matter: a short response's tokens weigh more, and so does
+    the baseline's pull on them (Dr. GRPO's length bias, with the KL in the loss)."""
+    if scope not in ("sequence", "per_token"):
+        raise ValueError(f"scope must be 'sequence' or 'per_token', got {scope!r}")
+    prompts, paths = ref_logprobs.shape
+    length = round(math.log(paths, num_tokens))
+    shape = (prompts, *[num_tokens] * length)
+    ref, reward = ref_logprobs.double().view(shape), rewards.double().view(shape)
+    weight = weights.double().expand(prompts, paths).reshape(shape)
+    on_mask = [(lengths > t).double().expand(prompts, paths).reshape(shape) for t in range(length)]
+    logprobs, ratios = ref, [torch.zeros(shape, dtype=torch.float64)] * length  # pi = pi_ref to start
+    for _ in range(rounds):
+        probs = logprobs.exp()
+        b_r = sum_after(probs * reward, 0).view(prompts, *[1] * length)
+        later_all = torch.stack(ratios).flip(0).cumsum(0).flip(0)  # L_{>=t}, t = 0 .. L-1
+        b_t = [sum_after(probs * on_mask[t] * later_all[t], 0) / sum_after(probs * on_mask[t], 0).clamp(min=1e-300) for t in range(length)]
+        continuation, later, new_ratios = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64), []
+        for t in reversed(range(length)):
+            cond_ref = log_normalise(sum_after(ref, t + 1, log=True))
+            reach = continuation.exp()  # pi(rest | s, a): sums to 1 under each reachable (s, a)
+            target = reward - beta * later if scope == "sequence" else reward
+            m = sum_after(reach * weight, t + 1)
+            n = sum_after(reach * weight * target, t + 1)
+            baseline = b_r.view(prompts, *[1] * (t + 1)) - (beta * b_t[t].view(prompts, *[1] * (t + 1)) if scope == "sequence" else 0)
+            allowed = cond_ref > -math.inf
+            scale = beta * m.clamp(min=1e-300)
+            free = torch.where(allowed, cond_ref + (n - baseline * m) / scale, -math.inf)
+            c = torch.zeros(free.shape[:-1] + (1,), dtype=torch.float64)
+            for _ in range(100):  # Newton on g(c) = logsumexp_a(free_a - c / scale_a) = 0
+                logits = free - c / scale
+                g = logits.logsumexp(-1, keepdim=True)
+                slope = torch.where(allowed, (logits - g).exp() / scale, 0.0).sum(-1, keepdim=True)
+                c = torch.where(g > -math.inf, c + g / slope.clamp(min=1e-300), c)
+            policy = log_normalise(free - c / scale)  # normalised already at the root; this removes the last rounding
+            ratio = torch.where(allowed, policy - cond_ref, 0.0)
+            expand = (*ratio.shape, *[1] * (length - t - 1))
+            continuation = continuation + policy.view(expand)
+            later = later + ratio.view(expand)
+            new_ratios.insert(0, ratio.view(expand).expand(shape))
+        moved = torch.where(continuation > -math.inf, (continuation - logprobs).abs(), 0.0).max()
+        logprobs, ratios = continuation, new_ratios
+        if moved < tolerance:
+            break
+    return logprobs.reshape(prompts, paths)
 
 
 def per_token_residuals(
@@ -138,9 +214,9 @@ def per_token_residuals(
     for t in range(length):
         log_sa, ref_sa = sum_after(joint, t + 1, log=True), sum_after(ref, t + 1, log=True)  # log P(s, a)
         q = reward_to_go(probs, reward, t + 1)
-        policy = log_sa - log_sa.logsumexp(-1, keepdim=True)
-        target = (ref_sa - ref_sa.logsumexp(-1, keepdim=True) + q / beta).log_softmax(-1)
-        residual = (policy.exp() * (policy - target)).sum(-1)
+        policy = log_normalise(log_sa)
+        target = log_normalise(log_normalise(ref_sa) + q / beta)
+        residual = expected_log_ratio(policy, target)
         out.append((residual.reshape(prompts, -1), log_sa.logsumexp(-1).exp().reshape(prompts, -1)))
     return out
 

@@ -7,6 +7,13 @@ order (prefix (y_0, ..., y_{t-1}) is row sum_tau y_tau K ** (t - 1 - tau)). With
 of any per-token loss can be computed exactly: sum_y sg(pi_old(y)) grad loss(y). This is the ground
 truth for the sequence-level KL (ppo_math.kl_to_go_loss, tests/test_sequence_kl.py,
 tools/studies/kl_estimator_report.py): no Lightning, no model.
+
+Responses that end at EOS live in the same trees, over K + 1 symbols, the last one EOS: a response of
+n < L content tokens then EOS is the path of those tokens, EOS and EOS again up to length L (EOS
+absorbs: after it the only continuation is EOS, with probability 1); L content tokens without EOS is a
+response cut at the length limit. A path with a content token after an EOS is no response
+(:func:`valid_responses`): its log-probability is -inf, and every function here treats a state that
+no response reaches as carrying no mass (its conditionals -inf, never NaN).
 """
 
 from __future__ import annotations
@@ -24,6 +31,33 @@ def enumerate_responses(num_tokens: int, length: int) -> Tensor:
     """Every response of ``length`` tokens over ``num_tokens`` content tokens, lexicographic:
     (num_tokens ** length, length) token indices."""
     return torch.tensor(list(itertools.product(range(num_tokens), repeat=length)), dtype=torch.long).view(-1, length)
+
+
+def valid_responses(responses: Tensor, eos: int) -> Tensor:
+    """Whether each path of the tree over K + 1 symbols (``eos`` the EOS index) is a response: no content
+    token after an EOS. (N, L) -> (N,) bool."""
+    after_eos = (responses == eos).long().cummax(-1).values.bool()
+    return ~(after_eos & (responses != eos)).any(-1)
+
+
+def response_lengths(responses: Tensor, eos: int) -> Tensor:
+    """Tokens of each response up to and including its first EOS (``eos`` the EOS index), or all L
+    for a response cut without one: what the response mask covers. (N, L) -> (N,) long."""
+    is_eos = responses == eos
+    return torch.where(is_eos.any(-1), is_eos.long().argmax(-1) + 1, torch.full_like(responses[:, 0], responses.shape[1]))
+
+
+def log_normalise(log_joint: Tensor) -> Tensor:
+    """log of ``log_joint``'s last dimension normalised (a conditional from joint masses): -inf, not
+    NaN, where the whole row is -inf (a state no response reaches)."""
+    norm = log_joint.logsumexp(-1, keepdim=True)
+    return torch.where(norm > -math.inf, log_joint - norm, torch.full_like(log_joint, -math.inf))
+
+
+def expected_log_ratio(logp: Tensor, logq: Tensor) -> Tensor:
+    """sum over the last dimension of p (log p - log q), with 0 log 0 = 0 (also where q is 0 too)."""
+    p = logp.exp()
+    return torch.where(p > 0, p * (logp - logq), torch.zeros((), dtype=p.dtype)).sum(-1)
 
 
 def prefix_index(responses: Tensor, num_tokens: int) -> Tensor:
@@ -129,5 +163,5 @@ def conditional_tables(logprobs: Tensor, num_tokens: int) -> list[Tensor]:
     tables = []
     for t in range(length):
         joint = sum_after(tree, t + 1, log=True)  # log P(x, y_<=t)
-        tables.append((joint - joint.logsumexp(-1, keepdim=True)).reshape(-1, num_tokens))
+        tables.append(log_normalise(joint).reshape(-1, num_tokens))
     return tables

@@ -1,20 +1,26 @@
 """Toy tasks small enough to enumerate every response, and the tiny network PPORLHF trains on them.
 
-A task: a handful of one-token prompts, K content tokens and responses of exactly L tokens, so
-there are K**L responses per prompt and every expectation of the closed forms
-(:mod:`rlhf_lightning.exact.closed_form`) is a finite sum. The policy is a randomly initialised
-tiny Llama trained by the unchanged PPORLHF loop (rollout -> score -> GAE -> PPO update); E_x is
-uniform over the prompts (every training batch holds each prompt equally often).
+A task: a handful of one-token prompts, K content tokens and responses of at most L tokens, so every
+expectation of the closed forms (:mod:`rlhf_lightning.exact.closed_form`) is a finite sum. The policy
+is a randomly initialised tiny Llama trained by the unchanged PPORLHF loop (rollout -> score -> GAE ->
+PPO update); E_x is uniform over the prompts (every training batch holds each prompt equally often).
 
-Fixed-length responses: PPORLHF ends a response at its first EOS, and ``min_new_tokens``
-works by suppressing EOS inside ``generate`` only, so the forward pass would score a
-different distribution from the one sampled. Here the language-model head itself adds a
-constant -1e4 to the logits of every token that is not a content token (EOS, pad, unk,
-prompt tokens): generate and the forward pass both read the same head, so both see
-probability exactly 0 there (exp(-1e4) underflows to 0 even in float64), the sampler can
-never emit EOS, and with ``max_new_tokens = L`` every response is L content tokens with a
-response mask of all ones. The bias is finite rather than -inf so that entropies and the
+Two kinds of response. The language-model head itself adds a constant -1e4 to the logits of every
+token the task does not allow (pad, unk, prompt tokens; EOS too on a fixed-length task): generate and
+the forward pass both read the same head, so both see probability exactly 0 there (exp(-1e4)
+underflows to 0 even in float64). The bias is finite rather than -inf so that entropies and the
 ``full`` estimator's sum_a pi(a) (log pi(a) - log pi_ref(a)) stay 0 * finite = 0, not NaN.
+
+- Fixed length (``eos=False``): the sampler can never emit EOS, and with ``max_new_tokens = L``
+  every response is L content tokens with a response mask of all ones: K ** L responses.
+- Ending at EOS (``eos=True``): EOS is one more token the network scores like any other, so a
+  response is n < L content tokens then EOS (n + 1 tokens, the KL at EOS included, as PPORLHF
+  masks it), or L content tokens cut at ``max_new_tokens`` without EOS, which the reward backend's
+  ``missing_eos_penalty`` charges: sum_{n <= L} K ** n responses, laid out in the tree over K + 1
+  symbols of :mod:`~rlhf_lightning.exact.tabular` (a path with a token after EOS has probability
+  0). ``min_new_tokens`` m bans EOS at the first m positions of the declared distribution
+  (rlhf_lightning/sampling.py), for the policy and the reference alike: responses of fewer than m
+  content tokens then have probability 0.
 
 With ``top_k`` / ``top_p`` (rlhf_lightning/sampling.py) every distribution here is the declared one:
 tempered and restricted, at each prefix, to the kept set the policy's own sampler keeps there, for
@@ -38,7 +44,7 @@ from rlhf_lightning import args, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact.closed_form import OptimumReport, backward_induction, optimal_logprobs, optimum_report
-from rlhf_lightning.exact.tabular import enumerate_responses
+from rlhf_lightning.exact.tabular import enumerate_responses, response_lengths, valid_responses
 from rlhf_lightning.models import SPECIAL_TOKENS, char_tokenizer
 from rlhf_lightning.module import PPORLHF
 
@@ -75,18 +81,20 @@ def toy_tokenizer(prompt_tokens: Sequence[str], content_tokens: Sequence[str]):
 
 def order_reward(prompts: Sequence[str], responses: Sequence[str], tokens: str, tables: dict[str, dict]) -> list[float]:
     """Reward for the ``callable`` backend that depends on token order: with the prompt's ``tables``
-    (``position`` (L, K), ``transition`` (K, K), optionally ``pair`` (K, K) as nested lists, ``offset`` a number)
-    and y_t the index of the t-th character in ``tokens``,
+    (``position`` (L, K), ``transition`` (K, K), optionally ``pair`` (K, K) and ``length`` (L + 1,) as nested
+    lists, ``offset`` a number) and y_t the index of the t-th character in ``tokens``, n the response's
+    characters,
 
-        r(x, y) = offset + sum_t position[t][y_t] + sum_t transition[y_t][y_{t+1}] + sum_{t < t'} pair[y_t][y_t'].
+        r(x, y) = offset + length[n] + sum_t position[t][y_t] + sum_t transition[y_t][y_{t+1}] + sum_{t < t'} pair[y_t][y_t'].
 
     Positions reward a token at one place, transitions one token right after another, pairs one
-    token anywhere before another (asymmetric: "a..b" is not "b..a")."""
+    token anywhere before another (asymmetric: "a..b" is not "b..a"), lengths a response of n tokens."""
     scores = []
     for prompt, response in zip(prompts, responses, strict=True):
         table = tables[prompt]
         y = [tokens.index(c) for c in response]
-        score = table["offset"] + sum(table["position"][t][a] for t, a in enumerate(y))
+        score = table["offset"] + (table["length"][len(y)] if "length" in table else 0.0)
+        score += sum(table["position"][t][a] for t, a in enumerate(y))
         score += sum(table["transition"][a][b] for a, b in itertools.pairwise(y))
         if "pair" in table:
             score += sum(table["pair"][y[t]][b] for t in range(len(y)) for b in y[t + 1 :])
@@ -102,7 +110,12 @@ class ExactTask:
     ``model_seed`` seeds the tiny model's initialisation, which is the reference pi_ref = pi_0 and so
     part of the task; None (the hand-made tasks) leaves it to the run's seed, as before tasks had one.
     ``position_embedding`` gives the tiny model a learned absolute position embedding, zero at the start
-    so pi_ref is unchanged (:class:`PositionEmbedding`)."""
+    so pi_ref is unchanged (:class:`PositionEmbedding`).
+
+    ``eos``: responses end at EOS (at most ``response_length`` tokens, EOS counted; one of
+    ``response_length`` content tokens without EOS is cut there and loses ``missing_eos_penalty``);
+    ``eos_scale`` multiplies the initial network's EOS logit (its output row), so the reference's
+    chance to stop differs more from prompt to prompt and from prefix to prefix."""
 
     prompts: tuple[str, ...] = ("A", "B", "C")
     content_tokens: tuple[str, ...] = ("a", "b", "c")
@@ -111,9 +124,26 @@ class ExactTask:
     reward_kwargs: dict[str, Any] = field(default_factory=dict)
     model_seed: Optional[int] = None
     position_embedding: bool = False
+    eos: bool = False
+    missing_eos_penalty: Optional[float] = None
+    eos_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.eos or (self.missing_eos_penalty is None and self.eos_scale == 1.0),
+                "missing_eos_penalty and eos_scale", "for a task with eos=True", (self.missing_eos_penalty, self.eos_scale))
 
     @classmethod
-    def random(cls, seed: int, num_prompts: int = 2, num_tokens: int = 4, length: int = 3, scale: float = 1.0) -> ExactTask:
+    def random(
+        cls,
+        seed: int,
+        num_prompts: int = 2,
+        num_tokens: int = 4,
+        length: int = 3,
+        scale: float = 1.0,
+        eos: bool = False,
+        missing_eos_penalty: float = 0.5,
+        eos_scale: float = 4.0,
+    ) -> ExactTask:
         """A seeded task whose reward depends on token order (:func:`order_reward`). Per prompt, times
         ``scale``: position weights 0.1 N(0, 1) and sparse transitions, a quarter of the (a, b) pairs
         (drawn at random) worth +-2 (1 + 0.5 |N(0, 1)|), the others 0. The reference is the tiny model
@@ -132,7 +162,12 @@ class ExactTask:
         The tiny model gets a position embedding (zero at the start: the reference is the same): the
         per-token fixed point asks for conditionals that differ by position after the same tokens where
         pi* and pi_ref hardly do, and one rotary layer did not learn that under sampling noise: without the
-        embedding rloo's per-token cell ended well short of the fixed point's gap."""
+        embedding rloo's per-token cell ended well short of the fixed point's gap.
+
+        ``eos=True``: responses end at EOS (:class:`ExactTask`'s ``eos``), the network's EOS logit scaled by
+        ``eos_scale`` (its chance to stop then differs by prompt and prefix), responses cut at ``length``
+        lose ``missing_eos_penalty``, and the reward gains a length term, ``scale`` N(0, 1) per number of
+        content tokens per prompt: the length the optimum prefers is the task's, not a constant."""
         require(
             1 <= num_prompts <= 26 and 1 <= num_tokens <= 26 and length >= 1,
             "a random task's size",
@@ -152,6 +187,8 @@ class ExactTask:
             kept = torch.rand(num_tokens, num_tokens, generator=generator) < 0.25
             transition = torch.where(kept, 2 * (transition.sign() + 0.5 * transition), torch.zeros((), dtype=torch.float64))
             tables[prompt] = {"offset": 0.0, "position": (scale * position).tolist(), "transition": (scale * transition).tolist()}
+            if eos:
+                tables[prompt]["length"] = (scale * normal(length + 1)).tolist()
         task = cls(
             prompts=prompts,
             content_tokens=tokens,
@@ -160,6 +197,9 @@ class ExactTask:
             reward_kwargs={"tokens": "".join(tokens), "tables": tables},
             model_seed=seed,
             position_embedding=True,
+            eos=eos,
+            missing_eos_penalty=missing_eos_penalty if eos else None,
+            eos_scale=eos_scale if eos else 1.0,
         )
         centres = (reference_logprobs(task).exp() * task.rewards()).sum(-1)  # E_ref[r | x] with offset 0
         for prompt, centre in zip(prompts, centres.tolist(), strict=True):
@@ -167,22 +207,53 @@ class ExactTask:
         return task
 
     @property
+    def num_symbols(self) -> int:
+        """The symbols of the response tree: the K content tokens, and EOS (index K) when responses end at it."""
+        return len(self.content_tokens) + self.eos
+
+    @property
+    def indices(self) -> Tensor:
+        """Every path of the response tree, (num_symbols ** L, L) symbol indices in the order of
+        :func:`enumerate_responses`; with ``eos`` some are no response (:attr:`valid`)."""
+        return enumerate_responses(self.num_symbols, self.response_length)
+
+    @property
+    def valid(self) -> Tensor:
+        """Which paths are responses, (paths,) bool: all of them on a fixed-length task."""
+        return valid_responses(self.indices, len(self.content_tokens))
+
+    @property
+    def lengths(self) -> Tensor:
+        """Each path's length in tokens, EOS included (what PPORLHF's response mask covers): (paths,) long."""
+        return response_lengths(self.indices, len(self.content_tokens))
+
+    @property
+    def ended_with_eos(self) -> Tensor:
+        """Whether each path ends at EOS (False: cut at ``response_length``), (paths,) bool."""
+        return (self.indices == len(self.content_tokens)).any(-1)
+
+    @property
     def responses(self) -> list[str]:
-        """All K ** L responses as text, in the order of :func:`enumerate_responses`."""
-        indices = enumerate_responses(len(self.content_tokens), self.response_length)
-        return ["".join(self.content_tokens[i] for i in row) for row in indices.tolist()]
+        """Every path as the text the reward reads (its content tokens before EOS), in the order of
+        :func:`enumerate_responses`."""
+        tokens = self.content_tokens
+        return ["".join(tokens[i] for i in itertools.takewhile(lambda i: i < len(tokens), row)) for row in self.indices.tolist()]
 
     def reward_model(self):
         from rlhf_lightning_plugins.rewards.function import CallableReward
 
-        return CallableReward(function=self.reward_function, kwargs=dict(self.reward_kwargs))
+        return CallableReward(function=self.reward_function, kwargs=dict(self.reward_kwargs), missing_eos_penalty=self.missing_eos_penalty)
 
     def rewards(self) -> Tensor:
-        """r(x, y) for every prompt and response: (prompts, responses), from the reward backend itself."""
+        """r(x, y) for every prompt and path: (prompts, paths), from the reward backend itself, less
+        ``missing_eos_penalty`` for a response cut without EOS (the backend's shaping); 0 for a path that
+        is no response."""
         responses = self.responses
         backend = self.reward_model()
-        rows = [backend.score([p] * len(responses), responses) for p in self.prompts]
-        return torch.tensor(rows, dtype=torch.float64)
+        rewards = torch.tensor([backend.score([p] * len(responses), responses) for p in self.prompts], dtype=torch.float64)
+        if self.missing_eos_penalty is not None:
+            rewards = rewards - self.missing_eos_penalty * (~self.ended_with_eos).double()
+        return rewards.masked_fill(~self.valid, 0.0)
 
     def dataloader(self, iterations: int, batch_size: int, end_batch_size: Optional[int] = None, end_iterations: int = 0) -> DataLoader:
         """``iterations`` batches that each hold every prompt ``batch_size / len(prompts)`` times,
@@ -202,12 +273,13 @@ TASKS = {
 
 
 def task_named(name: str) -> ExactTask:
-    """A task of :data:`TASKS` by name, or ``random:SEED`` for ``ExactTask.random(SEED)``."""
-    if name.startswith("random:"):
-        seed = name.split(":", 1)[1]
-        require(seed.isdigit(), "a random task", "random:SEED with SEED a non-negative integer", name)
-        return ExactTask.random(int(seed))
-    require(name in TASKS, "the task", f"one of {sorted(TASKS)} or random:SEED", name)
+    """A task of :data:`TASKS` by name, ``random:SEED`` for ``ExactTask.random(SEED)`` or ``random-eos:SEED``
+    for ``ExactTask.random(SEED, eos=True)`` (responses that end at EOS)."""
+    kind, _, seed = name.partition(":")
+    if kind in ("random", "random-eos"):
+        require(seed.isdigit(), "a random task", f"{kind}:SEED with SEED a non-negative integer", name)
+        return ExactTask.random(int(seed), eos=kind == "random-eos")
+    require(name in TASKS, "the task", f"one of {sorted(TASKS)}, random:SEED or random-eos:SEED", name)
     return TASKS[name]
 
 
@@ -258,7 +330,8 @@ class ExactPPORLHF(PPORLHF):
     def __init__(self, task: ExactTask = TASKS["terminal"], logged: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
         kwargs = args.merge_settings(kwargs)
         fixed = {"policy", "tokenizer", "reward_model"} & set(kwargs)
-        fixed |= {f"sampling.{name}" for name in ("max_new_tokens", "min_new_tokens") if name in kwargs.get("sampling", {})}
+        own = ("max_new_tokens",) if task.eos else ("max_new_tokens", "min_new_tokens")  # min_new_tokens bans EOS: only with one
+        fixed |= {f"sampling.{name}" for name in own if name in kwargs.get("sampling", {})}
         fixed |= {"lora.rank"} if "rank" in kwargs.get("lora", {}) else set()
         require(not fixed, "ExactPPORLHF's arguments", "free of what the task sets itself", sorted(fixed))
         if task.model_seed is not None:  # the task's reference: the initialisation is the task's, not the run's
@@ -283,7 +356,8 @@ class ExactPPORLHF(PPORLHF):
         self.task, self.logged = task, logged
         self.tokenizer = toy_tokenizer(task.prompts, task.content_tokens)
         self.content_ids = self.tokenizer.convert_tokens_to_ids(list(task.content_tokens))
-        self.sampled_token_ids = list(self.content_ids)  # MaskedHead's set, for an engine serving the bare model (vllm)
+        self.symbol_ids = [*self.content_ids, self.tokenizer.eos_token_id][: task.num_symbols]  # the tree's symbols as token ids
+        self.sampled_token_ids = list(self.symbol_ids)  # MaskedHead's set, for an engine serving the bare model (vllm)
 
     def log_dict(self, dictionary, *args: Any, **kwargs: Any) -> None:
         """Lightning's ``log_dict`` of the metrics named in ``logged`` (all where None): each
@@ -297,6 +371,9 @@ class ExactPPORLHF(PPORLHF):
         policy, rows = super().load_policy(empty)
         if self.task.position_embedding:  # before the reference and a critic are copied from it
             PositionEmbedding.attach(policy)
+        if self.task.eos_scale != 1.0:  # the reference's EOS logit, before anyone copies the policy
+            with torch.no_grad():
+                policy.lm_head.weight[self.tokenizer.eos_token_id] *= self.task.eos_scale
         return policy, rows
 
     def configure_model(self) -> None:
@@ -304,41 +381,46 @@ class ExactPPORLHF(PPORLHF):
             return
         super().configure_model()
         for model in filter(None, (self.policy, self.ref_model, self.initial_model)):
-            model.lm_head = MaskedHead(model.lm_head, len(self.tokenizer), self.content_ids)
+            model.lm_head = MaskedHead(model.lm_head, len(self.tokenizer), self.symbol_ids)
 
-    def _all_responses(self) -> tuple[Tensor, Tensor]:
-        """input_ids and attention_mask of every (prompt, response) pair: (prompts * responses, len)."""
+    def _all_responses(self) -> tuple[Tensor, Tensor, Tensor]:
+        """input_ids, attention_mask and response mask of every (prompt, path) pair, (prompts * paths, len) and
+        (prompts * paths, L), as PPORLHF's rollout builds them: pad after EOS, the mask up to and including EOS."""
         enc = self.encode_prompts(list(self.task.prompts))
-        indices = enumerate_responses(len(self.task.content_tokens), self.task.response_length).to(self.device)
-        response_ids = torch.tensor(self.content_ids, device=self.device)[indices]  # (responses, L)
+        response_ids = torch.tensor(self.symbol_ids, device=self.device)[self.task.indices.to(self.device)]  # (paths, L)
+        mask = pm.response_mask(response_ids, self.tokenizer.eos_token_id)
+        response_ids = torch.where(mask.bool(), response_ids, self.tokenizer.pad_token_id)
         n_prompts, n_responses = enc["input_ids"].shape[0], response_ids.shape[0]
         input_ids = torch.cat([enc["input_ids"].repeat_interleave(n_responses, 0), response_ids.repeat(n_prompts, 1)], dim=1)
-        attention_mask = torch.cat(
-            [enc["attention_mask"].repeat_interleave(n_responses, 0), torch.ones_like(response_ids).repeat(n_prompts, 1)], dim=1
-        )
-        return input_ids, attention_mask
+        response_mask = mask.repeat(n_prompts, 1)
+        attention_mask = torch.cat([enc["attention_mask"].repeat_interleave(n_responses, 0), response_mask.long()], dim=1)
+        return input_ids, attention_mask, response_mask
 
     @torch.no_grad()
     def exact_logprobs(self, model: Optional[nn.Module] = None) -> Tensor:
         """log pi(y|x) of ``model`` (default: the policy) for every prompt and response, from one
         batched forward pass scored exactly as PPO scores rollouts: the declared distribution
         (``sampling``), restricted at each prefix to the kept set the policy's sampler keeps there
-        (with top_k / top_p; a response outside them has probability 0): (prompts, responses), float64."""
-        input_ids, attention_mask = self._all_responses()
+        (with top_k / top_p, and EOS banned before ``min_new_tokens``; a response outside them has probability
+        0), summed over each response's mask: (prompts, paths), float64, -inf for a path that is no response."""
+        input_ids, attention_mask, mask = self._all_responses()
         length = self.task.response_length
         logits = self.networks.response_logits(model or self.policy, input_ids, attention_mask, length)
         kept = None
         if self.truncates:  # the policy's kept sets, also for another model
             policy_logits = logits if model is None else self.networks.response_logits(self.policy, input_ids, attention_mask, length)
-            kept = sampling.kept_tokens(policy_logits, self.sampling.top_k, self.sampling.top_p)
-        logprobs = pm.logprobs_of(sampling.restrict(logits, kept), input_ids[:, -length:]).double().sum(-1)
-        return logprobs.view(len(self.task.prompts), -1).cpu()
+            banned = sampling.min_new_tokens_ban(logits.shape, self.tokenizer.eos_token_id, self.sampling.min_new_tokens, logits.device)
+            kept = sampling.kept_tokens(policy_logits, self.sampling.top_k, self.sampling.top_p, banned)
+        token_logprobs = pm.logprobs_of(sampling.restrict(logits, kept), input_ids[:, -length:]).double()
+        logprobs = (token_logprobs * mask).sum(-1).view(len(self.task.prompts), -1).cpu()
+        return logprobs.masked_fill(~self.task.valid, -math.inf)
 
     @property
     def truncates(self) -> bool:
-        """Whether sampling keeps a subset of the tokens (top_k, top_p): the declared reference then
-        depends on the policy's kept sets, and is recomputed with them."""
-        return self.sampling.do_sample and (bool(self.sampling.top_k) or self.sampling.top_p < 1)
+        """Whether sampling keeps a subset of the tokens (top_k, top_p, EOS banned by min_new_tokens): the
+        declared reference then depends on the policy's kept sets, and is recomputed with them."""
+        bans_eos = self.task.eos and self.sampling.min_new_tokens > 0
+        return bans_eos or (self.sampling.do_sample and (bool(self.sampling.top_k) or self.sampling.top_p < 1))
 
     def exact_ref_logprobs(self) -> Tensor:
         with self.networks.reference() as ref:
