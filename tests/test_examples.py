@@ -1,7 +1,8 @@
 """The examples of the README and docs/ run as written: the plugin file dropped into plugins/, each
 ``rlhf-lightning fit`` example of the CLI blocks followed by its ``validate --ckpt_path last``, the
-adaptive example's beta moving, and the rollout page's optimum_check example keeping several
-responses. (tests/test_docs.py parses every shown command; these run them.)"""
+adaptive example's beta moving, the rollout page's optimum_check example keeping several
+responses, the README's quickstart (slow) and performance.md's tiny threads_bench (convergence).
+(tests/test_docs.py parses every shown command; these run them.)"""
 
 from __future__ import annotations
 
@@ -259,3 +260,85 @@ def test_each_tiny_example_of_the_other_pages_trains_an_iteration(tmp_path, page
     assert done.returncode == 0, f"{page}: {command}\n{done.stderr[-3000:]}"
     (run,) = (cwd / "lightning_logs").glob("*/version_0")
     assert list(read_scalars(str(run))["objective/reward"]) == [0]
+
+
+# --- the README's run command and docs/performance.md's threads_bench command, as written
+
+QUICKSTART = ".venv/bin/rlhf-lightning fit --config configs/quickstart.yaml"
+
+
+def block_means(values: list[float], size: int = 5) -> list[float]:
+    return [sum(values[i : i + size]) / len(values[i : i + size]) for i in range(0, len(values), size)]
+
+
+def quickstart_claims(reward: list[float], kl: list[float], beta: list[float]) -> list[str]:
+    """What the README's "What you should see" says of the quickstart, over means of blocks of 5
+    iterations (8 blocks): the reward about 0.35 in the first, above 0.55 in most from iteration 20;
+    the KL up to its 4-nat target (the controller's band starts at 0.8 x target) by iteration 24;
+    beta below its 0.1 start, then rising again. The claims that fail."""
+    failed = []
+    if not 0.25 <= reward[0] <= 0.45:
+        failed.append(f"first reward block {reward[0]:.3f} is not about 0.35")
+    if sum(r > 0.55 for r in reward[4:]) < 3:
+        failed.append(f"reward blocks from iteration 20 {[round(r, 3) for r in reward[4:]]}: fewer than 3 of 4 above 0.55")
+    if not (kl[0] < 2 and max(kl[:5]) >= 0.8 * 4):
+        failed.append(f"KL blocks {[round(k, 2) for k in kl[:5]]} do not climb to the 4-nat target by iteration 24")
+    low = min(range(len(beta)), key=beta.__getitem__)
+    if not (beta[0] < 0.1 and low < len(beta) - 1 and beta[-1] > beta[low]):
+        failed.append(f"beta blocks {[round(b, 4) for b in beta]} do not fall from 0.1 and rise again")
+    return failed
+
+
+# A user's environment: no thread count (tests/conftest.py sets one for the suite's own processes).
+AS_WRITTEN = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+
+def test_results_md_s_quickstart_block_means_hold_the_readme_s_claims():
+    page = (REPO / "docs" / "results.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\s*\d+-\d+\s+([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)\s", page, re.M)
+    assert len(rows) == 8, page
+    assert quickstart_claims(*([float(row[i]) for row in rows] for i in range(3))) == []
+
+
+@pytest.mark.slow
+@pytest.mark.convergence
+def test_the_readme_quickstart_runs_as_written_and_shows_what_the_readme_and_results_md_say(tmp_path):
+    """The README's run command after ``tools/setup.sh`` (this environment), from a fresh folder, with
+    no thread setting: its block means hold the README's claims (as docs/results.md's do, above), and
+    the merged policy is exported. About 6 minutes idle on a 2-core CPU, 50 at a load of 4-11 (issue 55)."""
+    from summarize_run import read_scalars
+
+    cwd = in_a_copy_of_the_configs(tmp_path)
+    (cwd / ".venv").symlink_to(REPO / ".venv")
+    done = subprocess.run(shlex.split(QUICKSTART), capture_output=True, text=True, cwd=cwd, env=AS_WRITTEN, timeout=4 * 3600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = cwd / "lightning_logs" / "quickstart" / "version_0"
+    scalars = read_scalars(str(run))
+    series = [list(scalars[tag].values()) for tag in ("objective/reward", "objective/kl", "objective/beta")]
+    assert [len(s) for s in series] == [40, 40, 40]
+    assert series[2][0] == pytest.approx(0.1)
+    assert quickstart_claims(*(block_means(s) for s in series)) == [], "the run's"
+    assert (run / "policy" / "config.json").is_file() and "logs: lightning_logs/quickstart/version_0" in done.stdout
+
+
+THREADS_BENCH = "python tools/benchmarks/threads_bench.py --iterations 4 --burners 0 1"
+
+
+@pytest.mark.convergence
+def test_performance_md_s_threads_bench_on_the_tiny_config_prints_its_table(tmp_path):
+    """docs/performance.md's tiny threads_bench command as written: a row per setting and burner
+    count, the four settings the page's tiny table has, each a positive median time. The times
+    themselves depend on the machine and its load (the page gives its own); only the table's shape is
+    checked. A few minutes on a 2-core CPU (the spinning setting beside a burner about 20 s an iteration)."""
+    page = (REPO / "docs" / "performance.md").read_text()
+    assert THREADS_BENCH in page
+    done = subprocess.run(
+        [sys.executable, *shlex.split(THREADS_BENCH)[1:]], capture_output=True, text=True, cwd=REPO, env=AS_WRITTEN, timeout=HANG_GUARD_S
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = done.stdout.split("median seconds per iteration after the first", 1)[1]
+    rows = re.findall(r"^(\w+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s", table, re.M)
+    assert sorted((setting, int(burners)) for setting, burners, _, _ in rows) == sorted(
+        (setting, burners) for setting in ("as_written", "cores_passive", "one_thread", "automatic") for burners in (0, 1)
+    ), table
+    assert all(float(median) > 0 for *_, median in rows), table
