@@ -466,7 +466,14 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
             f"model.sampling.temperature {sampling.temperature} with model.advantage_estimator {estimator}: below {GREEDY_TEMPERATURE} "
             "the responses of a group are mostly identical, so are their rewards, and their advantages are 0 (nothing is learnt from them)"
         )
-    recipe, reason = kl_recipe(kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope)
+    aggregation = getattr(plugins["loss_aggregation"], "mode", type(plugins["loss_aggregation"]).__name__)
+    recipe, reason = kl_recipe(kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)
+    if recipe == "length_weighted" and sampling.max_new_tokens > 1:
+        rank_zero_warn(
+            f"model.loss_aggregation {aggregation} with model.kl.placement {kl.placement}: {reason}, so where responses end at "
+            "EOS the policy converges away from the KL-regularised optimum (to exact.weighted_fixed_point; docs/kl-estimators.md, "
+            "'Responses of different lengths'). Use model.loss_aggregation token_mean, seq_mean_token_sum or constant, or the KL in the reward."
+        )
     if recipe == "biased":
         weighting = (
             f", model.kl.loss_weighting {kl.loss_weighting}" if kl.placement != "reward" and kl_estimator.reads_sampled_token() else ""
@@ -494,7 +501,12 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
     return {"critic": critic, "ppo": dataclasses.replace(ppo, whiten_advantages=whiten)}
 
 
-def kl_recipe(estimator: KLEstimator, placement: str, weighting: str, scope: str = "sequence") -> tuple[str, str]:
+LENGTH_WEIGHTED_AGGREGATIONS = ("seq_mean_token_mean",)  # weigh each response by 1 / its length
+
+
+def kl_recipe(
+    estimator: KLEstimator, placement: str, weighting: str, scope: str = "sequence", aggregation: str = "token_mean"
+) -> tuple[str, str]:
     """The class of a KL recipe (docs/kl-estimators.md, "Which recipe reaches which optimum"), with
     why, read from the estimator's properties (``KLEstimator``): the one table the start-up warning,
     ``tools/studies/optimum_check.py``'s expected classes and the docs' matrix (``tests/test_kl_loss_scope.py``)
@@ -506,6 +518,11 @@ def kl_recipe(estimator: KLEstimator, placement: str, weighting: str, scope: str
     ``drift``: right on a rollout's first minibatch only (an unweighted token-dependent term
     evaluated at pi_theta on pi_old's tokens).
     ``biased``: wrong even on-policy.
+    ``length_weighted``: a KL in the loss (or ``both``) aggregated with a weight per response that depends on its
+    length (``seq_mean_token_mean``: 1 / |y|): on responses of different lengths a short response's tokens weigh
+    more, and the policy settles at ``exact.weighted_fixed_point`` instead (the KL in the reward has pi* at
+    every aggregation: there the whole return is the same for every response at pi*, so every token's
+    advantage is 0 whatever weighs it; docs/kl-estimators.md, "Responses of different lengths").
 
     reward: PPO follows E[s_t sum_{t'>=t} k_t']: the KL's gradient for an estimator whose score-function
     gradient is the KL's (k1). loss, none: E_old[grad k]: right per token where the pathwise gradient is
@@ -532,7 +549,12 @@ def kl_recipe(estimator: KLEstimator, placement: str, weighting: str, scope: str
     else:
         token, reason = ("drift" if weighting == "none" else "unbiased"), ""
     if placement == "loss" and scope == "per_token" and token == "unbiased":
-        return "per_token", ""
+        token = "per_token"
+    if token in ("unbiased", "per_token") and aggregation in LENGTH_WEIGHTED_AGGREGATIONS:
+        return "length_weighted", (
+            f"the loss aggregation {aggregation} divides each response's loss by its length, the KL's with it: on responses of "
+            "different lengths a short response's tokens weigh more than a long one's"
+        )
     return token, reason if token == "biased" else ""
 
 

@@ -692,6 +692,7 @@ class PPORLHF(LightningModule):
             **({"objective/kl_target": float(self.beta_controller.target)} if hasattr(self.beta_controller, "target") else {}),
             "response/length": n_tokens / n,
             "response/eos_fraction": n_eos / n,
+            "response/truncated_fraction": 1.0 - n_eos / n,  # cut at max_new_tokens without EOS
             "response/count": n,
             **sampling.mismatch_metrics(rollout.trainer_logprobs, rollout.sampler_logprobs, mask, self._reduce),
             **gold,

@@ -124,7 +124,7 @@ def test_bad_sampling_settings_are_refused_before_any_model_loads(overrides, mes
 def _declared_tables(module: ExactPPORLHF, estimator) -> tuple[torch.Tensor, torch.Tensor]:
     """(log q(y), E-terms) per prompt and response: the policy's declared log-probs and the estimator's
     summed value on every response, with the policy's kept sets replayed for the reference."""
-    input_ids, attention_mask = module._all_responses()
+    input_ids, attention_mask, _ = module._all_responses()
     length = module.task.response_length
     logits = module.networks.response_logits(module.policy, input_ids, attention_mask, length)
     with module.networks.reference() as ref:

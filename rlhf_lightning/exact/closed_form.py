@@ -178,7 +178,7 @@ def weighted_fixed_point(
             allowed = cond_ref > -math.inf
             scale = beta * m.clamp(min=1e-300)
             free = torch.where(allowed, cond_ref + (n - baseline * m) / scale, -math.inf)
-            c = torch.zeros(free.shape[:-1] + (1,), dtype=torch.float64)
+            c = torch.zeros((*free.shape[:-1], 1), dtype=torch.float64)
             for _ in range(100):  # Newton on g(c) = logsumexp_a(free_a - c / scale_a) = 0
                 logits = free - c / scale
                 g = logits.logsumexp(-1, keepdim=True)
@@ -219,6 +219,16 @@ def per_token_residuals(
         residual = expected_log_ratio(policy, target)
         out.append((residual.reshape(prompts, -1), log_sa.logsumexp(-1).exp().reshape(prompts, -1)))
     return out
+
+
+def length_report(logprobs: Tensor, lengths: Tensor, ended_with_eos: Tensor) -> dict[str, float]:
+    """E_x E_pi |y| (tokens, EOS included) and E_x P_pi(cut without EOS) of ``logprobs`` over paths whose
+    ``lengths`` and ``ended_with_eos`` are given (paths,)."""
+    probs = logprobs.double().exp()
+    return {
+        "mean_length": float((probs * lengths.double()).sum(-1).mean()),
+        "truncated": float((probs * (~ended_with_eos).double()).sum(-1).mean()),
+    }
 
 
 @dataclass

@@ -129,8 +129,12 @@ class ExactTask:
     eos_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        require(self.eos or (self.missing_eos_penalty is None and self.eos_scale == 1.0),
-                "missing_eos_penalty and eos_scale", "for a task with eos=True", (self.missing_eos_penalty, self.eos_scale))
+        require(
+            self.eos or (self.missing_eos_penalty is None and self.eos_scale == 1.0),
+            "missing_eos_penalty and eos_scale",
+            "for a task with eos=True",
+            (self.missing_eos_penalty, self.eos_scale),
+        )
 
     @classmethod
     def random(
@@ -269,6 +273,9 @@ class ExactTask:
 TASKS = {
     "terminal": ExactTask(),
     "bandit": ExactTask(response_length=1),
+    # terminal's reward with responses that end at EOS: a longer response has more chances at the letter,
+    # and one cut at 3 tokens without EOS loses 0.5
+    "terminal-eos": ExactTask(eos=True, missing_eos_penalty=0.5),
 }
 
 

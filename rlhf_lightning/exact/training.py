@@ -24,14 +24,48 @@ from lightning import Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from rlhf_lightning import args as settings
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
-from rlhf_lightning.exact.closed_form import optimum_report
+from rlhf_lightning.exact.closed_form import (
+    backward_induction,
+    kl_divergence,
+    length_report,
+    optimal_logprobs,
+    optimum_report,
+    weighted_fixed_point,
+)
 from rlhf_lightning.exact.tabular import conditional_tables, enumerate_responses, prefix_index, reward_to_go
 from rlhf_lightning.exact.tasks import ExactPPORLHF, ExactTask
 from rlhf_lightning.module import Trajectory
 from rlhf_lightning.registry import registry
 from rlhf_lightning.trainer_settings import QUIET_TRAINER
+
+MEAN_BASELINES = ("rloo", "dr_grpo", "reinforce_pp")  # critic-free, the reward's baseline a mean, nothing divided per prompt
+
+
+def recipe_class(module: ExactPPORLHF) -> str:
+    """The class of the module's KL recipe (``args.kl_recipe``), with its loss aggregation."""
+    aggregation = getattr(module.loss_aggregation, "mode", type(module.loss_aggregation).__name__)
+    kl = module.kl
+    return settings.kl_recipe(module.kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)[0]
+
+
+def documented_optimum(module: ExactPPORLHF, ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Optional[Tensor]:
+    """log pi of where the module's recipe converges by the docs (docs/kl-estimators.md): pi* (``unbiased``),
+    the per-token fixed point (``per_token``), :func:`weighted_fixed_point` with weights 1 / |y|
+    (``length_weighted``, the KL in the loss and a critic-free estimator with a mean baseline); None where
+    the docs compute none (a biased recipe, a weighted one with a critic or with ``both``)."""
+    recipe, task = recipe_class(module), module.task
+    if recipe == "unbiased":
+        return optimal_logprobs(ref_logprobs, rewards, beta)
+    if recipe == "per_token":
+        return backward_induction(ref_logprobs, rewards, beta, task.num_symbols, soft=False)
+    mean_baseline = type(module.advantage_estimator) in {registry("advantage_estimator").get(name) for name in MEAN_BASELINES}
+    if recipe == "length_weighted" and module.kl.placement == "loss" and mean_baseline:
+        lengths = task.lengths
+        return weighted_fixed_point(ref_logprobs, rewards, beta, task.num_symbols, 1.0 / lengths.double(), lengths, module.kl.loss_scope)
+    return None
 
 
 class OptimumTracker(Callback):
@@ -43,7 +77,12 @@ class OptimumTracker(Callback):
     Each row also measures the policy against the iterated optimum pi_k ∝ pi_0 exp(k r / beta), with
     k = 1 + the summed weights alpha of the reference updates before that iteration (k = 1, the
     plain optimum, for a frozen reference): ``k``, ``iterated_gap`` (the gap of J at beta / k with
-    reference pi_0), ``iterated_kl_to_optimum`` = KL(pi || pi_k) and ``kl_to_initial`` = KL(pi || pi_0)."""
+    reference pi_0), ``iterated_kl_to_optimum`` = KL(pi || pi_k) and ``kl_to_initial`` = KL(pi || pi_0).
+
+    And the recipe's own optimum (:func:`documented_optimum`; NaN where the docs give none):
+    ``own_distance`` = beta KL(pi || own) / |J*| (the gap's unit: 0 exactly there) and ``own_gap``, the gap
+    of the own optimum itself (0 for pi*); lengths: ``mean_length`` and ``truncated`` (the share cut
+    without EOS) of pi, ``optimum_mean_length`` and ``optimum_truncated`` of pi*."""
 
     READS = ("objective/kl", "rollout/logprob_diff_max")  # the logged metrics it reads (ExactPPORLHF's ``logged``)
 
@@ -81,8 +120,16 @@ class OptimumTracker(Callback):
         logprobs, beta = pl_module.exact_logprobs(), pl_module.beta_controller.beta
         # With top_k / top_p the optimum is that of the declared objective at the policy's own kept sets.
         ref = pl_module.exact_ref_logprobs() if pl_module.truncates else self._ref
-        report = optimum_report(logprobs, ref, self._rewards, beta, len(pl_module.task.content_tokens))
+        task = pl_module.task
+        report = optimum_report(logprobs, ref, self._rewards, beta, task.num_symbols)
         iterated = optimum_report(logprobs, self._initial, self._rewards, beta / self._k)
+        own = documented_optimum(pl_module, ref, self._rewards, beta)
+        own_distance = own_gap = math.nan
+        if own is not None:
+            own_distance = beta * kl_divergence(logprobs, own) / abs(report.optimum)
+            own_gap = optimum_report(own, ref, self._rewards, beta).gap
+        lengths = length_report(logprobs, task.lengths, task.ended_with_eos)
+        optimum_lengths = length_report(optimal_logprobs(ref, self._rewards, beta), task.lengths, task.ended_with_eos)
         return {
             "iteration": iteration,
             **vars(report),
@@ -92,6 +139,11 @@ class OptimumTracker(Callback):
             "iterated_gap": iterated.gap,
             "iterated_kl_to_optimum": iterated.kl_to_optimum,
             "kl_to_initial": iterated.kl_to_ref,
+            "own_distance": own_distance,
+            "own_gap": own_gap,
+            **lengths,
+            "optimum_mean_length": optimum_lengths["mean_length"],
+            "optimum_truncated": optimum_lengths["truncated"],
         }
 
     @property
@@ -200,8 +252,10 @@ def expected_train(
     ``tools/studies/optimum_check.py --expected-gradient``).
 
     Each iteration: pi_old = the current policy; the "rollout" is every response of every prompt, each
-    response's per-token losses weighted by pi_old(y|x) / (prompts * length) (so the weighted sum is the
-    expectation of the module's token-mean loss); the advantage is exact, A_t = r(x, y) - E_{pi_old}[r | x,
+    response's per-token losses weighted by pi_old(y|x) / prompts times the module's loss aggregation in
+    expectation (``token_mean``: 1 / E_old |y|; ``seq_mean_token_mean``: 1 / |y|; ``seq_mean_token_sum``: 1;
+    ``constant``: 1 / its normaliser), so the weighted sum is the expectation of the module's loss; the
+    advantage is exact, A_t = r(x, y) - E_{pi_old}[r | x,
     y_<t] (any baseline of the prefix leaves the expectation unchanged); then ``ppo_epochs`` x
     ``num_minibatches`` full-batch AdamW steps (as many as the sampled loop takes, each on the whole
     expectation, of which a minibatch is an unbiased half, its gradients clipped to ``max_grad_norm`` as the
@@ -223,15 +277,17 @@ def expected_train(
     module = ExactPPORLHF(task, kl_penalty="loss", advantage_estimator="rloo", num_generations=2, lr=lr, **module_kwargs)
     module.configure_model()
     optimizer = module.configure_optimizers()
-    rewards, length = task.rewards(), task.response_length
+    rewards, length, num_tokens = task.rewards(), task.response_length, task.num_symbols
     ref_logprobs = module.exact_ref_logprobs()
-    input_ids, attention_mask = module._all_responses()
+    input_ids, attention_mask, mask = module._all_responses()
     prompts, response = rewards.shape[0], input_ids[:, -length:]
-    mask = torch.ones_like(response, dtype=torch.float32)
     with module.networks.reference() as ref:
         ref_token_logprobs = pm.logprobs_of(module.networks.response_logits(ref, input_ids, attention_mask, length), response)
-    num_tokens = len(task.content_tokens)
     shape = (prompts, *[num_tokens] * length)
+    # Each response's weight in the aggregation, as its share of the responses (the batch's denominators
+    # in expectation): 1 / E[|y|] per token for token_mean, 1 / |y| for seq_mean_token_mean, ...
+    aggregation = module.loss_aggregation.weights(mask, module.sampling.max_new_tokens) * len(mask)
+    token_mean = getattr(module.loss_aggregation, "mode", None) == "token_mean"
     if responses is not None:
         draws = torch.Generator().manual_seed(seed)
         per_minibatch = responses // (prompts * num_minibatches)
@@ -251,7 +307,7 @@ def expected_train(
         for t in range(length):
             value = reward_to_go(joint, reward_tree, t)
             values.append(value.reshape(prompts, -1).repeat_interleave(num_tokens ** (length - t), -1))
-        advantages = (rewards.unsqueeze(-1) - torch.stack(values, -1)).view(-1, length).float()
+        advantages = ((rewards.unsqueeze(-1) - torch.stack(values, -1)).view(-1, length) * mask).float()
         rollout = Trajectory(
             # one group per row: enumerated responses are not independent samples, so no leave-one-out
             # baseline (ppo_math.kl_to_go_loss's groups); the exact expectation needs none
@@ -261,7 +317,7 @@ def expected_train(
             attention_mask=attention_mask,
             responses=response,
             response_mask=mask,
-            ended_with_eos=torch.zeros(len(input_ids), dtype=torch.bool),
+            ended_with_eos=task.ended_with_eos.repeat(prompts),
             old_logprobs=old_logprobs,
             trainer_logprobs=old_logprobs,
             sampler_logprobs=old_logprobs,
@@ -269,7 +325,7 @@ def expected_train(
             old_values=None,
             entropy=torch.zeros_like(mask),
         )
-        probs = logprobs.exp()  # (prompts, responses): pi_old(y | x), float64
+        probs = logprobs.exp()  # (prompts, paths): pi_old(y | x), float64; 0 for a path that is no response
         if responses is None:  # the expectation itself, at every step
             shares = [probs] * num_minibatches
         else:  # each minibatch's draw, as the share of its responses that each one is
@@ -279,7 +335,9 @@ def expected_train(
             group["lr"] = lr * lr_factor(iteration, iterations, lr_final, lr_hold)
         rows_all = torch.arange(len(input_ids))
         for share in [share for _ in range(module.ppo.epochs) for share in shares]:
-            weights = (share.view(-1, 1) / prompts).float().expand(-1, length) / length
+            share = share.view(-1, 1) / prompts
+            per_token = mask / (share * mask).sum() if token_mean else aggregation
+            weights = (share * per_token).float()
             loss = module.ppo_loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)
             loss.backward()
             module.on_before_optimizer_step(optimizer)  # the module's gradient clipping, as in the sampled loop
