@@ -228,7 +228,7 @@ class PPORLHF(LightningModule):
         if fault is None and not torch.isfinite(kl).all():
             bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
             fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()} (beta {beta})"
-        if self._any_rank(fault is not None):
+        if self.networks.any_rank(fault is not None):
             return Scored(kl, raw_scores, fault=fault or "a non-finite reward or KL on another rank")
         scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce)
         kl_in_reward = kl if self.kl.in_reward else torch.zeros_like(kl)
@@ -406,7 +406,7 @@ class PPORLHF(LightningModule):
                     losses.append(partial(self.value_loss, rollout, returns, idx, micro_weights))
                 for loss_of in losses:  # the policy's forward and backward, a separate critic's after or before
                     loss = loss_of()
-                    if self._any_rank(not torch.isfinite(loss)):
+                    if self.networks.any_rank(not torch.isfinite(loss)):
                         self.nonfinite_terms = nonfinite_terms(self._loss_terms, loss)
                         return False
                     self.manual_backward(loss)
@@ -525,7 +525,7 @@ class PPORLHF(LightningModule):
         # What this rank holds of policy, critic and reference: its shards under FSDP2.
         self.param_numel_local = fsdp2.local_numel(self.policy, self.critic, self.ref_model, self.initial_model)
         for logger in self.loggers:
-            logger.log_metrics({"memory/param_numel_local": float(self.param_numel_local)}, step=self.iteration)
+            logger.log_metrics({"system/memory/param_numel_local": float(self.param_numel_local)}, step=self.iteration)
 
     # ------------------------------------------------------------------ optimizers
     def configure_optimizers(self) -> torch.optim.AdamW:
@@ -639,10 +639,6 @@ class PPORLHF(LightningModule):
         if self._trainer is None or self.trainer.world_size == 1:
             return t
         return self.trainer.strategy.reduce(t.to(self.device), reduce_op=op).to(t.device)
-
-    def _any_rank(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is true on any rank."""
-        return bool(self._reduce(torch.tensor(float(flag), device=self.device)) > 0)
 
     def _record_fault(self, cause: str, iteration_skipped: bool, steps: int = 0) -> None:
         """Count and report a skipped iteration or update; stop after too many in a row."""
