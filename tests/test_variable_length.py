@@ -25,7 +25,7 @@ from rlhf_lightning.exact import (
     reference_logprobs,
     train,
 )
-from rlhf_lightning.exact.closed_form import length_report, weighted_fixed_point
+from rlhf_lightning.exact.closed_form import controller_beta, length_report, weighted_fixed_point
 from rlhf_lightning.exact.tabular import (
     conditional_tables,
     enumerate_responses,
@@ -259,3 +259,70 @@ def test_k1_in_the_reward_reaches_the_optimum_with_responses_of_every_length():
     assert end["own_gap"] == 0.0 and end["own_distance"] == pytest.approx(end["gap"], abs=1e-6)  # J* - J = beta KL(pi || pi*)
     assert abs(end["mean_length"] - end["optimum_mean_length"]) < 0.05, end
     assert abs(end["truncated"] - end["optimum_truncated"]) < 0.05, end
+
+
+def test_each_controller_unit_rests_at_its_own_beta():
+    """An adaptive controller's unit decides at which beta its tilted optimum lies: terminal-eos's pi*_beta
+    holds 1 nat per response at one beta and 1/4 nat per token at another, each found exactly."""
+    task = TASKS["terminal-eos"]
+    ref, rewards = reference_logprobs(task), task.rewards()
+    per_response = controller_beta(ref, rewards, 1.0, "sequence_sum", task.lengths)
+    per_token = controller_beta(ref, rewards, 0.25, "token_mean", task.lengths)
+    opt = optimal_logprobs(ref, rewards, per_response)
+    assert kl_divergence(opt, ref) == pytest.approx(1.0, abs=1e-9)
+    opt = optimal_logprobs(ref, rewards, per_token)
+    tokens = float((opt.exp() * task.lengths.double()).sum(-1).mean())
+    assert kl_divergence(opt, ref) / tokens == pytest.approx(0.25, abs=1e-9)
+    assert 2.0 < tokens < 3.0 and abs(per_response - per_token) > 0.05, (per_response, per_token, tokens)
+
+
+def _matrix(capsys, *argv: str) -> tuple[list[dict], dict]:
+    """tools/studies/optimum_check.py --matrix's OPTIMUM lines and its MATRIX line, as fields."""
+    import optimum_check
+
+    optimum_check.main(["--matrix", *argv])
+    out = capsys.readouterr().out.splitlines()
+    cells = [dict(item.split("=", 1) for item in line.split()[1:]) for line in out if line.startswith("OPTIMUM ")]
+    (summary,) = [dict(item.split("=", 1) for item in line.split()[1:]) for line in out if line.startswith("MATRIX ")]
+    return cells, summary
+
+
+def test_matrix_lines_carry_lengths_aggregations_and_the_length_weighted_class(capsys):
+    """Each cell's line names its aggregation and the lengths of pi and pi*; a KL in the loss aggregated per
+    response length is classed length_weighted and measured from its own optimum (3 iterations: the format)."""
+    argv = ["--task", "terminal-eos", "--iterations", "3", "--advantage", "rloo", "--estimators", "k3", "--placements", "loss"]
+    cells, summary = _matrix(capsys, *argv, "--scopes", "sequence", "--epochs", "1", "--aggregations", "token_mean", "seq_mean_token_mean")
+    by_aggregation = {cell["aggregation"]: cell for cell in cells}
+    assert sorted(by_aggregation) == ["seq_mean_token_mean", "token_mean"]
+    assert by_aggregation["token_mean"]["expected"] == "unbiased" and "own_distance" not in by_aggregation["token_mean"]
+    weighted = by_aggregation["seq_mean_token_mean"]
+    assert weighted["expected"] == "length_weighted" and float(weighted["own_distance"]) > 0
+    for cell in cells:
+        assert 1.0 <= float(cell["mean_length"]) <= 3.0 and 0.0 <= float(cell["truncated"]) <= 1.0
+        assert cell["optimum_mean_length"] == "2.899" and cell["optimum_truncated"] == "0.892"  # terminal-eos's pi* at beta 0.5
+    assert summary["length_weighted_max_own_distance"] == weighted["own_distance"]
+
+
+@pytest.mark.convergence
+def test_recommended_recipes_reach_the_optimum_on_random_variable_length_tasks(capsys):
+    """k1 in the reward with gae, k3 in the loss (sequence scope) with gae and rloo, one epoch, on two random
+    tasks whose responses end at EOS (a length reward, a reference that stops differently by prompt): within
+    0.02 of J*, the mean length within 0.05 token of pi*'s."""
+    argv = ["--task", "random-eos:1", "random-eos:2", "--advantage", "gae", "rloo", "--estimators", "k1", "k3"]
+    cells, summary = _matrix(capsys, *argv, "--placements", "reward", "loss", "--scopes", "sequence", "--epochs", "1")
+    unbiased = [cell for cell in cells if cell["expected"] == "unbiased"]
+    assert len(unbiased) == 8, cells  # 2 tasks x (gae k1 reward, gae/rloo k1 and k3 in the loss, rloo k1 reward)
+    assert float(summary["unbiased_max_gap"]) < 0.02, summary
+    for cell in unbiased:
+        assert abs(float(cell["mean_length"]) - float(cell["optimum_mean_length"])) < 0.05, cell
+
+
+@pytest.mark.convergence
+def test_a_length_weighted_kl_in_the_loss_lands_on_its_own_optimum(capsys):
+    """rloo with k3 in the loss aggregated by seq_mean_token_mean on random-eos:2, per-token scope (where the
+    weighted fixed point lies clearly apart from pi*): within 0.02 (beta KL / |J*|) of exact.weighted_fixed_point."""
+    argv = ["--task", "random-eos:2", "--advantage", "rloo", "--estimators", "k3", "--placements", "loss", "--scopes", "per_token"]
+    cells, _ = _matrix(capsys, *argv, "--epochs", "1", "--aggregations", "seq_mean_token_mean")
+    (cell,) = cells
+    assert cell["expected"] == "length_weighted" and float(cell["own_gap"]) > 0.05, cell
+    assert float(cell["own_distance"]) < 0.02, cell

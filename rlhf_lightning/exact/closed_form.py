@@ -221,6 +221,27 @@ def per_token_residuals(
     return out
 
 
+def controller_beta(ref_logprobs: Tensor, rewards: Tensor, target: float, unit: str, lengths: Tensor) -> float:
+    """The beta at which an adaptive controller holding the KL at ``target`` in its ``unit`` rests when the
+    policy sits at pi*_beta: ``sequence_sum`` E_x KL(pi*_beta || pi_ref) = target; ``token_mean`` (the
+    module's ``objective/kl_per_token``, total KL over total tokens) E_x KL / E_x E |y| = target, ``lengths``
+    (paths,) in tokens with EOS. Both land on a tilted optimum, at different betas: the unit decides which
+    (bisection on log beta; the KL of pi*_beta falls as beta grows)."""
+    if unit not in ("sequence_sum", "token_mean"):
+        raise ValueError(f"unit must be 'sequence_sum' or 'token_mean', got {unit!r}")
+
+    def kl_in_unit(beta: float) -> float:
+        opt = optimal_logprobs(ref_logprobs, rewards, beta)
+        kl = kl_divergence(opt, ref_logprobs)
+        return kl if unit == "sequence_sum" else kl / float((opt.exp() * lengths.double()).sum(-1).mean())
+
+    low, high = math.log(1e-4), math.log(1e4)
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if kl_in_unit(math.exp(middle)) > target else (low, middle)
+    return math.exp((low + high) / 2)
+
+
 def length_report(logprobs: Tensor, lengths: Tensor, ended_with_eos: Tensor) -> dict[str, float]:
     """E_x E_pi |y| (tokens, EOS included) and E_x P_pi(cut without EOS) of ``logprobs`` over paths whose
     ``lengths`` and ``ended_with_eos`` are given (paths,)."""

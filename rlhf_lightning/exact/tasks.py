@@ -466,5 +466,5 @@ def per_token_fixed_point_gap(task: ExactTask, beta: float, seed: int = 0) -> fl
     """Exact gap (J* - J) / |J*| of the fixed point of a per-token KL loss on ``task`` at ``beta``
     (:func:`backward_induction`, ``soft=False``): what a loss path without the sequence term converges to."""
     ref, rewards = reference_logprobs(task, seed), task.rewards()
-    fixed_point = backward_induction(ref, rewards, beta, len(task.content_tokens), soft=False)
+    fixed_point = backward_induction(ref, rewards, beta, task.num_symbols, soft=False)
     return optimum_report(fixed_point, ref, rewards, beta).gap

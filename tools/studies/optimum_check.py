@@ -118,6 +118,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rlhf_lightning.args import kl_recipe
+from rlhf_lightning.checks import require
 from rlhf_lightning.exact import (
     TASKS,
     OptimumTracker,
@@ -337,13 +338,18 @@ def print_iterated(rows: list[dict]) -> None:
 def _task(name: str) -> str:
     """argparse type of ``--task``: the name itself, checked."""
     try:
-        if not name.startswith("random:"):  # random tasks are built (a model each) when used
+        if not _random(name):  # random tasks are built (a model each) when used
             task_named(name)
         elif not name.split(":", 1)[1].isdigit():
             raise ValueError
     except Exception:
-        raise argparse.ArgumentTypeError(f"{name!r} is not one of {sorted(TASKS)} or random:SEED") from None
+        raise argparse.ArgumentTypeError(f"{name!r} is not one of {sorted(TASKS)}, random:SEED or random-eos:SEED") from None
     return name
+
+
+def _random(name: str) -> bool:
+    """Whether ``name`` is a random task: ``random:SEED`` (fixed length) or ``random-eos:SEED`` (ending at EOS)."""
+    return name.startswith(("random:", "random-eos:"))
 
 
 def recipe_settings(
@@ -435,6 +441,13 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
         f"fixed_point_distance={last['fixed_point_distance']:.4f}",
         flush=True,
     )
+    if module.task.eos:
+        print(
+            f"LENGTH mean_length={last['mean_length']:.3f} optimum_mean_length={last['optimum_mean_length']:.3f} "
+            f"truncated={last['truncated']:.3f} optimum_truncated={last['optimum_truncated']:.3f} "
+            f"own_gap={last['own_gap']:.4f} own_distance={last['own_distance']:.4f}",
+            flush=True,
+        )
     if module.truncates:
         print(kept_line(module, last), flush=True)
     if args.reference != "none":
@@ -457,7 +470,8 @@ MATRIX_ESTIMATORS = ("k1", "k2", "k3", "k3+", "full")
 PLACEMENTS = ("reward", "loss", "both")
 WEIGHTINGS = ("none", "importance")
 SCOPES = ("sequence", "per_token")
-CLASSES = ("unbiased", "per_token", "drift", "biased")
+CLASSES = ("unbiased", "per_token", "length_weighted", "drift", "biased")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
 # What each kind of task was tuned with. A random task at beta 1 (where seeds 1-5 have a per-token
 # fixed-point gap >= 0.05) needs more responses per iteration to settle within 0.02 of pi* (the KL in the
@@ -520,7 +534,7 @@ TASK_SETTINGS = {
 def task_settings(args: argparse.Namespace, name: str) -> dict:
     """beta, iterations, batch size, the lr schedule and the matrix's estimators, placements and weightings
     for task ``name``: the command line's where given, else the task kind's."""
-    defaults = TASK_SETTINGS["random" if name.startswith("random:") else "hand-made"]
+    defaults = TASK_SETTINGS["random" if _random(name) else "hand-made"]
     return {key: default if getattr(args, key) is None else getattr(args, key) for key, default in defaults.items()}
 
 
@@ -583,6 +597,14 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
         "--epochs", nargs="+", type=option_number(integer=True, at_least=1), default=[1, 4], help="ppo_epochs values (default 1 4)"
     )
     group.add_argument(
+        "--aggregations",
+        nargs="+",
+        choices=AGGREGATIONS,
+        help="model.loss_aggregation values, one matrix dimension (default: each advantage estimator's own, token_mean "
+        "but constant for dr_grpo); on responses of different lengths seq_mean_token_mean with the KL in the loss is "
+        "length_weighted (docs/kl-estimators.md)",
+    )
+    group.add_argument(
         "--jobs", type=option_number(integer=True, at_least=1), default=1, help="cells trained in parallel processes (default 1)"
     )
     group.add_argument(
@@ -608,7 +630,9 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def expected_class(estimator: str, placement: str, weighting: str, scope: str = "sequence", advantage: str = "gae") -> str:
+def expected_class(
+    estimator: str, placement: str, weighting: str, scope: str = "sequence", advantage: str = "gae", aggregation: str = "token_mean"
+) -> str:
     """What the theory (docs/kl-estimators.md, "Which recipe reaches which optimum") says of a cell:
     ``unbiased``, ``per_token``, ``drift`` or ``biased``, from the one table the module's start-up
     warning reads (``rlhf_lightning.args.kl_recipe``, where the classes are defined). ``grpo`` with
@@ -617,7 +641,12 @@ def expected_class(estimator: str, placement: str, weighting: str, scope: str = 
     KL), not J); in the reward the std divides both alike."""
     if advantage == "grpo" and placement != "reward":
         return "biased"
-    return kl_recipe(registry("kl_estimator").create(estimator), placement, weighting, scope)[0]
+    return kl_recipe(registry("kl_estimator").create(estimator), placement, weighting, scope, aggregation)[0]
+
+
+def default_aggregation(advantage: str) -> str:
+    """The loss aggregation PPORLHF picks for ``advantage`` when none is given (``args._loss_aggregation``)."""
+    return registry("advantage_estimator").get(advantage).loss_aggregation or "token_mean"
 
 
 @dataclass(frozen=True)
@@ -630,10 +659,11 @@ class Cell:
     scope: str  # n/a: no KL in the loss, or the reward carries the sequence term ('both')
     epochs: int
     seed: int
+    aggregation: str = "token_mean"
 
     @property
     def expected(self) -> str:
-        return expected_class(self.estimator, self.placement, self.weighting, self.scope, self.advantage)
+        return expected_class(self.estimator, self.placement, self.weighting, self.scope, self.advantage, self.aggregation)
 
 
 def matrix_cells(args: argparse.Namespace) -> list[Cell]:
@@ -649,21 +679,22 @@ def matrix_cells(args: argparse.Namespace) -> list[Cell]:
 
 def _task_cells(args: argparse.Namespace, task: str) -> list[Cell]:
     settings, cells = task_settings(args, task), []
-    for advantage, estimator, placement, epochs, seed in itertools.product(
-        args.advantage, settings["estimators"], settings["placements"], args.epochs, args.seed
+    for advantage, estimator, placement, epochs, seed, aggregation in itertools.product(
+        args.advantage, settings["estimators"], settings["placements"], args.epochs, args.seed, args.aggregations or [None]
     ):
+        aggregation = aggregation or default_aggregation(advantage)
         token_free = not registry("kl_estimator").create(estimator).reads_sampled_token()  # full: no ratio to weigh by
         weightings = ("n/a",) if placement == "reward" or token_free else settings["weightings"]
         scopes = ("n/a",) if placement != "loss" else ("sequence",) if _one_token(task) else args.scopes
         for weighting, scope in itertools.product(weightings, scopes):
             if scope == "sequence" and not registry("kl_estimator").create(estimator).unbiased_value:
                 continue
-            cells.append(Cell(task, advantage, estimator, placement, weighting, scope, epochs, seed))
+            cells.append(Cell(task, advantage, estimator, placement, weighting, scope, epochs, seed, aggregation))
     return cells
 
 
 def _one_token(task: str) -> bool:
-    return not task.startswith("random:") and task_named(task).response_length == 1
+    return not _random(task) and task_named(task).response_length == 1
 
 
 def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
@@ -675,8 +706,10 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     scope = "per_token" if cell.scope == "per_token" else "sequence"
     iterations = iterations_of(settings, cell.advantage, cell.placement, cell.scope)
     start = time.perf_counter()
+    aggregation = {"loss_aggregation": cell.aggregation} if args.aggregations else {}
     if args.tabular:
         task = task_named(cell.task)
+        require(not task.eos, "--tabular", "a task of fixed-length responses (exact.sampled_ppo's table has no EOS)", cell.task)
         ref, rewards = reference_logprobs(task, cell.seed), task.rewards()
         logprobs = sampled_ppo(
             ref,
@@ -715,6 +748,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             seed=cell.seed,
             max_grad_norm=args.max_grad_norm,
             log_samples_every_n_steps=0,
+            **aggregation,
         )
         return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
     _, tracker = train(
@@ -723,6 +757,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
         every=iterations,
         seed=cell.seed,
         **recipe_settings(args, settings, cell.advantage, cell.estimator, cell.placement, weighting, scope, cell.epochs),
+        **aggregation,
     )
     return {**tracker.last, "seconds": time.perf_counter() - start, "cell": cell}
 
@@ -749,6 +784,7 @@ def run_matrix(args: argparse.Namespace) -> None:
     deviations = []  # |gap - the per-token fixed point's gap| of the per_token cells
     distances = []  # their fixed_point_distance: beta KL(pi || fixed point) / |J*|, the gap's unit
     over_seeds: dict[Cell, list[float]] = {}  # gap - the fixed point's gap of each per_token cell, by sampling seed
+    own_distances = []  # the length_weighted cells' beta KL(pi || exact.weighted_fixed_point) / |J*|
     # spawn, not fork: a process forked after torch started its OpenMP threads can deadlock in them.
     pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) if args.jobs > 1 else _InProcess()
     with pool:
@@ -757,14 +793,23 @@ def run_matrix(args: argparse.Namespace) -> None:
             gaps[cell.expected].append(row["gap"])
             fixed_point = per_token.get((cell.task, cell.seed), per_token.get((cell.task, args.seed[0])))
             extra = ""
+            if "mean_length" in row:  # the sampled loop's tracker: lengths, and the recipe's own optimum
+                extra += (
+                    f" mean_length={row['mean_length']:.3f} optimum_mean_length={row['optimum_mean_length']:.3f} "
+                    f"truncated={row['truncated']:.3f} optimum_truncated={row['optimum_truncated']:.3f}"
+                )
+            if cell.expected == "length_weighted" and "own_distance" in row:
+                own_distances += [row["own_distance"]] if row["own_distance"] == row["own_distance"] else []  # NaN: none computed
+                extra += f" own_gap={row['own_gap']:.4f} own_distance={row['own_distance']:.4f}"
             if cell.expected == "per_token":
                 deviations.append(abs(row["gap"] - fixed_point))
                 distances.append(row["fixed_point_distance"])
                 over_seeds.setdefault(replace(cell, seed=-1), []).append(row["gap"] - fixed_point)
-                extra = f" fixed_point_gap={fixed_point:.4f} fixed_point_distance={row['fixed_point_distance']:.4f}"
+                extra += f" fixed_point_gap={fixed_point:.4f} fixed_point_distance={row['fixed_point_distance']:.4f}"
             print(
                 f"OPTIMUM task={cell.task} seed={cell.seed} advantage={cell.advantage} estimator={cell.estimator} "
                 f"placement={cell.placement} weighting={cell.weighting} scope={cell.scope} epochs={cell.epochs} "
+                f"aggregation={cell.aggregation} "
                 f"gap={row['gap']:.4f} kl_ref_exact={row['kl_to_ref']:.4f} kl_opt={row['optimum_kl_to_ref']:.4f} "
                 f"kl_to_opt={row['kl_to_optimum']:.4f} expected={cell.expected}{extra} "
                 f"iterations={row['iteration']} seconds={row['seconds']:.1f}",
@@ -783,6 +828,7 @@ def run_matrix(args: argparse.Namespace) -> None:
         f"per_token_min_fixed_point_gap={min(per_token.values()):.4f} per_token_max_deviation={max(deviations, default=nan):.4f} "
         f"per_token_max_mean_deviation={max(mean_deviations, default=nan):.4f} "
         f"per_token_max_fixed_point_distance={max(distances, default=nan):.4f} "
+        f"length_weighted_max_own_distance={max(own_distances, default=nan):.4f} "
         f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f} cpu_s={user_cpu_seconds():.0f}"
     )
 
