@@ -30,6 +30,7 @@ objective at those kept sets (docs/rollout-engines.md).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -88,7 +89,8 @@ def order_reward(prompts: Sequence[str], responses: Sequence[str], tokens: str, 
         r(x, y) = offset + length[n] + sum_t position[t][y_t] + sum_t transition[y_t][y_{t+1}] + sum_{t < t'} pair[y_t][y_t'].
 
     Positions reward a token at one place, transitions one token right after another, pairs one
-    token anywhere before another (asymmetric: "a..b" is not "b..a"), lengths a response of n tokens."""
+    token anywhere before another (asymmetric: "a..b" is not "b..a"), lengths a response of n tokens; an
+    optional ``bonus`` [text, value] adds value to the one response with that text."""
     scores = []
     for prompt, response in zip(prompts, responses, strict=True):
         table = tables[prompt]
@@ -98,6 +100,8 @@ def order_reward(prompts: Sequence[str], responses: Sequence[str], tokens: str, 
         score += sum(table["transition"][a][b] for a, b in itertools.pairwise(y))
         if "pair" in table:
             score += sum(table["pair"][y[t]][b] for t in range(len(y)) for b in y[t + 1 :])
+        if "bonus" in table and response == table["bonus"][0]:
+            score += table["bonus"][1]
         scores.append(score)
     return scores
 
@@ -210,6 +214,27 @@ class ExactTask:
             tables[prompt]["offset"] = -centre  # the task's own reward_kwargs: set before anyone else sees it
         return task
 
+    def with_rare_mode(self, beta: float, share: float = 0.9, reference_below: float = 0.01) -> ExactTask:
+        """This random task (:func:`order_reward`) with, per prompt, a bonus on the response the reference
+        gives closest to half of ``reference_below``, sized so that pi* at ``beta`` puts ``share`` of the
+        prompt's mass on it: a rare high-reward mode that on-policy sampling meets about once in 200
+        responses. The offsets are centred again (E_ref r = 0)."""
+        require(self.reward_function.endswith(":order_reward"), "a task with a rare mode", "a random task (order_reward)", self.reward_function)
+        ref, rewards = reference_logprobs(self), self.rewards()
+        tables = {prompt: dict(table) for prompt, table in self.reward_kwargs["tables"].items()}
+        for row, prompt in enumerate(self.prompts):
+            candidates = ref[row].exp().masked_fill(~self.valid, math.inf)
+            rare = int((candidates.log() - math.log(reference_below / 2)).abs().argmin())
+            others = torch.arange(len(candidates)) != rare
+            rest = torch.logsumexp(ref[row, others] + rewards[row, others] / beta, -1)  # log Z without the rare response
+            bonus = beta * (math.log(share / (1 - share)) + float(rest) - float(ref[row, rare])) - float(rewards[row, rare])
+            tables[prompt]["bonus"] = [self.responses[rare], bonus]
+        task = dataclasses.replace(self, reward_kwargs={**self.reward_kwargs, "tables": tables})
+        centres = (ref.exp() * task.rewards()).sum(-1)
+        for prompt, centre in zip(self.prompts, centres.tolist(), strict=True):
+            tables[prompt]["offset"] -= centre
+        return task
+
     @property
     def num_symbols(self) -> int:
         """The symbols of the response tree: the K content tokens, and EOS (index K) when responses end at it."""
@@ -283,10 +308,12 @@ def task_named(name: str) -> ExactTask:
     """A task of :data:`TASKS` by name, ``random:SEED`` for ``ExactTask.random(SEED)`` or ``random-eos:SEED``
     for ``ExactTask.random(SEED, eos=True)`` (responses that end at EOS)."""
     kind, _, seed = name.partition(":")
-    if kind in ("random", "random-eos"):
+    if kind in ("random", "random-eos", "rare-eos"):
         require(seed.isdigit(), "a random task", f"{kind}:SEED with SEED a non-negative integer", name)
+        if kind == "rare-eos":  # 7-token responses over 2 tokens, a peaked reference, a mode it gives ~0.5%
+            return ExactTask.random(int(seed), num_tokens=2, length=7, eos=True, eos_scale=2.0).with_rare_mode(beta=1.0)
         return ExactTask.random(int(seed), eos=kind == "random-eos")
-    require(name in TASKS, "the task", f"one of {sorted(TASKS)}, random:SEED or random-eos:SEED", name)
+    require(name in TASKS, "the task", f"one of {sorted(TASKS)}, random:SEED, random-eos:SEED or rare-eos:SEED", name)
     return TASKS[name]
 
 

@@ -343,13 +343,13 @@ def _task(name: str) -> str:
         elif not name.split(":", 1)[1].isdigit():
             raise ValueError
     except Exception:
-        raise argparse.ArgumentTypeError(f"{name!r} is not one of {sorted(TASKS)}, random:SEED or random-eos:SEED") from None
+        raise argparse.ArgumentTypeError(f"{name!r} is not one of {sorted(TASKS)}, random:SEED, random-eos:SEED or rare-eos:SEED") from None
     return name
 
 
 def _random(name: str) -> bool:
-    """Whether ``name`` is a random task: ``random:SEED`` (fixed length) or ``random-eos:SEED`` (ending at EOS)."""
-    return name.startswith(("random:", "random-eos:"))
+    """Whether ``name`` is a random task: ``random:SEED`` (fixed length), ``random-eos:SEED`` or ``rare-eos:SEED`` (ending at EOS)."""
+    return name.startswith(("random:", "random-eos:", "rare-eos:"))
 
 
 def recipe_settings(
