@@ -3,8 +3,10 @@ optimum is known exactly and PPO can be measured against it.
 
 One idea per file, each importing only the files above it in this list:
 
-- :mod:`~rlhf_lightning.exact.tabular`: tabular policies (one logit vector per prefix) and sums over response trees;
-- :mod:`~rlhf_lightning.exact.closed_form`: pi*, J*, the per-token fixed point and the distances to them;
+- :mod:`~rlhf_lightning.exact.tabular`: tabular policies (one logit vector per prefix) and sums over response trees
+  (fixed-length, or ending at EOS: the tree over K + 1 symbols);
+- :mod:`~rlhf_lightning.exact.closed_form`: pi*, J*, the per-token fixed point, where a length-weighted loss settles,
+  where a controller's unit rests, and the distances to them;
 - :mod:`~rlhf_lightning.exact.frontier`: the reward-KL plane, best-of-N, and the distance to pi* from samples;
 - :mod:`~rlhf_lightning.exact.meter`: :class:`KLToOptimum`, that distance measured during a real run;
 - :mod:`~rlhf_lightning.exact.tasks`: the enumerable tasks and the tiny network PPORLHF trains on them;
@@ -16,16 +18,19 @@ The framework never imports this package; the command does (``class_path: KLToOp
 from rlhf_lightning.exact.closed_form import (
     OptimumReport,
     backward_induction,
+    controller_beta,
     ema_reference_logprobs,
     expected_reward,
     iterated_optimal_logprobs,
     kl_divergence,
+    length_report,
     log_partition,
     objective,
     optimal_logprobs,
     optimal_objective,
     optimum_report,
     per_token_residuals,
+    weighted_fixed_point,
 )
 from rlhf_lightning.exact.meter import KLToOptimum
 from rlhf_lightning.exact.tabular import enumerate_responses
@@ -45,7 +50,15 @@ from rlhf_lightning.exact.tasks import (
     task_named,
     toy_tokenizer,
 )
-from rlhf_lightning.exact.training import LinearLRDecay, OptimumTracker, expected_train, lr_factor, sampled_ppo, train
+from rlhf_lightning.exact.training import (
+    LinearLRDecay,
+    OptimumTracker,
+    documented_optimum,
+    expected_train,
+    lr_factor,
+    sampled_ppo,
+    train,
+)
 
 __all__ = [
     "BANNED_LOGIT",
@@ -61,12 +74,15 @@ __all__ = [
     "OptimumTracker",
     "PositionEmbedding",
     "backward_induction",
+    "controller_beta",
+    "documented_optimum",
     "ema_reference_logprobs",
     "enumerate_responses",
     "expected_reward",
     "expected_train",
     "iterated_optimal_logprobs",
     "kl_divergence",
+    "length_report",
     "log_partition",
     "lr_factor",
     "objective",
@@ -82,4 +98,5 @@ __all__ = [
     "task_named",
     "toy_tokenizer",
     "train",
+    "weighted_fixed_point",
 ]

@@ -219,7 +219,9 @@ class ExactTask:
         gives closest to half of ``reference_below``, sized so that pi* at ``beta`` puts ``share`` of the
         prompt's mass on it: a rare high-reward mode that on-policy sampling meets about once in 200
         responses. The offsets are centred again (E_ref r = 0)."""
-        require(self.reward_function.endswith(":order_reward"), "a task with a rare mode", "a random task (order_reward)", self.reward_function)
+        require(
+            self.reward_function.endswith(":order_reward"), "a task with a rare mode", "a random task (order_reward)", self.reward_function
+        )
         ref, rewards = reference_logprobs(self), self.rewards()
         tables = {prompt: dict(table) for prompt, table in self.reward_kwargs["tables"].items()}
         for row, prompt in enumerate(self.prompts):
