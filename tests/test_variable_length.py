@@ -326,3 +326,26 @@ def test_a_length_weighted_kl_in_the_loss_lands_on_its_own_optimum(capsys):
     (cell,) = cells
     assert cell["expected"] == "length_weighted" and float(cell["own_gap"]) > 0.05, cell
     assert float(cell["own_distance"]) < 0.02, cell
+
+
+def test_a_length_weighted_kl_in_the_loss_warns_through_the_command(tmp_path, monkeypatch):
+    """The README's tiny fit with GRPO's published aggregation and k3 in the loss: the start-up warning,
+    before any model loads."""
+    from helpers import CONFIGS
+
+    from rlhf_lightning.cli import main
+    from rlhf_lightning.module import PPORLHF
+
+    class ModelLoaded(Exception):
+        pass
+
+    def load_policy(self, empty=False):
+        raise ModelLoaded
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(PPORLHF, "load_policy", load_policy)
+    argv = ["fit", "--config", str(CONFIGS / "tiny.yaml"), "--model.kl_estimator=k3", "--model.kl.placement=loss"]
+    argv += ["--model.ppo.whiten_advantages=false", "--model.loss_aggregation=seq_mean_token_mean"]
+    with pytest.warns(UserWarning, match=r"model.loss_aggregation seq_mean_token_mean with model.kl.placement loss: .*length"):
+        with pytest.raises(ModelLoaded):
+            main(argv)
