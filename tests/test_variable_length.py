@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlhf_lightning import args
+from rlhf_lightning.cli import main
 from rlhf_lightning.exact import (
     TASKS,
     ExactPPORLHF,
@@ -35,9 +36,12 @@ from rlhf_lightning.exact.tabular import (
     token_logprobs,
     valid_responses,
 )
+from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
+
+from helpers import CONFIGS
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
 
@@ -331,10 +335,6 @@ def test_a_length_weighted_kl_in_the_loss_lands_on_its_own_optimum(capsys):
 def test_a_length_weighted_kl_in_the_loss_warns_through_the_command(tmp_path, monkeypatch):
     """The README's tiny fit with GRPO's published aggregation and k3 in the loss: the start-up warning,
     before any model loads."""
-    from helpers import CONFIGS
-
-    from rlhf_lightning.cli import main
-    from rlhf_lightning.module import PPORLHF
 
     class ModelLoaded(Exception):
         pass
@@ -346,6 +346,6 @@ def test_a_length_weighted_kl_in_the_loss_warns_through_the_command(tmp_path, mo
     monkeypatch.setattr(PPORLHF, "load_policy", load_policy)
     argv = ["fit", "--config", str(CONFIGS / "tiny.yaml"), "--model.kl_estimator=k3", "--model.kl.placement=loss"]
     argv += ["--model.ppo.whiten_advantages=false", "--model.loss_aggregation=seq_mean_token_mean"]
-    with pytest.warns(UserWarning, match=r"model.loss_aggregation seq_mean_token_mean with model.kl.placement loss: .*length"):
-        with pytest.raises(ModelLoaded):
-            main(argv)
+    warning = r"model.loss_aggregation seq_mean_token_mean with model.kl.placement loss: .*length"
+    with pytest.warns(UserWarning, match=warning), pytest.raises(ModelLoaded):
+        main(argv)
