@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from test_exact import PPO_SETTINGS  # the terminal task's settings: terminal-eos is trained alike
 
 from rlhf_lightning import args
 from rlhf_lightning.cli import main
@@ -38,7 +39,6 @@ from rlhf_lightning.exact.tabular import (
 )
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
-from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
 from helpers import CONFIGS
@@ -240,17 +240,6 @@ def test_a_length_weighted_kl_in_the_loss_is_its_own_class_and_warned_at_start_u
 
 
 # ---------------------------------------------------------------------- training lands on its documented optimum
-PPO_SETTINGS = dict(
-    batch_size=48,
-    lr_final=0.1,
-    lr=2e-3,
-    critic_lr=2e-3,
-    ppo_epochs=4,
-    num_minibatches=2,
-    vf_coef=0.5,
-    advantage_estimator=GAE(lam=1.0),
-    log_samples_every_n_steps=0,
-)
 
 
 def test_k1_in_the_reward_reaches_the_optimum_with_responses_of_every_length():
