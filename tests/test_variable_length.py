@@ -338,3 +338,19 @@ def test_a_length_weighted_kl_in_the_loss_warns_through_the_command(tmp_path, mo
     warning = r"model.loss_aggregation seq_mean_token_mean with model.kl.placement loss: .*length"
     with pytest.warns(UserWarning, match=warning), pytest.raises(ModelLoaded):
         main(argv)
+
+
+def test_min_new_tokens_bans_eos_in_the_declared_distribution_and_the_sampler():
+    """min_new_tokens 1 on terminal-eos: the empty response has probability 0 under the declared policy and
+    reference, the rest sum to 1, and generate never ends a response at its first token."""
+    task = TASKS["terminal-eos"]
+    torch.manual_seed(0)
+    module = ExactPPORLHF(task, kl_estimator="k1", sampling=dict(min_new_tokens=1))
+    module.configure_model()
+    empty = [i for i, text in enumerate(task.responses) if text == "" and task.valid[i]]
+    for table in (module.exact_logprobs(), module.exact_ref_logprobs()):
+        probs = table.exp()
+        assert (probs[:, empty] == 0).all()
+        assert torch.allclose(probs.sum(-1), torch.ones(3, dtype=torch.float64), atol=1e-5)
+    rollout = module.rollout(list(task.prompts) * 200)
+    assert rollout.response_mask.sum(-1).min() >= 2
