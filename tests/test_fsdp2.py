@@ -87,7 +87,7 @@ def test_two_process_fsdp2_matches_one_process_and_resumes_exactly_from_a_sharde
             assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (name, single[name], fsdp[name])
 
     # Policy, critic trunk and reference are sharded in halves (dim 0 padded to even: a few elements more).
-    (whole,), (local,) = single["system/memory/param_numel_local"], fsdp["memory/param_numel_local"]
+    (whole,), (local,) = single["system/memory/param_numel_local"], fsdp["system/memory/param_numel_local"]
     print(f"system/memory/param_numel_local: {whole:.0f} in one process, {local:.0f} on rank 0 of two")
     assert 0.5 <= local / whole < 0.505, (local, whole)
 

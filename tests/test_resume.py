@@ -326,7 +326,7 @@ def test_two_runs_started_together_on_one_root_dir_never_share_a_version_folder(
         assert run.wait(timeout=600) == 0, run.stderr.read()[-3000:]
     versions = sorted((tmp_path / "lightning_logs" / "tiny").iterdir())
     assert [v.name for v in versions] == ["version_0", "version_1"]
-    lrs = {yaml.safe_load((v / "config.yaml").read_text())["model"]["lr"] for v in versions}
+    lrs = {yaml.safe_load((v / "config.yaml").read_text())["model"]["optim"]["lr"] for v in versions}
     assert lrs == {0.001, 0.002}  # each run's own config, neither overwritten
     for version in versions:
         assert torch.load(version / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]["optim"]["lr"] in lrs
