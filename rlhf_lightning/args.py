@@ -466,7 +466,7 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
             f"model.sampling.temperature {sampling.temperature} with model.advantage_estimator {estimator}: below {GREEDY_TEMPERATURE} "
             "the responses of a group are mostly identical, so are their rewards, and their advantages are 0 (nothing is learnt from them)"
         )
-    aggregation = getattr(plugins["loss_aggregation"], "mode", type(plugins["loss_aggregation"]).__name__)
+    aggregation = aggregation_name(plugins["loss_aggregation"])
     recipe, reason = kl_recipe(kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)
     if recipe == "length_weighted" and sampling.max_new_tokens > 1:
         rank_zero_warn(
@@ -502,6 +502,11 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
 
 
 LENGTH_WEIGHTED_AGGREGATIONS = ("seq_mean_token_mean",)  # weigh each response by 1 / its length
+
+
+def aggregation_name(aggregation: LossAggregation) -> str:
+    """The name :func:`kl_recipe` reads for a loss aggregation: its ``ppo_math.aggregation_weights`` mode, else its class's name."""
+    return getattr(aggregation, "mode", type(aggregation).__name__)
 
 
 def kl_recipe(

@@ -134,8 +134,8 @@ def weighted_fixed_point(
     this is then pi* for ``scope='sequence'`` and :func:`backward_induction` (``soft=False``) for ``per_token``).
     Log pi(y|x) in the layout of ``ref_logprobs`` (the tree over ``num_tokens`` symbols, EOS the last).
 
-    The baselines are the critic-free estimators' (rloo, grpo, dr_grpo; grpo's std scales the reward and
-    the KL alike): the reward's b_r(x) = E_pi[r | x] and, for the sequence scope, the KL's group baseline of
+    The baselines are the critic-free estimators' with a mean baseline (rloo, dr_grpo, reinforce_pp; not grpo,
+    whose per-prompt std divides the reward and not the KL): the reward's b_r(x) = E_pi[r | x] and, for the sequence scope, the KL's group baseline of
     ``ppo_math.kl_to_go_loss``, b_t(x) = E_pi[L_{>=t} | x, |y| > t] with L_{>=t} = sum_{t' >= t} l_t' and
     l_t = log pi(y_t | s_t) / pi_ref(y_t | s_t). The expected gradient of the loss on the logit of a at state s
     (t tokens in) is P(s) pi(a|s) (h(s, a) - sum_b pi(b|s) h(s, b)) with

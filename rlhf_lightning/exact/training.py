@@ -46,8 +46,8 @@ MEAN_BASELINES = ("rloo", "dr_grpo", "reinforce_pp")  # critic-free, the reward'
 
 def recipe_class(module: ExactPPORLHF) -> str:
     """The class of the module's KL recipe (``args.kl_recipe``), with its loss aggregation."""
-    aggregation = getattr(module.loss_aggregation, "mode", type(module.loss_aggregation).__name__)
     kl = module.kl
+    aggregation = settings.aggregation_name(module.loss_aggregation)
     return settings.kl_recipe(module.kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)[0]
 
 
@@ -287,7 +287,7 @@ def expected_train(
     # Each response's weight in the aggregation, as its share of the responses (the batch's denominators
     # in expectation): 1 / E[|y|] per token for token_mean, 1 / |y| for seq_mean_token_mean, ...
     aggregation = module.loss_aggregation.weights(mask, module.sampling.max_new_tokens) * len(mask)
-    token_mean = getattr(module.loss_aggregation, "mode", None) == "token_mean"
+    token_mean = settings.aggregation_name(module.loss_aggregation) == "token_mean"
     if responses is not None:
         draws = torch.Generator().manual_seed(seed)
         per_minibatch = responses // (prompts * num_minibatches)
