@@ -474,6 +474,12 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
             "EOS the policy converges away from the KL-regularised optimum (to exact.weighted_fixed_point; docs/kl-estimators.md, "
             "'Responses of different lengths'). Use model.loss_aggregation token_mean, seq_mean_token_sum or constant, or the KL in the reward."
         )
+    if recipe == "high_variance":
+        rank_zero_warn(
+            f"model.kl_estimator {type(kl_estimator).__name__} with model.kl.placement both: {reason}; with a batch that is small "
+            "against how far the policy moves from the reference it lands away from the KL-regularised optimum (docs/kl-estimators.md, "
+            "'Responses of different lengths'). Use full in both, k1 in the reward, or k3 in the loss."
+        )
     if recipe == "biased":
         weighting = (
             f", model.kl.loss_weighting {kl.loss_weighting}" if kl.placement != "reward" and kl_estimator.reads_sampled_token() else ""
@@ -523,6 +529,11 @@ def kl_recipe(
     ``drift``: right on a rollout's first minibatch only (an unweighted token-dependent term
     evaluated at pi_theta on pi_old's tokens).
     ``biased``: wrong even on-policy.
+    ``high_variance``: ``both`` with an estimator that reads the sampled token (k1, k3): the expected gradient is
+    the KL's (``exact.expected_train`` reaches pi*), but the loss carries k's pathwise gradient at the sampled token
+    (k3: (1 - pi_ref / pi) grad log pi; k1: grad log pi, zero in expectation) with no baseline, and its noise moves
+    the policy where a batch is small against the policy's distance from the reference (docs/kl-estimators.md,
+    "Responses of different lengths"). ``full`` in ``both`` has no sampled value.
     ``length_weighted``: a KL in the loss (or ``both``) aggregated with a weight per response that depends on its
     length (``seq_mean_token_mean``: 1 / |y|): on responses of different lengths a short response's tokens weigh
     more, and the policy settles at ``exact.weighted_fixed_point`` instead (the KL in the reward has pi* at
@@ -559,6 +570,11 @@ def kl_recipe(
         return "length_weighted", (
             f"the loss aggregation {aggregation} divides each response's loss by its length, the KL's with it: on responses of "
             "different lengths a short response's tokens weigh more than a long one's"
+        )
+    if token == "unbiased" and placement == "both" and estimator.reads_sampled_token():
+        return "high_variance", (
+            "its expected gradient is the KL's, but the loss carries its pathwise gradient at each sampled token (k3's is "
+            "(1 - pi_ref / pi) grad log pi, k1's grad log pi) with no baseline, and that noise moves the policy"
         )
     return token, reason if token == "biased" else ""
 

@@ -43,7 +43,7 @@ def test_the_docs_matrix_is_the_code_table():
     """Every class the docs' measured matrix gives (25 cells: 5 estimators x reward, loss, both x
     none, importance) is the one ``args.kl_recipe`` gives: the docs cannot drift from the warnings."""
     rows = docs_matrix()
-    assert len(rows) == 25 and {r[3] for r in rows} == {"unbiased", "biased", "drift"}
+    assert len(rows) == 25 and {r[3] for r in rows} == {"unbiased", "biased", "drift", "high_variance"}
     assert {r[:3]: kl_recipe(registry("kl_estimator").create(r[0]), *r[1:3])[0] for r in rows} == {r[:3]: r[3] for r in rows}
 
 
@@ -88,6 +88,8 @@ def test_every_biased_kl_recipe_warns_at_start_up_and_no_other_does(estimator):
             if messages:
                 assert messages[0].startswith(f"model.kl_estimator {type(registry('kl_estimator').create(estimator)).__name__} ")
                 assert f"model.kl.placement {placement}" in messages[0] and reason in messages[0]
+            noisy = [m for m in warned if "with no baseline" in m]
+            assert len(noisy) == (recipe == "high_variance"), (placement, weighting, noisy)
             drifting = [m for m in warned if "is right only on a rollout's first minibatch" in m]
             assert len(drifting) == (recipe == "drift"), (placement, weighting, drifting)  # 4 PPO epochs by default
             if recipe == "drift":  # one epoch of one minibatch: always on-policy, nothing to warn of

@@ -22,9 +22,11 @@ from rlhf_lightning.exact import (
     ExactPPORLHF,
     ExactTask,
     backward_induction,
+    expected_train,
     kl_divergence,
     optimal_logprobs,
     reference_logprobs,
+    task_named,
     train,
 )
 from rlhf_lightning.exact.closed_form import controller_beta, length_report, weighted_fixed_point
@@ -237,6 +239,36 @@ def test_a_length_weighted_kl_in_the_loss_is_its_own_class_and_warned_at_start_u
             whiten_advantages=False,
             loss_aggregation="seq_mean_token_mean",
         )
+
+
+def test_every_unbiased_placement_takes_the_same_exact_expected_step_and_a_biased_one_does_not():
+    """exact.expected_train (every response enumerated, the exact advantage) on random-eos:3: the KL in the reward
+    (k1), in the loss (k1, k3; sequence scope) and in both (k1, k3, the high_variance class) take the same steps,
+    objective to 1e-6 after three AdamW steps from pi_ref (the first step's KL gradient is 0 there; the later ones
+    are not): what separates them sampled is noise. k3 in the reward (biased) and the per-token scope do not."""
+    import warnings
+
+    def objective(estimator, placement, scope="sequence"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows = expected_train(
+                task_named("random-eos:3"),
+                3,
+                1.0,
+                every=1,
+                kl_estimator=estimator,
+                kl_penalty=placement,
+                kl_loss_scope=scope,
+                ppo_epochs=1,
+                num_minibatches=1,
+            )
+        return rows[-1]["objective"]
+
+    same = objective("k3", "loss")
+    for cell in [("k1", "loss"), ("k1", "reward"), ("k3", "both"), ("k1", "both")]:
+        assert objective(*cell) == pytest.approx(same, abs=1e-6), cell
+    assert abs(objective("k3", "reward") - same) > 0.05
+    assert abs(objective("k3", "loss", "per_token") - same) > 0.05
 
 
 # ---------------------------------------------------------------------- training lands on its documented optimum

@@ -245,18 +245,20 @@ def expected_train(
     num_minibatches: int = 2,
     responses: Optional[int] = None,
     seed: int = 0,
+    kl_penalty: str = "loss",
     **module_kwargs: Any,
 ) -> list[dict[str, float]]:
-    """PPO with the KL in the loss where every rollout is replaced by its exact expectation: no sampling
-    noise, so where it goes is where the loss's expected gradient leads (bias against noise: the matrix of
+    """PPO with the KL in the loss (or, ``kl_penalty="both"``, in the loss and the reward) where every rollout
+    is replaced by its exact expectation: no sampling noise, so where it goes is where the loss's expected gradient leads (bias against noise: the matrix of
     ``tools/studies/optimum_check.py --expected-gradient``).
 
     Each iteration: pi_old = the current policy; the "rollout" is every response of every prompt, each
     response's per-token losses weighted by pi_old(y|x) / prompts times the module's loss aggregation in
     expectation (``token_mean``: 1 / E_old |y|; ``seq_mean_token_mean``: 1 / |y|; ``seq_mean_token_sum``: 1;
     ``constant``: 1 / its normaliser), so the weighted sum is the expectation of the module's loss; the
-    advantage is exact, A_t = r(x, y) - E_{pi_old}[r | x,
-    y_<t] (any baseline of the prefix leaves the expectation unchanged); then ``ppo_epochs`` x
+    advantage is exact, A_t = G_t - E_{pi_old}[G_t | x, y_<t] with the return G_t = r(x, y), minus beta
+    sum_{t' >= t} k_t' of the estimator's values at pi_old where the reward carries the KL (any baseline of
+    the prefix leaves the expectation unchanged); then ``ppo_epochs`` x
     ``num_minibatches`` full-batch AdamW steps (as many as the sampled loop takes, each on the whole
     expectation, of which a minibatch is an unbiased half, its gradients clipped to ``max_grad_norm`` as the
     module clips them) of the module's own :meth:`PPORLHF.ppo_loss`:
@@ -274,7 +276,7 @@ def expected_train(
     by how often it was drawn instead of by pi_old (same advantage, same loss). Where the sampled matrix
     and this part ways is the sampled loop's (critic, engine); where this and the exact path part ways is
     the noise's."""
-    module = ExactPPORLHF(task, kl_penalty="loss", advantage_estimator="rloo", num_generations=2, lr=lr, **module_kwargs)
+    module = ExactPPORLHF(task, kl_penalty=kl_penalty, advantage_estimator="rloo", num_generations=2, lr=lr, **module_kwargs)
     module.configure_model()
     optimizer = module.configure_optimizers()
     rewards, length, num_tokens = task.rewards(), task.response_length, task.num_symbols
@@ -301,13 +303,6 @@ def expected_train(
             break
         with torch.no_grad():
             old_logprobs = pm.logprobs_of(module.networks.response_logits(module.policy, input_ids, attention_mask, length), response)
-        # V_old(x, y_<t) = E_{pi_old}[r | x, y_<t]: sums of pi_old(y) r over the responses sharing the prefix
-        joint, reward_tree = logprobs.exp().view(shape), rewards.view(shape)
-        values = []
-        for t in range(length):
-            value = reward_to_go(joint, reward_tree, t)
-            values.append(value.reshape(prompts, -1).repeat_interleave(num_tokens ** (length - t), -1))
-        advantages = ((rewards.unsqueeze(-1) - torch.stack(values, -1)).view(-1, length) * mask).float()
         rollout = Trajectory(
             # one group per row: enumerated responses are not independent samples, so no leave-one-out
             # baseline (ppo_math.kl_to_go_loss's groups); the exact expectation needs none
@@ -325,6 +320,16 @@ def expected_train(
             old_values=None,
             entropy=torch.zeros_like(mask),
         )
+        # The return from each token G_t = r - beta sum_{t' >= t} k_t' (the estimator's values at pi_old, with
+        # the KL in the reward) and V_old(x, y_<t) = E_{pi_old}[G_t | x, y_<t]: sums of pi_old(y) G_t over the
+        # responses sharing the prefix
+        kl = module.kl_per_token(rollout).double() if module.kl.in_reward else torch.zeros_like(mask, dtype=torch.float64)
+        to_go = rewards.reshape(-1, 1) - beta * kl.flip(-1).cumsum(-1).flip(-1)  # (prompts * paths, length)
+        joint, values = logprobs.exp().view(shape), []
+        for t in range(length):
+            value = reward_to_go(joint, to_go[:, t].view(shape), t)
+            values.append(value.reshape(prompts, -1).repeat_interleave(num_tokens ** (length - t), -1).reshape(-1))
+        advantages = ((to_go - torch.stack(values, -1)) * mask).float()
         probs = logprobs.exp()  # (prompts, paths): pi_old(y | x), float64; 0 for a path that is no response
         if responses is None:  # the expectation itself, at every step
             shares = [probs] * num_minibatches

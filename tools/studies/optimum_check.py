@@ -52,7 +52,8 @@ of each task (of each seed, for a hand-made task), one line per cell, then a sum
            per_token_min_fixed_point_gap=<smallest PER_TOKEN gap over the tasks>
            per_token_max_deviation=<largest |gap - fixed_point_gap| of the per_token cells>
            per_token_max_mean_deviation=<largest |mean over the seeds of gap - fixed_point_gap|>
-           per_token_max_fixed_point_distance=<largest d> drift_max_gap=...
+           per_token_max_fixed_point_distance=<largest d> length_weighted_max_own_distance=...
+           high_variance_max_gap=... drift_max_gap=...
            wall_s=<seconds> cpu_s=<user CPU seconds of the whole run, its --jobs workers included>
 
 d = beta KL(pi || the per-token fixed point) / |J*|: the gap is beta KL(pi || pi*) / |J*|, a distance from pi*
@@ -63,9 +64,9 @@ With several ``--seed`` values each per_token cell also gets a line after the ce
 ``SEEDS task= advantage= estimator= scope= epochs= n= deviation_mean= deviation_std=`` (gap - fixed_point_gap
 over its sampling seeds: where the cell sits, and how far one seed strays from it).
 
-``--expected-gradient`` trains the same KL-in-the-loss cells with every rollout replaced by its exact
-expectation (:func:`rlhf_lightning.exact.expected_train`: all responses enumerated, weighted by pi_old, the
-exact advantage, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
+``--expected-gradient`` trains the same cells with every rollout replaced by its exact expectation
+(:func:`rlhf_lightning.exact.expected_train`: all responses enumerated, weighted by pi_old, the exact
+advantage with the reward's KL values in the return, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
 gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
 cell adds to them is noise. Every cell trains the task kind's iterations (150 on a random task).
 ``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.exact.sampled_ppo`:
@@ -141,7 +142,7 @@ from _cli_args import option_number
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_matrix_args(parser)
+    matrix_group = add_matrix_args(parser)
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
     parser.add_argument("--beta", type=option_number(above=0), help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
     parser.add_argument(
@@ -250,6 +251,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--end-batch-size / --end-iterations: not with --tabular (exact.sampled_ppo samples one batch size)")
     if args.tabular_lr is not None and not args.tabular:
         parser.error("--tabular-lr: only with --tabular (the tiny Llama's lr is --lr)")
+    if not args.matrix:  # one run reads none of the matrix group's options: refuse them rather than ignore them
+        given = [action.option_strings[0] for action in matrix_group._group_actions if getattr(args, action.dest) != action.default]
+        if given:
+            parser.error(f"{', '.join(given)}: only with --matrix (one run without it reads none of them)")
     args.tabular_lr = args.tabular_lr or 0.05
     for name, epochs in itertools.product(args.task, args.epochs if args.matrix else [args.ppo_epochs]):
         updates = task_settings(args, name)["updates"]
@@ -470,7 +475,7 @@ MATRIX_ESTIMATORS = ("k1", "k2", "k3", "k3+", "full")
 PLACEMENTS = ("reward", "loss", "both")
 WEIGHTINGS = ("none", "importance")
 SCOPES = ("sequence", "per_token")
-CLASSES = ("unbiased", "per_token", "length_weighted", "drift", "biased")
+CLASSES = ("unbiased", "per_token", "length_weighted", "high_variance", "drift", "biased")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
 # What each kind of task was tuned with. A random task at beta 1 (where seeds 1-5 have a per-token
@@ -586,7 +591,7 @@ def num_minibatches(settings: dict, epochs: int) -> int:
     return 2 if settings["updates"] is None else settings["updates"] // epochs
 
 
-def add_matrix_args(parser: argparse.ArgumentParser) -> None:
+def add_matrix_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("matrix (--matrix)")
     group.add_argument(
         "--matrix", action="store_true", help="train every advantage x estimator x placement x weighting x scope x epochs cell"
@@ -623,7 +628,8 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
         "--expected-gradient",
         action="store_true",
         help="replace every rollout by its exact expectation (exact.expected_train): where each cell's expected gradient "
-        "leads, without sampling noise; KL in the loss only, the advantage exact (--advantage ignored)",
+        "leads, without sampling noise; the advantage exact (a perfect critic's: --advantage ignored), the KL in the reward "
+        "in the exact return",
     )
     group.add_argument(
         "--tabular",
@@ -640,6 +646,7 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> None:
         help="with --expected-gradient: each step weighs the responses by a draw of the iteration's --batch-size from "
         "pi_old (sampling --seed) instead of by pi_old: the sampled loop's noise, with the exact advantage and loss",
     )
+    return group
 
 
 def expected_class(
@@ -752,6 +759,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             lr_hold=settings["lr_hold"],
             every=iterations,
             kl_estimator=cell.estimator,
+            kl_penalty=cell.placement,
             kl_loss_weighting=weighting,
             kl_loss_scope=scope,
             ppo_epochs=cell.epochs,
@@ -775,8 +783,8 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
 
 
 def run_matrix(args: argparse.Namespace) -> None:
-    if args.expected_gradient:  # the exact advantage: one advantage dimension, and only the loss carries the KL
-        args.advantage, args.placements = args.advantage[:1], ["loss"]
+    if args.expected_gradient:  # the exact advantage: one advantage dimension
+        args.advantage = args.advantage[:1]
     if args.tabular:  # only the loss carries the KL
         args.placements = ["loss"]
     cells = matrix_cells(args)
@@ -841,6 +849,7 @@ def run_matrix(args: argparse.Namespace) -> None:
         f"per_token_max_mean_deviation={max(mean_deviations, default=nan):.4f} "
         f"per_token_max_fixed_point_distance={max(distances, default=nan):.4f} "
         f"length_weighted_max_own_distance={max(own_distances, default=nan):.4f} "
+        f"high_variance_max_gap={max(gaps['high_variance'], default=nan):.4f} "
         f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f} cpu_s={user_cpu_seconds():.0f}"
     )
 
