@@ -120,3 +120,26 @@ def test_the_machinerys_counts_sort_after_the_runs_own_measures(scalar_tags):
 
 def test_the_scalars_tab_opens_on_the_seeds_metrics(scalar_tags):
     assert groups(scalar_tags)[0] == "objective"
+
+
+def test_summarize_run_prints_and_plots_two_runs_side_by_side(tmp_path):
+    """tools/summarize_run.py --runs: a table per folder (block means by hand) and, with --plot, one PNG."""
+    import subprocess
+    import sys
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    for name, length in (("short", 10.0), ("long", 20.0)):
+        with SummaryWriter(tmp_path / name) as writer:
+            for step in range(4):
+                writer.add_scalar("objective/kl", step, step)
+                writer.add_scalar("response/length", length + step, step)
+    png = tmp_path / "runs.png"
+    script = Path(__file__).parents[1] / "tools" / "summarize_run.py"
+    argv = [sys.executable, str(script), str(tmp_path / "short"), str(tmp_path / "long"), "--runs", "--blocks", "2", "--plot", str(png)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600).stdout
+    short, long = out.split(f"== {tmp_path / 'long'}")
+    assert f"== {tmp_path / 'short'}" in short
+    assert re.search(r"0-1\s+0\.5000\s+10\.5000", short) and re.search(r"2-3\s+2\.5000\s+12\.5000", short), short
+    assert re.search(r"2-3\s+2\.5000\s+22\.5000", long), long
+    assert png.stat().st_size > 10_000

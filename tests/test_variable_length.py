@@ -243,7 +243,7 @@ def test_a_length_weighted_kl_in_the_loss_is_its_own_class_and_warned_at_start_u
 
 def test_every_unbiased_placement_takes_the_same_exact_expected_step_and_a_biased_one_does_not():
     """exact.expected_train (every response enumerated, the exact advantage) on random-eos:3: the KL in the reward
-    (k1), in the loss (k1, k3; sequence scope) and in both (k1, k3, the high_variance class) take the same steps,
+    (k1), in the loss (k1, k3, full; sequence scope) and in both (full; k1, k3: high_variance) take the same steps,
     objective to 1e-6 after three AdamW steps from pi_ref (the first step's KL gradient is 0 there; the later ones
     are not): what separates them sampled is noise. k3 in the reward (biased) and the per-token scope do not."""
     import warnings
@@ -265,7 +265,7 @@ def test_every_unbiased_placement_takes_the_same_exact_expected_step_and_a_biase
         return rows[-1]["objective"]
 
     same = objective("k3", "loss")
-    for cell in [("k1", "loss"), ("k1", "reward"), ("k3", "both"), ("k1", "both")]:
+    for cell in [("k1", "loss"), ("full", "loss"), ("k1", "reward"), ("k3", "both"), ("k1", "both"), ("full", "both")]:
         assert objective(*cell) == pytest.approx(same, abs=1e-6), cell
     assert abs(objective("k3", "reward") - same) > 0.05
     assert abs(objective("k3", "loss", "per_token") - same) > 0.05

@@ -284,7 +284,8 @@ def expected_train(
     input_ids, attention_mask, mask = module._all_responses()
     prompts, response = rewards.shape[0], input_ids[:, -length:]
     with module.networks.reference() as ref:
-        ref_token_logprobs = pm.logprobs_of(module.networks.response_logits(ref, input_ids, attention_mask, length), response)
+        ref_logits = module.networks.response_logits(ref, input_ids, attention_mask, length)  # for an estimator that reads them (full)
+    ref_token_logprobs = pm.logprobs_of(ref_logits, response)
     shape = (prompts, *[num_tokens] * length)
     # Each response's weight in the aggregation, as its share of the responses (the batch's denominators
     # in expectation): 1 / E[|y|] per token for token_mean, 1 / |y| for seq_mean_token_mean, ...
@@ -302,7 +303,8 @@ def expected_train(
         if iteration == iterations:
             break
         with torch.no_grad():
-            old_logprobs = pm.logprobs_of(module.networks.response_logits(module.policy, input_ids, attention_mask, length), response)
+            old_logits = module.networks.response_logits(module.policy, input_ids, attention_mask, length)
+            old_logprobs = pm.logprobs_of(old_logits, response)
         rollout = Trajectory(
             # one group per row: enumerated responses are not independent samples, so no leave-one-out
             # baseline (ppo_math.kl_to_go_loss's groups); the exact expectation needs none
@@ -317,6 +319,8 @@ def expected_train(
             trainer_logprobs=old_logprobs,
             sampler_logprobs=old_logprobs,
             ref_logprobs=ref_token_logprobs,
+            ref_logits=ref_logits,
+            old_logits=old_logits,
             old_values=None,
             entropy=torch.zeros_like(mask),
         )
