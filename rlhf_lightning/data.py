@@ -139,6 +139,10 @@ class PromptTable:
                 ids.append(identity)
         return cls(ids, row_of, budgets if budget_column is not None else None)
 
+    def ids_of(self, prompts: list[str]) -> list[str]:
+        """The id of each prompt (a ConfigError for one not in the table: :meth:`rows`)."""
+        return [self.ids[row] for row in self.rows(prompts).tolist()]
+
     def rows(self, prompts: list[str], field: str = "the training batch") -> Tensor:
         """The row of each prompt, (len(prompts),) long; a prompt not in the table is a ConfigError naming ``field``."""
         missing = [p for p in prompts if p not in self.row_of]
