@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, require, require_number
+from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, finite_number, require, require_number
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"  # the built-in prompt files (not the module data.py)
 BUILTIN_TRAIN = PROMPTS_DIR / "prompts_train.jsonl"
@@ -117,13 +117,14 @@ class PromptTable:
                 )
                 identity = str(value)
             if budget_column is not None:
-                value = extra[budget_column]
+                written = value = extra[budget_column]
                 with contextlib.suppress(ValueError):
-                    value = float(value) if isinstance(value, str) else value
-                require_number(
+                    value = float(value) if isinstance(value, str) else value  # a csv's cells are text
+                require(
+                    finite_number(value) and not isinstance(value, bool) and value > 0,
                     f"{where}, {place}: the KL budget in column {budget_column!r} (model.beta_controller.init_args.budget_column)",
-                    value,
-                    above=0,
+                    "a finite number > 0",
+                    written,
                 )
                 if budgets.setdefault(identity, float(value)) != float(value):
                     raise ConfigError(

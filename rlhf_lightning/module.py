@@ -630,26 +630,23 @@ class PPORLHF(LightningModule):
         self.longest_prompt = args.check_setup(self, datamodule, stage)
         if stage == "fit":
             self.prompt_table = self.training_prompt_table(datamodule)
+            controller = self.beta_controller
+            if isinstance(controller, PerPromptBetaController):
+                require(
+                    self.prompt_table is not None,
+                    "model.beta_controller",
+                    "a controller with one beta for all prompts when the training batches come from no prompt file (a "
+                    "per-prompt controller names its prompts by the ids of PromptDataModule's data.train_path)",
+                    f"{type(controller).__name__} with data {type(datamodule).__name__ if datamodule is not None else 'from a dataloader'}",
+                )
+                controller.set_budgets(self.prompt_table.budgets)
 
     def training_prompt_table(self, datamodule) -> Optional[PromptTable]:
-        """The training prompts' ids and KL budgets (``data.PromptTable``) from the data module's prompt file, the
-        budgets handed to a per-prompt controller; None for batches from elsewhere, which a per-prompt controller
-        cannot name (a ConfigError). Read at start-up, before any model loads."""
-        controller = self.beta_controller
-        per_prompt = isinstance(controller, PerPromptBetaController)
+        """The training prompts' ids and KL budgets (``data.PromptTable``; a per-prompt controller's ``budget_column``)
+        from the data module's prompt file, read at start-up before any model loads; None for batches from elsewhere."""
         if not hasattr(datamodule, "prompt_table"):
-            require(
-                not per_prompt,
-                "model.beta_controller",
-                "a controller with one beta for all prompts when the training batches come from no prompt file (a per-prompt "
-                "controller names its prompts by the ids of PromptDataModule's data.train_path)",
-                f"{type(controller).__name__} with data {type(datamodule).__name__ if datamodule is not None else 'from a dataloader'}",
-            )
             return None
-        table = datamodule.prompt_table(controller.budget_column if per_prompt else None)
-        if per_prompt:
-            controller.set_budgets(table.budgets)
-        return table
+        return datamodule.prompt_table(getattr(self.beta_controller, "budget_column", None))
 
     def encode_prompts(self, prompts: list[str], field: str = "the prompts") -> dict[str, Tensor]:
         """``data.encode_prompts`` with this module's tokenizer and settings, on its device."""
