@@ -20,13 +20,19 @@ class RecordBeta(Callback):
 
 
 class RecordPromptBetas(Callback):
-    """Append ``[rank, iteration, {prompt id: beta}]`` JSON lines after every iteration (every rank): a
-    per-prompt controller's table."""
+    """Append ``[rank, iteration, {prompt id: beta}]`` JSON lines (every rank): a per-prompt controller's table
+    when training starts (after a resume: as loaded) and after every iteration."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._write(trainer, pl_module)
+
+    def _write(self, trainer, pl_module) -> None:
         import json
 
         with open(self.path, "a") as f:
