@@ -127,7 +127,12 @@ class PromptBudgetBeta(PerPromptBetaController, AdaptiveBeta):
         beta_x <- beta_x * (1 + clip(KL_x / budget_x - 1, -0.2, 0.2) * n_x / horizon),
 
     KL_x the mean KL (in ``unit``) of x's n_x responses of the iteration over all ranks, budget_x the prompt
-    file's ``budget_column`` value or ``target``; a prompt not sampled keeps its beta. This is ``adaptive``'s
+    file's ``budget_column`` value or ``target``; a prompt not sampled keeps its beta. With ``decay_after`` T,
+    the k-th update of a prompt past its T-th takes a step T / k as long (n_x T / k in place of n_x): the
+    1/k steps of stochastic approximation (Robbins & Monro, 1951), under which beta_x converges to where
+    E[KL_x] meets the budget instead of wandering about it with the sampling noise (a constant step leaves
+    beta_x a noise of its own, about 1 / sqrt(horizon), and since a prompt's KL is convex in its beta,
+    that noise also biases beta_x upward). This is ``adaptive``'s
     rule (Ziegler et al., 2019) per prompt, chosen over the dual update beta_x += lr (KL_x - budget_x) because
     it is scale-free: the error is relative and the step multiplicative, so one ``horizon`` serves budgets of
     0.1 and of 10 nats, and beta_x stays > 0 without a clamp. Both are integral control of the budget (beta_x
@@ -145,9 +150,12 @@ class PromptBudgetBeta(PerPromptBetaController, AdaptiveBeta):
         target: float = 6.0,
         horizon: float = 100,
         budget_column: Optional[str] = None,
+        decay_after: Optional[int] = None,
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, target, horizon, unit)
+        require_number("beta_controller.decay_after", decay_after, integer=True, at_least=1, optional=True)
+        self.decay_after = decay_after
         require(
             budget_column is None or (isinstance(budget_column, str) and bool(budget_column.strip())),
             "beta_controller.budget_column",
@@ -156,6 +164,7 @@ class PromptBudgetBeta(PerPromptBetaController, AdaptiveBeta):
         )
         self.budget_column = budget_column
         self.betas: dict[str, float] = {}  # prompt id -> beta
+        self.updates: dict[str, int] = {}  # prompt id -> the updates of its beta so far
         self.budgets: dict[str, float] = {}  # prompt id -> budget; absent: target
 
     def set_budgets(self, budgets: Optional[dict[str, float]]) -> None:
@@ -168,15 +177,20 @@ class PromptBudgetBeta(PerPromptBetaController, AdaptiveBeta):
         return torch.tensor([self.betas.get(i, self.beta) for i in prompt_ids], dtype=torch.float64)
 
     def update_prompts(self, prompt_ids: Sequence[str], observed_kls: Tensor, n_samples: Tensor) -> None:
-        factor = proportional_factor(observed_kls.double(), self.budgets_of(prompt_ids), n_samples.double(), self.horizon)
+        self.updates.update({i: self.updates.get(i, 0) + 1 for i in prompt_ids})
+        steps = n_samples.double()
+        if self.decay_after is not None:  # the k-th update past the T-th: T / k of the step
+            steps = steps * (self.decay_after / torch.tensor([self.updates[i] for i in prompt_ids], dtype=torch.float64)).clamp(max=1.0)
+        factor = proportional_factor(observed_kls.double(), self.budgets_of(prompt_ids), steps, self.horizon)
         self.betas.update(zip(prompt_ids, (self.betas_of(prompt_ids) * factor).tolist(), strict=True))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"beta": self.beta, "betas": dict(self.betas)}
+        return {"beta": self.beta, "betas": dict(self.betas), "updates": dict(self.updates)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.betas = {str(prompt_id): float(beta) for prompt_id, beta in state["betas"].items()}
+        self.updates = {str(prompt_id): int(count) for prompt_id, count in state["updates"].items()}
 
 
 @register("beta_controller", "band", description="x1.5 above 1.5*target, /1.5 below 0.5*target, clamped")
