@@ -340,3 +340,33 @@ def test_two_processes_hold_the_same_table_and_a_resume_on_one_starts_from_it_ex
     resumed = tables("one.jsonl")
     assert sorted(resumed) == [2, 3, 4] and resumed[2][0] == table  # as saved, then two iterations of 4 prompts
     assert len(resumed[4][0]) > 8
+
+
+# ---------------------------------------------------------------------- the closed-form lab
+def budget_lines(capsys, *argv: str) -> list[dict]:
+    """tools/studies/optimum_check.py's BUDGET lines, as fields."""
+    import optimum_check
+
+    optimum_check.main(list(argv))
+    out = capsys.readouterr().out.splitlines()
+    return [dict(item.split("=", 1) for item in line.split()[1:]) for line in out if line.startswith("BUDGET ")]
+
+
+def test_the_budget_line_reports_each_prompts_beta_against_its_closed_form(capsys):
+    """3 iterations: the format, and the resting betas of the closed form (terminal's pi_ref is the seed's)."""
+    (line,) = budget_lines(capsys, "--kl-budgets", "0.5", "1.0", "1.5", "--iterations", "3", "--every", "3")
+    assert line["task"] == "terminal" and len(line["betas"].split(",")) == 3
+    rest = [float(b) for b in line["rest_betas"].split(",")]
+    assert rest == sorted(rest, reverse=True) and all(0 < b < 2 for b in rest)  # a larger budget: a smaller beta
+    assert float(line["kl_max_rel_error"]) > 0.05  # 3 iterations are not enough: the convergence test below
+
+
+@pytest.mark.convergence
+def test_every_prompt_lands_within_5_percent_of_its_budget_on_its_own_optimum(capsys):
+    """optimum_check --task random:1 --kl-budgets 0.5 1.5 (the random task's settings: 150 iterations of 384
+    responses, k1 in the reward, gae; per_prompt with horizon 800, decay_after 100, from beta 1): every prompt's
+    exact KL within 5% of its budget, and the policy within 0.02 of the optimum with each prompt tilted at its own
+    final beta (docs/plugins.md, "Per-prompt KL budgets")."""
+    (line,) = budget_lines(capsys, "--task", "random:1", "--kl-budgets", "0.5", "1.5", "--every", "150")
+    assert float(line["kl_max_rel_error"]) < 0.05 and float(line["gap"]) < 0.02, line
+    assert float(line["beta_max_rel_error"]) < 0.1, line  # and the betas near where pi*'s KL meets the budgets

@@ -100,7 +100,7 @@ pi_old / pi_sampler.
 prompt's pi*(.|x) ∝ pi_ref exp(r / beta_x) at its current beta_x, and a last line reads
 
     BUDGET task=<task> seed=<seed> gap=<gap to that optimum> kl_max_rel_error=<max_x |KL_x(pi) / budget_x - 1|>
-           beta_max_rel_error=<max_x |beta_x / beta_x^rest - 1|> betas=<beta_x> rest_betas=<beta_x^rest>
+           beta_max_rel_error=<max_x |beta_x / beta_x^rest - 1|> kls=<KL_x> betas=<beta_x> rest_betas=<beta_x^rest>
 
 (beta_x^rest: where the budget puts pi*'s KL, ``exact.prompt_betas``; KL_x exact).
 
@@ -136,6 +136,7 @@ from rlhf_lightning.exact import (
     optimum_report,
     per_token_fixed_point_gap,
     prompt_betas,
+    prompt_kls,
     reference_logprobs,
     sampled_ppo,
     task_named,
@@ -325,18 +326,16 @@ def budget_settings(args: argparse.Namespace, settings: dict) -> dict:
 def budget_line(name: str, seed: int, module, last: dict) -> str:
     """The BUDGET line of a --kl-budgets run: the per-prompt optimum's gap and each prompt's KL and beta against
     its budget and its closed-form resting beta."""
-    rest = prompt_betas(
-        module.exact_ref_logprobs(),
-        module.task.rewards(),
-        module.beta_controller.budgets_of(module.prompt_table.ids),
-        "sequence_sum",
-        module.task.lengths,
-    )
-    betas = module.exact_beta()
+    ref, task = module.exact_ref_logprobs(), module.task
+    rest = prompt_betas(ref, task.rewards(), module.beta_controller.budgets_of(module.prompt_table.ids), "sequence_sum", task.lengths)
+    kls = prompt_kls(module.exact_logprobs(), ref, "sequence_sum", task.lengths)
+
+    def listed(values) -> str:
+        return ",".join(f"{v:.4f}" for v in values.tolist())
+
     return (
         f"BUDGET task={name} seed={seed} gap={last['gap']:.4f} kl_max_rel_error={last['budget_max_rel_error']:.4f} "
-        f"beta_max_rel_error={last['beta_max_rel_error']:.4f} betas={','.join(f'{b:.4f}' for b in betas.tolist())} "
-        f"rest_betas={','.join(f'{b:.4f}' for b in rest.tolist())}"
+        f"beta_max_rel_error={last['beta_max_rel_error']:.4f} kls={listed(kls)} betas={listed(module.exact_beta())} rest_betas={listed(rest)}"
     )
 
 
