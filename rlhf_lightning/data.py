@@ -69,7 +69,8 @@ def load_prompt_records(
         records, columns = _records(text, suffix, where, column)
     for name, setting in {column: field, **(extra or {})}.items():
         if name not in columns:
-            raise ConfigError(f"{setting}: column {name!r} not found in {path.name} ({field}); available columns: {', '.join(columns)}")
+            of_file = "" if setting == field else f" ({field})"
+            raise ConfigError(f"{setting}: column {name!r} not found in {path.name}{of_file}; available columns: {', '.join(columns)}")
     prompts = []
     for place, record in records:
         prompt = record.get(column)
