@@ -245,7 +245,9 @@ class PPORLHF(LightningModule):
             fault = str(err)
         if fault is None and not torch.isfinite(kl).all():
             bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
-            fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()} (beta {betas[bad].tolist()})"
+            bad_betas = sorted(set(betas[bad].tolist()))  # one beta, or each bad row's prompt's
+            beta = bad_betas[0] if len(bad_betas) == 1 else bad_betas
+            fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()} (beta {beta})"
         if self.networks.any_rank(fault is not None):
             return Scored(kl, raw_scores, fault=fault or "a non-finite reward or KL on another rank")
         scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce)
