@@ -67,8 +67,8 @@ class TensorBoardViews(Callback):
     ``configure_callbacks``): the Custom Scalars page (:func:`custom_scalars_layout`), the first view
     worth opening, and every ``every_n_steps`` iterations a markdown table of ``num_samples`` prompts,
     responses, scores and KL as text (``samples``). With a prompt file, every iteration also the histograms
-    ``prompt_kl`` and ``prompt_beta``: the mean KL (in the beta controller's unit) of each prompt sampled in the
-    iteration and the beta it was penalised with (``PPORLHF.prompt_stats``), and with KL budgets ``prompt_kl_over_budget``,
+    ``prompts/kl`` and ``prompts/beta``: the mean KL (in the beta controller's unit) of each prompt sampled in the
+    iteration and the beta it was penalised with (``PPORLHF.prompt_stats``), and with KL budgets ``prompts/kl_over_budget``,
     each prompt's KL / budget (TensorBoard's Histograms and Distributions tabs)."""
 
     def __init__(self, every_n_steps: int = 10, num_samples: int = 4) -> None:
@@ -89,9 +89,9 @@ class TensorBoardViews(Callback):
             return
         prompts = outputs["prompts"]
         if prompts is not None:
-            histograms = {"prompt_kl": prompts.kl, "prompt_beta": prompts.betas}
+            histograms = {"prompts/kl": prompts.kl, "prompts/beta": prompts.betas}
             if prompts.budgets is not None:
-                histograms["prompt_kl_over_budget"] = prompts.kl / prompts.budgets
+                histograms["prompts/kl_over_budget"] = prompts.kl / prompts.budgets
             for tag, values in histograms.items():
                 trainer.logger.experiment.add_histogram(tag, values, global_step=pl_module.step)
         if not self.every_n_steps or pl_module.step % self.every_n_steps:

@@ -61,18 +61,20 @@ class PromptStats:
     budgets: Optional[Tensor]  # its KL budget (a per-prompt controller's; another controller's target); None: none
 
     def metrics(self) -> dict[str, float]:
-        """The spread of the per-prompt KL and beta (docs/metrics.md): ``prompt_kl/{min,max,std}``,
-        ``prompt_beta/{min,max,std}``; with budgets, ``kl_budget/max_abs_rel_error`` and ``mean_abs_rel_error``
-        (|KL_x / budget_x - 1|) and ``kl_budget/over_share`` (the share of prompts whose KL exceeds their budget)."""
-        out = {"prompt_kl/count": float(len(self.ids))}
-        for name, values in (("prompt_kl", self.kl), ("prompt_beta", self.betas)):
+        """The spread of the per-prompt KL and beta (docs/metrics.md): ``prompts/{kl,beta}_{min,max,std}`` and
+        ``prompts/count``; with budgets, ``prompts/budget_max_abs_rel_error`` and ``budget_mean_abs_rel_error``
+        (|KL_x / budget_x - 1|) and ``prompts/over_budget_share`` (the share of prompts whose KL exceeds their budget)."""
+        out = {"prompts/count": float(len(self.ids))}
+        for name, values in (("kl", self.kl), ("beta", self.betas)):
             spread = values.std().item() if len(values) > 1 else 0.0
-            out.update({f"{name}/min": values.min().item(), f"{name}/max": values.max().item(), f"{name}/std": spread})
+            out.update(
+                {f"prompts/{name}_min": values.min().item(), f"prompts/{name}_max": values.max().item(), f"prompts/{name}_std": spread}
+            )
         if self.budgets is not None:
             error = (self.kl / self.budgets - 1.0).abs()
-            out["kl_budget/max_abs_rel_error"] = error.max().item()
-            out["kl_budget/mean_abs_rel_error"] = error.mean().item()
-            out["kl_budget/over_share"] = (self.kl > self.budgets).double().mean().item()
+            out["prompts/budget_max_abs_rel_error"] = error.max().item()
+            out["prompts/budget_mean_abs_rel_error"] = error.mean().item()
+            out["prompts/over_budget_share"] = (self.kl > self.budgets).double().mean().item()
         return out
 
 

@@ -261,9 +261,9 @@ def test_each_row_is_penalised_with_its_prompts_beta_and_the_spread_is_logged(tm
     # the betas the rows used are the table's before this iteration's update: one per prompt, as logged
     assert stats.responses.sum() == len(rows) and stats.budgets.tolist() == [controller.budgets[i] for i in stats.ids]
     row = history.rows[-1]
-    assert row["prompt_beta/max"] > row["prompt_beta/min"]
-    assert row["kl_budget/max_abs_rel_error"] == pytest.approx(float((stats.kl / stats.budgets - 1).abs().max()), rel=1e-6)
-    assert row["kl_budget/over_share"] == pytest.approx(float((stats.kl > stats.budgets).double().mean()), rel=1e-6)
+    assert row["prompts/beta_max"] > row["prompts/beta_min"]
+    assert row["prompts/budget_max_abs_rel_error"] == pytest.approx(float((stats.kl / stats.budgets - 1).abs().max()), rel=1e-6)
+    assert row["prompts/over_budget_share"] == pytest.approx(float((stats.kl > stats.budgets).double().mean()), rel=1e-6)
     # objective/beta is the mean of the rows' betas, and the net objective charges each its own beta
     assert row["objective/beta"] == pytest.approx(float((stats.betas * stats.responses).sum() / stats.responses.sum()), rel=1e-6)
 
