@@ -41,6 +41,19 @@ def test_each_prompt_moves_by_its_own_kl_toward_its_own_budget_and_unseen_prompt
     assert ctrl.budgets_of(["a", "c"]).tolist() == [1.0, 2.0]
 
 
+def test_decay_after_shortens_a_prompts_steps_as_one_over_its_updates():
+    ctrl = PromptBudgetBeta(init_beta=0.1, target=1.0, horizon=100, decay_after=2)
+    kl, n = torch.tensor([2.0], dtype=torch.float64), torch.tensor([10])
+    # updates 1 and 2 at the full step (error clipped to 0.2): 0.1 * 1.02 = 0.102, 0.102 * 1.02 = 0.10404;
+    # update 3 at 2/3 of it: 1 + 0.2 * 10 * (2 / 3) / 100 = 1.013333: 0.10404 * 1.013333 = 0.1054272
+    betas = []
+    for _ in range(3):
+        ctrl.update_prompts(["a"], kl, n)
+        betas.append(ctrl.betas["a"])
+    assert betas == pytest.approx([0.102, 0.10404, 0.1054272], rel=1e-12)
+    assert ctrl.updates == {"a": 3} and ctrl.state_dict()["updates"] == {"a": 3}
+
+
 def test_the_starting_beta_of_unseen_prompts_follows_adaptive_on_the_batch_mean():
     """``beta`` (a prompt with no entry yet) moves by adaptive's rule toward target; adaptive's own sequence is
     unchanged by the shared step (proportional_factor)."""
