@@ -180,6 +180,17 @@ def test_a_per_prompt_entropy_controller_and_budgets_without_one_are_refused():
         ExactPPORLHF(TASKS["terminal"], kl_budgets=[1.0], beta_controller="per_prompt")
 
 
+def test_the_kl_to_optimum_meter_needs_its_own_beta_with_a_per_prompt_controller():
+    from types import SimpleNamespace
+
+    from rlhf_lightning.exact import KLToOptimum
+
+    module = SimpleNamespace(beta_controller=PromptBudgetBeta())
+    with pytest.raises(ConfigError, match=r"KLToOptimum\.beta must be a number with a per-prompt beta controller"):
+        KLToOptimum().setup(None, module, "fit")
+    KLToOptimum(beta=0.5).setup(None, module, "fit")  # one beta's optimum, named
+
+
 # ---------------------------------------------------------------------- the closed form against brute force
 def bandit():
     """Two prompts over 4 responses: pi_ref and r by hand."""
