@@ -3,15 +3,20 @@
 ``fixed`` keeps it; ``anneal`` moves it on a schedule from one value to another; ``adaptive``
 (Ziegler et al., 2019) and ``band`` scale it toward a KL target; from control theory, ``pid`` steers
 log(beta) with a PID controller and ``dual`` treats beta as the Lagrange multiplier of the hard
-constraint KL <= target.
+constraint KL <= target. ``per_prompt`` keeps one beta per prompt, each moved by ``adaptive``'s rule
+from that prompt's own KL toward its own budget.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import Any, Optional, Union
 
-from rlhf_lightning.interfaces import BetaController, KLUnit, require_number
+import torch
+from torch import Tensor
+
+from rlhf_lightning.interfaces import BetaController, KLUnit, PerPromptBetaController, require, require_number
 from rlhf_lightning.registry import register
 
 # KL / target is floored here before the log: the k1 estimator's KL can be 0 or negative,
@@ -89,7 +94,8 @@ class AnnealedBeta(BetaController):
 class AdaptiveBeta(TargetBeta):
     """Proportional control of beta (Ziegler et al., 2019, "Fine-Tuning LMs from Human Preferences").
 
-    error = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + error * n_samples / horizon).
+    error = clip(KL / target - 1, -0.2, 0.2);  beta <- beta * (1 + error * n_samples / horizon)
+    (:func:`proportional_factor`).
     """
 
     def __init__(self, init_beta: float = 0.1, target: float = 6.0, horizon: float = 10000, unit: KLUnit = "sequence_sum") -> None:
@@ -99,9 +105,92 @@ class AdaptiveBeta(TargetBeta):
         self.horizon = horizon
 
     def update(self, observed_kl: float, n_samples: int) -> float:
-        error = min(max(observed_kl / self.target - 1.0, -0.2), 0.2)
-        self.beta *= 1.0 + error * n_samples / self.horizon
+        self.beta *= float(proportional_factor(observed_kl, self.target, n_samples, self.horizon))
         return self.beta
+
+
+def proportional_factor(
+    observed_kl: Union[float, Tensor], target: Union[float, Tensor], n_samples: Union[int, Tensor], horizon: float
+) -> Tensor:
+    """Ziegler et al.'s multiplicative step, 1 + clip(KL / target - 1, -0.2, 0.2) * n_samples / horizon, in
+    float64: of one KL (``adaptive``) or of one per prompt (``per_prompt``), elementwise."""
+    error = torch.as_tensor(observed_kl / target - 1.0, dtype=torch.float64).clamp(-0.2, 0.2)
+    return 1.0 + error * n_samples / horizon
+
+
+@register(
+    "beta_controller", "per_prompt", description="one beta per prompt, each moved by adaptive's rule from its own KL toward its budget"
+)
+class PromptBudgetBeta(PerPromptBetaController, AdaptiveBeta):
+    """Per-prompt KL budgets: prompt x's own beta_x, after every iteration in which x was sampled,
+
+        beta_x <- beta_x * (1 + clip(KL_x / budget_x - 1, -0.2, 0.2) * n_x / horizon),
+
+    KL_x the mean KL (in ``unit``) of x's n_x responses of the iteration over all ranks, budget_x the prompt
+    file's ``budget_column`` value or ``target``; a prompt not sampled keeps its beta. With ``decay_after`` T,
+    the k-th update of a prompt past its T-th takes a step T / k as long (n_x T / k in place of n_x): the
+    1/k steps of stochastic approximation (Robbins & Monro, 1951), under which beta_x converges to where
+    E[KL_x] meets the budget instead of wandering about it with the sampling noise (a constant step leaves
+    beta_x a noise of its own, about 1 / sqrt(horizon), and since a prompt's KL is convex in its beta,
+    that noise also biases beta_x upward). This is ``adaptive``'s
+    rule (Ziegler et al., 2019) per prompt, chosen over the dual update beta_x += lr (KL_x - budget_x) because
+    it is scale-free: the error is relative and the step multiplicative, so one ``horizon`` serves budgets of
+    0.1 and of 10 nats, and beta_x stays > 0 without a clamp. Both are integral control of the budget (beta_x
+    accumulates the errors), so at rest KL_x = budget_x: with the policy at its optimum, pi*(.|x) ∝ pi_ref
+    exp(r / beta_x), beta_x is where the tilted optimum's KL meets the budget (``exact.prompt_betas``), and the
+    policy is the maximiser of E r subject to KL_x <= budget_x for every prompt (the betas are its Lagrange
+    multipliers). ``horizon`` counts one prompt's responses (default 100: 16 responses a prompt move its beta
+    by at most 3.2% an iteration). ``beta``, the beta of a prompt with no entry yet, follows ``adaptive``'s
+    rule on the batch's mean KL toward ``target`` (:class:`~rlhf_lightning.interfaces.PerPromptBetaController`).
+    The state is every prompt's beta, by prompt id."""
+
+    def __init__(
+        self,
+        init_beta: float = 0.1,
+        target: float = 6.0,
+        horizon: float = 100,
+        budget_column: Optional[str] = None,
+        decay_after: Optional[int] = None,
+        unit: KLUnit = "sequence_sum",
+    ) -> None:
+        super().__init__(init_beta, target, horizon, unit)
+        require_number("beta_controller.decay_after", decay_after, integer=True, at_least=1, optional=True)
+        self.decay_after = decay_after
+        require(
+            budget_column is None or (isinstance(budget_column, str) and bool(budget_column.strip())),
+            "beta_controller.budget_column",
+            "the name of a column of data.train_path holding each prompt's KL budget, or null (target for every prompt)",
+            budget_column,
+        )
+        self.budget_column = budget_column
+        self.betas: dict[str, float] = {}  # prompt id -> beta
+        self.updates: dict[str, int] = {}  # prompt id -> the updates of its beta so far
+        self.budgets: dict[str, float] = {}  # prompt id -> budget; absent: target
+
+    def set_budgets(self, budgets: Optional[dict[str, float]]) -> None:
+        self.budgets = dict(budgets or {})
+
+    def budgets_of(self, prompt_ids: Sequence[str]) -> Tensor:
+        return torch.tensor([self.budgets.get(i, self.target) for i in prompt_ids], dtype=torch.float64)
+
+    def betas_of(self, prompt_ids: Sequence[str]) -> Tensor:
+        return torch.tensor([self.betas.get(i, self.beta) for i in prompt_ids], dtype=torch.float64)
+
+    def update_prompts(self, prompt_ids: Sequence[str], observed_kls: Tensor, n_samples: Tensor) -> None:
+        self.updates.update({i: self.updates.get(i, 0) + 1 for i in prompt_ids})
+        steps = n_samples.double()
+        if self.decay_after is not None:  # the k-th update past the T-th: T / k of the step
+            steps = steps * (self.decay_after / torch.tensor([self.updates[i] for i in prompt_ids], dtype=torch.float64)).clamp(max=1.0)
+        factor = proportional_factor(observed_kls.double(), self.budgets_of(prompt_ids), steps, self.horizon)
+        self.betas.update(zip(prompt_ids, (self.betas_of(prompt_ids) * factor).tolist(), strict=True))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"beta": self.beta, "betas": dict(self.betas), "updates": dict(self.updates)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.betas = {str(prompt_id): float(beta) for prompt_id, beta in state["betas"].items()}
+        self.updates = {str(prompt_id): int(count) for prompt_id, count in state["updates"].items()}
 
 
 @register("beta_controller", "band", description="x1.5 above 1.5*target, /1.5 below 0.5*target, clamped")

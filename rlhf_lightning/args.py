@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lightning.checks import ConfigError, require, require_number
-from rlhf_lightning.interfaces import KLEstimator, LossAggregation
+from rlhf_lightning.interfaces import KLEstimator, LossAggregation, PerPromptBetaController
 from rlhf_lightning.registry import registry
 
 # Arguments that name plugins: built here, kept out of the saved hyperparameters (the config
@@ -384,6 +384,12 @@ def build_plugins(args: dict[str, Any], ppo: PPOArgs) -> dict[str, Any]:
     require(not (coef and args["entropy_controller"] is not None), "model.ppo.entropy_coef", "0 when model.entropy_controller is set", coef)
     if args["entropy_controller"] is not None:
         plugins["entropy_controller"] = build("entropy_controller")
+        require(
+            not isinstance(plugins["entropy_controller"], PerPromptBetaController),
+            "model.entropy_controller",
+            "a controller with one coefficient (the entropy bonus is one term of the loss, not one per prompt)",
+            type(plugins["entropy_controller"]).__name__,
+        )
     else:
         plugins["entropy_controller"] = registry("beta_controller").get("fixed")(init_beta=coef, unit="token_mean") if coef else None
     plugins["gold_reward_model"] = None if args["gold_reward_model"] is None else build("gold_reward_model")

@@ -66,7 +66,10 @@ class TensorBoardViews(Callback):
     """What ``PPORLHF`` adds to a TensorBoard log beside its scalars (the module installs it through
     ``configure_callbacks``): the Custom Scalars page (:func:`custom_scalars_layout`), the first view
     worth opening, and every ``every_n_steps`` iterations a markdown table of ``num_samples`` prompts,
-    responses, scores and KL as text (``samples``)."""
+    responses, scores and KL as text (``samples``). With a prompt file, every iteration also the histograms
+    ``prompts/kl`` and ``prompts/beta``: the mean KL (in the beta controller's unit) of each prompt sampled in the
+    iteration and the beta it was penalised with (``PPORLHF.prompt_stats``), and with KL budgets ``prompts/kl_over_budget``,
+    each prompt's KL / budget (TensorBoard's Histograms and Distributions tabs)."""
 
     def __init__(self, every_n_steps: int = 10, num_samples: int = 4) -> None:
         self.every_n_steps, self.num_samples = every_n_steps, num_samples
@@ -82,9 +85,16 @@ class TensorBoardViews(Callback):
         trainer.logger.experiment.add_custom_scalars(layout)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if outputs["skipped"] or not self.every_n_steps or pl_module.step % self.every_n_steps:
+        if outputs["skipped"] or not isinstance(trainer.logger, TensorBoardLogger) or trainer.global_rank != 0:
             return
-        if not isinstance(trainer.logger, TensorBoardLogger) or trainer.global_rank != 0:
+        prompts = outputs["prompts"]
+        if prompts is not None:
+            histograms = {"prompts/kl": prompts.kl, "prompts/beta": prompts.betas}
+            if prompts.budgets is not None:
+                histograms["prompts/kl_over_budget"] = prompts.kl / prompts.budgets
+            for tag, values in histograms.items():
+                trainer.logger.experiment.add_histogram(tag, values, global_step=pl_module.step)
+        if not self.every_n_steps or pl_module.step % self.every_n_steps:
             return
         rollout, scores, kl = outputs["rollout"], outputs["scores"], outputs["kl"]
         rows = ["| prompt | response | score | KL |", "|---|---|---|---|"]

@@ -7,9 +7,12 @@ sampler, so each rank draws its own shard of prompts.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import hashlib
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -19,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, require, require_number
+from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, finite_number, require, require_number
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"  # the built-in prompt files (not the module data.py)
 BUILTIN_TRAIN = PROMPTS_DIR / "prompts_train.jsonl"
@@ -32,6 +35,15 @@ def load_prompts(path: str | Path, column: str = "prompt", field: str = "data.tr
     file and, where there is one, the line: a missing file or a folder, bytes that are not UTF-8, a
     malformed line, a missing column, a prompt that is not text (never dropped silently), or no
     prompt at all. Blank prompts are skipped."""
+    return [prompt for _, prompt, _ in load_prompt_records(path, column, field)]
+
+
+def load_prompt_records(
+    path: str | Path, column: str = "prompt", field: str = "data.train_path", extra: Optional[dict[str, str]] = None
+) -> list[tuple[str, str, dict]]:
+    """:func:`load_prompts` with each prompt's place in the file (``line 3``) and the values of the ``extra``
+    columns, given as {column: the setting that names it}: a column the file lacks is a ConfigError naming
+    that setting and the columns there are."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise ConfigError(f"{field}: {str(path)!r} is a folder, not a prompt file")
@@ -55,18 +67,94 @@ def load_prompts(path: str | Path, column: str = "prompt", field: str = "data.tr
             line = path.read_bytes()[: err.start].count(b"\n") + 1
             raise ConfigError(f"{where} is not valid UTF-8 (line {line}, byte {err.start})") from None
         records, columns = _records(text, suffix, where, column)
-    if column not in columns:
-        raise ConfigError(f"{field}: column {column!r} not found in {path.name}; available columns: {', '.join(columns)}")
+    for name, setting in {column: field, **(extra or {})}.items():
+        if name not in columns:
+            of_file = "" if setting == field else f" ({field})"
+            raise ConfigError(f"{setting}: column {name!r} not found in {path.name}{of_file}; available columns: {', '.join(columns)}")
     prompts = []
     for place, record in records:
         prompt = record.get(column)
         if not isinstance(prompt, str):
             raise ConfigError(f"{where}, {place}: the prompt in column {column!r} is {type(prompt).__name__} {prompt!r}, not text")
         if prompt.strip():
-            prompts.append(prompt)
+            prompts.append((place, prompt, {name: record.get(name) for name in extra or {}}))
     if not prompts:
         raise ConfigError(f"{field}: prompt file {str(path)!r} has no non-empty prompts in column {column!r}")
     return prompts
+
+
+def prompt_id(prompt: str) -> str:
+    """A prompt's id when its file names none: the first 16 hex digits of the SHA-1 of its text (the same
+    on every rank, in every run, wherever the prompt sits in the file)."""
+    return hashlib.sha1(prompt.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PromptTable:
+    """The training prompts as a per-prompt controller names them: ``ids`` the distinct prompt ids in file
+    order (a prompt's row: its index, the same on every rank, for sums over ranks), ``row_of`` each prompt
+    text's row, ``budgets`` each id's KL budget (None without a budget column)."""
+
+    ids: list[str]
+    row_of: dict[str, int]
+    budgets: Optional[dict[str, float]] = None
+
+    @classmethod
+    def of(cls, records: list[tuple[str, str, dict]], where: str, id_column: Optional[str] = None, budget_column: Optional[str] = None):
+        """From :func:`load_prompt_records`' (place, prompt, extra) records of the file ``where``: each prompt's id
+        (its ``id_column`` value, text or an integer; else :func:`prompt_id`) and budget (its ``budget_column``
+        value, a finite number > 0; a csv's text is read as one). A ConfigError names the place and the setting:
+        a bad id or budget, one text with two ids, one id for two texts or with two budgets."""
+        ids, row_of, budgets, text_of = [], {}, {}, {}
+        for place, prompt, extra in records:
+            identity = prompt_id(prompt)
+            if id_column is not None:
+                value = extra[id_column]
+                require(
+                    isinstance(value, (str, int)) and not isinstance(value, bool) and str(value).strip() != "",
+                    f"{where}, {place}: the id in column {id_column!r} (data.id_column)",
+                    "a non-empty text or an integer",
+                    value,
+                )
+                identity = str(value)
+            if budget_column is not None:
+                written = value = extra[budget_column]
+                with contextlib.suppress(ValueError):
+                    value = float(value) if isinstance(value, str) else value  # a csv's cells are text
+                require(
+                    finite_number(value) and not isinstance(value, bool) and value > 0,
+                    f"{where}, {place}: the KL budget in column {budget_column!r} (model.beta_controller.init_args.budget_column)",
+                    "a finite number > 0",
+                    written,
+                )
+                if budgets.setdefault(identity, float(value)) != float(value):
+                    raise ConfigError(
+                        f"{where}, {place}: prompt id {identity!r} has two KL budgets, {budgets[identity]} and {float(value)}"
+                    )
+            if prompt in row_of:
+                if ids[row_of[prompt]] != identity:
+                    raise ConfigError(f"{where}, {place}: the prompt {prompt[:60]!r} has two ids, {ids[row_of[prompt]]!r} and {identity!r}")
+            elif identity in text_of:
+                raise ConfigError(f"{where}, {place}: id {identity!r} names two prompts, {text_of[identity][:40]!r} and {prompt[:40]!r}")
+            else:
+                row_of[prompt], text_of[identity] = len(ids), prompt
+                ids.append(identity)
+        return cls(ids, row_of, budgets if budget_column is not None else None)
+
+    def ids_of(self, prompts: list[str]) -> list[str]:
+        """The id of each prompt (a ConfigError for one not in the table: :meth:`rows`)."""
+        return [self.ids[row] for row in self.rows(prompts).tolist()]
+
+    def rows(self, prompts: list[str], field: str = "the training batch") -> Tensor:
+        """The row of each prompt, (len(prompts),) long; a prompt not in the table is a ConfigError naming ``field``."""
+        missing = [p for p in prompts if p not in self.row_of]
+        require(
+            not missing,
+            f"{field}: every prompt",
+            "one of the training prompt file's (a per-prompt controller names only those)",
+            missing[:3],
+        )
+        return torch.tensor([self.row_of[p] for p in prompts], dtype=torch.long)
 
 
 def _records(text: str, suffix: str, where: str, column: str) -> tuple[list[tuple[str, dict]], list[str]]:
@@ -227,6 +315,8 @@ class PromptDataModule(LightningDataModule):
         batch_size: prompts per PPO iteration per process (rollout batch).
         val_batch_size: prompts per evaluation batch.
         shuffle: shuffle training prompts every epoch, with a permutation seeded by ``seed`` and the epoch.
+        id_column: column of ``train_path`` holding each prompt's id, for a per-prompt beta controller
+            (text or integers); default: a hash of the prompt's text (:func:`prompt_id`).
     """
 
     def __init__(
@@ -239,15 +329,22 @@ class PromptDataModule(LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         num_workers: int = 0,
+        id_column: Optional[str] = None,
     ) -> None:
         super().__init__()
+        require(
+            id_column is None or (isinstance(id_column, str) and bool(id_column.strip())),
+            "data.id_column",
+            "a column name or null",
+            id_column,
+        )
         for name, value in (("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             require_number(f"data.{name}", value, integer=True, at_least=1)
         require_number("data.num_workers", num_workers, integer=True, at_least=0)
         self.train_path = train_path or str(BUILTIN_TRAIN)
         self.val_path = val_path or str(BUILTIN_VALIDATION)
         self.prompt_column, self.batch_size, self.val_batch_size = prompt_column, batch_size, val_batch_size
-        self.shuffle, self.seed, self.num_workers = shuffle, seed, num_workers
+        self.shuffle, self.seed, self.num_workers, self.id_column = shuffle, seed, num_workers, id_column
         self.train_prompts: list[str] = []
         self.val_prompts: list[str] = []
 
@@ -262,6 +359,16 @@ class PromptDataModule(LightningDataModule):
                 )
         if not self.val_prompts:
             self.val_prompts = load_prompts(self.val_path, self.prompt_column, "data.val_path")
+
+    def prompt_table(self, budget_column: Optional[str] = None) -> PromptTable:
+        """The training prompts' ids (``id_column``) and KL budgets (``budget_column``, a per-prompt controller's)."""
+        extra = {
+            name: setting
+            for name, setting in ((self.id_column, "data.id_column"), (budget_column, "model.beta_controller.init_args.budget_column"))
+            if name
+        }
+        records = load_prompt_records(self.train_path, self.prompt_column, "data.train_path", extra)
+        return PromptTable.of(records, f"data.train_path: prompt file {self.train_path!r}", self.id_column, budget_column)
 
     def train_dataloader(self) -> DataLoader:
         sampler = PromptSampler(

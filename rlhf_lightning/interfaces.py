@@ -173,6 +173,39 @@ class BetaController(Plugin):
         self.beta = float(state["beta"])
 
 
+class PerPromptBetaController(BetaController):
+    """A controller that keeps one beta per training prompt, each moved by that prompt's own KL toward
+    its budget (docs/plugins.md, "Per-prompt KL budgets").
+
+    Prompts are named by the data module's stable prompt ids (``data.PromptTable``: the ``data.id_column``
+    value, else a hash of the text), so the table survives reshuffling, a changed batch size and a changed
+    world size. ``budget_column`` names the prompt file's column of per-prompt budgets (in ``unit``); without
+    it every prompt's budget is ``target``. ``beta`` is the beta of a prompt with no entry yet (never seen,
+    or held out: validation), moved by :meth:`update` from the batch's mean KL toward ``target``, so that a
+    prompt first met late in a run starts from the population's beta rather than from ``init_beta``.
+    The module feeds :meth:`update_prompts` the KL of every prompt of the iteration, summed over all ranks,
+    so every rank holds the same table."""
+
+    budget_column: Optional[str] = None
+
+    @abstractmethod
+    def set_budgets(self, budgets: Optional[dict[str, float]]) -> None:
+        """Each prompt id's budget (the prompt file's ``budget_column``), at start-up; None: ``target`` for every prompt."""
+
+    @abstractmethod
+    def budgets_of(self, prompt_ids: Sequence[str]) -> Tensor:
+        """The KL budget of each prompt id (float64, (len(prompt_ids),)), in ``unit``."""
+
+    @abstractmethod
+    def betas_of(self, prompt_ids: Sequence[str]) -> Tensor:
+        """The beta of each prompt id (float64, (len(prompt_ids),)): its own, or ``beta`` before it has one."""
+
+    @abstractmethod
+    def update_prompts(self, prompt_ids: Sequence[str], observed_kls: Tensor, n_samples: Tensor) -> None:
+        """Update the betas of ``prompt_ids`` (the prompts of this iteration, on every rank) from each one's
+        observed KL in ``unit`` over its ``n_samples`` responses; prompts not named keep their beta."""
+
+
 class AdvantageEstimator(Plugin):
     """Turns one rollout's per-token rewards into advantages (and, with a critic, value targets).
 

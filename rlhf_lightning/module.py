@@ -52,13 +52,14 @@ from rlhf_lightning import args, checkpoints, fsdp2, gpu, models, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import KLArgs, LoraArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
-from rlhf_lightning.checks import Faults, nonfinite_terms
-from rlhf_lightning.data import encode_prompts, token_ids
+from rlhf_lightning.checks import Faults, nonfinite_terms, require
+from rlhf_lightning.data import PromptTable, encode_prompts, token_ids
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
     BetaController,
     KLEstimator,
     LossAggregation,
+    PerPromptBetaController,
     PolicyLoss,
     ReferenceUpdate,
     RewardModel,
@@ -66,7 +67,7 @@ from rlhf_lightning.interfaces import (
 )
 from rlhf_lightning.models import ValueModel, add_lora, frozen_copy, load_tokenizer, shard_models
 from rlhf_lightning.networks import Networks
-from rlhf_lightning.trajectory import IterationOutputs, Scored, Trajectory
+from rlhf_lightning.trajectory import IterationOutputs, PromptStats, Scored, Trajectory
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -164,6 +165,7 @@ class PPORLHF(LightningModule):
         self.generation_seed_base = int(torch.initial_seed()) % 2**31  # saved with checkpoints
         self.faults = Faults(limit=self.runtime.max_consecutive_faults)
         self.longest_prompt: Optional[int] = None  # tokens, of the data module's prompt files (setup)
+        self.prompt_table: Optional[PromptTable] = None  # the training prompts' ids and budgets (setup; prompt_stats)
 
     # ------------------------------------------------------------------ setup
     def configure_callbacks(self) -> list:
@@ -191,10 +193,11 @@ class PPORLHF(LightningModule):
     # ------------------------------------------------------------------ the loop
     def training_step(self, prompts: list[str], batch_idx: int) -> IterationOutputs:
         """One PPO iteration. What it returns reaches callbacks' ``on_train_batch_end`` as ``outputs``."""
-        beta, timer = self.beta_controller.checked_beta(), Timer(self.device)
+        timer = Timer(self.device)
         rollout = self.rollout(self.repeat_prompts(prompts), timer, critic_values=not self.old_values_in_update)
+        betas = self.row_betas(rollout.prompts)
         with timer("score"):
-            scored = self.score(rollout, beta)
+            scored = self.score(rollout, betas)
         if scored.fault is not None:  # on some rank: every rank skips together, or collectives would hang
             return self.skip_iteration(rollout, scored)
         with timer("update"):
@@ -203,10 +206,11 @@ class PPORLHF(LightningModule):
             scale = self.advantage_estimator.gradient_scale(
                 scored.rewards, rollout.response_mask, self.sampling.num_generations, self._reduce
             )
-            skipped_steps = self.ppo_update(rollout, advantages, returns, beta * scale, values)
-        metrics = self.rollout_metrics(rollout, scored, beta)
-        self.update_controllers(metrics)
-        outputs = self.end_iteration(rollout, scored, metrics, skipped_steps, timer)
+            skipped_steps = self.ppo_update(rollout, advantages, returns, betas.to(scale.dtype) * scale, values)
+        metrics = self.rollout_metrics(rollout, scored, betas)
+        prompt_stats = self.prompt_stats(rollout, scored, betas)
+        self.update_controllers(metrics, prompt_stats)
+        outputs = self.end_iteration(rollout, scored, metrics, skipped_steps, timer, prompt_stats)
         self.update_reference()
         return outputs
 
@@ -215,10 +219,24 @@ class PPORLHF(LightningModule):
         args.check_batch_split(len(prompts), self.sampling, self.ppo)
         return [prompt for prompt in prompts for _ in range(self.sampling.num_generations)]
 
-    def score(self, rollout: Trajectory, beta: float) -> Scored:
+    def row_betas(self, prompts: list[str]) -> Tensor:
+        """beta of each row (batch,), float64 on the module's device: the controller's one beta, or with a
+        per-prompt controller each row's prompt's own (by its id in ``prompt_table``), checked >= 0."""
+        if not isinstance(self.beta_controller, PerPromptBetaController):
+            return torch.full((len(prompts),), self.beta_controller.checked_beta(), dtype=torch.float64, device=self.device)
+        betas = self.beta_controller.betas_of(self.prompt_table.ids_of(prompts))
+        require(
+            bool(torch.isfinite(betas).all() and (betas >= 0).all()),
+            f"the betas of beta controller {type(self.beta_controller).__name__}",
+            "finite numbers >= 0",
+            betas.tolist(),
+        )
+        return betas.to(self.device)
+
+    def score(self, rollout: Trajectory, betas: Tensor) -> Scored:
         """r_RM from the reward backend, the per-token KL estimate, and the per-token rewards
-        R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in the reward).
-        A non-finite reward or KL on any rank is a fault, named in ``Scored.fault``."""
+        R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in the reward), beta
+        the row's (``betas``, (batch,)). A non-finite reward or KL on any rank is a fault, named in ``Scored.fault``."""
         kl, raw_scores, fault = self.kl_per_token(rollout), None, None
         try:
             with gpu.no_autocast(self.device):
@@ -227,31 +245,42 @@ class PPORLHF(LightningModule):
             fault = str(err)
         if fault is None and not torch.isfinite(kl).all():
             bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
+            bad_betas = sorted(set(betas[bad].tolist()))  # one beta, or each bad row's prompt's
+            beta = bad_betas[0] if len(bad_betas) == 1 else bad_betas
             fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()} (beta {beta})"
         if self.networks.any_rank(fault is not None):
             return Scored(kl, raw_scores, fault=fault or "a non-finite reward or KL on another rank")
         scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce)
         kl_in_reward = kl if self.kl.in_reward else torch.zeros_like(kl)
-        return Scored(kl, raw_scores, scores, pm.token_rewards(scores.to(self.device), kl_in_reward, rollout.response_mask, beta))
+        row_betas = betas.to(kl.dtype).unsqueeze(-1)  # (batch, 1)
+        return Scored(kl, raw_scores, scores, pm.token_rewards(scores.to(self.device), kl_in_reward, rollout.response_mask, row_betas))
 
     def skip_iteration(self, rollout: Trajectory, scored: Scored) -> IterationOutputs:
         """Count a faulty iteration (weights untouched) and log it as skipped, without stale metrics."""
         self.iteration += 1
         self._record_fault(scored.fault, iteration_skipped=True)
-        return {"rollout": rollout, "kl": scored.kl, "scores": scored.raw_scores, "metrics": {}, "skipped": True}
+        return {"rollout": rollout, "kl": scored.kl, "scores": scored.raw_scores, "metrics": {}, "skipped": True, "prompts": None}
 
-    def update_controllers(self, metrics: dict[str, float]) -> None:
-        """The beta controller sees the global mean KL in its unit; an entropy controller, if any,
-        the entropy (see ``_update_entropy_controller``)."""
+    def update_controllers(self, metrics: dict[str, float], prompt_stats: Optional[PromptStats] = None) -> None:
+        """The beta controller sees the global mean KL in its unit (a per-prompt one also each prompt's,
+        ``prompt_stats``); an entropy controller, if any, the entropy (see ``_update_entropy_controller``)."""
         n_samples = int(metrics["response/count"])
         unit = self.beta_controller.unit
         self.beta_controller.update(metrics["objective/kl" if unit == "sequence_sum" else "objective/kl_per_token"], n_samples=n_samples)
+        if isinstance(self.beta_controller, PerPromptBetaController):
+            self.beta_controller.update_prompts(prompt_stats.ids, prompt_stats.kl, prompt_stats.responses)
         if self.entropy_controller is not None:
             metrics["objective/entropy_coef"] = self.entropy_controller.beta
             self._update_entropy_controller(metrics, n_samples)
 
     def end_iteration(
-        self, rollout: Trajectory, scored: Scored, metrics: dict[str, float], skipped_steps: int, timer: Timer
+        self,
+        rollout: Trajectory,
+        scored: Scored,
+        metrics: dict[str, float],
+        skipped_steps: int,
+        timer: Timer,
+        prompt_stats: Optional[PromptStats] = None,
     ) -> IterationOutputs:
         """Count the iteration and its faults; log its metrics (docs/metrics.md)."""
         self.iteration += 1
@@ -264,11 +293,19 @@ class PPORLHF(LightningModule):
             self.faults.consecutive = 0
         metrics.update(self.faults.metrics(iteration_skipped=False))
         metrics.update(self.consume_update_stats())
+        metrics.update(prompt_stats.metrics() if prompt_stats is not None else {})
         metrics.update(timer.metrics())
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rollout.prompts))
         for key, label in (("objective/reward", "reward"), ("objective/kl", "kl"), ("objective/beta", "beta")):
             self.log(label, metrics[key], prog_bar=True, logger=False, on_step=True, batch_size=len(rollout.prompts))
-        return {"rollout": rollout, "kl": scored.kl, "scores": scored.raw_scores, "metrics": metrics, "skipped": False}
+        return {
+            "rollout": rollout,
+            "kl": scored.kl,
+            "scores": scored.raw_scores,
+            "metrics": metrics,
+            "skipped": False,
+            "prompts": prompt_stats,
+        }
 
     @torch.no_grad()
     def rollout(self, prompts: list[str], timer: Optional[Timer] = None, critic_values: bool = True) -> Trajectory:
@@ -593,6 +630,25 @@ class PPORLHF(LightningModule):
         self.rollout_engine.setup(self)
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         self.longest_prompt = args.check_setup(self, datamodule, stage)
+        if stage == "fit":
+            self.prompt_table = self.training_prompt_table(datamodule)
+            controller = self.beta_controller
+            if isinstance(controller, PerPromptBetaController):
+                require(
+                    self.prompt_table is not None,
+                    "model.beta_controller",
+                    "a controller with one beta for all prompts when the training batches come from no prompt file (a "
+                    "per-prompt controller names its prompts by the ids of PromptDataModule's data.train_path)",
+                    f"{type(controller).__name__} with data {type(datamodule).__name__ if datamodule is not None else 'from a dataloader'}",
+                )
+                controller.set_budgets(self.prompt_table.budgets)
+
+    def training_prompt_table(self, datamodule) -> Optional[PromptTable]:
+        """The training prompts' ids and KL budgets (``data.PromptTable``; a per-prompt controller's ``budget_column``)
+        from the data module's prompt file, read at start-up before any model loads; None for batches from elsewhere."""
+        if not hasattr(datamodule, "prompt_table"):
+            return None
+        return datamodule.prompt_table(getattr(self.beta_controller, "budget_column", None))
 
     def encode_prompts(self, prompts: list[str], field: str = "the prompts") -> dict[str, Tensor]:
         """``data.encode_prompts`` with this module's tokenizer and settings, on its device."""
@@ -655,15 +711,17 @@ class PPORLHF(LightningModule):
         return self.trainer.strategy.block_backward_sync()
 
     # ------------------------------------------------------------------ metrics
-    def rollout_metrics(self, rollout: Trajectory, scored: Scored, beta: float) -> dict[str, float]:
-        """Global (all-rank) means of what the rollout saw; each name is documented in docs/metrics.md."""
+    def rollout_metrics(self, rollout: Trajectory, scored: Scored, betas: Tensor) -> dict[str, float]:
+        """Global (all-rank) means of what the rollout saw, ``betas`` each row's beta (batch,); each name is
+        documented in docs/metrics.md."""
         mask, kl, raw_scores, scores = rollout.response_mask, scored.kl, scored.raw_scores, scored.scores
         kl = kl if rollout.is_weights is None else kl * rollout.is_weights  # E_sampler[w k] = E_pi_old[k]
         kl_seq = kl.sum(-1)
         counts = [torch.tensor(float(len(raw_scores)), device=self.device), raw_scores.to(self.device).sum(), scores.to(self.device).sum()]
         sums = [kl_seq.sum(), kl.sum(), mask.sum(), (rollout.entropy * mask).sum(), rollout.ended_with_eos.float().sum()]
-        totals = self._reduce(torch.stack(counts + sums).double())
-        n, reward, reward_trained, kl_total, kl_tokens, n_tokens, entropy, n_eos = totals.tolist()
+        penalty = [betas.sum(), (betas * kl_seq.double()).sum()]
+        totals = self._reduce(torch.stack([t.double() for t in counts + sums + penalty]))
+        n, reward, reward_trained, kl_total, kl_tokens, n_tokens, entropy, n_eos, beta_total, penalty_total = totals.tolist()
         kl_mean = kl_total / n
         kl_to_initial = kl_mean  # the same estimate against pi_0, which is the reference unless it moves
         if rollout.initial_logprobs is not None:
@@ -681,10 +739,10 @@ class PPORLHF(LightningModule):
             "objective/kl_max": float(self._reduce(kl_seq.max().double(), op="max")),
             "objective/kl_to_initial": kl_to_initial,
             "reference/updates": float(self.reference_updates),
-            "objective/non_score_reward": -beta * kl_mean,
-            "objective/net": reward / n - beta * kl_mean,
+            "objective/non_score_reward": -penalty_total / n,  # -E[beta_x KL]: -beta * objective/kl with one beta
+            "objective/net": reward / n - penalty_total / n,
             "objective/entropy": entropy / n_tokens,
-            "objective/beta": beta,
+            "objective/beta": beta_total / n,  # the mean over the responses: the beta, with one
             **({"objective/kl_target": float(self.beta_controller.target)} if hasattr(self.beta_controller, "target") else {}),
             "response/length": n_tokens / n,
             "response/eos_fraction": n_eos / n,
@@ -693,6 +751,31 @@ class PPORLHF(LightningModule):
             **sampling.mismatch_metrics(rollout.trainer_logprobs, rollout.sampler_logprobs, mask, self._reduce),
             **gold,
         }
+
+    def prompt_stats(self, rollout: Trajectory, scored: Scored, betas: Tensor) -> Optional[PromptStats]:
+        """Each training prompt's mean KL in the beta controller's unit, its responses and the beta its rows used,
+        over all ranks: one row per prompt of ``prompt_table`` summed through the strategy's reduce, so every rank
+        holds the same; its budget (a per-prompt controller's, another's target). None without a prompt table."""
+        table = self.prompt_table
+        if table is None:
+            return None
+        kl = scored.kl if rollout.is_weights is None else scored.kl * rollout.is_weights
+        ones = torch.ones_like(betas)
+        per_row = torch.stack([kl.sum(-1).double(), rollout.response_mask.sum(-1).double(), ones, betas])  # (4, batch)
+        rows = table.rows(rollout.prompts).to(self.device)
+        sums = torch.zeros(4, len(table.ids), dtype=torch.float64, device=self.device).index_add_(1, rows, per_row)
+        sums = self._reduce(sums).cpu()
+        seen = sums[2] > 0
+        kl_total, tokens, responses, beta_total = sums[:, seen]
+        ids = [table.ids[row] for row in seen.nonzero().flatten().tolist()]
+        controller = self.beta_controller
+        budgets = None
+        if isinstance(controller, PerPromptBetaController):
+            budgets = controller.budgets_of(ids)
+        elif hasattr(controller, "target"):
+            budgets = torch.full((len(ids),), float(controller.target), dtype=torch.float64)
+        kl_mean = kl_total / (responses if controller.unit == "sequence_sum" else tokens)
+        return PromptStats(ids, kl_mean, responses, beta_total / responses, budgets)
 
     def consume_update_stats(self) -> dict[str, float]:
         """Means of the update statistics over every micro-batch of this iteration (all ranks)."""

@@ -78,8 +78,9 @@ def response_mask(response: Tensor, eos_token_id: int) -> Tensor:
     return (eos_before == 0).to(torch.float32)
 
 
-def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
-    """Per-token reward R_t = score * 1[t = last real token] - beta * kl_t (kl already masked)."""
+def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float | Tensor) -> Tensor:
+    """Per-token reward R_t = score * 1[t = last real token] - beta * kl_t (kl already masked); ``beta`` one
+    number or one per row, (batch, 1)."""
     rewards = -beta * kl * mask
     last = mask.sum(-1).long().clamp(min=1) - 1
     return rewards.scatter_add(-1, last.unsqueeze(-1), scores.unsqueeze(-1).to(rewards.dtype))

@@ -49,6 +49,35 @@ class Scored:
     fault: Optional[str] = None  # why the iteration is skipped: a non-finite reward or KL on some rank
 
 
+@dataclass
+class PromptStats:
+    """Each training prompt of one iteration, over all ranks (``PPORLHF.prompt_stats``): (prompts,) float64 on
+    the CPU, one entry per prompt id sampled in the iteration."""
+
+    ids: list[str]  # the prompts' ids (data.PromptTable)
+    kl: Tensor  # the mean KL of the prompt's responses, in the beta controller's unit
+    responses: Tensor  # how many responses it had
+    betas: Tensor  # the beta its rows were penalised with
+    budgets: Optional[Tensor]  # its KL budget (a per-prompt controller's; another controller's target); None: none
+
+    def metrics(self) -> dict[str, float]:
+        """The spread of the per-prompt KL and beta (docs/metrics.md): ``prompts/{kl,beta}_{min,max,std}`` and
+        ``prompts/count``; with budgets, ``prompts/budget_max_abs_rel_error`` and ``budget_mean_abs_rel_error``
+        (|KL_x / budget_x - 1|) and ``prompts/over_budget_share`` (the share of prompts whose KL exceeds their budget)."""
+        out = {"prompts/count": float(len(self.ids))}
+        for name, values in (("kl", self.kl), ("beta", self.betas)):
+            spread = values.std().item() if len(values) > 1 else 0.0
+            out.update(
+                {f"prompts/{name}_min": values.min().item(), f"prompts/{name}_max": values.max().item(), f"prompts/{name}_std": spread}
+            )
+        if self.budgets is not None:
+            error = (self.kl / self.budgets - 1.0).abs()
+            out["prompts/budget_max_abs_rel_error"] = error.max().item()
+            out["prompts/budget_mean_abs_rel_error"] = error.mean().item()
+            out["prompts/over_budget_share"] = (self.kl > self.budgets).double().mean().item()
+        return out
+
+
 class IterationOutputs(TypedDict):
     """What ``training_step`` returns: callbacks receive it as ``outputs`` in ``on_train_batch_end``."""
 
@@ -57,3 +86,4 @@ class IterationOutputs(TypedDict):
     scores: Optional[Tensor]  # r_RM per response, as the backend returned it
     metrics: dict[str, float]  # the iteration's logged metrics; empty for a skipped iteration
     skipped: bool  # skipped for a fault (non-finite reward or KL): no update, no metrics
+    prompts: Optional[PromptStats]  # each prompt's KL and beta (with a prompt table); None when skipped

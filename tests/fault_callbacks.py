@@ -19,6 +19,26 @@ class RecordBeta(Callback):
             f.write(f"{trainer.global_rank} {pl_module.iteration} {pl_module.beta_controller.beta!r}\n")
 
 
+class RecordPromptBetas(Callback):
+    """Append ``[rank, iteration, {prompt id: beta}]`` JSON lines (every rank): a per-prompt controller's table
+    when training starts (after a resume: as loaded) and after every iteration."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._write(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._write(trainer, pl_module)
+
+    def _write(self, trainer, pl_module) -> None:
+        import json
+
+        with open(self.path, "a") as f:
+            f.write(json.dumps([trainer.global_rank, pl_module.iteration, pl_module.beta_controller.betas]) + "\n")
+
+
 class RecordMetrics(Callback):
     """Append one JSON line per iteration on every rank: ``[rank, iteration, {metric: value}]``,
     every scalar the module logged (what each rank holds after the strategy's reduce)."""

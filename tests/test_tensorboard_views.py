@@ -114,7 +114,7 @@ def test_the_machinerys_counts_sort_after_the_runs_own_measures(scalar_tags):
     ``kl_guard/`` (before it); the seeds' metrics are all in the ``objective`` group."""
     assert scalar_tags >= SEEDS_METRICS
     assert scalar_tags >= {"system/faults/iteration_skipped", "system/faults/skipped_iterations", "system/kl_guard/spikes"}
-    assert groups(scalar_tags) == ["objective", "policy", "reference", "response", "rollout", "system", "timing", "val", "value"]
+    assert groups(scalar_tags) == ["objective", "policy", "prompts", "reference", "response", "rollout", "system", "timing", "val", "value"]
     assert "system/memory/param_numel_local" in scalar_tags
 
 

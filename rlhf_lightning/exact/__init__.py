@@ -30,6 +30,8 @@ from rlhf_lightning.exact.closed_form import (
     optimal_objective,
     optimum_report,
     per_token_residuals,
+    prompt_betas,
+    prompt_kls,
     weighted_fixed_point,
 )
 from rlhf_lightning.exact.meter import KLToOptimum
@@ -92,6 +94,8 @@ __all__ = [
     "order_reward",
     "per_token_fixed_point_gap",
     "per_token_residuals",
+    "prompt_betas",
+    "prompt_kls",
     "reference_logprobs",
     "sampled_ppo",
     "target_count",

@@ -23,6 +23,13 @@ ref' ∝ ref exp(alpha r / beta), so n updates give pi_{n alpha} (:func:`ema_ref
 only fixed points (ref = pi*(ref)) are distributions on argmax_y r(x, y): no KL-regularised
 interior optimum survives a reference that keeps following the policy.
 
+Per-prompt betas (a per-prompt controller's, one beta_x per prompt): J(pi) = E_x [ E r - beta_x KL_x ] is
+maximised prompt by prompt, pi*(.|x) ∝ pi_ref(.|x) exp(r / beta_x), J* = E_x beta_x log Z_x(beta_x) and
+J* - J(pi) = E_x beta_x KL(pi(.|x) || pi*(.|x)). Where beta_x makes KL(pi*(.|x) || pi_ref(.|x)) equal the
+prompt's budget (:func:`prompt_betas`), pi* maximises E r subject to every prompt's KL <= its budget: the
+betas are the Lagrange multipliers of those constraints. The functions below that take ``beta`` take
+either one number or a tensor (num_prompts,) of them.
+
 Functions on log-probabilities take tensors of shape (num_prompts, num_responses), one row per
 prompt, each row a distribution over all responses in the order of :func:`enumerate_responses`.
 Pure functions of tensors: no model, no Lightning.
@@ -32,22 +39,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 from rlhf_lightning.exact.tabular import expected_log_ratio, log_normalise, reward_to_go, sum_after
 
-
-def log_partition(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
-    """log Z(x) = log sum_y pi_ref(y|x) exp(r(x, y) / beta): (prompts, responses) -> (prompts,)."""
-    return torch.logsumexp(ref_logprobs.double() + rewards.double() / beta, dim=-1)
+Beta = Union[float, Tensor]  # one beta, or one per prompt: (prompts,)
 
 
-def optimal_logprobs(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
-    """log pi*(y|x) = log pi_ref(y|x) + r(x, y) / beta - log Z(x)."""
-    return ref_logprobs.double() + rewards.double() / beta - log_partition(ref_logprobs, rewards, beta).unsqueeze(-1)
+def _column(beta: Beta) -> Tensor:
+    """``beta`` as a float64 column: (1, 1) for one number, (prompts, 1) for one per prompt."""
+    return torch.as_tensor(beta, dtype=torch.float64).reshape(-1, 1)
+
+
+def log_partition(ref_logprobs: Tensor, rewards: Tensor, beta: Beta) -> Tensor:
+    """log Z(x) = log sum_y pi_ref(y|x) exp(r(x, y) / beta_x): (prompts, responses) -> (prompts,)."""
+    return torch.logsumexp(ref_logprobs.double() + rewards.double() / _column(beta), dim=-1)
+
+
+def optimal_logprobs(ref_logprobs: Tensor, rewards: Tensor, beta: Beta) -> Tensor:
+    """log pi*(y|x) = log pi_ref(y|x) + r(x, y) / beta_x - log Z(x)."""
+    return ref_logprobs.double() + rewards.double() / _column(beta) - log_partition(ref_logprobs, rewards, beta).unsqueeze(-1)
 
 
 def iterated_optimal_logprobs(initial_logprobs: Tensor, rewards: Tensor, beta: float, k: float) -> Tensor:
@@ -63,9 +77,9 @@ def ema_reference_logprobs(ref_logprobs: Tensor, rewards: Tensor, beta: float, a
     return mixed - torch.logsumexp(mixed, dim=-1, keepdim=True)
 
 
-def optimal_objective(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> float:
-    """J* = beta * E_x log Z(x)."""
-    return float(beta * log_partition(ref_logprobs, rewards, beta).mean())
+def optimal_objective(ref_logprobs: Tensor, rewards: Tensor, beta: Beta) -> float:
+    """J* = E_x beta_x log Z(x)."""
+    return float((_column(beta).squeeze(-1) * log_partition(ref_logprobs, rewards, beta)).mean())
 
 
 def kl_divergence(logp: Tensor, logq: Tensor) -> float:
@@ -78,8 +92,11 @@ def expected_reward(logprobs: Tensor, rewards: Tensor) -> float:
     return float((logprobs.double().exp() * rewards.double()).sum(-1).mean())
 
 
-def objective(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: float) -> float:
-    """J(pi) = E_x [ E_{y~pi} r(x, y) - beta * KL(pi(.|x) || pi_ref(.|x)) ]."""
+def objective(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: Beta) -> float:
+    """J(pi) = E_x [ E_{y~pi} r(x, y) - beta_x * KL(pi(.|x) || pi_ref(.|x)) ]."""
+    if isinstance(beta, Tensor):
+        kl = expected_log_ratio(logprobs.double(), ref_logprobs.double())  # (prompts,)
+        return expected_reward(logprobs, rewards) - float((beta.double() * kl).mean())
     return expected_reward(logprobs, rewards) - beta * kl_divergence(logprobs, ref_logprobs)
 
 
@@ -242,6 +259,26 @@ def controller_beta(ref_logprobs: Tensor, rewards: Tensor, target: float, unit: 
     return math.exp((low + high) / 2)
 
 
+def prompt_kls(logprobs: Tensor, ref_logprobs: Tensor, unit: str, lengths: Tensor) -> Tensor:
+    """Each prompt's KL(pi(.|x) || pi_ref(.|x)) in a controller's ``unit``: nats per response (``sequence_sum``) or per
+    token (``token_mean``: KL_x / E_pi[|y| | x], ``lengths`` (paths,) in tokens with EOS); (prompts,) float64."""
+    if unit not in ("sequence_sum", "token_mean"):
+        raise ValueError(f"unit must be 'sequence_sum' or 'token_mean', got {unit!r}")
+    kl = expected_log_ratio(logprobs.double(), ref_logprobs.double())
+    return kl if unit == "sequence_sum" else kl / (logprobs.double().exp() * lengths.double()).sum(-1)
+
+
+def prompt_betas(ref_logprobs: Tensor, rewards: Tensor, budgets: Tensor, unit: str, lengths: Tensor) -> Tensor:
+    """Where a per-prompt controller rests (``per_prompt``): for each prompt x the beta_x at which its own tilted
+    optimum pi*_{beta_x}(.|x) spends exactly its budget, in ``unit`` (:func:`controller_beta` on that prompt's
+    row alone); (prompts,) float64. A budget above what any beta reaches (the KL of the reward maximiser) ends
+    at the bisection's floor, 1e-4."""
+    rows = range(ref_logprobs.shape[0])
+    return torch.tensor(
+        [controller_beta(ref_logprobs[i : i + 1], rewards[i : i + 1], float(budgets[i]), unit, lengths) for i in rows], dtype=torch.float64
+    )
+
+
 def length_report(logprobs: Tensor, lengths: Tensor, ended_with_eos: Tensor) -> dict[str, float]:
     """E_x E_pi |y| (tokens, EOS included) and E_x P_pi(cut without EOS) of ``logprobs`` over paths whose
     ``lengths`` and ``ended_with_eos`` are given (paths,)."""
@@ -266,10 +303,11 @@ class OptimumReport:
     fixed_point_distance: float = math.nan  # beta E_x KL(pi || per-token fixed point) / |J*| (given num_tokens)
 
 
-def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: float, num_tokens: Optional[int] = None) -> OptimumReport:
-    """Every exact quantity of ``logprobs`` against the optimum defined by ``ref_logprobs``, ``rewards``, ``beta``.
+def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: Beta, num_tokens: Optional[int] = None) -> OptimumReport:
+    """Every exact quantity of ``logprobs`` against the optimum defined by ``ref_logprobs``, ``rewards``, ``beta``
+    (one number, or one per prompt: then without ``num_tokens``).
 
-    The gap is a distance: J* - J(pi) = beta KL(pi || pi*) for every pi, so gap = beta KL(pi || pi*) / |J*|. With
+    The gap is a distance: J* - J(pi) = E_x beta_x KL(pi || pi*) for every pi, so gap = E_x beta_x KL(pi || pi*) / |J*|. With
     ``num_tokens`` (responses in the order of :func:`enumerate_responses`) ``fixed_point_distance`` is the same
     distance from the per-token fixed point (:func:`backward_induction`, ``soft=False``), in the same unit: where a
     per-token cell should be 0. Its gap is no such distance: J is not stationary at the fixed point, so the gap of a
@@ -278,6 +316,8 @@ def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta
     j, j_star = objective(logprobs, ref_logprobs, rewards, beta), optimal_objective(ref_logprobs, rewards, beta)
     distance = math.nan
     if num_tokens is not None:
+        if isinstance(beta, Tensor):
+            raise ValueError("optimum_report: the per-token fixed point is computed for one beta, not one per prompt (num_tokens=None)")
         fixed_point = backward_induction(ref_logprobs, rewards, beta, num_tokens, soft=False)
         distance = beta * kl_divergence(logprobs, fixed_point) / abs(j_star)
     return OptimumReport(

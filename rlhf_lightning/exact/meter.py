@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lightning.checks import require, require_number
 from rlhf_lightning.exact.frontier import OptimumDistance, kl_to_optimum, log_partition_estimate
+from rlhf_lightning.interfaces import PerPromptBetaController
 
 
 class KLToOptimum(Callback):
@@ -83,6 +84,15 @@ class KLToOptimum(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts, self.reference_scores = state["prompts"], state["reference_scores"]
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        controller = pl_module.beta_controller
+        require(
+            self.beta is not None or not isinstance(controller, PerPromptBetaController),
+            "KLToOptimum.beta",
+            "a number with a per-prompt beta controller (the meter measures against one beta's optimum)",
+            self.beta,
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._no_pool or (pl_module.iteration != 0 and self.reference_scores is not None):

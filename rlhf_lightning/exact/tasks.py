@@ -44,8 +44,10 @@ from torch.utils.data import DataLoader
 from rlhf_lightning import args, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
+from rlhf_lightning.data import PromptTable, prompt_id
 from rlhf_lightning.exact.closed_form import OptimumReport, backward_induction, optimal_logprobs, optimum_report
 from rlhf_lightning.exact.tabular import enumerate_responses, response_lengths, valid_responses
+from rlhf_lightning.interfaces import PerPromptBetaController
 from rlhf_lightning.models import SPECIAL_TOKENS, char_tokenizer
 from rlhf_lightning.module import PPORLHF
 
@@ -361,9 +363,16 @@ class PositionEmbedding(nn.Module):
 class ExactPPORLHF(PPORLHF):
     """PPORLHF on an :class:`ExactTask`: the toy tokenizer, a tiny Llama that can only emit
     content tokens, and ``max_new_tokens`` = the task's response length. Every other argument
-    (estimator, controller, PPO settings) goes to PPORLHF unchanged."""
+    (estimator, controller, PPO settings) goes to PPORLHF unchanged. ``kl_budgets``, one per task prompt, are the
+    prompts' KL budgets for a per-prompt beta controller (the task has no prompt file to hold them)."""
 
-    def __init__(self, task: ExactTask = TASKS["terminal"], logged: Optional[Sequence[str]] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        task: ExactTask = TASKS["terminal"],
+        logged: Optional[Sequence[str]] = None,
+        kl_budgets: Optional[Sequence[float]] = None,
+        **kwargs: Any,
+    ) -> None:
         kwargs = args.merge_settings(kwargs)
         fixed = {"policy", "tokenizer", "reward_model"} & set(kwargs)
         own = ("max_new_tokens",) if task.eos else ("max_new_tokens", "min_new_tokens")  # min_new_tokens bans EOS: only with one
@@ -390,10 +399,32 @@ class ExactPPORLHF(PPORLHF):
             **args.merge_settings(task_settings, kwargs, dict(policy="tiny", reward_model=task.reward_model(), tiny_config=tiny_config))
         )
         self.task, self.logged = task, logged
+        budget_column = getattr(self.beta_controller, "budget_column", None)
+        require(
+            kl_budgets is None or (isinstance(self.beta_controller, PerPromptBetaController) and len(kl_budgets) == len(task.prompts)),
+            "ExactPPORLHF's kl_budgets",
+            f"one per task prompt ({len(task.prompts)}), with a per-prompt beta controller",
+            kl_budgets,
+        )
+        require(budget_column is None, "beta_controller.budget_column", "null on a task (no prompt file: give kl_budgets)", budget_column)
+        self.kl_budgets = None if kl_budgets is None else list(kl_budgets)
         self.tokenizer = toy_tokenizer(task.prompts, task.content_tokens)
         self.content_ids = self.tokenizer.convert_tokens_to_ids(list(task.content_tokens))
         self.symbol_ids = [*self.content_ids, self.tokenizer.eos_token_id][: task.num_symbols]  # the tree's symbols as token ids
         self.sampled_token_ids = list(self.symbol_ids)  # MaskedHead's set, for an engine serving the bare model (vllm)
+
+    def training_prompt_table(self, datamodule) -> PromptTable:
+        """The task's prompts, ids from their text, each with its ``kl_budgets`` entry."""
+        budgets = self.kl_budgets or [None] * len(self.task.prompts)
+        records = [(f"prompt {p!r}", p, {"kl_budgets": b}) for p, b in zip(self.task.prompts, budgets, strict=True)]
+        return PromptTable.of(records, "ExactPPORLHF", budget_column=None if self.kl_budgets is None else "kl_budgets")
+
+    def exact_beta(self) -> float | Tensor:
+        """The beta the optimum is tilted at: the controller's, or each task prompt's own (a per-prompt
+        controller; (prompts,) float64)."""
+        if not isinstance(self.beta_controller, PerPromptBetaController):
+            return self.beta_controller.beta
+        return self.beta_controller.betas_of([prompt_id(prompt) for prompt in self.task.prompts])
 
     def log_dict(self, dictionary, *args: Any, **kwargs: Any) -> None:
         """Lightning's ``log_dict`` of the metrics named in ``logged`` (all where None): each
@@ -465,7 +496,7 @@ class ExactPPORLHF(PPORLHF):
     def exact_report(self, rewards: Optional[Tensor] = None) -> OptimumReport:
         """The policy's exact distances from the optimum at the current (fixed) beta."""
         rewards = self.task.rewards() if rewards is None else rewards
-        return optimum_report(self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.beta_controller.beta)
+        return optimum_report(self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.exact_beta())
 
     def kept_report(self) -> dict[str, float]:
         """What the policy's kept sets (top_k / top_p) leave of the task, means over the prompts: the
@@ -474,7 +505,7 @@ class ExactPPORLHF(PPORLHF):
         response and a top probability of 1 make the optimum a point mass (KL 0, a gap of 0 by construction)."""
         rewards = self.task.rewards()
         kept = self.exact_logprobs() > sampling.OUTSIDE_LOGIT / 2  # a response with a dropped token: log q <= OUTSIDE_LOGIT
-        optimum = optimal_logprobs(self.exact_ref_logprobs(), rewards, self.beta_controller.beta).exp()
+        optimum = optimal_logprobs(self.exact_ref_logprobs(), rewards, self.exact_beta()).exp()
         return {
             "responses": kept.sum(-1).double().mean().item(),
             "optimum_top_prob": optimum.amax(-1).mean().item(),

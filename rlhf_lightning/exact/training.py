@@ -33,6 +33,8 @@ from rlhf_lightning.exact.closed_form import (
     length_report,
     optimal_logprobs,
     optimum_report,
+    prompt_betas,
+    prompt_kls,
     weighted_fixed_point,
 )
 from rlhf_lightning.exact.tabular import conditional_tables, enumerate_responses, prefix_index, reward_to_go
@@ -82,7 +84,11 @@ class OptimumTracker(Callback):
     And the recipe's own optimum (:func:`documented_optimum`; NaN where the docs give none):
     ``own_distance`` = beta KL(pi || own) / |J*| (the gap's unit: 0 exactly there) and ``own_gap``, the gap
     of the own optimum itself (0 for pi*); lengths: ``mean_length`` and ``truncated`` (the share cut
-    without EOS) of pi, ``optimum_mean_length`` and ``optimum_truncated`` of pi*."""
+    without EOS) of pi, ``optimum_mean_length`` and ``optimum_truncated`` of pi*.
+
+    With a per-prompt controller the optimum is each prompt's, tilted at the prompt's own current beta (the gap
+    E_x beta_x KL(pi || pi*) / |J*|; no per-token fixed point nor own optimum: NaN), and the row adds the budget
+    columns of :meth:`_budget_row`."""
 
     READS = ("objective/kl", "rollout/logprob_diff_max")  # the logged metrics it reads (ExactPPORLHF's ``logged``)
 
@@ -117,13 +123,13 @@ class OptimumTracker(Callback):
             self._logged = []
 
     def _row(self, pl_module: ExactPPORLHF, iteration: int, kl_logged: float) -> dict[str, float]:
-        logprobs, beta = pl_module.exact_logprobs(), pl_module.beta_controller.beta
+        logprobs, beta = pl_module.exact_logprobs(), pl_module.exact_beta()
         # With top_k / top_p the optimum is that of the declared objective at the policy's own kept sets.
         ref = pl_module.exact_ref_logprobs() if pl_module.truncates else self._ref
-        task = pl_module.task
-        report = optimum_report(logprobs, ref, self._rewards, beta, task.num_symbols)
+        task, per_prompt = pl_module.task, isinstance(beta, Tensor)
+        report = optimum_report(logprobs, ref, self._rewards, beta, None if per_prompt else task.num_symbols)
         iterated = optimum_report(logprobs, self._initial, self._rewards, beta / self._k)
-        own = documented_optimum(pl_module, ref, self._rewards, beta)
+        own = None if per_prompt else documented_optimum(pl_module, ref, self._rewards, beta)
         own_distance = own_gap = math.nan
         if own is not None:
             own_distance = beta * kl_divergence(logprobs, own) / abs(report.optimum)
@@ -144,6 +150,25 @@ class OptimumTracker(Callback):
             **lengths,
             "optimum_mean_length": optimum_lengths["mean_length"],
             "optimum_truncated": optimum_lengths["truncated"],
+            **(self._budget_row(pl_module, logprobs, ref, beta) if per_prompt else {}),
+        }
+
+    def _budget_row(self, pl_module: ExactPPORLHF, logprobs: Tensor, ref: Tensor, betas: Tensor) -> dict[str, float]:
+        """A per-prompt controller's columns: ``budget_max_rel_error``, max_x |KL_x(pi) / budget_x - 1| in the
+        controller's unit, exact; ``optimum_budget_max_rel_error``, the same of pi* at the current betas (how far the
+        betas are from where the budgets put them); ``beta_max_rel_error``, max_x |beta_x / beta_x^rest - 1| against
+        the closed-form resting betas (``prompt_betas``); ``beta_min`` and ``beta_max``."""
+        controller, task = pl_module.beta_controller, pl_module.task
+        budgets = controller.budgets_of(pl_module.prompt_table.ids_of(list(task.prompts)))
+        kls = prompt_kls(logprobs, ref, controller.unit, task.lengths)
+        optimum_kls = prompt_kls(optimal_logprobs(ref, self._rewards, betas), ref, controller.unit, task.lengths)
+        rest = prompt_betas(ref, self._rewards, budgets, controller.unit, task.lengths)
+        return {
+            "budget_max_rel_error": float((kls / budgets - 1).abs().max()),
+            "optimum_budget_max_rel_error": float((optimum_kls / budgets - 1).abs().max()),
+            "beta_max_rel_error": float((betas / rest - 1).abs().max()),
+            "beta_min": float(betas.min()),
+            "beta_max": float(betas.max()),
         }
 
     @property

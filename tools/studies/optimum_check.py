@@ -95,6 +95,16 @@ the declared objective's closed-form optimum at the kept sets the final policy s
 attention has no kernel for heads of 16; ``--heads 1`` gives ``hf`` the same model); ``--rollout-correction tis|mis`` weighs each token by
 pi_old / pi_sampler.
 
+``--kl-budgets B1 B2 ...`` (one per task prompt, nats per response) trains with the ``per_prompt`` controller
+(one beta per prompt, each held to its own budget; it starts at ``--beta``, steps with ``--budget-horizon`` and
+``--budget-decay-after``) instead of a fixed beta; every distance is then to the per-prompt optimum, each
+prompt's pi*(.|x) ∝ pi_ref exp(r / beta_x) at its current beta_x, and a last line reads
+
+    BUDGET task=<task> seed=<seed> gap=<gap to that optimum> kl_max_rel_error=<max_x |KL_x(pi) / budget_x - 1|>
+           beta_max_rel_error=<max_x |beta_x / beta_x^rest - 1|> kls=<KL_x> betas=<beta_x> rest_betas=<beta_x^rest>
+
+(beta_x^rest: where the budget puts pi*'s KL, ``exact.prompt_betas``; KL_x exact).
+
 ``--reference sync|reset|ema --resets k`` trains k phases of ``--iterations`` iterations (the learning
 rate decays within each phase) and moves the reference after each phase, the last at the very end.
 Converged phases make the reference pi_j ∝ pi_0 exp(j r / beta) after j resets, so the final policy
@@ -126,6 +136,8 @@ from rlhf_lightning.exact import (
     expected_train,
     optimum_report,
     per_token_fixed_point_gap,
+    prompt_betas,
+    prompt_kls,
     reference_logprobs,
     sampled_ppo,
     task_named,
@@ -133,7 +145,7 @@ from rlhf_lightning.exact import (
 )
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
-from rlhf_lightning_plugins.beta_controllers import FixedBeta
+from rlhf_lightning_plugins.beta_controllers import FixedBeta, PromptBudgetBeta
 from rlhf_lightning_plugins.reference_updates import EMA, Reset, Sync
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
@@ -237,7 +249,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_reference_args(parser)
     add_sampling_args(parser)
+    add_budget_args(parser)
     args = parser.parse_args(argv)
+    if args.kl_budgets is not None and args.matrix:
+        parser.error("--kl-budgets: not with --matrix (a single run's controller; the matrix's cells hold beta fixed)")
+    for name in args.task if args.kl_budgets is not None else ():
+        prompts = task_named(name).prompts
+        if len(prompts) != len(args.kl_budgets):
+            parser.error(f"--kl-budgets: {len(args.kl_budgets)} given, task {name} has {len(prompts)} prompts (one budget each)")
     args.max_grad_norm = args.max_grad_norm or None  # 0: no clip (the module takes null)
     if args.expected_noise and not (args.matrix and args.expected_gradient):
         parser.error("--expected-noise: only with --matrix --expected-gradient (it adds the sampling noise to the exact path)")
@@ -276,6 +295,52 @@ def add_reference_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--alpha", type=option_number(above=0, at_most=1), default=0.5, help="EMA weight of the policy in each update (default 0.5)"
+    )
+
+
+def add_budget_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("per-prompt KL budgets (docs/plugins.md)")
+    group.add_argument(
+        "--kl-budgets",
+        type=option_number(above=0),
+        nargs="+",
+        help="each task prompt's KL budget (nats per response): the per_prompt controller instead of a fixed beta",
+    )
+    group.add_argument(
+        "--budget-horizon",
+        type=option_number(above=0),
+        default=800,
+        help="the per_prompt controller's horizon, in one prompt's responses (default 800)",
+    )
+    group.add_argument(
+        "--budget-decay-after",
+        type=option_number(integer=True, at_least=1),
+        default=100,
+        help="the per_prompt controller's decay_after: a prompt's steps shrink as 1/k after its first N updates (default 100)",
+    )
+
+
+def budget_settings(args: argparse.Namespace, settings: dict) -> dict:
+    """train() arguments for --kl-budgets: the per_prompt controller from ``--beta`` and the task's budgets."""
+    if args.kl_budgets is None:
+        return {}
+    controller = PromptBudgetBeta(settings["beta"], horizon=args.budget_horizon, decay_after=args.budget_decay_after)
+    return {"beta_controller": controller, "kl_budgets": args.kl_budgets}
+
+
+def budget_line(name: str, seed: int, module, last: dict) -> str:
+    """The BUDGET line of a --kl-budgets run: the per-prompt optimum's gap and each prompt's KL and beta against
+    its budget and its closed-form resting beta."""
+    ref, task = module.exact_ref_logprobs(), module.task
+    rest = prompt_betas(ref, task.rewards(), module.beta_controller.budgets_of(module.prompt_table.ids), "sequence_sum", task.lengths)
+    kls = prompt_kls(module.exact_logprobs(), ref, "sequence_sum", task.lengths)
+
+    def listed(values) -> str:
+        return ",".join(f"{v:.4f}" for v in values.tolist())
+
+    return (
+        f"BUDGET task={name} seed={seed} gap={last['gap']:.4f} kl_max_rel_error={last['budget_max_rel_error']:.4f} "
+        f"beta_max_rel_error={last['beta_max_rel_error']:.4f} kls={listed(kls)} betas={listed(module.exact_beta())} rest_betas={listed(rest)}"
     )
 
 
@@ -419,7 +484,10 @@ def main(argv=None) -> None:
 def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     """Train one run with the command line's settings and sampling ``seed``; print its rows; its final gap."""
     settings = task_settings(args, name)
-    print(f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True)
+    if args.kl_budgets is None:  # a per-token cell's fixed point, of one beta
+        print(
+            f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True
+        )
     print(f"{'iter':>5} {'J':>8} {'J*':>8} {'gap':>8} {'kl_to_opt':>10} {'kl_ref_exact':>13} {'kl_ref_logged':>14}")
     start = time.perf_counter()
     module, tracker = train(
@@ -428,9 +496,19 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
         every=args.every,
         seed=seed,
         whiten_advantages=False if args.no_whiten else None,
-        **recipe_settings(
-            args, settings, args.advantage[0], args.estimator, args.kl_penalty, args.kl_loss_weighting, args.kl_loss_scope, args.ppo_epochs
-        ),
+        **{
+            **recipe_settings(
+                args,
+                settings,
+                args.advantage[0],
+                args.estimator,
+                args.kl_penalty,
+                args.kl_loss_weighting,
+                args.kl_loss_scope,
+                args.ppo_epochs,
+            ),
+            **budget_settings(args, settings),  # the per_prompt controller in place of the fixed beta
+        },
         **sampling_settings(args),
     )
     for row in tracker.rows:
@@ -457,6 +535,8 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
         print(kept_line(module, last), flush=True)
     if args.reference != "none":
         print_iterated(tracker.rows)
+    if args.kl_budgets is not None:
+        print(budget_line(name, seed, module, last), flush=True)
     return last["gap"]
 
 
