@@ -501,6 +501,27 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
     return {"critic": critic, "ppo": dataclasses.replace(ppo, whiten_advantages=whiten)}
 
 
+def check_reference(reference: Optional[str], reference_update: Any) -> None:
+    """``model.reference`` names a model other than the starting policy (a checkpoint folder, a .gguf file or
+    ``smollm2``; null: the starting policy). A reference update moves the reference toward the policy's
+    weights (``sync``, ``reset``, ``ema``): from another model, the reference would stop being it after its
+    first move (and from another architecture no move is defined), so the two are refused together."""
+    require(
+        reference is None or (isinstance(reference, str) and reference.strip() != ""),
+        "model.reference",
+        "null (the starting policy) or a checkpoint folder, a .gguf file or smollm2",
+        reference,
+    )
+    require(
+        reference is None or not reference_update.moves,
+        "model.reference_update",
+        f"none with model.reference {reference!r} (a reference update moves the reference toward the policy's weights: the "
+        "reference would stop being that model at its first move; to regularise toward a moving copy of the policy, "
+        "leave model.reference null)",
+        type(reference_update).__name__,
+    )
+
+
 LENGTH_WEIGHTED_AGGREGATIONS = ("seq_mean_token_mean",)  # weigh each response by 1 / its length
 
 
