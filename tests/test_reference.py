@@ -16,27 +16,12 @@ from rlhf_lightning.module import PPORLHF
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 from rlhf_lightning_plugins.rewards.function import CallableReward
 
-from helpers import fit, make_module
-
-TEACHER_SEED = 7  # the student (make_module's tiny policy) is initialised from seed 0
-SHARPEN = 30.0  # the teacher's output layer times this: a peaked teacher, several nats from the near-uniform student
-
-
-def save_tiny(folder, seed: int = TEACHER_SEED, tokenizer=None):
-    """A tiny random Llama initialised from ``seed``, its output layer sharpened, and the character
-    tokenizer, saved as a checkpoint folder."""
-    tokenizer = tokenizer or char_tokenizer()
-    model = load_causal_lm("tiny", len(tokenizer), seed)
-    with torch.no_grad():
-        model.lm_head.weight *= SHARPEN
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+from helpers import TEACHER_SEED, fit, make_module, save_tiny_teacher
 
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("teacher"))
+    return save_tiny_teacher(tmp_path_factory.mktemp("teacher"))
 
 
 def response_logprobs(model, rollout):
@@ -93,7 +78,7 @@ def test_the_reference_tokenizer_must_be_the_policys_and_what_differs_is_named(t
     """Checked before any model loads (the module's ``setup``): another vocabulary, or the same vocabulary
     with another special token, is refused naming model.reference and what differs; a folder without a
     tokenizer, the tiny model and a missing path are refused naming the field."""
-    other = save_tiny(tmp_path / "other", tokenizer=char_tokenizer("abc"))
+    other = save_tiny_teacher(tmp_path / "other", tokenizer=char_tokenizer("abc"))
     with pytest.raises(
         ConfigError,
         match=r"^model\.reference must be a model with the policy's tokenizer \(the policy's vs the reference's: the vocabulary: 78 tokens vs 6, 75 token ids differ \('\\n': 4 vs None, ' ': 3 vs None",
@@ -134,7 +119,7 @@ def test_the_checkpoint_records_the_reference_and_a_changed_one_is_refused_on_re
     """The checkpoint holds the reference's spec and fingerprint and leaves its weights out (rebuilt from the
     spec); resuming with the same reference passes the check, with another spec or other weights under the
     same spec (the folder overwritten) it is refused naming model.reference."""
-    folder = save_tiny(tmp_path / "teacher")
+    folder = save_tiny_teacher(tmp_path / "teacher")
     module = make_module(reference=folder)
     trainer, _ = fit(module, tmp_path, iterations=1)
     path = tmp_path / "last.ckpt"
@@ -148,6 +133,6 @@ def test_the_checkpoint_records_the_reference_and_a_changed_one_is_refused_on_re
         checkpoints.check_resume(str(path), make_module(reference=teacher), trainer.strategy)
     with pytest.raises(ConfigError, match=r"model\.reference: checkpoint '.*', config None"):
         checkpoints.check_resume(str(path), make_module(), trainer.strategy)
-    save_tiny(folder, seed=TEACHER_SEED + 1)  # other weights in the same folder
+    save_tiny_teacher(folder, seed=TEACHER_SEED + 1)  # other weights in the same folder
     with pytest.raises(ConfigError, match=r"model\.reference: '.*' holds other weights than when the checkpoint was written"):
         checkpoints.check_resume(str(path), make_module(reference=folder), trainer.strategy)
