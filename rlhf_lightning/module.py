@@ -20,7 +20,8 @@ One ``training_step`` is one PPO iteration on a batch of prompts x:
 Then the beta controller sees the global mean KL (in its declared unit) and updates beta (and an
 entropy controller, if any, the entropy bonus's coefficient), and the reference update plugin
 may move the reference toward the policy (default ``none``: the reference stays the frozen
-starting policy; ``sync``, ``reset`` or ``ema`` every N iterations).
+starting policy; ``sync``, ``reset`` or ``ema`` every N iterations). ``reference`` names another
+model as the reference instead (a teacher: on-policy distillation; docs/reference.md).
 
 Where things live: the networks (policy, critic, reference, sampling model) and their passes in
 networks.py (``self.networks``), their loading in models.py,
