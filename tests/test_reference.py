@@ -16,7 +16,7 @@ from rlhf_lightning.module import PPORLHF
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 from rlhf_lightning_plugins.rewards.function import CallableReward
 
-from helpers import TEACHER_SEED, fit, make_module, save_tiny_teacher
+from helpers import CONFIGS, TEACHER_SEED, cli, fit, make_module, save_tiny_teacher
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +136,19 @@ def test_the_checkpoint_records_the_reference_and_a_changed_one_is_refused_on_re
     save_tiny_teacher(folder, seed=TEACHER_SEED + 1)  # other weights in the same folder
     with pytest.raises(ConfigError, match=r"model\.reference: '.*' holds other weights than when the checkpoint was written"):
         checkpoints.check_resume(str(path), make_module(reference=folder), trainer.strategy)
+
+
+def test_the_command_refuses_a_reference_with_another_tokenizer_before_any_model_loads(tmp_path):
+    """Through the command: one line, exit status 2, from the module's setup (no weights loaded yet: the
+    mismatched folder's output layer, which would be refused after loading, is never reached)."""
+    other = save_tiny_teacher(tmp_path / "other", tokenizer=char_tokenizer("abc"))
+    done = cli(tmp_path, "fit", "--config", str(CONFIGS / "tiny.yaml"), f"--model.reference={other}", "--trainer.limit_train_batches=1")
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "error: model.reference must be a model with the policy's tokenizer (the policy's vs the reference's: the vocabulary"
+    ), last
+    moving = cli(tmp_path, "fit", "--config", str(CONFIGS / "tiny.yaml"), f"--model.reference={other}", "--model.reference_update=sync")
+    assert moving.returncode == 2 and "error: model.reference_update must be none with model.reference" in moving.stderr, moving.stderr[
+        -3000:
+    ]
