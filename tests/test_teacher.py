@@ -120,6 +120,22 @@ def test_with_a_reward_the_optimum_tilts_the_teacher_by_brute_force():
     assert optimum_report(fixed_point, teacher, rewards, BETA).gap > 0.02
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--matrix", "--task", "teacher:1"], "--matrix: not with teacher:1 (a reward of 0: J* = 0 and the gap the matrix compares is NaN"),
+        (["--matrix", "--tabular", "--task", "random-teacher:1"], "--tabular: not with a teacher task"),
+        (["--task", "teacher:x"], "'teacher:x' is not one of ['bandit', 'terminal', 'terminal-eos'], random:SEED,"),
+    ],
+)
+def test_optimum_check_refuses_what_a_teacher_task_cannot_give(argv, message, capsys):
+    import optimum_check
+
+    with pytest.raises(SystemExit) as stop:
+        optimum_check.parse_args(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 SETTINGS = dict(  # the random tasks' settings for a gae cell (tools/studies/optimum_check.py, TASK_SETTINGS)
     batch_size=384,
     lr=2e-3,

@@ -15,6 +15,8 @@ reward centred under the teacher (the optimum pi* ∝ pi_teacher exp(r / beta)).
 
     TEACHER task=<task> seed=<seed> kl_to_teacher_start=<KL(pi_0||T)> kl_to_teacher=<KL(pi||T)> kl_to_opt=<KL(pi||pi*)> gap=<gap> ...
 
+(``teacher:SEED``'s NaN gap keeps it out of ``--matrix``, and both out of ``--tabular``, whose table starts at pi_ref.)
+
 Each kind of task has its own defaults for what the command line leaves out (:data:`TASK_SETTINGS`:
 beta 0.5, 100 iterations of 48 responses in 2 minibatches per epoch, 4 per prompt without a critic, the lr
 decayed to 1/10, hand-made; beta 1, 384 responses per iteration and 8 optimizer steps each (8 minibatches
@@ -259,6 +261,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.tabular_lr is not None and not args.tabular:
         parser.error("--tabular-lr: only with --tabular (the tiny Llama's lr is --lr)")
     args.tabular_lr = args.tabular_lr or 0.05
+    distillation = [name for name in args.task if name.startswith("teacher:")]
+    if args.matrix and distillation:
+        parser.error(
+            f"--matrix: not with {distillation[0]} (a reward of 0: J* = 0 and the gap the matrix compares is NaN; its distance is "
+            "KL(pi || pi_teacher): run its cells one at a time, or random-teacher:SEED in the matrix)"
+        )
+    if args.tabular and any(name.startswith(("teacher:", "random-teacher:")) for name in args.task):
+        parser.error(
+            "--tabular: not with a teacher task (exact.sampled_ppo starts the table at pi_ref, and a teacher task's policy starts elsewhere)"
+        )
     for name, epochs in itertools.product(args.task, args.epochs if args.matrix else [args.ppo_epochs]):
         updates = task_settings(args, name)["updates"]
         if updates is not None and updates % epochs:
