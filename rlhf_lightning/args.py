@@ -632,8 +632,10 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
-def check_context(prompts: PromptArgs, sampling: SamplingArgs, config: Any, longest_prompt: Optional[int] = None) -> None:
-    """The policy must hold a prompt and its response: the longest prompt (``longest_prompt`` tokens,
+def check_context(
+    prompts: PromptArgs, sampling: SamplingArgs, config: Any, longest_prompt: Optional[int] = None, whose: str = "the policy's"
+) -> None:
+    """The policy (and a foreign reference, ``whose`` "model.reference's") must hold a prompt and its response: the longest prompt (``longest_prompt`` tokens,
     the prompt files' as rendered: ``check_setup`` returns it; unknown, as when prompts come only in
     batches: one token) plus ``model.sampling.max_new_tokens`` within the context its ``config``
     declares (``max_position_embeddings``). Past it the positions are ones the model never saw
@@ -649,7 +651,7 @@ def check_context(prompts: PromptArgs, sampling: SamplingArgs, config: Any, long
     require(
         prompt + sampling.max_new_tokens <= context,
         f"{what} + model.sampling.max_new_tokens",
-        f"<= {context} positions, the policy's context (its {type(config).__name__}'s {name}); lower model.sampling.max_new_tokens "
+        f"<= {context} positions, {whose} context (its {type(config).__name__}'s {name}); lower model.sampling.max_new_tokens "
         f"to at most {max(context - prompt, 0)}, or shorten the prompts",
         f"{prompt} + {sampling.max_new_tokens} = {prompt + sampling.max_new_tokens}",
     )

@@ -507,7 +507,7 @@ class PPORLHF(LightningModule):
         reference_rows = None
         if foreign:  # a separate frozen model, under LoRA too (the adapter-disabled policy is then pi_0)
             reference, reference_rows = self.load_reference(empty=sharded)
-            args.check_context(self.prompts, self.sampling, reference.config, self.longest_prompt)
+            args.check_context(self.prompts, self.sampling, reference.config, self.longest_prompt, "model.reference's")
             models.check_reference_vocabulary(policy, reference)
             self.ref_model = frozen_copy(reference, copy_of=lambda model: model)
         if sharded:
