@@ -16,7 +16,7 @@ from rlhf_lightning.module import PPORLHF
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 from rlhf_lightning_plugins.rewards.function import CallableReward
 
-from helpers import CONFIGS, TEACHER_SEED, cli, fit, make_module, save_tiny_teacher
+from helpers import CONFIGS, TEACHER_SEED, cli, fit, make_module, run_cli, save_tiny_teacher
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +152,25 @@ def test_the_command_refuses_a_reference_with_another_tokenizer_before_any_model
     assert moving.returncode == 2 and "error: model.reference_update must be none with model.reference" in moving.stderr, moving.stderr[
         -3000:
     ]
+
+
+def test_a_run_with_a_foreign_reference_killed_mid_iteration_resumes_as_if_uninterrupted(tmp_path):
+    """SIGKILL during iteration 4 after the checkpoint of iteration 2, then ``--ckpt_path last``: the teacher and
+    the starting policy, left out of the checkpoint, are rebuilt from the config and the policy's weights come
+    from it, so iterations 3-6 log what the uninterrupted run logged, the KL to the teacher and the drift included."""
+    from summarize_run import read_scalars
+
+    teacher = f"--model.reference={save_tiny_teacher(tmp_path / 'teacher')}"
+    straight = run_cli(tmp_path / "straight", teacher)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed_root = tmp_path / "killed"
+    killed = run_cli(killed_root, teacher, "--trainer.callbacks+=fault_callbacks.KillMidIteration", "--trainer.callbacks.iteration=3")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = run_cli(killed_root, teacher, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    logs = killed_root / "lightning_logs" / "tiny"
+    reference = read_scalars(str(tmp_path / "straight" / "lightning_logs" / "tiny" / "version_0"))
+    combined = read_scalars([str(logs / "version_0"), str(logs / "version_1")])
+    assert reference["objective/kl"][0] > 10 and reference["objective/kl_to_initial"][5] > 0.1
+    for name in ("objective/reward", "objective/kl", "objective/kl_to_initial", "policy/loss", "value/loss"):
+        assert combined[name] == reference[name], (name, combined[name], reference[name])
