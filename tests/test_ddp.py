@@ -97,6 +97,7 @@ def test_two_process_ddp_with_a_moving_reference_holds_the_same_reference_on_eve
     assert ddp["objective/kl_to_initial"][-1] > ddp["objective/kl"][-1] > 0  # the reference trails the policy
 
 
+@pytest.mark.convergence
 def test_two_process_ddp_with_a_foreign_reference_logs_what_one_process_logs(tmp_path):
     """model.reference: a teacher's folder, loaded whole on every rank as a frozen model beside the policy (DDP
     averages only the trainable gradients): the KL to the teacher and the drift from the starting policy are

@@ -196,7 +196,9 @@ def test_two_process_fsdp2_moves_a_sharded_reference_as_one_process_moves_the_wh
     assert fsdp["objective/kl_to_initial"][-1] > fsdp["objective/kl"][-1] > 0  # the reference trails the policy
 
 
-@pytest.mark.parametrize("lora", [(), ("--model.lora.rank=4", "--model.critic=shared")], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "lora", [(), pytest.param(("--model.lora.rank=4", "--model.critic=shared"), marks=pytest.mark.convergence)], ids=["full", "lora"]
+)
 def test_two_process_fsdp2_shards_a_foreign_reference_from_its_own_checkpoint_as_one_process_holds_it_whole(tmp_path, lora):
     """model.reference: a teacher's safetensors folder. Each rank reads its own rows of the teacher's tensors
     (built on the meta device, then filled from its file, not from the policy's), so the KL to the teacher and
