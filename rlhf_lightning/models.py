@@ -186,8 +186,9 @@ def _pretrained_location(
         return str(path.parent), {"gguf_file": path.name}
     if path.is_dir():
         return str(path), {}
+    builtins = [name for name in BUILTIN_MODELS if not (field == REFERENCE_FIELD and name == "tiny")]  # tiny: the policy's seed
     raise ConfigFileNotFoundError(
-        f"{field} must be a built-in model ({', '.join(BUILTIN_MODELS)}), a local checkpoint folder "
+        f"{field} must be a built-in model ({', '.join(builtins)}), a local checkpoint folder "
         f"or a .gguf file, got {spec!r}: no such folder or file"
     )
 
