@@ -94,7 +94,9 @@ def test_the_reference_tokenizer_must_be_the_policys_and_what_differs_is_named(t
     load_causal_lm("tiny", len(tokenizer), 1).save_pretrained(bare)
     with pytest.raises(ConfigError, match=r"model\.reference .* has no tokenizer to check against the policy's"):
         unbuilt(str(bare)).check_reference()
-    with pytest.raises(ConfigError, match=r"^model\.reference must be a built-in model \(smollm2\), a local checkpoint folder .*no such folder or file"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.reference must be a built-in model \(smollm2\), a local checkpoint folder .*no such folder or file"
+    ):
         unbuilt(str(tmp_path / "missing")).check_reference()
     with pytest.raises(ConfigError, match=r"model\.reference must be a checkpoint folder, a \.gguf file or smollm2"):
         unbuilt("tiny").check_reference()
