@@ -176,3 +176,17 @@ def test_a_run_with_a_foreign_reference_killed_mid_iteration_resumes_as_if_unint
     assert reference["objective/kl"][0] > 10 and reference["objective/kl_to_initial"][5] > 0.1
     for name in ("objective/reward", "objective/kl", "objective/kl_to_initial", "policy/loss", "value/loss"):
         assert combined[name] == reference[name], (name, combined[name], reference[name])
+
+
+def test_the_tensorboard_charts_name_the_reference_model_and_the_direction_and_chart_the_drift():
+    from rlhf_lightning.callbacks import SEEDS_CATEGORY, custom_scalars_layout
+
+    for unit in ("sequence_sum", "token_mean"):
+        layout = custom_scalars_layout(unit=unit, has_target=False, reference="teachers/tiny-e")[SEEDS_CATEGORY]
+        kl_titles = [title for title, (_, tags) in layout.items() if "^objective/kl$" in tags or "^objective/kl_per_token$" in tags]
+        assert kl_titles and all(
+            title.startswith("KL(pi || teachers/tiny-e), the reverse KL to the reference model,") for title in kl_titles
+        )
+        drift = "drift from the starting policy, KL(pi || pi_0) per response (nats): objective/kl_to_initial"
+        assert layout[drift] == ["Multiline", ["^objective/kl_to_initial$"]]
+    assert not any("kl_to_initial" in title for title in custom_scalars_layout()[SEEDS_CATEGORY])  # the starting policy: no drift chart
