@@ -513,6 +513,27 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
     return {"critic": critic, "ppo": dataclasses.replace(ppo, whiten_advantages=whiten)}
 
 
+def check_reference(reference: Optional[str], reference_update: Any) -> None:
+    """``model.reference`` names a model other than the starting policy (a checkpoint folder, a .gguf file or
+    ``smollm2``; null: the starting policy). A reference update moves the reference toward the policy's
+    weights (``sync``, ``reset``, ``ema``): from another model, the reference would stop being it after its
+    first move (and from another architecture no move is defined), so the two are refused together."""
+    require(
+        reference is None or (isinstance(reference, str) and reference.strip() != ""),
+        "model.reference",
+        "null (the starting policy) or a checkpoint folder, a .gguf file or smollm2",
+        reference,
+    )
+    require(
+        reference is None or not reference_update.moves,
+        "model.reference_update",
+        f"none with model.reference {reference!r} (a reference update moves the reference toward the policy's weights: the "
+        "reference would stop being that model at its first move; to regularise toward a moving copy of the policy, "
+        "leave model.reference null)",
+        type(reference_update).__name__,
+    )
+
+
 LENGTH_WEIGHTED_AGGREGATIONS = ("seq_mean_token_mean",)  # weigh each response by 1 / its length
 
 
@@ -633,8 +654,10 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
-def check_context(prompts: PromptArgs, sampling: SamplingArgs, config: Any, longest_prompt: Optional[int] = None) -> None:
-    """The policy must hold a prompt and its response: the longest prompt (``longest_prompt`` tokens,
+def check_context(
+    prompts: PromptArgs, sampling: SamplingArgs, config: Any, longest_prompt: Optional[int] = None, whose: str = "the policy's"
+) -> None:
+    """The policy (and a foreign reference, ``whose`` "model.reference's") must hold a prompt and its response: the longest prompt (``longest_prompt`` tokens,
     the prompt files' as rendered: ``check_setup`` returns it; unknown, as when prompts come only in
     batches: one token) plus ``model.sampling.max_new_tokens`` within the context its ``config``
     declares (``max_position_embeddings``). Past it the positions are ones the model never saw
@@ -650,7 +673,7 @@ def check_context(prompts: PromptArgs, sampling: SamplingArgs, config: Any, long
     require(
         prompt + sampling.max_new_tokens <= context,
         f"{what} + model.sampling.max_new_tokens",
-        f"<= {context} positions, the policy's context (its {type(config).__name__}'s {name}); lower model.sampling.max_new_tokens "
+        f"<= {context} positions, {whose} context (its {type(config).__name__}'s {name}); lower model.sampling.max_new_tokens "
         f"to at most {max(context - prompt, 0)}, or shorten the prompts",
         f"{prompt} + {sampling.max_new_tokens} = {prompt + sampling.max_new_tokens}",
     )

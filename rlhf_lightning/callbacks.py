@@ -81,6 +81,7 @@ class TensorBoardViews(Callback):
             unit=getattr(pl_module.beta_controller, "unit", "sequence_sum"),
             has_target=hasattr(pl_module.beta_controller, "target"),
             has_gold=pl_module.gold_reward_model is not None,
+            reference=pl_module.hparams.get("reference"),
         )
         trainer.logger.experiment.add_custom_scalars(layout)
 
@@ -112,27 +113,34 @@ SEEDS_CATEGORY = "rlhf-lightning: reward, KL, beta, net objective"
 MORE_CATEGORY = "rlhf-lightning: entropy, lengths, the PPO update"
 
 
-def custom_scalars_layout(unit: str = "sequence_sum", has_target: bool = True, has_gold: bool = False) -> dict:
+def custom_scalars_layout(
+    unit: str = "sequence_sum", has_target: bool = True, has_gold: bool = False, reference: Optional[str] = None
+) -> dict:
     """The Custom Scalars layout, ``{category: {chart title: ["Multiline", [tag regexes]]}}`` in the
     order TensorBoard shows it: first the run at a glance (reward; the KL's mean and max beside the
     controller's target, in the controller's ``unit``; beta; the net objective reward - beta * KL),
     then what explains it (entropy, response length, the PPO update's approximate KL and clip
     fraction). ``has_target``: the controller holds a KL target (``objective/kl_target`` is logged);
-    ``has_gold``: a gold reward is watched (its own chart: its scale is not the trained reward's)."""
+    ``has_gold``: a gold reward is watched (its own chart: its scale is not the trained reward's).
+    ``reference``: another model is the reference (``model.reference``, a teacher): the KL charts name it and the
+    direction (the reverse KL, KL(pi || reference)), and the drift from the starting policy gets a chart of its own."""
     target = ", the controller's target (objective/kl_target)" if has_target else ""
     target_tag = ["objective/kl_target"] if has_target else []
     seeds = {"reward: objective/reward (training batch), val/reward (held-out prompts)": ["objective/reward", "val/reward"]}
     if has_gold:
         seeds["gold reward (watched, not trained on): objective/gold_reward"] = ["objective/gold_reward"]
+    kl = "KL" if reference is None else f"KL(pi || {reference}), the reverse KL to the reference model,"
     if unit == "sequence_sum":
-        seeds[f"KL per response (nats): mean (objective/kl), max (objective/kl_max){target}"] = [
+        seeds[f"{kl} per response (nats): mean (objective/kl), max (objective/kl_max){target}"] = [
             "objective/kl",
             "objective/kl_max",
             *target_tag,
         ]
     else:  # the target is per token; the largest response's KL is a sum over its tokens: two scales
-        seeds[f"KL per token (nats): mean (objective/kl_per_token){target}"] = ["objective/kl_per_token", *target_tag]
-        seeds["KL per response (nats): mean (objective/kl), max (objective/kl_max)"] = ["objective/kl", "objective/kl_max"]
+        seeds[f"{kl} per token (nats): mean (objective/kl_per_token){target}"] = ["objective/kl_per_token", *target_tag]
+        seeds[f"{kl} per response (nats): mean (objective/kl), max (objective/kl_max)"] = ["objective/kl", "objective/kl_max"]
+    if reference is not None:
+        seeds["drift from the starting policy, KL(pi || pi_0) per response (nats): objective/kl_to_initial"] = ["objective/kl_to_initial"]
     seeds["beta, the KL coefficient: objective/beta"] = ["objective/beta"]
     seeds["net objective, reward - beta * KL: objective/net (training batch), val/net (held-out prompts)"] = ["objective/net", "val/net"]
     more = {

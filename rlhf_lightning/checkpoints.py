@@ -37,14 +37,25 @@ from rlhf_lightning.registry import canonical_class_path, class_path
 
 # Settings that may not change when a run resumes: they define the weights the checkpoint holds,
 # the reference rebuilt from the config, or the optimizers whose state it holds.
-RESUME_FIXED = ("policy", "tokenizer", "tiny_config", "lora.rank", "lora.alpha", "lora.target_modules", "critic", "optim.optimizers")
+RESUME_FIXED = (
+    "policy",
+    "tokenizer",
+    "reference",
+    "tiny_config",
+    "lora.rank",
+    "lora.alpha",
+    "lora.target_modules",
+    "critic",
+    "optim.optimizers",
+)
 STATEFUL_PLUGINS = ("beta_controller", "entropy_controller", "reward_model")
 
 
 def save_state(module, checkpoint: dict) -> None:
     """Add the module's run state to ``checkpoint`` and drop the weights rebuilt from the config:
     the starting policy, and the reference until it first moves (a LoRA reference adapter is part
-    of the policy). A sharded checkpoint keeps them: the strategy loads every submodule from it."""
+    of the policy; a foreign reference, rebuilt from ``model.reference``, whose identity is recorded instead). A
+    sharded checkpoint keeps them: the strategy loads every submodule from it."""
     checkpoint["rlhf_lightning"] = {
         "iteration": module.iteration,
         **{name: _state_of(getattr(module, name)) for name in STATEFUL_PLUGINS},
@@ -56,6 +67,7 @@ def save_state(module, checkpoint: dict) -> None:
         "plugin_args": plugin_arguments(module),
         "strategy": type(module.trainer.strategy).__name__ if module._trainer is not None else None,
         "sharded": module.networks.sharded,  # whole weights with the rebuilt ones left out, or every rank's shards of all
+        "reference": module.reference_identity(),  # a foreign reference's spec and fingerprint (None: the starting policy)
     }
     rebuilt = () if module.networks.sharded else ("initial_model.",) if module.reference_updates else ("initial_model.", "ref_model.")
     for key in [k for k in checkpoint["state_dict"] if k.startswith(rebuilt)]:
@@ -69,7 +81,9 @@ def load_state(module, checkpoint: dict) -> None:
     settings (lr, critic_lr, weight_decay) win over those stored beside the Adam moments, which
     Lightning loads next."""
     state = checkpoint_state(checkpoint)
-    resume = check_compatible(module, checkpoint.get("hyper_parameters", {}), state.get("plugins", {}), state.get("plugin_args", {}))
+    resume = check_compatible(
+        module, checkpoint.get("hyper_parameters", {}), state.get("plugins", {}), state.get("plugin_args", {}), state.get("reference")
+    )
     module.iteration = state["iteration"]
     module.generation_seed_base = state["generation_seed_base"]
     module.faults.load_state_dict(state["faults"])
@@ -190,7 +204,9 @@ class Resume:
     restart_beta: dict[str, str] = field(default_factory=dict)
 
 
-def check_compatible(module, saved: dict, saved_plugins: dict, saved_args: Optional[dict] = None) -> Resume:
+def check_compatible(
+    module, saved: dict, saved_plugins: dict, saved_args: Optional[dict] = None, saved_reference: Optional[dict] = None
+) -> Resume:
     """Settings that define the weights, the reference or the optimizers' layout (``RESUME_FIXED``)
     and every plugin's kind must equal the checkpoint's, else a ConfigError names each; any other
     changed setting, a plugin's arguments included, takes effect and is logged (``Resume``). A plugin
@@ -199,7 +215,11 @@ def check_compatible(module, saved: dict, saved_plugins: dict, saved_args: Optio
 
     The entropy bonus may be switched on, off or between ``model.ppo.entropy_coef`` values: a fixed
     coefficient (``entropy_coef``) is the config's, and a controller added on resume starts from its
-    ``init_beta``; only a controller replaced by another kind is refused."""
+    ``init_beta``; only a controller replaced by another kind is refused.
+
+    A foreign reference (``model.reference``) is part of the objective: its spec may not change (``RESUME_FIXED``),
+    nor its weights under the same spec (``saved_reference``: the fingerprint the checkpoint recorded,
+    ``PPORLHF.reference_identity``)."""
     hparams, saved, resume = settings(module.hparams), settings(saved), Resume()
     fixed = [*RESUME_FIXED, "seed"] if hparams["policy"] == "tiny" else RESUME_FIXED  # the tiny model is rebuilt from its seed
     changed = {f: (saved[f], hparams[f]) for f in hparams if f in saved and saved[f] != hparams[f]}
@@ -212,6 +232,12 @@ def check_compatible(module, saved: dict, saved_plugins: dict, saved_args: Optio
     for name, kind in kinds.items():
         if name in saved_kinds and name not in resume.fresh and saved_kinds[name] != kind:
             differ.append(f"model.{name}: checkpoint {saved_plugins[name]}, config {kind}")
+    identity = module.reference_identity() if saved_reference is not None and saved.get("reference") == hparams["reference"] else None
+    if identity is not None and identity["fingerprint"] != saved_reference["fingerprint"]:
+        differ.append(
+            f"model.reference: {identity['reference']!r} holds other weights than when the checkpoint was written (fingerprint: "
+            f"checkpoint {saved_reference['fingerprint']}, now {identity['fingerprint']}; models.model_fingerprint)"
+        )
     if differ:
         raise ConfigError("checkpoint is incompatible with this config (these settings cannot change on resume); " + "; ".join(differ))
     for name, plugin in plugin_arguments(module).items():
@@ -487,7 +513,9 @@ def check_resume(path: str, module, strategy) -> None:
             "resume with the strategy it was written with"
         )
     if meta is not None:
-        check_compatible(module, meta.get("hyper_parameters", {}), saved.get("plugins", {}), saved.get("plugin_args", {}))
+        check_compatible(
+            module, meta.get("hyper_parameters", {}), saved.get("plugins", {}), saved.get("plugin_args", {}), saved.get("reference")
+        )
         checkpoint_state(meta, path)  # then what an earlier version's checkpoint lacks
 
 

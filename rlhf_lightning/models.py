@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from rlhf_lightning import cpu, fsdp2
 from rlhf_lightning.args import LoraArgs, SamplingArgs
-from rlhf_lightning.checks import ConfigFileNotFoundError, require
+from rlhf_lightning.checks import ConfigError, ConfigFileNotFoundError, require
 
 BUILTIN_MODELS = ("tiny", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -175,8 +175,10 @@ def smollm2_checkpoint() -> Path:
     return _build_atomically(cache_dir() / "smollm2-135m-instruct", convert)
 
 
-def _pretrained_location(spec: str, tokenizer_only: bool = False) -> tuple[str, dict[str, Any]]:
-    """(folder, extra from_pretrained kwargs) for a non-tiny spec."""
+def _pretrained_location(
+    spec: str, tokenizer_only: bool = False, field: str = "model.policy (or model.tokenizer)"
+) -> tuple[str, dict[str, Any]]:
+    """(folder, extra from_pretrained kwargs) for a non-tiny spec; a missing one is an error naming ``field``."""
     if spec == "smollm2":
         return str(smollm2_tokenizer_dir() if tokenizer_only else smollm2_checkpoint()), {}
     path = Path(spec).expanduser()
@@ -184,10 +186,101 @@ def _pretrained_location(spec: str, tokenizer_only: bool = False) -> tuple[str, 
         return str(path.parent), {"gguf_file": path.name}
     if path.is_dir():
         return str(path), {}
+    builtins = [name for name in BUILTIN_MODELS if not (field == REFERENCE_FIELD and name == "tiny")]  # tiny: the policy's seed
     raise ConfigFileNotFoundError(
-        f"model.policy (or model.tokenizer) must be a built-in model ({', '.join(BUILTIN_MODELS)}), a local checkpoint folder "
+        f"{field} must be a built-in model ({', '.join(builtins)}), a local checkpoint folder "
         f"or a .gguf file, got {spec!r}: no such folder or file"
     )
+
+
+REFERENCE_FIELD = "model.reference"
+# The special tokens two tokenizers must agree on for one model's log-probs to be read against another's.
+SHARED_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def reference_tokenizer(spec: str, trust_remote_code: bool = False):
+    """The tokenizer saved with the reference model ``spec`` (``model.reference``: a checkpoint folder, a .gguf
+    file or ``smollm2``), loaded without its weights; an error naming the field when there is none."""
+    from transformers import AutoTokenizer
+
+    require(spec not in ("tiny", "char"), REFERENCE_FIELD, "a checkpoint folder, a .gguf file or smollm2 (null: the starting policy)", spec)
+    location, kwargs = _pretrained_location(spec, tokenizer_only=True, field=REFERENCE_FIELD)
+    try:
+        return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"{REFERENCE_FIELD} {spec!r} has no tokenizer to check against the policy's ({str(err).splitlines()[0]}); save the "
+            "tokenizer it was trained with beside its weights (tokenizer.save_pretrained(folder))"
+        ) from None
+
+
+def tokenizer_difference(tokenizer, other) -> Optional[str]:
+    """What differs between two tokenizers for a model of one to be scored on the ids of the other: the
+    vocabulary (token -> id, the size and up to three tokens that differ) and the special tokens
+    (:data:`SHARED_SPECIAL_TOKENS`); None when nothing does."""
+    vocab, other_vocab = tokenizer.get_vocab(), other.get_vocab()
+    if vocab != other_vocab:
+        differ = sorted(t for t in set(vocab) | set(other_vocab) if vocab.get(t) != other_vocab.get(t))
+        shown = ", ".join(f"{t!r}: {vocab.get(t)} vs {other_vocab.get(t)}" for t in differ[:3])
+        return f"the vocabulary: {len(vocab)} tokens vs {len(other_vocab)}, {len(differ)} token ids differ ({shown})"
+    special = [
+        f"{name} {getattr(tokenizer, name)!r} vs {getattr(other, name)!r}"
+        for name in SHARED_SPECIAL_TOKENS
+        if getattr(tokenizer, name) != getattr(other, name)
+    ]
+    return "the special tokens: " + ", ".join(special) if special else None
+
+
+def check_reference_tokenizer(tokenizer, spec: str, trust_remote_code: bool = False) -> None:
+    """``model.reference`` must share the policy's ``tokenizer``: its log-probs are read at the policy's token
+    ids. Checked before any model loads; a mismatch is a ConfigError naming the field and what differs."""
+    difference = tokenizer_difference(tokenizer, reference_tokenizer(spec, trust_remote_code))
+    require(
+        difference is None,
+        REFERENCE_FIELD,
+        f"a model with the policy's tokenizer (the policy's vs the reference's: {difference})",
+        spec,
+    )
+
+
+def check_reference_vocabulary(policy: nn.Module, reference: nn.Module) -> None:
+    """A foreign reference scores the policy's vocabulary: its output layer has as many rows as the policy's
+    (a tokenizer saved beside other weights can pass the tokenizer check)."""
+    rows, reference_rows = policy.get_output_embeddings().weight.shape[0], reference.get_output_embeddings().weight.shape[0]
+    require(
+        rows == reference_rows,
+        REFERENCE_FIELD,
+        f"a model whose output layer scores the policy's {rows} tokens (its own scores {reference_rows})",
+        reference_rows,
+    )
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+FINGERPRINT_BYTES = 2**20  # read from each end of each weight file
+
+
+def model_fingerprint(spec: str) -> str:
+    """A cheap fingerprint of the weights of ``spec`` (a folder, a .gguf file, ``smollm2``): sha256 over its
+    ``config.json`` and, for each weight file, its name, size and first and last MiB (a model fine-tuned
+    from it changes every tensor, so both ends; the file need not be read whole). Equal files, equal
+    fingerprints, wherever the folder is copied; the checkpoint records it (``checkpoints.save_state``)."""
+    import hashlib
+
+    location, kwargs = _pretrained_location(spec, field=REFERENCE_FIELD)
+    folder = Path(location)
+    if kwargs:
+        files = [folder / kwargs["gguf_file"]]
+    else:
+        files = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES or p.name == "config.json")
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}:".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(FINGERPRINT_BYTES))
+            f.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def load_tokenizer(spec: str, trust_remote_code: bool = False):
@@ -357,7 +450,7 @@ def load_policy(
     trainer=None,
     empty: bool = False,
 ) -> tuple[nn.Module, fsdp2.Rows]:
-    """The policy network of ``spec`` (``model.policy``), without LoRA and unsharded, with a
+    """The policy network of ``spec`` (``model.policy``; or a foreign ``model.reference``), without LoRA and unsharded, with a
     generation config of ``sampling``'s, and where its weights' rows are read from: its checkpoint
     file when ``empty`` and the checkpoint is a safetensors folder (the policy then on the meta
     device), else the policy's own tensors. Under several processes of ``trainer`` one process per
@@ -431,7 +524,9 @@ def check_lora_targets(policy: nn.Module, target_modules: Optional[list[str]]) -
     )
 
 
-def shard_models(mesh, policy: nn.Module, critic, ref_model, initial_model, rows: fsdp2.Rows, lora: bool) -> None:
+def shard_models(
+    mesh, policy: nn.Module, critic, ref_model, initial_model, rows: fsdp2.Rows, lora: bool, reference_rows: Optional[fsdp2.Rows] = None
+) -> None:
     """FSDP2: shard the policy (with its LoRA adapters), the critic and the reference (and a
     moving reference's starting policy) per transformer block over the data-parallel ``mesh``.
     The reference is sharded like the policy (it is as large, and it runs one no-grad forward
@@ -440,7 +535,8 @@ def shard_models(mesh, policy: nn.Module, critic, ref_model, initial_model, rows
     moves shard by shard: each rank updates its own shards toward the policy's. Every trainable parameter
     must be under ``fully_shard``: ModelParallelStrategy has no DDP to average the rest.
     Then every parameter still on the meta device gets this rank's rows from ``rows`` (named
-    as in the policy; the critic's trunk copies the policy's)."""
+    as in the policy; the critic's trunk copies the policy's), a foreign reference's (``model.reference``)
+    from its own checkpoint's ``reference_rows``."""
     require(
         mesh["tensor_parallel"].size() == 1,
         "trainer.strategy",
@@ -458,8 +554,10 @@ def shard_models(mesh, policy: nn.Module, critic, ref_model, initial_model, rows
     fsdp2.materialise(base, rows, lambda name: name.replace(".base_layer.", "."))  # a LoRA layer's own linear
     if critic is not None:
         fsdp2.materialise(critic, rows, lambda name: trunk + name.removeprefix("trunk"))
-    for model in filter(None, (ref_model, initial_model)):
-        fsdp2.materialise(model, rows)
+    if ref_model is not None:
+        fsdp2.materialise(ref_model, reference_rows or rows)
+    if initial_model is not None:
+        fsdp2.materialise(initial_model, rows)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,8 @@ One ``training_step`` is one PPO iteration on a batch of prompts x:
 Then the beta controller sees the global mean KL (in its declared unit) and updates beta (and an
 entropy controller, if any, the entropy bonus's coefficient), and the reference update plugin
 may move the reference toward the policy (default ``none``: the reference stays the frozen
-starting policy; ``sync``, ``reset`` or ``ema`` every N iterations).
+starting policy; ``sync``, ``reset`` or ``ema`` every N iterations). ``reference`` names another
+model as the reference instead (a teacher: on-policy distillation; docs/reference.md).
 
 Where things live: the networks (policy, critic, reference, sampling model) and their passes in
 networks.py (``self.networks``), their loading in models.py,
@@ -81,7 +82,9 @@ class PPORLHF(LightningModule):
     The plugins are flat arguments: a registered short name (``k3``, ``adaptive``), a class name or
     ``class_path`` with ``init_args`` (docs/plugins.md). So are the network keys: ``policy``
     (``tiny``, ``smollm2``, a local HF checkpoint folder or a ``.gguf`` file), ``tokenizer`` (default:
-    the policy's own; ``char`` for ``tiny``), ``critic`` (the value head's trunk: a ``separate``
+    the policy's own; ``char`` for ``tiny``), ``reference`` (the model the KL is to: null, the starting
+    policy, or another causal LM with the policy's tokenizer, a checkpoint folder, a ``.gguf`` file or
+    ``smollm2``: a teacher, docs/reference.md), ``critic`` (the value head's trunk: a ``separate``
     copy of the policy's, ``shared`` with it, or ``none`` for the critic-free estimators; null: what
     the advantage estimator needs), ``tiny_config`` (overrides of the ``tiny`` model's LlamaConfig),
     ``seed`` (the ``tiny`` model's initialisation) and ``trust_remote_code``. Every other setting is
@@ -94,6 +97,7 @@ class PPORLHF(LightningModule):
         self,
         policy: str = "tiny",
         tokenizer: Optional[str] = None,
+        reference: Optional[str] = None,
         reward_model: Union[RewardModel, str] = "callable",
         kl_estimator: Union[KLEstimator, str] = "k1",
         beta_controller: Union[BetaController, str] = "fixed",
@@ -135,6 +139,7 @@ class PPORLHF(LightningModule):
         self.reference_update: ReferenceUpdate = plugins["reference_update"]
         self.rollout_engine: RolloutEngine = plugins["rollout_engine"]
         groups.update(args.check_across_groups(critic, groups, plugins))
+        args.check_reference(reference, self.reference_update)
         self.sampling: SamplingArgs = groups["sampling"]
         self.prompts: PromptArgs = groups["prompts"]
         self.kl: KLArgs = groups["kl"]
@@ -143,7 +148,7 @@ class PPORLHF(LightningModule):
         self.lora: LoraArgs = groups["lora"]
         self.runtime: RuntimeArgs = groups["runtime"]
         # The saved hyperparameters: the network keys and each group as plain values, resolved.
-        network = dict(policy=policy, tokenizer=tokenizer, critic=groups["critic"], tiny_config=tiny_config, seed=seed)
+        network = dict(policy=policy, tokenizer=tokenizer, reference=reference, critic=groups["critic"], tiny_config=tiny_config, seed=seed)
         self.save_hyperparameters(
             {**network, "trust_remote_code": trust_remote_code, **{name: dataclasses.asdict(groups[name]) for name in args.GROUPS}}
         )
@@ -154,7 +159,7 @@ class PPORLHF(LightningModule):
         self.kl_ignore_ids = token_ids(self.tokenizer, self.kl.ignore_tokens or [], "each of model.kl.ignore_tokens")
         self.policy: Optional[nn.Module] = None
         self.ref_model: Optional[nn.Module] = None
-        self.initial_model: Optional[nn.Module] = None  # full fine-tuning with a moving reference: pi_0
+        self.initial_model: Optional[nn.Module] = None  # full fine-tuning with a moving or foreign reference: pi_0
         self.reference_updates = 0  # times the reference has moved (checkpointed)
         self.critic: Optional[ValueModel] = None
         self.networks: Optional[Networks] = None  # the part that runs them, once built (configure_model)
@@ -338,7 +343,7 @@ class PPORLHF(LightningModule):
                 with self.networks.reference() as ref:
                     ref_logits = other(ref)
             initial_logits = None
-            if self.reference_update.moves:  # the starting policy, for objective/kl_to_initial
+            if self.networks.initial_is_apart:  # the starting policy, for objective/kl_to_initial
                 with self.networks.initial() as initial:
                     initial_logits = other(initial)
         trajectory = Trajectory(
@@ -529,14 +534,23 @@ class PPORLHF(LightningModule):
         policy, rows = self.load_policy(empty=sharded)
         args.check_context(self.prompts, self.sampling, policy.config, self.longest_prompt)
         self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared", copy_of=copy_of)
+        foreign = self.hparams.reference is not None
         if self.lora.rank > 0:
             self.policy = add_lora(policy, self.lora, self.reference_update.moves)
         else:
             self.policy = policy
-            self.ref_model = frozen_copy(policy, copy_of)
-            self.initial_model = frozen_copy(policy, copy_of) if self.reference_update.moves else None
+            self.ref_model = None if foreign else frozen_copy(policy, copy_of)
+            self.initial_model = frozen_copy(policy, copy_of) if self.reference_update.moves or foreign else None
+        reference_rows = None
+        if foreign:  # a separate frozen model, under LoRA too (the adapter-disabled policy is then pi_0)
+            reference, reference_rows = self.load_reference(empty=sharded)
+            args.check_context(self.prompts, self.sampling, reference.config, self.longest_prompt, "model.reference's")
+            models.check_reference_vocabulary(policy, reference)
+            self.ref_model = frozen_copy(reference, copy_of=lambda model: model)
         if sharded:
-            shard_models(self.device_mesh, self.policy, self.critic, self.ref_model, self.initial_model, rows, lora=self.lora.rank > 0)
+            shard_models(
+                self.device_mesh, self.policy, self.critic, self.ref_model, self.initial_model, rows, self.lora.rank > 0, reference_rows
+            )
         self.networks = Networks(
             self.policy,
             self.critic,
@@ -546,6 +560,7 @@ class PPORLHF(LightningModule):
             shared_prompts=self.runtime.shared_prompts,
             lora=self.lora,
             reference_moves=self.reference_update.moves,
+            foreign_reference=foreign,
             eos_token_id=self.tokenizer.eos_token_id,
             reduce=self._reduce,
         )
@@ -557,6 +572,24 @@ class PPORLHF(LightningModule):
         return models.load_policy(
             hp.policy, self.tokenizer, self.sampling, hp.seed, hp.trust_remote_code, hp.tiny_config, self._trainer, empty
         )
+
+    def load_reference(self, empty: bool = False) -> tuple[nn.Module, fsdp2.Rows]:
+        """The foreign reference network (``model.reference``), unsharded, and where its rows are read from
+        (``models.load_policy``, as the policy's): where a subclass builds another (the lab's teacher)."""
+        hp = self.hparams
+        return models.load_policy(hp.reference, self.tokenizer, self.sampling, hp.seed, hp.trust_remote_code, None, self._trainer, empty)
+
+    def check_reference(self) -> None:
+        """Before any model loads: a foreign ``model.reference`` exists and shares the policy's tokenizer
+        (``models.check_reference_tokenizer``)."""
+        if self.hparams.reference is not None:
+            models.check_reference_tokenizer(self.tokenizer, self.hparams.reference, self.hparams.trust_remote_code)
+
+    def reference_identity(self) -> Optional[dict[str, str]]:
+        """What a checkpoint records of a foreign reference (``checkpoints.save_state``) and a resume compares:
+        its spec and a fingerprint of its files (``models.model_fingerprint``); None for the starting policy."""
+        spec = self.hparams.reference
+        return None if spec is None else {"reference": spec, "fingerprint": models.model_fingerprint(spec)}
 
     def on_train_start(self) -> None:
         # What this rank holds of policy, critic and reference: its shards under FSDP2.
@@ -628,6 +661,7 @@ class PPORLHF(LightningModule):
         if self._trainer is not None:
             gpu.setup(self.trainer, self)
         self.rollout_engine.setup(self)
+        self.check_reference()
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         self.longest_prompt = args.check_setup(self, datamodule, stage)
         if stage == "fit":

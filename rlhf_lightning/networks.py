@@ -6,7 +6,9 @@ models.py; the Lightning hooks are the module's.
 A reference whose weights equal the policy's (iteration 0, right after a sync) computes the policy's
 very function: its forward is skipped and the KL is exactly 0 (``reference_is_policy``). Under LoRA
 the reference is the same weights with the adapter disabled (no second copy in memory), or, when it
-moves, a second frozen adapter.
+moves, a second frozen adapter. A foreign reference (``model.reference``: another model, a teacher) is a
+separate frozen model under LoRA too, and the starting policy is then kept beside it for the drift
+(``initial``).
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ class OldPolicy(NamedTuple):
 
 class Networks:
     """The policy, its critic (None without one), the reference (None when it is the LoRA policy
-    with its adapter disabled or a reference adapter) and the starting policy beside a moving
-    reference (None otherwise), with the passes over them.
+    with its adapter disabled or a reference adapter) and the starting policy beside a moving or
+    foreign reference under full fine-tuning (None otherwise), with the passes over them.
 
     Its inputs are explicit: the sampling settings (temperature, the kept set), ``shared_prompts``,
-    the LoRA settings, whether the reference moves, the EOS token, and ``reduce`` over the ranks
+    the LoRA settings, whether the reference moves, whether it is another model than the starting
+    policy (``foreign_reference``), the EOS token, and ``reduce`` over the ranks
     (the strategy's: FSDP2's ranks agree on the passes they run). The module registers the models
     itself (Lightning's checkpoints, devices and strategies see them there); this part holds them to
     run them."""
@@ -60,12 +63,14 @@ class Networks:
         shared_prompts: bool,
         lora: LoraArgs,
         reference_moves: bool,
+        foreign_reference: bool,
         eos_token_id: int,
         reduce: Reduce,
     ) -> None:
         self.policy, self.critic, self.ref_model, self.initial_model = policy, critic, ref_model, initial_model
         self.sampling, self.shared_prompts, self.lora = sampling, shared_prompts, lora
         self.reference_moves, self.eos_token_id, self.reduce = reference_moves, eos_token_id, reduce
+        self.foreign_reference = foreign_reference
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank."""
@@ -225,9 +230,15 @@ class Networks:
             with self.policy.disable_adapter():
                 yield self.policy
 
+    @property
+    def initial_is_apart(self) -> bool:
+        """Whether the starting policy pi_0 is not the reference (a moving or a foreign one): its own pass
+        gives the drift, ``objective/kl_to_initial``."""
+        return self.reference_moves or self.foreign_reference
+
     @contextlib.contextmanager
     def initial(self):
-        """The starting policy pi_0 beside a moving reference: its frozen copy, or the adapter-disabled LoRA policy."""
+        """The starting policy pi_0 beside a moving or foreign reference: its frozen copy, or the adapter-disabled LoRA policy."""
         if self.initial_model is not None:
             yield self.initial_model
         else:
@@ -240,7 +251,10 @@ class Networks:
         adapter equal to the policy's, or the adapter-disabled reference while the policy's adapter
         is still the identity (every lora_B zero: x + 0 = x exactly). Its log-probs are then the
         policy's own (from the sampler or a forward), so the KL is exactly 0 and no reference
-        forward runs; compared smallest tensors first, so a trained policy differs within a few."""
+        forward runs; compared smallest tensors first, so a trained policy differs within a few. A foreign
+        reference is another model: never (its forward always runs)."""
+        if self.foreign_reference:
+            return False
         if self.ref_model is not None or self.reference_moves:
             pairs = list(zip(*self.reference_parameters(), strict=True))
         else:

@@ -32,7 +32,7 @@ class Trajectory:
     entropy: Tensor  # of pi_old at each response position
     ref_logits: Optional[Tensor] = None  # (batch, response_len, vocab), only when the estimator needs it
     old_logits: Optional[Tensor] = None  # pi_old's, like ref_logits
-    initial_logprobs: Optional[Tensor] = None  # log pi_0, only when the reference moves
+    initial_logprobs: Optional[Tensor] = None  # log pi_0, only when the reference moves or is another model
     initial_logits: Optional[Tensor] = None
     kept: Optional[Tensor] = None  # (batch, response_len, vocab) bool: the sampler's kept set, replayed; None: every token
     is_weights: Optional[Tensor] = None  # the rollout correction's weights (sampling.correction_weights); None: none

@@ -135,6 +135,24 @@ def char_reward(chars: str = "e") -> CallableReward:
     return CallableReward(function="rlhf_lightning_plugins.rewards.toy:char_count", kwargs={"chars": chars})
 
 
+TEACHER_SEED = 7  # a teacher for model.reference: the tiny model from another seed than the policy's 0
+SHARPEN = 30.0  # the teacher's output layer times this: peaked, tens of nats per response from the near-uniform student
+
+
+def save_tiny_teacher(folder, seed: int = TEACHER_SEED, tokenizer=None) -> str:
+    """A tiny random Llama initialised from ``seed``, its output layer times :data:`SHARPEN`, and the character
+    tokenizer (or ``tokenizer``), saved as a checkpoint folder (safetensors) for ``model.reference``."""
+    from rlhf_lightning.models import char_tokenizer, load_causal_lm
+
+    tokenizer = tokenizer or char_tokenizer()
+    model = load_causal_lm("tiny", len(tokenizer), seed)
+    with torch.no_grad():
+        model.lm_head.weight *= SHARPEN
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 def make_module(**overrides) -> PPORLHF:
     """A configured PPORLHF on the tiny model with the char-count reward; ``overrides`` are merged into
     the defaults field by field within a group (``ppo=dict(epochs=1)`` keeps the optimizer's settings;

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from helpers import COMPARED, GLOBAL_BATCH, betas_by_iteration, run_cli
+from helpers import COMPARED, GLOBAL_BATCH, betas_by_iteration, run_cli, save_tiny_teacher
 
 
 def run(root, devices: int, *extra: str):
@@ -95,3 +95,17 @@ def test_two_process_ddp_with_a_moving_reference_holds_the_same_reference_on_eve
         for a, b in zip(single[name], ddp[name], strict=True):
             assert math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-4), (name, single[name], ddp[name])
     assert ddp["objective/kl_to_initial"][-1] > ddp["objective/kl"][-1] > 0  # the reference trails the policy
+
+
+@pytest.mark.convergence
+def test_two_process_ddp_with_a_foreign_reference_logs_what_one_process_logs(tmp_path):
+    """model.reference: a teacher's folder, loaded whole on every rank as a frozen model beside the policy (DDP
+    averages only the trainable gradients): the KL to the teacher and the drift from the starting policy are
+    what one process with the same global batch logs."""
+    teacher = save_tiny_teacher(tmp_path / "teacher")
+    single, _ = run(tmp_path / "single", 1, f"--model.reference={teacher}")
+    ddp, _ = run(tmp_path / "ddp", 2, f"--model.reference={teacher}")
+    assert ddp["objective/kl"][0] > 10 and ddp["objective/kl_to_initial"][0] < 1e-4
+    for name in ("objective/kl", "objective/kl_to_initial", "objective/reward"):
+        for a, b in zip(single[name], ddp[name], strict=True):
+            assert math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-4), (name, single[name], ddp[name])

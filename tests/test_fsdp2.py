@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from helpers import COMPARED, CONFIGS, GLOBAL_BATCH, betas_by_iteration, run_cli
+from helpers import COMPARED, CONFIGS, GLOBAL_BATCH, betas_by_iteration, run_cli, save_tiny_teacher
 from summarize_run import read_scalars
 
 # Greedy rollouts and one minibatch, as in test_ddp, so one process and two see the same batches;
@@ -194,6 +194,24 @@ def test_two_process_fsdp2_moves_a_sharded_reference_as_one_process_moves_the_wh
         for a, b in zip(single[name], fsdp[name], strict=True):
             assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (name, single[name], fsdp[name])
     assert fsdp["objective/kl_to_initial"][-1] > fsdp["objective/kl"][-1] > 0  # the reference trails the policy
+
+
+@pytest.mark.parametrize(
+    "lora", [(), pytest.param(("--model.lora.rank=4", "--model.critic=shared"), marks=pytest.mark.convergence)], ids=["full", "lora"]
+)
+def test_two_process_fsdp2_shards_a_foreign_reference_from_its_own_checkpoint_as_one_process_holds_it_whole(tmp_path, lora):
+    """model.reference: a teacher's safetensors folder. Each rank reads its own rows of the teacher's tensors
+    (built on the meta device, then filled from its file, not from the policy's), so the KL to the teacher and
+    the drift from the starting policy (a sharded frozen copy; under LoRA the adapter-disabled policy) are what
+    one process logs with the whole teacher."""
+    teacher = save_tiny_teacher(tmp_path / "teacher")
+    run(tmp_path / "single", 1, f"--model.reference={teacher}", *lora)
+    run(tmp_path / "fsdp2", 2, f"--model.reference={teacher}", *lora)
+    single, fsdp = scalars(tmp_path / "single"), scalars(tmp_path / "fsdp2")
+    assert fsdp["objective/kl"][0] > 10 and fsdp["objective/kl_to_initial"][0] < 1e-4  # the teacher is far, pi_0 is where it starts
+    for name in ("objective/kl", "objective/kl_to_initial", "objective/reward", "value/loss"):
+        for a, b in zip(single[name], fsdp[name], strict=True):
+            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (name, single[name], fsdp[name])
 
 
 @pytest.mark.convergence

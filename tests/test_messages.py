@@ -127,6 +127,10 @@ def test_a_prompt_and_response_longer_than_the_context_are_refused():
     with pytest.raises(ConfigError, match=r"^a one-token prompt \+ model.sampling.max_new_tokens must be <= 512 .* got '1 \+ 600 = 601'$"):
         check_context(PromptArgs(), SamplingArgs(max_new_tokens=600), config)  # no prompt files: prompts come in batches
     check_context(PromptArgs(), SamplingArgs(), object())  # a config without a context is not checked
+    with pytest.raises(
+        ConfigError, match=r"must be <= 512 positions, model\.reference's context \(its LlamaConfig's max_position_embeddings\)"
+    ):
+        check_context(PromptArgs(), SamplingArgs(max_new_tokens=600), config, whose="model.reference's")  # a teacher's shorter context
 
 
 # --- 7. a reward model that reads only the prompt

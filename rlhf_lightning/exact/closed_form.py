@@ -289,13 +289,19 @@ def length_report(logprobs: Tensor, lengths: Tensor, ended_with_eos: Tensor) -> 
     }
 
 
+def distance_scale(beta: float, j_star: float, rewards: Tensor) -> float:
+    """What turns a KL(pi || target) into the gap's unit, beta / |J*| (J* - J(pi) = beta KL(pi || pi*)); 1 (nats)
+    with a reward of 0 everywhere, where J* = 0 (:func:`optimum_report`)."""
+    return beta / abs(j_star) if rewards.any() else 1.0
+
+
 @dataclass
 class OptimumReport:
     """Exact distances of a policy from the KL-regularised optimum."""
 
     objective: float  # J(pi)
     optimum: float  # J*
-    gap: float  # (J* - J(pi)) / |J*|
+    gap: float  # (J* - J(pi)) / |J*|; NaN with a reward of 0 everywhere (J* = 0: distillation, where kl_to_optimum is the distance)
     kl_to_optimum: float  # E_x KL(pi || pi*)
     kl_to_ref: float  # E_x KL(pi || pi_ref)
     optimum_kl_to_ref: float  # E_x KL(pi* || pi_ref): where an exact learner's KL should land
@@ -311,7 +317,12 @@ def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta
     ``num_tokens`` (responses in the order of :func:`enumerate_responses`) ``fixed_point_distance`` is the same
     distance from the per-token fixed point (:func:`backward_induction`, ``soft=False``), in the same unit: where a
     per-token cell should be 0. Its gap is no such distance: J is not stationary at the fixed point, so the gap of a
-    policy near it moves at first order: a run close to the fixed point can lie much further from its gap."""
+    policy near it moves at first order: a run close to the fixed point can lie much further from its gap.
+
+    With a reward of 0 everywhere (on-policy distillation toward a teacher reference) pi* = pi_ref, J* = 0 and
+    J(pi) = -beta KL(pi || pi_ref): nothing to normalise by, so the gap is NaN and the distance is
+    ``kl_to_optimum`` = ``kl_to_ref`` = KL(pi || pi_ref), in nats; so is ``fixed_point_distance`` (:func:`distance_scale`),
+    the per-token fixed point being pi_ref too."""
     opt = optimal_logprobs(ref_logprobs, rewards, beta)
     j, j_star = objective(logprobs, ref_logprobs, rewards, beta), optimal_objective(ref_logprobs, rewards, beta)
     distance = math.nan
@@ -319,11 +330,11 @@ def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta
         if isinstance(beta, Tensor):
             raise ValueError("optimum_report: the per-token fixed point is computed for one beta, not one per prompt (num_tokens=None)")
         fixed_point = backward_induction(ref_logprobs, rewards, beta, num_tokens, soft=False)
-        distance = beta * kl_divergence(logprobs, fixed_point) / abs(j_star)
+        distance = distance_scale(beta, j_star, rewards) * kl_divergence(logprobs, fixed_point)
     return OptimumReport(
         objective=j,
         optimum=j_star,
-        gap=(j_star - j) / abs(j_star),
+        gap=(j_star - j) / abs(j_star) if rewards.any() else math.nan,
         kl_to_optimum=kl_divergence(logprobs, opt),
         kl_to_ref=kl_divergence(logprobs, ref_logprobs),
         optimum_kl_to_ref=kl_divergence(opt, ref_logprobs),

@@ -97,10 +97,14 @@ class KLToOptimum(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._no_pool or (pl_module.iteration != 0 and self.reference_scores is not None):
             return
-        if pl_module.iteration != 0 or pl_module.reference_update.moves:  # the policy is the reference only at the start
+        # The policy is the reference only at the start, and only when the reference is the starting policy.
+        if pl_module.iteration != 0 or pl_module.networks.initial_is_apart:
             self._no_pool = True
             self._refuse(
-                trainer, pl_module, "no reference pool: the run did not start at iteration 0 with this callback, or the reference moves"
+                trainer,
+                pl_module,
+                "no reference pool: the run did not start at iteration 0 with this callback, or the reference moves or is another "
+                "model (model.reference)",
             )
             return
         if self.reference_scores is None:  # else a pool loaded with load_state_dict: another run's from the same reference

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from rlhf_lightning import args, sampling
+from rlhf_lightning import args, models, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
 from rlhf_lightning.data import PromptTable, prompt_id
@@ -115,6 +115,9 @@ class ExactTask:
 
     ``model_seed`` seeds the tiny model's initialisation, which is the reference pi_ref = pi_0 and so
     part of the task; None (the hand-made tasks) leaves it to the run's seed, as before tasks had one.
+    ``teacher_seed``: the reference is instead a second network of the same shape initialised from this seed
+    (the teacher, ``model.reference``; docs/reference.md), and pi_0 is the policy the first seeds: the optimum
+    is pi* ∝ pi_teacher exp(r / beta), pi_teacher itself with a reward of 0 (on-policy distillation).
     ``position_embedding`` gives the tiny model a learned absolute position embedding, zero at the start
     so pi_ref is unchanged (:class:`PositionEmbedding`).
 
@@ -133,6 +136,7 @@ class ExactTask:
     eos: bool = False
     missing_eos_penalty: Optional[float] = None
     eos_scale: float = 1.0
+    teacher_seed: Optional[int] = None
 
     def __post_init__(self) -> None:
         require(
@@ -153,6 +157,7 @@ class ExactTask:
         eos: bool = False,
         missing_eos_penalty: float = 0.5,
         eos_scale: float = 4.0,
+        teacher_seed: Optional[int] = None,
     ) -> ExactTask:
         """A seeded task whose reward depends on token order (:func:`order_reward`). Per prompt, times
         ``scale``: position weights 0.1 N(0, 1) and sparse transitions, a quarter of the (a, b) pairs
@@ -177,7 +182,11 @@ class ExactTask:
         ``eos=True``: responses end at EOS (:class:`ExactTask`'s ``eos``), the network's EOS logit scaled by
         ``eos_scale`` (its chance to stop then differs by prompt and prefix), responses cut at ``length``
         lose ``missing_eos_penalty``, and the reward gains a length term, ``scale`` N(0, 1) per number of
-        content tokens per prompt: the length the optimum prefers is the task's, not a constant."""
+        content tokens per prompt: the length the optimum prefers is the task's, not a constant.
+
+        ``teacher_seed``: the reference is the teacher, the same network initialised from that seed
+        (:class:`ExactTask`), and the offset centres each prompt's reward under it (J(pi_teacher) = 0); ``scale``
+        0 is a reward of 0 everywhere, where the optimum is the teacher itself."""
         require(
             1 <= num_prompts <= 26 and 1 <= num_tokens <= 26 and length >= 1,
             "a random task's size",
@@ -210,6 +219,7 @@ class ExactTask:
             eos=eos,
             missing_eos_penalty=missing_eos_penalty if eos else None,
             eos_scale=eos_scale if eos else 1.0,
+            teacher_seed=teacher_seed,
         )
         centres = (reference_logprobs(task).exp() * task.rewards()).sum(-1)  # E_ref[r | x] with offset 0
         for prompt, centre in zip(prompts, centres.tolist(), strict=True):
@@ -299,6 +309,8 @@ class ExactTask:
         return DataLoader(batches, batch_size=None, shuffle=False, collate_fn=list)
 
 
+TEACHER_SEED_OFFSET = 1000  # a teacher task's teacher is initialised from its seed + this (its student from the seed)
+
 TASKS = {
     "terminal": ExactTask(),
     "bandit": ExactTask(response_length=1),
@@ -308,16 +320,26 @@ TASKS = {
 }
 
 
+RANDOM_KINDS = ("random", "random-eos", "rare-eos", "teacher", "random-teacher")
+TASK_CHOICES = f"one of {sorted(TASKS)}, " + ", ".join(f"{kind}:SEED" for kind in RANDOM_KINDS)
+
+
 def task_named(name: str) -> ExactTask:
-    """A task of :data:`TASKS` by name, ``random:SEED`` for ``ExactTask.random(SEED)`` or ``random-eos:SEED``
-    for ``ExactTask.random(SEED, eos=True)`` (responses that end at EOS)."""
+    """A task of :data:`TASKS` by name, ``random:SEED`` for ``ExactTask.random(SEED)``, ``random-eos:SEED``
+    for ``ExactTask.random(SEED, eos=True)`` (responses that end at EOS), ``rare-eos:SEED`` (a mode the
+    reference rarely samples), or with a teacher initialised from SEED + :data:`TEACHER_SEED_OFFSET` as the
+    reference: ``teacher:SEED``, a reward of 0 (on-policy distillation: the optimum is the teacher), and
+    ``random-teacher:SEED``, ``random:SEED``'s reward centred under the teacher."""
     kind, _, seed = name.partition(":")
-    if kind in ("random", "random-eos", "rare-eos"):
+    if kind in RANDOM_KINDS:
         require(seed.isdigit(), "a random task", f"{kind}:SEED with SEED a non-negative integer", name)
         if kind == "rare-eos":  # 7-token responses over 2 tokens, a peaked reference, a mode it gives ~0.5%
             return ExactTask.random(int(seed), num_tokens=2, length=7, eos=True, eos_scale=2.0).with_rare_mode(beta=1.0)
+        if kind in ("teacher", "random-teacher"):
+            teacher = int(seed) + TEACHER_SEED_OFFSET
+            return ExactTask.random(int(seed), scale=0.0 if kind == "teacher" else 1.0, teacher_seed=teacher)
         return ExactTask.random(int(seed), eos=kind == "random-eos")
-    require(name in TASKS, "the task", f"one of {sorted(TASKS)}, random:SEED, random-eos:SEED or rare-eos:SEED", name)
+    require(name in TASKS, "the task", TASK_CHOICES, name)
     return TASKS[name]
 
 
@@ -374,7 +396,7 @@ class ExactPPORLHF(PPORLHF):
         **kwargs: Any,
     ) -> None:
         kwargs = args.merge_settings(kwargs)
-        fixed = {"policy", "tokenizer", "reward_model"} & set(kwargs)
+        fixed = {"policy", "tokenizer", "reference", "reward_model"} & set(kwargs)
         own = ("max_new_tokens",) if task.eos else ("max_new_tokens", "min_new_tokens")  # min_new_tokens bans EOS: only with one
         fixed |= {f"sampling.{name}" for name in own if name in kwargs.get("sampling", {})}
         fixed |= {"lora.rank"} if "rank" in kwargs.get("lora", {}) else set()
@@ -395,9 +417,10 @@ class ExactPPORLHF(PPORLHF):
         tiny_config = {**EXACT_TINY_CONFIG, **(kwargs.pop("tiny_config", None) or {})}
         # A task's prompts are 1-2 tokens: sharing them saves nothing and costs a second forward call per pass.
         task_settings = dict(runtime=dict(shared_prompts=False), sampling=dict(max_new_tokens=task.response_length))
-        super().__init__(
-            **args.merge_settings(task_settings, kwargs, dict(policy="tiny", reward_model=task.reward_model(), tiny_config=tiny_config))
-        )
+        networks = dict(policy="tiny", reward_model=task.reward_model(), tiny_config=tiny_config)
+        if task.teacher_seed is not None:  # a foreign reference: built by load_reference, named for the checkpoint
+            networks["reference"] = f"teacher:{task.teacher_seed}"
+        super().__init__(**args.merge_settings(task_settings, kwargs, networks))
         self.task, self.logged = task, logged
         budget_column = getattr(self.beta_controller, "budget_column", None)
         require(
@@ -436,12 +459,31 @@ class ExactPPORLHF(PPORLHF):
 
     def load_policy(self, empty: bool = False):
         policy, rows = super().load_policy(empty)
-        if self.task.position_embedding:  # before the reference and a critic are copied from it
-            PositionEmbedding.attach(policy)
-        if self.task.eos_scale != 1.0:  # the reference's EOS logit, before anyone copies the policy
-            with torch.no_grad():
-                policy.lm_head.weight[self.tokenizer.eos_token_id] *= self.task.eos_scale
+        self._as_task_network(policy)  # before the reference and a critic are copied from it
         return policy, rows
+
+    def load_reference(self, empty: bool = False):
+        """The teacher: the task's network initialised from ``task.teacher_seed``, on the task's tokenizer."""
+        hp = self.hparams
+        teacher, rows = models.load_policy("tiny", self.tokenizer, self.sampling, self.task.teacher_seed, False, hp.tiny_config)
+        self._as_task_network(teacher)
+        return teacher, rows
+
+    def _as_task_network(self, model: nn.Module) -> None:
+        """The task's changes to a freshly initialised tiny Llama: its position embedding, its EOS logit scaled."""
+        if self.task.position_embedding:
+            PositionEmbedding.attach(model)
+        if self.task.eos_scale != 1.0:
+            with torch.no_grad():
+                model.lm_head.weight[self.tokenizer.eos_token_id] *= self.task.eos_scale
+
+    def check_reference(self) -> None:
+        """Nothing to check: the teacher is built on the task's own tokenizer."""
+
+    def reference_identity(self) -> Optional[dict[str, str]]:
+        """The teacher is its seed (``load_reference``): the spec is its own fingerprint."""
+        spec = self.hparams.reference
+        return None if spec is None else {"reference": spec, "fingerprint": spec}
 
     def configure_model(self) -> None:
         if self.policy is not None:

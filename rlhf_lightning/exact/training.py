@@ -29,6 +29,7 @@ from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact.closed_form import (
     backward_induction,
+    distance_scale,
     kl_divergence,
     length_report,
     optimal_logprobs,
@@ -79,7 +80,8 @@ class OptimumTracker(Callback):
     Each row also measures the policy against the iterated optimum pi_k ∝ pi_0 exp(k r / beta), with
     k = 1 + the summed weights alpha of the reference updates before that iteration (k = 1, the
     plain optimum, for a frozen reference): ``k``, ``iterated_gap`` (the gap of J at beta / k with
-    reference pi_0), ``iterated_kl_to_optimum`` = KL(pi || pi_k) and ``kl_to_initial`` = KL(pi || pi_0).
+    reference pi_0), ``iterated_kl_to_optimum`` = KL(pi || pi_k) and ``kl_to_initial`` = KL(pi || pi_0), pi_0 the policy
+    at the start (with a teacher as the reference, ``ExactTask.teacher_seed``, not the reference).
 
     And the recipe's own optimum (:func:`documented_optimum`; NaN where the docs give none):
     ``own_distance`` = beta KL(pi || own) / |J*| (the gap's unit: 0 exactly there) and ``own_gap``, the gap
@@ -97,14 +99,15 @@ class OptimumTracker(Callback):
         self.rows: list[dict[str, float]] = []
         self._logged: list[float] = []
         self._rewards: Optional[Tensor] = None
-        self._initial: Optional[Tensor] = None  # log pi_0: (prompts, responses)
+        self._initial: Optional[Tensor] = None  # log pi_ref at the start: pi_0 unless the reference is a teacher (prompts, responses)
+        self._start: Optional[Tensor] = None  # log pi_0, the policy at the start
         self._ref: Optional[Tensor] = None  # log pi_ref before the iteration
         self._k = 1.0
         self._diff_max = 0.0  # the largest rollout/logprob_diff_max so far: the sampler against the trainer
 
     def on_train_start(self, trainer, pl_module: ExactPPORLHF) -> None:
         self._rewards = pl_module.task.rewards()
-        self._initial = pl_module.exact_ref_logprobs()
+        self._initial, self._start = pl_module.exact_ref_logprobs(), pl_module.exact_logprobs()
         self._ref = self._initial
         self.rows.append(self._row(pl_module, 0, math.nan))
 
@@ -132,7 +135,7 @@ class OptimumTracker(Callback):
         own = None if per_prompt else documented_optimum(pl_module, ref, self._rewards, beta)
         own_distance = own_gap = math.nan
         if own is not None:
-            own_distance = beta * kl_divergence(logprobs, own) / abs(report.optimum)
+            own_distance = distance_scale(beta, report.optimum, self._rewards) * kl_divergence(logprobs, own)
             own_gap = optimum_report(own, ref, self._rewards, beta).gap
         lengths = length_report(logprobs, task.lengths, task.ended_with_eos)
         optimum_lengths = length_report(optimal_logprobs(ref, self._rewards, beta), task.lengths, task.ended_with_eos)
@@ -144,7 +147,7 @@ class OptimumTracker(Callback):
             "k": self._k,
             "iterated_gap": iterated.gap,
             "iterated_kl_to_optimum": iterated.kl_to_optimum,
-            "kl_to_initial": iterated.kl_to_ref,
+            "kl_to_initial": kl_divergence(logprobs, self._start),
             "own_distance": own_distance,
             "own_gap": own_gap,
             **lengths,

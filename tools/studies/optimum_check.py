@@ -8,6 +8,15 @@ closed-form optimum of the KL-regularised objective (see rlhf_lightning/exact/).
 
 ``--task`` names a hand-made task (terminal, bandit) or ``random:SEED``, ``ExactTask.random(SEED)``: 2 prompts,
 4 tokens, responses of 3, a reward that depends on token order and a reference initialised from SEED.
+``teacher:SEED`` and ``random-teacher:SEED`` put a teacher in the reference's place (``model.reference``): the
+same network initialised from SEED + 1000, while the policy starts from SEED's; a reward of 0 (on-policy
+distillation: the optimum is pi_teacher, the gap NaN and KL(pi || pi_teacher) the distance) or random:SEED's
+reward centred under the teacher (the optimum pi* ∝ pi_teacher exp(r / beta)). Their last line reads
+
+    TEACHER task=<task> seed=<seed> kl_to_teacher_start=<KL(pi_0||T)> kl_to_teacher=<KL(pi||T)> kl_to_opt=<KL(pi||pi*)> gap=<gap> ...
+
+(``teacher:SEED``'s NaN gap keeps it out of ``--matrix``, and both out of ``--tabular``, whose table starts at pi_ref.)
+
 Each kind of task has its own defaults for what the command line leaves out (:data:`TASK_SETTINGS`:
 beta 0.5, 100 iterations of 48 responses in 2 minibatches per epoch, 4 per prompt without a critic, the lr
 decayed to 1/10, hand-made; beta 1, 384 responses per iteration and 8 optimizer steps each (8 minibatches
@@ -131,7 +140,6 @@ from pathlib import Path
 from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact import (
-    TASKS,
     OptimumTracker,
     expected_train,
     optimum_report,
@@ -143,6 +151,7 @@ from rlhf_lightning.exact import (
     task_named,
     train,
 )
+from rlhf_lightning.exact.tasks import RANDOM_KINDS, TASK_CHOICES
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta, PromptBudgetBeta
@@ -175,7 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="+",
         default=["terminal"],
         help="terminal: 3 prompts, 3-token responses over 3 tokens, reward = count of the prompt's letter; "
-        "bandit: the same with 1-token responses; random:SEED: ExactTask.random(SEED) (default terminal)",
+        "bandit: the same with 1-token responses; random:SEED: ExactTask.random(SEED); teacher:SEED: random:SEED's network "
+        "learns a teacher (another seed's) with a reward of 0, random-teacher:SEED with random:SEED's reward (default terminal)",
     )
     parser.add_argument("--kl-penalty", choices=("reward", "loss", "both"), default="reward", help="where beta * KL goes")
     parser.add_argument("--no-whiten", action="store_true", help="do not whiten advantages (gae)")
@@ -275,6 +285,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         if given:
             parser.error(f"{', '.join(given)}: only with --matrix (one run without it reads none of them)")
     args.tabular_lr = args.tabular_lr or 0.05
+    distillation = [name for name in args.task if name.startswith("teacher:")]
+    if args.matrix and distillation:
+        parser.error(
+            f"--matrix: not with {distillation[0]} (a reward of 0: J* = 0 and the gap the matrix compares is NaN; its distance is "
+            "KL(pi || pi_teacher): run its cells one at a time, or random-teacher:SEED in the matrix)"
+        )
+    if args.tabular and any(name.startswith(("teacher:", "random-teacher:")) for name in args.task):
+        parser.error(
+            "--tabular: not with a teacher task (exact.sampled_ppo starts the table at pi_ref, and a teacher task's policy starts elsewhere)"
+        )
     for name, epochs in itertools.product(args.task, args.epochs if args.matrix else [args.ppo_epochs]):
         updates = task_settings(args, name)["updates"]
         if updates is not None and updates % epochs:
@@ -413,13 +433,14 @@ def _task(name: str) -> str:
         elif not name.split(":", 1)[1].isdigit():
             raise ValueError
     except Exception:
-        raise argparse.ArgumentTypeError(f"{name!r} is not one of {sorted(TASKS)}, random:SEED, random-eos:SEED or rare-eos:SEED") from None
+        raise argparse.ArgumentTypeError(f"{name!r} is not {TASK_CHOICES}") from None
     return name
 
 
 def _random(name: str) -> bool:
-    """Whether ``name`` is a random task: ``random:SEED`` (fixed length), ``random-eos:SEED`` or ``rare-eos:SEED`` (ending at EOS)."""
-    return name.startswith(("random:", "random-eos:", "rare-eos:"))
+    """Whether ``name`` is a random task: ``random:SEED`` (fixed length), ``random-eos:SEED`` or ``rare-eos:SEED`` (ending at
+    EOS), ``teacher:SEED`` or ``random-teacher:SEED`` (a teacher as the reference)."""
+    return name.startswith(tuple(f"{kind}:" for kind in RANDOM_KINDS))
 
 
 def recipe_settings(
@@ -533,11 +554,25 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
         )
     if module.truncates:
         print(kept_line(module, last), flush=True)
+    if task.teacher_seed is not None:
+        print(teacher_line(name, seed, tracker), flush=True)
     if args.reference != "none":
         print_iterated(tracker.rows)
     if args.kl_budgets is not None:
         print(budget_line(name, seed, module, last), flush=True)
     return last["gap"]
+
+
+def teacher_line(name: str, seed: int, tracker: OptimumTracker) -> str:
+    """The TEACHER line of a task whose reference is a teacher (``teacher:SEED``, ``random-teacher:SEED``): the exact
+    KL(pi || pi_teacher) at the start and at the end, and KL(pi || pi*), pi* ∝ pi_teacher exp(r / beta) (pi_teacher
+    itself with a reward of 0, where the gap is NaN and this KL, in nats, is the distance)."""
+    first, last = tracker.rows[0], tracker.last
+    return (
+        f"TEACHER task={name} seed={seed} kl_to_teacher_start={first['kl_to_ref']:.4f} kl_to_teacher={last['kl_to_ref']:.4f} "
+        f"kl_to_opt={last['kl_to_optimum']:.4f} gap={last['gap']:.4f} optimum_kl_to_teacher={last['optimum_kl_to_ref']:.4f} "
+        f"kl_to_initial={last['kl_to_initial']:.4f}"
+    )
 
 
 def kept_line(module, last: dict) -> str:
