@@ -57,6 +57,7 @@ from rlhf_lightning.data import encode_prompts, token_ids
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
     BetaController,
+    Divergence,
     KLEstimator,
     LossAggregation,
     PolicyLoss,
@@ -95,6 +96,7 @@ class PPORLHF(LightningModule):
         tokenizer: Optional[str] = None,
         reward_model: Union[RewardModel, str] = "callable",
         kl_estimator: Union[KLEstimator, str] = "k1",
+        divergence: Union[Divergence, str] = "reverse_kl",
         beta_controller: Union[BetaController, str] = "fixed",
         advantage_estimator: Union[AdvantageEstimator, str] = "gae",
         policy_loss: Union[PolicyLoss, str] = "ppo_clip",
@@ -125,6 +127,7 @@ class PPORLHF(LightningModule):
         plugins = args.build_plugins(plugin_specs, groups["ppo"])
         self.reward_model: RewardModel = plugins["reward_model"]
         self.kl_estimator: KLEstimator = plugins["kl_estimator"]
+        self.divergence: Divergence = plugins["divergence"]
         self.beta_controller: BetaController = plugins["beta_controller"]
         self.advantage_estimator: AdvantageEstimator = plugins["advantage_estimator"]
         self.policy_loss: PolicyLoss = plugins["policy_loss"]
@@ -217,9 +220,12 @@ class PPORLHF(LightningModule):
 
     def score(self, rollout: Trajectory, beta: float) -> Scored:
         """r_RM from the reward backend, the per-token KL estimate, and the per-token rewards
-        R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in the reward).
-        A non-finite reward or KL on any rank is a fault, named in ``Scored.fault``."""
+        R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in the reward); with a
+        sequence-level divergence R_t = (r_RM - beta f'(u)) * 1[t = T], u the response's probability ratio
+        to the reference (``divergence_terms``). A non-finite reward, KL or penalty on any rank is a fault,
+        named in ``Scored.fault``."""
         kl, raw_scores, fault = self.kl_per_token(rollout), None, None
+        penalty, divergence = self.divergence_terms(rollout, kl)
         try:
             with gpu.no_autocast(self.device):
                 raw_scores = self.reward_model.checked_scores(rollout.prompts, rollout.response_texts)
@@ -228,11 +234,26 @@ class PPORLHF(LightningModule):
         if fault is None and not torch.isfinite(kl).all():
             bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
             fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()} (beta {beta})"
+        if fault is None and penalty is not None and not torch.isfinite(penalty).all():
+            bad = (~torch.isfinite(penalty)).nonzero().flatten().tolist()
+            fault = f"the {type(self.divergence).__name__} penalty f'(u) is not finite for responses {bad}: {penalty[bad].tolist()} (beta {beta})"
         if self.networks.any_rank(fault is not None):
-            return Scored(kl, raw_scores, fault=fault or "a non-finite reward or KL on another rank")
-        scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce)
-        kl_in_reward = kl if self.kl.in_reward else torch.zeros_like(kl)
-        return Scored(kl, raw_scores, scores, pm.token_rewards(scores.to(self.device), kl_in_reward, rollout.response_mask, beta))
+            return Scored(kl, raw_scores, fault=fault or "a non-finite reward, KL or penalty on another rank")
+        scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce).to(self.device)
+        kl_in_reward = kl if self.kl.in_reward and penalty is None else torch.zeros_like(kl)
+        penalised = scores if penalty is None else scores - beta * penalty.to(scores.dtype)
+        rewards = pm.token_rewards(penalised, kl_in_reward, rollout.response_mask, beta)
+        return Scored(kl, raw_scores, scores, rewards, divergence=divergence)
+
+    def divergence_terms(self, rollout: Trajectory, kl: Tensor) -> tuple[Optional[Tensor], Tensor]:
+        """``(penalty, value)`` per response (batch,): the sequence-level penalty f'(u) (None for the reverse KL,
+        whose penalty is the per-token ``kl``) and the divergence's value from this sample, f(u) / u (its batch
+        mean estimates D_f: ``objective/divergence``; the reverse KL's is the KL estimate's sum, ``objective/kl``),
+        with log u = sum_t log pi_old(y_t) - log pi_ref(y_t) over the response, in float64."""
+        if self.divergence.per_token:
+            return None, kl.sum(-1)
+        log_u = pm.masked_select(rollout.trainer_logprobs.double() - rollout.ref_logprobs.double(), rollout.response_mask).sum(-1)
+        return self.divergence.f_prime(log_u), self.divergence.value(log_u)
 
     def skip_iteration(self, rollout: Trajectory, scored: Scored) -> IterationOutputs:
         """Count a faulty iteration (weights untouched) and log it as skipped, without stale metrics."""
@@ -244,8 +265,8 @@ class PPORLHF(LightningModule):
         """The beta controller sees the global mean KL in its unit; an entropy controller, if any,
         the entropy (see ``_update_entropy_controller``)."""
         n_samples = int(metrics["response/count"])
-        unit = self.beta_controller.unit
-        self.beta_controller.update(metrics["objective/kl" if unit == "sequence_sum" else "objective/kl_per_token"], n_samples=n_samples)
+        unit = self.beta_controller.unit  # sequence_sum: the divergence's value (the KL's, under the reverse KL)
+        self.beta_controller.update(metrics["objective/divergence" if unit == "sequence_sum" else "objective/kl_per_token"], n_samples=n_samples)
         if self.entropy_controller is not None:
             metrics["objective/entropy_coef"] = self.entropy_controller.beta
             self._update_entropy_controller(metrics, n_samples)
@@ -662,9 +683,10 @@ class PPORLHF(LightningModule):
         kl_seq = kl.sum(-1)
         counts = [torch.tensor(float(len(raw_scores)), device=self.device), raw_scores.to(self.device).sum(), scores.to(self.device).sum()]
         sums = [kl_seq.sum(), kl.sum(), mask.sum(), (rollout.entropy * mask).sum(), rollout.ended_with_eos.float().sum()]
-        totals = self._reduce(torch.stack(counts + sums).double())
-        n, reward, reward_trained, kl_total, kl_tokens, n_tokens, entropy, n_eos = totals.tolist()
-        kl_mean = kl_total / n
+        sums.append(kl_seq.sum() if self.divergence.per_token else scored.divergence.sum())  # the rollout correction weighs the KL's
+        totals = self._reduce(torch.stack([t.double() for t in counts + sums]))
+        n, reward, reward_trained, kl_total, kl_tokens, n_tokens, entropy, n_eos, divergence_total = totals.tolist()
+        kl_mean, divergence = kl_total / n, divergence_total / n
         kl_to_initial = kl_mean  # the same estimate against pi_0, which is the reference unless it moves
         if rollout.initial_logprobs is not None:
             kl_to_initial = float(self._reduce(self.kl_per_token(rollout, to_initial=True).sum().double().to(self.device))) / n
@@ -681,8 +703,9 @@ class PPORLHF(LightningModule):
             "objective/kl_max": float(self._reduce(kl_seq.max().double(), op="max")),
             "objective/kl_to_initial": kl_to_initial,
             "reference/updates": float(self.reference_updates),
-            "objective/non_score_reward": -beta * kl_mean,
-            "objective/net": reward / n - beta * kl_mean,
+            "objective/divergence": divergence,
+            "objective/non_score_reward": -beta * divergence,
+            "objective/net": reward / n - beta * divergence,
             "objective/entropy": entropy / n_tokens,
             "objective/beta": beta,
             **({"objective/kl_target": float(self.beta_controller.target)} if hasattr(self.beta_controller, "target") else {}),
@@ -715,11 +738,13 @@ class PPORLHF(LightningModule):
         with gpu.no_autocast(self.device):
             raw_scores, _ = self.reward_model(rollout.prompts, rollout.response_texts, rollout.ended_with_eos, update_stats=False)
         reward = raw_scores.mean().item()
-        kl = self.kl_per_token(rollout).sum(-1).mean().item()
+        kl_tokens = self.kl_per_token(rollout)
+        kl, divergence = kl_tokens.sum(-1).mean().item(), self.divergence_terms(rollout, kl_tokens)[1].mean().item()
         metrics = {
             f"{stage}/reward": reward,
             f"{stage}/kl": kl,
-            f"{stage}/net": reward - self.beta_controller.beta * kl,
+            f"{stage}/divergence": divergence,
+            f"{stage}/net": reward - self.beta_controller.beta * divergence,
             f"{stage}/length": rollout.response_mask.sum(-1).mean().item(),
         }
         self.log_dict(metrics, batch_size=len(prompts), sync_dist=True)

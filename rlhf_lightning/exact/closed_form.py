@@ -37,7 +37,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from rlhf_lightning.exact.f_divergence import divergence_objective, divergence_optimal_logprobs
 from rlhf_lightning.exact.tabular import expected_log_ratio, log_normalise, reward_to_go, sum_after
+from rlhf_lightning.interfaces import Divergence
 
 
 def log_partition(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Tensor:
@@ -266,14 +268,38 @@ class OptimumReport:
     fixed_point_distance: float = math.nan  # beta E_x KL(pi || per-token fixed point) / |J*| (given num_tokens)
 
 
-def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: float, num_tokens: Optional[int] = None) -> OptimumReport:
+def optimum_report(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    rewards: Tensor,
+    beta: float,
+    num_tokens: Optional[int] = None,
+    divergence: Optional[Divergence] = None,
+) -> OptimumReport:
     """Every exact quantity of ``logprobs`` against the optimum defined by ``ref_logprobs``, ``rewards``, ``beta``.
+
+    With a sequence-level ``divergence`` (not the reverse KL) the objective, the optimum and the gap are J_f's
+    (:mod:`~rlhf_lightning.exact.f_divergence`), ``kl_to_optimum`` KL(pi || pi*_f) (infinite where pi*_f drops a
+    response pi keeps), the KLs to the reference still KL(. || pi_ref), and no per-token fixed point (NaN).
 
     The gap is a distance: J* - J(pi) = beta KL(pi || pi*) for every pi, so gap = beta KL(pi || pi*) / |J*|. With
     ``num_tokens`` (responses in the order of :func:`enumerate_responses`) ``fixed_point_distance`` is the same
     distance from the per-token fixed point (:func:`backward_induction`, ``soft=False``), in the same unit: where a
     per-token cell should be 0. Its gap is no such distance: J is not stationary at the fixed point, so the gap of a
     policy near it moves at first order: a run close to the fixed point can lie much further from its gap."""
+    if divergence is not None and not divergence.per_token:
+        opt = divergence_optimal_logprobs(ref_logprobs, rewards, beta, divergence)
+        j = divergence_objective(logprobs, ref_logprobs, rewards, beta, divergence)
+        j_star = divergence_objective(opt, ref_logprobs, rewards, beta, divergence)
+        return OptimumReport(
+            objective=j,
+            optimum=j_star,
+            gap=(j_star - j) / abs(j_star),
+            kl_to_optimum=kl_divergence(logprobs, opt),
+            kl_to_ref=kl_divergence(logprobs, ref_logprobs),
+            optimum_kl_to_ref=kl_divergence(opt, ref_logprobs),
+            reward=expected_reward(logprobs, rewards),
+        )
     opt = optimal_logprobs(ref_logprobs, rewards, beta)
     j, j_star = objective(logprobs, ref_logprobs, rewards, beta), optimal_objective(ref_logprobs, rewards, beta)
     distance = math.nan

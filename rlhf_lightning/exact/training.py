@@ -35,6 +35,7 @@ from rlhf_lightning.exact.closed_form import (
     optimum_report,
     weighted_fixed_point,
 )
+from rlhf_lightning.exact.f_divergence import divergence_optimal_logprobs
 from rlhf_lightning.exact.tabular import conditional_tables, enumerate_responses, prefix_index, reward_to_go
 from rlhf_lightning.exact.tasks import ExactPPORLHF, ExactTask
 from rlhf_lightning.module import Trajectory
@@ -57,6 +58,8 @@ def documented_optimum(module: ExactPPORLHF, ref_logprobs: Tensor, rewards: Tens
     (``length_weighted``, the KL in the loss and a critic-free estimator with a mean baseline); None where
     the docs compute none (a biased recipe, a weighted one with a critic or with ``both``)."""
     recipe, task = recipe_class(module), module.task
+    if not module.divergence.per_token:  # the sequence-level penalty in the reward: the score-function gradient of J_f
+        return divergence_optimal_logprobs(ref_logprobs, rewards, beta, module.divergence)
     if recipe == "unbiased":
         return optimal_logprobs(ref_logprobs, rewards, beta)
     if recipe == "per_token":
@@ -121,15 +124,17 @@ class OptimumTracker(Callback):
         # With top_k / top_p the optimum is that of the declared objective at the policy's own kept sets.
         ref = pl_module.exact_ref_logprobs() if pl_module.truncates else self._ref
         task = pl_module.task
-        report = optimum_report(logprobs, ref, self._rewards, beta, task.num_symbols)
-        iterated = optimum_report(logprobs, self._initial, self._rewards, beta / self._k)
+        divergence = pl_module.divergence
+        report = optimum_report(logprobs, ref, self._rewards, beta, None if not divergence.per_token else task.num_symbols, divergence)
+        iterated = optimum_report(logprobs, self._initial, self._rewards, beta / self._k, divergence=divergence)
         own = documented_optimum(pl_module, ref, self._rewards, beta)
         own_distance = own_gap = math.nan
         if own is not None:
             own_distance = beta * kl_divergence(logprobs, own) / abs(report.optimum)
             own_gap = optimum_report(own, ref, self._rewards, beta).gap
         lengths = length_report(logprobs, task.lengths, task.ended_with_eos)
-        optimum_lengths = length_report(optimal_logprobs(ref, self._rewards, beta), task.lengths, task.ended_with_eos)
+        optimum = divergence_optimal_logprobs(ref, self._rewards, beta, divergence)
+        optimum_lengths = length_report(optimum, task.lengths, task.ended_with_eos)
         return {
             "iteration": iteration,
             **vars(report),
