@@ -266,7 +266,9 @@ class PPORLHF(LightningModule):
         the entropy (see ``_update_entropy_controller``)."""
         n_samples = int(metrics["response/count"])
         unit = self.beta_controller.unit  # sequence_sum: the divergence's value (the KL's, under the reverse KL)
-        self.beta_controller.update(metrics["objective/divergence" if unit == "sequence_sum" else "objective/kl_per_token"], n_samples=n_samples)
+        self.beta_controller.update(
+            metrics["objective/divergence" if unit == "sequence_sum" else "objective/kl_per_token"], n_samples=n_samples
+        )
         if self.entropy_controller is not None:
             metrics["objective/entropy_coef"] = self.entropy_controller.beta
             self._update_entropy_controller(metrics, n_samples)

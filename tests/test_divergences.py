@@ -77,7 +77,9 @@ def test_the_reverse_kl_optimum_is_exact_optimal_logprobs():
     reverse = divergence_named("reverse_kl")
     ref, rewards = bandit_and_tilted_tables()
     for beta in (0.3, 1.0, 4.0):
-        torch.testing.assert_close(divergence_optimal_logprobs(ref, rewards, beta, reverse), optimal_logprobs(ref, rewards, beta), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            divergence_optimal_logprobs(ref, rewards, beta, reverse), optimal_logprobs(ref, rewards, beta), rtol=0, atol=1e-12
+        )
         assert divergence_optimal_objective(ref, rewards, beta, reverse) == pytest.approx(optimal_objective(ref, rewards, beta), abs=1e-12)
 
 
@@ -132,7 +134,7 @@ def test_the_alpha_family_meets_its_limits_and_chi2():
     """alpha -> 0 is the reverse KL's optimum, alpha -> 1 the forward KL's, and alpha = -1 at beta is chi2 at beta / 2
     (f_{-1}(u) = (u - 1)^2 / 2)."""
     ref, rewards = bandit_and_tilted_tables(seed=2)
-    at = lambda spec, beta=1.0: divergence_optimal_logprobs(ref, rewards, beta, divergence_named(spec))  # noqa: E731
+    at = lambda spec, beta=1.0: divergence_optimal_logprobs(ref, rewards, beta, divergence_named(spec))
     torch.testing.assert_close(at("alpha:1e-7"), at("reverse_kl"), rtol=0, atol=1e-5)
     torch.testing.assert_close(at("alpha:0.9999999"), at("forward_kl"), rtol=0, atol=1e-5)
     torch.testing.assert_close(at("alpha:-1", 1.0), at("chi2", 0.5), rtol=0, atol=1e-12)
@@ -252,7 +254,7 @@ def test_every_divergence_optimum_lies_on_or_below_the_reverse_kl_frontier(tmp_p
     ref, rewards = reference_logprobs(task), task.rewards()
     assert len(rows) == 80
     for row in rows[::3]:
-        name, beta, kl, reward = row.split(",")
+        name, _, kl, reward = row.split(",")
         best = fr.frontier_reward(ref, rewards, float(kl))
         assert float(reward) <= best + 1e-9
         if name == "reverse_kl":

@@ -35,10 +35,10 @@ from rlhf_lightning.exact.closed_form import (
     weighted_fixed_point,
 )
 from rlhf_lightning.exact.f_divergence import (
-    divergence_objective,
-    divergence_optimal_logprobs,
     divergence_label,
     divergence_named,
+    divergence_objective,
+    divergence_optimal_logprobs,
     divergence_optimal_objective,
     divergence_value,
 )

@@ -466,7 +466,9 @@ class ExactPPORLHF(PPORLHF):
     def exact_report(self, rewards: Optional[Tensor] = None) -> OptimumReport:
         """The policy's exact distances from the optimum of its divergence at the current (fixed) beta."""
         rewards = self.task.rewards() if rewards is None else rewards
-        return optimum_report(self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.beta_controller.beta, divergence=self.divergence)
+        return optimum_report(
+            self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.beta_controller.beta, divergence=self.divergence
+        )
 
     def kept_report(self) -> dict[str, float]:
         """What the policy's kept sets (top_k / top_p) leave of the task, means over the prompts: the

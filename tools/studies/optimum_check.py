@@ -441,7 +441,9 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int, divergence:
     final gap, to the divergence's own optimum (J*_f)."""
     settings, sequence_level = task_settings(args, name), not divergence_named(divergence).per_token
     if not sequence_level:  # the per-token fixed point is the reverse KL's
-        print(f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True)
+        print(
+            f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True
+        )
     print(f"{'iter':>5} {'J':>8} {'J*':>8} {'gap':>8} {'kl_to_opt':>10} {'kl_ref_exact':>13} {'kl_ref_logged':>14}")
     start = time.perf_counter()
     module, tracker = train(
