@@ -85,7 +85,11 @@ class OptimumTracker(Callback):
     And the recipe's own optimum (:func:`documented_optimum`; NaN where the docs give none):
     ``own_distance`` = beta KL(pi || own) / |J*| (the gap's unit: 0 exactly there) and ``own_gap``, the gap
     of the own optimum itself (0 for pi*); lengths: ``mean_length`` and ``truncated`` (the share cut
-    without EOS) of pi, ``optimum_mean_length`` and ``optimum_truncated`` of pi*."""
+    without EOS) of pi, ``optimum_mean_length`` and ``optimum_truncated`` of pi*.
+
+    With a sequence-level ``model.divergence`` (not the reverse KL) the objective, optimum and gap are J_f's and
+    pi* is pi*_f (``exact.divergence_optimal_logprobs``); the iterated optimum's theory is the reverse KL's, so its
+    columns mean something there only with a frozen reference (k = 1, where they repeat the plain ones)."""
 
     READS = ("objective/kl", "rollout/logprob_diff_max")  # the logged metrics it reads (ExactPPORLHF's ``logged``)
 
