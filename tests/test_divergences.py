@@ -274,3 +274,12 @@ def test_ppo_with_a_sequence_level_divergence_reaches_its_own_optimum(spec, caps
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("OPTIMUM "))
     fields = dict(item.split("=", 1) for item in line.split()[1:])
     assert fields["divergence"] == spec and float(fields["gap"]) < 0.02, line
+
+
+def test_the_kl_optimum_meter_refuses_a_sequence_level_divergence():
+    """KLToOptimum measures the distance to the KL's optimum pi_beta: with chi2 it would measure the wrong optimum."""
+    from rlhf_lightning.exact import KLToOptimum
+
+    module = make_module(divergence="chi2")
+    with pytest.raises(ConfigError, match=r"^model\.divergence must be reverse_kl with the KLToOptimum callback .*, got ChiSquared$"):
+        KLToOptimum().setup(None, module, "fit")

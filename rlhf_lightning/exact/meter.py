@@ -84,6 +84,15 @@ class KLToOptimum(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts, self.reference_scores = state["prompts"], state["reference_scores"]
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        divergence = getattr(pl_module, "divergence", None)
+        require(
+            divergence is None or divergence.per_token,
+            "model.divergence",
+            "reverse_kl with the KLToOptimum callback (it measures the distance to pi_beta ∝ pi_ref exp(r / beta), the KL's optimum)",
+            type(divergence).__name__,
+        )
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._no_pool or (pl_module.iteration != 0 and self.reference_scores is not None):
             return
