@@ -281,5 +281,5 @@ def test_the_kl_optimum_meter_refuses_a_sequence_level_divergence():
     from rlhf_lightning.exact import KLToOptimum
 
     module = make_module(divergence="chi2")
-    with pytest.raises(ConfigError, match=r"^model\.divergence must be reverse_kl with the KLToOptimum callback .*, got ChiSquared$"):
+    with pytest.raises(ConfigError, match=r"^model\.divergence must be reverse_kl with the KLToOptimum callback .*, got 'ChiSquared'$"):
         KLToOptimum().setup(None, module, "fit")
