@@ -262,8 +262,9 @@ class PPORLHF(LightningModule):
         return {"rollout": rollout, "kl": scored.kl, "scores": scored.raw_scores, "metrics": {}, "skipped": True}
 
     def update_controllers(self, metrics: dict[str, float]) -> None:
-        """The beta controller sees the global mean KL in its unit; an entropy controller, if any,
-        the entropy (see ``_update_entropy_controller``)."""
+        """The beta controller sees the global mean divergence (``objective/divergence``: the KL under the reverse
+        KL, the default) or, with unit ``token_mean``, the KL per token; an entropy controller, if any, the entropy
+        (see ``_update_entropy_controller``)."""
         n_samples = int(metrics["response/count"])
         unit = self.beta_controller.unit  # sequence_sum: the divergence's value (the KL's, under the reverse KL)
         self.beta_controller.update(
