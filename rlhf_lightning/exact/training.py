@@ -135,7 +135,7 @@ class OptimumTracker(Callback):
         own_distance = own_gap = math.nan
         if own is not None:
             own_distance = beta * kl_divergence(logprobs, own) / abs(report.optimum)
-            own_gap = optimum_report(own, ref, self._rewards, beta).gap
+            own_gap = optimum_report(own, ref, self._rewards, beta, divergence=divergence).gap
         lengths = length_report(logprobs, task.lengths, task.ended_with_eos)
         optimum = divergence_optimal_logprobs(ref, self._rewards, beta, divergence)
         optimum_lengths = length_report(optimum, task.lengths, task.ended_with_eos)

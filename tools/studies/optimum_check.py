@@ -443,7 +443,8 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int, divergence:
     settings, sequence_level = divergence_settings(args, task_settings(args, name), divergence), not divergence_named(divergence).per_token
     if sequence_level:
         batch_size = recipe_value(settings, "batch_size", args.advantage[0], args.kl_penalty, args.kl_loss_scope)
-        print(f"RECIPE divergence={divergence} batch_size={batch_size}", flush=True)
+        iterations = iterations_of(settings, args.advantage[0], args.kl_penalty, args.kl_loss_scope)
+        print(f"RECIPE divergence={divergence} batch_size={batch_size} iterations={iterations}", flush=True)
     if not sequence_level:  # the per-token fixed point is the reverse KL's
         print(
             f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True
@@ -579,8 +580,10 @@ TASK_SETTINGS["random-eos"] = {
 # Each divergence's recommended recipe where it differs from the reverse KL's (k1 in the reward, gae), for what the
 # command line leaves out. forward_kl's penalty beta / u is heavy-tailed where the policy gives a response far less
 # than the reference does: with 384 responses per iteration random:1 stopped 0.0201 from its J*_f (0.0372 after 300
-# iterations, 0.0325 unwhitened: noise, not bias), with 1536 at 0.0127 (docs/divergences.md).
-DIVERGENCE_SETTINGS = {"forward_kl": {"batch_size": 1536}}
+# iterations, 0.0325 unwhitened: noise, not bias), with 1536 at 0.0127. chi2's optimum drops responses (u = 0), which a
+# softmax policy approaches at a rate that falls with their probability: random:3 stopped 0.0347 short after 150
+# iterations of 384, 0.0155 with 1536, 0.0081 after 300 iterations of 384 (docs/divergences.md).
+DIVERGENCE_SETTINGS = {"forward_kl": {"batch_size": 1536}, "chi2": {"iterations": 300}}
 
 
 def divergence_settings(args: argparse.Namespace, settings: dict, divergence: str) -> dict:
