@@ -3,6 +3,7 @@
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
     BetaController,
+    Divergence,
     KLEstimator,
     LossAggregation,
     PolicyLoss,
@@ -15,6 +16,7 @@ from rlhf_lightning.registry import load_plugins, register, register_kind
 __all__ = [
     "AdvantageEstimator",
     "BetaController",
+    "Divergence",
     "KLEstimator",
     "LossAggregation",
     "PolicyLoss",

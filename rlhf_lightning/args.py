@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lightning.checks import ConfigError, require, require_number
-from rlhf_lightning.interfaces import KLEstimator, LossAggregation, PerPromptBetaController
+from rlhf_lightning.interfaces import Divergence, KLEstimator, LossAggregation, PerPromptBetaController
 from rlhf_lightning.registry import registry
 
 # Arguments that name plugins: built here, kept out of the saved hyperparameters (the config
@@ -28,6 +28,7 @@ from rlhf_lightning.registry import registry
 PLUGIN_ARGUMENTS = {
     "reward_model": "reward_model",
     "kl_estimator": "kl_estimator",
+    "divergence": "divergence",
     "beta_controller": "beta_controller",
     "advantage_estimator": "advantage_estimator",
     "policy_loss": "policy_loss",
@@ -378,7 +379,8 @@ def build_plugins(args: dict[str, Any], ppo: PPOArgs) -> dict[str, Any]:
     def build(name: str):
         return registry(PLUGIN_ARGUMENTS[name]).build(args[name], f"model.{name}")
 
-    plugins = {name: build(name) for name in ("reward_model", "kl_estimator", "beta_controller", "advantage_estimator", "policy_loss")}
+    kinds = ("reward_model", "kl_estimator", "divergence", "beta_controller", "advantage_estimator", "policy_loss")
+    plugins = {name: build(name) for name in kinds}
     plugins["loss_aggregation"] = _loss_aggregation(args["loss_aggregation"], plugins)
     coef = ppo.entropy_coef
     require(not (coef and args["entropy_controller"] is not None), "model.ppo.entropy_coef", "0 when model.entropy_controller is set", coef)
@@ -472,8 +474,11 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
             f"model.sampling.temperature {sampling.temperature} with model.advantage_estimator {estimator}: below {GREEDY_TEMPERATURE} "
             "the responses of a group are mostly identical, so are their rewards, and their advantages are 0 (nothing is learnt from them)"
         )
+    check_divergence(plugins["divergence"], kl, sampling, plugins["beta_controller"])
     aggregation = aggregation_name(plugins["loss_aggregation"])
+    # A sequence-level divergence's penalty is its own (a score-function reward); the KL estimator only measures.
     recipe, reason = kl_recipe(kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)
+    recipe = recipe if plugins["divergence"].per_token else "unbiased"
     if recipe == "length_weighted" and sampling.max_new_tokens > 1:
         rank_zero_warn(
             f"model.loss_aggregation {aggregation} with model.kl.placement {kl.placement}: {reason}, so where responses end at "
@@ -531,6 +536,48 @@ def check_reference(reference: Optional[str], reference_update: Any) -> None:
         "reference would stop being that model at its first move; to regularise toward a moving copy of the policy, "
         "leave model.reference null)",
         type(reference_update).__name__,
+    )
+
+
+def check_divergence(divergence: Divergence, kl: KLArgs, sampling: SamplingArgs, controller: Any) -> None:
+    """A sequence-level divergence (``per_token`` False: every f-divergence but the reverse KL) is the penalty
+    -beta f'(u) of the whole response in its reward: refuse the settings that make no sense for it, each named
+    (docs/divergences.md, "What each setting means with a divergence")."""
+    if divergence.per_token:
+        return
+    name = f"model.divergence {type(divergence).__name__}"
+    require(
+        kl.placement == "reward",
+        "model.kl.placement",
+        f"'reward' with {name} (its penalty -beta f'(u) is of the whole response, a score-function reward; the loss "
+        "path carries per-token estimators of the reverse KL only)",
+        kl.placement,
+    )
+    require(
+        not kl.ignore_tokens,
+        "model.kl.ignore_tokens",
+        f"null with {name} (u is the whole response's probability ratio: a token left out of it would make u another number)",
+        kl.ignore_tokens,
+    )
+    require(
+        sampling.rollout_correction == "none",
+        "model.sampling.rollout_correction",
+        f"'none' with {name} (its per-token weights do not weigh the value of a sequence-level penalty)",
+        sampling.rollout_correction,
+    )
+    require(
+        controller.unit == "sequence_sum",
+        "model.beta_controller.init_args.unit",
+        f"'sequence_sum' with {name} (the controller reads objective/divergence, one value per response; a divergence "
+        "of the whole response has no per-token mean)",
+        controller.unit,
+    )
+    require(
+        not isinstance(controller, PerPromptBetaController),
+        "model.beta_controller",
+        f"a controller with one beta with {name} (the per-prompt budgets hold each prompt's reverse KL; a sequence-level "
+        "divergence's optimum and controller input are the whole batch's)",
+        type(controller).__name__,
     )
 
 

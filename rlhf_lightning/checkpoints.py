@@ -143,7 +143,7 @@ def checkpoint_state(checkpoint: Any, path: Any = None, complete: bool = True) -
     return state
 
 
-PLUGINS = ("reward_model", "beta_controller", "entropy_controller", "kl_estimator", "advantage_estimator", "policy_loss")
+PLUGINS = ("reward_model", "beta_controller", "entropy_controller", "kl_estimator", "divergence", "advantage_estimator", "policy_loss")
 PLUGINS += ("loss_aggregation", "reference_update")
 
 

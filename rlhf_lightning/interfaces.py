@@ -137,6 +137,45 @@ class KLEstimator(Plugin):
         return torch.allclose(grad, derivative, atol=1e-5)
 
 
+class Divergence(Plugin):
+    """The regulariser D_f(pi || pi_ref) = E_{y ~ pi_ref}[f(u(y))] with u(y) = pi(y|x) / pi_ref(y|x) and f
+    convex, f(1) = 0 (docs/divergences.md). Every method takes log u, the response's summed per-token
+    log-ratio (exact for the sampled response: the sequence's probability ratio), so u = exp(log u) is
+    formed only where the formula needs it.
+
+    Its gradient is a score function, grad D_f = sum_y pi_ref f'(u) grad u = E_pi[f'(u) grad log pi(y)]: PPO
+    with the sequence-level penalty -beta f'(u(y)) added to the response's reward (at its last token) follows
+    grad (E_pi r - beta D_f). Its value from the policy's own samples: D_f = E_pi[f(u) / u] (:meth:`value`).
+    The optimum solves r(y) - beta f'(u(y)) = lambda(x) wherever u > 0: pi*(y) = pi_ref(y) (f')^{-1}((r(y) -
+    lambda) / beta), clipped at u = 0 where (f')^{-1} would leave [0, inf), lambda set by normalisation
+    (f-DPO, Wang et al. 2023; f-DPG, Go et al. 2023; ``exact.divergence_optimal_logprobs``).
+
+    ``per_token``: True only for the reverse KL, whose f'(u) = log u + 1 is a sum over tokens plus a constant:
+    its penalty is the KL estimator's per-token one (``model.kl_estimator``, ``model.kl.placement``), as it
+    has always been. A sequence-level divergence (False) goes into the reward only, and the per-token
+    settings that make no sense for it are refused at start-up (``args.check_divergence``).
+    """
+
+    per_token: bool = False
+
+    @abstractmethod
+    def f(self, log_u: Tensor) -> Tensor:
+        """f(u), elementwise; its limit at u = 0 (log u = -inf)."""
+
+    @abstractmethod
+    def f_prime(self, log_u: Tensor) -> Tensor:
+        """f'(u), elementwise: the sequence-level penalty per unit of beta."""
+
+    @abstractmethod
+    def log_f_prime_inverse(self, v: Tensor) -> Tensor:
+        """log (f')^{-1}(v), elementwise: log of the u > 0 with f'(u) = v; -inf where v <= f'(0+) (u clipped to
+        0: the response leaves the support), +inf where v >= sup f' (no finite u)."""
+
+    def value(self, log_u: Tensor) -> Tensor:
+        """f(u) / u of a response sampled from pi: E_pi[f(u) / u] = D_f(pi || pi_ref) (wherever pi_ref > 0 has pi > 0)."""
+        return self.f(log_u) * torch.exp(-log_u)
+
+
 class BetaController(Plugin):
     """Holds the KL coefficient beta and updates it from the observed KL after every iteration.
 
@@ -434,6 +473,7 @@ class RolloutEngine(Plugin):
 
 register_kind("kl_estimator", KLEstimator)
 register_kind("beta_controller", BetaController)
+register_kind("divergence", Divergence)
 register_kind("reward_model", RewardModel)
 register_kind("advantage_estimator", AdvantageEstimator)
 register_kind("policy_loss", PolicyLoss)

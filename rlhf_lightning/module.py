@@ -58,6 +58,7 @@ from rlhf_lightning.data import PromptTable, encode_prompts, token_ids
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
     BetaController,
+    Divergence,
     KLEstimator,
     LossAggregation,
     PerPromptBetaController,
@@ -100,6 +101,7 @@ class PPORLHF(LightningModule):
         reference: Optional[str] = None,
         reward_model: Union[RewardModel, str] = "callable",
         kl_estimator: Union[KLEstimator, str] = "k1",
+        divergence: Union[Divergence, str] = "reverse_kl",
         beta_controller: Union[BetaController, str] = "fixed",
         advantage_estimator: Union[AdvantageEstimator, str] = "gae",
         policy_loss: Union[PolicyLoss, str] = "ppo_clip",
@@ -130,6 +132,7 @@ class PPORLHF(LightningModule):
         plugins = args.build_plugins(plugin_specs, groups["ppo"])
         self.reward_model: RewardModel = plugins["reward_model"]
         self.kl_estimator: KLEstimator = plugins["kl_estimator"]
+        self.divergence: Divergence = plugins["divergence"]
         self.beta_controller: BetaController = plugins["beta_controller"]
         self.advantage_estimator: AdvantageEstimator = plugins["advantage_estimator"]
         self.policy_loss: PolicyLoss = plugins["policy_loss"]
@@ -240,25 +243,45 @@ class PPORLHF(LightningModule):
 
     def score(self, rollout: Trajectory, betas: Tensor) -> Scored:
         """r_RM from the reward backend, the per-token KL estimate, and the per-token rewards
-        R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in the reward), beta
-        the row's (``betas``, (batch,)). A non-finite reward or KL on any rank is a fault, named in ``Scored.fault``."""
+        R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in the reward), beta the
+        row's (``betas``, (batch,)); with a sequence-level divergence R_t = (r_RM - beta f'(u)) * 1[t = T], u the
+        response's probability ratio to the reference (``divergence_terms``). A non-finite reward, KL or penalty on
+        any rank is a fault, named in ``Scored.fault``."""
         kl, raw_scores, fault = self.kl_per_token(rollout), None, None
+        penalty, divergence = self.divergence_terms(rollout, kl)
         try:
             with gpu.no_autocast(self.device):
                 raw_scores = self.reward_model.checked_scores(rollout.prompts, rollout.response_texts)
         except FloatingPointError as err:
             fault = str(err)
+        bad = []
         if fault is None and not torch.isfinite(kl).all():
             bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
+            fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()}"
+        elif fault is None and penalty is not None and not torch.isfinite(penalty).all():
+            bad = (~torch.isfinite(penalty)).nonzero().flatten().tolist()
+            fault = f"the {type(self.divergence).__name__} penalty f'(u) is not finite for responses {bad}: {penalty[bad].tolist()}"
+        if bad:
             bad_betas = sorted(set(betas[bad].tolist()))  # one beta, or each bad row's prompt's
-            beta = bad_betas[0] if len(bad_betas) == 1 else bad_betas
-            fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()} (beta {beta})"
+            fault += f" (beta {bad_betas[0] if len(bad_betas) == 1 else bad_betas})"
         if self.networks.any_rank(fault is not None):
-            return Scored(kl, raw_scores, fault=fault or "a non-finite reward or KL on another rank")
-        scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce)
-        kl_in_reward = kl if self.kl.in_reward else torch.zeros_like(kl)
+            return Scored(kl, raw_scores, fault=fault or "a non-finite reward, KL or penalty on another rank")
+        scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce).to(self.device)
+        kl_in_reward = kl if self.kl.in_reward and penalty is None else torch.zeros_like(kl)
         row_betas = betas.to(kl.dtype).unsqueeze(-1)  # (batch, 1)
-        return Scored(kl, raw_scores, scores, pm.token_rewards(scores.to(self.device), kl_in_reward, rollout.response_mask, row_betas))
+        penalised = scores if penalty is None else scores - betas.to(scores.dtype) * penalty.to(scores.dtype)
+        rewards = pm.token_rewards(penalised, kl_in_reward, rollout.response_mask, row_betas)
+        return Scored(kl, raw_scores, scores, rewards, divergence=divergence)
+
+    def divergence_terms(self, rollout: Trajectory, kl: Tensor) -> tuple[Optional[Tensor], Tensor]:
+        """``(penalty, value)`` per response (batch,): the sequence-level penalty f'(u) (None for the reverse KL,
+        whose penalty is the per-token ``kl``) and the divergence's value from this sample, f(u) / u (its batch
+        mean estimates D_f: ``objective/divergence``; the reverse KL's is the KL estimate's sum, ``objective/kl``),
+        with log u = sum_t log pi_old(y_t) - log pi_ref(y_t) over the response, in float64."""
+        if self.divergence.per_token:
+            return None, kl.sum(-1)
+        log_u = pm.masked_select(rollout.trainer_logprobs.double() - rollout.ref_logprobs.double(), rollout.response_mask).sum(-1)
+        return self.divergence.f_prime(log_u), self.divergence.value(log_u)
 
     def skip_iteration(self, rollout: Trajectory, scored: Scored) -> IterationOutputs:
         """Count a faulty iteration (weights untouched) and log it as skipped, without stale metrics."""
@@ -267,11 +290,14 @@ class PPORLHF(LightningModule):
         return {"rollout": rollout, "kl": scored.kl, "scores": scored.raw_scores, "metrics": {}, "skipped": True, "prompts": None}
 
     def update_controllers(self, metrics: dict[str, float], prompt_stats: Optional[PromptStats] = None) -> None:
-        """The beta controller sees the global mean KL in its unit (a per-prompt one also each prompt's,
-        ``prompt_stats``); an entropy controller, if any, the entropy (see ``_update_entropy_controller``)."""
+        """The beta controller sees the global mean divergence (``objective/divergence``: the KL under the reverse
+        KL, the default) or, with unit ``token_mean``, the KL per token (a per-prompt controller also each prompt's
+        KL, ``prompt_stats``); an entropy controller, if any, the entropy (see ``_update_entropy_controller``)."""
         n_samples = int(metrics["response/count"])
-        unit = self.beta_controller.unit
-        self.beta_controller.update(metrics["objective/kl" if unit == "sequence_sum" else "objective/kl_per_token"], n_samples=n_samples)
+        unit = self.beta_controller.unit  # sequence_sum: the divergence's value (the KL's, under the reverse KL)
+        self.beta_controller.update(
+            metrics["objective/divergence" if unit == "sequence_sum" else "objective/kl_per_token"], n_samples=n_samples
+        )
         if isinstance(self.beta_controller, PerPromptBetaController):
             self.beta_controller.update_prompts(prompt_stats.ids, prompt_stats.kl, prompt_stats.responses)
         if self.entropy_controller is not None:
@@ -753,10 +779,15 @@ class PPORLHF(LightningModule):
         kl_seq = kl.sum(-1)
         counts = [torch.tensor(float(len(raw_scores)), device=self.device), raw_scores.to(self.device).sum(), scores.to(self.device).sum()]
         sums = [kl_seq.sum(), kl.sum(), mask.sum(), (rollout.entropy * mask).sum(), rollout.ended_with_eos.float().sum()]
-        penalty = [betas.sum(), (betas * kl_seq.double()).sum()]
+        # the divergence's value per response (the reverse KL's: the KL estimate's sum, which the rollout correction weighs)
+        divergence_seq = kl_seq if self.divergence.per_token else scored.divergence.to(kl_seq.device)
+        sums.append(divergence_seq.sum())
+        penalty = [betas.sum(), (betas * divergence_seq.double()).sum()]
         totals = self._reduce(torch.stack([t.double() for t in counts + sums + penalty]))
-        n, reward, reward_trained, kl_total, kl_tokens, n_tokens, entropy, n_eos, beta_total, penalty_total = totals.tolist()
-        kl_mean = kl_total / n
+        n, reward, reward_trained, kl_total, kl_tokens, n_tokens, entropy, n_eos, divergence_total, beta_total, penalty_total = (
+            totals.tolist()
+        )
+        kl_mean, divergence = kl_total / n, divergence_total / n
         kl_to_initial = kl_mean  # the same estimate against pi_0, which is the reference unless it moves
         if rollout.initial_logprobs is not None:
             kl_to_initial = float(self._reduce(self.kl_per_token(rollout, to_initial=True).sum().double().to(self.device))) / n
@@ -773,7 +804,8 @@ class PPORLHF(LightningModule):
             "objective/kl_max": float(self._reduce(kl_seq.max().double(), op="max")),
             "objective/kl_to_initial": kl_to_initial,
             "reference/updates": float(self.reference_updates),
-            "objective/non_score_reward": -penalty_total / n,  # -E[beta_x KL]: -beta * objective/kl with one beta
+            "objective/divergence": divergence,
+            "objective/non_score_reward": -penalty_total / n,  # -E[beta_x D_x]: -beta * objective/divergence with one beta
             "objective/net": reward / n - penalty_total / n,
             "objective/entropy": entropy / n_tokens,
             "objective/beta": beta_total / n,  # the mean over the responses: the beta, with one
@@ -832,11 +864,13 @@ class PPORLHF(LightningModule):
         with gpu.no_autocast(self.device):
             raw_scores, _ = self.reward_model(rollout.prompts, rollout.response_texts, rollout.ended_with_eos, update_stats=False)
         reward = raw_scores.mean().item()
-        kl = self.kl_per_token(rollout).sum(-1).mean().item()
+        kl_tokens = self.kl_per_token(rollout)
+        kl, divergence = kl_tokens.sum(-1).mean().item(), self.divergence_terms(rollout, kl_tokens)[1].mean().item()
         metrics = {
             f"{stage}/reward": reward,
             f"{stage}/kl": kl,
-            f"{stage}/net": reward - self.beta_controller.beta * kl,
+            f"{stage}/divergence": divergence,
+            f"{stage}/net": reward - self.beta_controller.beta * divergence,
             f"{stage}/length": rollout.response_mask.sum(-1).mean().item(),
         }
         self.log_dict(metrics, batch_size=len(prompts), sync_dist=True)

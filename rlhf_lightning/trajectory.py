@@ -46,6 +46,7 @@ class Scored:
     raw_scores: Optional[Tensor]  # r_RM as the backend returned it (None when the backend faulted)
     scores: Optional[Tensor] = None  # r_RM shaped for training (missing-EOS penalty, normalisation, clip)
     rewards: Optional[Tensor] = None  # R_t = r_RM * 1[t = T] - beta * kl_t (the KL only when it is in the reward)
+    divergence: Optional[Tensor] = None  # (batch,) each response's f(u) / u (module.divergence_terms)
     fault: Optional[str] = None  # why the iteration is skipped: a non-finite reward or KL on some rank
 
 

@@ -5,6 +5,8 @@ One idea per file, each importing only the files above it in this list:
 
 - :mod:`~rlhf_lightning.exact.tabular`: tabular policies (one logit vector per prefix) and sums over response trees
   (fixed-length, or ending at EOS: the tree over K + 1 symbols);
+- :mod:`~rlhf_lightning.exact.f_divergence`: the optimum of every f-divergence (``model.divergence``), its J*_f and
+  the exact D_f of a policy;
 - :mod:`~rlhf_lightning.exact.closed_form`: pi*, J*, the per-token fixed point, where a length-weighted loss settles,
   where a controller's unit rests, and the distances to them;
 - :mod:`~rlhf_lightning.exact.frontier`: the reward-KL plane, best-of-N, and the distance to pi* from samples;
@@ -33,6 +35,14 @@ from rlhf_lightning.exact.closed_form import (
     prompt_betas,
     prompt_kls,
     weighted_fixed_point,
+)
+from rlhf_lightning.exact.f_divergence import (
+    divergence_label,
+    divergence_named,
+    divergence_objective,
+    divergence_optimal_logprobs,
+    divergence_optimal_objective,
+    divergence_value,
 )
 from rlhf_lightning.exact.meter import KLToOptimum
 from rlhf_lightning.exact.tabular import enumerate_responses
@@ -77,6 +87,12 @@ __all__ = [
     "PositionEmbedding",
     "backward_induction",
     "controller_beta",
+    "divergence_label",
+    "divergence_named",
+    "divergence_objective",
+    "divergence_optimal_logprobs",
+    "divergence_optimal_objective",
+    "divergence_value",
     "documented_optimum",
     "ema_reference_logprobs",
     "enumerate_responses",

@@ -44,7 +44,9 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from rlhf_lightning.exact.f_divergence import divergence_objective, divergence_optimal_logprobs
 from rlhf_lightning.exact.tabular import expected_log_ratio, log_normalise, reward_to_go, sum_after
+from rlhf_lightning.interfaces import Divergence
 
 Beta = Union[float, Tensor]  # one beta, or one per prompt: (prompts,)
 
@@ -309,9 +311,28 @@ class OptimumReport:
     fixed_point_distance: float = math.nan  # beta E_x KL(pi || per-token fixed point) / |J*| (given num_tokens)
 
 
-def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta: Beta, num_tokens: Optional[int] = None) -> OptimumReport:
+def optimum_logprobs(ref_logprobs: Tensor, rewards: Tensor, beta: Beta, divergence: Optional[Divergence] = None) -> Tensor:
+    """log pi* of the objective: the KL's tilted distribution (``beta`` one number or one per prompt), or with a
+    sequence-level ``divergence`` its J_f's (:func:`~rlhf_lightning.exact.f_divergence.divergence_optimal_logprobs`)."""
+    if divergence is None or divergence.per_token:
+        return optimal_logprobs(ref_logprobs, rewards, beta)
+    return divergence_optimal_logprobs(ref_logprobs, rewards, beta, divergence)
+
+
+def optimum_report(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    rewards: Tensor,
+    beta: Beta,
+    num_tokens: Optional[int] = None,
+    divergence: Optional[Divergence] = None,
+) -> OptimumReport:
     """Every exact quantity of ``logprobs`` against the optimum defined by ``ref_logprobs``, ``rewards``, ``beta``
     (one number, or one per prompt: then without ``num_tokens``).
+
+    With a sequence-level ``divergence`` (not the reverse KL; one beta) the objective, the optimum and the gap are
+    J_f's (:mod:`~rlhf_lightning.exact.f_divergence`), ``kl_to_optimum`` KL(pi || pi*_f) (infinite where pi*_f drops
+    a response pi keeps), the KLs to the reference still KL(. || pi_ref), and no per-token fixed point (NaN).
 
     The gap is a distance: J* - J(pi) = E_x beta_x KL(pi || pi*) for every pi, so gap = E_x beta_x KL(pi || pi*) / |J*|. With
     ``num_tokens`` (responses in the order of :func:`enumerate_responses`) ``fixed_point_distance`` is the same
@@ -323,6 +344,19 @@ def optimum_report(logprobs: Tensor, ref_logprobs: Tensor, rewards: Tensor, beta
     J(pi) = -beta KL(pi || pi_ref): nothing to normalise by, so the gap is NaN and the distance is
     ``kl_to_optimum`` = ``kl_to_ref`` = KL(pi || pi_ref), in nats; so is ``fixed_point_distance`` (:func:`distance_scale`),
     the per-token fixed point being pi_ref too."""
+    if divergence is not None and not divergence.per_token:
+        opt = divergence_optimal_logprobs(ref_logprobs, rewards, beta, divergence)
+        j = divergence_objective(logprobs, ref_logprobs, rewards, beta, divergence)
+        j_star = divergence_objective(opt, ref_logprobs, rewards, beta, divergence)
+        return OptimumReport(
+            objective=j,
+            optimum=j_star,
+            gap=(j_star - j) / abs(j_star),
+            kl_to_optimum=kl_divergence(logprobs, opt),
+            kl_to_ref=kl_divergence(logprobs, ref_logprobs),
+            optimum_kl_to_ref=kl_divergence(opt, ref_logprobs),
+            reward=expected_reward(logprobs, rewards),
+        )
     opt = optimal_logprobs(ref_logprobs, rewards, beta)
     j, j_star = objective(logprobs, ref_logprobs, rewards, beta), optimal_objective(ref_logprobs, rewards, beta)
     distance = math.nan

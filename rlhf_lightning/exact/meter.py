@@ -93,6 +93,13 @@ class KLToOptimum(Callback):
             "a number with a per-prompt beta controller (the meter measures against one beta's optimum)",
             self.beta,
         )
+        divergence = getattr(pl_module, "divergence", None)
+        require(
+            divergence is None or divergence.per_token,
+            "model.divergence",
+            "reverse_kl with the KLToOptimum callback (it measures the distance to pi_beta ∝ pi_ref exp(r / beta), the KL's optimum)",
+            type(divergence).__name__,
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._no_pool or (pl_module.iteration != 0 and self.reference_scores is not None):

@@ -45,7 +45,7 @@ from rlhf_lightning import args, models, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import require
 from rlhf_lightning.data import PromptTable, prompt_id
-from rlhf_lightning.exact.closed_form import OptimumReport, backward_induction, optimal_logprobs, optimum_report
+from rlhf_lightning.exact.closed_form import OptimumReport, backward_induction, optimum_logprobs, optimum_report
 from rlhf_lightning.exact.tabular import enumerate_responses, response_lengths, valid_responses
 from rlhf_lightning.interfaces import PerPromptBetaController
 from rlhf_lightning.models import SPECIAL_TOKENS, char_tokenizer
@@ -536,9 +536,9 @@ class ExactPPORLHF(PPORLHF):
             return self.exact_logprobs(ref)
 
     def exact_report(self, rewards: Optional[Tensor] = None) -> OptimumReport:
-        """The policy's exact distances from the optimum at the current (fixed) beta."""
+        """The policy's exact distances from the optimum of its divergence at the current (fixed) beta."""
         rewards = self.task.rewards() if rewards is None else rewards
-        return optimum_report(self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.exact_beta())
+        return optimum_report(self.exact_logprobs(), self.exact_ref_logprobs(), rewards, self.exact_beta(), divergence=self.divergence)
 
     def kept_report(self) -> dict[str, float]:
         """What the policy's kept sets (top_k / top_p) leave of the task, means over the prompts: the
@@ -547,7 +547,7 @@ class ExactPPORLHF(PPORLHF):
         response and a top probability of 1 make the optimum a point mass (KL 0, a gap of 0 by construction)."""
         rewards = self.task.rewards()
         kept = self.exact_logprobs() > sampling.OUTSIDE_LOGIT / 2  # a response with a dropped token: log q <= OUTSIDE_LOGIT
-        optimum = optimal_logprobs(self.exact_ref_logprobs(), rewards, self.exact_beta()).exp()
+        optimum = optimum_logprobs(self.exact_ref_logprobs(), rewards, self.exact_beta(), self.divergence).exp()
         return {
             "responses": kept.sum(-1).double().mean().item(),
             "optimum_top_prob": optimum.amax(-1).mean().item(),

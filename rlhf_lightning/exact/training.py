@@ -33,6 +33,7 @@ from rlhf_lightning.exact.closed_form import (
     kl_divergence,
     length_report,
     optimal_logprobs,
+    optimum_logprobs,
     optimum_report,
     prompt_betas,
     prompt_kls,
@@ -55,13 +56,15 @@ def recipe_class(module: ExactPPORLHF) -> str:
 
 
 def documented_optimum(module: ExactPPORLHF, ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Optional[Tensor]:
-    """log pi of where the module's recipe converges by the docs (docs/kl-estimators.md): pi* (``unbiased``),
+    """log pi of where the module's recipe converges by the docs (docs/kl-estimators.md): pi* (``unbiased``,
+    ``high_variance`` in expectation; a sequence-level divergence's pi*_f),
     the per-token fixed point (``per_token``), :func:`weighted_fixed_point` with weights 1 / |y|
     (``length_weighted``, the KL in the loss and a critic-free estimator with a mean baseline); None where
     the docs compute none (a biased recipe, a weighted one with a critic or with ``both``)."""
     recipe, task = recipe_class(module), module.task
-    if recipe == "unbiased":
-        return optimal_logprobs(ref_logprobs, rewards, beta)
+    if recipe in ("unbiased", "high_variance") or not module.divergence.per_token:
+        # pi* (in expectation for high_variance); a sequence-level divergence's penalty in the reward: J_f's
+        return optimum_logprobs(ref_logprobs, rewards, beta, module.divergence)
     if recipe == "per_token":
         return backward_induction(ref_logprobs, rewards, beta, task.num_symbols, soft=False)
     mean_baseline = type(module.advantage_estimator) in {registry("advantage_estimator").get(name) for name in MEAN_BASELINES}
@@ -90,7 +93,10 @@ class OptimumTracker(Callback):
 
     With a per-prompt controller the optimum is each prompt's, tilted at the prompt's own current beta (the gap
     E_x beta_x KL(pi || pi*) / |J*|; no per-token fixed point nor own optimum: NaN), and the row adds the budget
-    columns of :meth:`_budget_row`."""
+    columns of :meth:`_budget_row`. With a sequence-level ``model.divergence`` (not the reverse KL) the objective,
+    optimum and gap are J_f's and pi* is pi*_f (``exact.divergence_optimal_logprobs``); the iterated optimum's
+    theory is the reverse KL's, so its columns mean something there only with a frozen reference (k = 1, where
+    they repeat the plain ones)."""
 
     READS = ("objective/kl", "rollout/logprob_diff_max")  # the logged metrics it reads (ExactPPORLHF's ``logged``)
 
@@ -129,16 +135,18 @@ class OptimumTracker(Callback):
         logprobs, beta = pl_module.exact_logprobs(), pl_module.exact_beta()
         # With top_k / top_p the optimum is that of the declared objective at the policy's own kept sets.
         ref = pl_module.exact_ref_logprobs() if pl_module.truncates else self._ref
-        task, per_prompt = pl_module.task, isinstance(beta, Tensor)
-        report = optimum_report(logprobs, ref, self._rewards, beta, None if per_prompt else task.num_symbols)
-        iterated = optimum_report(logprobs, self._initial, self._rewards, beta / self._k)
+        task, per_prompt, divergence = pl_module.task, isinstance(beta, Tensor), pl_module.divergence
+        num_tokens = None if per_prompt or not divergence.per_token else task.num_symbols
+        report = optimum_report(logprobs, ref, self._rewards, beta, num_tokens, divergence)
+        iterated = optimum_report(logprobs, self._initial, self._rewards, beta / self._k, divergence=divergence)
         own = None if per_prompt else documented_optimum(pl_module, ref, self._rewards, beta)
         own_distance = own_gap = math.nan
         if own is not None:
             own_distance = distance_scale(beta, report.optimum, self._rewards) * kl_divergence(logprobs, own)
-            own_gap = optimum_report(own, ref, self._rewards, beta).gap
+            own_gap = optimum_report(own, ref, self._rewards, beta, divergence=divergence).gap
         lengths = length_report(logprobs, task.lengths, task.ended_with_eos)
-        optimum_lengths = length_report(optimal_logprobs(ref, self._rewards, beta), task.lengths, task.ended_with_eos)
+        optimum = optimum_logprobs(ref, self._rewards, beta, divergence)
+        optimum_lengths = length_report(optimum, task.lengths, task.ended_with_eos)
         return {
             "iteration": iteration,
             **vars(report),

@@ -7,6 +7,7 @@
         --override=--model.advantage_estimator=rloo --override=--model.sampling.num_generations=4 \
         --override=--model.critic=none --override=--model.optim.critic_lr=null   # PPO with RLOO, no critic
     python tools/studies/kl_frontier.py --meter-table                # bias and spread of the sampled log Z against n
+    python tools/studies/kl_frontier.py --exact --task random:1 --divergences reverse_kl forward_kl js chi2 alpha:0.5 alpha:-0.5
 
 ``--exact`` (``rlhf_lightning.exact``'s enumerable tasks; every number exact): the frontier
 pi_beta ∝ pi_ref exp(r / beta) over a dense beta grid (the most reward any policy gets at each
@@ -21,6 +22,15 @@ the run (the ``anneal`` controller), which reaches optima that a run fixed at a 
 
     FRONTIER ppo_max_gap=<largest (F(KL) - reward) / F(KL) of a PPO point, F the frontier at its own KL>
              bon_kl_bound_max_error=<largest log N - (N - 1) / N - KL(BoN || pi_ref) over N>
+
+``--exact --divergences NAME ...`` (``chi2``, ``alpha:0.5``: ``exact.divergence_named``): no training; the optimum
+pi*_f of each divergence (``exact.divergence_optimal_logprobs``) over the beta grid, on the same plane (reward
+against the exact KL(pi || pi_ref), so that the divergences are compared on one axis), its point at each of
+``--betas`` (default 1, where tools/studies/optimum_check.py trains them) marked, and writes
+``frontier_divergences.png`` and ``.csv``. The reverse KL's curve is the frontier; every other lies on or below
+it (the most reward at a KL is pi_beta's). Prints a table of the marked points and
+
+    DIVERGENCES max_below_frontier=<largest (F(KL) - reward) of any optimum's point, F the reverse KL's frontier>
 
 ``--smollm2`` (``--config``, default configs/quickstart.yaml, its reward): best-of-N for N in
 ``--bon`` from a pool of ``--pool`` reference samples per meter prompt (reward: the unbiased
@@ -416,6 +426,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "iterations (beta_controller anneal), then stays (default: fixed at each beta)",
     )
     parser.add_argument("--fast", action="store_true", help="exact: one PPO beta (0.5), 20 iterations, one soft N")
+    parser.add_argument(
+        "--divergences",
+        nargs="+",
+        help="exact: no training; each divergence's closed-form optimum over beta on the plane (reverse_kl, forward_kl, js, chi2, "
+        "alpha:VALUE), its points at --betas (default 1) marked",
+    )
     parser.add_argument("--config", default="configs/quickstart.yaml", help="smollm2: the run's YAML (default the quickstart)")
     parser.add_argument("--prompts", type=option_number(integer=True, at_least=1), default=4, help="smollm2: meter prompts (default 4)")
     parser.add_argument(
@@ -489,6 +505,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         default_betas = [0.25, 1.0, 4.0]
     if args.fast:
         default_betas, default_iterations, args.soft_n = [0.5], 20, [4]
+    if args.divergences:
+        if not args.exact:
+            parser.error("--divergences: only with --exact (the closed-form optima of the enumerable tasks)")
+        from rlhf_lightning.exact import divergence_named
+
+        for spec in args.divergences:
+            try:
+                divergence_named(spec)
+            except Exception as err:
+                parser.error(f"--divergences: {err}")
+        default_betas = [1.0]
     args.betas = default_betas if args.betas is None else args.betas
     args.iterations = default_iterations if args.iterations is None else args.iterations
     if args.replot:
@@ -514,7 +541,46 @@ def main(argv=None):
         return meter_table(args)
     if args.smollm2:
         return smollm2_mode(args)
+    if args.divergences:
+        return divergence_plane(args)
     return exact_mode(args)
+
+
+def divergence_plane(args: argparse.Namespace) -> str:
+    """Each divergence's closed-form optimum over the beta grid on the reward-KL plane (``--exact --divergences``)."""
+    from rlhf_lightning.exact import divergence_label, divergence_named, divergence_optimal_logprobs, divergence_optimal_objective
+
+    task = task_named(args.task)
+    ref, rewards = reference_logprobs(task, args.seed), task.rewards()
+    marked = args.betas
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    rows, table, below = [], [], 0.0
+    for spec in args.divergences:
+        divergence = divergence_named(spec)
+        label = divergence_label(divergence)
+        points = [fr.plane_point(divergence_optimal_logprobs(ref, rewards, float(b), divergence), ref, rewards) for b in FRONTIER_BETAS]
+        rows += [(label, f"{b:.4g}", p.kl, p.reward) for b, p in zip(FRONTIER_BETAS, points, strict=True)]
+        below = max(below, *(fr.frontier_reward(ref, rewards, p.kl) - p.reward for p in points))
+        (line,) = ax.plot([p.kl for p in points], [p.reward for p in points], lw=1.5, label=f"{label}: pi*_f over beta 0.02..100")
+        for beta in marked:
+            point = fr.plane_point(divergence_optimal_logprobs(ref, rewards, beta, divergence), ref, rewards)
+            j_star = divergence_optimal_objective(ref, rewards, beta, divergence)
+            table.append((label, beta, j_star, point, fr.frontier_reward(ref, rewards, point.kl)))
+            ax.plot([point.kl], [point.reward], "o", ms=5, color=line.get_color())
+            ax.annotate(f"beta={beta:g}", (point.kl, point.reward), textcoords="offset points", xytext=(5, -10), fontsize=7)
+    write_csv(args.out / "frontier_divergences.csv", ["divergence", "beta", "kl", "reward"], rows)
+    print(f"task={args.task} seed={args.seed} prompts={len(task.prompts)} responses={ref.shape[1]}")
+    print("| divergence | beta | J*_f | KL(pi*_f ‖ pi_ref) | reward of pi*_f | frontier at that KL |\n|---|---:|---:|---:|---:|---:|")
+    for label, beta, j_star, point, best in table:
+        print(f"| {label} | {beta:g} | {j_star:.4f} | {point.kl:.4f} | {point.reward:.4f} | {best:.4f} |")
+    ax.set_xlim(0, max(p.kl for *_, p, _ in table) * 1.6)
+    ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
+    ax.set_ylabel("exact expected reward")
+    ax.set_title(f"{args.task} task: each divergence's optimum pi*_f over beta, every point exact", fontsize=10)
+    save_figure(fig, ax, args.out / "frontier_divergences.png")
+    line = f"DIVERGENCES max_below_frontier={below:.4f}"
+    print(line)
+    return line
 
 
 if __name__ == "__main__":

@@ -141,6 +141,8 @@ from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact import (
     OptimumTracker,
+    divergence_label,
+    divergence_named,
     expected_train,
     optimum_report,
     per_token_fixed_point_gap,
@@ -164,6 +166,14 @@ from _cli_args import option_number
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     matrix_group = add_matrix_args(parser)
+    parser.add_argument(
+        "--divergence",
+        type=_divergence,
+        nargs="+",
+        default=["reverse_kl"],
+        help="model.divergence: reverse_kl (default), forward_kl, js, chi2, alpha:VALUE or any registered name; several: "
+        "one run each, every other setting the same, each measured against its own optimum (exact.divergence_optimal_logprobs)",
+    )
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
     parser.add_argument("--beta", type=option_number(above=0), help="fixed KL coefficient (default: the task's, 0.5 hand-made, 1 random)")
     parser.add_argument(
@@ -278,6 +288,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--end-batch-size / --end-iterations: not with --expected-gradient (the exact path samples no batch)")
     if args.end_iterations and args.tabular:
         parser.error("--end-batch-size / --end-iterations: not with --tabular (exact.sampled_ppo samples one batch size)")
+    sequence_level = [name for name in args.divergence if not divergence_named(name).per_token]
+    if sequence_level and (args.matrix or args.reference != "none" or args.kl_penalty != "reward"):
+        parser.error(
+            f"--divergence {' '.join(sequence_level)}: a single run's, with --kl-penalty reward and --reference none (its penalty is "
+            "the sequence-level f'(u) in the reward; the iterated optimum of a moving reference is the reverse KL's)"
+        )
     if args.tabular_lr is not None and not args.tabular:
         parser.error("--tabular-lr: only with --tabular (the tiny Llama's lr is --lr)")
     if not args.matrix:  # one run reads none of the matrix group's options: refuse them rather than ignore them
@@ -437,6 +453,15 @@ def _task(name: str) -> str:
     return name
 
 
+def _divergence(spec: str) -> str:
+    """argparse type of ``--divergence``: the spec itself (``chi2``, ``alpha:0.5``), checked."""
+    try:
+        divergence_named(spec)
+    except Exception as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return spec
+
+
 def _random(name: str) -> bool:
     """Whether ``name`` is a random task: ``random:SEED`` (fixed length), ``random-eos:SEED`` or ``rare-eos:SEED`` (ending at
     EOS), ``teacher:SEED`` or ``random-teacher:SEED`` (a teacher as the reference)."""
@@ -494,18 +519,24 @@ def main(argv=None) -> None:
             f"beta={settings['beta']} iterations={iterations_of(settings, args.advantage[0], args.kl_penalty, args.kl_loss_scope)} batch_size={recipe_value(settings, 'batch_size', args.advantage[0], args.kl_penalty, args.kl_loss_scope)} seeds={args.seed} "
             f"temperature={args.temperature} top_p={args.top_p} top_k={args.top_k} engine={args.engine} correction={args.rollout_correction}"
         )
-        gaps = [run_single(args, name, task, seed) for seed in args.seed]
-        if len(gaps) > 1:
-            print(
-                f"SEEDS task={name} n={len(gaps)} gap_mean={statistics.mean(gaps):.4f} gap_std={statistics.stdev(gaps):.4f} "
-                f"gap_min={min(gaps):.4f} gap_max={max(gaps):.4f}"
-            )
+        for divergence in args.divergence:
+            gaps = [run_single(args, name, task, seed, divergence) for seed in args.seed]
+            if len(gaps) > 1:
+                print(
+                    f"SEEDS task={name} divergence={divergence} n={len(gaps)} gap_mean={statistics.mean(gaps):.4f} "
+                    f"gap_std={statistics.stdev(gaps):.4f} gap_min={min(gaps):.4f} gap_max={max(gaps):.4f}"
+                )
 
 
-def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
-    """Train one run with the command line's settings and sampling ``seed``; print its rows; its final gap."""
-    settings = task_settings(args, name)
-    if args.kl_budgets is None:  # a per-token cell's fixed point, of one beta
+def run_single(args: argparse.Namespace, name: str, task, seed: int, divergence: str = "reverse_kl") -> float:
+    """Train one run with the command line's settings, sampling ``seed`` and ``divergence``; print its rows; its
+    final gap, to the divergence's own optimum (J*_f)."""
+    settings, sequence_level = divergence_settings(args, task_settings(args, name), divergence), not divergence_named(divergence).per_token
+    if sequence_level:
+        batch_size = recipe_value(settings, "batch_size", args.advantage[0], args.kl_penalty, args.kl_loss_scope)
+        iterations = iterations_of(settings, args.advantage[0], args.kl_penalty, args.kl_loss_scope)
+        print(f"RECIPE divergence={divergence} batch_size={batch_size} iterations={iterations}", flush=True)
+    if not sequence_level and args.kl_budgets is None:  # the per-token fixed point is the reverse KL's, of one beta
         print(
             f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True
         )
@@ -516,6 +547,7 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
         **reference_settings(args, iterations_of(settings, args.advantage[0], args.kl_penalty, args.kl_loss_scope)),
         every=args.every,
         seed=seed,
+        divergence=divergence_named(divergence),
         whiten_advantages=False if args.no_whiten else None,
         **{
             **recipe_settings(
@@ -540,7 +572,7 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int) -> float:
     last = tracker.last
     print(f"KL(pi*||pi_ref)={last['optimum_kl_to_ref']:.4f}  {time.perf_counter() - start:.1f} s")
     print(
-        f"OPTIMUM task={name} seed={seed} gap={last['gap']:.4f} kl_to_opt={last['kl_to_optimum']:.4f} "
+        f"OPTIMUM task={name} divergence={divergence} seed={seed} J*={last['optimum']:.4f} gap={last['gap']:.4f} kl_to_opt={last['kl_to_optimum']:.4f} "
         f"kl_ref_exact={last['kl_to_ref']:.4f} kl_ref_logged={last['kl_logged']:.4f} logprob_diff_max={last['logprob_diff_max']:.1e} "
         f"fixed_point_distance={last['fixed_point_distance']:.4f}",
         flush=True,
@@ -665,6 +697,23 @@ TASK_SETTINGS["random-eos"] = {
 }
 # A mode the reference rarely samples (where the claim stops): measured with gae at 384, as first found.
 TASK_SETTINGS["rare-eos"] = {**TASK_SETTINGS["random-eos"], "batch_size": {**TASK_SETTINGS["random-eos"]["batch_size"], "gae": 384}}
+
+
+# Each divergence's recommended recipe where it differs from the reverse KL's (k1 in the reward, gae), for what the
+# command line leaves out. forward_kl's penalty beta / u is heavy-tailed where the policy gives a response far less
+# than the reference does: with 384 responses per iteration random:1 stopped 0.0201 from its J*_f (0.0372 after 300
+# iterations, 0.0325 unwhitened: noise, not bias), with 1536 at 0.0127. chi2's optimum drops responses (u = 0), which a
+# softmax policy approaches at a rate that falls with their probability: random:3 stopped 0.0347 short after 150
+# iterations of 384, 0.0155 with 1536, 0.0081 after 300 iterations of 384; on responses that end at EOS 384 is too
+# noisy (random-eos:1: 0.1757 after 300 iterations, 0.0147 after 600 with J swinging 0.34-0.71 on the way) and 300
+# iterations of 1536 land at 0.0096 (docs/divergences.md).
+DIVERGENCE_SETTINGS = {"forward_kl": {"batch_size": 1536}, "chi2": {"iterations": 300, "batch_size": 1536}}
+
+
+def divergence_settings(args: argparse.Namespace, settings: dict, divergence: str) -> dict:
+    """``settings`` with the divergence's own recipe (:data:`DIVERGENCE_SETTINGS`) where the command line gives none."""
+    name = divergence_label(divergence_named(divergence)).split(":")[0]
+    return {**settings, **{key: value for key, value in DIVERGENCE_SETTINGS.get(name, {}).items() if getattr(args, key) is None}}
 
 
 def task_settings(args: argparse.Namespace, name: str) -> dict:

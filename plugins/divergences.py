@@ -1,0 +1,134 @@
+"""Built-in divergences: the f-divergences D_f(pi || pi_ref) = E_{pi_ref}[f(u)], u = pi(y|x) / pi_ref(y|x)
+(``interfaces.Divergence``; docs/divergences.md). Each is f, f' and log (f')^{-1} as functions of
+log u, the response's summed per-token log-ratio:
+
+    name        f(u)                                        f'(u)                 (f')^{-1}(v)                  u of pi*
+    reverse_kl  u log u                                     log u + 1             exp(v - 1)                    > 0, tilted
+    forward_kl  -log u                                      -1 / u                -1 / v      (v < 0)           > 0
+    js          u log u - (u + 1) log((u + 1) / 2)          log(2u / (u + 1))     e^v / (2 - e^v) (v < log 2)   > 0
+    chi2        (u - 1)^2                                   2 (u - 1)             1 + v / 2, clipped at 0        >= 0
+    alpha       (u^(1-a) - (1-a) u - a) / (a (a - 1))       (1 - u^(-a)) / a      (1 - a v)^(-1/a)              >= 0 (a < 0)
+
+The alpha family (f-DPO's parametrisation, Wang et al. 2023) tends to the reverse KL as alpha -> 0 and to the
+forward KL (plus u - 1, which E_{pi_ref} sends to 0) as alpha -> 1; alpha = -1 is chi2 / 2; alpha = 0.5 is
+2 x the squared Hellinger distance sum_y (sqrt pi - sqrt pi_ref)^2. ``js`` is 2 x the Jensen-Shannon
+divergence, KL(pi || m) + KL(pi_ref || m) with m = (pi + pi_ref) / 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlhf_lightning.checks import require, require_number
+from rlhf_lightning.interfaces import Divergence
+from rlhf_lightning.registry import register
+
+
+def _u_log_u(log_u: Tensor) -> Tensor:
+    """u log u from log u, 0 at u = 0 (log u = -inf)."""
+    return torch.where(log_u > -math.inf, log_u.exp() * log_u, torch.zeros_like(log_u))
+
+
+@register("divergence", "reverse_kl", aliases=("kl",), description="KL(pi || pi_ref): the per-token KL penalty (the default)")
+class ReverseKL(Divergence):
+    """KL(pi || pi_ref), f(u) = u log u. f'(u) = log u + 1 is the sum of the per-token log-ratios plus a
+    constant, so its penalty is the KL estimator's, per token (``model.kl_estimator``, ``model.kl.placement``):
+    today's loop unchanged. pi* ∝ pi_ref exp(r / beta)."""
+
+    per_token = True
+
+    def f(self, log_u: Tensor) -> Tensor:
+        return _u_log_u(log_u)
+
+    def f_prime(self, log_u: Tensor) -> Tensor:
+        return log_u + 1.0
+
+    def log_f_prime_inverse(self, v: Tensor) -> Tensor:
+        return v - 1.0
+
+    def value(self, log_u: Tensor) -> Tensor:
+        return log_u  # f(u) / u = log u exactly: the k1 sum
+
+
+@register("divergence", "forward_kl", description="KL(pi_ref || pi), f(u) = -log u: mass-covering, penalty beta / u")
+class ForwardKL(Divergence):
+    """KL(pi_ref || pi), f(u) = -log u. The penalty -beta f'(u) = beta / u pays a response the policy gives
+    less than the reference does; pi*(y) = pi_ref(y) beta / (lambda - r(y)), lambda > max_y r."""
+
+    def f(self, log_u: Tensor) -> Tensor:
+        return -log_u
+
+    def f_prime(self, log_u: Tensor) -> Tensor:
+        return -torch.exp(-log_u)
+
+    def log_f_prime_inverse(self, v: Tensor) -> Tensor:
+        return torch.where(v < 0, -torch.log(-v.clamp(max=0)), torch.full_like(v, math.inf))
+
+
+@register("divergence", "js", aliases=("jensen_shannon",), description="2 x Jensen-Shannon: f(u) = u log u - (u + 1) log((u + 1) / 2)")
+class JensenShannon(Divergence):
+    """KL(pi || m) + KL(pi_ref || m), m = (pi + pi_ref) / 2 (twice the Jensen-Shannon divergence), f(u) =
+    u log u - (u + 1) log((u + 1) / 2). f'(u) = log(2u / (u + 1)) < log 2: a response's penalty is bounded
+    below, so pi*(y) = pi_ref(y) e^v / (2 - e^v), v = (r(y) - lambda) / beta < log 2."""
+
+    def f(self, log_u: Tensor) -> Tensor:
+        u = log_u.exp()
+        return _u_log_u(log_u) - (u + 1.0) * (F.softplus(log_u) - math.log(2.0))
+
+    def f_prime(self, log_u: Tensor) -> Tensor:
+        return math.log(2.0) - F.softplus(-log_u)
+
+    def log_f_prime_inverse(self, v: Tensor) -> Tensor:
+        inside = v < math.log(2.0)
+        return torch.where(inside, -torch.log(torch.expm1(math.log(2.0) - torch.where(inside, v, 0.0))), math.inf)
+
+
+@register("divergence", "chi2", aliases=("chi_squared",), description="Pearson chi-squared, f(u) = (u - 1)^2: pi* may drop responses")
+class ChiSquared(Divergence):
+    """Pearson chi^2(pi || pi_ref), f(u) = (u - 1)^2 (Huang et al. 2024, "Correcting the mythos of
+    KL-regularization"). f'(u) = 2 (u - 1) is linear in u: pi*(y) = pi_ref(y) max(0, 1 + (r(y) - lambda) /
+    (2 beta)), a response whose reward is low enough gets probability 0."""
+
+    def f(self, log_u: Tensor) -> Tensor:
+        return (log_u.exp() - 1.0) ** 2
+
+    def f_prime(self, log_u: Tensor) -> Tensor:
+        return 2.0 * (log_u.exp() - 1.0)
+
+    def log_f_prime_inverse(self, v: Tensor) -> Tensor:
+        u = 1.0 + v / 2.0
+        return torch.where(u > 0, torch.log(u.clamp(min=0)), -math.inf)
+
+
+@register("divergence", "alpha", description="alpha-divergence, f(u) = (u^(1-alpha) - (1-alpha) u - alpha) / (alpha (alpha - 1))")
+class AlphaDivergence(Divergence):
+    """The alpha-divergence (f-DPO's parametrisation), f(u) = (u^(1 - alpha) - (1 - alpha) u - alpha) /
+    (alpha (alpha - 1)), f'(u) = (1 - u^(-alpha)) / alpha, (f')^{-1}(v) = (1 - alpha v)^(-1 / alpha): the reverse
+    KL as alpha -> 0, the forward KL as alpha -> 1, chi2 / 2 at alpha = -1. For alpha < 0 pi* may drop
+    responses (u clipped at 0 where 1 - alpha v <= 0); for alpha > 0 it keeps every one.
+
+    Args:
+        alpha: any finite number but 0 and 1 (use ``reverse_kl`` and ``forward_kl``).
+    """
+
+    def __init__(self, alpha: float = 0.5) -> None:
+        require_number("divergence.alpha", alpha)
+        require(alpha not in (0, 1), "divergence.alpha", "a number other than 0 and 1 (for those: reverse_kl, forward_kl)", alpha)
+        self.alpha = float(alpha)
+
+    def f(self, log_u: Tensor) -> Tensor:
+        a = self.alpha
+        return (torch.exp((1.0 - a) * log_u) - (1.0 - a) * log_u.exp() - a) / (a * (a - 1.0))
+
+    def f_prime(self, log_u: Tensor) -> Tensor:
+        return (1.0 - torch.exp(-self.alpha * log_u)) / self.alpha
+
+    def log_f_prime_inverse(self, v: Tensor) -> Tensor:
+        a = self.alpha
+        base = 1.0 - a * v
+        outside = math.inf if a > 0 else -math.inf  # a > 0: v at or past sup f' = 1 / a; a < 0: below f'(0) = 1 / a
+        return torch.where(base > 0, -torch.log(base.clamp(min=1e-300)) / a, outside)
