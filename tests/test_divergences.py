@@ -173,7 +173,8 @@ def test_a_sequence_level_divergence_puts_minus_beta_f_prime_of_u_at_the_last_to
     module = perturbed_module(divergence=divergence)
     torch.manual_seed(0)
     rollout = module.rollout(["Hi", "Go"] * 2)
-    scored = module.score(rollout, beta=0.7)
+    betas = torch.full((len(rollout.prompts),), 0.7, dtype=torch.float64)  # one beta, per row
+    scored = module.score(rollout, betas)
     mask = rollout.response_mask
     log_u = ((rollout.trainer_logprobs - rollout.ref_logprobs).double() * mask).sum(-1)
     assert log_u.abs().min() > 1e-3
@@ -183,7 +184,7 @@ def test_a_sequence_level_divergence_puts_minus_beta_f_prime_of_u_at_the_last_to
     torch.testing.assert_close(scored.rewards, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(scored.divergence, divergence.value(log_u), rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(scored.kl, module.kl_per_token(rollout))
-    metrics = module.rollout_metrics(rollout, scored, 0.7)
+    metrics = module.rollout_metrics(rollout, scored, betas)
     assert metrics["objective/divergence"] == pytest.approx(float(divergence.value(log_u).mean()), rel=1e-9)
     assert metrics["objective/net"] == pytest.approx(metrics["objective/reward"] - 0.7 * metrics["objective/divergence"], rel=1e-9)
 
@@ -195,9 +196,10 @@ def test_the_reverse_kl_default_keeps_the_per_token_penalty_and_its_divergence_i
     assert type(module.divergence).__name__ == "ReverseKL"
     torch.manual_seed(0)
     rollout = module.rollout(["Hi", "Go"] * 2)
-    scored = module.score(rollout, beta=0.7)
+    betas = torch.full((len(rollout.prompts),), 0.7, dtype=torch.float64)  # one beta, per row
+    scored = module.score(rollout, betas)
     torch.testing.assert_close(scored.rewards, pm.token_rewards(scored.scores, scored.kl, rollout.response_mask, 0.7))
-    metrics = module.rollout_metrics(rollout, scored, 0.7)
+    metrics = module.rollout_metrics(rollout, scored, betas)
     assert metrics["objective/divergence"] == metrics["objective/kl"]
 
 
