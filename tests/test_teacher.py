@@ -98,6 +98,23 @@ def test_with_a_reward_of_0_the_optimum_and_the_per_token_fixed_point_are_the_te
     assert report.fixed_point_distance == pytest.approx(report.kl_to_ref, abs=1e-6)  # in nats, as kl_to_optimum
 
 
+@pytest.mark.parametrize("spec", ["forward_kl", "js", "chi2", "alpha:0.5"])
+def test_with_a_reward_of_0_every_divergence_optimum_is_the_teacher(spec):
+    """Reward 0: r - beta f'(u) = lambda for every response gives u = 1 (f' is increasing), so pi*_f = pi_teacher for
+    every f-divergence, J*_f = 0 and, as for the KL, the gap is NaN and the distance KL(pi || pi_teacher) in nats."""
+    from rlhf_lightning.exact.f_divergence import divergence_named, divergence_optimal_logprobs
+
+    task = task_named("teacher:1")
+    module = ExactPPORLHF(task)
+    module.configure_model()
+    teacher, start, rewards = module.exact_ref_logprobs(), module.exact_logprobs(), task.rewards()
+    divergence = divergence_named(spec)
+    torch.testing.assert_close(divergence_optimal_logprobs(teacher, rewards, BETA, divergence), teacher, atol=1e-6, rtol=0)
+    report = optimum_report(start, teacher, rewards, BETA, divergence=divergence)
+    assert math.isnan(report.gap) and abs(report.optimum) < 1e-6
+    assert report.kl_to_optimum == pytest.approx(report.kl_to_ref, abs=1e-6)
+
+
 def test_with_a_reward_the_optimum_tilts_the_teacher_by_brute_force():
     """random-teacher:1: pi*(y|x) = pi_teacher(y|x) exp(r / beta) / Z(x), summed response by response; J(pi_teacher)
     = 0 (the reward centred under the teacher); J(pi) = J* - beta KL(pi || pi*) at the student's start; and the

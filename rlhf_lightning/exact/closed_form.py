@@ -351,7 +351,7 @@ def optimum_report(
         return OptimumReport(
             objective=j,
             optimum=j_star,
-            gap=(j_star - j) / abs(j_star),
+            gap=(j_star - j) / abs(j_star) if rewards.any() else math.nan,  # reward 0: pi*_f = pi_ref, J*_f = 0
             kl_to_optimum=kl_divergence(logprobs, opt),
             kl_to_ref=kl_divergence(logprobs, ref_logprobs),
             optimum_kl_to_ref=kl_divergence(opt, ref_logprobs),
