@@ -182,13 +182,6 @@ class PPORLHF(LightningModule):
     def on_fit_start(self) -> None:
         self._setup_reward_models()
 
-    def _setup_reward_models(self) -> None:
-        self.reward_model.setup(self.device)
-        if self.gold_reward_model is not None:
-            self.gold_reward_model.setup(self.device)
-
-    on_validation_start = on_test_start = _setup_reward_models
-
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Lightning logs, at each step, every step value it still holds from earlier steps: a skipped
         # iteration would repeat the previous one's metrics at its own step (tests/test_faults.py).
@@ -226,6 +219,13 @@ class PPORLHF(LightningModule):
         """Each prompt ``num_generations`` times, its group in consecutive rows of this rank's batch."""
         args.check_batch_split(len(prompts), self.sampling, self.ppo)
         return [prompt for prompt in prompts for _ in range(self.sampling.num_generations)]
+
+    def _setup_reward_models(self) -> None:
+        self.reward_model.setup(self.device)
+        if self.gold_reward_model is not None:
+            self.gold_reward_model.setup(self.device)
+
+    on_validation_start = on_test_start = _setup_reward_models
 
     def row_betas(self, prompts: list[str]) -> Tensor:
         """beta of each row (batch,), float64 on the module's device: the controller's one beta, or with a
