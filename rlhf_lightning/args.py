@@ -653,6 +653,57 @@ def kl_recipe(
     return token, reason if token == "biased" else ""
 
 
+# model.off_policy.correction -> the mode of ``sampling.correction_weights`` from mu (the stale sampler) to pi_prox
+OFF_POLICY_WEIGHTS = {"sequence": "seq_tis", "token": "tis", "none": "none"}
+
+
+def off_policy_recipe(correction: str, max_staleness: int) -> tuple[str, str]:
+    """The class of a correction for stale samples (docs/kl-estimators.md, "Stale samples"), with why: the one table
+    the start-up warning, ``tools/studies/optimum_check.py --max-staleness`` and the docs' table are checked against.
+    Samples y ~ mu (the weights of up to ``max_staleness`` updates ago), the PPO ratio's anchor and the KL's values
+    pi_prox (the current weights at consumption); every recipe's on-policy class (:func:`kl_recipe`) is that of
+    expectations under pi_prox, so what a correction must do is turn E_mu into E_prox:
+
+    ``on_policy``: ``max_staleness`` 0, mu = pi_prox (nothing to correct).
+    ``exact``: ``sequence``: every term of the response (policy loss, KL in the loss with its sequence term, the
+    returns that carry k1 or a divergence's f'(u)) weighed by W = pi_prox(y|x) / mu(y|x), and E_mu[W f(y)] = E_prox[f(y)]
+    for any f: the expected gradient is the synchronous loop's, for every placement, estimator and scope (the exact
+    lab's stale path equals the synchronous one, ``tests/test_off_policy.py``). Truncated at the cap, E_mu[min(W, c) f]
+    = E_prox[min(1, c / W) f]: exact where no response's W exceeds c; ``off_policy/clipped_fraction`` reads how often.
+    ``approximate``: ``token``: w_t = pi_prox(y_t|s_t) / mu(y_t|s_t) turns the token drawn at each visited state into
+    pi_prox's, but the states are mu's (the prefix's ratio is dropped) and so is the continuation after the token (the
+    return, the KL still to come): a bias of the order of how far pi moved in k updates. The fixed point is pi* all the
+    same (where pi stops moving mu = pi_prox).
+    ``biased``: ``none``: the expectation is mu's with pi_prox's scores and ratios; each step's gradient is neither grad
+    J at pi_prox nor at mu. pi* is still the only fixed point (there mu = pi_prox), but stale steps can overshoot and
+    oscillate (k3 in the loss at staleness 4 on random:3: 0.90 from J* after 60 exact iterations, 0.0007 with a correction)."""
+    if max_staleness == 0:
+        return "on_policy", ""
+    if correction == "sequence":
+        return "exact", ""
+    if correction == "token":
+        return "approximate", (
+            "the per-token weight pi_prox / mu corrects the token drawn at each state, not which states mu visits nor the "
+            "continuation after the token (the return, the KL still to come)"
+        )
+    return "biased", (
+        "without a weight every expectation is over the stale policy mu's responses while the scores, the PPO ratio and the "
+        "KL's values are pi_prox's: each step's gradient is neither that of J at the current weights nor at mu's"
+    )
+
+
+def off_policy_warning(correction: str, max_staleness: int) -> Optional[str]:
+    """The start-up warning of a stale recipe that is not exact (:func:`off_policy_recipe`), None for the others."""
+    recipe, reason = off_policy_recipe(correction, max_staleness)
+    if recipe not in ("approximate", "biased"):
+        return None
+    return (
+        f"model.off_policy.correction {correction} with model.off_policy.max_staleness {max_staleness} is {recipe}: {reason}; "
+        "pi* stays the fixed point, but each step follows another gradient and stale steps can overshoot (docs/kl-estimators.md, "
+        "'Stale samples'). Use model.off_policy.correction: sequence (exact, truncated at model.off_policy.correction_cap)."
+    )
+
+
 def check_setup(module, datamodule, stage: str) -> Optional[int]:
     """At start-up, once the tokenizer is loaded and before any model is: the batch split; every
     prompt of the data module's files (special-token strings, rendered length, and each reward

@@ -121,3 +121,50 @@ def mismatch_metrics(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: T
         "rollout/sampler_trainer_ratio_mean": float(sums[1] / sums[2]),
         "rollout/sampler_trainer_ratio_max": float(maxima[1]),
     }
+
+
+def off_policy_weight_metrics(
+    trainer_logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    mask: Tensor,
+    mode: Literal["none", "tis", "mis", "seq_tis", "seq_mis"],
+    cap: float,
+    share: Optional[Tensor] = None,
+    sum_fn=None,
+) -> dict[str, float]:
+    """How much the weights of :func:`correction_weights` from the sampler mu (stale weights) to the trainer's
+    pi_prox throw away, over every response token of every rank (``sum_fn(t)`` sums across ranks):
+
+    - ``off_policy/clipped_fraction``: the share of tokens whose weight the truncation changed (``*tis``: w > cap;
+      ``*mis``: w outside [1 / cap, cap], dropped; a sequence mode clips every token of its response);
+    - ``off_policy/ess``: the effective sample size of the weights applied, as a share of the samples,
+      (sum_i w_i)^2 / (n sum_i w_i^2) in (0, 1] (Kish): 1 when every weight is equal, 1 / n when one sample carries
+      them all. The samples are the tokens (``tis``, ``mis``) or the responses (``seq_*``); with ``none`` (nothing
+      weighed) it is the ESS the exact correction's weights pi_prox(y) / mu(y) would have: how far the batch is from
+      on-policy.
+
+    ``share`` (batch, 1) weighs each row (the exact lab's mu(y|x) per enumerated response; None: each row once)."""
+    reduce = sum_fn or (lambda t: t)
+    mask = mask.double()
+    share = torch.ones_like(mask[:, :1]) if share is None else share.double().reshape(-1, 1)
+    log_w = pm.masked_select(trainer_logprobs.double() - sampler_logprobs.double(), mask)
+    per_sequence = mode == "none" or mode.startswith("seq_")
+    if per_sequence:
+        log_w = log_w.sum(-1, keepdim=True)
+    raw = log_w.exp()
+    if mode.endswith("tis"):
+        clipped, applied = raw > cap, raw.clamp(max=cap)
+    elif mode.endswith("mis"):
+        clipped = (raw > cap) | (raw < 1 / cap)
+        applied = torch.where(clipped, torch.zeros_like(raw), raw)
+    else:
+        clipped, applied = torch.zeros_like(raw, dtype=torch.bool), raw
+    units = share * (mask.amax(-1, keepdim=True) if per_sequence else mask)  # each sample's weight in the sums
+    tokens = share * mask
+    clipped_tokens = (tokens * clipped.expand_as(tokens)).sum()
+    sums = reduce(torch.stack([(units * applied).sum(), (units * applied**2).sum(), units.sum(), clipped_tokens, tokens.sum()]))
+    total, squares, n, clipped_total, token_total = sums
+    return {
+        "off_policy/clipped_fraction": float(clipped_total / token_total.clamp(min=1e-300)),
+        "off_policy/ess": float(total**2 / (n * squares).clamp(min=1e-300)),
+    }

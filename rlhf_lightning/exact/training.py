@@ -26,6 +26,7 @@ from torch import Tensor
 
 from rlhf_lightning import args as settings
 from rlhf_lightning import ppo_math as pm
+from rlhf_lightning import sampling
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact.closed_form import (
     backward_induction,
@@ -43,6 +44,7 @@ from rlhf_lightning.exact.tabular import conditional_tables, enumerate_responses
 from rlhf_lightning.exact.tasks import ExactPPORLHF, ExactTask
 from rlhf_lightning.module import Trajectory
 from rlhf_lightning.registry import registry
+from rlhf_lightning.sampling import off_policy_weight_metrics
 from rlhf_lightning.trainer_settings import QUIET_TRAINER
 
 MEAN_BASELINES = ("rloo", "dr_grpo", "reinforce_pp")  # critic-free, the reward's baseline a mean, nothing divided per prompt
@@ -282,6 +284,9 @@ def expected_train(
     responses: Optional[int] = None,
     seed: int = 0,
     kl_penalty: str = "loss",
+    staleness: int = 0,
+    correction: str = "seq_tis",
+    correction_cap: float = math.inf,
     **module_kwargs: Any,
 ) -> list[dict[str, float]]:
     """PPO with the KL in the loss (or, ``kl_penalty="both"``, in the loss and the reward) where every rollout
@@ -311,7 +316,17 @@ def expected_train(
     ``num_minibatches`` minibatches, each used once per epoch, and a minibatch's step weighs each response
     by how often it was drawn instead of by pi_old (same advantage, same loss). Where the sampled matrix
     and this part ways is the sampled loop's (critic, engine); where this and the exact path part ways is
-    the noise's."""
+    the noise's.
+
+    ``staleness`` k samples iteration i's "rollout" from the policy of k iterations ago, mu = the weights of
+    version max(0, i - k) (version: completed iterations), as the asynchronous loop does: every response weighted
+    by mu(y|x) instead of pi_old(y|x), pi_old (the PPO ratio's anchor, the KL's values) the proximal policy, the
+    current weights; the advantage A_t = G_t - E_mu[G_t | x, y_<t] (a critic or group fitted to mu's samples), and
+    the module's ppo_loss with the weights ``sampling.correction_weights(pi_prox, mu, correction, correction_cap)``
+    on every term (``seq_tis``: the whole response's pi_prox(y) / mu(y); ``tis``: each token's; ``none``: no weight;
+    docs/kl-estimators.md, "Stale samples"). Each row then also has ``ess`` and ``clipped_fraction`` of the last
+    iteration's weights under mu (``off_policy_weight_metrics``)."""
+    require(isinstance(staleness, int) and staleness >= 0, "staleness", "an integer >= 0", staleness)
     module = ExactPPORLHF(task, kl_penalty=kl_penalty, advantage_estimator="rloo", num_generations=2, lr=lr, **module_kwargs)
     module.configure_model()
     optimizer = module.configure_optimizers()
@@ -331,16 +346,23 @@ def expected_train(
         draws = torch.Generator().manual_seed(seed)
         per_minibatch = responses // (prompts * num_minibatches)
         require(per_minibatch >= 1, "responses", f"at least one per prompt and minibatch ({prompts} x {num_minibatches})", responses)
-    rows = []
+    rows, history, weight_metrics = [], [], {}  # history: each version's token log-probs and joint log pi(y|x)
     for iteration in range(iterations + 1):
         logprobs = module.exact_logprobs()
         if iteration % every == 0 or iteration == iterations:
-            rows.append({"iteration": iteration, **vars(optimum_report(logprobs, ref_logprobs, rewards, beta, num_tokens))})
+            report = vars(optimum_report(logprobs, ref_logprobs, rewards, beta, num_tokens))
+            rows.append({"iteration": iteration, **report, **weight_metrics})
         if iteration == iterations:
             break
         with torch.no_grad():
             old_logits = module.networks.response_logits(module.policy, input_ids, attention_mask, length)
             old_logprobs = pm.logprobs_of(old_logits, response)
+        history = [*history, (old_logprobs, logprobs)][-(staleness + 1) :]
+        sampler_logprobs, behaviour = history[0]  # mu: the weights of version max(0, iteration - staleness)
+        is_weights = sampling.correction_weights(old_logprobs, sampler_logprobs, mask, correction, correction_cap)
+        if staleness:
+            mu_share = behaviour.exp().reshape(-1, 1) / prompts
+            weight_metrics = off_policy_weight_metrics(old_logprobs, sampler_logprobs, mask, correction, correction_cap, mu_share)
         rollout = Trajectory(
             # one group per row: enumerated responses are not independent samples, so no leave-one-out
             # baseline (ppo_math.kl_to_go_loss's groups); the exact expectation needs none
@@ -353,24 +375,25 @@ def expected_train(
             ended_with_eos=task.ended_with_eos.repeat(prompts),
             old_logprobs=old_logprobs,
             trainer_logprobs=old_logprobs,
-            sampler_logprobs=old_logprobs,
+            sampler_logprobs=sampler_logprobs,
             ref_logprobs=ref_token_logprobs,
             ref_logits=ref_logits,
             old_logits=old_logits,
             old_values=None,
             entropy=torch.zeros_like(mask),
+            is_weights=is_weights,
         )
         # The return from each token G_t = r - beta sum_{t' >= t} k_t' (the estimator's values at pi_old, with
         # the KL in the reward) and V_old(x, y_<t) = E_{pi_old}[G_t | x, y_<t]: sums of pi_old(y) G_t over the
         # responses sharing the prefix
         kl = module.kl_per_token(rollout).double() if module.kl.in_reward else torch.zeros_like(mask, dtype=torch.float64)
         to_go = rewards.reshape(-1, 1) - beta * kl.flip(-1).cumsum(-1).flip(-1)  # (prompts * paths, length)
-        joint, values = logprobs.exp().view(shape), []
+        joint, values = behaviour.exp().view(shape), []  # V^mu: E_mu[G_t | x, y_<t]
         for t in range(length):
             value = reward_to_go(joint, to_go[:, t].view(shape), t)
             values.append(value.reshape(prompts, -1).repeat_interleave(num_tokens ** (length - t), -1).reshape(-1))
         advantages = ((to_go - torch.stack(values, -1)) * mask).float()
-        probs = logprobs.exp()  # (prompts, paths): pi_old(y | x), float64; 0 for a path that is no response
+        probs = behaviour.exp()  # (prompts, paths): mu(y | x) (pi_old without staleness), float64; 0 for a path that is no response
         if responses is None:  # the expectation itself, at every step
             shares = [probs] * num_minibatches
         else:  # each minibatch's draw, as the share of its responses that each one is

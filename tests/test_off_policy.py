@@ -1,0 +1,134 @@
+"""Stale samples (docs/kl-estimators.md, "Stale samples"): responses drawn from mu, the weights of k updates ago,
+trained on by the proximal policy pi_prox (the current weights). The weights that turn E_mu into E_prox
+(``sampling.correction_weights``), what they clip and their effective sample size (``sampling.off_policy_weight_metrics``),
+the declared class of each correction (``args.off_policy_recipe``), and the exact lab's stale expected path
+(``exact.expected_train(staleness=k)``) against the synchronous one and against J*."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from rlhf_lightning import args
+from rlhf_lightning.exact import expected_train
+from rlhf_lightning.exact.tasks import task_named
+from rlhf_lightning.sampling import correction_weights, off_policy_weight_metrics
+
+LOG = math.log
+
+# Two responses of two tokens: row 0's tokens are twice and 1.5 times as likely under pi_prox as under mu (its
+# sequence weight 3), row 1's half and equally likely (0.5).
+PROX = torch.tensor([[LOG(0.4), LOG(0.3)], [LOG(0.1), LOG(0.6)]])
+MU = torch.tensor([[LOG(0.2), LOG(0.2)], [LOG(0.2), LOG(0.6)]])
+ONES = torch.ones(2, 2)
+
+
+def test_the_weights_by_hand():
+    """Per token w = (2, 1.5; 0.5, 1), per response W = (3; 0.5); truncated at the cap."""
+    token = correction_weights(PROX, MU, ONES, "tis", cap=1.8)
+    assert torch.allclose(token, torch.tensor([[1.8, 1.5], [0.5, 1.0]]))
+    sequence = correction_weights(PROX, MU, ONES, "seq_tis", cap=2.0)
+    assert torch.allclose(sequence, torch.tensor([[2.0, 2.0], [0.5, 0.5]]))
+    assert torch.allclose(correction_weights(PROX, MU, ONES, "seq_tis", cap=math.inf), torch.tensor([[3.0, 3.0], [0.5, 0.5]]))
+
+
+def test_clipped_fraction_and_ess_by_hand():
+    """ESS / n = (sum w)^2 / (n sum w^2) of the weights applied, over tokens (tis) or responses (seq_tis):
+    tis at 1.8: w = (1.8, 1.5, 0.5, 1): 4.8^2 / (4 * 6.74) = 0.854599, one token of four clipped;
+    seq_tis at 2: W = (2, 0.5): 2.5^2 / (2 * 4.25) = 0.735294, row 0's two tokens of four clipped;
+    none: nothing weighed nor clipped, the ESS the exact weights (3, 0.5) would have: 3.5^2 / (2 * 9.25) = 0.662162.
+    A padded token (row 1's second) leaves the sums: tis 3.8^2 / (3 * 5.74) = 0.838560, a third clipped."""
+    metrics = off_policy_weight_metrics(PROX, MU, ONES, "tis", 1.8)
+    assert metrics == pytest.approx({"off_policy/clipped_fraction": 0.25, "off_policy/ess": 23.04 / 26.96}, abs=1e-6)
+    metrics = off_policy_weight_metrics(PROX, MU, ONES, "seq_tis", 2.0)
+    assert metrics == pytest.approx({"off_policy/clipped_fraction": 0.5, "off_policy/ess": 6.25 / 8.5}, abs=1e-6)
+    metrics = off_policy_weight_metrics(PROX, MU, ONES, "none", 2.0)
+    assert metrics == pytest.approx({"off_policy/clipped_fraction": 0.0, "off_policy/ess": 12.25 / 18.5}, abs=1e-6)
+    padded = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    metrics = off_policy_weight_metrics(PROX, MU, padded, "tis", 1.8)
+    assert metrics == pytest.approx({"off_policy/clipped_fraction": 1 / 3, "off_policy/ess": 14.44 / 17.22}, abs=1e-6)
+    # on-policy: every weight 1, ESS 1; a share per row weighs the sums like that many copies of it
+    assert off_policy_weight_metrics(MU, MU, ONES, "seq_tis", 2.0)["off_policy/ess"] == pytest.approx(1.0)
+    shared = off_policy_weight_metrics(PROX, MU, ONES, "none", 2.0, share=torch.tensor([2.0, 1.0]))
+    assert shared["off_policy/ess"] == pytest.approx(6.5**2 / (3 * 18.25), abs=1e-6)
+
+
+def test_sequence_weights_are_exact_and_token_weights_miss_the_state():
+    """Two tokens over {a, b}: mu uniform; pi_prox(a) = 0.8, pi_prox(a | a) = 0.9, pi_prox(a | b) = 0.2. For f = 1[y = aa]:
+    E_prox[f] = 0.72, E_mu[f] = 0.25. The sequence weight W(aa) = 0.72 / 0.25 = 2.88 gives E_mu[W f] = 0.72 exactly;
+    the second token's own weight, pi_prox(a | a) / mu(a | a) = 1.8, gives 0.45: it corrects the token drawn at the
+    state "a" but not how often mu visits that state (the prefix's ratio 0.8 / 0.5 = 1.6: 0.45 x 1.6 = 0.72). Over
+    every response and a random f the sequence weights match E_prox to float precision."""
+    responses = ["aa", "ab", "ba", "bb"]
+    first = {"a": 0.8, "b": 0.2}
+    second = {"a": {"a": 0.9, "b": 0.1}, "b": {"a": 0.2, "b": 0.8}}
+    prox = torch.tensor([[LOG(first[y[0]]), LOG(second[y[0]][y[1]])] for y in responses], dtype=torch.float64)
+    mu = torch.full((4, 2), LOG(0.5), dtype=torch.float64)
+    mask = torch.ones(4, 2)
+    mu_share = torch.full((4,), 0.25, dtype=torch.float64)
+    f = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    sequence = correction_weights(prox, mu, mask, "seq_tis", math.inf).double()[:, 0]
+    token = correction_weights(prox, mu, mask, "tis", math.inf).double()[:, 1]
+    assert float((mu_share * sequence * f).sum()) == pytest.approx(0.72, abs=1e-6)
+    assert float((mu_share * token * f).sum()) == pytest.approx(0.45, abs=1e-6)
+    g = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert float((mu_share * sequence * g).sum()) == pytest.approx(float((prox.sum(-1).exp() * g).sum()), abs=1e-6)
+
+
+def test_each_correction_is_declared():
+    """args.off_policy_recipe: the table of docs/kl-estimators.md, "Stale samples"; a correction that is not exact warns
+    at start-up with its class and the fix, an exact or synchronous one does not."""
+    assert args.off_policy_recipe("none", 0) == ("on_policy", "")
+    assert args.off_policy_recipe("sequence", 2) == ("exact", "")
+    assert args.off_policy_recipe("token", 2)[0] == "approximate"
+    assert args.off_policy_recipe("none", 1)[0] == "biased"
+    assert args.off_policy_warning("sequence", 4) is None and args.off_policy_warning("none", 0) is None
+    text = args.off_policy_warning("none", 2)
+    assert text.startswith("model.off_policy.correction none with model.off_policy.max_staleness 2 is biased: without a weight")
+    assert "Use model.off_policy.correction: sequence" in text
+    text = args.off_policy_warning("token", 1)
+    assert "is approximate: the per-token weight pi_prox / mu corrects the token drawn at each state" in text
+    assert set(args.OFF_POLICY_WEIGHTS.values()) <= {"seq_tis", "tis", "none"}
+
+
+# ---------------------------------------------------------------------- the exact lab: no sampling noise
+
+RECIPES = {
+    "k3-loss": dict(kl_estimator="k3", kl_penalty="loss"),
+    "k1-reward": dict(kl_estimator="k1", kl_penalty="reward"),
+    "full-both": dict(kl_estimator="full", kl_penalty="both"),
+}
+
+
+def stale_objectives(recipe: str, staleness: int, correction: str, iterations: int = 6, **kwargs) -> list[float]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = expected_train(
+            task_named("random:3"),
+            iterations,
+            1.0,
+            every=1,
+            staleness=staleness,
+            correction=correction,
+            ppo_epochs=1,
+            num_minibatches=1,
+            **RECIPES[recipe],
+            **kwargs,
+        )
+    return [row["objective"] for row in rows]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_sequence_weights_make_the_stale_path_the_synchronous_one(recipe):
+    """One AdamW step per iteration (the step taken at pi_theta = pi_prox), the responses weighted by mu = the policy
+    of 2 iterations ago: with the whole response's weight pi_prox(y) / mu(y), uncapped, the expected loss is the
+    synchronous one for every placement (k1 in the reward, k3 in the loss with its sequence term, full in both), so the
+    path is the synchronous path, objective equal to 1e-6 at every iteration; with the token's weight or none it is not
+    (measured k3-loss: 0.013 and 0.075 apart after 6 iterations)."""
+    synchronous = stale_objectives(recipe, 0, "none")
+    assert stale_objectives(recipe, 2, "seq_tis", correction_cap=math.inf) == pytest.approx(synchronous, abs=1e-6)
+    for correction in ("tis", "none"):
+        assert max(abs(a - b) for a, b in zip(stale_objectives(recipe, 2, correction), synchronous, strict=True)) > 1e-3, correction
