@@ -34,6 +34,8 @@ class HFGenerate(RolloutEngine):
     tokens all prompts share once (``prefix.prompt_cache``). Each
     token is drawn by :class:`DeclaredDraw`."""
 
+    samples_stale_weights = True
+
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
         from transformers import LogitsProcessorList
 

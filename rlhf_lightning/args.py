@@ -270,6 +270,29 @@ class RuntimeArgs:
         require_number(f + "num_logged_samples", self.num_logged_samples, at_least=0, integer=True)
 
 
+@dataclass(frozen=True)
+class OffPolicyArgs:
+    """Asynchronous rollouts (``model.off_policy``; docs/async.md): the next batches are sampled while
+    the current one trains, from weights at most ``max_staleness`` updates old. A version is the number
+    of PPO updates done; the batch of iteration i is sampled from version max(0, i - max_staleness),
+    each response tagged with it (``Trajectory.policy_version``), its log-probs kept as the behaviour
+    policy's (``Trajectory.sampler_logprobs``), and the PPO ratio anchored at the current weights
+    (``model.sampling.old_logprobs: forward``)."""
+
+    max_staleness: int = 0
+    """k: how many updates old the weights that sample a batch may be (>= 0); 0 is the synchronous loop
+    (sample, then score, then update, as without this group). The sampler runs ahead at exactly k: it
+    samples batch i + k while iteration i trains (pacing, never discarding)."""
+    sampler_timeout_s: float = 600.0
+    """The longest the trainer waits for the sampler's next batch, in seconds (> 0); past it the run
+    stops with an error naming this field (a sampler that hangs must not hang the run)."""
+
+    def __post_init__(self) -> None:
+        f = "model.off_policy."
+        require_number(f + "max_staleness", self.max_staleness, at_least=0, integer=True)
+        require_number(f + "sampler_timeout_s", self.sampler_timeout_s, above=0)
+
+
 GROUPS: dict[str, type] = {
     "sampling": SamplingArgs,
     "prompts": PromptArgs,
@@ -278,6 +301,7 @@ GROUPS: dict[str, type] = {
     "optim": OptimArgs,
     "lora": LoraArgs,
     "runtime": RuntimeArgs,
+    "off_policy": OffPolicyArgs,
 }
 # The flat names of earlier versions whose field is spelt differently in its group.
 _RENAMED = {
@@ -475,6 +499,7 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
             "the responses of a group are mostly identical, so are their rewards, and their advantages are 0 (nothing is learnt from them)"
         )
     check_divergence(plugins["divergence"], kl, sampling, plugins["beta_controller"])
+    check_off_policy(groups["off_policy"], sampling, plugins["rollout_engine"])
     aggregation = aggregation_name(plugins["loss_aggregation"])
     # A sequence-level divergence's penalty is its own (a score-function reward); the KL estimator only measures.
     recipe, reason = kl_recipe(kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)
@@ -516,6 +541,28 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
     if whiten is None:  # the estimator's default, off whenever the KL is in the loss (see above)
         whiten = advantage.whiten and kl.placement == "reward"
     return {"critic": critic, "ppo": dataclasses.replace(ppo, whiten_advantages=whiten)}
+
+
+def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: Any) -> None:
+    """Asynchronous rollouts (``model.off_policy.max_staleness`` > 0) anchor the PPO ratio at the weights
+    that train (the proximal policy: a forward at consumption time), the sampler's log-probs kept as the
+    behaviour policy's; and need an engine that samples from a published copy of the weights."""
+    if not off_policy.max_staleness:
+        return
+    require(
+        sampling.old_logprobs == "forward",
+        "model.sampling.old_logprobs",
+        f"'forward' with model.off_policy.max_staleness {off_policy.max_staleness} (a stale batch's sampler log-probs are "
+        "the behaviour policy's, kept as sampler_logprobs; the PPO ratio's pi_old is the current weights', from one forward)",
+        sampling.old_logprobs,
+    )
+    require(
+        engine.samples_stale_weights,
+        "model.rollout_engine",
+        f"'hf' with model.off_policy.max_staleness {off_policy.max_staleness} (the engine must sample from a published copy "
+        "of the weights; set model.off_policy.max_staleness: 0 for this engine)",
+        type(engine).__name__,
+    )
 
 
 def check_reference(reference: Optional[str], reference_update: Any) -> None:

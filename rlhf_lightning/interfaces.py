@@ -443,6 +443,11 @@ class RolloutEngine(Plugin):
     naming ``model.rollout_engine``) what the engine cannot run.
     """
 
+    samples_stale_weights: bool = False
+    """Whether the engine samples with the model that ``module.networks.generator()`` yields, so that an
+    asynchronous sampler (``model.off_policy.max_staleness`` > 0, rlhf_lightning/async_rollout.py) can hand it
+    a published copy of older weights."""
+
     def setup(self, module) -> None:
         """Check that the engine can serve ``module`` as configured (strategy, world size); load nothing."""
 

@@ -51,7 +51,7 @@ from torchmetrics import MeanMetric
 
 from rlhf_lightning import args, checkpoints, fsdp2, gpu, models, sampling
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.args import KLArgs, LoraArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
+from rlhf_lightning.args import KLArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
 from rlhf_lightning.checks import Faults, nonfinite_terms, require
 from rlhf_lightning.data import PromptTable, encode_prompts, token_ids
@@ -90,7 +90,7 @@ class PPORLHF(LightningModule):
     the advantage estimator needs), ``tiny_config`` (overrides of the ``tiny`` model's LlamaConfig),
     ``seed`` (the ``tiny`` model's initialisation) and ``trust_remote_code``. Every other setting is
     in a group, each field documented where it is declared (args.py): ``sampling``, ``prompts``,
-    ``kl``, ``ppo``, ``optim``, ``lora``, ``runtime``. The flat names of earlier versions
+    ``kl``, ``ppo``, ``optim``, ``lora``, ``runtime``, ``off_policy``. The flat names of earlier versions
     (``lr=...``) still work from Python for one release, with a FutureWarning naming the new key.
     """
 
@@ -118,6 +118,7 @@ class PPORLHF(LightningModule):
         optim: OptimArgs = OptimArgs(),
         lora: LoraArgs = LoraArgs(),
         runtime: RuntimeArgs = RuntimeArgs(),
+        off_policy: OffPolicyArgs = OffPolicyArgs(),
         tiny_config: Optional[dict] = None,
         seed: int = 0,
         trust_remote_code: bool = False,
@@ -125,7 +126,8 @@ class PPORLHF(LightningModule):
     ) -> None:
         super().__init__()
         groups = args.build_groups(
-            dict(sampling=sampling, prompts=prompts, kl=kl, ppo=ppo, optim=optim, lora=lora, runtime=runtime), flat_settings
+            dict(sampling=sampling, prompts=prompts, kl=kl, ppo=ppo, optim=optim, lora=lora, runtime=runtime, off_policy=off_policy),
+            flat_settings,
         )
         plugin_specs = {name: value for name, value in locals().items() if name in args.PLUGIN_ARGUMENTS}
         # Plugins first: an unknown name fails here, before any model loads.
@@ -150,6 +152,9 @@ class PPORLHF(LightningModule):
         self.optim: OptimArgs = groups["optim"]
         self.lora: LoraArgs = groups["lora"]
         self.runtime: RuntimeArgs = groups["runtime"]
+        self.off_policy: OffPolicyArgs = groups["off_policy"]
+        if self.off_policy.max_staleness:
+            raise NotImplementedError("model.off_policy.max_staleness > 0: asynchronous rollouts are being built")
         # The saved hyperparameters: the network keys and each group as plain values, resolved.
         network = dict(policy=policy, tokenizer=tokenizer, reference=reference, critic=groups["critic"], tiny_config=tiny_config, seed=seed)
         self.save_hyperparameters(
