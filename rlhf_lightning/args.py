@@ -270,6 +270,10 @@ class RuntimeArgs:
         require_number(f + "num_logged_samples", self.num_logged_samples, at_least=0, integer=True)
 
 
+# model.off_policy.correction -> the mode of ``sampling.correction_weights`` from mu (the stale sampler) to pi_prox
+OFF_POLICY_WEIGHTS = {"sequence": "seq_tis", "token": "tis", "none": "none"}
+
+
 @dataclass(frozen=True)
 class OffPolicyArgs:
     """Asynchronous rollouts (``model.off_policy``; docs/async.md): the next batches are sampled while
@@ -286,11 +290,31 @@ class OffPolicyArgs:
     sampler_timeout_s: float = 600.0
     """The longest the trainer waits for the sampler's next batch, in seconds (> 0); past it the run
     stops with an error naming this field (a sampler that hangs must not hang the run)."""
+    correction: Literal["sequence", "token", "none"] = "sequence"
+    """How a stale batch's terms are weighed from the behaviour policy mu to the proximal one (every term of
+    the loss: the policy loss, the KL in the loss, the logged KL; docs/kl-estimators.md, "Stale samples"):
+    ``sequence``, the whole response's pi_prox(y|x) / mu(y|x), exact for every KL placement and estimator
+    (truncated at ``correction_cap``); ``token``, each token's pi_prox(y_t|s_t) / mu(y_t|s_t), approximate (the
+    states and the continuation stay mu's); ``none``, no weight (biased: to see the bias). Used with
+    ``max_staleness`` > 0 (at 0 mu is pi_prox)."""
+    correction_cap: float = 5.0
+    """The weights are truncated at this (>= 1): min(w, cap). Exact where no weight exceeds it
+    (``off_policy/clipped_fraction`` reads how often one does); a higher cap, less bias and more variance."""
 
     def __post_init__(self) -> None:
         f = "model.off_policy."
         require_number(f + "max_staleness", self.max_staleness, at_least=0, integer=True)
         require_number(f + "sampler_timeout_s", self.sampler_timeout_s, above=0)
+        _choice(f + "correction", self.correction, tuple(OFF_POLICY_WEIGHTS))
+        require_number(f + "correction_cap", self.correction_cap, at_least=1)
+
+    def weights(self, sampling: SamplingArgs) -> tuple[str, float]:
+        """The mode and cap of ``sampling.correction_weights`` from the sampler's log-probs to the trainer's: this
+        group's correction of stale samples with ``max_staleness`` > 0 (mu's log-probs are the sampler's own, its
+        numerics included), else ``model.sampling.rollout_correction``'s of the sampler's numerics alone."""
+        if self.max_staleness:
+            return OFF_POLICY_WEIGHTS[self.correction], self.correction_cap
+        return sampling.rollout_correction, sampling.rollout_correction_cap
 
 
 GROUPS: dict[str, type] = {
@@ -500,6 +524,9 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
         )
     check_divergence(plugins["divergence"], kl, sampling, plugins["beta_controller"])
     check_off_policy(groups["off_policy"], sampling, plugins["rollout_engine"])
+    stale = off_policy_warning(groups["off_policy"].correction, groups["off_policy"].max_staleness)
+    if stale:
+        rank_zero_warn(stale)
     aggregation = aggregation_name(plugins["loss_aggregation"])
     # A sequence-level divergence's penalty is its own (a score-function reward); the KL estimator only measures.
     recipe, reason = kl_recipe(kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)
@@ -562,6 +589,13 @@ def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: 
         f"'hf' with model.off_policy.max_staleness {off_policy.max_staleness} (the engine must sample from a published copy "
         "of the weights; set model.off_policy.max_staleness: 0 for this engine)",
         type(engine).__name__,
+    )
+    require(
+        sampling.rollout_correction == "none",
+        "model.sampling.rollout_correction",
+        f"'none' with model.off_policy.max_staleness {off_policy.max_staleness} (the stale samples' weights, "
+        f"model.off_policy.correction {off_policy.correction}, are from the sampler's own log-probs: they already correct its numerics)",
+        sampling.rollout_correction,
     )
 
 
@@ -698,10 +732,6 @@ def kl_recipe(
             "(1 - pi_ref / pi) grad log pi, k1's grad log pi) with no baseline, and that noise moves the policy"
         )
     return token, reason if token == "biased" else ""
-
-
-# model.off_policy.correction -> the mode of ``sampling.correction_weights`` from mu (the stale sampler) to pi_prox
-OFF_POLICY_WEIGHTS = {"sequence": "seq_tis", "token": "tis", "none": "none"}
 
 
 def off_policy_recipe(correction: str, max_staleness: int) -> tuple[str, str]:

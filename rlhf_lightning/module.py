@@ -397,7 +397,7 @@ class PPORLHF(LightningModule):
             initial_logits=initial_logits if keep_logits else None,
             kept=old.kept,
             is_weights=sampling.correction_weights(
-                old.trainer_logprobs, old.sampler_logprobs, mask, self.sampling.rollout_correction, self.sampling.rollout_correction_cap
+                old.trainer_logprobs, old.sampler_logprobs, mask, *self.off_policy.weights(self.sampling)
             ),
         )
         if self.training and self.iteration == 0:  # a sampler that draws one token alone: nothing to learn, said once
@@ -820,8 +820,18 @@ class PPORLHF(LightningModule):
             "response/truncated_fraction": 1.0 - n_eos / n,  # cut at max_new_tokens without EOS
             "response/count": n,
             **sampling.mismatch_metrics(rollout.trainer_logprobs, rollout.sampler_logprobs, mask, self._reduce),
+            **self.off_policy_weight_metrics(rollout),
             **gold,
         }
+
+    def off_policy_weight_metrics(self, rollout: Trajectory) -> dict[str, float]:
+        """With stale samples (``model.off_policy.max_staleness`` > 0): ``off_policy/clipped_fraction`` and
+        ``off_policy/ess`` of the correction's weights from mu to pi_prox (``sampling.off_policy_weight_metrics``)."""
+        if not self.off_policy.max_staleness:
+            return {}
+        mode, cap = self.off_policy.weights(self.sampling)
+        logprobs = (rollout.trainer_logprobs, rollout.sampler_logprobs, rollout.response_mask)
+        return sampling.off_policy_weight_metrics(*logprobs, mode, cap, sum_fn=self._reduce)
 
     def prompt_stats(self, rollout: Trajectory, scored: Scored, betas: Tensor) -> Optional[PromptStats]:
         """Each training prompt's mean KL in the beta controller's unit, its responses and the beta its rows used,

@@ -285,7 +285,7 @@ def expected_train(
     seed: int = 0,
     kl_penalty: str = "loss",
     staleness: int = 0,
-    correction: str = "seq_tis",
+    correction: str = "sequence",
     correction_cap: float = math.inf,
     **module_kwargs: Any,
 ) -> list[dict[str, float]]:
@@ -322,11 +322,13 @@ def expected_train(
     version max(0, i - k) (version: completed iterations), as the asynchronous loop does: every response weighted
     by mu(y|x) instead of pi_old(y|x), pi_old (the PPO ratio's anchor, the KL's values) the proximal policy, the
     current weights; the advantage A_t = G_t - E_mu[G_t | x, y_<t] (a critic or group fitted to mu's samples), and
-    the module's ppo_loss with the weights ``sampling.correction_weights(pi_prox, mu, correction, correction_cap)``
-    on every term (``seq_tis``: the whole response's pi_prox(y) / mu(y); ``tis``: each token's; ``none``: no weight;
-    docs/kl-estimators.md, "Stale samples"). Each row then also has ``ess`` and ``clipped_fraction`` of the last
+    the module's ppo_loss with the weights of ``model.off_policy.correction`` ``correction`` truncated at ``correction_cap``
+    (uncapped by default) on every term (``sequence``: the whole response's pi_prox(y) / mu(y); ``token``: each
+    token's; ``none``: no weight; ``args.OFF_POLICY_WEIGHTS``, docs/kl-estimators.md, "Stale samples"). Each row then also has ``ess`` and ``clipped_fraction`` of the last
     iteration's weights under mu (``off_policy_weight_metrics``)."""
     require(isinstance(staleness, int) and staleness >= 0, "staleness", "an integer >= 0", staleness)
+    require(correction in settings.OFF_POLICY_WEIGHTS, "correction", "one of " + ", ".join(settings.OFF_POLICY_WEIGHTS), correction)
+    weight_mode = settings.OFF_POLICY_WEIGHTS[correction]
     module = ExactPPORLHF(task, kl_penalty=kl_penalty, advantage_estimator="rloo", num_generations=2, lr=lr, **module_kwargs)
     module.configure_model()
     optimizer = module.configure_optimizers()
@@ -359,10 +361,10 @@ def expected_train(
             old_logprobs = pm.logprobs_of(old_logits, response)
         history = [*history, (old_logprobs, logprobs)][-(staleness + 1) :]
         sampler_logprobs, behaviour = history[0]  # mu: the weights of version max(0, iteration - staleness)
-        is_weights = sampling.correction_weights(old_logprobs, sampler_logprobs, mask, correction, correction_cap)
+        is_weights = sampling.correction_weights(old_logprobs, sampler_logprobs, mask, weight_mode, correction_cap)
         if staleness:
             mu_share = behaviour.exp().reshape(-1, 1) / prompts
-            weight_metrics = off_policy_weight_metrics(old_logprobs, sampler_logprobs, mask, correction, correction_cap, mu_share)
+            weight_metrics = off_policy_weight_metrics(old_logprobs, sampler_logprobs, mask, weight_mode, correction_cap, mu_share)
         rollout = Trajectory(
             # one group per row: enumerated responses are not independent samples, so no leave-one-out
             # baseline (ppo_math.kl_to_go_loss's groups); the exact expectation needs none
