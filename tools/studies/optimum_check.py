@@ -137,7 +137,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rlhf_lightning.args import kl_recipe
+from rlhf_lightning.args import OFF_POLICY_WEIGHTS, OffPolicyArgs, kl_recipe, off_policy_recipe
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact import (
     OptimumTracker,
@@ -508,6 +508,7 @@ def advantage_settings(args: argparse.Namespace, advantage: str, settings: dict)
 def main(argv=None) -> None:
     args = parse_args(argv)
     _quiet()
+    require(args.matrix or args.max_staleness == [0], "--max-staleness", "given with --matrix (one matrix dimension)", args.max_staleness)
     if args.matrix:
         run_matrix(args)
         return
@@ -794,6 +795,26 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--jobs", type=option_number(integer=True, at_least=1), default=1, help="cells trained in parallel processes (default 1)"
     )
     group.add_argument(
+        "--max-staleness",
+        nargs="+",
+        type=option_number(integer=True, at_least=0),
+        default=[0],
+        help="model.off_policy.max_staleness values, one matrix dimension (default 0, synchronous): each batch sampled from "
+        "the weights of k iterations ago (docs/kl-estimators.md, 'Stale samples')",
+    )
+    group.add_argument(
+        "--corrections",
+        nargs="+",
+        choices=tuple(OFF_POLICY_WEIGHTS),
+        default=["sequence", "none"],
+        help="model.off_policy.correction values of the stale cells (default sequence none)",
+    )
+    group.add_argument(
+        "--correction-cap",
+        type=option_number(at_least=1),
+        help="model.off_policy.correction_cap of the stale cells (default the setting's, 5)",
+    )
+    group.add_argument(
         "--expected-gradient",
         action="store_true",
         help="replace every rollout by its exact expectation (exact.expected_train): where each cell's expected gradient "
@@ -848,6 +869,8 @@ class Cell:
     epochs: int
     seed: int
     aggregation: str = "token_mean"
+    staleness: int = 0  # model.off_policy.max_staleness
+    correction: str = "n/a"  # model.off_policy.correction, with staleness > 0
 
     @property
     def expected(self) -> str:
@@ -877,7 +900,9 @@ def _task_cells(args: argparse.Namespace, task: str) -> list[Cell]:
         for weighting, scope in itertools.product(weightings, scopes):
             if scope == "sequence" and not registry("kl_estimator").create(estimator).unbiased_value:
                 continue
-            cells.append(Cell(task, advantage, estimator, placement, weighting, scope, epochs, seed, aggregation))
+            cell = Cell(task, advantage, estimator, placement, weighting, scope, epochs, seed, aggregation)
+            stale = [replace(cell, staleness=k, correction=c) for k in args.max_staleness if k for c in args.corrections]
+            cells += ([cell] if 0 in args.max_staleness else []) + stale
     return cells
 
 
@@ -937,6 +962,9 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             seed=cell.seed,
             max_grad_norm=args.max_grad_norm,
             log_samples_every_n_steps=0,
+            staleness=cell.staleness,
+            correction=cell.correction if cell.staleness else "none",
+            correction_cap=correction_cap(args),
             **aggregation,
         )
         return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
@@ -947,8 +975,23 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
         seed=cell.seed,
         **recipe_settings(args, settings, cell.advantage, cell.estimator, cell.placement, weighting, scope, cell.epochs),
         **aggregation,
+        **stale_settings(args, cell),
     )
     return {**tracker.last, "seconds": time.perf_counter() - start, "cell": cell}
+
+
+def correction_cap(args: argparse.Namespace) -> float:
+    """The stale cells' ``model.off_policy.correction_cap``: the command line's, else the setting's default."""
+    return args.correction_cap or OffPolicyArgs.correction_cap
+
+
+def stale_settings(args: argparse.Namespace, cell: Cell) -> dict:
+    """train() arguments of a stale cell: ``model.off_policy`` (max_staleness, correction, its cap) and the PPO ratio
+    anchored at the current weights (``old_logprobs: forward``); none for a synchronous cell."""
+    if not cell.staleness:
+        return {}
+    off_policy = {"max_staleness": cell.staleness, "correction": cell.correction, "correction_cap": correction_cap(args)}
+    return {"off_policy": off_policy, "old_logprobs": "forward"}
 
 
 def run_matrix(args: argparse.Namespace) -> None:
@@ -974,12 +1017,16 @@ def run_matrix(args: argparse.Namespace) -> None:
     distances = []  # their fixed_point_distance: beta KL(pi || fixed point) / |J*|, the gap's unit
     over_seeds: dict[Cell, list[float]] = {}  # gap - the fixed point's gap of each per_token cell, by sampling seed
     own_distances = []  # the length_weighted cells' beta KL(pi || exact.weighted_fixed_point) / |J*|
+    stale_gaps: dict[tuple[int, str], list[float]] = {}  # (staleness, the correction's class) -> gaps
     # spawn, not fork: a process forked after torch started its OpenMP threads can deadlock in them.
     pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) if args.jobs > 1 else _InProcess()
     with pool:
         for row in pool.map(run_cell, itertools.repeat(args), cells):
             cell = row["cell"]
-            gaps[cell.expected].append(row["gap"])
+            if cell.staleness:  # the stale cells: a summary line of their own, by staleness and the correction's class
+                stale_gaps.setdefault((cell.staleness, off_policy_recipe(cell.correction, cell.staleness)[0]), []).append(row["gap"])
+            else:
+                gaps[cell.expected].append(row["gap"])
             fixed_point = per_token.get((cell.task, cell.seed), per_token.get((cell.task, args.seed[0])))
             extra = ""
             if "mean_length" in row:  # the sampled loop's tracker: lengths, and the recipe's own optimum
@@ -998,7 +1045,7 @@ def run_matrix(args: argparse.Namespace) -> None:
             print(
                 f"OPTIMUM task={cell.task} seed={cell.seed} advantage={cell.advantage} estimator={cell.estimator} "
                 f"placement={cell.placement} weighting={cell.weighting} scope={cell.scope} epochs={cell.epochs} "
-                f"aggregation={cell.aggregation} "
+                f"aggregation={cell.aggregation} {stale_fields(cell, row)}"
                 f"gap={row['gap']:.4f} kl_ref_exact={row['kl_to_ref']:.4f} kl_opt={row['optimum_kl_to_ref']:.4f} "
                 f"kl_to_opt={row['kl_to_optimum']:.4f} expected={cell.expected}{extra} "
                 f"iterations={row['iteration']} seconds={row['seconds']:.1f}",
@@ -1021,6 +1068,20 @@ def run_matrix(args: argparse.Namespace) -> None:
         f"high_variance_max_gap={max(gaps['high_variance'], default=nan):.4f} "
         f"drift_max_gap={max(gaps['drift'], default=nan):.4f} wall_s={time.perf_counter() - start:.0f} cpu_s={user_cpu_seconds():.0f}"
     )
+    for (staleness, recipe), values in sorted(stale_gaps.items()):
+        print(f"STALE staleness={staleness} correction_class={recipe} n={len(values)} max_gap={max(values):.4f} min_gap={min(values):.4f}")
+
+
+def stale_fields(cell: Cell, row: dict) -> str:
+    """A stale cell's fields of its OPTIMUM line: staleness, correction and its class (``args.off_policy_recipe``),
+    and the last iteration's ``off_policy/ess`` and ``off_policy/clipped_fraction`` where the row has them."""
+    if not cell.staleness:
+        return ""
+    fields = f"staleness={cell.staleness} correction={cell.correction} off_policy={off_policy_recipe(cell.correction, cell.staleness)[0]} "
+    for name in ("ess", "clipped_fraction"):
+        if f"off_policy/{name}" in row:
+            fields += f"{name}={row[f'off_policy/{name}']:.3f} "
+    return fields
 
 
 def user_cpu_seconds() -> float:
