@@ -28,7 +28,8 @@ class HFGenerate(RolloutEngine):
     """KV-cached ``generate`` on the policy itself (``PPORLHF._generator``: LoRA merged while it
     samples, FSDP2 weights gathered once), returning its raw logits at every step, so log pi_old
     needs no extra forward, and with a shared critic the hidden states that produced them. The
-    sampling RNG is seeded with ``seed`` (forked: the run's own RNG is untouched). ``synced_gpus=False``:
+    draws come from a generator of their own seeded with ``seed`` (the run's RNG is untouched, and a sampler
+    thread beside the trainer shares no generator with it). ``synced_gpus=False``:
     with gathered weights generate runs no collective, so each rank may stop at its own EOS. With
     ``model.runtime.shared_prompts`` the prefill runs once per distinct prompt, or where none repeats, the first
     tokens all prompts share once (``prefix.prompt_cache``). Each
@@ -51,12 +52,11 @@ class HFGenerate(RolloutEngine):
                 module.tokenizer.eos_token_id,
                 sampled.min_new_tokens,
                 enc["input_ids"].shape[1],
+                torch.Generator(device=module.device).manual_seed(seed),
             )
             greedy = dict(do_sample=False, temperature=None, top_k=None, top_p=None, min_new_tokens=None)
             drawn = {**greedy, "logits_processor": LogitsProcessorList([processor])}
-        devices = [module.device] if module.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), module.networks.generator() as generator:
-            torch.manual_seed(seed)
+        with torch.no_grad(), module.networks.generator() as generator:
             cache = prefix.prompt_cache(generator, enc["input_ids"], enc["attention_mask"]) if module.runtime.shared_prompts else {}
             with float32_head(generator, hidden):
                 inputs = {**enc, **cache}  # a cache over a common prefix comes with its own attention mask
@@ -75,16 +75,26 @@ class DeclaredDraw:
     SmolLM2's vocabulary) by one uniform per row (docs/performance.md); the samples are the same distribution's, from another
     stream of random numbers. ``generate`` still records the raw logits (log pi_old)."""
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, eos_token_id: int, min_new_tokens: int, prompt_len: int) -> None:
+    def __init__(
+        self,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        eos_token_id: int,
+        min_new_tokens: int,
+        prompt_len: int,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.eos_token_id, self.min_new_tokens, self.prompt_len = eos_token_id, min_new_tokens, prompt_len
+        self.generator = generator  # the uniforms' source (default: torch's)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         logits = scores.float() / self.temperature
         if input_ids.shape[1] - self.prompt_len < self.min_new_tokens:
             logits[:, self.eos_token_id] = sampling.OUTSIDE_LOGIT
         logits = sampling.restrict(logits, sampling.kept_tokens(logits, self.top_k, self.top_p))
-        return torch.full_like(scores, -torch.inf).scatter_(1, sampling.draw(logits)[:, None], 0.0)
+        return torch.full_like(scores, -torch.inf).scatter_(1, sampling.draw(logits, generator=self.generator)[:, None], 0.0)
 
 
 @register(

@@ -82,6 +82,7 @@ class TensorBoardViews(Callback):
             has_target=hasattr(pl_module.beta_controller, "target"),
             has_gold=pl_module.gold_reward_model is not None,
             reference=pl_module.hparams.get("reference"),
+            asynchronous=bool(getattr(getattr(pl_module, "off_policy", None), "max_staleness", 0)),
         )
         trainer.logger.experiment.add_custom_scalars(layout)
 
@@ -114,7 +115,7 @@ MORE_CATEGORY = "rlhf-lightning: entropy, lengths, the PPO update"
 
 
 def custom_scalars_layout(
-    unit: str = "sequence_sum", has_target: bool = True, has_gold: bool = False, reference: Optional[str] = None
+    unit: str = "sequence_sum", has_target: bool = True, has_gold: bool = False, reference: Optional[str] = None, asynchronous: bool = False
 ) -> dict:
     """The Custom Scalars layout, ``{category: {chart title: ["Multiline", [tag regexes]]}}`` in the
     order TensorBoard shows it: first the run at a glance (reward; the KL's mean and max beside the
@@ -123,7 +124,9 @@ def custom_scalars_layout(
     fraction). ``has_target``: the controller holds a KL target (``objective/kl_target`` is logged);
     ``has_gold``: a gold reward is watched (its own chart: its scale is not the trained reward's).
     ``reference``: another model is the reference (``model.reference``, a teacher): the KL charts name it and the
-    direction (the reverse KL, KL(pi || reference)), and the drift from the starting policy gets a chart of its own."""
+    direction (the reverse KL, KL(pi || reference)), and the drift from the starting policy gets a chart of its own.
+    ``asynchronous``: the sampler runs ahead (``model.off_policy.max_staleness`` > 0): how stale the batches were,
+    the off-policy correction's clipped share and effective sample size, and the trainer's wait for the sampler."""
     target = ", the controller's target (objective/kl_target)" if has_target else ""
     target_tag = ["objective/kl_target"] if has_target else []
     seeds = {"reward: objective/reward (training batch), val/reward (held-out prompts)": ["objective/reward", "val/reward"]}
@@ -149,6 +152,21 @@ def custom_scalars_layout(
         "PPO update: approximate KL to the rollout's policy (policy/approxkl)": ["policy/approxkl"],
         "PPO update: fraction of tokens clipped (policy/clipfrac)": ["policy/clipfrac"],
     }
+    if asynchronous:
+        more.update(
+            {
+                "staleness (updates): mean (off_policy/staleness_mean), max (off_policy/staleness_max)": [
+                    "off_policy/staleness_mean",
+                    "off_policy/staleness_max",
+                ],
+                "off-policy correction: share of tokens clipped (off_policy/clipped_fraction)": ["off_policy/clipped_fraction"],
+                "off-policy correction: effective sample size (off_policy/ess)": ["off_policy/ess"],
+                "seconds: the trainer's wait for the sampler (timing/sampler_wait_s), the sampler's draw (timing/rollout_s)": [
+                    "timing/sampler_wait_s",
+                    "timing/rollout_s",
+                ],
+            }
+        )
     return {
         category: {title: ["Multiline", [f"^{tag}$" for tag in tags]] for title, tags in charts.items()}
         for category, charts in ((SEEDS_CATEGORY, seeds), (MORE_CATEGORY, more))

@@ -7,6 +7,7 @@ sampler, so each rank draws its own shard of prompts.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import hashlib
@@ -264,6 +265,42 @@ class PromptSampler(DistributedSampler):
         return iter(indices)
 
 
+class Lookahead:
+    """An iterator over a loader's batches that can show the ones after the batch being trained, for a sampler
+    that runs ahead (rlhf_lightning/async_rollout.py). It remembers the batches handed out (Lightning fetches one
+    ahead) until the training step names the one it trains (``consume``); ``upcoming(n)`` reads on from the
+    loader as needed."""
+
+    def __init__(self, batches) -> None:
+        self.batches = batches
+        self.handed: collections.deque = collections.deque()  # handed out, not yet consumed
+        self.read: collections.deque = collections.deque()  # read ahead, not yet handed out
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self.read.popleft() if self.read else next(self.batches)
+        self.handed.append(batch)
+        return batch
+
+    def consume(self, batch) -> bool:
+        """The training step trains on ``batch`` now: forget it and the batches before it; False when it was not handed out."""
+        while self.handed:
+            if self.handed.popleft() == batch:
+                return True
+        return False
+
+    def upcoming(self, n: int) -> list:
+        """The (at most) ``n`` batches after the one consumed last, in order; fewer where the epoch ends."""
+        while len(self.handed) + len(self.read) < n:
+            try:
+                self.read.append(next(self.batches))
+            except StopIteration:
+                break
+        return [*self.handed, *self.read][:n]
+
+
 class PromptLoader(DataLoader):
     """A DataLoader that Lightning saves and restores with the checkpoint (it has
     ``state_dict``/``load_state_dict``), so a resumed run continues with the next unseen prompts.
@@ -282,6 +319,11 @@ class PromptLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.trainer = trainer
         self._resumed: tuple[int, int, int] | None = None  # (epoch, samples done, batches started) at a resume
+        self.lookahead: Optional[Lookahead] = None  # the epoch's iterator, which reads ahead for the sampler
+
+    def __iter__(self):
+        self.lookahead = Lookahead(super().__iter__())
+        return self.lookahead
 
     def _batches_started(self) -> int:
         return self.trainer.fit_loop.epoch_loop.batch_progress.current.ready

@@ -52,6 +52,7 @@ from torchmetrics import MeanMetric
 from rlhf_lightning import args, checkpoints, fsdp2, gpu, models, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import KLArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
+from rlhf_lightning.async_rollout import AsyncRollouts, Drawn, staleness_metrics
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
 from rlhf_lightning.checks import Faults, nonfinite_terms, require
 from rlhf_lightning.data import PromptTable, encode_prompts, token_ids
@@ -153,8 +154,6 @@ class PPORLHF(LightningModule):
         self.lora: LoraArgs = groups["lora"]
         self.runtime: RuntimeArgs = groups["runtime"]
         self.off_policy: OffPolicyArgs = groups["off_policy"]
-        if self.off_policy.max_staleness:
-            raise NotImplementedError("model.off_policy.max_staleness > 0: asynchronous rollouts are being built")
         # The saved hyperparameters: the network keys and each group as plain values, resolved.
         network = dict(policy=policy, tokenizer=tokenizer, reference=reference, critic=groups["critic"], tiny_config=tiny_config, seed=seed)
         self.save_hyperparameters(
@@ -179,6 +178,8 @@ class PPORLHF(LightningModule):
         self.faults = Faults(limit=self.runtime.max_consecutive_faults)
         self.longest_prompt: Optional[int] = None  # tokens, of the data module's prompt files (setup)
         self.prompt_table: Optional[PromptTable] = None  # the training prompts' ids and budgets (setup; prompt_stats)
+        # max_staleness k > 0: the sampler that runs ahead (async_rollout.py); None: the synchronous loop
+        self.async_rollouts = AsyncRollouts(self) if self.off_policy.max_staleness else None
 
     # ------------------------------------------------------------------ setup
     def configure_callbacks(self) -> list:
@@ -200,7 +201,8 @@ class PPORLHF(LightningModule):
     def training_step(self, prompts: list[str], batch_idx: int) -> IterationOutputs:
         """One PPO iteration. What it returns reaches callbacks' ``on_train_batch_end`` as ``outputs``."""
         timer = Timer(self.device)
-        rollout = self.rollout(self.repeat_prompts(prompts), timer, critic_values=not self.old_values_in_update)
+        rows = self.repeat_prompts(prompts)
+        rollout = self.rollout(rows, timer, critic_values=not self.old_values_in_update, drawn=self.draw_ahead(prompts, rows, timer))
         betas = self.row_betas(rollout.prompts)
         with timer("score"):
             scored = self.score(rollout, betas)
@@ -224,6 +226,28 @@ class PPORLHF(LightningModule):
         """Each prompt ``num_generations`` times, its group in consecutive rows of this rank's batch."""
         args.check_batch_split(len(prompts), self.sampling, self.ppo)
         return [prompt for prompt in prompts for _ in range(self.sampling.num_generations)]
+
+    def draw_ahead(self, prompts: list[str], rows: list[str], timer: Timer) -> Optional[Drawn]:
+        """With ``model.off_policy.max_staleness`` k > 0: this iteration's batch (``rows``) from the sampler, drawn
+        from the weights k updates old, the next k batches' prompts handed to it (read ahead from the training
+        loader: ``data.Lookahead``, within the epoch's batches); None for the synchronous loop."""
+        if self.async_rollouts is None:
+            return None
+        lookahead = getattr(self.trainer.train_dataloader, "lookahead", None) if self._trainer is not None else None
+        upcoming = []
+        if lookahead is not None and lookahead.consume(prompts):
+            left = self.trainer.num_training_batches - self.trainer.fit_loop.epoch_loop.batch_idx - 1
+            upcoming = [self.repeat_prompts(batch) for batch in lookahead.upcoming(min(self.off_policy.max_staleness, left))]
+        return self.async_rollouts.draw(rows, upcoming, timer)
+
+    def sampling_seed(self, iteration: int) -> int:
+        """The seed the rollout engine draws iteration ``iteration``'s responses with, per (run, rank, iteration): ranks
+        sample independently, and a resumed run or a sampler running ahead draws the same responses."""
+        return self.generation_seed_base + 7919 * self.global_rank + 104729 * iteration
+
+    def teardown(self, stage: str) -> None:
+        if self.async_rollouts is not None:
+            self.async_rollouts.close()
 
     def _setup_reward_models(self) -> None:
         self.reward_model.setup(self.device)
@@ -344,17 +368,20 @@ class PPORLHF(LightningModule):
         }
 
     @torch.no_grad()
-    def rollout(self, prompts: list[str], timer: Optional[Timer] = None, critic_values: bool = True) -> Trajectory:
-        """Sample one response per prompt with the rollout engine (timed as ``rollout``), then pi_old
-        and V_old (``_old_policy``; a separate critic's only with ``critic_values``) and log pi_ref
-        (one batched forward of the reference, on the sampler's kept set), timed as ``forward``."""
+    def rollout(
+        self, prompts: list[str], timer: Optional[Timer] = None, critic_values: bool = True, drawn: Optional[Drawn] = None
+    ) -> Trajectory:
+        """Sample one response per prompt with the rollout engine (timed as ``rollout``), or take the batch the
+        sampler ``drawn`` ahead from older weights; then pi_old and V_old (``_old_policy``; a separate critic's
+        only with ``critic_values``) and log pi_ref (one batched forward of the reference, on the sampler's kept
+        set), timed as ``forward``."""
         timer = timer or Timer(self.device)
-        enc = self.encode_prompts(prompts)
-        # Sampling draws from its own seed per (run, rank, iteration): ranks sample independently,
-        # and a resumed run draws the same responses without any generator state to restore.
-        with timer("rollout"):
-            seed = self.generation_seed_base + 7919 * self.global_rank + 104729 * self.iteration
-            samples = self.rollout_engine.checked_sample(self, enc, seed)
+        if drawn is None:
+            enc, version = self.encode_prompts(prompts), self.iteration
+            with timer("rollout"):
+                samples = self.rollout_engine.checked_sample(self, enc, self.sampling_seed(self.iteration))
+        else:
+            enc, samples, version = drawn.enc, drawn.samples, drawn.version
         response = samples.sequences[:, enc["input_ids"].shape[1] :].to(self.device)  # right-padded with pad
         mask = pm.response_mask(response, self.tokenizer.eos_token_id)
         ended = ((response == self.tokenizer.eos_token_id) & mask.bool()).any(-1)
@@ -396,6 +423,7 @@ class PPORLHF(LightningModule):
             initial_logprobs=None if initial_logits is None else pm.logprobs_of(initial_logits, response),
             initial_logits=initial_logits if keep_logits else None,
             kept=old.kept,
+            policy_version=torch.full((len(prompts),), version, dtype=torch.long, device=self.device),
             is_weights=sampling.correction_weights(
                 old.trainer_logprobs, old.sampler_logprobs, mask, *self.off_policy.weights(self.sampling)
             ),
@@ -820,6 +848,7 @@ class PPORLHF(LightningModule):
             "response/truncated_fraction": 1.0 - n_eos / n,  # cut at max_new_tokens without EOS
             "response/count": n,
             **sampling.mismatch_metrics(rollout.trainer_logprobs, rollout.sampler_logprobs, mask, self._reduce),
+            **(staleness_metrics(rollout.policy_version, self.iteration, self._reduce) if self.async_rollouts else {}),
             **self.off_policy_weight_metrics(rollout),
             **gold,
         }

@@ -55,9 +55,9 @@ def restrict(logits: Tensor, kept: Optional[Tensor]) -> Tensor:
     return logits if kept is None else logits.masked_fill(~kept, OUTSIDE_LOGIT)
 
 
-def draw(logits: Tensor, block: int = 512) -> Tensor:
+def draw(logits: Tensor, block: int = 512, generator: Optional[torch.Generator] = None) -> Tensor:
     """One index per row of ``logits`` (rows, vocab) drawn from softmax(logits) by inverse transform: u ~
-    U[0, 1) from torch's generator, then the first index whose cumulative probability exceeds u. In two
+    U[0, 1) from ``generator`` (default: torch's), then the first index whose cumulative probability exceeds u. In two
     levels, to stay exact to float64 at the cost of one float32 pass: the sums of ``block`` probabilities
     (float64 cumulative sum over the blocks) pick the block, a float64 cumulative sum inside it the index; a
     token of probability 0 is never drawn. One uniform per row instead of ``torch.multinomial``'s one
@@ -66,7 +66,7 @@ def draw(logits: Tensor, block: int = 512) -> Tensor:
     rows, vocab = probs.shape
     blocks = F.pad(probs, (0, (-vocab) % block)).view(rows, -1, block)
     block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)
-    u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device) * block_cdf[:, -1:]
+    u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device, generator=generator) * block_cdf[:, -1:]
     chosen = torch.searchsorted(block_cdf, u, right=True).clamp(max=block_cdf.shape[1] - 1)  # its mass > 0
     before = torch.where(chosen > 0, block_cdf.gather(1, (chosen - 1).clamp(min=0)), torch.zeros_like(u))
     within = blocks[torch.arange(rows, device=probs.device), chosen[:, 0]].double().cumsum(-1)

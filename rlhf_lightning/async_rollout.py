@@ -1,0 +1,287 @@
+"""Asynchronous rollouts (``model.off_policy.max_staleness`` k > 0; docs/async.md): the sampler runs
+ahead of the trainer with its own copy of the policy's weights.
+
+A *version* is the number of PPO iterations done (each one update of the weights; a skipped iteration
+leaves them as they were). The batch of iteration i is sampled from version max(0, i - k), with the
+sampling seed of iteration i (``PPORLHF.sampling_seed``): so which responses a batch gets does not depend
+on when, where or in which thread it was sampled. At the start of iteration i the trainer publishes its
+weights as version i and hands the sampler the prompts of iteration i + k (read ahead from the data
+loader, ``data.Lookahead``), which the sampler draws while iteration i scores and updates. A batch whose
+prompts could not be read ahead (the first k of an epoch, a loader without look-ahead) is sampled when
+it arrives, from the published version it needs, kept until then: the same responses, less overlap.
+
+The sampler is a worker thread (``concurrent``) or the trainer's own thread (the in-line reference the
+tests compare against): the same jobs in the same order on the same copy of the weights. Everything
+after the draw (pi_old, the reference, the critic, the reward) runs in the trainer when the batch is
+consumed, on the weights of that moment: the PPO ratio is anchored at the current weights (the proximal
+policy) and the sampler's log-probs are kept as the behaviour policy's (``Trajectory.sampler_logprobs``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import copy
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.checks import ConfigError
+from rlhf_lightning.interfaces import Samples
+from rlhf_lightning.networks import Networks
+
+
+class SamplerError(ConfigError):
+    """The sampler failed or did not answer in time: one line naming ``model.off_policy`` and the cause."""
+
+
+@dataclass
+class Drawn:
+    """One batch as the sampler drew it (per-row tensors on the module's device)."""
+
+    iteration: int  # the iteration that trains on it
+    prompts: list[str]  # its rows' prompts (each repeated num_generations times)
+    enc: dict[str, Tensor]  # the prompts' encoding (input_ids, attention_mask), left-padded
+    samples: Samples  # the engine's output
+    version: int  # the version of the weights that sampled it
+    seconds: float  # the sampler's own time drawing it
+
+    def state_dict(self) -> dict[str, Any]:
+        samples = {name: getattr(self.samples, name) for name in ("sequences", "logits", "logprobs", "hidden")}
+        fields = dict(iteration=self.iteration, prompts=self.prompts, version=self.version, seconds=self.seconds)
+        return {**fields, "enc": {k: v.cpu() for k, v in self.enc.items()}, "samples": {k: _cpu(v) for k, v in samples.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], device: torch.device) -> Drawn:
+        samples = Samples(**{k: None if v is None else v.to(device) for k, v in state["samples"].items()})
+        enc = {k: v.to(device) for k, v in state["enc"].items()}
+        return cls(state["iteration"], list(state["prompts"]), enc, samples, state["version"], state["seconds"])
+
+
+def staleness_metrics(versions: Tensor, iteration: int, reduce) -> dict[str, float]:
+    """``off_policy/staleness_mean`` and ``off_policy/staleness_max`` over all ranks' responses: how many updates
+    older than the trained weights (``iteration``) the weights that sampled each were (``versions``, (batch,))."""
+    staleness = (iteration - versions).double()
+    total = reduce(torch.stack([staleness.sum(), torch.tensor(float(len(staleness)), dtype=torch.float64, device=staleness.device)]))
+    return {
+        "off_policy/staleness_mean": float(total[0] / total[1]),
+        "off_policy/staleness_max": float(reduce(staleness.max(), op="max")),
+    }
+
+
+def _cpu(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.cpu()
+
+
+class _Done:
+    """A job run in the trainer's thread: its result or its exception, as a Future holds them."""
+
+    def __init__(self, job) -> None:
+        self._result, self._error = None, None
+        try:
+            self._result = job()
+        except Exception as err:  # re-raised by result(), as a worker's would be
+            self._error = err
+
+    def result(self, timeout: Optional[float] = None):
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self) -> bool:
+        return False
+
+
+def _work(jobs: queue.Queue) -> None:
+    """The sampler's thread: run each ``(future, job)`` in order until ``None``."""
+    while (item := jobs.get()) is not None:
+        future, job = item
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(job())
+            except BaseException as err:  # the trainer re-raises it as one line (AsyncRollouts.wait)
+                future.set_exception(err)
+
+
+class _SamplerView:
+    """The module as the rollout engine sees it from the sampler: every setting the module's, the
+    networks the sampler's own copy (``Networks.generator`` over it)."""
+
+    def __init__(self, module, networks) -> None:
+        self._module, self.networks = module, networks
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+class AsyncRollouts:
+    """The sampler of ``PPORLHF`` with ``model.off_policy.max_staleness`` k > 0: its copy of the
+    policy, the versions published for batches still to be drawn, and the batches drawn ahead.
+
+    ``concurrent``: draw in one worker thread (the run's default) or in the trainer's thread when a
+    batch is handed over (the in-line path, the same numbers)."""
+
+    def __init__(self, module, concurrent: bool = True) -> None:
+        self.module = module
+        self.k = module.off_policy.max_staleness
+        self.timeout_s = module.off_policy.sampler_timeout_s
+        self.concurrent = concurrent
+        self.networks = None  # the sampler's Networks over its copy of the policy (built at the first draw)
+        self.versions: dict[int, dict[str, Tensor]] = {}  # published trainable weights by version, while a batch needs them
+        self.loaded: Optional[int] = None  # the version the copy holds
+        self.jobs: dict[int, Any] = {}  # iteration -> Future (or _Done) of its Drawn
+        self._queue: Optional[queue.Queue] = None  # the worker's jobs, once it runs
+        self.handed_ahead = 0  # batches handed to the sampler before their iteration (read ahead)
+
+    # ------------------------------------------------------------------ the trainer's side
+    def draw(self, prompts: list[str], upcoming: list[list[str]], timer) -> Drawn:
+        """The batch of the module's current iteration i on ``prompts`` (repeated rows), drawn from version
+        max(0, i - k): publish version i, hand the sampler the batches of ``upcoming`` (the prompts of
+        iterations i + 1, i + 2, ..., as far as read ahead) that version i or an earlier one samples, and
+        wait for batch i (``timing/sampler_wait_s``)."""
+        i = self.module.iteration
+        self.publish(i)
+        if i not in self.jobs:  # not read ahead: drawn now, from the version it needs
+            self.submit(i, prompts)
+        for ahead, rows in enumerate(upcoming[: self.k], start=1):
+            if i + ahead not in self.jobs:
+                self.submit(i + ahead, rows)
+                self.handed_ahead += 1
+        with timer("sampler_wait"):
+            drawn = self.wait(i)
+        self.prune(i)
+        if drawn.prompts != prompts:
+            raise SamplerError(
+                f"model.off_policy.max_staleness {self.k}: the batch drawn ahead for iteration {i} has other prompts than the "
+                "data loader gives it (the training prompts' order changed since it was read ahead, or since the checkpoint)"
+            )
+        timer.seconds["rollout"] = timer.seconds.get("rollout", 0.0) + drawn.seconds
+        return drawn
+
+    def publish(self, version: int) -> None:
+        """Keep the policy's trainable weights as ``version`` (a LoRA policy's: its adapter; the frozen base is
+        the sampler copy's own): the sampler reads them while the trainer updates its own."""
+        if version not in self.versions:
+            self.versions[version] = {name: p.detach().clone() for name, p in self._trainable(self.module.policy)}
+
+    def submit(self, iteration: int, prompts: list[str]) -> None:
+        """Hand the sampler iteration ``iteration``'s batch on ``prompts``, to draw from version max(0, iteration - k)."""
+        version = max(0, iteration - self.k)
+        weights = self.versions[version]
+        enc = self.module.encode_prompts(prompts)
+        seed = self.module.sampling_seed(iteration)
+        context = self._step_context()
+        job = lambda: self._sample(iteration, list(prompts), enc, seed, version, weights, context)
+        if not self.concurrent:
+            self.jobs[iteration] = _Done(job)
+            return
+        if self._queue is None:
+            self._queue = queue.Queue()
+            # a daemon: a sampler that hangs must not keep the process alive once the trainer has stopped
+            threading.Thread(target=_work, args=(self._queue,), name="rlhf-lightning-sampler", daemon=True).start()
+        future = concurrent.futures.Future()
+        self._queue.put((future, job))
+        self.jobs[iteration] = future
+
+    def wait(self, iteration: int) -> Drawn:
+        """Batch ``iteration``, at most ``sampler_timeout_s`` later; a sampler that raised or hangs is one line."""
+        job = self.jobs.pop(iteration)
+        try:
+            return job.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise SamplerError(
+                f"model.off_policy.sampler_timeout_s {self.timeout_s}: the sampler drew no batch for iteration {iteration} in that time "
+                f"(model.off_policy.max_staleness {self.k}); raise the timeout if sampling one batch takes longer"
+            ) from None
+        except SamplerError:
+            raise
+        except Exception as err:
+            raise SamplerError(
+                f"model.off_policy.max_staleness {self.k}: the sampler failed drawing the batch of iteration {iteration}: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+
+    def prune(self, iteration: int) -> None:
+        """Drop the published versions no batch still to be handed over samples from (each batch j > iteration
+        already handed over has its weights; the next to hand over, iteration + k + 1 onwards, need versions >
+        iteration)."""
+        pending = [j for j in range(iteration + 1, iteration + self.k + 1) if j not in self.jobs]
+        needed = {max(0, j - self.k) for j in pending}
+        for version in [v for v in self.versions if v not in needed]:
+            del self.versions[version]
+
+    def close(self) -> None:
+        """Stop the worker after its job in flight, dropping the batches not yet drawn (the end of fit)."""
+        for job in self.jobs.values():
+            job.cancel()
+        if self._queue is not None:
+            self._queue.put(None)
+            self._queue = None
+        self.jobs.clear()
+
+    # ------------------------------------------------------------------ the sampler's side
+    def _sample(self, iteration, prompts, enc, seed, version, weights, context) -> Drawn:
+        start = time.perf_counter()
+        networks = self._sampler_networks()
+        if self.loaded != version:
+            params = dict(self._trainable(networks.policy))
+            with torch.no_grad():
+                torch._foreach_copy_([params[name] for name in weights], list(weights.values()))
+            self.loaded = version
+        module = self.module
+        with context:
+            samples = module.rollout_engine.checked_sample(_SamplerView(module, networks), enc, seed)
+        return Drawn(iteration, prompts, enc, samples, version, time.perf_counter() - start)
+
+    def _sampler_networks(self):
+        """The sampler's ``Networks``: a copy of the policy alone (no critic, no reference), run as the trainer's is."""
+        if self.networks is None:
+            module = self.module
+            trainer = module.networks
+            self.networks = Networks(
+                copy.deepcopy(module.policy),
+                None,
+                None,
+                None,
+                sampling=module.sampling,
+                shared_prompts=trainer.shared_prompts,
+                lora=module.lora,
+                reference_moves=False,
+                foreign_reference=False,
+                eos_token_id=module.tokenizer.eos_token_id,
+                reduce=lambda t, op="sum": t,
+            )
+        return self.networks
+
+    def _step_context(self):
+        """What the trainer's step runs inside (the precision plugin's: autocast, the CPU's oneDNN route), for the
+        sampler's thread: those are thread-local."""
+        trainer = self.module._trainer
+        if trainer is None or not self.concurrent:
+            return contextlib.nullcontext()
+        return trainer.precision_plugin.train_step_context()
+
+    @staticmethod
+    def _trainable(policy) -> list[tuple[str, Tensor]]:
+        return [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The batches in flight (drawn ahead, waited for) and the versions a batch still to be drawn needs."""
+        drawn = {j: self.jobs[j].result(timeout=self.timeout_s) for j in sorted(self.jobs)}
+        self.jobs = {j: _Done(lambda d=d: d) for j, d in drawn.items()}
+        return {
+            "max_staleness": self.k,
+            "drawn": [d.state_dict() for d in drawn.values()],
+            "versions": {v: {n: t.cpu() for n, t in w.items()} for v, w in self.versions.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        device = self.module.device
+        self.jobs = {d["iteration"]: _Done(lambda d=d: Drawn.from_state(d, device)) for d in state["drawn"]}
+        self.versions = {int(v): {n: t.to(device) for n, t in w.items()} for v, w in state["versions"].items()}

@@ -1,0 +1,132 @@
+"""Asynchronous rollouts (``model.off_policy``, rlhf_lightning/async_rollout.py): the batch of iteration i is the
+one the weights of version max(0, i - k) sample with iteration i's seed, whether the sampler runs in its own
+thread or in the trainer's; the start-up checks; the staleness metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from rlhf_lightning.checks import ConfigError
+from rlhf_lightning.data import Lookahead
+
+from helpers import fit, make_module
+
+STALE = dict(sampling=dict(old_logprobs="forward"), ppo=dict(epochs=1))
+
+
+class RecordWeights(Callback):
+    """The policy's weights at the start of each iteration: version i is the weights after i updates."""
+
+    def __init__(self) -> None:
+        self.versions: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.versions.append({name: p.detach().clone() for name, p in pl_module.policy.named_parameters()})
+
+
+def stale_fit(tmp_path, k: int, concurrent: bool, iterations: int = 4, **overrides):
+    module = make_module(**{**STALE, "off_policy": dict(max_staleness=k), **overrides})
+    if module.async_rollouts is not None:
+        module.async_rollouts.concurrent = concurrent
+    weights = RecordWeights()
+    _, history = fit(module, tmp_path, iterations, batch_size=4, callbacks=[weights])
+    return module, history, weights.versions
+
+
+def resample(module, versions, iteration: int, k: int, prompts: list[str]):
+    """Iteration ``iteration``'s batch as version max(0, iteration - k) samples it by hand: a fresh module with those
+    weights, the engine called with ``module``'s seed of that iteration."""
+    fresh = make_module(**{**STALE, "off_policy": dict(max_staleness=0)})
+    with torch.no_grad():
+        for name, p in fresh.policy.named_parameters():
+            p.copy_(versions[max(0, iteration - k)][name])
+    enc = fresh.encode_prompts(prompts)
+    return enc, fresh.rollout_engine.checked_sample(fresh, enc, module.sampling_seed(iteration))
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["in_line", "thread"])
+def test_each_batch_is_sampled_by_the_weights_k_updates_old(tmp_path, concurrent):
+    """k = 1, four iterations: each iteration's responses and behaviour log-probs are those the weights of version
+    i - 1 (i = 0: 0) draw with iteration i's seed, token for token; the trained weights have moved between versions
+    (so version i's own weights would have sampled other responses); policy_version and the staleness metrics
+    say so."""
+    module, history, versions = stale_fit(tmp_path, 1, concurrent)
+    assert any(not torch.equal(versions[1][n], versions[2][n]) for n in versions[1])
+    differs = 0
+    for i, out in enumerate(history.outputs):
+        rollout = out["rollout"]
+        assert rollout.policy_version.tolist() == [max(0, i - 1)] * len(rollout.prompts)
+        enc, samples = resample(module, versions, i, 1, rollout.prompts)
+        prompt_len = enc["input_ids"].shape[1]
+        by_hand = samples.sequences[:, prompt_len:]
+        n = rollout.responses.shape[1]
+        assert torch.equal(
+            by_hand[:, :n].masked_fill(rollout.response_mask == 0, 0), rollout.responses.masked_fill(rollout.response_mask == 0, 0)
+        )
+        mu = torch.log_softmax(samples.logits.float(), -1).gather(-1, by_hand[:, :n, None])[..., 0]
+        torch.testing.assert_close(rollout.sampler_logprobs * rollout.response_mask, mu * rollout.response_mask, rtol=0, atol=1e-5)
+        _, own = resample(module, versions, i, 0, rollout.prompts)  # the current weights' own draw
+        differs += not torch.equal(own.sequences, samples.sequences)
+    assert differs >= 1  # stale sampling is not the current weights' sampling
+    assert module.async_rollouts.handed_ahead == 3  # iterations 1, 2, 3 were drawn while the one before trained
+    assert history.series("off_policy/staleness_mean") == [0.0, 1.0, 1.0, 1.0]
+    assert history.series("off_policy/staleness_max") == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_the_thread_and_the_in_line_sampler_train_the_same_weights(tmp_path):
+    """k = 2 over five iterations: the sampler thread and the in-line sampler give the same responses, metrics and
+    final weights, bit for bit (the same jobs in the same order on the same copy)."""
+    runs = [stale_fit(tmp_path / str(c), 2, c, iterations=5) for c in (False, True)]
+    (a, ha, _), (b, hb, _) = runs
+    for (name, p), q in zip(a.policy.named_parameters(), b.policy.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    for key in ("objective/reward", "objective/kl", "policy/loss", "off_policy/staleness_mean"):
+        assert ha.series(key) == hb.series(key), key
+    assert ha.series("off_policy/staleness_mean") == [0.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_max_staleness_0_is_the_synchronous_loop(tmp_path):
+    """k = 0: no sampler, no staleness metrics; each response carries the version that trains on it."""
+    module = make_module()
+    assert module.async_rollouts is None
+    _, history = fit(module, tmp_path, 2, batch_size=4)
+    assert [out["rollout"].policy_version.unique().tolist() for out in history.outputs] == [[0], [1]]
+    assert "off_policy/staleness_mean" not in history.rows[-1]
+
+
+def test_start_up_checks_name_the_fields():
+    with pytest.raises(ConfigError, match=r"model\.sampling\.old_logprobs must be 'forward' with model\.off_policy\.max_staleness 1"):
+        make_module(off_policy=dict(max_staleness=1))
+    with pytest.raises(ConfigError, match=r"model\.off_policy\.max_staleness must be an integer >= 0, got -1"):
+        make_module(off_policy=dict(max_staleness=-1))
+    with pytest.raises(ConfigError, match=r"model\.off_policy\.sampler_timeout_s must be a finite number > 0"):
+        make_module(off_policy=dict(sampler_timeout_s=0))
+
+
+def test_lookahead_shows_the_batches_after_the_one_trained():
+    """Lightning fetches one batch ahead: the batch it handed out but has not trained on counts as upcoming."""
+    ahead = Lookahead(iter([[0], [1], [2], [3]]))
+    assert next(ahead) == [0] and next(ahead) == [1]  # the loop trains [0], [1] prefetched
+    assert ahead.consume([0])
+    assert ahead.upcoming(2) == [[1], [2]]
+    assert next(ahead) == [2]  # read ahead, handed out in order
+    assert ahead.consume([1]) and ahead.upcoming(5) == [[2], [3]]
+    assert not ahead.consume([9])
+
+
+def test_the_one_page_view_charts_the_staleness_and_every_charted_tag_is_documented():
+    import re
+
+    from rlhf_lightning.callbacks import MORE_CATEGORY, custom_scalars_layout
+
+    from helpers import REPO
+
+    page = (REPO / "docs" / "metrics.md").read_text()
+    layout = custom_scalars_layout(asynchronous=True)[MORE_CATEGORY]
+    tags = [re.sub(r"^\^|\$$", "", tag) for _, (_, chart) in layout.items() for tag in chart]
+    assert {"off_policy/staleness_mean", "off_policy/staleness_max", "off_policy/clipped_fraction", "off_policy/ess"} <= set(tags)
+    assert "timing/sampler_wait_s" in tags
+    assert all(f"`{tag}`" in page for tag in tags), [tag for tag in tags if f"`{tag}`" not in page]
+    assert "off_policy/staleness_mean" not in str(custom_scalars_layout())
