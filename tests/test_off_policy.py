@@ -173,6 +173,33 @@ def test_the_settings():
     assert OffPolicyArgs(max_staleness=1, correction="none").weights(sampling) == ("none", 5.0)
 
 
+def test_the_asynchronous_loop_weighs_by_its_own_behaviour_policy(tmp_path):
+    """model.off_policy.max_staleness 1, three iterations of the tiny model: each rollout's weights are the sequence
+    weights min(pi_prox(y) / mu(y), 5) from the trainer's log-probs (the current weights' forward) to the sampler's
+    (the stale weights'), every token of a response alike; off_policy/ess and clipped_fraction are logged from them
+    (ESS 1 at iteration 0, where mu is pi_prox); correction none leaves the rollout unweighted and warns at start-up."""
+    from helpers import fit, make_module
+
+    stale = dict(sampling=dict(old_logprobs="forward"), ppo=dict(epochs=1), optim=dict(lr=1e-2))
+    module = make_module(**stale, off_policy=dict(max_staleness=1))
+    _, history = fit(module, tmp_path, 3, batch_size=4)
+    for i, out in enumerate(history.outputs):
+        rollout = out["rollout"]
+        expected = correction_weights(rollout.trainer_logprobs, rollout.sampler_logprobs, rollout.response_mask, "seq_tis", 5.0)
+        torch.testing.assert_close(rollout.is_weights, expected)
+        w = rollout.is_weights.amax(-1)
+        assert torch.equal(rollout.is_weights, w[:, None] * rollout.response_mask), i
+        metrics = off_policy_weight_metrics(rollout.trainer_logprobs, rollout.sampler_logprobs, rollout.response_mask, "seq_tis", 5.0)
+        assert out["metrics"]["off_policy/ess"] == pytest.approx(metrics["off_policy/ess"], abs=1e-9)
+        assert out["metrics"]["off_policy/clipped_fraction"] == pytest.approx(metrics["off_policy/clipped_fraction"], abs=1e-9)
+    assert history.outputs[0]["metrics"]["off_policy/ess"] == pytest.approx(1.0, abs=1e-5)
+    assert history.outputs[2]["metrics"]["off_policy/ess"] < 1 - 1e-6  # the weights have moved: mu is not pi_prox
+    with pytest.warns(UserWarning, match=r"model\.off_policy\.correction none with model\.off_policy\.max_staleness 1 is biased"):
+        module = make_module(**stale, off_policy=dict(max_staleness=1, correction="none"))
+    _, history = fit(module, tmp_path / "none", 2, batch_size=4)
+    assert all(out["rollout"].is_weights is None for out in history.outputs)
+
+
 # ---------------------------------------------------------------------- sampled, with the asynchronous loop (minutes)
 
 
