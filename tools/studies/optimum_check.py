@@ -93,6 +93,16 @@ Advantages are whitened by the estimator's default where the KL is only in the r
 where it is in the loss (PPORLHF refuses that combination). Measured matrices, with their time:
 docs/kl-estimators.md and docs/results.md.
 
+``--max-staleness K [K ...]`` adds stale cells to the matrix (0: the synchronous cell): each batch sampled from the
+weights of K iterations ago (``model.off_policy.max_staleness``, the asynchronous loop; with ``--expected-gradient``
+``exact.expected_train(staleness=K)``, the responses weighted by that policy), once per ``--corrections`` value
+(``model.off_policy.correction``: sequence, token, none; default sequence none) at ``--correction-cap`` (default the
+setting's, 5). Their lines carry ``staleness= correction= off_policy=<the correction's class, args.off_policy_recipe>``
+(and, exact, the last iteration's ``ess=`` and ``clipped_fraction=``), and a summary per staleness and class follows
+MATRIX (whose classes are the synchronous cells')::
+
+    STALE staleness=<K> correction_class=<exact|approximate|biased> n=<cells> max_gap=<largest gap> min_gap=<smallest>
+
 ``--temperature T --top-p P --top-k K`` sample the declared distribution of rlhf_lightning/sampling.py
 (tempered, on the sampler's kept set, replayed for the policy and the reference); the gap is then that of
 the declared objective's closed-form optimum at the kept sets the final policy samples with
