@@ -518,7 +518,6 @@ def advantage_settings(args: argparse.Namespace, advantage: str, settings: dict)
 def main(argv=None) -> None:
     args = parse_args(argv)
     _quiet()
-    require(args.matrix or args.max_staleness == [0], "--max-staleness", "given with --matrix (one matrix dimension)", args.max_staleness)
     if args.matrix:
         run_matrix(args)
         return
