@@ -44,7 +44,6 @@ from rlhf_lightning.exact.tabular import conditional_tables, enumerate_responses
 from rlhf_lightning.exact.tasks import ExactPPORLHF, ExactTask
 from rlhf_lightning.module import Trajectory
 from rlhf_lightning.registry import registry
-from rlhf_lightning.sampling import off_policy_weight_metrics
 from rlhf_lightning.trainer_settings import QUIET_TRAINER
 
 MEAN_BASELINES = ("rloo", "dr_grpo", "reinforce_pp")  # critic-free, the reward's baseline a mean, nothing divided per prompt
@@ -324,11 +323,12 @@ def expected_train(
     current weights; the advantage A_t = G_t - E_mu[G_t | x, y_<t] (a critic or group fitted to mu's samples), and
     the module's ppo_loss with the weights of ``model.off_policy.correction`` ``correction`` truncated at ``correction_cap``
     (uncapped by default) on every term (``sequence``: the whole response's pi_prox(y) / mu(y); ``token``: each
-    token's; ``none``: no weight; ``args.OFF_POLICY_WEIGHTS``, docs/kl-estimators.md, "Stale samples"). Each row then also has ``ess`` and ``clipped_fraction`` of the last
-    iteration's weights under mu (``off_policy_weight_metrics``)."""
+    token's; ``none``: no weight; ``args.OFF_POLICY_WEIGHTS``, docs/kl-estimators.md, "Stale samples"). Each row
+    then also has ``off_policy/ess`` and ``off_policy/clipped_fraction`` of the last iteration's weights under mu
+    (``sampling.off_policy_weight_metrics``)."""
     require(isinstance(staleness, int) and staleness >= 0, "staleness", "an integer >= 0", staleness)
     require(correction in settings.OFF_POLICY_WEIGHTS, "correction", "one of " + ", ".join(settings.OFF_POLICY_WEIGHTS), correction)
-    weight_mode = settings.OFF_POLICY_WEIGHTS[correction]
+    weight_mode = settings.OFF_POLICY_WEIGHTS[correction] if staleness else "none"  # synchronous: mu is pi_old
     module = ExactPPORLHF(task, kl_penalty=kl_penalty, advantage_estimator="rloo", num_generations=2, lr=lr, **module_kwargs)
     module.configure_model()
     optimizer = module.configure_optimizers()
@@ -364,7 +364,7 @@ def expected_train(
         is_weights = sampling.correction_weights(old_logprobs, sampler_logprobs, mask, weight_mode, correction_cap)
         if staleness:
             mu_share = behaviour.exp().reshape(-1, 1) / prompts
-            weight_metrics = off_policy_weight_metrics(old_logprobs, sampler_logprobs, mask, weight_mode, correction_cap, mu_share)
+            weight_metrics = sampling.off_policy_weight_metrics(old_logprobs, sampler_logprobs, mask, weight_mode, correction_cap, mu_share)
         rollout = Trajectory(
             # one group per row: enumerated responses are not independent samples, so no leave-one-out
             # baseline (ppo_math.kl_to_go_loss's groups); the exact expectation needs none
