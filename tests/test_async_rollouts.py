@@ -221,3 +221,14 @@ def test_a_sampler_that_hangs_stops_the_run_after_the_timeout_naming_it(tmp_path
         engine.release.set()
         module.async_rollouts.close(wait=True)  # no draw left running when the tests end
     assert module.iteration == 1
+
+
+def test_bench_max_staleness_prints_the_ratio_of_the_two_loops(capsys):
+    """``tools/benchmarks/bench.py --tiny --max-staleness 1``: both loops run (alternating), the ratio is the medians'."""
+    import bench
+
+    (result,) = bench.main(["--tiny", "--max-staleness", "1", "--mode", "full", "--iters", "2", "--threads", "1"])
+    assert result["ratio"] == pytest.approx(result["iter_s"] / result["iter_s_synchronous"])
+    assert len(result["seconds"][1]) == len(result["seconds"][0]) == 4 and min(result["seconds"][0]) > 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"STALENESS k=1 full_ratio={result['ratio']:.3f} ")
