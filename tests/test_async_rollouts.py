@@ -232,3 +232,55 @@ def test_bench_max_staleness_prints_the_ratio_of_the_two_loops(capsys):
     assert len(result["seconds"][1]) == len(result["seconds"][0]) == 4 and min(result["seconds"][0]) > 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(f"STALENESS k=1 full_ratio={result['ratio']:.3f} ")
+
+
+def test_an_engine_that_cannot_sample_older_weights_is_refused_naming_both_settings():
+    from rlhf_lightning.interfaces import RolloutEngine
+
+    class OwnWeights(RolloutEngine):
+        def sample(self, module, enc, seed):
+            raise AssertionError("not reached")
+
+    with pytest.raises(
+        ConfigError, match=r"^model\.rollout_engine must be 'hf' with model\.off_policy\.max_staleness 1 .*got 'OwnWeights'"
+    ):
+        make_module(**STALE, off_policy=dict(max_staleness=1), rollout_engine=OwnWeights())
+
+
+def test_two_process_ddp_samples_ahead_on_every_rank_and_checkpoints_each_ranks_batches(tmp_path):
+    """k = 1 on two DDP processes (gloo), greedy rollouts (a function of the weights alone) against one process with
+    the same global batch: the same trajectory to float summation order; the checkpoint holds each rank's sampler
+    state (gathered from both)."""
+    import math
+
+    from helpers import GLOBAL_BATCH, run_cli
+    from summarize_run import read_scalars
+
+    runs = {}
+    for devices in (1, 2):
+        root = tmp_path / str(devices)
+        result = run_cli(
+            root,
+            f"--trainer.devices={devices}",
+            "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
+            f"--data.batch_size={GLOBAL_BATCH // devices}",
+            "--trainer.limit_train_batches=4",
+            "--model.sampling.do_sample=false",
+            "--model.ppo.num_minibatches=1",
+            "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
+            "--model.sampling.old_logprobs=forward",
+            "--model.off_policy.max_staleness=1",
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        scalars = read_scalars(str(root / "lightning_logs" / "tiny" / "version_0"))
+        runs[devices] = {tag: list(by_step.values()) for tag, by_step in scalars.items()}
+        last = torch.load(root / "lightning_logs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
+        ranks = last["rlhf_lightning"]["async_rollouts"]
+        # written at the epoch's end: no batch in flight (the next epoch's prompts are not read yet), and version 3,
+        # which the next epoch's first batch (iteration 4) is drawn from, kept on every rank
+        assert len(ranks) == devices and all(rank["drawn"] == [] and list(rank["versions"]) == [3] for rank in ranks)
+    assert runs[2]["off_policy/staleness_mean"] == [0.0, 1.0, 1.0, 1.0]
+    assert runs[2]["objective/reward"][-1] > runs[2]["objective/reward"][0]  # it learns
+    for name in ("objective/reward", "objective/kl", "response/length", "off_policy/staleness_max"):
+        for a, b in zip(runs[1][name], runs[2][name], strict=True):
+            assert math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-4), (name, runs[1][name], runs[2][name])
