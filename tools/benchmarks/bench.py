@@ -1079,7 +1079,12 @@ def staleness_run(args: argparse.Namespace, mode: str, k: int) -> list[float]:
     ends = Ends()
     with tempfile.TemporaryDirectory(prefix="rlhf_bench_stale_") as root:
         trainer = Trainer(
-            **QUIET_TRAINER, max_epochs=1, limit_train_batches=args.warmup + args.iters, callbacks=[ends], default_root_dir=root
+            **{**QUIET_TRAINER, "accelerator": "gpu" if args.device == "cuda" else "cpu"},
+            max_epochs=1,
+            limit_train_batches=args.warmup + args.iters,
+            precision="bf16-mixed" if args.bf16 else "32-true",
+            callbacks=[ends],
+            default_root_dir=root,
         )
         cpu.apply_cpu_settings(trainer, cpu.CPUSettings(linear=args.cpu_linear, malloc=args.cpu_malloc))
         trainer.fit(module, datamodule=PromptDataModule(batch_size=args.batch_size, shuffle=False))
