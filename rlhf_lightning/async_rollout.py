@@ -184,6 +184,7 @@ class AsyncRollouts:
 
     def submit(self, iteration: int, prompts: list[str]) -> None:
         """Hand the sampler iteration ``iteration``'s batch on ``prompts``, to draw from version max(0, iteration - k)."""
+        self._sampler_networks()  # built here, in the trainer's thread, from weights no one else is changing
         version = max(self.first_version, iteration - self.k)
         weights = self.versions[version]
         enc = self.module.encode_prompts(prompts)
