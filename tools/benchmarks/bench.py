@@ -1042,9 +1042,11 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     return results
 
 
-def staleness_run(args: argparse.Namespace, mode: str, k: int) -> list[float]:
+def staleness_run(args: argparse.Namespace, mode: str, k: int) -> tuple[list[float], list[dict[str, float]]]:
     """Seconds of each timed iteration (after ``--warmup``) of the plain loop in ``mode`` with max_staleness ``k``:
-    from one end of an iteration to the next (the first timed one from the end of the warm-up)."""
+    from one end of an iteration to the next (the first timed one from the end of the warm-up); and each one's
+    logged phase seconds (``timing/*``: with k > 0 ``rollout_s`` is the sampler thread's draw, ``sampler_wait_s``
+    the trainer's wait for it)."""
     import torch
     from lightning import Trainer, seed_everything
     from lightning.pytorch.callbacks import Callback
@@ -1057,9 +1059,11 @@ def staleness_run(args: argparse.Namespace, mode: str, k: int) -> list[float]:
     class Ends(Callback):
         def __init__(self) -> None:
             self.ends: list[float] = []
+            self.phases: list[dict[str, float]] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.ends.append(time.perf_counter())
+            self.phases.append({k.removeprefix("timing/"): v for k, v in outputs["metrics"].items() if k.startswith("timing/")})
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -1089,7 +1093,8 @@ def staleness_run(args: argparse.Namespace, mode: str, k: int) -> list[float]:
         cpu.apply_cpu_settings(trainer, cpu.CPUSettings(linear=args.cpu_linear, malloc=args.cpu_malloc))
         trainer.fit(module, datamodule=PromptDataModule(batch_size=args.batch_size, shuffle=False))
     start = max(args.warmup - 1, 0)
-    return [b - a for a, b in zip(ends.ends[start:], ends.ends[start + 1 :], strict=False)][-args.iters :]
+    seconds = [b - a for a, b in zip(ends.ends[start:], ends.ends[start + 1 :], strict=False)][-args.iters :]
+    return seconds, ends.phases[-len(seconds) :]
 
 
 def staleness_main(args: argparse.Namespace, modes: Sequence[str]) -> list[dict]:
@@ -1099,15 +1104,19 @@ def staleness_main(args: argparse.Namespace, modes: Sequence[str]) -> list[dict]
     load_before, results, k = os.getloadavg()[0], [], args.max_staleness
     for mode in modes:
         seconds: dict[int, list[float]] = {k: [], 0: []}
+        phases: dict[int, list[dict[str, float]]] = {k: [], 0: []}
         for staleness in (k, 0, k, 0):
-            seconds[staleness] += staleness_run(args, mode, staleness)
+            run_seconds, run_phases = staleness_run(args, mode, staleness)
+            seconds[staleness] += run_seconds
+            phases[staleness] += run_phases
         with_k, without = statistics.median(seconds[k]), statistics.median(seconds[0])
-        results.append(
-            {"mode": mode, "k": k, "iter_s": with_k, "iter_s_synchronous": without, "ratio": with_k / without, "seconds": seconds}
-        )
+        phase = {s: {name: statistics.median(p.get(name, 0.0) for p in phases[s]) for name in phases[s][0]} for s in (k, 0)}
+        ratio = with_k / without
+        results.append(dict(mode=mode, k=k, iter_s=with_k, iter_s_synchronous=without, ratio=ratio, seconds=seconds, phases=phase))
+        medians = {s: ", ".join(f"{name} {v:.2f}" for name, v in phase[s].items()) for s in (k, 0)}
         print(
-            f"{mode}: {with_k:.2f} s per iteration with max_staleness {k}, {without:.2f} s without: ratio {with_k / without:.3f} "
-            f"(iterations: {len(seconds[k])} and {len(seconds[0])})",
+            f"{mode}: {with_k:.2f} s per iteration with max_staleness {k}, {without:.2f} s without: ratio {ratio:.3f} (iterations: "
+            f"{len(seconds[k])} and {len(seconds[0])}); median seconds with {k}: {medians[k]}; without: {medians[0]}",
             flush=True,
         )
     if args.save:
