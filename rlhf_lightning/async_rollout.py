@@ -183,7 +183,7 @@ class AsyncRollouts:
             self.versions[version] = {name: p.detach().clone() for name, p in self._trainable(self.module.policy)}
 
     def submit(self, iteration: int, prompts: list[str]) -> None:
-        """Hand the sampler iteration ``iteration``'s batch on ``prompts``, to draw from version max(0, iteration - k)."""
+        """Hand the sampler iteration ``iteration``'s batch on ``prompts``, to draw from version max(first_version, iteration - k)."""
         self._sampler_networks()  # built here, in the trainer's thread, from weights no one else is changing
         version = max(self.first_version, iteration - self.k)
         weights = self.versions[version]
