@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from rlhf_lightning.checks import ConfigError
+from rlhf_lightning.checks import ConfigError, require
 from rlhf_lightning.interfaces import Samples
 from rlhf_lightning.networks import Networks
 
@@ -132,16 +132,29 @@ class AsyncRollouts:
         self.timeout_s = module.off_policy.sampler_timeout_s
         self.concurrent = concurrent
         self.networks = None  # the sampler's Networks over its copy of the policy (built at the first draw)
+        self.frozen: dict[str, Tensor] = {}  # the copy's frozen tensors as built (a LoRA base), restored before each draw
         self.versions: dict[int, dict[str, Tensor]] = {}  # published trainable weights by version, while a batch needs them
-        self.loaded: Optional[int] = None  # the version the copy holds
+        self.first_version = 0  # the oldest version there is: 0, or the iteration a run resumed at without batches in flight
         self.jobs: dict[int, Any] = {}  # iteration -> Future (or _Done) of its Drawn
         self._queue: Optional[queue.Queue] = None  # the worker's jobs, once it runs
+        self._thread: Optional[threading.Thread] = None
         self.handed_ahead = 0  # batches handed to the sampler before their iteration (read ahead)
+
+    def setup(self, trainer) -> None:
+        """At start-up, before any model loads: the strategies the sampler's copy of the weights serves (one
+        process or DDP: every rank holds the whole policy)."""
+        strategy = type(trainer.strategy).__name__
+        require(
+            not any(name in strategy for name in ("ModelParallel", "FSDP", "DeepSpeed")),
+            "model.off_policy.max_staleness",
+            f"0 under {strategy} (the sampler copies the whole policy's weights; one process or DDP only for now)",
+            self.k,
+        )
 
     # ------------------------------------------------------------------ the trainer's side
     def draw(self, prompts: list[str], upcoming: list[list[str]], timer) -> Drawn:
         """The batch of the module's current iteration i on ``prompts`` (repeated rows), drawn from version
-        max(0, i - k): publish version i, hand the sampler the batches of ``upcoming`` (the prompts of
+        max(first_version, i - k): publish version i, hand the sampler the batches of ``upcoming`` (the prompts of
         iterations i + 1, i + 2, ..., as far as read ahead) that version i or an earlier one samples, and
         wait for batch i (``timing/sampler_wait_s``)."""
         i = self.module.iteration
@@ -170,8 +183,9 @@ class AsyncRollouts:
             self.versions[version] = {name: p.detach().clone() for name, p in self._trainable(self.module.policy)}
 
     def submit(self, iteration: int, prompts: list[str]) -> None:
-        """Hand the sampler iteration ``iteration``'s batch on ``prompts``, to draw from version max(0, iteration - k)."""
-        version = max(0, iteration - self.k)
+        """Hand the sampler iteration ``iteration``'s batch on ``prompts``, to draw from version max(first_version, iteration - k)."""
+        self._sampler_networks()  # built here, in the trainer's thread, from weights no one else is changing
+        version = max(self.first_version, iteration - self.k)
         weights = self.versions[version]
         enc = self.module.encode_prompts(prompts)
         seed = self.module.sampling_seed(iteration)
@@ -183,7 +197,8 @@ class AsyncRollouts:
         if self._queue is None:
             self._queue = queue.Queue()
             # a daemon: a sampler that hangs must not keep the process alive once the trainer has stopped
-            threading.Thread(target=_work, args=(self._queue,), name="rlhf-lightning-sampler", daemon=True).start()
+            self._thread = threading.Thread(target=_work, args=(self._queue,), name="rlhf-lightning-sampler", daemon=True)
+            self._thread.start()
         future = concurrent.futures.Future()
         self._queue.put((future, job))
         self.jobs[iteration] = future
@@ -211,28 +226,32 @@ class AsyncRollouts:
         already handed over has its weights; the next to hand over, iteration + k + 1 onwards, need versions >
         iteration)."""
         pending = [j for j in range(iteration + 1, iteration + self.k + 1) if j not in self.jobs]
-        needed = {max(0, j - self.k) for j in pending}
+        needed = {max(self.first_version, j - self.k) for j in pending}
         for version in [v for v in self.versions if v not in needed]:
             del self.versions[version]
 
-    def close(self) -> None:
-        """Stop the worker after its job in flight, dropping the batches not yet drawn (the end of fit)."""
+    def close(self, wait: bool = False) -> None:
+        """Stop the worker after its job in flight, dropping the batches not yet drawn (the end of fit); with
+        ``wait``, until it has stopped."""
         for job in self.jobs.values():
             job.cancel()
         if self._queue is not None:
             self._queue.put(None)
-            self._queue = None
+            if wait:
+                self._thread.join()
+            self._queue = self._thread = None
         self.jobs.clear()
 
     # ------------------------------------------------------------------ the sampler's side
     def _sample(self, iteration, prompts, enc, seed, version, weights, context) -> Drawn:
         start = time.perf_counter()
         networks = self._sampler_networks()
-        if self.loaded != version:
-            params = dict(self._trainable(networks.policy))
-            with torch.no_grad():
-                torch._foreach_copy_([params[name] for name in weights], list(weights.values()))
-            self.loaded = version
+        # Every tensor set before each draw (the version's, and a LoRA base as built: merging the adapter
+        # for a draw and unmerging it moves the base by rounding), so a draw depends on its version alone.
+        params = dict(networks.policy.named_parameters())
+        with torch.no_grad():
+            for tensors in filter(None, (self.frozen, weights)):
+                torch._foreach_copy_([params[name] for name in tensors], list(tensors.values()))
         module = self.module
         with context:
             samples = module.rollout_engine.checked_sample(_SamplerView(module, networks), enc, seed)
@@ -243,8 +262,10 @@ class AsyncRollouts:
         if self.networks is None:
             module = self.module
             trainer = module.networks
+            policy = copy.deepcopy(module.policy)
+            self.frozen = {name: p.detach().clone() for name, p in policy.named_parameters() if not p.requires_grad}
             self.networks = Networks(
-                copy.deepcopy(module.policy),
+                policy,
                 None,
                 None,
                 None,
@@ -272,16 +293,28 @@ class AsyncRollouts:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The batches in flight (drawn ahead, waited for) and the versions a batch still to be drawn needs."""
-        drawn = {j: self.jobs[j].result(timeout=self.timeout_s) for j in sorted(self.jobs)}
+        """What a resume needs to go on as if never stopped: the batches in flight (drawn ahead; waited for
+        here), the versions the batches not yet handed over will be drawn from, and the oldest version."""
+        drawn = {j: self.wait(j) for j in sorted(self.jobs)}
         self.jobs = {j: _Done(lambda d=d: d) for j, d in drawn.items()}
         return {
             "max_staleness": self.k,
+            "first_version": self.first_version,
             "drawn": [d.state_dict() for d in drawn.values()],
             "versions": {v: {n: t.cpu() for n, t in w.items()} for v, w in self.versions.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Optional[dict[str, Any]], iteration: int) -> Optional[str]:
+        """Resume at ``iteration`` from a checkpoint's ``state`` (None: one of the synchronous loop). Returns why
+        the batches in flight were not resumed (another max_staleness, none saved), or None when they were: then
+        the sampler starts afresh from the checkpoint's weights, as a run starts from its first."""
+        if state is None or state["max_staleness"] != self.k:
+            self.jobs, self.versions, self.first_version = {}, {}, iteration
+            if state is None:
+                return "the checkpoint holds no batches in flight (written with model.off_policy.max_staleness 0)"
+            return f"the checkpoint's batches in flight were drawn for model.off_policy.max_staleness {state['max_staleness']}"
         device = self.module.device
         self.jobs = {d["iteration"]: _Done(lambda d=d: Drawn.from_state(d, device)) for d in state["drawn"]}
         self.versions = {int(v): {n: t.to(device) for n, t in w.items()} for v, w in state["versions"].items()}
+        self.first_version = state["first_version"]
+        return None

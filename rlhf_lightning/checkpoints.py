@@ -68,6 +68,8 @@ def save_state(module, checkpoint: dict) -> None:
         "strategy": type(module.trainer.strategy).__name__ if module._trainer is not None else None,
         "sharded": module.networks.sharded,  # whole weights with the rebuilt ones left out, or every rank's shards of all
         "reference": module.reference_identity(),  # a foreign reference's spec and fingerprint (None: the starting policy)
+        # model.off_policy: the batches drawn ahead and the versions the next ones are drawn from (docs/checkpoints.md)
+        "async_rollouts": _async_rollouts_state(module),
     }
     rebuilt = () if module.networks.sharded else ("initial_model.",) if module.reference_updates else ("initial_model.", "ref_model.")
     for key in [k for k in checkpoint["state_dict"] if k.startswith(rebuilt)]:
@@ -99,6 +101,14 @@ def load_state(module, checkpoint: dict) -> None:
     if resume.changes:
         rank_zero_info("resuming with changed settings (checkpoint -> config): " + "; ".join(resume.changes.values()))
     module._rng_to_restore = state.get("rng")
+    if module.async_rollouts is not None:
+        ranks, world = state.get("async_rollouts"), module.trainer.world_size if module._trainer is not None else 1
+        mine = ranks[module.global_rank] if ranks is not None and len(ranks) == world else None
+        dropped = module.async_rollouts.load_state_dict(mine, module.iteration)
+        if ranks is not None and len(ranks) != world:
+            dropped = f"the checkpoint's batches in flight were drawn by {len(ranks)} processes, not {world}"
+        if dropped:
+            rank_zero_info(f"resuming: {dropped}; the next batches are drawn from the checkpoint's weights, as at the start of a run")
     for prefix, model in (("ref_model.", module.ref_model), ("initial_model.", module.initial_model)):
         for key, value in ({} if model is None or "state_dict" not in checkpoint else model.state_dict()).items():
             checkpoint["state_dict"].setdefault(prefix + key, value)  # a moved reference comes from the checkpoint
@@ -265,6 +275,20 @@ def settings(hparams: dict) -> dict[str, Any]:
         elif name not in args.MOVED_OUT:
             flat[args.FLAT_KEYS.get(name, name)] = value
     return flat
+
+
+def _async_rollouts_state(module) -> Optional[list[dict]]:
+    """Each rank's sampler state (``AsyncRollouts.state_dict``: its own prompts' batches in flight), gathered from
+    every rank (each ``save_state`` runs on every rank; rank 0 writes); None for the synchronous loop."""
+    if module.async_rollouts is None:
+        return None
+    state = module.async_rollouts.state_dict()
+    world = module.trainer.world_size if module._trainer is not None else 1
+    if world == 1:
+        return [state]
+    gathered: list = [None] * world
+    torch.distributed.all_gather_object(gathered, state)
+    return gathered
 
 
 def _state_of(plugin) -> Optional[dict]:

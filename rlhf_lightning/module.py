@@ -719,6 +719,8 @@ class PPORLHF(LightningModule):
         module's prompts (``args.check_setup``); the CPU and GPU settings (cpu.py, gpu.py)."""
         if self._trainer is not None:
             gpu.setup(self.trainer, self)
+            if self.async_rollouts is not None:
+                self.async_rollouts.setup(self.trainer)
         self.rollout_engine.setup(self)
         self.check_reference()
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None

@@ -4,12 +4,16 @@ thread or in the trainer's; the start-up checks; the staleness metrics."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from rlhf_lightning.async_rollout import SamplerError
 from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.data import Lookahead
+from rlhf_lightning_plugins.rollout_engines import HFGenerate
 
 from helpers import fit, make_module
 
@@ -75,16 +79,23 @@ def test_each_batch_is_sampled_by_the_weights_k_updates_old(tmp_path, concurrent
     assert history.series("off_policy/staleness_max") == [0.0, 1.0, 1.0, 1.0]
 
 
-def test_the_thread_and_the_in_line_sampler_train_the_same_weights(tmp_path):
-    """k = 2 over five iterations: the sampler thread and the in-line sampler give the same responses, metrics and
-    final weights, bit for bit (the same jobs in the same order on the same copy)."""
-    runs = [stale_fit(tmp_path / str(c), 2, c, iterations=5) for c in (False, True)]
+@pytest.mark.parametrize(
+    "k, overrides",
+    [(2, {}), (1, dict(lora=dict(rank=4), critic="shared"))],
+    ids=["full-k2", "lora-shared-critic-k1"],
+)
+def test_the_thread_and_the_in_line_sampler_train_the_same_weights(tmp_path, k, overrides):
+    """Five iterations: the sampler thread and the in-line sampler give the same responses, metrics and final
+    weights, bit for bit (the same jobs in the same order on the same copy; under LoRA the copy's adapter is
+    replaced at each version, its base restored as built)."""
+    runs = [stale_fit(tmp_path / str(c), k, c, iterations=5, **overrides) for c in (False, True)]
     (a, ha, _), (b, hb, _) = runs
     for (name, p), q in zip(a.policy.named_parameters(), b.policy.parameters(), strict=True):
         assert torch.equal(p, q), name
     for key in ("objective/reward", "objective/kl", "policy/loss", "off_policy/staleness_mean"):
         assert ha.series(key) == hb.series(key), key
-    assert ha.series("off_policy/staleness_mean") == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert ha.series("off_policy/staleness_mean") == [min(i, k) for i in range(5)]
+    assert ha.series("objective/kl")[-1] != 0  # the policy moved away from the reference
 
 
 def test_max_staleness_0_is_the_synchronous_loop(tmp_path):
@@ -130,3 +141,153 @@ def test_the_one_page_view_charts_the_staleness_and_every_charted_tag_is_documen
     assert "timing/sampler_wait_s" in tags
     assert all(f"`{tag}`" in page for tag in tags), [tag for tag in tags if f"`{tag}`" not in page]
     assert "off_policy/staleness_mean" not in str(custom_scalars_layout())
+
+
+class StopAfter(Callback):
+    """Save a full checkpoint after iteration ``n`` and stop the run there."""
+
+    def __init__(self, n: int, path) -> None:
+        self.n, self.path = n, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.iteration == self.n:
+            trainer.save_checkpoint(self.path, weights_only=False)
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_run_stopped_and_resumed_trains_the_weights_of_one_never_stopped(tmp_path, k):
+    """Six iterations straight against three, a checkpoint, and three more from it: the batches in flight at the
+    checkpoint (k of them, drawn by the sampler thread from older weights) are in it and resumed, so every weight
+    and every logged metric of the resumed iterations equal the uninterrupted run's, bit for bit."""
+    straight, history, _ = stale_fit(tmp_path / "straight", k, True, iterations=6)
+    ckpt = tmp_path / "stopped.ckpt"
+    stopped = make_module(**{**STALE, "off_policy": dict(max_staleness=k)})
+    fit(stopped, tmp_path / "stopped", 6, batch_size=4, callbacks=[StopAfter(3, ckpt)])
+    assert stopped.iteration == 3
+    state = torch.load(ckpt, weights_only=False)["rlhf_lightning"]["async_rollouts"][0]
+    assert [d["iteration"] for d in state["drawn"]] == list(range(3, 3 + k))
+    assert [d["version"] for d in state["drawn"]] == [i - k for i in range(3, 3 + k)]
+    resumed = make_module(**{**STALE, "off_policy": dict(max_staleness=k)})
+    _, after = fit(resumed, tmp_path / "resumed", 6, batch_size=4, ckpt_path=str(ckpt))
+    assert resumed.iteration == 6
+    for (name, p), q in zip(straight.policy.named_parameters(), resumed.policy.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    for key in ("objective/reward", "objective/kl", "policy/loss", "off_policy/staleness_mean"):
+        assert after.series(key) == history.series(key)[3:], key
+
+
+class FaultyEngine(HFGenerate):
+    """``hf``, but its ``calls``-th draw (from 0) raises, or blocks until ``release`` is set."""
+
+    def __init__(self, calls: int, block: bool = False) -> None:
+        self.calls, self.block, self.release, self.seen = calls, block, threading.Event(), 0
+
+    def sample(self, module, enc, seed):
+        self.seen += 1
+        if self.seen - 1 == self.calls:
+            if not self.block:
+                raise RuntimeError("the engine's device went away")
+            self.release.wait()
+        return super().sample(module, enc, seed)
+
+
+def test_a_sampler_that_raises_stops_the_run_with_one_line_naming_the_setting(tmp_path):
+    module = make_module(**STALE, off_policy=dict(max_staleness=1), rollout_engine=FaultyEngine(calls=2))
+    with pytest.raises(SamplerError) as stopped:
+        fit(module, tmp_path, 4, batch_size=4)
+    message = str(stopped.value)
+    assert "\n" not in message and isinstance(stopped.value, ConfigError)
+    assert message == (
+        "model.off_policy.max_staleness 1: the sampler failed drawing the batch of iteration 2: RuntimeError: the engine's device went away"
+    )
+    assert module.iteration == 2  # the iterations before it ran
+
+
+class ShortTimeoutFrom(Callback):
+    """From iteration ``n`` on, the trainer waits ``seconds`` for the sampler (earlier draws: the default)."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        self.n, self.seconds = n, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if pl_module.iteration == self.n:
+            pl_module.async_rollouts.timeout_s = self.seconds
+
+
+def test_a_sampler_that_hangs_stops_the_run_after_the_timeout_naming_it(tmp_path):
+    """The engine blocks on its second draw (iteration 1's batch, handed over during iteration 0) for ever; with
+    the timeout set to 0.2 s from iteration 1 on (the draws before it are not timed against it, so the test
+    assumes nothing of the machine's speed), the trainer stops at iteration 1 instead of waiting for ever."""
+    engine = FaultyEngine(calls=1, block=True)
+    module = make_module(**STALE, off_policy=dict(max_staleness=1), rollout_engine=engine)
+    try:
+        with pytest.raises(SamplerError, match=r"^model\.off_policy\.sampler_timeout_s 0\.2: the sampler drew no batch for iteration 1"):
+            fit(module, tmp_path, 3, batch_size=4, callbacks=[ShortTimeoutFrom(1, 0.2)])
+    finally:
+        engine.release.set()
+        module.async_rollouts.close(wait=True)  # no draw left running when the tests end
+    assert module.iteration == 1
+
+
+def test_bench_max_staleness_prints_the_ratio_of_the_two_loops(capsys):
+    """``tools/benchmarks/bench.py --tiny --max-staleness 1``: both loops run (alternating), the ratio is the medians'."""
+    import bench
+
+    (result,) = bench.main(["--tiny", "--max-staleness", "1", "--mode", "full", "--iters", "2", "--threads", "1"])
+    assert result["ratio"] == pytest.approx(result["iter_s"] / result["iter_s_synchronous"])
+    assert len(result["seconds"][1]) == len(result["seconds"][0]) == 4 and min(result["seconds"][0]) > 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"STALENESS k=1 full_ratio={result['ratio']:.3f} ")
+
+
+def test_an_engine_that_cannot_sample_older_weights_is_refused_naming_both_settings():
+    from rlhf_lightning.interfaces import RolloutEngine
+
+    class OwnWeights(RolloutEngine):
+        def sample(self, module, enc, seed):
+            raise AssertionError("not reached")
+
+    with pytest.raises(
+        ConfigError, match=r"^model\.rollout_engine must be 'hf' with model\.off_policy\.max_staleness 1 .*got 'OwnWeights'"
+    ):
+        make_module(**STALE, off_policy=dict(max_staleness=1), rollout_engine=OwnWeights())
+
+
+def test_two_process_ddp_samples_ahead_on_every_rank_and_checkpoints_each_ranks_batches(tmp_path):
+    """k = 1 on two DDP processes (gloo), greedy rollouts (a function of the weights alone) against one process with
+    the same global batch: the same trajectory to float summation order; the checkpoint holds each rank's sampler
+    state (gathered from both)."""
+    import math
+
+    from helpers import GLOBAL_BATCH, run_cli
+    from summarize_run import read_scalars
+
+    runs = {}
+    for devices in (1, 2):
+        root = tmp_path / str(devices)
+        result = run_cli(
+            root,
+            f"--trainer.devices={devices}",
+            "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
+            f"--data.batch_size={GLOBAL_BATCH // devices}",
+            "--trainer.limit_train_batches=4",
+            "--model.sampling.do_sample=false",
+            "--model.ppo.num_minibatches=1",
+            "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
+            "--model.sampling.old_logprobs=forward",
+            "--model.off_policy.max_staleness=1",
+        )
+        assert result.returncode == 0, result.stderr[-4000:]
+        scalars = read_scalars(str(root / "lightning_logs" / "tiny" / "version_0"))
+        runs[devices] = {tag: list(by_step.values()) for tag, by_step in scalars.items()}
+        last = torch.load(root / "lightning_logs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
+        ranks = last["rlhf_lightning"]["async_rollouts"]
+        # written at the epoch's end: no batch in flight (the next epoch's prompts are not read yet), and version 3,
+        # which the next epoch's first batch (iteration 4) is drawn from, kept on every rank
+        assert len(ranks) == devices and all(rank["drawn"] == [] and list(rank["versions"]) == [3] for rank in ranks)
+    assert runs[2]["off_policy/staleness_mean"] == [0.0, 1.0, 1.0, 1.0]
+    assert runs[2]["objective/reward"][-1] > runs[2]["objective/reward"][0]  # it learns
+    for name in ("objective/reward", "objective/kl", "response/length", "off_policy/staleness_max"):
+        for a, b in zip(runs[1][name], runs[2][name], strict=True):
+            assert math.isclose(a, b, rel_tol=2e-3, abs_tol=1e-4), (name, runs[1][name], runs[2][name])

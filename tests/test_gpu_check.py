@@ -43,11 +43,19 @@ def test_the_table_counts_passes_and_failures_from_the_runner(capsys):
 
 def test_checks_cover_the_issue_list():
     """One GPU with deepspeed: 8 precision runs, DDP and FSDP2 at world size 1 and over gloo, ZeRO-2
-    and ZeRO-3 (refused), the resume; several GPUs add NCCL runs; no deepspeed, no DeepSpeed runs."""
+    and ZeRO-3 (refused), asynchronous rollouts (tiny and SmolLM2), the resume; several GPUs add NCCL runs; no deepspeed, no DeepSpeed runs."""
     names = [c.name for c in gpu_check.checks(gpus=1, deepspeed=True)]
-    assert len(names) == 15 and {"ddp-1", "fsdp2-1", "ddp-gloo-2proc", "fsdp2-gloo-2proc", "deepspeed-2", "deepspeed-3", "resume"} < set(
-        names
-    )
+    assert len(names) == 17 and {
+        "ddp-1",
+        "async-1",
+        "smollm2-async-1",
+        "fsdp2-1",
+        "ddp-gloo-2proc",
+        "fsdp2-gloo-2proc",
+        "deepspeed-2",
+        "deepspeed-3",
+        "resume",
+    } < set(names)
     assert {"ddp-nccl", "fsdp2-nccl"} < {c.name for c in gpu_check.checks(gpus=4, deepspeed=False)}
     assert not any("deepspeed" in c.name for c in gpu_check.checks(gpus=1, deepspeed=False))
 

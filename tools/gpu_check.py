@@ -15,6 +15,9 @@ Each check is a short ``rlhf-lightning fit`` in its own folder (3 PPO iterations
   GPUs ``ddp-nccl`` and ``fsdp2-nccl`` run on all of them.
 - ``deepspeed-2`` (bf16-mixed, ZeRO-2) and ``deepspeed-3`` (refused at start-up, naming the
   strategy) when ``deepspeed`` is installed.
+- ``async-1`` and ``smollm2-async-1``: asynchronous rollouts (``model.off_policy.max_staleness: 1``, the sampler in
+  its own thread on the GPU; ``old_logprobs: forward``, which they require) on the tiny model and on
+  configs/quickstart.yaml.
 - ``resume``: 4 iterations straight against a run stopped by SIGTERM in its 3rd iteration and
   resumed from ``last.ckpt``, deterministic algorithms on: it must log exactly what the straight
   run logged.
@@ -103,6 +106,8 @@ def checks(gpus: int, deepspeed: bool, accelerator: str = "gpu") -> list[Check]:
             Check("deepspeed-2", (*TINY, *bf16, "--trainer.strategy=deepspeed_stage_2")),
             Check("deepspeed-3", (*TINY, *bf16, "--trainer.strategy=deepspeed_stage_3"), refusal=DEEPSPEED_3_REFUSAL),
         ]
+    stale = ("--model.sampling.old_logprobs=forward", "--model.off_policy.max_staleness=1")
+    out += [Check("async-1", (*TINY, *device, *stale)), Check("smollm2-async-1", (*SMOLLM2, *device, *stale))]
     resume = (*TINY, *RATIO, *device, "--trainer.deterministic=true")
     out.append(Check("resume", resume, resume=True, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}))
     return out
