@@ -11,13 +11,14 @@ import copy
 import importlib.util
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from rlhf_lightning import prefix, sampling
+from rlhf_lightning import fsdp2, prefix, sampling
 from rlhf_lightning.interfaces import RolloutEngine, Samples, require, require_number
 from rlhf_lightning.models import float32_head
 from rlhf_lightning.registry import register
@@ -86,16 +87,26 @@ class DeclaredDraw:
 
 
 @register(
-    "rollout_engine", "vllm", description="vLLM in the trainer's process: created once, the policy's weights synced after every update"
+    "rollout_engine",
+    "vllm",
+    description="vLLM in the trainer's process, one engine per rank: created once, the policy's weights synced after every update",
 )
 class VLLMEngine(RolloutEngine):
-    """vLLM colocated with the trainer (``vllm.LLM`` in this process), created at the first rollout
-    from the policy's current weights (a resumed run: the checkpoint's) and brought up to date
-    before a rollout whenever the policy has taken optimizer steps since (LoRA: merged into the base
-    weights). Prompts are the module's token ids, unchanged; ``logprobs_mode="processed_logprobs"``
-    returns each sampled token's log-prob under the distribution it was drawn from (tempered,
-    renormalised on the kept set): the sampler's log pi_old. Each row draws from its own seed
-    ``seed + row``, so a resumed run samples the same responses.
+    """vLLM colocated with the trainer (``vllm.LLM`` in this process; one engine on every rank under
+    DDP and FSDP2), created at the first rollout from the policy's current weights (a resumed run:
+    the checkpoint's) and brought up to date before a rollout whenever the policy has taken
+    optimizer steps since (LoRA: merged into the base weights). Prompts are the module's token ids,
+    unchanged; ``logprobs_mode="processed_logprobs"`` returns each sampled token's log-prob under the
+    distribution it was drawn from (tempered, renormalised on the kept set): the sampler's log
+    pi_old. Each row draws from its own seed ``seed + row`` (the module's seed is per rank and
+    iteration), so ranks sample different responses and a resumed run samples the same ones.
+
+    With more than one process each rank's engine joins the trainer's process group through vLLM's
+    ``external_launcher`` executor (tensor parallel size 1: each engine holds the whole model and
+    serves its own rank's prompts; TRL's ``vllm_mode="colocate"``). Weight sync: DDP ranks push
+    their own full weights; FSDP2 ranks gather one parameter at a time (``full_tensor()``, LoRA
+    merged per linear), consumed by vLLM's loader as they come, so no rank holds a gathered copy of
+    the model beside its engine's.
 
     Args:
         kv_cache_gib: the KV cache on a CPU in GiB (vLLM's ``kv_cache_memory_bytes``; a fraction is
@@ -103,8 +114,8 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: the share of a GPU's memory vLLM may take beside the trainer.
         enforce_eager: no CUDA graphs or compilation (start-up in seconds, as a colocated engine wants).
 
-    Refused at start-up: FSDP2 (the policy is sharded over ranks; vLLM needs its full weights in
-    one process) and more than one process (untested), and any policy dtype vLLM does not serve.
+    Refused at start-up: FSDP (version 1, ``FSDPStrategy``: its flat parameters are not gathered
+    here; FSDP2 is) and any policy dtype vLLM does not serve.
     """
 
     def __init__(self, kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True) -> None:
@@ -120,23 +131,21 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         self.synced_step: Optional[int] = None  # module.global_step the engine's weights are from
         self.syncs = 0  # weight syncs done (not counting the start)
+        self.sync_seconds: list[float] = []  # each sync's wall-clock seconds
         self._folder: Optional[tempfile.TemporaryDirectory] = None
 
     def setup(self, module) -> None:
         trainer = module._trainer
         strategy = type(trainer.strategy).__name__ if trainer is not None else ""
         require(
-            "ModelParallel" not in strategy and "FSDP" not in strategy,
+            strategy != "FSDPStrategy",
             "model.rollout_engine",
-            "'hf' under FSDP2 or FSDP (the policy is sharded; vLLM needs its full weights in one process)",
+            "'hf' under FSDP (version 1: its flat parameters are not gathered for the engine; FSDP2, ModelParallelStrategy, is)",
             f"vllm with {strategy}",
         )
-        require(
-            trainer is None or trainer.world_size == 1,
-            "model.rollout_engine",
-            "'hf' with more than one process (one colocated vLLM per rank is untested)",
-            f"vllm with {trainer.world_size if trainer else 1} processes",
-        )
+
+    def stale(self, module) -> bool:
+        return self.llm is not None and module.global_step != self.synced_step
 
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
         from vllm import SamplingParams
@@ -144,7 +153,7 @@ class VLLMEngine(RolloutEngine):
         sampled, tokenizer = module.sampling, module.tokenizer
         if self.llm is None:
             self._start(module)
-        elif module.global_step != self.synced_step:
+        elif self.stale(module):
             self.sync(module)
         params = [
             SamplingParams(
@@ -179,34 +188,46 @@ class VLLMEngine(RolloutEngine):
 
     def _start(self, module) -> None:
         """The engine, from the policy's current weights written once to a temporary safetensors
-        folder; in this process (vLLM's in-process mode), with the run's RNG states kept."""
+        folder (per rank); in this process (vLLM's in-process mode), with the run's RNG states kept.
+        With more than one process: vLLM's ``external_launcher`` executor on the trainer's process
+        group (a collective: every rank starts its engine at its first rollout, at the same step)."""
         from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
         from safetensors.torch import save_file
         from vllm import LLM
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # no spawned engine process: no __main__ guard needed
         self._folder = tempfile.TemporaryDirectory(prefix="rlhf-lightning-vllm-")
-        with module.networks.generator() as model:
-            weights = dict(hf_weights(model))
-            # The tokenizer's EOS as the checkpoint's: vLLM also bans the config's EOS before min_tokens.
-            config = copy.deepcopy(model.config)
-            config.eos_token_id = module.tokenizer.eos_token_id
-            config.save_pretrained(self._folder.name)
-            longest = min(module.prompts.max_length + module.sampling.max_new_tokens, model.config.max_position_embeddings)
-        save_file({name: t.contiguous() for name, t in weights.items()}, os.path.join(self._folder.name, "model.safetensors"))
+        model = module.networks.policy
+        base = model.get_base_model() if module.networks.lora.rank else model
+        weights = {name: t.contiguous() for name, t in policy_weights(module)}
+        # The tokenizer's EOS as the checkpoint's: vLLM also bans the config's EOS before min_tokens.
+        config = copy.deepcopy(base.config)
+        config.eos_token_id = module.tokenizer.eos_token_id
+        config.save_pretrained(self._folder.name)
+        longest = min(module.prompts.max_length + module.sampling.max_new_tokens, base.config.max_position_embeddings)
+        save_file(weights, os.path.join(self._folder.name, "model.safetensors"))
         dtype = next(iter(weights.values())).dtype
+        del weights
+        distributed = {}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # vLLM's executor for engines started by torchrun-like launchers: it joins the existing
+            # process group; RANK and LOCAL_RANK are what it reads (Lightning's own launcher sets LOCAL_RANK only).
+            os.environ["RANK"] = str(torch.distributed.get_rank())
+            os.environ.setdefault("LOCAL_RANK", str(module.local_rank))
+            distributed = dict(distributed_executor_backend="external_launcher")
         states = _collect_rng_states()  # vLLM seeds the global generators; the run's own draws must not change
         try:
             self.llm = LLM(
                 model=self._folder.name,
                 dtype=str(dtype).removeprefix("torch."),
-                seed=module.generation_seed_base,
+                seed=module.generation_seed_base + module.global_rank,
                 enforce_eager=self.enforce_eager,
                 max_model_len=longest,
                 skip_tokenizer_init=True,
                 logprobs_mode="processed_logprobs",
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30) if module.device.type == "cpu" else None,
+                **distributed,
             )
         finally:
             _set_rng_states(states)
@@ -214,37 +235,65 @@ class VLLMEngine(RolloutEngine):
 
     def sync(self, module) -> None:
         """Push the policy's weights (LoRA merged) into the engine and clear its prefix cache (whose
-        keys and values the old weights computed). On a CPU vLLM packs every linear weight for
-        oneDNN at load; a tied ``lm_head`` keeps its own packed copy of the embeddings, so it is
-        packed again after the reload."""
-        with module.networks.generator() as model:
-            weights = list(hf_weights(model))
-            tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        keys and values the old weights computed). Under FSDP2 every rank gathers the same
+        parameter at the same time (``policy_weights``: one full tensor at a time, consumed by
+        vLLM's loader as it comes). On a CPU vLLM packs every linear weight for oneDNN at load; a
+        tied ``lm_head`` keeps its own packed copy of the embeddings, so it is packed again after
+        the reload."""
+        start = time.perf_counter()
+        weights = policy_weights(module)
+        tied = bool(getattr(module.networks.policy.config, "tie_word_embeddings", False))
 
-            def reload(worker) -> None:
-                worker.reload_weights(weights_iterator=iter(weights))
-                served = worker.model_runner.get_model()
-                head = getattr(served, "lm_head", None)
-                if tied and hasattr(getattr(head, "quant_method", None), "process_weights_after_loading"):
-                    head.quant_method.process_weights_after_loading(head)
+        def reload(worker) -> None:
+            worker.reload_weights(weights_iterator=weights)
+            served = worker.model_runner.get_model()
+            head = getattr(served, "lm_head", None)
+            if tied and hasattr(getattr(head, "quant_method", None), "process_weights_after_loading"):
+                head.quant_method.process_weights_after_loading(head)
 
-            self.llm.collective_rpc(reload)
+        self.llm.collective_rpc(reload)
         self.llm.reset_prefix_cache()
         self.synced_step = module.global_step
         self.syncs += 1
+        self.sync_seconds.append(time.perf_counter() - start)
 
     def __getstate__(self) -> dict:  # the engine is not part of a copy or a pickle of the module
         return {**self.__dict__, "llm": None, "synced_step": None, "_folder": None}
 
 
-def hf_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+def policy_weights(module) -> Iterator[tuple[str, Tensor]]:
+    """The policy's weights as vLLM loads them (``hf_weights``' names), one tensor at a time, LoRA
+    merged into each base weight. Under FSDP2 each is gathered as it is asked for (``full_tensor()``, a
+    collective: every rank must walk the same parameters in the same order), so at most one full
+    tensor (a merged linear: its base weight and its two adapter matrices) exists beside the shards."""
+    from torch.distributed.tensor import DTensor
+
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
+    networks = module.networks
+    if networks.sharded:
+        fsdp2.reshard(networks.policy)  # every parameter its shard (a root keeps its weights gathered after a forward)
+    model = networks.policy.get_base_model() if networks.lora.rank else networks.policy
+    modules = dict(model.named_modules())
+    for name, tensor in hf_weights(model, with_names=True):
+        with torch.no_grad():
+            weight = full(tensor.detach())
+            owner = modules.get(name[0].rsplit(".base_layer.", 1)[0]) if ".base_layer." in name[0] else None
+            if owner is not None and "default" in getattr(owner, "lora_A", {}):
+                a, b = full(owner.lora_A["default"].weight.detach()), full(owner.lora_B["default"].weight.detach())
+                weight = weight + (b.to(weight.dtype) @ a.to(weight.dtype)) * owner.scaling["default"]
+        yield name[1], weight
+
+
+def hf_weights(model: nn.Module, with_names: bool = False) -> Iterator[tuple]:
     """The causal LM's parameters under their Hugging Face names, detached: a LoRA-injected model's
-    base layers (``q_proj.base_layer.weight`` -> ``q_proj.weight``; merged while ``_generator``
-    merges) without the adapters, a tied ``lm_head`` left out (it is the embeddings), and the head
-    inside ``exact.MaskedHead`` under the head's own name (the engine bans the same tokens through
-    ``allowed_token_ids``: the module's ``sampled_token_ids``)."""
+    base layers (``q_proj.base_layer.weight`` -> ``q_proj.weight``) without the adapters, a tied
+    ``lm_head`` left out (it is the embeddings), and the head inside ``exact.MaskedHead`` under the
+    head's own name (the engine bans the same tokens through ``allowed_token_ids``: the module's
+    ``sampled_token_ids``). With ``with_names`` the first item is the pair (the model's own name,
+    the Hugging Face name)."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    for name, tensor in model.state_dict().items():
+    for name, tensor in model.named_parameters():
         if "lora_" in name or (tied and name == "lm_head.weight"):
             continue
-        yield name.replace(".base_layer.", ".").replace("lm_head.head.", "lm_head."), tensor.detach()
+        hf = name.replace(".base_layer.", ".").replace("lm_head.head.", "lm_head.")
+        yield ((name, hf) if with_names else hf), tensor.detach()

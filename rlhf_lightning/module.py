@@ -347,6 +347,9 @@ class PPORLHF(LightningModule):
         enc = self.encode_prompts(prompts)
         # Sampling draws from its own seed per (run, rank, iteration): ranks sample independently,
         # and a resumed run draws the same responses without any generator state to restore.
+        if self.rollout_engine.stale(self):  # an engine with its own copy of the weights, behind the policy's
+            with timer("weight_sync"):
+                self.rollout_engine.sync(self)
         with timer("rollout"):
             seed = self.generation_seed_base + 7919 * self.global_rank + 104729 * self.iteration
             samples = self.rollout_engine.checked_sample(self, enc, seed)

@@ -235,7 +235,7 @@ def declared_optimum_run(**overrides) -> tuple[dict[str, float], dict[str, float
     from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
     settings = dict(temperature=0.7, top_p=0.8, tiny_config=ONE_HEAD, beta_controller=FixedBeta(1.0), advantage_estimator=GAE(lam=1.0))
-    module, tracker = train(TASKS["terminal"], 100, batch_size=48, **{**settings, **EXACT_RUN, **overrides})
+    module, tracker = train(TASKS["terminal"], 100, **{"batch_size": 48, **settings, **EXACT_RUN, **overrides})
     return tracker.last, module.kept_report()
 
 

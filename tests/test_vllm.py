@@ -97,18 +97,14 @@ def test_training_syncs_after_every_update_and_logs_the_mismatch(tmp_path):
     assert module.rollout_engine.syncs == 3 and module.rollout_engine.synced_step == module.global_step
 
 
-@pytest.mark.parametrize(
-    "strategy, processes, message",
-    [
-        (ModelParallelStrategy, 1, r"model.rollout_engine must be 'hf' under FSDP2 or FSDP .*, got 'vllm with ModelParallelStrategy'"),
-        (FSDPStrategy, 1, r"model.rollout_engine must be 'hf' under FSDP2 or FSDP .*, got 'vllm with FSDPStrategy'"),
-        (SingleDeviceStrategy, 2, r"model.rollout_engine must be 'hf' with more than one process .*, got 'vllm with 2 processes'"),
-    ],
-)
-def test_refused_where_it_cannot_run(strategy, processes, message):
-    """At set-up (``PPORLHF.setup``, before any rollout): a sharded policy, or more than one process."""
+def test_refused_under_fsdp_version_1_only():
+    """At set-up (``PPORLHF.setup``, before any rollout): FSDP (version 1) is refused, naming the field;
+    FSDP2, DDP and more than one process are served (one engine per rank: tests/test_vllm_ranks.py)."""
     engine = vllm_module().rollout_engine
+    message = r"model.rollout_engine must be 'hf' under FSDP \(version 1.*, got 'vllm with FSDPStrategy'"
     with pytest.raises(ConfigError, match=message):
+        engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=FSDPStrategy(), world_size=1)))
+    for strategy, processes in ((ModelParallelStrategy, 2), (SingleDeviceStrategy, 2)):
         engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=strategy(), world_size=processes)))
 
 
