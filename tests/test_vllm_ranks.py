@@ -13,9 +13,9 @@ import subprocess
 import sys
 
 import pytest
+from test_vllm import FP32_ROUNDING
 
 from helpers import CONFIGS, REPO, free_port, run_cli
-from test_vllm import FP32_ROUNDING
 
 pytestmark = pytest.mark.vllm
 

@@ -7,8 +7,9 @@ import json
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from helpers import declared_optimum_run
 from rlhf_lightning_plugins.rollout_engines import VLLMEngine
+
+from helpers import declared_optimum_run
 
 if __name__ == "__main__":
     ddp = dict(devices=2, strategy=DDPStrategy(), use_distributed_sampler=False)
