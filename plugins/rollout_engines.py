@@ -16,12 +16,16 @@ from collections.abc import Iterator
 from typing import Optional
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from rlhf_lightning import fsdp2, prefix, sampling
 from rlhf_lightning.interfaces import RolloutEngine, Samples, require, require_number
 from rlhf_lightning.models import float32_head
 from rlhf_lightning.registry import register
+
+LORA_SYNCS = ("auto", "adapter", "merged")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices (vllm.config.lora.MaxLoRARanks)
 
 
 @register("rollout_engine", "hf", description="transformers' generate on the trainer's own model (the default)")
@@ -113,14 +117,34 @@ class VLLMEngine(RolloutEngine):
             enough for small models; ``VLLM_CPU_KVCACHE_SPACE`` in the environment overrides it, vLLM's rule).
         gpu_memory_utilization: the share of a GPU's memory vLLM may take beside the trainer.
         enforce_eager: no CUDA graphs or compilation (start-up in seconds, as a colocated engine wants).
+        lora_sync: with ``model.lora.rank > 0``, what a sync pushes: ``adapter``, the engine serves
+            the frozen base weights (loaded once) with the policy's adapter as a vLLM LoRA adapter,
+            and each sync writes only the adapter (``LoRARequest(load_inplace=True)``); ``merged``,
+            the adapter merged into every base weight, the whole model per sync; ``auto``: ``adapter``
+            where this vLLM build has LoRA support and the rank is one it serves (<= 512), else
+            ``merged``. The choice and its reason are printed once at the engine's start.
+        sleep: on a GPU, vLLM's sleep mode (``enable_sleep_mode``): the engine sleeps (``level``
+            1: weights offloaded to CPU memory, KV cache discarded; 2: both discarded, the weights
+            come back with the next sync) after each rollout, while the trainer scores and updates,
+            and wakes before the next rollout. 0: never. Refused on a CPU (vLLM's sleep mode
+            needs CUDA's memory allocator).
 
     Refused at start-up: FSDP (version 1, ``FSDPStrategy``: its flat parameters are not gathered
-    here; FSDP2 is) and any policy dtype vLLM does not serve.
+    here; FSDP2 is), ``sleep`` off a GPU, and any policy dtype vLLM does not serve.
     """
 
-    def __init__(self, kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.3, enforce_eager: bool = True) -> None:
+    def __init__(
+        self,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.3,
+        enforce_eager: bool = True,
+        lora_sync: str = "auto",
+        sleep: int = 0,
+    ) -> None:
         require_number("rollout_engine.kv_cache_gib", kv_cache_gib, above=0)
         require_number("rollout_engine.gpu_memory_utilization", gpu_memory_utilization, above=0, at_most=1)
+        require(lora_sync in LORA_SYNCS, "rollout_engine.lora_sync", f"one of {list(LORA_SYNCS)}", lora_sync)
+        require(sleep in (0, 1, 2), "rollout_engine.sleep", "0 (off), 1 or 2 (vLLM's sleep levels)", sleep)
         require(
             importlib.util.find_spec("vllm") is not None,
             "model.rollout_engine",
@@ -131,7 +155,11 @@ class VLLMEngine(RolloutEngine):
         self.llm = None
         self.synced_step: Optional[int] = None  # module.global_step the engine's weights are from
         self.syncs = 0  # weight syncs done (not counting the start)
+        self.lora_sync, self.sleep = lora_sync, sleep
         self.sync_seconds: list[float] = []  # each sync's wall-clock seconds
+        self.sync_bytes: list[int] = []  # each sync's bytes pushed into the engine (the weights or the adapter)
+        self.adapter: Optional[str] = None  # the folder of the adapter the engine serves (lora_sync adapter), else None
+        self.sleeping = False
         self._folder: Optional[tempfile.TemporaryDirectory] = None
 
     def setup(self, module) -> None:
@@ -143,9 +171,18 @@ class VLLMEngine(RolloutEngine):
             "'hf' under FSDP (version 1: its flat parameters are not gathered for the engine; FSDP2, ModelParallelStrategy, is)",
             f"vllm with {strategy}",
         )
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        require(
+            not self.sleep or (device is not None and device.type == "cuda"),
+            "rollout_engine.sleep",
+            "0 off a GPU (vLLM's sleep mode needs CUDA's memory allocator: a CPU engine has no device memory to give back)",
+            f"{self.sleep} on {device.type if device is not None else 'cpu'}",
+        )
 
     def stale(self, module) -> bool:
-        return self.llm is not None and module.global_step != self.synced_step
+        """The policy took optimizer steps since the engine's weights were pushed, or the engine
+        sleeps at level 2 (its weights discarded: they come back with a sync)."""
+        return self.llm is not None and (module.global_step != self.synced_step or (self.sleeping and self.sleep == 2))
 
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
         from vllm import SamplingParams
@@ -155,6 +192,7 @@ class VLLMEngine(RolloutEngine):
             self._start(module)
         elif self.stale(module):
             self.sync(module)
+        self.wake()
         params = [
             SamplingParams(
                 temperature=sampled.temperature if sampled.do_sample else 0.0,
@@ -173,7 +211,10 @@ class VLLMEngine(RolloutEngine):
         prompts = [
             {"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
+        if self.sleep:  # the trainer's turn: scoring and the update get the engine's memory
+            self.llm.sleep(level=self.sleep)
+            self.sleeping = True
         new = max(len(out.outputs[0].token_ids) for out in outputs)
         response = torch.full((len(outputs), new), tokenizer.pad_token_id, dtype=torch.long)
         logprobs = torch.zeros(len(outputs), new)
@@ -199,7 +240,18 @@ class VLLMEngine(RolloutEngine):
         self._folder = tempfile.TemporaryDirectory(prefix="rlhf-lightning-vllm-")
         model = module.networks.policy
         base = model.get_base_model() if module.networks.lora.rank else model
-        weights = {name: t.contiguous() for name, t in policy_weights(module)}
+        self.adapter = None
+        lora = {}
+        if module.networks.lora.rank:
+            mode, reason = self.lora_mode(module.networks.lora.rank)
+            rank_zero_info(
+                f"rollout_engine vllm: LoRA synced as {'the adapter alone' if mode == 'adapter' else 'merged weights'} ({reason})"
+            )
+            if mode == "adapter":
+                self.adapter = os.path.join(self._folder.name, "adapter")
+                rank = module.networks.lora.rank
+                lora = dict(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= rank))
+        weights = {name: t.contiguous() for name, t in policy_weights(module, merge=self.adapter is None)}
         # The tokenizer's EOS as the checkpoint's: vLLM also bans the config's EOS before min_tokens.
         config = copy.deepcopy(base.config)
         config.eos_token_id = module.tokenizer.eos_token_id
@@ -227,10 +279,14 @@ class VLLMEngine(RolloutEngine):
                 logprobs_mode="processed_logprobs",
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_memory_bytes=int(self.kv_cache_gib * 2**30) if module.device.type == "cpu" else None,
+                enable_sleep_mode=bool(self.sleep),
                 **distributed,
+                **lora,
             )
         finally:
             _set_rng_states(states)
+        if self.adapter is not None:
+            self._write_adapter(module)
         self.synced_step = module.global_step
 
     def sync(self, module) -> None:
@@ -241,7 +297,16 @@ class VLLMEngine(RolloutEngine):
         tied ``lm_head`` keeps its own packed copy of the embeddings, so it is packed again after
         the reload."""
         start = time.perf_counter()
-        weights = policy_weights(module)
+        self.wake()
+        if self.adapter is not None:  # the adapter alone, reloaded in place by the next request
+            self.sync_bytes.append(self._write_adapter(module))
+            self.llm.reset_prefix_cache()
+            self.synced_step = module.global_step
+            self.syncs += 1
+            self.sync_seconds.append(time.perf_counter() - start)
+            return
+        pushed = []
+        weights = counted(policy_weights(module), pushed)
         tied = bool(getattr(module.networks.policy.config, "tie_word_embeddings", False))
 
         def reload(worker) -> None:
@@ -256,16 +321,72 @@ class VLLMEngine(RolloutEngine):
         self.synced_step = module.global_step
         self.syncs += 1
         self.sync_seconds.append(time.perf_counter() - start)
+        self.sync_bytes.append(sum(pushed))
+
+    def lora_mode(self, rank: int) -> tuple[str, str]:
+        """``lora_sync`` resolved for a LoRA policy of ``rank``: ("adapter" or "merged", why)."""
+        if self.lora_sync == "merged":
+            return "merged", "rollout_engine.lora_sync: merged"
+        supported = importlib.util.find_spec("vllm.lora") is not None
+        if not supported or rank > max(VLLM_LORA_RANKS):
+            why = "this vLLM build has no LoRA support" if not supported else f"rank {rank} above vLLM's largest, {max(VLLM_LORA_RANKS)}"
+            require(
+                self.lora_sync == "auto",
+                "rollout_engine.lora_sync",
+                "auto or merged where vLLM cannot serve the adapter",
+                f"adapter ({why})",
+            )
+            return "merged", why
+        return "adapter", f"rollout_engine.lora_sync: {self.lora_sync}; vLLM's LoRA support serves rank {rank}"
+
+    def _write_adapter(self, module) -> int:
+        """The policy's adapter (``default``) in PEFT's format where vLLM reads it: adapter_config.json
+        and adapter_model.safetensors, each tensor gathered under FSDP2 (every rank writes its own
+        folder); its bytes."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+        from torch.distributed.tensor import DTensor
+
+        policy = module.networks.policy
+        if module.networks.sharded:
+            fsdp2.reshard(policy)
+        state = get_peft_model_state_dict(policy, adapter_name="default")
+        tensors = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous() for name, t in state.items()}
+        os.makedirs(self.adapter, exist_ok=True)
+        policy.peft_config["default"].save_pretrained(self.adapter)
+        save_file(tensors, os.path.join(self.adapter, "adapter_model.safetensors"))
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def _lora_request(self):
+        if self.adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest("policy", 1, self.adapter, load_inplace=True)
+
+    def wake(self) -> None:
+        """The sleeping engine's memory back (``sleep``): before a sync or a rollout."""
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
 
     def __getstate__(self) -> dict:  # the engine is not part of a copy or a pickle of the module
         return {**self.__dict__, "llm": None, "synced_step": None, "_folder": None}
 
 
-def policy_weights(module) -> Iterator[tuple[str, Tensor]]:
+def counted(weights: Iterator[tuple[str, Tensor]], sizes: list[int]) -> Iterator[tuple[str, Tensor]]:
+    """``weights`` as they are, each one's bytes appended to ``sizes``."""
+    for name, tensor in weights:
+        sizes.append(tensor.numel() * tensor.element_size())
+        yield name, tensor
+
+
+def policy_weights(module, merge: bool = True) -> Iterator[tuple[str, Tensor]]:
     """The policy's weights as vLLM loads them (``hf_weights``' names), one tensor at a time, LoRA
     merged into each base weight. Under FSDP2 each is gathered as it is asked for (``full_tensor()``, a
     collective: every rank must walk the same parameters in the same order), so at most one full
-    tensor (a merged linear: its base weight and its two adapter matrices) exists beside the shards."""
+    tensor (a merged linear: its base weight and its two adapter matrices) exists beside the shards.
+    ``merge=False``: the base weights alone (the engine serves the adapter apart)."""
     from torch.distributed.tensor import DTensor
 
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
@@ -278,7 +399,7 @@ def policy_weights(module) -> Iterator[tuple[str, Tensor]]:
         with torch.no_grad():
             weight = full(tensor.detach())
             owner = modules.get(name[0].rsplit(".base_layer.", 1)[0]) if ".base_layer." in name[0] else None
-            if owner is not None and "default" in getattr(owner, "lora_A", {}):
+            if merge and owner is not None and "default" in getattr(owner, "lora_A", {}):
                 a, b = full(owner.lora_A["default"].weight.detach()), full(owner.lora_B["default"].weight.detach())
                 weight = weight + (b.to(weight.dtype) @ a.to(weight.dtype)) * owner.scaling["default"]
         yield name[1], weight

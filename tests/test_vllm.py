@@ -42,15 +42,23 @@ def max_diff(rollout) -> float:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"lora_rank": 4}, {"tiny_config": {**HEADS_OF_32, "tie_word_embeddings": True}}],
-    ids=["full", "lora_merged", "tied_embeddings"],
+    [
+        {},
+        {"lora_rank": 4, "rollout_engine": VLLMEngine(kv_cache_gib=0.125, lora_sync="merged")},
+        {"lora_rank": 4},
+        {"tiny_config": {**HEADS_OF_32, "tie_word_embeddings": True}},
+    ],
+    ids=["full", "lora_merged", "lora_adapter", "tied_embeddings"],
 )
 def test_weight_sync_makes_the_engine_score_as_the_trainer(overrides):
     """Before any update the engine's log-probs are the trainer's (fp32 rounding); after the policy's
-    weights change they are not until a sync, and after it they are again."""
+    weights change they are not until a sync, and after it they are again. LoRA: by default
+    (``lora_sync: auto``) the engine serves the adapter apart and a sync moves the adapter's bytes
+    alone (rank 4 on the tiny model: 1/10 of the model's); ``merged`` moves the whole model."""
     module = vllm_module(**overrides)
     engine = module.rollout_engine
     assert max_diff(module.rollout(PROMPTS * 2)) < FP32_ROUNDING
+    assert (engine.adapter is not None) == (overrides.get("lora_rank", 0) > 0 and engine.lora_sync == "auto")
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
         for name, param in module.policy.named_parameters():
@@ -60,6 +68,12 @@ def test_weight_sync_makes_the_engine_score_as_the_trainer(overrides):
     assert stale > 100 * FP32_ROUNDING and engine.syncs == 0
     engine.sync(module)
     assert max_diff(module.rollout(PROMPTS * 2)) < FP32_ROUNDING and engine.syncs == 1
+    model_bytes = sum(p.numel() * p.element_size() for n, p in module.policy.named_parameters() if "lora_" not in n)
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in module.policy.named_parameters() if ".lora_" in n)
+    tied = overrides.get("tiny_config", {}).get("tie_word_embeddings", False)
+    expected = adapter_bytes if engine.adapter is not None else model_bytes
+    assert engine.sync_bytes == [expected], (engine.sync_bytes, model_bytes, adapter_bytes, tied)
+    print(f"bytes per sync: {engine.sync_bytes[0]} ({engine.sync_bytes[0] / model_bytes:.3f} of the model's)")
 
 
 def test_greedy_responses_equal_hf_and_sampled_ones_follow_its_rules():

@@ -4,6 +4,7 @@ sampling 24 of the iteration's 48 responses with its own engine (both ranks hold
 task's dataloader, not split). Rank 0 prints ``RESULT [last exact row, kept report]`` as JSON."""
 
 import json
+import sys
 
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -13,8 +14,11 @@ from helpers import declared_optimum_run
 
 if __name__ == "__main__":
     ddp = dict(devices=2, strategy=DDPStrategy(), use_distributed_sampler=False)
+    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0  # the sampling seed (exact.train's)
+    engine = sys.argv[2] if len(sys.argv) > 2 else "vllm"
     last, kept = declared_optimum_run(
-        rollout_engine=VLLMEngine(kv_cache_gib=0.125),
+        rollout_engine=VLLMEngine(kv_cache_gib=0.125) if engine == "vllm" else engine,
+        seed=seed,
         old_logprobs="forward",
         rollout_correction="tis",
         top_p=0.9,

@@ -389,6 +389,7 @@ def bench_module_class(memory: bool = False):
                     self.passes.watch(name, model)
             # the engine's whole sample: hf's prefill of shared prompts before generate, another engine's weight sync
             self.rollout_engine.sample = self.clock.wrap("rollout", self.rollout_engine.sample)
+            self.rollout_engine.sync = self.clock.wrap("rollout", self.rollout_engine.sync)  # module.rollout calls it apart
             for name in ("checked_scores", "shape_scores"):
                 setattr(self.reward_model, name, self.clock.wrap("score", getattr(self.reward_model, name)))
             # the networks' scoring passes: the policy's (not the update's forwards), pi_old's (the sampler's
@@ -660,6 +661,10 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         if args.memory
         else None,
         "peak_gpu_mb": gpu_mb,
+        # an engine with its own copy of the weights: each sync's seconds and bytes pushed (the run's, warm-up included)
+        "weight_sync_s": median(getattr(module.rollout_engine, "sync_seconds", None) or [math.nan]),
+        "sync_mb": median(getattr(module.rollout_engine, "sync_bytes", None) or [math.nan]) / 2**20,
+        "lora_sync": "adapter" if getattr(module.rollout_engine, "adapter", None) else ("merged" if lora else "full"),
         "iterations": recorder.iterations,
         "passes": recorder.passes[-1],  # the last timed iteration's (the first skips the reference: it equals the policy)
         "load": [load_before, os.getloadavg()[0]],
@@ -997,8 +1002,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     env = {"MALLOC_MMAP_THRESHOLD_": str(MEMORY_MMAP_THRESHOLD)} if args.memory else {}
     single = [argparse.Namespace(**{**vars(args), "strategy": "single", "devices": 1})] if args.memory else []
     results = []
+    # --engine vllm: the hf engine's runs follow in the same invocation, for the ENGINE lines side by side
+    engines = [
+        argparse.Namespace(**{**vars(one), "engine": engine}) for one in [*single, args] for engine in dict.fromkeys((args.engine, "hf"))
+    ]
     for mode in modes:
-        for one in [*single, args]:
+        for one in engines:
             if one.devices == 1:
                 results += run_subprocess(worker_argv(one, mode), env)
             # Several processes: one worker per run (a second Trainer in a worker would launch its ranks again).
@@ -1019,9 +1028,36 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
                 f"batch={r['batch']} response_len={r['response_len']} load={r['load'][0]:.2f}-{r['load'][1]:.2f}",
                 flush=True,
             )
+    if args.engine != "hf":
+        for line in engine_lines(results):
+            print(line, flush=True)
     if args.memory:
         print(memory_line(results), flush=True)
     return results
+
+
+def engine_lines(results: Sequence[dict]) -> list[str]:
+    """One ``ENGINE`` line per run and rank: the engine, its rollout seconds (an engine's weight sync
+    included), its weight sync's seconds and MB (the adapter alone or the whole model: ``lora_sync``),
+    the rank's peak RSS and GPU memory; then ``ENGINES`` with each (mode, epochs, rank)'s rollout of
+    the first engine over ``hf``'s."""
+    lines, by_key = [], {}
+    for r in results:
+        by_key[(r["mode"], r["ppo_epochs"], r["devices"], r["rank"], r["engine"])] = r
+        lines.append(
+            f"ENGINE engine={r['engine']} mode={r['mode']} ppo_epochs={r['ppo_epochs']} {rank_label(r).replace(', ', ' ').replace(' ', '_')} "
+            f"rollout_s={r['phases']['rollout']:.3f} weight_sync_s={r.get('weight_sync_s', math.nan):.3f} "
+            f"sync_mb={r.get('sync_mb', math.nan):.2f} lora_sync={r.get('lora_sync', '-')} iter_s={r['iter_s']:.3f} "
+            f"peak_rss_mb={r['peak_rss_mb']:.0f} peak_gpu_mb={r['peak_gpu_mb']:.0f} load={r['load'][0]:.2f}-{r['load'][1]:.2f}"
+        )
+    ratios = [
+        f"{key[0]}/{key[1]}/rank{key[3]}={r['phases']['rollout'] / by_key[(*key[:4], 'hf')]['phases']['rollout']:.3f}"
+        for key, r in by_key.items()
+        if key[4] != "hf" and (*key[:4], "hf") in by_key
+    ]
+    if ratios:
+        lines.append(f"ENGINES {results[0]['engine']}_vs_hf_rollout " + " ".join(ratios))
+    return lines
 
 
 def memory_line(results: Sequence[dict]) -> str:
