@@ -157,3 +157,19 @@ class SaveAtIteration(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.iteration == self.iteration:
             trainer.save_checkpoint(self.path)
+
+
+class RecordDeviceMemory(Callback):
+    """Append the GPU memory in use (GiB: total - free, ``torch.cuda.mem_get_info``, which counts
+    vLLM's allocations too) before every optimizer step: in the update, while a sleeping engine
+    has given its memory back."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        with open(self.path, "a") as f:
+            f.write(f"{(total - free) / 2**30:.4f}\n")

@@ -16,9 +16,11 @@ if __name__ == "__main__":
     ddp = dict(devices=2, strategy=DDPStrategy(), use_distributed_sampler=False)
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0  # the sampling seed (exact.train's)
     engine = sys.argv[2] if len(sys.argv) > 2 else "vllm"
+    iterations = int(sys.argv[3]) if len(sys.argv) > 3 else 100
     last, kept = declared_optimum_run(
         rollout_engine=VLLMEngine(kv_cache_gib=0.125) if engine == "vllm" else engine,
         seed=seed,
+        iterations=iterations,
         old_logprobs="forward",
         rollout_correction="tis",
         top_p=0.9,

@@ -84,6 +84,16 @@ if each process held nothing but its baseline and its share of the states; and l
 (per-rank batch the same: activations do not shrink). Use ``--warmup 1 --iters 1`` or more: the
 first iteration runs its forwards before AdamW's moments exist.
 
+``--engine vllm`` runs every (mode, epochs) twice in one invocation, with vLLM and then with ``hf``
+(with ``--strategy ddp|fsdp2 --devices N``: one vLLM engine per rank), and after the tables prints one
+line per run and rank,
+
+    ENGINE engine=<e> mode=<m> ppo_epochs=<n> <rank> rollout_s=<s> weight_sync_s=<s> sync_mb=<MB> lora_sync=<full|merged|adapter> iter_s=<s> peak_rss_mb=<MB> peak_gpu_mb=<MB> load=<a>-<b>
+
+(medians over the timed iterations; rollout_s includes vLLM's weight sync; weight_sync_s and sync_mb
+are the median sync's seconds and bytes pushed, the adapter alone with LoRA where vLLM serves it; nan
+for ``hf``), then ``ENGINES vllm_vs_hf_rollout <mode>/<epochs>/rank<r>=<vLLM's rollout seconds over hf's>``.
+
 The first line says which instruction set oneDNN, MKL and ATen run (``tools/benchmarks/isa.py``); ``--isa
 avx2`` caps them at AVX2 on a CPU with more, for the figures of an AVX2-only machine. After the
 tables, each run's passes over a model's trunk in its last timed iteration, per phase
