@@ -144,7 +144,7 @@ class VLLMEngine(RolloutEngine):
         require_number("rollout_engine.kv_cache_gib", kv_cache_gib, above=0)
         require_number("rollout_engine.gpu_memory_utilization", gpu_memory_utilization, above=0, at_most=1)
         require(lora_sync in LORA_SYNCS, "rollout_engine.lora_sync", f"one of {list(LORA_SYNCS)}", lora_sync)
-        require(sleep in (0, 1, 2), "rollout_engine.sleep", "0 (off), 1 or 2 (vLLM's sleep levels)", sleep)
+        require_number("rollout_engine.sleep", sleep, at_least=0, at_most=2, integer=True)  # 0 off, else vLLM's sleep level
         require(
             importlib.util.find_spec("vllm") is not None,
             "model.rollout_engine",
