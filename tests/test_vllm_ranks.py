@@ -19,7 +19,7 @@ from helpers import CONFIGS, REPO, free_port, run_cli
 
 pytestmark = pytest.mark.vllm
 
-ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # one thread per rank; the tiny models' KV cache, 1 GiB at most
+ENV = {"OMP_NUM_THREADS": "1"}  # one thread per rank (VLLM_CPU_KVCACHE_SPACE, when set, overrides the engines' 128 MiB)
 ENGINE = "--model.rollout_engine={class_path: vllm, init_args: {kv_cache_gib: 0.125}}"
 STRATEGIES = {"ddp": ("--trainer.strategy=ddp",), "fsdp2": ("--config", str(CONFIGS / "fsdp2.yaml"))}
 
