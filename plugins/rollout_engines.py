@@ -99,7 +99,7 @@ class VLLMEngine(RolloutEngine):
     """vLLM colocated with the trainer (``vllm.LLM`` in this process; one engine on every rank under
     DDP and FSDP2), created at the first rollout from the policy's current weights (a resumed run:
     the checkpoint's) and brought up to date before a rollout whenever the policy has taken
-    optimizer steps since (LoRA: merged into the base weights). Prompts are the module's token ids,
+    optimizer steps since (LoRA: the adapter alone, or merged into the base weights: ``lora_sync``). Prompts are the module's token ids,
     unchanged; ``logprobs_mode="processed_logprobs"`` returns each sampled token's log-prob under the
     distribution it was drawn from (tempered, renormalised on the kept set): the sampler's log
     pi_old. Each row draws from its own seed ``seed + row`` (the module's seed is per rank and
@@ -171,7 +171,7 @@ class VLLMEngine(RolloutEngine):
             "'hf' under FSDP (version 1: its flat parameters are not gathered for the engine; FSDP2, ModelParallelStrategy, is)",
             f"vllm with {strategy}",
         )
-        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None) if self.sleep else None
         require(
             not self.sleep or (device is not None and device.type == "cuda"),
             "rollout_engine.sleep",
@@ -297,26 +297,23 @@ class VLLMEngine(RolloutEngine):
         tied ``lm_head`` keeps its own packed copy of the embeddings, so it is packed again after
         the reload."""
         start = time.perf_counter()
+        discarded = self.sleeping and self.sleep == 2  # sleep level 2 dropped the weights: all of them come back
         self.wake()
-        if self.adapter is not None:  # the adapter alone, reloaded in place by the next request
-            self.sync_bytes.append(self._write_adapter(module))
-            self.llm.reset_prefix_cache()
-            self.synced_step = module.global_step
-            self.syncs += 1
-            self.sync_seconds.append(time.perf_counter() - start)
-            return
         pushed = []
-        weights = counted(policy_weights(module), pushed)
-        tied = bool(getattr(module.networks.policy.config, "tie_word_embeddings", False))
+        if self.adapter is None or discarded:  # the whole model (an adapter apart: the base weights)
+            weights = counted(policy_weights(module, merge=self.adapter is None), pushed)
+            tied = bool(getattr(module.networks.policy.config, "tie_word_embeddings", False))
 
-        def reload(worker) -> None:
-            worker.reload_weights(weights_iterator=weights)
-            served = worker.model_runner.get_model()
-            head = getattr(served, "lm_head", None)
-            if tied and hasattr(getattr(head, "quant_method", None), "process_weights_after_loading"):
-                head.quant_method.process_weights_after_loading(head)
+            def reload(worker) -> None:
+                worker.reload_weights(weights_iterator=weights)
+                served = worker.model_runner.get_model()
+                head = getattr(served, "lm_head", None)
+                if tied and hasattr(getattr(head, "quant_method", None), "process_weights_after_loading"):
+                    head.quant_method.process_weights_after_loading(head)
 
-        self.llm.collective_rpc(reload)
+            self.llm.collective_rpc(reload)
+        if self.adapter is not None:  # the adapter alone, reloaded in place by the next request
+            pushed.append(self._write_adapter(module))
         self.llm.reset_prefix_cache()
         self.synced_step = module.global_step
         self.syncs += 1
