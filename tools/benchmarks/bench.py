@@ -674,7 +674,11 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         # an engine with its own copy of the weights: each sync's seconds and bytes pushed (the run's, warm-up included)
         "weight_sync_s": median(getattr(module.rollout_engine, "sync_seconds", None) or [math.nan]),
         "sync_mb": median(getattr(module.rollout_engine, "sync_bytes", None) or [math.nan]) / 2**20,
-        "lora_sync": "adapter" if getattr(module.rollout_engine, "adapter", None) else ("merged" if lora else "full"),
+        "lora_sync": (
+            ("adapter" if module.rollout_engine.adapter else "merged" if lora else "full")
+            if hasattr(module.rollout_engine, "adapter")
+            else "-"
+        ),
         "iterations": recorder.iterations,
         "passes": recorder.passes[-1],  # the last timed iteration's (the first skips the reference: it equals the policy)
         "load": [load_before, os.getloadavg()[0]],
