@@ -44,7 +44,7 @@ def max_diff(rollout) -> float:
     "overrides",
     [
         {},
-        {"lora_rank": 4, "rollout_engine": VLLMEngine(kv_cache_gib=0.125, lora_sync="merged")},
+        {"lora_rank": 4, "lora_sync": "merged"},
         {"lora_rank": 4},
         {"tiny_config": {**HEADS_OF_32, "tie_word_embeddings": True}},
     ],
@@ -55,8 +55,9 @@ def test_weight_sync_makes_the_engine_score_as_the_trainer(overrides):
     weights change they are not until a sync, and after it they are again. LoRA: by default
     (``lora_sync: auto``) the engine serves the adapter apart and a sync moves the adapter's bytes
     alone (rank 4 on the tiny model: 1/10 of the model's); ``merged`` moves the whole model."""
-    module = vllm_module(**overrides)
-    engine = module.rollout_engine
+    overrides = dict(overrides)
+    engine = VLLMEngine(kv_cache_gib=0.125, lora_sync=overrides.pop("lora_sync", "auto"))  # built here: collected without vLLM too
+    module = vllm_module(rollout_engine=engine, **overrides)
     assert max_diff(module.rollout(PROMPTS * 2)) < FP32_ROUNDING
     assert (engine.adapter is not None) == (overrides.get("lora_rank", 0) > 0 and engine.lora_sync == "auto")
     with torch.no_grad():
