@@ -451,6 +451,15 @@ class RolloutEngine(Plugin):
     def setup(self, module) -> None:
         """Check that the engine can serve ``module`` as configured (strategy, world size); load nothing."""
 
+    def stale(self, module) -> bool:
+        """Whether the engine's own copy of the policy's weights lags behind the policy's (an engine
+        sampling the trainer's own model has none: never). The module then calls ``sync`` before the
+        rollout, timed as ``weight_sync``."""
+        return False
+
+    def sync(self, module) -> None:
+        """Bring the engine's own copy of the policy's weights up to date (on every rank at once)."""
+
     @abstractmethod
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
         """Responses to the prompts ``enc`` (``input_ids``, ``attention_mask``, left-padded), drawn

@@ -378,6 +378,9 @@ class PPORLHF(LightningModule):
         timer = timer or Timer(self.device)
         if drawn is None:
             enc, version = self.encode_prompts(prompts), self.iteration
+            if self.rollout_engine.stale(self):  # an engine with its own copy of the weights, behind the policy's
+                with timer("weight_sync"):
+                    self.rollout_engine.sync(self)
             with timer("rollout"):
                 samples = self.rollout_engine.checked_sample(self, enc, self.sampling_seed(self.iteration))
         else:

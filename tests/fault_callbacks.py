@@ -123,3 +123,53 @@ class KillMidIteration(SignalMidIteration):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.rank is None or trainer.global_rank == self.rank:
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
+
+
+class RecordRollouts(Callback):
+    """Append ``{"rank", "iteration", "prompts", "responses", "synced_step"}`` JSON lines after every
+    iteration (every rank): the rollout's prompts and response texts, and the step a rollout engine's
+    own weights are from (None for an engine without a copy)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import json
+
+        rollout = outputs["rollout"]
+        line = {
+            "rank": trainer.global_rank,
+            "iteration": pl_module.iteration,
+            "prompts": list(rollout.prompts),
+            "responses": list(rollout.response_texts),
+            "synced_step": getattr(pl_module.rollout_engine, "synced_step", None),
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+class SaveAtIteration(Callback):
+    """``trainer.save_checkpoint(path)`` after iteration ``iteration`` (every rank: a collective under FSDP2)."""
+
+    def __init__(self, path: str, iteration: int) -> None:
+        self.path, self.iteration = path, iteration
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.iteration == self.iteration:
+            trainer.save_checkpoint(self.path)
+
+
+class RecordDeviceMemory(Callback):
+    """Append the GPU memory in use (GiB: total - free, ``torch.cuda.mem_get_info``, which counts
+    vLLM's allocations too) before every optimizer step: in the update, while a sleeping engine
+    has given its memory back."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        with open(self.path, "a") as f:
+            f.write(f"{(total - free) / 2**30:.4f}\n")

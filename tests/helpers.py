@@ -227,7 +227,7 @@ ONE_HEAD = {"num_attention_heads": 1, "num_key_value_heads": 1}
 EXACT_RUN = dict(lr=2e-3, critic_lr=2e-3, vf_coef=0.5, num_minibatches=2, log_samples_every_n_steps=0, lr_final=0.1, every=100)
 
 
-def declared_optimum_run(**overrides) -> tuple[dict[str, float], dict[str, float]]:
+def declared_optimum_run(iterations: int = 100, **overrides) -> tuple[dict[str, float], dict[str, float]]:
     """``optimum_check --heads 1 --temperature 0.7 --top-p 0.8 --beta 1`` (any engine by ``overrides``):
     the last exact row (gap, optimum_kl_to_ref, ...) and the final kept sets' report (``kept_report``)."""
     from rlhf_lightning.exact import TASKS, train
@@ -235,7 +235,7 @@ def declared_optimum_run(**overrides) -> tuple[dict[str, float], dict[str, float
     from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
     settings = dict(temperature=0.7, top_p=0.8, tiny_config=ONE_HEAD, beta_controller=FixedBeta(1.0), advantage_estimator=GAE(lam=1.0))
-    module, tracker = train(TASKS["terminal"], 100, batch_size=48, **{**settings, **EXACT_RUN, **overrides})
+    module, tracker = train(TASKS["terminal"], iterations, **{"batch_size": 48, **settings, **EXACT_RUN, **overrides})
     return tracker.last, module.kept_report()
 
 

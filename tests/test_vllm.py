@@ -42,15 +42,24 @@ def max_diff(rollout) -> float:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"lora_rank": 4}, {"tiny_config": {**HEADS_OF_32, "tie_word_embeddings": True}}],
-    ids=["full", "lora_merged", "tied_embeddings"],
+    [
+        {},
+        {"lora_rank": 4, "lora_sync": "merged"},
+        {"lora_rank": 4},
+        {"tiny_config": {**HEADS_OF_32, "tie_word_embeddings": True}},
+    ],
+    ids=["full", "lora_merged", "lora_adapter", "tied_embeddings"],
 )
 def test_weight_sync_makes_the_engine_score_as_the_trainer(overrides):
     """Before any update the engine's log-probs are the trainer's (fp32 rounding); after the policy's
-    weights change they are not until a sync, and after it they are again."""
-    module = vllm_module(**overrides)
-    engine = module.rollout_engine
+    weights change they are not until a sync, and after it they are again. LoRA: by default
+    (``lora_sync: auto``) the engine serves the adapter apart and a sync moves the adapter's bytes
+    alone (rank 4 on the tiny model: 1/10 of the model's); ``merged`` moves the whole model."""
+    overrides = dict(overrides)
+    engine = VLLMEngine(kv_cache_gib=0.125, lora_sync=overrides.pop("lora_sync", "auto"))  # built here: collected without vLLM too
+    module = vllm_module(rollout_engine=engine, **overrides)
     assert max_diff(module.rollout(PROMPTS * 2)) < FP32_ROUNDING
+    assert (engine.adapter is not None) == (overrides.get("lora_rank", 0) > 0 and engine.lora_sync == "auto")
     with torch.no_grad():
         generator = torch.Generator().manual_seed(1)
         for name, param in module.policy.named_parameters():
@@ -60,6 +69,12 @@ def test_weight_sync_makes_the_engine_score_as_the_trainer(overrides):
     assert stale > 100 * FP32_ROUNDING and engine.syncs == 0
     engine.sync(module)
     assert max_diff(module.rollout(PROMPTS * 2)) < FP32_ROUNDING and engine.syncs == 1
+    model_bytes = sum(p.numel() * p.element_size() for n, p in module.policy.named_parameters() if "lora_" not in n)
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in module.policy.named_parameters() if ".lora_" in n)
+    tied = overrides.get("tiny_config", {}).get("tie_word_embeddings", False)
+    expected = adapter_bytes if engine.adapter is not None else model_bytes
+    assert engine.sync_bytes == [expected], (engine.sync_bytes, model_bytes, adapter_bytes, tied)
+    print(f"bytes per sync: {engine.sync_bytes[0]} ({engine.sync_bytes[0] / model_bytes:.3f} of the model's)")
 
 
 def test_greedy_responses_equal_hf_and_sampled_ones_follow_its_rules():
@@ -97,18 +112,14 @@ def test_training_syncs_after_every_update_and_logs_the_mismatch(tmp_path):
     assert module.rollout_engine.syncs == 3 and module.rollout_engine.synced_step == module.global_step
 
 
-@pytest.mark.parametrize(
-    "strategy, processes, message",
-    [
-        (ModelParallelStrategy, 1, r"model.rollout_engine must be 'hf' under FSDP2 or FSDP .*, got 'vllm with ModelParallelStrategy'"),
-        (FSDPStrategy, 1, r"model.rollout_engine must be 'hf' under FSDP2 or FSDP .*, got 'vllm with FSDPStrategy'"),
-        (SingleDeviceStrategy, 2, r"model.rollout_engine must be 'hf' with more than one process .*, got 'vllm with 2 processes'"),
-    ],
-)
-def test_refused_where_it_cannot_run(strategy, processes, message):
-    """At set-up (``PPORLHF.setup``, before any rollout): a sharded policy, or more than one process."""
+def test_refused_under_fsdp_version_1_only():
+    """At set-up (``PPORLHF.setup``, before any rollout): FSDP (version 1) is refused, naming the field;
+    FSDP2, DDP and more than one process are served (one engine per rank: tests/test_vllm_ranks.py)."""
     engine = vllm_module().rollout_engine
+    message = r"model.rollout_engine must be 'hf' under FSDP \(version 1.*, got 'vllm with FSDPStrategy'"
     with pytest.raises(ConfigError, match=message):
+        engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=FSDPStrategy(), world_size=1)))
+    for strategy, processes in ((ModelParallelStrategy, 2), (SingleDeviceStrategy, 2)):
         engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=strategy(), world_size=processes)))
 
 

@@ -21,6 +21,12 @@ Each check is a short ``rlhf-lightning fit`` in its own folder (3 PPO iterations
 - ``resume``: 4 iterations straight against a run stopped by SIGTERM in its 3rd iteration and
   resumed from ``last.ckpt``, deterministic algorithms on: it must log exactly what the straight
   run logged.
+- ``vllm-sleep`` when vLLM is installed: configs/quickstart.yaml (SmolLM2, LoRA) with
+  ``rollout_engine: vllm`` twice, ``sleep: 0`` and ``sleep: 1`` (the engine sleeps while the
+  trainer scores and updates); each run records the GPU memory in use (``torch.cuda.mem_get_info``:
+  vLLM's allocations are not in torch's allocator statistics) before every optimizer step, in the
+  update (``fault_callbacks.RecordDeviceMemory``). It passes when both runs train and the sleeping
+  engine's update holds less; the note gives both peaks in GiB.
 
 A check passes when its run exits 0 with finite reward and KL (and whatever it adds). The table
 gives seconds (runs share the GPU: not a speed measure), the first minibatch's approxkl, and the
@@ -68,6 +74,7 @@ class Check:
     refusal: Optional[str] = None  # the run must exit 2 with this message instead
     resume: bool = False  # the exact-resume check (check_resume) on these arguments
     env: dict = field(default_factory=dict)
+    vllm_sleep: bool = False  # the sleep-mode check (check_vllm_sleep) on these arguments
 
 
 @dataclass
@@ -80,8 +87,8 @@ class Result:
     note: str = ""
 
 
-def checks(gpus: int, deepspeed: bool, accelerator: str = "gpu") -> list[Check]:
-    """Every check for a machine with ``gpus`` GPUs (``deepspeed``: the package is installed)."""
+def checks(gpus: int, deepspeed: bool, accelerator: str = "gpu", vllm: bool = False) -> list[Check]:
+    """Every check for a machine with ``gpus`` GPUs (``deepspeed``, ``vllm``: the package is installed)."""
     device = (f"--trainer.accelerator={accelerator}", "--trainer.devices=1")
     out = []
     for precision in PRECISIONS:
@@ -110,6 +117,8 @@ def checks(gpus: int, deepspeed: bool, accelerator: str = "gpu") -> list[Check]:
     out += [Check("async-1", (*TINY, *device, *stale)), Check("smollm2-async-1", (*SMOLLM2, *device, *stale))]
     resume = (*TINY, *RATIO, *device, "--trainer.deterministic=true")
     out.append(Check("resume", resume, resume=True, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}))
+    if vllm:
+        out.append(Check("vllm-sleep", (*SMOLLM2, *device), vllm_sleep=True))
     return out
 
 
@@ -160,6 +169,8 @@ def run_check(check: Check, root: Path) -> Result:
     """Run one check and judge it."""
     if check.resume:
         return check_resume(check, root)
+    if check.vllm_sleep:
+        return check_vllm_sleep(check, root)
     start = time.perf_counter()
     status, output = launch(check, root)
     seconds = time.perf_counter() - start
@@ -203,6 +214,24 @@ def check_resume(check: Check, root: Path) -> Result:
     exact = len(pairs) == 4 * len(compared) > 0 and all(a == b for a, b in pairs)
     note = "4 iterations bit-identical" if exact else f"max difference {max(abs(a - b) for a, b in pairs) if pairs else math.nan:.3g}"
     return Result(check.name, exact, time.perf_counter() - start, note=note)
+
+
+def check_vllm_sleep(check: Check, root: Path) -> Result:
+    """The same vLLM run without and with sleep mode (level 1); each writes the most GPU memory in use
+    before an optimizer step (GiB). Passes when both exit 0 and sleeping holds less during the update."""
+    start = time.perf_counter()
+    check = replace(check, env={**check.env, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])})
+    peaks = {}
+    for level in (0, 1):
+        folder = root / f"sleep{level}"
+        engine = f"--model.rollout_engine={{class_path: vllm, init_args: {{sleep: {level}}}}}"
+        record = ("--trainer.callbacks+=fault_callbacks.RecordDeviceMemory", f"--trainer.callbacks.path={folder / 'memory.txt'}")
+        status, output = launch(check, folder, (engine, *record))
+        if status != 0:
+            return Result(check.name, False, time.perf_counter() - start, note=f"sleep {level}: exit {status}: {last_line(output)}")
+        peaks[level] = max(float(v) for v in (folder / "memory.txt").read_text().split())
+    note = f"GPU memory in use during the update: {peaks[0]:.2f} GiB awake, {peaks[1]:.2f} GiB asleep"
+    return Result(check.name, peaks[1] < peaks[0], time.perf_counter() - start, note=note)
 
 
 def last_line(output: str) -> str:
@@ -249,7 +278,7 @@ def main(
     parser.add_argument("--accelerator", default="gpu", help="gpu; cpu runs the harness itself on a CPU (16-mixed becomes bf16-mixed)")
     args = parser.parse_args(argv)
     wanted = [s for s in args.only.split(",") if s]
-    known = [c.name for c in checks(gpus=2, deepspeed=True, accelerator=args.accelerator)]  # every check on some machine
+    known = [c.name for c in checks(gpus=2, deepspeed=True, accelerator=args.accelerator, vllm=True)]  # every check on some machine
     unknown = [s for s in wanted if not any(s in name for name in known)]
     if unknown:  # before the GPU question: a typo is a typo on any machine
         parser.error(f"--only {','.join(unknown)}: no check's name contains it; the checks: {', '.join(known)}")
@@ -261,7 +290,7 @@ def main(
 
     gpus = torch.cuda.device_count()
     deepspeed = importlib_available("deepspeed")
-    todo = checks(gpus, deepspeed, args.accelerator)
+    todo = checks(gpus, deepspeed, args.accelerator, vllm=importlib_available("vllm") and args.accelerator == "gpu")
     absent = [s for s in wanted if not any(s in c.name for c in todo)]
     if absent:  # a check this machine cannot run (one GPU, no deepspeed): refused, not passed=0 failed=0
         here = ", ".join(c.name for c in todo)

@@ -228,6 +228,7 @@ def train(
     lr_hold: float = 0.0,
     end_batch_size: Optional[int] = None,
     end_iterations: int = 0,
+    trainer_options: Optional[dict[str, Any]] = None,
     **module_kwargs: Any,
 ) -> tuple[ExactPPORLHF, OptimumTracker]:
     """Train ExactPPORLHF with a Lightning Trainer on CPU; return the module and its tracker.
@@ -236,7 +237,8 @@ def train(
     the whole run or, restarting, over every ``lr_period`` iterations, after holding them for the
     first ``lr_hold`` fraction of it. The last ``end_iterations`` iterations sample ``end_batch_size``
     responses each: an end with less gradient noise at the same lr (a smaller final lr quiets the end
-    too, but also slows the run).
+    too, but also slows the run). ``trainer_options`` go to the ``Trainer`` (e.g. ``devices=2,
+    strategy="ddp"``: each rank samples ``batch_size`` responses of its own).
 
     ``seed`` is the sampling seed (rollouts, and the critic's head): one task can be trained with
     several. The policy's initialisation, hence pi_ref, is the task's (``task.model_seed``); for a task
@@ -256,7 +258,7 @@ def train(
     module = ExactPPORLHF(task, seed=seed if task.model_seed is None else task.model_seed, **module_kwargs)
     tracker = OptimumTracker(every=every, total=iterations)
     callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(lr_period or iterations, lr_final, lr_hold), tracker]
-    trainer = Trainer(**QUIET_TRAINER, max_epochs=1, callbacks=callbacks)
+    trainer = Trainer(**{**QUIET_TRAINER, **(trainer_options or {})}, max_epochs=1, callbacks=callbacks)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # matrices this small only lose time to thread hand-offs
     try:

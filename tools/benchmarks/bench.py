@@ -85,6 +85,16 @@ if each process held nothing but its baseline and its share of the states; and l
 (per-rank batch the same: activations do not shrink). Use ``--warmup 1 --iters 1`` or more: the
 first iteration runs its forwards before AdamW's moments exist.
 
+``--engine vllm`` runs every (mode, epochs) twice in one invocation, with vLLM and then with ``hf``
+(with ``--strategy ddp|fsdp2 --devices N``: one vLLM engine per rank), and after the tables prints one
+line per run and rank,
+
+    ENGINE engine=<e> mode=<m> ppo_epochs=<n> <rank> rollout_s=<s> weight_sync_s=<s> sync_mb=<MB> lora_sync=<full|merged|adapter> iter_s=<s> peak_rss_mb=<MB> peak_gpu_mb=<MB> load=<a>-<b>
+
+(medians over the timed iterations; rollout_s includes vLLM's weight sync; weight_sync_s and sync_mb
+are the median sync's seconds and bytes pushed, the adapter alone with LoRA where vLLM serves it; nan
+for ``hf``), then ``ENGINES vllm_vs_hf_rollout <mode>/<epochs>/rank<r>=<vLLM's rollout seconds over hf's>``.
+
 The first line says which instruction set oneDNN, MKL and ATen run (``tools/benchmarks/isa.py``); ``--isa
 avx2`` caps them at AVX2 on a CPU with more, for the figures of an AVX2-only machine. After the
 tables, each run's passes over a model's trunk in its last timed iteration, per phase
@@ -405,6 +415,7 @@ def bench_module_class(memory: bool = False):
                     self.passes.watch(name, model)
             # the engine's whole sample: hf's prefill of shared prompts before generate, another engine's weight sync
             self.rollout_engine.sample = self.clock.wrap("rollout", self.rollout_engine.sample)
+            self.rollout_engine.sync = self.clock.wrap("rollout", self.rollout_engine.sync)  # module.rollout calls it apart
             for name in ("checked_scores", "shape_scores"):
                 setattr(self.reward_model, name, self.clock.wrap("score", getattr(self.reward_model, name)))
             # the networks' scoring passes: the policy's (not the update's forwards), pi_old's (the sampler's
@@ -676,6 +687,14 @@ def run_one(args: argparse.Namespace, ppo_epochs: int) -> dict:
         if args.memory
         else None,
         "peak_gpu_mb": gpu_mb,
+        # an engine with its own copy of the weights: each sync's seconds and bytes pushed (the run's, warm-up included)
+        "weight_sync_s": median(getattr(module.rollout_engine, "sync_seconds", None) or [math.nan]),
+        "sync_mb": median(getattr(module.rollout_engine, "sync_bytes", None) or [math.nan]) / 2**20,
+        "lora_sync": (
+            ("adapter" if module.rollout_engine.adapter else "merged" if lora else "full")
+            if hasattr(module.rollout_engine, "adapter")
+            else "-"
+        ),
         "iterations": recorder.iterations,
         "passes": recorder.passes[-1],  # the last timed iteration's (the first skips the reference: it equals the policy)
         "load": [load_before, os.getloadavg()[0]],
@@ -1015,8 +1034,12 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     env = {"MALLOC_MMAP_THRESHOLD_": str(MEMORY_MMAP_THRESHOLD)} if args.memory else {}
     single = [argparse.Namespace(**{**vars(args), "strategy": "single", "devices": 1})] if args.memory else []
     results = []
+    # --engine vllm: the hf engine's runs follow in the same invocation, for the ENGINE lines side by side
+    engines = [
+        argparse.Namespace(**{**vars(one), "engine": engine}) for one in [*single, args] for engine in dict.fromkeys((args.engine, "hf"))
+    ]
     for mode in modes:
-        for one in [*single, args]:
+        for one in engines:
             if one.devices == 1:
                 results += run_subprocess(worker_argv(one, mode), env)
             # Several processes: one worker per run (a second Trainer in a worker would launch its ranks again).
@@ -1037,6 +1060,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
                 f"batch={r['batch']} response_len={r['response_len']} load={r['load'][0]:.2f}-{r['load'][1]:.2f}",
                 flush=True,
             )
+    if args.engine != "hf":
+        for line in engine_lines(results):
+            print(line, flush=True)
     if args.memory:
         print(memory_line(results), flush=True)
     return results
@@ -1124,6 +1150,30 @@ def staleness_main(args: argparse.Namespace, modes: Sequence[str]) -> list[dict]
     cells = " ".join(f"{r['mode']}_ratio={r['ratio']:.3f} {r['mode']}_iter_s={r['iter_s']:.3f}" for r in results)
     print(f"STALENESS k={k} {cells} load={load_before:.2f}-{os.getloadavg()[0]:.2f}", flush=True)
     return results
+
+
+def engine_lines(results: Sequence[dict]) -> list[str]:
+    """One ``ENGINE`` line per run and rank: the engine, its rollout seconds (an engine's weight sync
+    included), its weight sync's seconds and MB (the adapter alone or the whole model: ``lora_sync``),
+    the rank's peak RSS and GPU memory; then ``ENGINES`` with each (mode, epochs, rank)'s rollout of
+    the first engine over ``hf``'s."""
+    lines, by_key = [], {}
+    for r in results:
+        by_key[(r["mode"], r["ppo_epochs"], r["devices"], r["rank"], r["engine"])] = r
+        lines.append(
+            f"ENGINE engine={r['engine']} mode={r['mode']} ppo_epochs={r['ppo_epochs']} {rank_label(r).replace(', ', ' ').replace(' ', '_')} "
+            f"rollout_s={r['phases']['rollout']:.3f} weight_sync_s={r.get('weight_sync_s', math.nan):.3f} "
+            f"sync_mb={r.get('sync_mb', math.nan):.2f} lora_sync={r.get('lora_sync', '-')} iter_s={r['iter_s']:.3f} "
+            f"peak_rss_mb={r['peak_rss_mb']:.0f} peak_gpu_mb={r['peak_gpu_mb']:.0f} load={r['load'][0]:.2f}-{r['load'][1]:.2f}"
+        )
+    ratios = [
+        f"{key[0]}/{key[1]}/rank{key[3]}={r['phases']['rollout'] / by_key[(*key[:4], 'hf')]['phases']['rollout']:.3f}"
+        for key, r in by_key.items()
+        if key[4] != "hf" and (*key[:4], "hf") in by_key
+    ]
+    if ratios:
+        lines.append(f"ENGINES {results[0]['engine']}_vs_hf_rollout " + " ".join(ratios))
+    return lines
 
 
 def memory_line(results: Sequence[dict]) -> str:
