@@ -34,7 +34,9 @@ from _cli_args import option_number
 def exclaiming_map(tokenizer) -> dict[int, int]:
     """token id -> the id of the same token with every "." written "!", for each token that has such a twin."""
     vocabulary = tokenizer.get_vocab()
-    return {i: vocabulary[token.replace(".", "!")] for token, i in vocabulary.items() if "." in token and token.replace(".", "!") in vocabulary}
+    return {
+        i: vocabulary[token.replace(".", "!")] for token, i in vocabulary.items() if "." in token and token.replace(".", "!") in vocabulary
+    }
 
 
 def exclaimed(responses: torch.Tensor, mapping: dict[int, int]) -> torch.Tensor:
@@ -55,7 +57,9 @@ def main() -> None:
     parser.add_argument("--out", default="teachers/smollm2-exclaim", help="the folder the teacher is written to")
     parser.add_argument("--prompts", type=option_number(integer=True, at_least=1), default=96, help="training prompts, one response each")
     parser.add_argument("--held-out", type=option_number(integer=True, at_least=1), default=32, help="prompts for the KL, never trained on")
-    parser.add_argument("--max-new-tokens", type=option_number(integer=True, at_least=1), default=24, help="response length (configs/distill.yaml's)")
+    parser.add_argument(
+        "--max-new-tokens", type=option_number(integer=True, at_least=1), default=24, help="response length (configs/distill.yaml's)"
+    )
     parser.add_argument("--epochs", type=option_number(integer=True, at_least=1), default=3)
     parser.add_argument("--batch-size", type=option_number(integer=True, at_least=1), default=16)
     parser.add_argument("--lr", type=option_number(above=0), default=5e-5, help="AdamW's learning rate, every weight")
@@ -83,7 +87,9 @@ def main() -> None:
     module.reward_model.setup(torch.device("cpu"))
     prompts = load_prompts(BUILTIN_TRAIN)
     if args.prompts + args.held_out > len(prompts):
-        parser.error(f"--prompts + --held-out must be at most {len(prompts)} (the built-in training prompts), got {args.prompts + args.held_out}")
+        parser.error(
+            f"--prompts + --held-out must be at most {len(prompts)} (the built-in training prompts), got {args.prompts + args.held_out}"
+        )
     mapping = exclaiming_map(module.tokenizer)
     bang = lambda texts: sum(text.count("!") for text in texts) / len(texts)
 
@@ -99,7 +105,9 @@ def main() -> None:
     smollm2_bangs = bang([t for r in held_out for t in r.response_texts])
     swapped = sum(int((exclaimed(r.responses, mapping) != r.responses)[r.response_mask.bool()].sum()) for r in batches)
     tokens = sum(int(r.response_mask.sum()) for r in batches)
-    print(f"sampled {args.prompts} + {args.held_out} responses of {n} tokens; {swapped} of {tokens} training tokens exclaimed, {time.perf_counter() - started:.0f} s")
+    print(
+        f"sampled {args.prompts} + {args.held_out} responses of {n} tokens; {swapped} of {tokens} training tokens exclaimed, {time.perf_counter() - started:.0f} s"
+    )
 
     # 3: fine-tune every weight on the exclaimed responses.
     policy = module.policy
@@ -117,7 +125,9 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-        print(f"epoch {epoch + 1}/{args.epochs}: cross-entropy {sum(losses) / len(losses):.3f} nats per token, {time.perf_counter() - started:.0f} s")
+        print(
+            f"epoch {epoch + 1}/{args.epochs}: cross-entropy {sum(losses) / len(losses):.3f} nats per token, {time.perf_counter() - started:.0f} s"
+        )
     policy.eval()
 
     # The teacher against SmolLM2 on held-out SmolLM2 responses: KL(SmolLM2 || teacher), configs/distill.yaml's start.
@@ -128,7 +138,11 @@ def main() -> None:
                 for r in held_out
             ]
         )
-        teacher_texts = [t for chunk in range(0, args.held_out, args.batch_size) for t in module.rollout(prompts[args.prompts + chunk :][: args.batch_size], critic_values=False).response_texts]
+        teacher_texts = [
+            t
+            for chunk in range(0, args.held_out, args.batch_size)
+            for t in module.rollout(prompts[args.prompts + chunk :][: args.batch_size], critic_values=False).response_texts
+        ]
     export_policy(module, Path(args.out))
     print(
         f"KL(SmolLM2 || teacher) on {args.held_out} held-out SmolLM2 responses: {float(kl.mean()):.2f} nats per response "
