@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -52,7 +53,9 @@ def response_logprobs(module, model, input_ids: torch.Tensor, attention_mask: to
     return torch.log_softmax(logits, -1).gather(-1, input_ids[:, -response_len:, None]).squeeze(-1)
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> dict[str, float]:
+    """The command; returns what it printed last: ``kl`` (KL(SmolLM2 || teacher) on the held-out responses, nats per
+    response) and the "!"s per response of each model (``bangs_start``, ``bangs_teacher``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="teachers/smollm2-exclaim", help="the folder the teacher is written to")
     parser.add_argument("--prompts", type=option_number(integer=True, at_least=1), default=96, help="training prompts, one response each")
@@ -65,7 +68,7 @@ def main() -> None:
     parser.add_argument("--lr", type=option_number(above=0), default=5e-5, help="AdamW's learning rate, every weight")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", default="smollm2", help="the model to start from (tiny: the tests' random 2-layer model)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if Path(args.out).exists():
         parser.error(f"--out: {args.out} exists; remove it or name another folder")
 
@@ -149,6 +152,7 @@ def main() -> None:
         f"(+- {float(kl.std() / len(kl) ** 0.5):.2f}); '!' per response: SmolLM2 {smollm2_bangs:.2f}, teacher {bang(teacher_texts):.2f}"
     )
     print(f"teacher written to {args.out} in {time.perf_counter() - started:.0f} s: use it as model.reference (configs/distill.yaml)")
+    return {"kl": float(kl.mean()), "bangs_start": smollm2_bangs, "bangs_teacher": bang(teacher_texts)}
 
 
 if __name__ == "__main__":
