@@ -6,13 +6,16 @@ log u, the response's summed per-token log-ratio:
     reverse_kl  u log u                                     log u + 1             exp(v - 1)                    > 0, tilted
     forward_kl  -log u                                      -1 / u                -1 / v      (v < 0)           > 0
     js          u log u - (u + 1) log((u + 1) / 2)          log(2u / (u + 1))     e^v / (2 - e^v) (v < log 2)   > 0
+      mixture b 2(1-b) u log u - 2 m log m, m = b + (1-b) u  2(1-b) log(u / m)      b w / (1 - (1-b) w), w = e^(v / (2(1-b)))
     chi2        (u - 1)^2                                   2 (u - 1)             1 + v / 2, clipped at 0        >= 0
     alpha       (u^(1-a) - (1-a) u - a) / (a (a - 1))       (1 - u^(-a)) / a      (1 - a v)^(-1/a)              >= 0 (a < 0)
 
 The alpha family (f-DPO's parametrisation, Wang et al. 2023) tends to the reverse KL as alpha -> 0 and to the
 forward KL (plus u - 1, which E_{pi_ref} sends to 0) as alpha -> 1; alpha = -1 is chi2 / 2; alpha = 0.5 is
 2 x the squared Hellinger distance sum_y (sqrt pi - sqrt pi_ref)^2. ``js`` is 2 x the Jensen-Shannon
-divergence, KL(pi || m) + KL(pi_ref || m) with m = (pi + pi_ref) / 2.
+divergence, KL(pi || m) + KL(pi_ref || m) with m = (pi + pi_ref) / 2; ``js`` with ``mixture: b`` is 2 x the
+generalised one of distillation trainers, 2 [b KL(pi_ref || M) + (1 - b) KL(pi || M)], M = b pi_ref + (1 - b) pi
+(TRL's GKD ``beta`` = b, the teacher's weight in M: b -> 0 is the forward KL's direction, b -> 1 the reverse's).
 """
 
 from __future__ import annotations
@@ -69,22 +72,59 @@ class ForwardKL(Divergence):
         return torch.where(v < 0, -torch.log(-v.clamp(max=0)), torch.full_like(v, math.inf))
 
 
-@register("divergence", "js", aliases=("jensen_shannon",), description="2 x Jensen-Shannon: f(u) = u log u - (u + 1) log((u + 1) / 2)")
+@register(
+    "divergence",
+    "js",
+    aliases=("jensen_shannon",),
+    description="2 x the generalised Jensen-Shannon divergence, mixture = the reference's weight in M (TRL's GKD beta); 1/2 by default",
+)
 class JensenShannon(Divergence):
-    """KL(pi || m) + KL(pi_ref || m), m = (pi + pi_ref) / 2 (twice the Jensen-Shannon divergence), f(u) =
-    u log u - (u + 1) log((u + 1) / 2). f'(u) = log(2u / (u + 1)) < log 2: a response's penalty is bounded
-    below, so pi*(y) = pi_ref(y) e^v / (2 - e^v), v = (r(y) - lambda) / beta < log 2."""
+    """Twice the generalised Jensen-Shannon divergence of distillation trainers (GKD, Agarwal et al. 2024, eq. 1;
+    TRL's ``generalized_jsd_loss`` with ``beta = mixture``), with P = pi_ref (the teacher) and Q = pi (the student):
+
+        D = 2 [ b KL(pi_ref || M) + (1 - b) KL(pi || M) ],   M = b pi_ref + (1 - b) pi,   b = ``mixture``.
+
+    b is the reference's weight in the mixture. As b -> 0, D ~ 2 b KL(pi_ref || pi), the forward KL's direction
+    (mass-covering); as b -> 1, D ~ 2 (1 - b) KL(pi || pi_ref), the reverse KL's (mode-seeking); the limits
+    themselves vanish, so the endpoints are ``forward_kl`` and ``reverse_kl`` (which TRL also special-cases at
+    beta = 0 and 1). b = 1/2 is 2 x the Jensen-Shannon divergence, symmetric in pi and pi_ref. With u = pi / pi_ref:
+
+        f(u)  = 2 [(1 - b) u log u - (b + (1 - b) u) log(b + (1 - b) u)]
+        f'(u) = 2 (1 - b) log(u / (b + (1 - b) u))   < -2 (1 - b) log(1 - b)  (= log 2 at b = 1/2)
+
+    so a response's penalty is bounded below, and pi*(y) = pi_ref(y) b w / (1 - (1 - b) w), w = exp(v / (2 (1 - b))),
+    v = (r(y) - lambda) / beta (e^v / (2 - e^v) at b = 1/2).
+
+    Args:
+        mixture: b, strictly between 0 and 1 (0 is ``forward_kl``, 1 ``reverse_kl``).
+    """
+
+    omit_default_arguments = True  # "js" names the symmetric one; "js:0.1" another mixture (exact.divergence_label)
+
+    def __init__(self, mixture: float = 0.5) -> None:
+        require_number("divergence.mixture", mixture)
+        require(0 < mixture < 1, "divergence.mixture", "a number in (0, 1) (at 0 use forward_kl, at 1 reverse_kl)", mixture)
+        self.mixture = float(mixture)
+        b = self.mixture
+        self._log_b, self._log_1mb = math.log(b), math.log1p(-b)
+
+    def _log_m(self, log_u: Tensor) -> Tensor:
+        """log (b + (1 - b) u): the mixture's probability over pi_ref's."""
+        return torch.logaddexp(torch.full_like(log_u, self._log_b), self._log_1mb + log_u)
 
     def f(self, log_u: Tensor) -> Tensor:
-        u = log_u.exp()
-        return _u_log_u(log_u) - (u + 1.0) * (F.softplus(log_u) - math.log(2.0))
+        b = self.mixture
+        return 2.0 * ((1.0 - b) * _u_log_u(log_u) - self._log_m(log_u).exp() * self._log_m(log_u))
 
     def f_prime(self, log_u: Tensor) -> Tensor:
-        return math.log(2.0) - F.softplus(-log_u)
+        # log u - log(b + (1 - b) u) = -log(1 - b) - softplus(log(b / (1 - b)) - log u), finite for large log u
+        return 2.0 * (1.0 - self.mixture) * (-self._log_1mb - F.softplus(self._log_b - self._log_1mb - log_u))
 
     def log_f_prime_inverse(self, v: Tensor) -> Tensor:
-        inside = v < math.log(2.0)
-        return torch.where(inside, -torch.log(torch.expm1(math.log(2.0) - torch.where(inside, v, 0.0))), math.inf)
+        t = self._log_1mb + v / (2.0 * (1.0 - self.mixture))  # log((1 - b) w) < 0 inside f's range
+        inside = t < 0
+        log_w = t - self._log_1mb
+        return torch.where(inside, self._log_b + log_w - torch.log(-torch.expm1(torch.where(inside, t, -1.0))), math.inf)
 
 
 @register("divergence", "chi2", aliases=("chi_squared",), description="Pearson chi-squared, f(u) = (u - 1)^2: pi* may drop responses")

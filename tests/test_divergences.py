@@ -27,8 +27,15 @@ from rlhf_lightning.registry import load_plugins, registry
 from helpers import make_module
 
 load_plugins()
-# Every registered divergence (the alpha family at several alphas, both sides of 0 and 1).
-SPECS = [entry.name for entry in registry("divergence").entries() if entry.name != "alpha"] + ["alpha:0.5", "alpha:-1", "alpha:2"]
+# Every registered divergence (the alpha family at several alphas, both sides of 0 and 1; the generalised JSD at
+# mixtures near either end).
+SPECS = [entry.name for entry in registry("divergence").entries() if entry.name != "alpha"] + [
+    "alpha:0.5",
+    "alpha:-1",
+    "alpha:2",
+    "js:0.1",
+    "js:0.9",
+]
 SEQUENCE_LEVEL = [spec for spec in SPECS if not divergence_named(spec).per_token]
 LOG_U = torch.linspace(-3.0, 3.0, 13, dtype=torch.float64)
 
@@ -144,16 +151,72 @@ def test_the_alpha_family_meets_its_limits_and_chi2():
     )
 
 
+def test_the_generalised_jsd_is_twice_trls_gkd_loss_with_beta_the_mixture():
+    """``js`` with mixture b, as sum_y pi_ref f(u), equals 2 [b KL(pi_ref || M) + (1 - b) KL(pi || M)], M = b pi_ref + (1 - b) pi,
+    written as TRL's ``generalized_jsd_loss`` writes it (teacher = pi_ref, student = pi, F.kl_div(input, target) =
+    KL(target || input)); b = 1/2 is the symmetric 2 x JSD; the direction at either end: D / (2 b) -> KL(pi_ref || pi)
+    (forward) as b -> 0 and D / (2 (1 - b)) -> KL(pi || pi_ref) (reverse) as b -> 1."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(3)
+    teacher = torch.randn(4, 9, generator=generator, dtype=torch.float64).log_softmax(-1)
+    student = (2 * torch.randn(4, 9, generator=generator, dtype=torch.float64)).log_softmax(-1)
+    for b in (0.1, 0.5, 0.9, 0.37):
+        mixture = torch.logsumexp(torch.stack([student + math.log(1 - b), teacher + math.log(b)]), dim=0)
+        kl_teacher = F.kl_div(mixture, teacher, reduction="none", log_target=True).sum(-1)
+        kl_student = F.kl_div(mixture, student, reduction="none", log_target=True).sum(-1)
+        trl = b * kl_teacher + (1 - b) * kl_student
+        torch.testing.assert_close(divergence_value(student, teacher, divergence_named(f"js:{b}")), 2 * trl, rtol=1e-12, atol=1e-12)
+    m = (student.exp() + teacher.exp()) / 2
+    jsd = (student.exp() * (student - m.log())).sum(-1) / 2 + (teacher.exp() * (teacher - m.log())).sum(-1) / 2
+    torch.testing.assert_close(divergence_value(student, teacher, divergence_named("js")), 2 * jsd, rtol=1e-12, atol=1e-12)
+    forward = (teacher.exp() * (teacher - student)).sum(-1)
+    reverse = (student.exp() * (student - teacher)).sum(-1)
+    torch.testing.assert_close(divergence_value(student, teacher, divergence_named("js:1e-7")) / 2e-7, forward, rtol=1e-4, atol=0)
+    torch.testing.assert_close(divergence_value(student, teacher, divergence_named("js:0.9999999")) / 2e-7, reverse, rtol=1e-4, atol=0)
+
+
+def test_the_generalised_jsd_optimum_tends_to_the_forward_and_reverse_kl_optima():
+    """D_b / (2 b) -> the forward KL as b -> 0, so js:b at beta 1 / (2 b) is forward_kl's optimum at beta 1 in the limit; D_b /
+    (2 (1 - b)) -> the reverse KL as b -> 1, so js:b at beta 1 / (2 (1 - b)) is pi* ∝ pi_ref exp(r); with a reward of 0 every
+    mixture's optimum is pi_ref; and a 2-response bandit's optimum solved here from f' alone."""
+    ref, rewards = bandit_and_tilted_tables(seed=4)
+    at = lambda spec, beta: divergence_optimal_logprobs(ref, rewards, beta, divergence_named(spec))
+    torch.testing.assert_close(at("js:1e-6", 1 / 2e-6), at("forward_kl", 1.0), rtol=0, atol=1e-4)
+    torch.testing.assert_close(at("js:0.999999", 1 / 2e-6), optimal_logprobs(ref, rewards, 1.0), rtol=0, atol=1e-4)
+    for spec in ("js:0.1", "js:0.9"):
+        torch.testing.assert_close(
+            divergence_optimal_logprobs(ref, torch.zeros_like(rewards), 0.7, divergence_named(spec)), ref, rtol=0, atol=1e-12
+        )
+    # A 2-response bandit, pi_ref = (0.3, 0.7), r = (1, 0), beta 0.5, solved here by a scalar bisection on p = pi*(y_1) of
+    # r_1 - beta f'(p / 0.3) = r_2 - beta f'((1 - p) / 0.7), with f'(u) = 2 (1 - b) log(u / (b + (1 - b) u)) written out.
+    for b in (0.1, 0.5, 0.9):
+        f_prime = lambda u, b=b: 2 * (1 - b) * math.log(u / (b + (1 - b) * u))
+        low, high = 1e-12, 1 - 1e-12
+        for _ in range(200):
+            p = (low + high) / 2
+            low, high = (p, high) if 1 - 0.5 * f_prime(p / 0.3) > -0.5 * f_prime((1 - p) / 0.7) else (low, p)
+        two = torch.tensor([[0.3, 0.7]], dtype=torch.float64).log()
+        optimum = divergence_optimal_logprobs(two, torch.tensor([[1.0, 0.0]], dtype=torch.float64), 0.5, divergence_named(f"js:{b}"))
+        assert float(optimum[0, 0].exp()) == pytest.approx(p, abs=1e-10)
+
+
 def test_chi2_drops_responses_the_kl_keeps_and_names_read_back():
     """chi2's optimum gives probability 0 to a low-reward response (u clipped at 0); the reverse KL's never does;
     ``divergence_label`` writes what ``divergence_named`` reads."""
     ref, rewards = bandit_and_tilted_tables()
     assert (divergence_optimal_logprobs(ref, rewards, 0.3, divergence_named("chi2")) == -math.inf).any()
     assert (divergence_optimal_logprobs(ref, rewards, 0.3, divergence_named("reverse_kl")) > -math.inf).all()
-    for spec in ("chi2", "alpha:0.5", "alpha:-1", "forward_kl"):
+    for spec in ("chi2", "alpha:0.5", "alpha:-1", "forward_kl", "js", "js:0.1"):
         assert divergence_label(divergence_named(spec)) == spec
+    assert divergence_label(divergence_named("js:0.5")) == "js"  # the symmetric one keeps its short name
     with pytest.raises(ConfigError, match=r"^divergence\.alpha must be a number other than 0 and 1"):
         divergence_named("alpha:1")
+    for mixture in (0, 1, 1.5):
+        with pytest.raises(
+            ConfigError, match=r"^divergence\.mixture must be a number in \(0, 1\) \(at 0 use forward_kl, at 1 reverse_kl\)"
+        ):
+            divergence_named(f"js:{mixture}")
 
 
 # ---------------------------------------------------------------------- the loop
@@ -265,12 +328,12 @@ def test_every_divergence_optimum_lies_on_or_below_the_reverse_kl_frontier(tmp_p
 
 
 @pytest.mark.convergence
-@pytest.mark.parametrize("spec", ["js", "chi2"])
+@pytest.mark.parametrize("spec", ["js", "js:0.1", "chi2"])
 def test_ppo_with_a_sequence_level_divergence_reaches_its_own_optimum(spec, capsys):
     """tools/studies/optimum_check.py --divergence on random:1 with each divergence's recipe (beta 1, k1 logged, gae;
     js 150 iterations of 384 responses, chi2 300 of 1536): the trained policy within 0.02 of J*_f, its own divergence's
-    optimum (measured 2026-11-29: js 0.0016, chi2 0.0052; docs/results.md). About 30 s (js) and 4 minutes (chi2) on a
-    2-core CPU at a load of 4."""
+    optimum (measured 2026-11-29: js 0.0016, js:0.1 0.0022, chi2 0.0052; docs/results.md). About 30 s (js) and 4 minutes
+    (chi2) on a 2-core CPU at a load of 4."""
     import optimum_check
 
     optimum_check.main(["--task", "random:1", "--divergence", spec, "--every", "150"])

@@ -9,7 +9,9 @@
 Iterations are numbered by the logged step (a resumed run goes on from where it stopped); with
 several log folders, a step logged in a later folder replaces the same step of an earlier one, unless
 ``--runs`` makes each folder a run of its own (a table each). ``--plot PNG`` draws the KL, beta, the
-response length and the share of responses cut at ``max_new_tokens`` over the iterations, one line per run.
+response length and the share of responses cut at ``max_new_tokens`` over the iterations, one line per run;
+``--plot-tags`` other logged tags instead (configs/distill.yaml's figure: ``--plot-tags objective/kl
+objective/kl_to_initial objective/gold_reward``).
 """
 
 from __future__ import annotations
@@ -69,9 +71,12 @@ def print_table(scalars: dict[str, dict[int, float]], every: int, blocks: int | 
         print(f"{tag}: last {values[-1]:.4f}" + (f", mean {sum(values) / len(values):.4f}" if len(values) > 1 else ""))
 
 
-def plot(runs: dict[str, dict[str, dict[int, float]]], path: str) -> None:
-    """One panel per PLOTTED tag that some run logged, one line per run (labelled by its folder)."""
-    tags = [t for t in PLOTTED if any(t in scalars for scalars in runs.values())]
+def plot(runs: dict[str, dict[str, dict[int, float]]], path: str, tags: tuple[str, ...] = PLOTTED) -> None:
+    """One panel per tag of ``tags`` (PLOTTED by default) that some run logged, one line per run (labelled by its folder)."""
+    missing = [t for t in tags if not any(t in scalars for scalars in runs.values())]
+    if missing and tags != PLOTTED:  # the defaults that a run did not log are left out
+        raise SystemExit(f"--plot-tags: no run logged {', '.join(missing)}")
+    tags = [t for t in tags if any(t in scalars for scalars in runs.values())]
     fig, axes = plt.subplots(len(tags), 1, figsize=(8, 2.2 * len(tags)), sharex=True, squeeze=False)
     for ax, tag in zip(axes[:, 0], tags, strict=True):
         for label, scalars in runs.items():
@@ -95,6 +100,9 @@ def main() -> None:
     )
     parser.add_argument("--runs", action="store_true", help="each log folder is a run of its own, not a resumption of the one before")
     parser.add_argument("--plot", metavar="PNG", help="draw KL, beta, length and the cut share over the iterations, a line per run")
+    parser.add_argument(
+        "--plot-tags", nargs="+", metavar="TAG", help="with --plot: these logged tags instead (objective/kl objective/kl_to_initial ...)"
+    )
     args = parser.parse_args()
     runs = {folder: read_scalars(folder) for folder in args.log_dirs} if args.runs else {args.log_dirs[-1]: read_scalars(args.log_dirs)}
     for folder, scalars in runs.items():
@@ -102,7 +110,7 @@ def main() -> None:
             print(f"== {folder}")
         print_table(scalars, args.every, args.blocks)
     if args.plot:
-        plot(runs, args.plot)
+        plot(runs, args.plot, tuple(args.plot_tags) if args.plot_tags else PLOTTED)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,10 @@ def divergence_named(spec: str) -> Divergence:
 
 
 def divergence_label(divergence: Divergence) -> str:
-    """``chi2``, ``alpha:0.5``: the name :func:`divergence_named` reads back."""
+    """``chi2``, ``alpha:0.5``, ``js:0.1``: the name :func:`divergence_named` reads back (``js`` at its default mixture 1/2)."""
     entry = next(e for e in registry("divergence").entries() if e.cls is type(divergence) and not e.init_args)
-    return ":".join([entry.name, *(f"{v:g}" for v in divergence.init_args.values())])
+    values = divergence.init_args
+    if getattr(divergence, "omit_default_arguments", False):  # js: "js" is the symmetric one, "js:0.1" another mixture
+        defaults = inspect.signature(type(divergence).__init__).parameters
+        values = {k: v for k, v in values.items() if v != defaults[k].default}
+    return ":".join([entry.name, *(f"{v:g}" for v in values.values())])
