@@ -141,7 +141,12 @@ class PromptBudgetBeta(PerPromptBetaController, AdaptiveBeta):
     policy is the maximiser of E r subject to KL_x <= budget_x for every prompt (the betas are its Lagrange
     multipliers). ``horizon`` counts one prompt's responses (default 100: 16 responses a prompt move its beta
     by at most 3.2% an iteration). ``beta``, the beta of a prompt with no entry yet, follows ``adaptive``'s
-    rule on the batch's mean KL toward ``target`` (:class:`~rlhf_lightning.interfaces.PerPromptBetaController`).
+    rule toward ``target`` on the mean KL of the iteration's responses, stepping by the mean responses per prompt
+    (:class:`~rlhf_lightning.interfaces.PerPromptBetaController`), before the prompts move.
+    ``beta_min`` / ``beta_max`` clamp every beta (each prompt's and ``beta``) after each update: anti-windup.
+    beta_x is the controller's integrator, and where the policy cannot follow a lower beta (pi* moves onto
+    responses the sampler does not meet) the rule keeps lowering it while the KL stays below budget; the
+    clamp stops that integration at a bound the user trusts (null: no bound, the rule's own beta > 0).
     The state is every prompt's beta, by prompt id."""
 
     def __init__(
@@ -151,11 +156,15 @@ class PromptBudgetBeta(PerPromptBetaController, AdaptiveBeta):
         horizon: float = 100,
         budget_column: Optional[str] = None,
         decay_after: Optional[int] = None,
+        beta_min: Optional[float] = None,
+        beta_max: Optional[float] = None,
         unit: KLUnit = "sequence_sum",
     ) -> None:
         super().__init__(init_beta, target, horizon, unit)
         require_number("beta_controller.decay_after", decay_after, integer=True, at_least=1, optional=True)
-        self.decay_after = decay_after
+        require_number("beta_controller.beta_min", beta_min, above=0, at_most=init_beta, optional=True)
+        require_number("beta_controller.beta_max", beta_max, at_least=max(init_beta, beta_min or 0.0), optional=True)
+        self.decay_after, self.beta_min, self.beta_max = decay_after, beta_min, beta_max
         require(
             budget_column is None or (isinstance(budget_column, str) and bool(budget_column.strip())),
             "beta_controller.budget_column",
@@ -177,12 +186,27 @@ class PromptBudgetBeta(PerPromptBetaController, AdaptiveBeta):
         return torch.tensor([self.betas.get(i, self.beta) for i in prompt_ids], dtype=torch.float64)
 
     def update_prompts(self, prompt_ids: Sequence[str], observed_kls: Tensor, n_samples: Tensor) -> None:
+        # beta first (adaptive's rule on the responses' mean KL, stepping by the prompts' mean count of responses,
+        # the unit of ``horizon``), so that a prompt met for the first time starts from it
+        steps, kls = n_samples.double(), observed_kls.double()
+        self.beta = self.clamp(
+            self.beta * float(proportional_factor(float((kls * steps).sum() / steps.sum()), self.target, float(steps.mean()), self.horizon))
+        )
         self.updates.update({i: self.updates.get(i, 0) + 1 for i in prompt_ids})
-        steps = n_samples.double()
         if self.decay_after is not None:  # the k-th update past the T-th: T / k of the step
             steps = steps * (self.decay_after / torch.tensor([self.updates[i] for i in prompt_ids], dtype=torch.float64)).clamp(max=1.0)
-        factor = proportional_factor(observed_kls.double(), self.budgets_of(prompt_ids), steps, self.horizon)
-        self.betas.update(zip(prompt_ids, (self.betas_of(prompt_ids) * factor).tolist(), strict=True))
+        factor = proportional_factor(kls, self.budgets_of(prompt_ids), steps, self.horizon)
+        betas = (self.betas_of(prompt_ids) * factor).tolist()
+        self.betas.update(zip(prompt_ids, map(self.clamp, betas), strict=True))
+
+    def update(self, observed_kl: float, n_samples: int) -> float:
+        """Nothing: ``beta`` moves in :meth:`update_prompts`, whose step counts responses per prompt (``horizon``'s
+        unit; the batch's count here would step it by as many times more, and below 0 for a small horizon)."""
+        return self.beta
+
+    def clamp(self, beta: float) -> float:
+        """beta within [beta_min, beta_max], each bound only where set."""
+        return min(max(beta, self.beta_min or 0.0), math.inf if self.beta_max is None else self.beta_max)
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "betas": dict(self.betas), "updates": dict(self.updates)}

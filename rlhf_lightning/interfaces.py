@@ -220,8 +220,9 @@ class PerPromptBetaController(BetaController):
     value, else a hash of the text), so the table survives reshuffling, a changed batch size and a changed
     world size. ``budget_column`` names the prompt file's column of per-prompt budgets (in ``unit``); without
     it every prompt's budget is ``target``. ``beta`` is the beta of a prompt with no entry yet (never seen,
-    or held out: validation), moved by :meth:`update` from the batch's mean KL toward ``target``, so that a
-    prompt first met late in a run starts from the population's beta rather than from ``init_beta``.
+    or held out: validation), moved from the iteration's mean KL toward ``target`` (by :meth:`update`, or by
+    :meth:`update_prompts` where the step counts one prompt's responses), so that a prompt first met late in a
+    run starts from the population's beta rather than from ``init_beta``.
     The module feeds :meth:`update_prompts` the KL of every prompt of the iteration, summed over all ranks,
     so every rank holds the same table."""
 

@@ -27,43 +27,70 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_da
 def test_each_prompt_moves_by_its_own_kl_toward_its_own_budget_and_unseen_prompts_keep_their_beta():
     ctrl = PromptBudgetBeta(init_beta=0.1, target=2.0, horizon=100)
     ctrl.set_budgets({"a": 1.0, "b": 4.0})  # "c" has no budget: target 2.0
-    # iteration 1: a sees KL 1.1 over 10 responses: error 1.1 / 1 - 1 = 0.1 -> 0.1 * (1 + 0.1 * 10 / 100) = 0.101
-    #              b sees KL 1.0 over 20: 1 / 4 - 1 = -0.75, clipped to -0.2 -> 0.1 * (1 - 0.2 * 20 / 100) = 0.096
+    # iteration 1: first beta, the population's: the responses' mean KL (1.1 * 10 + 1.0 * 20) / 30 = 1.0333 against
+    #              target 2: error -0.483, clipped to -0.2, over the mean 15 responses a prompt: 0.1 * (1 - 0.03) = 0.097;
+    #              then a (new: from 0.097) sees KL 1.1 over 10: 1.1 / 1 - 1 = 0.1 -> 0.097 * (1 + 0.1 * 10 / 100) = 0.09797
+    #              b sees KL 1.0 over 20: 1 / 4 - 1 = -0.75, clipped to -0.2 -> 0.097 * (1 - 0.2 * 20 / 100) = 0.09312
     ctrl.update_prompts(["a", "b"], torch.tensor([1.1, 1.0], dtype=torch.float64), torch.tensor([10, 20]))
-    assert ctrl.betas == pytest.approx({"a": 0.101, "b": 0.096}, rel=1e-12)
-    # iteration 2: only c (budget = target 2): KL 5 -> +0.2 over 50: 0.1 * 1.1 = 0.11; a and b unchanged
+    assert ctrl.beta == pytest.approx(0.097, rel=1e-12)
+    assert ctrl.betas == pytest.approx({"a": 0.09797, "b": 0.09312}, rel=1e-12)
+    # iteration 2: only c (budget = target 2): KL 5 -> +0.2 over 50: beta 0.097 * 1.1 = 0.1067, c from it: 0.11737
     ctrl.update_prompts(["c"], torch.tensor([5.0]), torch.tensor([50]))
-    assert ctrl.betas == pytest.approx({"a": 0.101, "b": 0.096, "c": 0.11}, rel=1e-12)
-    # iteration 3: a at its budget exactly: no move; b at 3.6 = 0.9 budget: 0.096 * (1 - 0.1 * 20 / 100) = 0.09408
+    assert ctrl.betas == pytest.approx({"a": 0.09797, "b": 0.09312, "c": 0.11737}, rel=1e-12)
+    # iteration 3: mean KL (10 + 72) / 30 = 2.733: +0.2 over 15: beta 0.1067 * 1.03 = 0.109901;
+    #              a at its budget exactly: no move; b at 3.6 = 0.9 budget: 0.09312 * (1 - 0.1 * 20 / 100) = 0.0912576
     ctrl.update_prompts(["a", "b"], torch.tensor([1.0, 3.6], dtype=torch.float64), torch.tensor([10, 20]))
-    assert ctrl.betas == pytest.approx({"a": 0.101, "b": 0.09408, "c": 0.11}, rel=1e-12)
-    assert ctrl.betas_of(["b", "never"]).tolist() == pytest.approx([0.09408, 0.1], rel=1e-12)  # an unseen prompt: beta
+    assert ctrl.betas == pytest.approx({"a": 0.09797, "b": 0.0912576, "c": 0.11737}, rel=1e-12)
+    assert ctrl.betas_of(["b", "never"]).tolist() == pytest.approx([0.0912576, 0.109901], rel=1e-12)  # an unseen prompt: beta
     assert ctrl.budgets_of(["a", "c"]).tolist() == [1.0, 2.0]
+
+
+def test_beta_min_and_beta_max_clamp_every_beta_and_are_checked():
+    """Anti-windup: a prompt whose KL stays below budget lowers its beta every update; beta_min stops it there."""
+    ctrl = PromptBudgetBeta(init_beta=0.1, target=1.0, horizon=10, beta_min=0.09, beta_max=0.11)
+    # KL 0 over 10 (error -1, clipped to -0.2): beta 0.1 * (1 - 0.2) = 0.08 -> 0.09; a from it: 0.09 * 0.8 -> 0.09;
+    # KL 5 over 10 for b: beta 0.09 * 1.2 = 0.108 (within the bounds), b from it 0.1296 -> 0.11
+    ctrl.update_prompts(["a"], torch.tensor([0.0]), torch.tensor([10]))
+    assert (ctrl.beta, ctrl.betas) == (pytest.approx(0.09, rel=1e-12), pytest.approx({"a": 0.09}, rel=1e-12))
+    ctrl.update_prompts(["b"], torch.tensor([5.0]), torch.tensor([10]))
+    assert (ctrl.beta, ctrl.betas["b"]) == (pytest.approx(0.108, rel=1e-12), pytest.approx(0.11, rel=1e-12))
+    # a small horizon no longer drives beta below 0: 16 responses of 16 prompts step it by 0.2 * 1 / 2, not 16 / 2
+    small = PromptBudgetBeta(init_beta=0.1, target=2.0, horizon=2)
+    small.update_prompts([f"p{i}" for i in range(16)], torch.zeros(16), torch.ones(16, dtype=torch.long))
+    assert small.beta == pytest.approx(0.09, rel=1e-12) and list(small.betas.values()) == pytest.approx([0.081] * 16, rel=1e-12)
+    for kwargs, field in (({"beta_min": 0.2}, "beta_min"), ({"beta_min": 0.0}, "beta_min"), ({"beta_max": 0.05}, "beta_max")):
+        with pytest.raises(ConfigError, match=f"beta_controller.{field}"):
+            PromptBudgetBeta(init_beta=0.1, **kwargs)
 
 
 def test_decay_after_shortens_a_prompts_steps_as_one_over_its_updates():
     ctrl = PromptBudgetBeta(init_beta=0.1, target=1.0, horizon=100, decay_after=2)
     kl, n = torch.tensor([2.0], dtype=torch.float64), torch.tensor([10])
-    # updates 1 and 2 at the full step (error clipped to 0.2): 0.1 * 1.02 = 0.102, 0.102 * 1.02 = 0.10404;
-    # update 3 at 2/3 of it: 1 + 0.2 * 10 * (2 / 3) / 100 = 1.013333: 0.10404 * 1.013333 = 0.1054272
+    # update 1: beta 0.1 * 1.02 = 0.102 (the error clipped to 0.2), a new prompt from it: 0.102 * 1.02 = 0.10404;
+    # update 2 at the full step: 0.10404 * 1.02 = 0.1061208; update 3 at 2/3 of it: 1 + 0.2 * 10 * (2 / 3) / 100
+    # = 1.013333: 0.1061208 * 1.013333 = 0.107535744 (beta, of no prompt, is not decayed)
     betas = []
     for _ in range(3):
         ctrl.update_prompts(["a"], kl, n)
         betas.append(ctrl.betas["a"])
-    assert betas == pytest.approx([0.102, 0.10404, 0.1054272], rel=1e-12)
+    assert betas == pytest.approx([0.10404, 0.1061208, 0.107535744], rel=1e-12)
     assert ctrl.updates == {"a": 3} and ctrl.state_dict()["updates"] == {"a": 3}
 
 
-def test_the_starting_beta_of_unseen_prompts_follows_adaptive_on_the_batch_mean():
-    """``beta`` (a prompt with no entry yet) moves by adaptive's rule toward target; adaptive's own sequence is
-    unchanged by the shared step (proportional_factor)."""
-    per_prompt, adaptive = PromptBudgetBeta(init_beta=0.1, target=2.0, horizon=100), registry("beta_controller").create("adaptive")
-    adaptive.__init__(init_beta=0.1, target=2.0, horizon=100)
-    # KL 3 over 50: error 0.5 clipped to 0.2: 0.1 * 1.1 = 0.11; KL 1.9: -0.05 * 0.5 -> 0.11 * 0.975 = 0.10725
-    for kl in (3.0, 1.9):
-        assert per_prompt.update(kl, 50) == adaptive.update(kl, 50)
-    assert per_prompt.beta == pytest.approx(0.10725, rel=1e-12) and per_prompt.betas == {}
+def test_the_starting_beta_of_unseen_prompts_follows_adaptive_on_the_responses_mean_kl_per_prompt():
+    """``beta`` (a prompt with no entry yet) moves by adaptive's rule (proportional_factor) toward target, on the
+    mean KL of the iteration's responses and a step of the mean responses per prompt; ``update`` leaves it."""
+    per_prompt = PromptBudgetBeta(init_beta=0.1, target=2.0, horizon=100)
+    assert per_prompt.update(3.0, 50) == 0.1 and per_prompt.beta == 0.1  # the module's call: nothing moves here
+    # KLs 3 and 4 over 20 and 30: mean 3.6, error 0.8 clipped to 0.2, 25 a prompt: 0.1 * 1.05 = 0.105;
+    # then 1.9 over 50: -0.05 * 0.5 -> 0.105 * 0.975 = 0.102375
+    per_prompt.update_prompts(["x", "y"], torch.tensor([3.0, 4.0]), torch.tensor([20, 30]))
+    per_prompt.update_prompts(["z"], torch.tensor([1.9], dtype=torch.float64), torch.tensor([50]))
+    assert per_prompt.beta == pytest.approx(0.102375, rel=1e-12) and "new" not in per_prompt.betas
     assert per_prompt.betas_of(["new"]).tolist() == [per_prompt.beta]
+    adaptive = registry("beta_controller").create("adaptive")
+    adaptive.__init__(init_beta=0.1, target=2.0, horizon=100)
+    assert [adaptive.update(kl, n) for kl, n in ((3.6, 25), (1.9, 50))] == pytest.approx([0.105, 0.102375], rel=1e-12)
 
 
 def test_state_round_trip_gives_identical_betas_and_identical_updates():

@@ -143,3 +143,32 @@ def test_summarize_run_prints_and_plots_two_runs_side_by_side(tmp_path):
     assert re.search(r"0-1\s+0\.5000\s+10\.5000", short) and re.search(r"2-3\s+2\.5000\s+12\.5000", short), short
     assert re.search(r"2-3\s+2\.5000\s+22\.5000", long), long
     assert png.stat().st_size > 10_000
+
+
+def test_summarize_run_histograms_prints_each_iterations_exact_spread_and_draws_it(tmp_path):
+    """tools/summarize_run.py --histograms: per iteration the mean, std, min and max of the prompts/kl histogram's values
+    (exact, from its moments: values 1, 2, 3, 6 have mean 3, std sqrt(3.5) = 1.8708), and one PNG for two runs."""
+    import subprocess
+    import sys
+
+    import torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    for name, scale in (("one_beta", 1.0), ("budgets", 0.5)):
+        with SummaryWriter(tmp_path / name) as writer:
+            for step in range(3):
+                writer.add_histogram("prompts/kl", torch.tensor([1.0, 2.0, 3.0, 6.0]) * scale, step)
+    png = tmp_path / "spread.png"
+    script = Path(__file__).parents[1] / "tools" / "summarize_run.py"
+    argv = [sys.executable, str(script), str(tmp_path / "one_beta"), str(tmp_path / "budgets"), "--histograms", str(png)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600).stdout
+    one_beta, budgets = out.split(f"== {tmp_path / 'budgets'}")
+    assert re.search(r"\n\s+2\s+3\.0000\s+1\.8708\s+1\.0000\s+6\.0000", one_beta), one_beta
+    assert re.search(r"\n\s+2\s+1\.5000\s+0\.9354\s+0\.5000\s+3\.0000", budgets), budgets
+    assert png.stat().st_size > 10_000
+    missing = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "one_beta"), "--histograms", str(png), "--tag", "prompts/beta"],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2 and "no histogram prompts/beta" in missing.stderr

@@ -4,6 +4,7 @@
     python tools/summarize_run.py lightning_logs/quickstart/version_0 --blocks 5   # means over blocks of 5 iterations
     python tools/summarize_run.py lightning_logs/tiny/version_0 lightning_logs/tiny/version_1   # a run and its resumption
     python tools/summarize_run.py runs/a/version_0 runs/b/version_0 --runs --plot ab.png   # two runs, side by side
+    python tools/summarize_run.py runs/a/version_0 runs/b/version_0 --runs --histograms spread.png   # per-prompt KL spread
 
 
 Iterations are numbered by the logged step (a resumed run goes on from where it stopped); with
@@ -12,6 +13,10 @@ several log folders, a step logged in a later folder replaces the same step of a
 response length and the share of responses cut at ``max_new_tokens`` over the iterations, one line per run;
 ``--plot-tags`` other logged tags instead (configs/distill.yaml's figure: ``--plot-tags objective/kl
 objective/kl_to_initial objective/gold_reward``).
+``--histograms PNG`` reads the histogram ``prompts/kl`` (each prompt's KL in the iteration, logged with a prompt
+file: docs/metrics.md), prints its spread per iteration (mean, std, min, max: exact, from the histogram's
+moments) and draws it over the iterations with, beside it, the histogram pooled over the last ``--last``
+iterations, one colour per run: the spread one beta leaves between prompts, and what per-prompt budgets make of it.
 """
 
 from __future__ import annotations
@@ -91,6 +96,57 @@ def plot(runs: dict[str, dict[str, dict[int, float]]], path: str, tags: tuple[st
     print(f"wrote {path}")
 
 
+def read_histograms(log_dir: str, tag: str) -> list:
+    """The HistogramEvents of ``tag`` in ``log_dir``, in step order (empty where the run logged none)."""
+    events = EventAccumulator(log_dir, size_guidance={"histograms": 0})
+    events.Reload()
+    return sorted(events.Histograms(tag), key=lambda e: e.step) if tag in events.Tags()["histograms"] else []
+
+
+def histogram_spread(histo) -> tuple[float, float, float, float]:
+    """(mean, std, min, max) of the values of one TensorBoard histogram, exact from its stored moments."""
+    mean = histo.sum / histo.num
+    return mean, max(histo.sum_squares / histo.num - mean**2, 0.0) ** 0.5, histo.min, histo.max
+
+
+def plot_histograms(runs: dict[str, list], path: str, tag: str, last: int) -> None:
+    """Left: each run's spread of ``tag`` per iteration (mean, +-std, min-max); right: its histogram pooled over the last iterations."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, events) in enumerate(runs.items()):
+        color = colors[i % len(colors)]
+        steps = [e.step for e in events]
+        mean, std, low, high = zip(*(histogram_spread(e.histogram_value) for e in events), strict=True)
+        left.plot(steps, mean, color=color, label=label, linewidth=1.4)
+        left.fill_between(
+            steps, [m - s for m, s in zip(mean, std, strict=True)], [m + s for m, s in zip(mean, std, strict=True)], color=color, alpha=0.25
+        )
+        left.fill_between(steps, low, high, color=color, alpha=0.08)
+        counts: dict[float, float] = {}
+        for event in events[-last:]:
+            h = event.histogram_value
+            for limit, count in zip(h.bucket_limit, h.bucket, strict=True):
+                counts[limit] = counts.get(limit, 0.0) + count
+        pooled = sorted((limit, count) for limit, count in counts.items() if count)
+        values = [v for limit, count in pooled for v in [limit] * round(count)]
+        right.hist(values, bins=20, color=color, alpha=0.5, label=f"{label} (last {min(last, len(events))} iterations)")
+    left.set(xlabel="PPO iteration", ylabel=f"{tag}: mean, +-std, min-max")
+    right.set(xlabel=f"{tag} (bucket upper limits)", ylabel="prompt-iterations")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def print_histograms(runs: dict[str, list], tag: str) -> None:
+    for folder, events in runs.items():
+        print(f"== {folder}: {tag} over the iteration's prompts\niter      mean       std       min       max")
+        for event in events:
+            print(f"{event.step:>4}  " + "  ".join(f"{v:>8.4f}" for v in histogram_spread(event.histogram_value)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log_dirs", nargs="+", metavar="log_dir", type=log_folder)
@@ -103,7 +159,22 @@ def main() -> None:
     parser.add_argument(
         "--plot-tags", nargs="+", metavar="TAG", help="with --plot: these logged tags instead (objective/kl objective/kl_to_initial ...)"
     )
+    parser.add_argument("--histograms", metavar="PNG", help="print and draw the spread of the per-prompt histogram --tag, a colour per run")
+    parser.add_argument(
+        "--tag", default="prompts/kl", help="the histogram of --histograms (default prompts/kl; prompts/beta, prompts/kl_over_budget)"
+    )
+    parser.add_argument(
+        "--last", type=option_number(integer=True, at_least=1), default=5, help="--histograms pools the last n iterations (default 5)"
+    )
     args = parser.parse_args()
+    if args.histograms:
+        histograms = {folder: read_histograms(folder, args.tag) for folder in args.log_dirs}
+        missing = [folder for folder, events in histograms.items() if not events]
+        if missing:
+            parser.error(f"--histograms: no histogram {args.tag} in {', '.join(missing)} (logged with a prompt file: docs/metrics.md)")
+        print_histograms(histograms, args.tag)
+        plot_histograms(histograms, args.histograms, args.tag, args.last)
+        return
     runs = {folder: read_scalars(folder) for folder in args.log_dirs} if args.runs else {args.log_dirs[-1]: read_scalars(args.log_dirs)}
     for folder, scalars in runs.items():
         if args.runs:

@@ -116,7 +116,7 @@ pi_old / pi_sampler.
 
 ``--kl-budgets B1 B2 ...`` (one per task prompt, nats per response) trains with the ``per_prompt`` controller
 (one beta per prompt, each held to its own budget; it starts at ``--beta``, steps with ``--budget-horizon`` and
-``--budget-decay-after``) instead of a fixed beta; every distance is then to the per-prompt optimum, each
+``--budget-decay-after``, clamped to ``--budget-beta-min`` / ``--budget-beta-max``) instead of a fixed beta; every distance is then to the per-prompt optimum, each
 prompt's pi*(.|x) ∝ pi_ref exp(r / beta_x) at its current beta_x, and a last line reads
 
     BUDGET task=<task> seed=<seed> gap=<gap to that optimum> kl_max_rel_error=<max_x |KL_x(pi) / budget_x - 1|>
@@ -364,13 +364,23 @@ def add_budget_args(parser: argparse.ArgumentParser) -> None:
         default=100,
         help="the per_prompt controller's decay_after: a prompt's steps shrink as 1/k after its first N updates (default 100)",
     )
+    group.add_argument(
+        "--budget-beta-min", type=option_number(above=0), help="the per_prompt controller's beta_min, its anti-windup clamp (default none)"
+    )
+    group.add_argument("--budget-beta-max", type=option_number(above=0), help="the per_prompt controller's beta_max (default none)")
 
 
 def budget_settings(args: argparse.Namespace, settings: dict) -> dict:
     """train() arguments for --kl-budgets: the per_prompt controller from ``--beta`` and the task's budgets."""
     if args.kl_budgets is None:
         return {}
-    controller = PromptBudgetBeta(settings["beta"], horizon=args.budget_horizon, decay_after=args.budget_decay_after)
+    controller = PromptBudgetBeta(
+        settings["beta"],
+        horizon=args.budget_horizon,
+        decay_after=args.budget_decay_after,
+        beta_min=args.budget_beta_min,
+        beta_max=args.budget_beta_max,
+    )
     return {"beta_controller": controller, "kl_budgets": args.kl_budgets}
 
 
