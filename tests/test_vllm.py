@@ -13,11 +13,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
+from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.interfaces import ConfigError
 from rlhf_lightning_plugins.reference_updates import Sync
 from rlhf_lightning_plugins.rollout_engines import VLLMEngine
 
-from helpers import declared_optimum_run, fit, make_module
+from helpers import declared_optimum_run, fit, make_module, save_tiny_teacher
 
 pytestmark = pytest.mark.vllm
 
@@ -173,3 +174,28 @@ def test_training_with_vllm_reaches_the_declared_optimum_with_the_correction():
     last, kept = declared_optimum_run(rollout_engine=small_engine(), old_logprobs="forward", rollout_correction="tis", top_p=0.9)
     assert last["gap"] <= 0.02
     assert 2 <= kept["responses"] < 27 and kept["optimum_top_prob"] < 0.8 and last["optimum_kl_to_ref"] > 0.05
+
+
+def test_with_a_foreign_reference_the_engine_serves_the_policy_and_the_teacher_scores_log_pi_ref(tmp_path):
+    """``model.reference`` another model (a teacher) with the vllm engine: the engine samples and scores the
+    policy only (its log-probs the trainer's, fp32 rounding), log pi_ref are the teacher's own from a plain
+    transformers forward, and the KL is taken between the two, before and after a trained iteration."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = save_tiny_teacher(tmp_path / "teacher")
+    module = vllm_module(reference=teacher, temperature=1.0, top_p=1.0)  # the raw distributions: the teacher's log-softmax
+    teacher_model = AutoModelForCausalLM.from_pretrained(teacher)
+    for trained in (False, True):
+        if trained:  # an update, then a sync at the next rollout: the engine follows the policy, not the teacher
+            fit(module, tmp_path / "run", iterations=1, batch_size=4)
+        rollout = module.rollout(PROMPTS * 2)
+        mask = rollout.response_mask
+        assert max_diff(rollout) < FP32_ROUNDING and module.rollout_engine.syncs == int(trained)
+        with torch.no_grad():
+            length = rollout.responses.shape[1]
+            logits = teacher_model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits[:, -length - 1 : -1]
+        teacher_logprobs = pm.logprobs_of(logits.float(), rollout.responses) * mask
+        assert torch.allclose(rollout.ref_logprobs * mask, teacher_logprobs, atol=1e-4)
+        assert float(((rollout.sampler_logprobs - teacher_logprobs) * mask).abs().max()) > 0.1  # the engine is not the teacher
+        kl = module.kl_per_token(rollout)
+        assert torch.allclose(kl, (rollout.old_logprobs - teacher_logprobs) * mask, atol=1e-4)
