@@ -122,6 +122,29 @@ GLOBAL_BATCH = 8
 COMPARED = ("objective/reward", "objective/kl", "objective/kl_max", "objective/beta", "objective/entropy", "response/length", "value/loss")
 
 
+def global_batch_run(root, devices: int, *extra: str) -> dict[str, list[float]]:
+    """configs/tiny.yaml for 4 greedy iterations on ``devices`` processes (DDP above one) sharing
+    :data:`GLOBAL_BATCH` prompts, one minibatch (with more, one process and two draw differently composed
+    minibatches) and a reward the greedy answers earn from the start (so the policy really moves): each
+    logged tag's values by iteration, to compare one process with two."""
+    from summarize_run import read_scalars
+
+    result = run_cli(
+        root,
+        f"--trainer.devices={devices}",
+        "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
+        f"--data.batch_size={GLOBAL_BATCH // devices}",
+        "--trainer.limit_train_batches=4",
+        "--model.sampling.do_sample=false",
+        "--model.ppo.num_minibatches=1",
+        "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
+        *extra,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    scalars = read_scalars(str(root / "lightning_logs" / "tiny" / "version_0"))
+    return {tag: list(by_step.values()) for tag, by_step in scalars.items()}
+
+
 def betas_by_iteration(lines: list[str]) -> dict[int, dict[int, float]]:
     """``{iteration: {rank: beta}}`` from the lines fault_callbacks.RecordBeta writes."""
     betas = {}

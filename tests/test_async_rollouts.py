@@ -260,27 +260,12 @@ def test_two_process_ddp_samples_ahead_on_every_rank_and_checkpoints_each_ranks_
     state (gathered from both)."""
     import math
 
-    from helpers import GLOBAL_BATCH, run_cli
-    from summarize_run import read_scalars
+    from helpers import global_batch_run
 
     runs = {}
     for devices in (1, 2):
         root = tmp_path / str(devices)
-        result = run_cli(
-            root,
-            f"--trainer.devices={devices}",
-            "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
-            f"--data.batch_size={GLOBAL_BATCH // devices}",
-            "--trainer.limit_train_batches=4",
-            "--model.sampling.do_sample=false",
-            "--model.ppo.num_minibatches=1",
-            "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
-            "--model.sampling.old_logprobs=forward",
-            "--model.off_policy.max_staleness=1",
-        )
-        assert result.returncode == 0, result.stderr[-4000:]
-        scalars = read_scalars(str(root / "lightning_logs" / "tiny" / "version_0"))
-        runs[devices] = {tag: list(by_step.values()) for tag, by_step in scalars.items()}
+        runs[devices] = global_batch_run(root, devices, "--model.sampling.old_logprobs=forward", "--model.off_policy.max_staleness=1")
         last = torch.load(root / "lightning_logs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
         ranks = last["rlhf_lightning"]["async_rollouts"]
         # written at the epoch's end: no batch in flight (the next epoch's prompts are not read yet), and version 3,

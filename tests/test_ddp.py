@@ -7,30 +7,15 @@ import math
 
 import pytest
 
-from helpers import COMPARED, GLOBAL_BATCH, betas_by_iteration, run_cli, save_tiny_teacher
+from helpers import COMPARED, betas_by_iteration, global_batch_run, save_tiny_teacher
 
 
 def run(root, devices: int, *extra: str):
-    from summarize_run import read_scalars
-
-    result = run_cli(
-        root,
-        f"--trainer.devices={devices}",
-        "--trainer.strategy=ddp" if devices > 1 else "--trainer.strategy=auto",
-        f"--data.batch_size={GLOBAL_BATCH // devices}",
-        "--trainer.limit_train_batches=4",
-        "--model.sampling.do_sample=false",
-        # One minibatch: with more, one process and two draw differently composed minibatches.
-        # A reward the greedy answers earn from the start, so the policy really moves.
-        "--model.ppo.num_minibatches=1",
-        "--model.reward_model.init_args.kwargs.chars=etaoinshrdlu",
-        "--trainer.callbacks+=fault_callbacks.RecordBeta",
-        f"--trainer.callbacks.path={root / 'beta.txt'}",
-        *extra,
+    """:func:`helpers.global_batch_run` with each rank's beta per iteration recorded."""
+    scalars = global_batch_run(
+        root, devices, "--trainer.callbacks+=fault_callbacks.RecordBeta", f"--trainer.callbacks.path={root / 'beta.txt'}", *extra
     )
-    assert result.returncode == 0, result.stderr[-4000:]
-    scalars = read_scalars(str(root / "lightning_logs" / "tiny" / "version_0"))
-    return {tag: list(by_step.values()) for tag, by_step in scalars.items()}, (root / "beta.txt").read_text().split("\n")
+    return scalars, (root / "beta.txt").read_text().split("\n")
 
 
 @pytest.mark.convergence
