@@ -138,6 +138,7 @@ class AsyncRollouts:
         self.jobs: dict[int, Any] = {}  # iteration -> Future (or _Done) of its Drawn
         self._queue: Optional[queue.Queue] = None  # the worker's jobs, once it runs
         self._thread: Optional[threading.Thread] = None
+        self._hung = False  # the sampler missed sampler_timeout_s: close() does not wait for it
         self.handed_ahead = 0  # batches handed to the sampler before their iteration (read ahead)
 
     def setup(self, trainer) -> None:
@@ -209,6 +210,7 @@ class AsyncRollouts:
         try:
             return job.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
+            self._hung = True
             raise SamplerError(
                 f"model.off_policy.sampler_timeout_s {self.timeout_s}: the sampler drew no batch for iteration {iteration} in that time "
                 f"(model.off_policy.max_staleness {self.k}); raise the timeout if sampling one batch takes longer"
@@ -230,15 +232,16 @@ class AsyncRollouts:
         for version in [v for v in self.versions if v not in needed]:
             del self.versions[version]
 
-    def close(self, wait: bool = False) -> None:
-        """Stop the worker after its job in flight, dropping the batches not yet drawn (the end of fit); with
-        ``wait``, until it has stopped."""
+    def close(self) -> None:
+        """Stop the worker after its job in flight, dropping the batches not yet drawn (the end of fit), and wait
+        for it (at most ``sampler_timeout_s``; not for a sampler already found hung): a thread still running torch
+        at the interpreter's exit aborts the process ("terminate called without an active exception")."""
         for job in self.jobs.values():
             job.cancel()
         if self._queue is not None:
             self._queue.put(None)
-            if wait:
-                self._thread.join()
+            if not self._hung:
+                self._thread.join(self.timeout_s)
             self._queue = self._thread = None
         self.jobs.clear()
 
