@@ -182,12 +182,6 @@ class PPORLHF(LightningModule):
         self.async_rollouts = AsyncRollouts(self) if self.off_policy.max_staleness else None
 
     # ------------------------------------------------------------------ setup
-    def configure_callbacks(self) -> list:
-        return [TensorBoardViews(self.runtime.log_samples_every_n_steps, self.runtime.num_logged_samples)]
-
-    def on_fit_start(self) -> None:
-        self._setup_reward_models()
-
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Lightning logs, at each step, every step value it still holds from earlier steps: a skipped
         # iteration would repeat the previous one's metrics at its own step (tests/test_faults.py).
@@ -248,6 +242,12 @@ class PPORLHF(LightningModule):
     def teardown(self, stage: str) -> None:
         if self.async_rollouts is not None:
             self.async_rollouts.close()
+
+    def configure_callbacks(self) -> list:
+        return [TensorBoardViews(self.runtime.log_samples_every_n_steps, self.runtime.num_logged_samples)]
+
+    def on_fit_start(self) -> None:
+        self._setup_reward_models()
 
     def _setup_reward_models(self) -> None:
         self.reward_model.setup(self.device)
