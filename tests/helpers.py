@@ -24,6 +24,7 @@ from rlhf_lightning import args
 from rlhf_lightning.cpu import CPUSettings, apply_cpu_settings
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.ppo_math import logprobs_of
 from rlhf_lightning_plugins.rewards.function import CallableReward
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,6 +161,14 @@ def char_reward(chars: str = "e") -> CallableReward:
 
 TEACHER_SEED = 7  # a teacher for model.reference: the tiny model from another seed than the policy's 0
 SHARPEN = 30.0  # the teacher's output layer times this: peaked, tens of nats per response from the near-uniform student
+
+
+def response_logprobs(model, rollout) -> torch.Tensor:
+    """log p(y_t) of each response token under ``model``, by a plain forward over the whole sequences: (batch, response_len)."""
+    response_len = rollout.responses.shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits[:, -response_len - 1 : -1]
+    return logprobs_of(logits.float(), rollout.responses) * rollout.response_mask
 
 
 def save_tiny_teacher(folder, seed: int = TEACHER_SEED, tokenizer=None) -> str:

@@ -9,27 +9,18 @@ import pytest
 import torch
 
 from rlhf_lightning import checkpoints
-from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.models import char_tokenizer, load_causal_lm, model_fingerprint, tokenizer_difference
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 from rlhf_lightning_plugins.rewards.function import CallableReward
 
-from helpers import CONFIGS, TEACHER_SEED, cli, fit, make_module, run_cli, save_tiny_teacher
+from helpers import CONFIGS, TEACHER_SEED, cli, fit, make_module, response_logprobs, run_cli, save_tiny_teacher
 
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory):
     return save_tiny_teacher(tmp_path_factory.mktemp("teacher"))
-
-
-def response_logprobs(model, rollout):
-    """log p(y_t) of each response token under ``model``, by a plain forward over the whole sequences: (batch, response_len)."""
-    response_len = rollout.responses.shape[1]
-    with torch.no_grad():
-        logits = model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits[:, -response_len - 1 : -1]
-    return pm.logprobs_of(logits.float(), rollout.responses) * rollout.response_mask
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])

@@ -13,12 +13,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.interfaces import ConfigError
 from rlhf_lightning_plugins.reference_updates import Sync
 from rlhf_lightning_plugins.rollout_engines import VLLMEngine
 
-from helpers import declared_optimum_run, fit, make_module, save_tiny_teacher
+from helpers import declared_optimum_run, fit, make_module, response_logprobs, save_tiny_teacher
 
 pytestmark = pytest.mark.vllm
 
@@ -191,10 +190,7 @@ def test_with_a_foreign_reference_the_engine_serves_the_policy_and_the_teacher_s
         rollout = module.rollout(PROMPTS * 2)
         mask = rollout.response_mask
         assert max_diff(rollout) < FP32_ROUNDING and module.rollout_engine.syncs == int(trained)
-        with torch.no_grad():
-            length = rollout.responses.shape[1]
-            logits = teacher_model(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask).logits[:, -length - 1 : -1]
-        teacher_logprobs = pm.logprobs_of(logits.float(), rollout.responses) * mask
+        teacher_logprobs = response_logprobs(teacher_model, rollout)
         assert torch.allclose(rollout.ref_logprobs * mask, teacher_logprobs, atol=1e-4)
         assert float(((rollout.sampler_logprobs - teacher_logprobs) * mask).abs().max()) > 0.1  # the engine is not the teacher
         kl = module.kl_per_token(rollout)
