@@ -300,6 +300,14 @@ class OffPolicyArgs:
     correction_cap: float = 5.0
     """The weights are truncated at this (>= 1): min(w, cap). Exact where no weight exceeds it
     (``off_policy/clipped_fraction`` reads how often one does); a higher cap, less bias and more variance."""
+    score_in_sampler: bool = True
+    """The sampler also scores each batch it draws, in its thread: the reference's log-probs and the reward
+    (``timing/sampler_score_s``), so the trainer runs only what needs the current weights (log pi_prox, the
+    critic, the update). The same numbers as scoring in the trainer: the reward and a frozen reference do not
+    change while a batch waits. A reference that moves (``model.reference_update``) and an engine that returns
+    no logits while the sampling truncates (its kept set is then the trainer's) keep the reference's pass in
+    the trainer; false: everything after the draw in the trainer. The reward model is then called from the
+    sampler's thread (every built-in one may be)."""
 
     def __post_init__(self) -> None:
         f = "model.off_policy."

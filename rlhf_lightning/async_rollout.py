@@ -11,10 +11,11 @@ prompts could not be read ahead (the first k of an epoch, a loader without look-
 it arrives, from the published version it needs, kept until then: the same responses, less overlap.
 
 The sampler is a worker thread (``concurrent``) or the trainer's own thread (the in-line reference the
-tests compare against): the same jobs in the same order on the same copy of the weights. Everything
-after the draw (pi_old, the reference, the critic, the reward) runs in the trainer when the batch is
-consumed, on the weights of that moment: the PPO ratio is anchored at the current weights (the proximal
-policy) and the sampler's log-probs are kept as the behaviour policy's (``Trajectory.sampler_logprobs``).
+tests compare against): the same jobs in the same order on the same copy of the weights. What does not
+depend on the weights being trained, the reward and a frozen reference's log-probs, the sampler computes
+right after the draw (``model.off_policy.score_in_sampler``); pi_old and the critic run in the trainer when
+the batch is consumed, on the weights of that moment: the PPO ratio is anchored at the current weights (the
+proximal policy) and the sampler's log-probs are kept as the behaviour policy's (``Trajectory.sampler_logprobs``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import ConfigError, require
 from rlhf_lightning.interfaces import Samples
 from rlhf_lightning.networks import Networks
@@ -50,17 +52,29 @@ class Drawn:
     samples: Samples  # the engine's output
     version: int  # the version of the weights that sampled it
     seconds: float  # the sampler's own time drawing it
+    # Scored by the sampler too (``model.off_policy.score_in_sampler``; None: by the trainer when consumed):
+    ref_logprobs: Optional[Tensor] = None  # log pi_ref of the sampled tokens, on the kept set (batch, response_len)
+    ref_logits: Optional[Tensor] = None  # the reference's logits, only when the KL estimator needs them
+    raw_scores: Optional[Tensor] = None  # r_RM as the backend returned it (None with a reward fault)
+    reward_fault: Optional[str] = None  # why r_RM was not finite
+    scoring_seconds: float = 0.0  # the sampler's time scoring it
+
+    _TENSORS = ("ref_logprobs", "ref_logits", "raw_scores")
 
     def state_dict(self) -> dict[str, Any]:
         samples = {name: getattr(self.samples, name) for name in ("sequences", "logits", "logprobs", "hidden")}
         fields = dict(iteration=self.iteration, prompts=self.prompts, version=self.version, seconds=self.seconds)
+        fields.update(reward_fault=self.reward_fault, scoring_seconds=self.scoring_seconds)
+        fields.update({name: _cpu(getattr(self, name)) for name in self._TENSORS})
         return {**fields, "enc": {k: v.cpu() for k, v in self.enc.items()}, "samples": {k: _cpu(v) for k, v in samples.items()}}
 
     @classmethod
     def from_state(cls, state: dict[str, Any], device: torch.device) -> Drawn:
         samples = Samples(**{k: None if v is None else v.to(device) for k, v in state["samples"].items()})
         enc = {k: v.to(device) for k, v in state["enc"].items()}
-        return cls(state["iteration"], list(state["prompts"]), enc, samples, state["version"], state["seconds"])
+        scored = {name: None if state.get(name) is None else state[name].to(device) for name in cls._TENSORS}
+        scored.update(reward_fault=state.get("reward_fault"), scoring_seconds=state.get("scoring_seconds", 0.0))
+        return cls(state["iteration"], list(state["prompts"]), enc, samples, state["version"], state["seconds"], **scored)
 
 
 def staleness_metrics(versions: Tensor, iteration: int, reduce) -> dict[str, float]:
@@ -175,6 +189,8 @@ class AsyncRollouts:
                 "data loader gives it (the training prompts' order changed since it was read ahead, or since the checkpoint)"
             )
         timer.seconds["rollout"] = timer.seconds.get("rollout", 0.0) + drawn.seconds
+        if drawn.scoring_seconds:
+            timer.seconds["sampler_score"] = drawn.scoring_seconds
         return drawn
 
     def publish(self, version: int) -> None:
@@ -190,8 +206,7 @@ class AsyncRollouts:
         weights = self.versions[version]
         enc = self.module.encode_prompts(prompts)
         seed = self.module.sampling_seed(iteration)
-        context = self._step_context()
-        job = lambda: self._sample(iteration, list(prompts), enc, seed, version, weights, context)
+        job = lambda: self._sample(iteration, list(prompts), enc, seed, version, weights)
         if not self.concurrent:
             self.jobs[iteration] = _Done(job)
             return
@@ -246,19 +261,46 @@ class AsyncRollouts:
         self.jobs.clear()
 
     # ------------------------------------------------------------------ the sampler's side
-    def _sample(self, iteration, prompts, enc, seed, version, weights, context) -> Drawn:
+    def _sample(self, iteration, prompts, enc, seed, version, weights) -> Drawn:
         start = time.perf_counter()
         networks = self._sampler_networks()
         # Every tensor set before each draw (the version's, and a LoRA base as built: merging the adapter
         # for a draw and unmerging it moves the base by rounding), so a draw depends on its version alone.
+        self._load(networks, self.frozen, weights)
+        module = self.module
+        with self._step_context():
+            samples = module.rollout_engine.checked_sample(_SamplerView(module, networks), enc, seed)
+        drawn = Drawn(iteration, prompts, enc, samples, version, time.perf_counter() - start)
+        if module.off_policy.score_in_sampler:
+            start = time.perf_counter()
+            with self._step_context(), torch.no_grad():
+                self._score(drawn, networks)
+            drawn.scoring_seconds = time.perf_counter() - start
+        return drawn
+
+    def _score(self, drawn: Drawn, networks: Networks) -> None:
+        """What the trainer would compute from ``drawn`` alone when it consumes it, computed now: the reward
+        and, with a frozen reference and a kept set the sampler knows (its logits), log pi_ref, as
+        ``PPORLHF.rollout`` and ``score`` compute them (the same functions on the same tensors)."""
+        module = self.module
+        input_ids, attention_mask, response, _, _ = module.assemble(drawn.enc, drawn.samples)
+        texts = module.tokenizer.batch_decode(response, skip_special_tokens=True)
+        drawn.raw_scores, drawn.reward_fault = module.reward(drawn.prompts, texts)
+        if not self.reference_in_sampler or drawn.samples.logits is None:  # it moves, or the kept set is the trainer's
+            return
+        self._load(networks, self.frozen)  # a LoRA base as built (the draw's merge and unmerge round it)
+        kept = networks.kept(networks.tempered(drawn.samples.logits.float()), response)
+        ref_logits = networks.reference_logits(input_ids, attention_mask, response.shape[1], kept)
+        drawn.ref_logprobs = pm.logprobs_of(ref_logits, response)
+        drawn.ref_logits = ref_logits if module.kl_estimator.needs_logits else None
+
+    @staticmethod
+    def _load(networks: Networks, *tensors: dict[str, Tensor]) -> None:
+        """Copy each of ``tensors`` (name -> tensor) into the sampler copy's parameters of those names."""
         params = dict(networks.policy.named_parameters())
         with torch.no_grad():
-            for tensors in filter(None, (self.frozen, weights)):
-                torch._foreach_copy_([params[name] for name in tensors], list(tensors.values()))
-        module = self.module
-        with context:
-            samples = module.rollout_engine.checked_sample(_SamplerView(module, networks), enc, seed)
-        return Drawn(iteration, prompts, enc, samples, version, time.perf_counter() - start)
+            for named in filter(None, tensors):
+                torch._foreach_copy_([params[name] for name in named], list(named.values()))
 
     def _sampler_networks(self):
         """The sampler's ``Networks``: a copy of the policy alone (no critic, no reference), run as the trainer's is."""
@@ -270,7 +312,7 @@ class AsyncRollouts:
             self.networks = Networks(
                 policy,
                 None,
-                None,
+                module.networks.ref_model if self.reference_in_sampler else None,
                 None,
                 sampling=module.sampling,
                 shared_prompts=trainer.shared_prompts,
@@ -281,6 +323,13 @@ class AsyncRollouts:
                 reduce=lambda t, op="sum": t,
             )
         return self.networks
+
+    @property
+    def reference_in_sampler(self) -> bool:
+        """Whether the sampler runs the reference's pass: it is frozen (``model.reference_update`` none) and
+        ``score_in_sampler``. Its model there: the trainer's separate one (read, never written, by both threads), or
+        under LoRA the sampler copy's own weights with the adapter disabled."""
+        return self.module.off_policy.score_in_sampler and not self.module.reference_update.moves
 
     def _step_context(self):
         """What the trainer's step runs inside (the precision plugin's: autocast, the CPU's oneDNN route), for the

@@ -276,13 +276,10 @@ class PPORLHF(LightningModule):
         row's (``betas``, (batch,)); with a sequence-level divergence R_t = (r_RM - beta f'(u)) * 1[t = T], u the
         response's probability ratio to the reference (``divergence_terms``). A non-finite reward, KL or penalty on
         any rank is a fault, named in ``Scored.fault``."""
-        kl, raw_scores, fault = self.kl_per_token(rollout), None, None
+        kl, raw_scores, fault = self.kl_per_token(rollout), rollout.raw_scores, rollout.reward_fault
         penalty, divergence = self.divergence_terms(rollout, kl)
-        try:
-            with gpu.no_autocast(self.device):
-                raw_scores = self.reward_model.checked_scores(rollout.prompts, rollout.response_texts)
-        except FloatingPointError as err:
-            fault = str(err)
+        if raw_scores is None and fault is None:  # not scored by the sampler ahead
+            raw_scores, fault = self.reward(rollout.prompts, rollout.response_texts)
         bad = []
         if fault is None and not torch.isfinite(kl).all():
             bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
@@ -301,6 +298,14 @@ class PPORLHF(LightningModule):
         penalised = scores if penalty is None else scores - betas.to(scores.dtype) * penalty.to(scores.dtype)
         rewards = pm.token_rewards(penalised, kl_in_reward, rollout.response_mask, row_betas)
         return Scored(kl, raw_scores, scores, rewards, divergence=divergence)
+
+    def reward(self, prompts: list[str], responses: list[str]) -> tuple[Optional[Tensor], Optional[str]]:
+        """``(raw_scores, fault)``: the reward backend's checked scores, or why they are not finite (then None)."""
+        try:
+            with gpu.no_autocast(self.device):
+                return self.reward_model.checked_scores(prompts, responses), None
+        except FloatingPointError as err:
+            return None, str(err)
 
     def divergence_terms(self, rollout: Trajectory, kl: Tensor) -> tuple[Optional[Tensor], Tensor]:
         """``(penalty, value)`` per response (batch,): the sequence-level penalty f'(u) (None for the reverse KL,
@@ -385,28 +390,24 @@ class PPORLHF(LightningModule):
                 samples = self.rollout_engine.checked_sample(self, enc, self.sampling_seed(self.iteration))
         else:
             enc, samples, version = drawn.enc, drawn.samples, drawn.version
-        response = samples.sequences[:, enc["input_ids"].shape[1] :].to(self.device)  # right-padded with pad
-        mask = pm.response_mask(response, self.tokenizer.eos_token_id)
-        ended = ((response == self.tokenizer.eos_token_id) & mask.bool()).any(-1)
-        attention_mask = torch.cat([enc["attention_mask"], mask.to(enc["attention_mask"].dtype)], dim=1)
-        # Padding after EOS becomes pad tokens, whatever the sampler wrote there.
-        response = torch.where(mask.bool(), response, torch.full_like(response, self.tokenizer.pad_token_id))
-        input_ids = torch.cat([enc["input_ids"], response], dim=1)
+        input_ids, attention_mask, response, mask, ended = self.assemble(enc, samples)
         keep_logits = self.kl_estimator.needs_logits
         with timer("forward"):
             old = self.networks.old_policy(samples, input_ids, attention_mask, response, mask, critic_values)
-            other = lambda model: sampling.restrict(
-                self.networks.response_logits(model, input_ids, attention_mask, response.shape[1]), old.kept
-            )
-            if self.networks.reference_is_policy():  # the same function: the log-probs just computed, and a KL of exactly 0
-                ref_logits = old.logits
+            if drawn is not None and drawn.ref_logprobs is not None:  # the sampler ran the reference (score_in_sampler)
+                ref_logprobs, ref_logits = drawn.ref_logprobs, drawn.ref_logits
             else:
-                with self.networks.reference() as ref:
-                    ref_logits = other(ref)
+                if self.networks.reference_is_policy():  # the same function: the log-probs just computed, and a KL of exactly 0
+                    ref_logits = old.logits
+                else:
+                    ref_logits = self.networks.reference_logits(input_ids, attention_mask, response.shape[1], old.kept)
+                ref_logprobs = pm.logprobs_of(ref_logits, response)
             initial_logits = None
             if self.networks.initial_is_apart:  # the starting policy, for objective/kl_to_initial
                 with self.networks.initial() as initial:
-                    initial_logits = other(initial)
+                    initial_logits = sampling.restrict(
+                        self.networks.response_logits(initial, input_ids, attention_mask, response.shape[1]), old.kept
+                    )
         trajectory = Trajectory(
             prompts=list(prompts),
             response_texts=self.tokenizer.batch_decode(response, skip_special_tokens=True),
@@ -418,7 +419,7 @@ class PPORLHF(LightningModule):
             old_logprobs=old.sampler_logprobs if self.sampling.old_logprobs == "sampler" else old.trainer_logprobs,
             trainer_logprobs=old.trainer_logprobs,
             sampler_logprobs=old.sampler_logprobs,
-            ref_logprobs=pm.logprobs_of(ref_logits, response),
+            ref_logprobs=ref_logprobs,
             old_values=None if old.values is None else old.values * mask,
             entropy=pm.entropy_of(old.logits),
             old_logits=old.logits if keep_logits else None,
@@ -430,12 +431,25 @@ class PPORLHF(LightningModule):
             is_weights=sampling.correction_weights(
                 old.trainer_logprobs, old.sampler_logprobs, mask, *self.off_policy.weights(self.sampling)
             ),
+            raw_scores=None if drawn is None else drawn.raw_scores,
+            reward_fault=None if drawn is None else drawn.reward_fault,
         )
         if self.training and self.iteration == 0:  # a sampler that draws one token alone: nothing to learn, said once
             untrainable = args.point_mass_warning(self.sampling, trajectory.old_logprobs, trajectory.kept, trajectory.response_mask)
             if untrainable:
                 rank_zero_warn(untrainable)
         return trajectory
+
+    def assemble(self, enc: dict[str, Tensor], samples) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """A rollout's rows from the prompts' encoding ``enc`` and the engine's ``samples``: ``(input_ids,
+        attention_mask, response, response_mask, ended_with_eos)``, the response's padding after EOS pad tokens."""
+        response = samples.sequences[:, enc["input_ids"].shape[1] :].to(self.device)  # right-padded with pad
+        mask = pm.response_mask(response, self.tokenizer.eos_token_id)
+        ended = ((response == self.tokenizer.eos_token_id) & mask.bool()).any(-1)
+        attention_mask = torch.cat([enc["attention_mask"], mask.to(enc["attention_mask"].dtype)], dim=1)
+        # Padding after EOS becomes pad tokens, whatever the sampler wrote there.
+        response = torch.where(mask.bool(), response, torch.full_like(response, self.tokenizer.pad_token_id))
+        return torch.cat([enc["input_ids"], response], dim=1), attention_mask, response, mask, ended
 
     def kl_per_token(self, rollout: Trajectory, to_initial: bool = False) -> Tensor:
         """The penalised per-token KL estimate (batch, response_len), zero off the KL mask; with

@@ -178,11 +178,7 @@ class Networks:
         else:
             separate = self.critic is not None and critic_values
             logits, values = sampler_logits, self.critic_values(input_ids, attention_mask, response_len) if separate else None
-        banned = sampling.min_new_tokens_ban(logits.shape, self.eos_token_id, sampled.min_new_tokens, logits.device)
-        top_k, top_p = (sampled.top_k, sampled.top_p) if sampled.do_sample else (0, 1.0)
-        kept = sampling.kept_tokens(logits if sampler_logits is None else sampler_logits, top_k, top_p, banned)
-        if kept is not None:  # the sampled token was kept, whatever rounding at a top-p boundary says (another engine's kernels)
-            kept = kept.scatter(-1, response.unsqueeze(-1), True)
+        kept = self.kept(logits if sampler_logits is None else sampler_logits, response)
         logits = sampling.restrict(logits, kept)
         trainer_logprobs = pm.logprobs_of(logits, response)
         if sampler_logits is logits:  # the sampler's logits are the trainer's (``hf``)
@@ -192,6 +188,22 @@ class Networks:
         else:
             sampler_logprobs = torch.where(mask.bool(), samples.logprobs.to(logits.device), trainer_logprobs)
         return OldPolicy(logits, values, kept, trainer_logprobs, sampler_logprobs)
+
+    def kept(self, logits: Tensor, response: Tensor) -> Optional[Tensor]:
+        """The sampler's kept set of each response position (``sampling.kept_tokens``: top-k, top-p and the
+        ``min_new_tokens`` ban) from the tempered ``logits`` it sampled with, every sampled token in it; None: every token."""
+        sampled = self.sampling
+        banned = sampling.min_new_tokens_ban(logits.shape, self.eos_token_id, sampled.min_new_tokens, logits.device)
+        top_k, top_p = (sampled.top_k, sampled.top_p) if sampled.do_sample else (0, 1.0)
+        kept = sampling.kept_tokens(logits, top_k, top_p, banned)
+        if kept is not None:  # the sampled token was kept, whatever rounding at a top-p boundary says (another engine's kernels)
+            kept = kept.scatter(-1, response.unsqueeze(-1), True)
+        return kept
+
+    def reference_logits(self, input_ids: Tensor, attention_mask: Tensor, response_len: int, kept: Optional[Tensor]) -> Tensor:
+        """The reference's logits predicting each response token, on the kept set (batch, response_len, vocab)."""
+        with self.reference() as ref:
+            return sampling.restrict(self.response_logits(ref, input_ids, attention_mask, response_len), kept)
 
     # ------------------------------------------------------------------ the sampler and the reference
     @contextlib.contextmanager

@@ -37,6 +37,8 @@ class Trajectory:
     kept: Optional[Tensor] = None  # (batch, response_len, vocab) bool: the sampler's kept set, replayed; None: every token
     is_weights: Optional[Tensor] = None  # the rollout correction's weights (sampling.correction_weights); None: none
     policy_version: Optional[Tensor] = None  # (batch,) long: the version (PPO iterations done) of the weights that sampled each row
+    raw_scores: Optional[Tensor] = None  # r_RM as the backend returned it, when the sampler scored the batch ahead (else: None)
+    reward_fault: Optional[str] = None  # why the sampler found r_RM not finite, when it scored the batch ahead
 
 
 @dataclass

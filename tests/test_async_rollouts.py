@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from rlhf_lightning.async_rollout import SamplerError
 from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.data import Lookahead
+from rlhf_lightning.networks import Networks
 from rlhf_lightning_plugins.rollout_engines import HFGenerate
 
 from helpers import fit, make_module
@@ -96,6 +97,53 @@ def test_the_thread_and_the_in_line_sampler_train_the_same_weights(tmp_path, k, 
         assert ha.series(key) == hb.series(key), key
     assert ha.series("off_policy/staleness_mean") == [min(i, k) for i in range(5)]
     assert ha.series("objective/kl")[-1] != 0  # the policy moved away from the reference
+
+
+@pytest.mark.parametrize(
+    "overrides, in_sampler",
+    [
+        ({}, True),
+        (dict(lora=dict(rank=4), critic="shared"), True),
+        (dict(kl_estimator="full", kl=dict(placement="loss")), True),
+        (dict(reference_update="ema"), False),
+    ],
+    ids=["full", "lora-shared-critic", "full-estimator", "moving-reference"],
+)
+def test_scoring_in_the_sampler_trains_what_scoring_in_the_trainer_does(tmp_path, monkeypatch, overrides, in_sampler):
+    """k = 1, four iterations, the sampler in its thread: with ``score_in_sampler`` the reward and a frozen
+    reference's pass run in the sampler's thread (a reference that moves stays in the trainer's), and the run
+    trains the very weights and logs the very metrics of the run that scores in the trainer."""
+    threads = []
+    reference_logits = Networks.reference_logits
+    monkeypatch.setattr(
+        Networks, "reference_logits", lambda *a, **kw: threads.append(threading.current_thread().name) or reference_logits(*a, **kw)
+    )
+    runs = {}
+    for scoring in (False, True):
+        threads.clear()
+        off_policy = dict(max_staleness=1, score_in_sampler=scoring)
+        runs[scoring] = stale_fit(tmp_path / str(scoring), 1, True, **{**overrides, "off_policy": off_policy})
+        on_sampler = {name == "rlhf-lightning-sampler" for name in threads}
+        assert on_sampler == ({scoring and in_sampler} if threads else set()), threads
+    (a, ha, _), (b, hb, _) = runs[False], runs[True]
+    for (name, p), q in zip(a.policy.named_parameters(), b.policy.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    for key in ("objective/reward", "objective/kl", "policy/loss"):
+        assert ha.series(key) == hb.series(key), key
+    assert ha.series("objective/kl")[-1] != 0
+    assert "timing/sampler_score_s" not in ha.rows[-1] and hb.series("timing/sampler_score_s")[-1] > 0
+
+
+def test_a_reward_fault_found_by_the_sampler_skips_its_iteration(tmp_path):
+    """The sampler scores the batches; a NaN reward in the batch of iteration 1 skips iteration 1 alone, as in the
+    synchronous loop (tests/test_faults.py), with the same warning naming the backend."""
+    from test_faults import FlakyReward
+
+    with pytest.warns(UserWarning, match=r"FlakyReward returned non-finite scores for responses \[1\]"):
+        module, history, versions = stale_fit(tmp_path, 1, True, reward_model=FlakyReward(nan_calls={1}))
+    assert [out["skipped"] for out in history.outputs] == [False, True, False, False]
+    assert all(torch.equal(versions[1][n], versions[2][n]) for n in versions[1])  # iteration 1 left the weights as they were
+    assert module.faults.state_dict()["skipped_iterations"] == 1
 
 
 def test_max_staleness_0_is_the_synchronous_loop(tmp_path):
