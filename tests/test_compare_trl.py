@@ -78,3 +78,24 @@ def test_grpo_config_is_configs_grpo_yaml_on_the_workload(tmp_path):
     assert model["reward_model"]["init_args"] == {"path": "rm", "chat_template": True}
     with pytest.raises(SystemExit):
         compare_trl.parse_args(["--grpo", "--setups", "lora"])  # a PPO setup has no GRPO peer
+
+
+def test_max_staleness_adds_the_asynchronous_grpo_run_compared_with_trls(tmp_path):
+    """``--grpo --max-staleness 1``: a third setup, ours with the sampler one update ahead (and the PPO ratio at the
+    current weights), its time over TRL's on the last line; the config is grpo's otherwise."""
+    args = compare_trl.parse_args(["--grpo", "--max-staleness", "1"])
+    assert args.setups == ["trl_grpo", "grpo", "grpo_async"]
+    args.worker, args.workdir, args.epochs, args.reward_path = "grpo_async", str(tmp_path), 1, "rm"
+    model = compare_trl.our_config(args)["model"]
+    assert model["off_policy"] == {"max_staleness": 1} and model["sampling"]["old_logprobs"] == "forward"
+    args.worker = "grpo"
+    assert "off_policy" not in compare_trl.our_config(args)["model"]
+    results = [
+        {"setup": "trl_grpo", "ppo_epochs": 1, "seconds": [40.0], "phases": {"cpu": [20.0]}, "peak_rss_mb": 5000.0},
+        {"setup": "grpo", "ppo_epochs": 1, "seconds": [18.0], "phases": {"cpu": [9.0]}, "peak_rss_mb": 4000.0},
+        {"setup": "grpo_async", "ppo_epochs": 1, "seconds": [14.0], "phases": {"cpu": [11.0]}, "peak_rss_mb": 4500.0},
+    ]
+    line = compare_trl.format_table(compare_trl.summarise(results)).splitlines()[-1]
+    assert line == "COMPARE_GRPO ratio_1=0.450 cpu_ratio_1=0.450 async_ratio_1=0.350"  # 14 / 40
+    with pytest.raises(SystemExit):
+        compare_trl.parse_args(["--grpo", "--setups", "grpo_async"])  # without --max-staleness

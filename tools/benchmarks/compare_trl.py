@@ -6,6 +6,7 @@ project's CLI, or (``--grpo``) TRL 1.16's GRPOTrainer against ``configs/grpo.yam
     python tools/benchmarks/compare_trl.py --quick            # 1 round of 1 warm-up + 2 timed iterations
     python tools/benchmarks/compare_trl.py --trl-python ~/venv-trl112/bin/python --threads 1
     python tools/benchmarks/compare_trl.py --grpo --trl-python ~/venv-trl116/bin/python --threads 1 --isa avx2
+    python tools/benchmarks/compare_trl.py --grpo --max-staleness 1 --trl-python ~/venv-trl116/bin/python --threads 1
 
 ``--grpo``: SmolLM2-135M-Instruct fp32 full fine-tuning, the first ``--batch-size`` (8) built-in
 prompts x ``--num-generations`` (4) responses of exactly ``--max-new-tokens`` (32) tokens, the
@@ -20,7 +21,9 @@ time per batch is the wall clock over its ``num_iterations`` optimizer steps. ``
 ``lora_rank: 0``, a fixed beta and the workload's sizes, through the CLI. The last line reads
 ``COMPARE_GRPO ratio_1=<ours/TRL> ratio_2=<..> cpu_ratio_1=<..> cpu_ratio_2=<..>``: time per
 batch, and CPU seconds of the process per batch (with one thread the work itself, whatever else
-the machine runs). Every run also reports its passes per batch over each model's trunk
+the machine runs). ``--max-staleness K`` adds ``grpo_async``: ``grpo`` with the sampler K updates ahead
+(``model.off_policy.max_staleness``, ``old_logprobs: forward``; sampling, the reward and the reference in the
+sampler's thread), and ``async_ratio_<updates>=<ours/TRL>`` to the last line. Every run also reports its passes per batch over each model's trunk
 (``bench.PassCounter``: policy, reference, reward model) and its peak RSS.
 
 The first line says which instruction set the kernels run (``tools/benchmarks/isa.py``); ``--isa avx2``
@@ -87,7 +90,7 @@ from _cli_args import option_number
 REPO = Path(__file__).resolve().parents[2]
 RESULT_PREFIX = "COMPARE_RESULT "
 SETUPS = ("trl", "full", "lora")
-GRPO_SETUPS = ("trl_grpo", "grpo")
+GRPO_SETUPS = ("trl_grpo", "grpo", "grpo_async")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -103,6 +106,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="PPO epochs (--grpo: updates per batch, TRL's num_iterations); default 1 4 (--grpo: 1 2)",
     )
     parser.add_argument("--num-generations", type=option_number(integer=True, at_least=1), default=4, help="--grpo: responses per prompt")
+    parser.add_argument(
+        "--max-staleness",
+        type=option_number(integer=True, at_least=1),
+        help="--grpo: also run grpo_async, ours with the sampler K updates ahead (model.off_policy.max_staleness)",
+    )
     parser.add_argument(
         "--beta", type=option_number(at_least=0), default=0.04, help="--grpo: the KL coefficient of k3 in the loss, both sides"
     )
@@ -137,7 +145,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--reward-path", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.setups = args.setups or list(GRPO_SETUPS if args.grpo else SETUPS)
+    args.setups = args.setups or list(GRPO_SETUPS[: 3 if args.max_staleness else 2] if args.grpo else SETUPS)
+    if "grpo_async" in args.setups and not args.max_staleness:
+        parser.error("--setups grpo_async: give --max-staleness K")
     args.ppo_epochs = args.ppo_epochs or ([1, 2] if args.grpo else [1, 4])
     if set(args.setups) - set(GRPO_SETUPS if args.grpo else SETUPS):
         parser.error(f"--setups: {'with' if args.grpo else 'without'} --grpo choose from {GRPO_SETUPS if args.grpo else SETUPS}")
@@ -364,7 +374,7 @@ def our_config(args: argparse.Namespace) -> dict:
     prompt_file = work / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(args.batch_size) * (args.warmup + args.iters)))
     data = {"train_path": str(prompt_file), "batch_size": args.batch_size, "shuffle": False}
-    if args.worker == "grpo":
+    if args.worker in ("grpo", "grpo_async"):
         return grpo_config(args, trainer_config(args), data)
     lora = args.worker == "lora"
     model = {
@@ -417,6 +427,9 @@ def grpo_config(args: argparse.Namespace, trainer: dict, data: dict) -> dict:
     }
     model["ppo"] = {**model.get("ppo", {}), "epochs": args.epochs, "num_minibatches": 1}
     model["runtime"] = {**model.get("runtime", {}), "log_samples_every_n_steps": 0}
+    if args.worker == "grpo_async":  # the sampler K updates ahead, the PPO ratio at the current weights
+        model["off_policy"] = {"max_staleness": args.max_staleness}
+        model["sampling"]["old_logprobs"] = "forward"
     return with_options(args, {"seed_everything": 0, "trainer": trainer, "model": model, "data": data})
 
 
@@ -501,6 +514,7 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
         "--num-generations": args.num_generations,
         "--beta": args.beta,
         "--threads": args.threads,
+        **({"--max-staleness": args.max_staleness} if args.max_staleness else {}),
     }
     argv = [python, str(Path(__file__).resolve()), "--worker", setup, *(["--grpo"] if args.grpo else [])]
     argv += [word for flag, value in settings.items() for word in (flag, str(value))]
@@ -577,9 +591,11 @@ def format_table(rows: Sequence[dict]) -> str:
     ]
     ppo = " ".join(f"{r['setup']}_{r['ppo_epochs']}={r['vs_trl']:.3f}" for r in rows if r["setup"] in SETUPS[1:])
     grpo_rows = [r for r in rows if r["setup"] == "grpo"]
+    async_rows = [r for r in rows if r["setup"] == "grpo_async"]
     grpo = " ".join(
         [f"ratio_{r['ppo_epochs']}={r['vs_trl']:.3f}" for r in grpo_rows]
         + [f"cpu_ratio_{r['ppo_epochs']}={r['cpu_vs_trl']:.3f}" for r in grpo_rows]
+        + [f"async_ratio_{r['ppo_epochs']}={r['vs_trl']:.3f}" for r in async_rows]
     )
     return "\n".join([*lines, "", *([f"COMPARE {ppo}"] if ppo else []), *([f"COMPARE_GRPO {grpo}"] if grpo else [])])
 
