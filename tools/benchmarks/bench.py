@@ -1118,6 +1118,8 @@ def staleness_run(args: argparse.Namespace, mode: str, k: int) -> tuple[list[flo
         )
         cpu.apply_cpu_settings(trainer, cpu.CPUSettings(linear=args.cpu_linear, malloc=args.cpu_malloc))
         trainer.fit(module, datamodule=PromptDataModule(batch_size=args.batch_size, shuffle=False))
+    del trainer, module
+    gc.collect()  # the module and its trainer refer to each other: free this run's models before the next loads
     start = max(args.warmup - 1, 0)
     seconds = [b - a for a, b in zip(ends.ends[start:], ends.ends[start + 1 :], strict=False)][-args.iters :]
     return seconds, ends.phases[-len(seconds) :]

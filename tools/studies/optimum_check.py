@@ -175,7 +175,7 @@ from _cli_args import option_number
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    matrix_group = add_matrix_args(parser)
+    matrix_actions = add_matrix_args(parser)
     parser.add_argument(
         "--divergence",
         type=_divergence,
@@ -307,7 +307,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.tabular_lr is not None and not args.tabular:
         parser.error("--tabular-lr: only with --tabular (the tiny Llama's lr is --lr)")
     if not args.matrix:  # one run reads none of the matrix group's options: refuse them rather than ignore them
-        given = [action.option_strings[0] for action in matrix_group._group_actions if getattr(args, action.dest) != action.default]
+        given = [action.option_strings[0] for action in matrix_actions if getattr(args, action.dest) != action.default]
         if given:
             parser.error(f"{', '.join(given)}: only with --matrix (one run without it reads none of them)")
     args.tabular_lr = args.tabular_lr or 0.05
@@ -780,29 +780,27 @@ def num_minibatches(settings: dict, epochs: int) -> int:
     return 2 if settings["updates"] is None else settings["updates"] // epochs
 
 
-def add_matrix_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+def add_matrix_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The matrix group's options on ``parser``; returns their actions (what one run without --matrix refuses)."""
     group = parser.add_argument_group("matrix (--matrix)")
-    group.add_argument(
-        "--matrix", action="store_true", help="train every advantage x estimator x placement x weighting x scope x epochs cell"
-    )
-    group.add_argument("--estimators", nargs="+", help="default: the task's (k1 k2 k3 k3+ full hand-made, k1 k3 random)")
-    group.add_argument(
-        "--placements", nargs="+", choices=PLACEMENTS, help="default: the task's (reward loss both hand-made, reward loss random)"
-    )
-    group.add_argument(
-        "--weightings", nargs="+", choices=WEIGHTINGS, help="default: the task's (none importance hand-made, importance random)"
-    )
-    group.add_argument(
+    actions: list[argparse.Action] = []
+
+    def add(*names, **options) -> None:
+        actions.append(group.add_argument(*names, **options))
+
+    add("--matrix", action="store_true", help="train every advantage x estimator x placement x weighting x scope x epochs cell")
+    add("--estimators", nargs="+", help="default: the task's (k1 k2 k3 k3+ full hand-made, k1 k3 random)")
+    add("--placements", nargs="+", choices=PLACEMENTS, help="default: the task's (reward loss both hand-made, reward loss random)")
+    add("--weightings", nargs="+", choices=WEIGHTINGS, help="default: the task's (none importance hand-made, importance random)")
+    add(
         "--scopes",
         nargs="+",
         choices=SCOPES,
         default=list(SCOPES),
         help="model.kl.loss_scope of the 'loss' cells (default both; one-token tasks: sequence only)",
     )
-    group.add_argument(
-        "--epochs", nargs="+", type=option_number(integer=True, at_least=1), default=[1, 4], help="ppo_epochs values (default 1 4)"
-    )
-    group.add_argument(
+    add("--epochs", nargs="+", type=option_number(integer=True, at_least=1), default=[1, 4], help="ppo_epochs values (default 1 4)")
+    add(
         "--aggregations",
         nargs="+",
         choices=AGGREGATIONS,
@@ -810,10 +808,8 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "but constant for dr_grpo); on responses of different lengths seq_mean_token_mean with the KL in the loss is "
         "length_weighted (docs/kl-estimators.md)",
     )
-    group.add_argument(
-        "--jobs", type=option_number(integer=True, at_least=1), default=1, help="cells trained in parallel processes (default 1)"
-    )
-    group.add_argument(
+    add("--jobs", type=option_number(integer=True, at_least=1), default=1, help="cells trained in parallel processes (default 1)")
+    add(
         "--max-staleness",
         nargs="+",
         type=option_number(integer=True, at_least=0),
@@ -821,26 +817,26 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="model.off_policy.max_staleness values, one matrix dimension (default 0, synchronous): each batch sampled from "
         "the weights of k iterations ago (docs/kl-estimators.md, 'Stale samples')",
     )
-    group.add_argument(
+    add(
         "--corrections",
         nargs="+",
         choices=tuple(OFF_POLICY_WEIGHTS),
         default=["sequence", "none"],
         help="model.off_policy.correction values of the stale cells (default sequence none)",
     )
-    group.add_argument(
+    add(
         "--correction-cap",
         type=option_number(at_least=1),
         help="model.off_policy.correction_cap of the stale cells (default the setting's, 5)",
     )
-    group.add_argument(
+    add(
         "--expected-gradient",
         action="store_true",
         help="replace every rollout by its exact expectation (exact.expected_train): where each cell's expected gradient "
         "leads, without sampling noise; the advantage exact (a perfect critic's: --advantage ignored), the KL in the reward "
         "in the exact return",
     )
-    group.add_argument(
+    add(
         "--tabular",
         action="store_true",
         help="a tabular policy (one logit vector per prompt and prefix, exact.sampled_ppo) in place of the tiny Llama: "
@@ -848,14 +844,14 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "critic's) or the critic-free --advantage's own, Adam at --tabular-lr; KL in the loss only. Where the sampled loss settles when no shared network "
         'couples the states (docs/results.md, "Tenth round")',
     )
-    group.add_argument("--tabular-lr", type=option_number(above=0), help="with --tabular: Adam's lr on the logits (default 0.05)")
-    group.add_argument(
+    add("--tabular-lr", type=option_number(above=0), help="with --tabular: Adam's lr on the logits (default 0.05)")
+    add(
         "--expected-noise",
         action="store_true",
         help="with --expected-gradient: each step weighs the responses by a draw of the iteration's --batch-size from "
         "pi_old (sampling --seed) instead of by pi_old: the sampled loop's noise, with the exact advantage and loss",
     )
-    return group
+    return actions
 
 
 def expected_class(
