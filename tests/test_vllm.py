@@ -288,7 +288,8 @@ def test_asynchronous_run_stopped_and_resumed_trains_the_weights_of_one_never_st
 
 def test_asynchronous_training_with_vllm_reaches_the_declared_optimum():
     """The optimum test above sampled one update behind by the engine (max_staleness 1, the default sequence
-    correction from the engine's own log-probs as mu): the gap to the declared objective's optimum is <= 0.02."""
+    correction from the engine's own log-probs as mu): the gap to the declared objective's optimum is <= 0.02
+    (0.0054 on 2026-11-29)."""
     last, kept = declared_optimum_run(rollout_engine=small_engine(), old_logprobs="forward", off_policy=dict(max_staleness=1), top_p=0.9)
     assert last["gap"] <= 0.02
     assert 2 <= kept["responses"] < 27 and kept["optimum_top_prob"] < 0.8 and last["optimum_kl_to_ref"] > 0.05
