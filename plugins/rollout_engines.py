@@ -192,22 +192,18 @@ class VLLMEngine(RolloutEngine):
             "'hf' under FSDP (version 1: its flat parameters are not gathered for the engine; FSDP2, ModelParallelStrategy, is)",
             f"vllm with {strategy}",
         )
+        require(
+            not (module.off_policy.max_staleness and self.sleep),
+            "model.off_policy.max_staleness",
+            "0 with rollout_engine.sleep (sleeping frees the engine's memory while it is idle, which an engine running ahead never is)",
+            f"{module.off_policy.max_staleness} with rollout_engine.sleep {self.sleep}",
+        )
         device = getattr(getattr(trainer, "strategy", None), "root_device", None) if self.sleep else None
         require(
             not self.sleep or (device is not None and device.type == "cuda"),
             "rollout_engine.sleep",
             "0 off a GPU (vLLM's sleep mode needs CUDA's memory allocator: a CPU engine has no device memory to give back)",
             f"{self.sleep} on {device.type if device is not None else 'cpu'}",
-        )
-        staleness = module.off_policy.max_staleness
-        processes = trainer.world_size if trainer is not None else 1
-        require(
-            not staleness or (processes == 1 and not self.sleep),
-            "model.off_policy.max_staleness",
-            "0 with rollout_engine vllm on more than one process or with rollout_engine.sleep (asynchronous vLLM runs in "
-            "one process: under external_launcher the engine shares the trainer's process group, and sleeping frees "
-            "memory only while the engine is idle, which an engine running ahead never is)",
-            f"{staleness} with {processes} processes, sleep {self.sleep}",
         )
 
     def start(self, module) -> None:

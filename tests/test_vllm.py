@@ -114,8 +114,8 @@ def test_training_syncs_after_every_update_and_logs_the_mismatch(tmp_path):
 
 def test_refused_under_fsdp_version_1_only():
     """At set-up (``PPORLHF.setup``, before any rollout): FSDP (version 1) is refused, naming the field;
-    FSDP2, DDP and more than one process are served (one engine per rank: tests/test_vllm_ranks.py), but
-    asynchronous rollouts on one process only."""
+    FSDP2, DDP and more than one process are served (one engine per rank: tests/test_vllm_ranks.py); asynchronous
+    rollouts (DDP or one process: FSDP2 is refused by the sampler) with any but sleep mode."""
     engine = vllm_module().rollout_engine
     synchronous, stale = SimpleNamespace(max_staleness=0), SimpleNamespace(max_staleness=1)
     message = r"model.rollout_engine must be 'hf' under FSDP \(version 1.*, got 'vllm with FSDPStrategy'"
@@ -123,10 +123,11 @@ def test_refused_under_fsdp_version_1_only():
         engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=FSDPStrategy(), world_size=1), off_policy=synchronous))
     for strategy, processes in ((ModelParallelStrategy, 2), (SingleDeviceStrategy, 2)):
         engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=strategy(), world_size=processes), off_policy=synchronous))
-    message = r"^model\.off_policy\.max_staleness must be 0 with rollout_engine vllm on more than one process .*got '1 with 2 processes"
+    engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=SingleDeviceStrategy(), world_size=2), off_policy=stale))
+    engine.sleep = 1
+    message = r"^model\.off_policy\.max_staleness must be 0 with rollout_engine\.sleep .*got '1 with rollout_engine\.sleep 1'"
     with pytest.raises(ConfigError, match=message):
-        engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=SingleDeviceStrategy(), world_size=2), off_policy=stale))
-    engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=SingleDeviceStrategy(), world_size=1), off_policy=stale))
+        engine.setup(SimpleNamespace(_trainer=SimpleNamespace(strategy=SingleDeviceStrategy(), world_size=1), off_policy=stale))
 
 
 def test_groups_of_generations_differ_and_a_moving_reference_is_followed(tmp_path):
