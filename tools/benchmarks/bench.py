@@ -1105,6 +1105,7 @@ def staleness_run(args: argparse.Namespace, mode: str, k: int) -> tuple[list[flo
         lora=dict(rank=args.lora_rank if lora else 0, alpha=2.0 * args.lora_rank),
         runtime=dict(log_samples_every_n_steps=0),
         off_policy=dict(max_staleness=k),
+        rollout_engine=args.engine,
     )
     ends = Ends()
     with tempfile.TemporaryDirectory(prefix="rlhf_bench_stale_") as root:
