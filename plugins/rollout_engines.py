@@ -11,6 +11,7 @@ import copy
 import importlib.util
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from typing import Optional
@@ -111,7 +112,12 @@ class VLLMEngine(RolloutEngine):
     """vLLM colocated with the trainer (``vllm.LLM`` in this process; one engine on every rank under
     DDP and FSDP2), created at the first rollout from the policy's current weights (a resumed run:
     the checkpoint's) and brought up to date before a rollout whenever the policy has taken
-    optimizer steps since (LoRA: the adapter alone, or merged into the base weights: ``lora_sync``). Prompts are the module's token ids,
+    optimizer steps since (LoRA: the adapter alone, or merged into the base weights: ``lora_sync``).
+    With asynchronous rollouts (``model.off_policy.max_staleness`` > 0, one process or DDP) the sampler thread
+    drives it: started in the trainer's thread from the sampler's copy of the policy, then synced from that
+    copy, which holds the published version a batch is drawn from (``global_step``: that version's optimizer
+    steps); one lock serialises its use (a rollout of the trainer's own, validation, waits for the sampler's
+    draw in flight). Prompts are the module's token ids,
     unchanged; ``logprobs_mode="processed_logprobs"`` returns each sampled token's log-prob under the
     distribution it was drawn from (tempered, renormalised on the kept set): the sampler's log
     pi_old. Each row draws from its own seed ``seed + row`` (the module's seed is per rank and
@@ -142,8 +148,10 @@ class VLLMEngine(RolloutEngine):
             needs CUDA's memory allocator).
 
     Refused at start-up: FSDP (version 1, ``FSDPStrategy``: its flat parameters are not gathered
-    here; FSDP2 is), ``sleep`` off a GPU, and any policy dtype vLLM does not serve.
+    here; FSDP2 is), ``sleep`` off a GPU or with asynchronous rollouts, and any policy dtype vLLM does not serve.
     """
+
+    samples_stale_weights = True
 
     def __init__(
         self,
@@ -173,6 +181,7 @@ class VLLMEngine(RolloutEngine):
         self.adapter: Optional[str] = None  # the folder of the adapter the engine serves (lora_sync adapter), else None
         self.sleeping = False
         self._folder: Optional[tempfile.TemporaryDirectory] = None
+        self._lock = threading.RLock()  # the engine serves one thread at a time (an asynchronous sampler's, the trainer's)
 
     def setup(self, module) -> None:
         trainer = module._trainer
@@ -183,6 +192,12 @@ class VLLMEngine(RolloutEngine):
             "'hf' under FSDP (version 1: its flat parameters are not gathered for the engine; FSDP2, ModelParallelStrategy, is)",
             f"vllm with {strategy}",
         )
+        require(
+            not (module.off_policy.max_staleness and self.sleep),
+            "model.off_policy.max_staleness",
+            "0 with rollout_engine.sleep (sleeping frees the engine's memory while it is idle, which an engine running ahead never is)",
+            f"{module.off_policy.max_staleness} with rollout_engine.sleep {self.sleep}",
+        )
         device = getattr(getattr(trainer, "strategy", None), "root_device", None) if self.sleep else None
         require(
             not self.sleep or (device is not None and device.type == "cuda"),
@@ -191,12 +206,24 @@ class VLLMEngine(RolloutEngine):
             f"{self.sleep} on {device.type if device is not None else 'cpu'}",
         )
 
+    def start(self, module) -> None:
+        """The engine, from the asynchronous sampler's copy of the policy, in the trainer's thread (vLLM's start
+        seeds the process's random generators: the run's own are kept around it, which a thread beside the
+        trainer's could not do)."""
+        with self._lock:
+            if self.llm is None:
+                self._start(module)
+
     def stale(self, module) -> bool:
         """The policy took optimizer steps since the engine's weights were pushed, or the engine
         sleeps at level 2 (its weights discarded: they come back with a sync)."""
         return self.llm is not None and (module.global_step != self.synced_step or (self.sleeping and self.sleep == 2))
 
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
+        with self._lock:
+            return self._sample(module, enc, seed)
+
+    def _sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
         from vllm import SamplingParams
 
         sampled, tokenizer = module.sampling, module.tokenizer
@@ -297,6 +324,8 @@ class VLLMEngine(RolloutEngine):
             )
         finally:
             _set_rng_states(states)
+        if module.off_policy.max_staleness:
+            self.llm.collective_rpc(_sample_from_own_generators)
         if self.adapter is not None:
             self._write_adapter(module)
         self.synced_step = module.global_step
@@ -308,6 +337,10 @@ class VLLMEngine(RolloutEngine):
         vLLM's loader as it comes). On a CPU vLLM packs every linear weight for oneDNN at load; a
         tied ``lm_head`` keeps its own packed copy of the embeddings, so it is packed again after
         the reload."""
+        with self._lock:
+            self._sync(module)
+
+    def _sync(self, module) -> None:
         start = time.perf_counter()
         discarded = self.sleeping and self.sleep == 2  # sleep level 2 dropped the weights: all of them come back
         self.wake()
@@ -380,7 +413,19 @@ class VLLMEngine(RolloutEngine):
             self.sleeping = False
 
     def __getstate__(self) -> dict:  # the engine is not part of a copy or a pickle of the module
-        return {**self.__dict__, "llm": None, "synced_step": None, "_folder": None}
+        return {**self.__dict__, "llm": None, "synced_step": None, "_folder": None, "_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.RLock())
+
+
+def _sample_from_own_generators(worker) -> None:
+    """vLLM's native sampler in ``worker`` (the one it runs on a GPU with per-request generators): every row is
+    seeded here, so it draws from the rows' generators alone. vLLM 0.32's CPU sampler (``forward_cpu``) also draws
+    a seed per row from the process's generator at every step (then replaced by the row's own): from a sampler
+    thread that would take numbers out of the trainer's random stream at moments set by timing."""
+    sampler = worker.model_runner.sampler.topk_topp_sampler
+    sampler.forward = sampler.forward_native
 
 
 def counted(weights: Iterator[tuple[str, Tensor]], sizes: list[int]) -> Iterator[tuple[str, Tensor]]:

@@ -594,7 +594,7 @@ def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: 
     require(
         engine.samples_stale_weights,
         "model.rollout_engine",
-        f"'hf' with model.off_policy.max_staleness {off_policy.max_staleness} (the engine must sample from a published copy "
+        f"'hf' or 'vllm' with model.off_policy.max_staleness {off_policy.max_staleness} (the engine must sample from a published copy "
         "of the weights; set model.off_policy.max_staleness: 0 for this engine)",
         type(engine).__name__,
     )

@@ -124,10 +124,11 @@ def _work(jobs: queue.Queue) -> None:
 
 class _SamplerView:
     """The module as the rollout engine sees it from the sampler: every setting the module's, the
-    networks the sampler's own copy (``Networks.generator`` over it)."""
+    networks the sampler's own copy (``Networks.generator`` over it) and ``global_step`` the optimizer steps
+    its weights have taken (an engine with weights of its own, ``vllm``, syncs them from the copy when it changes)."""
 
-    def __init__(self, module, networks) -> None:
-        self._module, self.networks = module, networks
+    def __init__(self, module, networks, global_step: int) -> None:
+        self._module, self.networks, self.global_step = module, networks, global_step
 
     def __getattr__(self, name: str):
         return getattr(self._module, name)
@@ -148,6 +149,7 @@ class AsyncRollouts:
         self.networks = None  # the sampler's Networks over its copy of the policy (built at the first draw)
         self.frozen: dict[str, Tensor] = {}  # the copy's frozen tensors as built (a LoRA base), restored before each draw
         self.versions: dict[int, dict[str, Tensor]] = {}  # published trainable weights by version, while a batch needs them
+        self.steps: dict[int, int] = {}  # the optimizer steps (module.global_step) of each published version's weights
         self.first_version = 0  # the oldest version there is: 0, or the iteration a run resumed at without batches in flight
         self.jobs: dict[int, Any] = {}  # iteration -> Future (or _Done) of its Drawn
         self._queue: Optional[queue.Queue] = None  # the worker's jobs, once it runs
@@ -198,15 +200,16 @@ class AsyncRollouts:
         the sampler copy's own): the sampler reads them while the trainer updates its own."""
         if version not in self.versions:
             self.versions[version] = {name: p.detach().clone() for name, p in self._trainable(self.module.policy)}
+            self.steps[version] = self.module.global_step
 
     def submit(self, iteration: int, prompts: list[str]) -> None:
         """Hand the sampler iteration ``iteration``'s batch on ``prompts``, to draw from version max(first_version, iteration - k)."""
         self._sampler_networks()  # built here, in the trainer's thread, from weights no one else is changing
         version = max(self.first_version, iteration - self.k)
-        weights = self.versions[version]
+        weights, step = self.versions[version], self.steps[version]
         enc = self.module.encode_prompts(prompts)
         seed = self.module.sampling_seed(iteration)
-        job = lambda: self._sample(iteration, list(prompts), enc, seed, version, weights)
+        job = lambda: self._sample(iteration, list(prompts), enc, seed, version, weights, step)
         if not self.concurrent:
             self.jobs[iteration] = _Done(job)
             return
@@ -245,7 +248,7 @@ class AsyncRollouts:
         pending = [j for j in range(iteration + 1, iteration + self.k + 1) if j not in self.jobs]
         needed = {max(self.first_version, j - self.k) for j in pending}
         for version in [v for v in self.versions if v not in needed]:
-            del self.versions[version]
+            del self.versions[version], self.steps[version]
 
     def close(self) -> None:
         """Stop the worker after its job in flight, dropping the batches not yet drawn (the end of fit), and wait
@@ -261,7 +264,7 @@ class AsyncRollouts:
         self.jobs.clear()
 
     # ------------------------------------------------------------------ the sampler's side
-    def _sample(self, iteration, prompts, enc, seed, version, weights) -> Drawn:
+    def _sample(self, iteration, prompts, enc, seed, version, weights, step) -> Drawn:
         start = time.perf_counter()
         networks = self._sampler_networks()
         # Every tensor set before each draw (the version's, and a LoRA base as built: merging the adapter
@@ -269,7 +272,7 @@ class AsyncRollouts:
         self._load(networks, self.frozen, weights)
         module = self.module
         with self._step_context():
-            samples = module.rollout_engine.checked_sample(_SamplerView(module, networks), enc, seed)
+            samples = module.rollout_engine.checked_sample(_SamplerView(module, networks, step), enc, seed)
         drawn = Drawn(iteration, prompts, enc, samples, version, time.perf_counter() - start)
         if module.off_policy.score_in_sampler:
             start = time.perf_counter()
@@ -303,7 +306,8 @@ class AsyncRollouts:
                 torch._foreach_copy_([params[name] for name in named], list(named.values()))
 
     def _sampler_networks(self):
-        """The sampler's ``Networks``: a copy of the policy alone (no critic, no reference), run as the trainer's is."""
+        """The sampler's ``Networks``: a copy of the policy alone (no critic, no reference), run as the trainer's is;
+        built in the trainer's thread, where the rollout engine starts what it needs (``RolloutEngine.start``)."""
         if self.networks is None:
             module = self.module
             trainer = module.networks
@@ -322,6 +326,7 @@ class AsyncRollouts:
                 eos_token_id=module.tokenizer.eos_token_id,
                 reduce=lambda t, op="sum": t,
             )
+            module.rollout_engine.start(_SamplerView(module, self.networks, module.global_step))
         return self.networks
 
     @property
@@ -354,6 +359,7 @@ class AsyncRollouts:
             "first_version": self.first_version,
             "drawn": [d.state_dict() for d in drawn.values()],
             "versions": {v: {n: t.cpu() for n, t in w.items()} for v, w in self.versions.items()},
+            "steps": dict(self.steps),
         }
 
     def load_state_dict(self, state: Optional[dict[str, Any]], iteration: int) -> Optional[str]:
@@ -361,12 +367,13 @@ class AsyncRollouts:
         the batches in flight were not resumed (another max_staleness, none saved), or None when they were: then
         the sampler starts afresh from the checkpoint's weights, as a run starts from its first."""
         if state is None or state["max_staleness"] != self.k:
-            self.jobs, self.versions, self.first_version = {}, {}, iteration
+            self.jobs, self.versions, self.steps, self.first_version = {}, {}, {}, iteration
             if state is None:
                 return "the checkpoint holds no batches in flight (written with model.off_policy.max_staleness 0)"
             return f"the checkpoint's batches in flight were drawn for model.off_policy.max_staleness {state['max_staleness']}"
         device = self.module.device
         self.jobs = {d["iteration"]: _Done(lambda d=d: Drawn.from_state(d, device)) for d in state["drawn"]}
         self.versions = {int(v): {n: t.to(device) for n, t in w.items()} for v, w in state["versions"].items()}
+        self.steps = {int(v): step for v, step in state["steps"].items()}
         self.first_version = state["first_version"]
         return None

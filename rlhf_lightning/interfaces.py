@@ -445,12 +445,19 @@ class RolloutEngine(Plugin):
     """
 
     samples_stale_weights: bool = False
-    """Whether the engine samples with the model that ``module.networks.generator()`` yields, so that an
-    asynchronous sampler (``model.off_policy.max_staleness`` > 0, rlhf_lightning/async_rollout.py) can hand it
-    a published copy of older weights."""
+    """Whether the engine samples the weights of the ``module`` it is given: ``module.networks``' policy, through
+    ``module.networks.generator()`` (``hf``) or its own copy synced from it whenever ``module.global_step`` changes
+    (``vllm``), so that an asynchronous sampler (``model.off_policy.max_staleness`` > 0,
+    rlhf_lightning/async_rollout.py) can hand it a published copy of older weights (a view of the module whose
+    networks and ``global_step`` are that version's)."""
 
     def setup(self, module) -> None:
         """Check that the engine can serve ``module`` as configured (strategy, world size); load nothing."""
+
+    def start(self, module) -> None:
+        """Called once in the trainer's thread with the asynchronous sampler's view of ``module`` before the sampler's
+        first draw (which may run in a thread of its own, beside the trainer): start here what touches the process's
+        state (its random generators, a collective)."""
 
     def stale(self, module) -> bool:
         """Whether the engine's own copy of the policy's weights lags behind the policy's (an engine

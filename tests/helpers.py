@@ -358,3 +358,25 @@ def command(tmp_path, monkeypatch, capsys, *args: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as stopped:
         main(["fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.enable_progress_bar=false", *args])
     return stopped.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+class RecordWeights(Callback):
+    """The policy's weights at the start of each iteration: version i is the weights after i updates."""
+
+    def __init__(self) -> None:
+        self.versions: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.versions.append({name: p.detach().clone() for name, p in pl_module.policy.named_parameters()})
+
+
+class StopAfter(Callback):
+    """Save a full checkpoint after iteration ``n`` and stop the run there."""
+
+    def __init__(self, n: int, path) -> None:
+        self.n, self.path = n, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if pl_module.iteration == self.n:
+            trainer.save_checkpoint(self.path, weights_only=False)
+            trainer.should_stop = True

@@ -16,19 +16,9 @@ from rlhf_lightning.data import Lookahead
 from rlhf_lightning.networks import Networks
 from rlhf_lightning_plugins.rollout_engines import HFGenerate
 
-from helpers import fit, make_module
+from helpers import RecordWeights, StopAfter, fit, make_module
 
 STALE = dict(sampling=dict(old_logprobs="forward"), ppo=dict(epochs=1))
-
-
-class RecordWeights(Callback):
-    """The policy's weights at the start of each iteration: version i is the weights after i updates."""
-
-    def __init__(self) -> None:
-        self.versions: list[dict[str, torch.Tensor]] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.versions.append({name: p.detach().clone() for name, p in pl_module.policy.named_parameters()})
 
 
 def stale_fit(tmp_path, k: int, concurrent: bool, iterations: int = 4, **overrides):
@@ -191,18 +181,6 @@ def test_the_one_page_view_charts_the_staleness_and_every_charted_tag_is_documen
     assert "off_policy/staleness_mean" not in str(custom_scalars_layout())
 
 
-class StopAfter(Callback):
-    """Save a full checkpoint after iteration ``n`` and stop the run there."""
-
-    def __init__(self, n: int, path) -> None:
-        self.n, self.path = n, path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if pl_module.iteration == self.n:
-            trainer.save_checkpoint(self.path, weights_only=False)
-            trainer.should_stop = True
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_a_run_stopped_and_resumed_trains_the_weights_of_one_never_stopped(tmp_path, k):
     """Six iterations straight against three, a checkpoint, and three more from it: the batches in flight at the
@@ -297,7 +275,7 @@ def test_an_engine_that_cannot_sample_older_weights_is_refused_naming_both_setti
             raise AssertionError("not reached")
 
     with pytest.raises(
-        ConfigError, match=r"^model\.rollout_engine must be 'hf' with model\.off_policy\.max_staleness 1 .*got 'OwnWeights'"
+        ConfigError, match=r"^model\.rollout_engine must be 'hf' or 'vllm' with model\.off_policy\.max_staleness 1 .*got 'OwnWeights'"
     ):
         make_module(**STALE, off_policy=dict(max_staleness=1), rollout_engine=OwnWeights())
 

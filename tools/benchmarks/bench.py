@@ -103,7 +103,7 @@ tests check instead of a time.
 
 ``--max-staleness K`` measures something else: the seconds per iteration of the real loop (the plain module, no
 phase clock, no floors) with the sampler running K updates ahead (``model.off_policy.max_staleness``, its own
-thread) against the synchronous loop, in one process, runs alternating K, 0, K, 0 per mode (``full``, ``lora``)
+thread; ``--engine``'s engine) against the synchronous loop, in one process, runs alternating K, 0, K, 0 per mode (``full``, ``lora``)
 so that a load that drifts hits both alike; both with ``model.sampling.old_logprobs: forward`` (required with
 K > 0), the prompts of the built-in file in order (``PromptDataModule``, whose loader the sampler reads ahead),
 ``--max-new-tokens`` tokens per response and ``--ppo-epochs``' first value with ``--num-minibatches``. It prints
@@ -1105,6 +1105,7 @@ def staleness_run(args: argparse.Namespace, mode: str, k: int) -> tuple[list[flo
         lora=dict(rank=args.lora_rank if lora else 0, alpha=2.0 * args.lora_rank),
         runtime=dict(log_samples_every_n_steps=0),
         off_policy=dict(max_staleness=k),
+        rollout_engine=args.engine,
     )
     ends = Ends()
     with tempfile.TemporaryDirectory(prefix="rlhf_bench_stale_") as root:
