@@ -31,7 +31,9 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
+from rlhf_lightning import fsdp2
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import ConfigError, require
 from rlhf_lightning.interfaces import Samples
@@ -156,17 +158,27 @@ class AsyncRollouts:
         self._thread: Optional[threading.Thread] = None
         self._hung = False  # the sampler missed sampler_timeout_s: close() does not wait for it
         self.handed_ahead = 0  # batches handed to the sampler before their iteration (read ahead)
+        self.skeleton = None  # FSDP2: the policy's structure, kept before sharding (keep_skeleton)
 
     def setup(self, trainer) -> None:
-        """At start-up, before any model loads: the strategies the sampler's copy of the weights serves (one
-        process or DDP: every rank holds the whole policy)."""
-        strategy = type(trainer.strategy).__name__
+        """At start-up, before any model loads: the strategies the sampler's copy of the weights serves: one process,
+        DDP and FSDP2 (ModelParallelStrategy: each rank's sampler holds the whole policy, gathered when published);
+        not FSDP version 1 nor DeepSpeed, whose sharded weights no published version gathers."""
+        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+        strategy = trainer.strategy
         require(
-            not any(name in strategy for name in ("ModelParallel", "FSDP", "DeepSpeed")),
+            not isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)),
             "model.off_policy.max_staleness",
-            f"0 under {strategy} (the sampler copies the whole policy's weights; one process or DDP only for now)",
+            f"0 under {type(strategy).__name__} (the sampler gathers the policy's weights under one process, DDP and FSDP2 "
+            "(ModelParallelStrategy) only)",
             self.k,
         )
+
+    def keep_skeleton(self, policy) -> None:
+        """Under FSDP2, before the policy is sharded: a copy of its structure on the meta device (no memory), which
+        the sampler's whole copy of the policy is made from at its first draw (``_sampler_networks``)."""
+        self.skeleton = fsdp2.meta_copy(policy)
 
     # ------------------------------------------------------------------ the trainer's side
     def draw(self, prompts: list[str], upcoming: list[list[str]], timer) -> Drawn:
@@ -198,8 +210,9 @@ class AsyncRollouts:
     def publish(self, version: int) -> None:
         """Keep the policy's trainable weights as ``version`` (a LoRA policy's: its adapter; the frozen base is
         the sampler copy's own): the sampler reads them while the trainer updates its own."""
-        if version not in self.versions:
-            self.versions[version] = {name: p.detach().clone() for name, p in self._trainable(self.module.policy)}
+        if version not in self.versions:  # FSDP2: each trainable tensor gathered whole (a collective, on every rank alike)
+            whole = lambda p: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+            self.versions[version] = {name: whole(p.detach()) for name, p in self._trainable(self.module.policy)}
             self.steps[version] = self.module.global_step
 
     def submit(self, iteration: int, prompts: list[str]) -> None:
@@ -311,7 +324,12 @@ class AsyncRollouts:
         if self.networks is None:
             module = self.module
             trainer = module.networks
-            policy = copy.deepcopy(module.policy)
+            if self.skeleton is None:
+                policy = copy.deepcopy(module.policy)
+            else:  # FSDP2: the whole policy, gathered (a collective: every rank draws its first batch at the same iteration)
+                whole = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in module.policy.state_dict().items()}
+                policy, self.skeleton = self.skeleton, None
+                policy.load_state_dict(whole, assign=True)
             self.frozen = {name: p.detach().clone() for name, p in policy.named_parameters() if not p.requires_grad}
             self.networks = Networks(
                 policy,
@@ -334,7 +352,9 @@ class AsyncRollouts:
         """Whether the sampler runs the reference's pass: it is frozen (``model.reference_update`` none) and
         ``score_in_sampler``. Its model there: the trainer's separate one (read, never written, by both threads), or
         under LoRA the sampler copy's own weights with the adapter disabled."""
-        return self.module.off_policy.score_in_sampler and not self.module.reference_update.moves
+        module = self.module
+        sharded = module.networks.ref_model is not None and fsdp2.is_sharded(module.networks.ref_model)  # its passes gather
+        return module.off_policy.score_in_sampler and not module.reference_update.moves and not sharded
 
     def _step_context(self):
         """What the trainer's step runs inside (the precision plugin's: autocast, the CPU's oneDNN route), for the

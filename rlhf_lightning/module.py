@@ -623,6 +623,8 @@ class PPORLHF(LightningModule):
             args.check_context(self.prompts, self.sampling, reference.config, self.longest_prompt, "model.reference's")
             models.check_reference_vocabulary(policy, reference)
             self.ref_model = frozen_copy(reference, copy_of=lambda model: model)
+        if sharded and self.async_rollouts is not None:
+            self.async_rollouts.keep_skeleton(self.policy)
         if sharded:
             shard_models(
                 self.device_mesh, self.policy, self.critic, self.ref_model, self.initial_model, rows, self.lora.rank > 0, reference_rows

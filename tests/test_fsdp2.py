@@ -228,6 +228,25 @@ def test_two_process_fsdp2_resets_the_reference_with_full_fine_tuning_and_lora(t
     assert fsdp["objective/kl"] == [0.0, 0.0] and fsdp["objective/kl_to_initial"][1] > 0.01
 
 
+@pytest.mark.parametrize(
+    "lora", [(), pytest.param(("--model.lora.rank=4", "--model.critic=shared"), marks=pytest.mark.convergence)], ids=["full", "lora"]
+)
+def test_two_process_fsdp2_with_the_sampler_one_update_ahead_trains_as_one_process(tmp_path, lora):
+    """``model.off_policy.max_staleness: 1`` under FSDP2: each rank's sampler holds the whole policy, built from the
+    gathered shards at its first draw, each published version gathered whole (under LoRA the adapter), the reference's
+    pass and the reward in the sampler where it can (the LoRA reference) and in the trainer where the reference is
+    sharded; the run logs what one process with the sampler one update ahead logs."""
+    stale = ("--model.sampling.old_logprobs=forward", "--model.off_policy.max_staleness=1", *lora)
+    run(tmp_path / "single", 1, *stale)
+    run(tmp_path / "fsdp2", 2, *stale)
+    single, fsdp = scalars(tmp_path / "single"), scalars(tmp_path / "fsdp2")
+    assert fsdp["off_policy/staleness_mean"] == [0.0, 1.0, 1.0, 1.0]
+    assert fsdp["objective/kl"][-1] > 0.01  # the policy moved, and its stale batches were drawn from moved weights
+    for name in (*COMPARED, "policy/loss", "off_policy/ess"):
+        for a, b in zip(single[name], fsdp[name], strict=True):
+            assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5), (name, single[name], fsdp[name])
+
+
 @pytest.mark.parametrize("numel", [7, 8])
 def test_local_numel_counts_shards(numel):
     from rlhf_lightning.fsdp2 import local_numel

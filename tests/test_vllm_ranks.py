@@ -116,8 +116,10 @@ def test_two_ranks_sampling_with_vllm_reach_the_declared_optimum():
     assert 2 <= kept["responses"] < 27 and kept["optimum_top_prob"] < 0.8 and last["optimum_kl_to_ref"] > 0.05
 
 
-def test_asynchronous_engines_on_two_ddp_ranks_resume_as_the_straight_run(tmp_path):
-    """``model.off_policy.max_staleness: 1`` under DDP: each rank's sampler thread drives its own engine (generate with
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_asynchronous_engines_on_two_ranks_resume_as_the_straight_run(tmp_path, strategy):
+    """``model.off_policy.max_staleness: 1`` under DDP and FSDP2 (where the engine syncs from the sampler's whole copy of
+    the policy, gathered in the trainer's thread): each rank's sampler thread drives its own engine (generate with
     tensor parallel size 1 runs no collective: every vLLM group but the world one, used at the engine's start in the
     trainer's thread, holds one rank). Four iterations, checkpointed after the second with each rank's batch in flight;
     the run resumed from it runs the last two, its engines started from the checkpoint's weights: the straight run's
@@ -130,13 +132,13 @@ def test_asynchronous_engines_on_two_ddp_ranks_resume_as_the_straight_run(tmp_pa
         f"--trainer.callbacks.path={checkpoint}",
         "--trainer.callbacks.iteration=2",
     )
-    straight, rollouts, _ = two_ranks(tmp_path / "straight", "ddp", *stale, *save)
+    straight, rollouts, _ = two_ranks(tmp_path / "straight", strategy, *stale, *save)
     assert straight["off_policy/staleness_mean"] == [0.0, 1.0, 1.0, 1.0]
     assert straight["rollout/logprob_diff_max"][0] < FP32_ROUNDING < min(straight["rollout/logprob_diff_max"][1:])
     by_rank = {(r["rank"], r["iteration"]): r for r in rollouts}
     for iteration in (1, 2, 3, 4):
         assert by_rank[(0, iteration)]["responses"] != by_rank[(1, iteration)]["responses"]
-    resumed, resumed_rollouts, _ = two_ranks(tmp_path / "resumed", "ddp", *stale, f"--ckpt_path={checkpoint}")
+    resumed, resumed_rollouts, _ = two_ranks(tmp_path / "resumed", strategy, *stale, f"--ckpt_path={checkpoint}")
     assert len(resumed["objective/kl"]) == 2 and len(resumed_rollouts) == 4
     for key in ("objective/kl", "objective/reward", "response/length", "rollout/logprob_diff_max"):
         assert resumed[key] == pytest.approx(straight[key][2:], abs=1e-5), key
