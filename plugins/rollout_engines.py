@@ -113,7 +113,7 @@ class VLLMEngine(RolloutEngine):
     DDP and FSDP2), created at the first rollout from the policy's current weights (a resumed run:
     the checkpoint's) and brought up to date before a rollout whenever the policy has taken
     optimizer steps since (LoRA: the adapter alone, or merged into the base weights: ``lora_sync``).
-    With asynchronous rollouts (``model.off_policy.max_staleness`` > 0, one process or DDP) the sampler thread
+    With asynchronous rollouts (``model.off_policy.max_staleness`` > 0, one process, DDP or FSDP2) the sampler thread
     drives it: started in the trainer's thread from the sampler's copy of the policy, then synced from that
     copy, which holds the published version a batch is drawn from (``global_step``: that version's optimizer
     steps); one lock serialises its use (a rollout of the trainer's own, validation, waits for the sampler's

@@ -45,9 +45,10 @@ def test_checks_cover_the_issue_list():
     """One GPU with deepspeed: 8 precision runs, DDP and FSDP2 at world size 1 and over gloo, ZeRO-2
     and ZeRO-3 (refused), asynchronous rollouts (tiny and SmolLM2), the resume; several GPUs add NCCL runs; no deepspeed, no DeepSpeed runs."""
     names = [c.name for c in gpu_check.checks(gpus=1, deepspeed=True)]
-    assert len(names) == 17 and {
+    assert len(names) == 18 and {
         "ddp-1",
         "async-1",
+        "async-bench",
         "smollm2-async-1",
         "fsdp2-1",
         "ddp-gloo-2proc",
@@ -85,3 +86,17 @@ def test_setup_installs_the_cuda_build_where_a_gpu_answers(tmp_path, flag, nvidi
         assert "--index-url https://download.pytorch.org/whl/cu128" in out
     else:
         assert "whl/cu" not in out
+
+
+def test_the_async_bench_check_passes_on_the_staleness_line_and_carries_it(tmp_path, monkeypatch):
+    """``async-bench`` runs docs/performance.md's comparison (bench.py --max-staleness 1 on CUDA): it passes when the
+    benchmark exits 0 with its STALENESS line, which the note carries; without the line or with an exit status, it fails."""
+    import subprocess
+
+    (check,) = [c for c in gpu_check.checks(gpus=1, deepspeed=False) if c.name == "async-bench"]
+    assert check.bench and check.args[:2] == ("--device", "cuda") and "--max-staleness" in check.args
+    line = "STALENESS k=1 full_ratio=0.736 full_iter_s=10.411 lora_ratio=0.663 lora_iter_s=8.121 load=0.5-0.6"
+    for stdout, status, passed in ((f"full: ...\n{line}\n", 0, True), ("no line\n", 0, False), (f"{line}\n", 1, False)):
+        monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(a, status, stdout, ""))
+        result = gpu_check.run_check(check, tmp_path / str(status))
+        assert result.passed is passed and (result.note == line) is passed, result

@@ -18,6 +18,9 @@ Each check is a short ``rlhf-lightning fit`` in its own folder (3 PPO iterations
 - ``async-1`` and ``smollm2-async-1``: asynchronous rollouts (``model.off_policy.max_staleness: 1``, the sampler in
   its own thread on the GPU; ``old_logprobs: forward``, which they require) on the tiny model and on
   configs/quickstart.yaml.
+- ``async-bench`` (on a GPU): ``tools/benchmarks/bench.py --max-staleness 1 --mode both --critic shared ...``, the
+  comparison docs/performance.md gives for this CPU (the quickstart's workload, LoRA and full fine-tuning, the sampler
+  one update ahead against the synchronous loop); its note is the ``STALENESS`` line with both ratios.
 - ``resume``: 4 iterations straight against a run stopped by SIGTERM in its 3rd iteration and
   resumed from ``last.ckpt``, deterministic algorithms on: it must log exactly what the straight
   run logged.
@@ -61,6 +64,9 @@ TINY = ("--config", "configs/tiny.yaml", *SHORT, "--trainer.limit_train_batches=
 RATIO = ("--model.sampling.old_logprobs=forward", "--model.ppo.epochs=1", "--model.ppo.num_minibatches=1")
 SMOLLM2 = ("--config", "configs/quickstart.yaml", *SHORT, "--trainer.limit_train_batches=3")
 DEEPSPEED_3_REFUSAL = "trainer.strategy must be DeepSpeed ZeRO stage 0, 1 or 2"
+# docs/performance.md's asynchronous-rollouts comparison (the quickstart's workload, LoRA and full fine-tuning)
+ASYNC_BENCH = ("--max-staleness", "1", "--mode", "both", "--critic", "shared", "--ppo-epochs", "2", "--num-minibatches", "2")
+ASYNC_BENCH += ("--max-new-tokens", "20", "--iters", "2", "--warmup", "1")
 
 
 @dataclass
@@ -75,6 +81,7 @@ class Check:
     resume: bool = False  # the exact-resume check (check_resume) on these arguments
     env: dict = field(default_factory=dict)
     vllm_sleep: bool = False  # the sleep-mode check (check_vllm_sleep) on these arguments
+    bench: bool = False  # ``args`` are tools/benchmarks/bench.py's (check_bench), not the command's
 
 
 @dataclass
@@ -115,6 +122,8 @@ def checks(gpus: int, deepspeed: bool, accelerator: str = "gpu", vllm: bool = Fa
         ]
     stale = ("--model.sampling.old_logprobs=forward", "--model.off_policy.max_staleness=1")
     out += [Check("async-1", (*TINY, *device, *stale)), Check("smollm2-async-1", (*SMOLLM2, *device, *stale))]
+    if accelerator == "gpu":
+        out.append(Check("async-bench", ("--device", "cuda", *ASYNC_BENCH), bench=True))
     resume = (*TINY, *RATIO, *device, "--trainer.deterministic=true")
     out.append(Check("resume", resume, resume=True, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}))
     if vllm:
@@ -171,6 +180,8 @@ def run_check(check: Check, root: Path) -> Result:
         return check_resume(check, root)
     if check.vllm_sleep:
         return check_vllm_sleep(check, root)
+    if check.bench:
+        return check_bench(check, root)
     start = time.perf_counter()
     status, output = launch(check, root)
     seconds = time.perf_counter() - start
@@ -232,6 +243,24 @@ def check_vllm_sleep(check: Check, root: Path) -> Result:
         peaks[level] = max(float(v) for v in (folder / "memory.txt").read_text().split())
     note = f"GPU memory in use during the update: {peaks[0]:.2f} GiB awake, {peaks[1]:.2f} GiB asleep"
     return Result(check.name, peaks[1] < peaks[0], time.perf_counter() - start, note=note)
+
+
+def check_bench(check: Check, root: Path, timeout: float = 1200) -> Result:
+    """``tools/benchmarks/bench.py`` with ``check.args``: passes when it exits 0 and prints its ``STALENESS`` line (the
+    seconds per iteration with the sampler one update ahead over the synchronous loop's), which the note carries. A
+    measure beside the other checks on the same GPU: rerun it alone (``--only async-bench --jobs 1``) for the figure."""
+    root.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    command = [sys.executable, str(REPO / "tools" / "benchmarks" / "bench.py"), *check.args]
+    try:
+        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Result(check.name, False, time.perf_counter() - start, note=f"no result in {timeout:.0f} s")
+    line = next((line for line in done.stdout.splitlines() if line.startswith("STALENESS")), None)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0 or line is None:
+        return Result(check.name, False, seconds, note=f"exit {done.returncode}: {last_line(done.stdout + done.stderr)}")
+    return Result(check.name, True, seconds, note=line)
 
 
 def last_line(output: str) -> str:
