@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import math
 import sys
 from collections.abc import Sequence
@@ -88,7 +89,7 @@ def kl_bins(kl: np.ndarray, values: np.ndarray, edges: Sequence[float]) -> list[
     """(mean of ``values``, count) over the points whose KL lies in [edges[i], edges[i + 1]), one per bin;
     (nan, 0) for a bin no point reached. Runs are then compared at the same KL, not the same iteration."""
     out = []
-    for low, high in zip(edges[:-1], edges[1:], strict=True):
+    for low, high in itertools.pairwise(edges):
         inside = (kl >= low) & (kl < high)
         out.append((float(values[inside].mean()) if inside.any() else math.nan, int(inside.sum())))
     return out
@@ -165,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         help="KL bin edges (nats, increasing): mean gold and proxy per run in each bin, to <out>_bins.csv",
     )
     args = parser.parse_args(argv)
-    if args.kl_bins is not None and (len(args.kl_bins) < 2 or any(b <= a for a, b in zip(args.kl_bins, args.kl_bins[1:]))):
+    if args.kl_bins is not None and (len(args.kl_bins) < 2 or any(b <= a for a, b in itertools.pairwise(args.kl_bins))):
         parser.error(f"--kl-bins must be at least 2 increasing edges, got {args.kl_bins}")
     rows, curves, points = [], [], []
     for spec in args.runs:
@@ -205,7 +206,9 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
             writer.writerow(["run", "kl_low", "kl_high", "iterations", "gold", "proxy"])
             print("run               KL bin         iters   gold   proxy")
             for label, kl, gold, proxy in points:
-                for (low, high), (g, n), (p, _) in zip(zip(edges, edges[1:]), kl_bins(kl, gold, edges), kl_bins(kl, proxy, edges)):
+                for (low, high), (g, n), (p, _) in zip(
+                    itertools.pairwise(edges), kl_bins(kl, gold, edges), kl_bins(kl, proxy, edges), strict=True
+                ):
                     writer.writerow([label, low, high, n, g, p])
                     print(f"{label:<16} [{low:g}, {high:g})  {n:5d}  {g:6.3f}  {p:6.3f}")
         written.append(bins)
