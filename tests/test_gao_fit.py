@@ -133,3 +133,21 @@ def test_kl_bins_must_increase(tmp_path):
     writer.close()
     with pytest.raises(SystemExit):
         gao_fit.main([f"x={tmp_path / 'run'}", "--blocks", "1", "--kl-bins", "5", "2", "--out", str(tmp_path / "g.png")])
+
+
+def test_a_resumed_run_reads_its_folders_in_order_as_one(tmp_path):
+    """label=first,second: the steps of both folders, a later folder's step replacing the same step of an earlier one."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    d = np.arange(10.0)
+    kl, gold = d**2, 0.25 + gao_fit.gao_curve(d, 0.2, 0.1)
+    for name, steps in (("whole", range(10)), ("first", range(6)), ("second", range(5, 10))):
+        writer = SummaryWriter(str(tmp_path / name))
+        for step in steps:
+            stale = 1.0 if name == "first" and step == 5 else 0.0  # step 5 logged again after the resumption
+            writer.add_scalar("objective/gold_reward", gold[step] + stale, step)
+            writer.add_scalar("objective/kl", kl[step], step)
+        writer.close()
+    (whole,) = gao_fit.main([f"a={tmp_path / 'whole'}", "--blocks", "5", "--out", str(tmp_path / "w.png")])
+    (resumed,) = gao_fit.main([f"a={tmp_path / 'first'},{tmp_path / 'second'}", "--blocks", "5", "--out", str(tmp_path / "r.png")])
+    assert resumed == pytest.approx(whole) and resumed["iterations"] == 10

@@ -14,7 +14,7 @@ is linear in (alpha, beta): least squares on the columns [d, -d log d] (numpy ``
 0 log 0 = 0. The fitted curve peaks at d* = exp(alpha / beta - 1), where R(d*) = beta d*.
 
 Each run is ``label=log_dir`` (a TensorBoard folder of ``rlhf-lightning fit`` with a
-``gold_reward_model``). Its points are one per iteration: d from ``objective/kl_to_initial``
+``gold_reward_model``; a resumed run ``label=first,second``, its folders in order, a later one's steps winning). Its points are one per iteration: d from ``objective/kl_to_initial``
 (the KL estimate of the rollout to the starting policy, which with a frozen reference is
 ``objective/kl``; negative estimates count as 0), R = ``objective/gold_reward`` minus the gold of
 the first iteration, whose policy is the initial one. Per run the tool prints alpha, beta, the
@@ -70,7 +70,7 @@ def gao_curve(d: np.ndarray, alpha: float, beta: float) -> np.ndarray:
 
 def run_points(log_dir: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(iterations, KL to the initial policy, gold reward, proxy reward), one per logged iteration."""
-    scalars = read_scalars(log_dir)
+    scalars = read_scalars(log_dir.split(","))
     gold = scalars.get("objective/gold_reward")
     if not gold:
         raise ValueError(f"{log_dir} has no objective/gold_reward (was model.gold_reward_model set?)")
@@ -174,7 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         if not sep or not label or not log_dir:
             parser.error(f"each run must be label=log_dir, got {spec!r}")
         try:
-            log_folder(log_dir)
+            for folder in log_dir.split(","):
+                log_folder(folder)
         except argparse.ArgumentTypeError as err:
             parser.error(f"argument label=log_dir {spec!r}: {err}")
         _, kl, gold, proxy = run_points(log_dir)
