@@ -275,18 +275,24 @@ class PPORLHF(LightningModule):
         R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in the reward), beta the
         row's (``betas``, (batch,)); with a sequence-level divergence R_t = (r_RM - beta f'(u)) * 1[t = T], u the
         response's probability ratio to the reference (``divergence_terms``). A non-finite reward, KL or penalty on
-        any rank is a fault, named in ``Scored.fault``."""
+        any rank is a fault, named in ``Scored.fault``: the penalty beta f'(u) as the reward holds it (float32), so
+        a u finite in float64 but past float32's range (chi2: log u > 88 + log(1 / 2 beta)) is not a silent inf."""
         kl, raw_scores, fault = self.kl_per_token(rollout), rollout.raw_scores, rollout.reward_fault
         penalty, divergence = self.divergence_terms(rollout, kl)
+        if penalty is not None:  # beta f'(u) in float64; the reward holds it in kl's dtype, where e^(log u) overflows sooner
+            penalty = betas.to(penalty.device, penalty.dtype) * penalty
         if raw_scores is None and fault is None:  # not scored by the sampler ahead
             raw_scores, fault = self.reward(rollout.prompts, rollout.response_texts)
         bad = []
         if fault is None and not torch.isfinite(kl).all():
             bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
             fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()}"
-        elif fault is None and penalty is not None and not torch.isfinite(penalty).all():
-            bad = (~torch.isfinite(penalty)).nonzero().flatten().tolist()
-            fault = f"the {type(self.divergence).__name__} penalty f'(u) is not finite for responses {bad}: {penalty[bad].tolist()}"
+        elif fault is None and penalty is not None and not torch.isfinite(penalty.to(kl.dtype)).all():
+            bad = (~torch.isfinite(penalty.to(kl.dtype))).nonzero().flatten().tolist()
+            fault = (
+                f"the {type(self.divergence).__name__} penalty beta f'(u) is not finite in the reward's {kl.dtype} "
+                f"for responses {bad}: {penalty[bad].tolist()}"
+            )
         if bad:
             bad_betas = sorted(set(betas[bad].tolist()))  # one beta, or each bad row's prompt's
             fault += f" (beta {bad_betas[0] if len(bad_betas) == 1 else bad_betas})"
@@ -295,7 +301,7 @@ class PPORLHF(LightningModule):
         scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce).to(self.device)
         kl_in_reward = kl if self.kl.in_reward and penalty is None else torch.zeros_like(kl)
         row_betas = betas.to(kl.dtype).unsqueeze(-1)  # (batch, 1)
-        penalised = scores if penalty is None else scores - betas.to(scores.dtype) * penalty.to(scores.dtype)
+        penalised = scores if penalty is None else scores - penalty.to(scores.device, scores.dtype)
         rewards = pm.token_rewards(penalised, kl_in_reward, rollout.response_mask, row_betas)
         return Scored(kl, raw_scores, scores, rewards, divergence=divergence)
 

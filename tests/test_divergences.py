@@ -252,6 +252,31 @@ def test_a_sequence_level_divergence_puts_minus_beta_f_prime_of_u_at_the_last_to
     assert metrics["objective/net"] == pytest.approx(metrics["objective/reward"] - 0.7 * metrics["objective/divergence"], rel=1e-9)
 
 
+def test_a_penalty_past_the_rewards_float32_range_is_a_fault_not_a_silent_inf():
+    """chi2's beta f'(u) = 2 beta (u - 1) is computed in float64 (finite up to log u ~ 709) but the reward holds it in
+    float32 (finite up to ~3.4e38): a response with log u of about 120 nats (2 x 1e-3 x e^120 ~ 1e49) was a -inf reward
+    with no fault. It is now the iteration's fault, naming the response and the penalty; the others are as before."""
+    import dataclasses
+
+    module = perturbed_module(divergence=divergence_named("chi2"))
+    torch.manual_seed(0)
+    rollout = module.rollout(["Hi", "Go"] * 2)
+    mask = rollout.response_mask
+    betas = torch.full((len(rollout.prompts),), 1e-3, dtype=torch.float64)
+    assert module.score(rollout, betas).fault is None
+    ref = rollout.ref_logprobs.clone()
+    ref[0] -= 120.0 / mask[0].sum() * mask[0]  # response 0: log u + 120 nats
+    far = dataclasses.replace(rollout, ref_logprobs=ref)
+    log_u = ((far.trainer_logprobs.double() - far.ref_logprobs.double()) * mask).sum(-1)
+    assert 100 < log_u[0] < 709  # finite in float64, past float32
+    scored = module.score(far, betas)
+    assert scored.fault.startswith("the ChiSquared penalty beta f'(u) is not finite in the reward's torch.float32 for responses [0]: [")
+    assert scored.fault.endswith("(beta 0.001)")
+    penalty = float(scored.fault.split(": [")[1].split("]")[0])
+    assert penalty == pytest.approx(2e-3 * math.expm1(float(log_u[0])), rel=1e-9)
+    assert scored.rewards is None
+
+
 def test_the_reverse_kl_default_keeps_the_per_token_penalty_and_its_divergence_is_the_kl():
     """The default divergence changes nothing: R_t = r 1[t = T] - beta kl_t, objective/divergence = objective/kl."""
     with pytest.warns(UserWarning, match="biased gradient of the KL"):  # k3 in the reward: warned of, as before

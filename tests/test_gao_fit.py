@@ -72,3 +72,82 @@ def test_a_run_without_gold_is_refused(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="no objective/gold_reward"):
         gao_fit.main([f"x={tmp_path / 'run'}", "--out", str(tmp_path / "g.png")])
+
+
+def test_kl_bins_average_the_points_inside_each_half_open_bin_and_count_them():
+    kl = np.array([0.0, 1.0, 4.9, 5.0, 7.5, 12.0, 30.0])
+    gold = np.array([0.1, 0.2, 0.3, 0.4, 0.6, 0.9, 5.0])
+    # [0, 5): 0.1, 0.2, 0.3 -> 0.2 (3); [5, 10): 0.4, 0.6 -> 0.5 (2); [10, 20): 0.9 (1); [20, 25): none; 30 is past the last edge.
+    bins = gao_fit.kl_bins(kl, gold, [0, 5, 10, 20, 25])
+    assert [n for _, n in bins] == [3, 2, 1, 0]
+    assert [g for g, _ in bins[:3]] == pytest.approx([0.2, 0.5, 0.9], abs=1e-12)
+    assert math.isnan(bins[3][0])
+
+
+def test_two_runs_are_compared_at_matched_kl_with_the_proxy_panel(tmp_path):
+    """--kl-bins writes each run's mean gold and proxy per KL bin (<out>_bins.csv), whatever iteration the KL was reached at."""
+    import csv
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    runs = {"fast": (np.array([0.0, 2.0, 6.0, 8.0]), 0.01), "slow": (np.array([0.0, 1.0, 3.0, 4.0, 6.5, 7.0]), 0.02)}
+    for name, (kl, slope) in runs.items():
+        writer = SummaryWriter(str(tmp_path / name))
+        for step, k in enumerate(kl):
+            writer.add_scalar("objective/gold_reward", 0.2 + slope * k, step)
+            writer.add_scalar("objective/reward", 0.5 * k, step)
+            writer.add_scalar("objective/kl", k, step)
+        writer.close()
+    out = tmp_path / "cmp.png"
+    args = [
+        f"fast={tmp_path / 'fast'}",
+        f"slow={tmp_path / 'slow'}",
+        "--blocks",
+        "2",
+        "--proxy",
+        "--kl-bins",
+        "0",
+        "5",
+        "10",
+        "--out",
+        str(out),
+    ]
+    gao_fit.main(args)
+    rows = list(csv.DictReader(out.with_name("cmp_bins.csv").open()))
+    got = {(r["run"], float(r["kl_low"])): (int(r["iterations"]), float(r["gold"]), float(r["proxy"])) for r in rows}
+    # fast: [0, 5) holds KL 0, 2 (gold 0.2 + 0.01 x mean KL 1); [5, 10) KL 6, 8 (mean 7). slow: [0, 5) KL 0, 1, 3, 4 (mean 2), [5, 10) 6.5, 7.
+    assert got[("fast", 0.0)] == pytest.approx((2, 0.21, 0.5), abs=1e-6)
+    assert got[("fast", 5.0)] == pytest.approx((2, 0.27, 3.5), abs=1e-6)
+    assert got[("slow", 0.0)] == pytest.approx((4, 0.24, 1.0), abs=1e-6)
+    assert got[("slow", 5.0)] == pytest.approx((2, 0.335, 3.375), abs=1e-6)
+    assert out.stat().st_size > 0
+
+
+def test_kl_bins_must_increase(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in range(3):
+        writer.add_scalar("objective/gold_reward", 0.2, step)
+        writer.add_scalar("objective/kl", float(step), step)
+    writer.close()
+    with pytest.raises(SystemExit):
+        gao_fit.main([f"x={tmp_path / 'run'}", "--blocks", "1", "--kl-bins", "5", "2", "--out", str(tmp_path / "g.png")])
+
+
+def test_a_resumed_run_reads_its_folders_in_order_as_one(tmp_path):
+    """label=first,second: the steps of both folders, a later folder's step replacing the same step of an earlier one."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    d = np.arange(10.0)
+    kl, gold = d**2, 0.25 + gao_fit.gao_curve(d, 0.2, 0.1)
+    for name, steps in (("whole", range(10)), ("first", range(6)), ("second", range(5, 10))):
+        writer = SummaryWriter(str(tmp_path / name))
+        for step in steps:
+            stale = 1.0 if name == "first" and step == 5 else 0.0  # step 5 logged again after the resumption
+            writer.add_scalar("objective/gold_reward", gold[step] + stale, step)
+            writer.add_scalar("objective/kl", kl[step], step)
+        writer.close()
+    (whole,) = gao_fit.main([f"a={tmp_path / 'whole'}", "--blocks", "5", "--out", str(tmp_path / "w.png")])
+    (resumed,) = gao_fit.main([f"a={tmp_path / 'first'},{tmp_path / 'second'}", "--blocks", "5", "--out", str(tmp_path / "r.png")])
+    assert resumed == pytest.approx(whole) and resumed["iterations"] == 10

@@ -97,6 +97,6 @@ def test_the_async_bench_check_passes_on_the_staleness_line_and_carries_it(tmp_p
     assert check.bench and check.args[:2] == ("--device", "cuda") and "--max-staleness" in check.args
     line = "STALENESS k=1 full_ratio=0.736 full_iter_s=10.411 lora_ratio=0.663 lora_iter_s=8.121 load=0.5-0.6"
     for stdout, status, passed in ((f"full: ...\n{line}\n", 0, True), ("no line\n", 0, False), (f"{line}\n", 1, False)):
-        monkeypatch.setattr(subprocess, "run", lambda *a, **kw: subprocess.CompletedProcess(a, status, stdout, ""))
+        monkeypatch.setattr(subprocess, "run", lambda *a, s=status, out=stdout, **kw: subprocess.CompletedProcess(a, s, out, ""))
         result = gpu_check.run_check(check, tmp_path / str(status))
         assert result.passed is passed and (result.note == line) is passed, result

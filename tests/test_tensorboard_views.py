@@ -145,6 +145,27 @@ def test_summarize_run_prints_and_plots_two_runs_side_by_side(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_summarize_run_shows_the_divergence_only_where_it_is_not_the_kl(tmp_path):
+    """Under chi2 (a sequence-level divergence) objective/divergence is its own column, block means by hand; under the
+    reverse KL it equals objective/kl and is left out."""
+    import subprocess
+    import sys
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    for name, divergence in (("chi2", [5.0, 7.0, 1.0, 2.0]), ("kl", [0.0, 1.0, 2.0, 3.0])):
+        with SummaryWriter(tmp_path / name) as writer:
+            for step in range(4):
+                writer.add_scalar("objective/kl", step, step)
+                writer.add_scalar("objective/divergence", divergence[step], step)
+    script = Path(__file__).parents[1] / "tools" / "summarize_run.py"
+    argv = [sys.executable, str(script), str(tmp_path / "chi2"), str(tmp_path / "kl"), "--runs", "--blocks", "2"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600).stdout
+    chi2, kl = out.split(f"== {tmp_path / 'kl'}")
+    assert "divergence" in chi2 and "divergence" not in kl, out
+    assert re.search(r"0-1\s+0\.5000\s+6\.0000", chi2) and re.search(r"2-3\s+2\.5000\s+1\.5000", chi2), chi2
+
+
 def test_summarize_run_histograms_prints_each_iterations_exact_spread_and_draws_it(tmp_path):
     """tools/summarize_run.py --histograms: per iteration the mean, std, min and max of the prompts/kl histogram's values
     (exact, from its moments: values 1, 2, 3, 6 have mean 3, std sqrt(3.5) = 1.8708), and one PNG for two runs."""

@@ -36,6 +36,7 @@ COLUMNS = (
     "objective/gold_reward",
     "objective/kl",
     "objective/kl_to_initial",
+    "objective/divergence",
     "objective/beta",
     "objective/net",
     "objective/entropy",
@@ -57,8 +58,10 @@ def read_scalars(log_dirs: str | list[str]) -> dict[str, dict[int, float]]:
 
 def print_table(scalars: dict[str, dict[int, float]], every: int, blocks: int | None) -> None:
     """The COLUMNS of one run, every ``every``-th iteration or as means over ``blocks`` iterations, then the val/ and timing/ tags."""
-    # kl_to_initial only where the reference moved (with a frozen one it is objective/kl)
-    columns = [c for c in COLUMNS if c in scalars and not (c == "objective/kl_to_initial" and scalars[c] == scalars["objective/kl"])]
+    # kl_to_initial only where the reference moved, divergence only under another divergence than the reverse KL
+    # (otherwise each is objective/kl)
+    same_as_kl = ("objective/kl_to_initial", "objective/divergence")
+    columns = [c for c in COLUMNS if c in scalars and not (c in same_as_kl and scalars[c] == scalars["objective/kl"])]
     steps = list(scalars[columns[0]])
     if blocks:
         print("iters    " + "  ".join(f"{c.split('/')[-1]:>11}" for c in columns))
