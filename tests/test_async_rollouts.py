@@ -315,3 +315,17 @@ def test_the_command_stopped_mid_epoch_with_a_batch_in_flight_exits_cleanly(tmp_
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "terminate called" not in result.stderr
+
+
+def test_strategies_whose_shards_no_version_gathers_are_refused_naming_the_setting():
+    """One process, DDP and FSDP2 (ModelParallelStrategy) serve the sampler; FSDP version 1 is refused at start-up with
+    the field and the strategies that are served."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    module = make_module(**STALE, off_policy=dict(max_staleness=1))
+    for served in (DDPStrategy(), ModelParallelStrategy()):
+        module.async_rollouts.setup(SimpleNamespace(strategy=served))
+    with pytest.raises(ConfigError, match=r"model\.off_policy\.max_staleness must be 0 under FSDPStrategy \(.*DDP and FSDP2"):
+        module.async_rollouts.setup(SimpleNamespace(strategy=FSDPStrategy()))
