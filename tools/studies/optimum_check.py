@@ -741,7 +741,7 @@ DIVERGENCE_SETTINGS = {"forward_kl": {"batch_size": 1536}, "chi2": {"iterations"
 # the final iterate quiet: with the random task's 150 iterations and the lr decayed to 1/10 from the start, 4 of
 # the 8 documented runs held every prompt within 5%; decayed to 1/50 from the start, 6 of 8 and random:3's prompt A
 # never found its optimum's mode (its beta wound up to 0.08, gap 0.45); held for the first half or 2/3 of 150, the
-# policy found it but the betas, settled while the policy was still loud, ended 2-5% high (7 of 8, worst 0.055);
+# policy found it but the betas, settled while the policy was still loud, ended 1-3% high (7 of 8, worst 0.055 and 0.063);
 # 250 iterations held for 60%: 8 of 8, worst 0.030 and 0.031 on two machines (docs/plugins.md, "Per-prompt KL budgets").
 BUDGET_SETTINGS = {"iterations": 250, "lr_hold": 0.6, "lr_final": 0.02}
 
