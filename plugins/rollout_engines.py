@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from rlhf_lightning import fsdp2, prefix, sampling
 from rlhf_lightning.interfaces import RolloutEngine, Samples, require, require_number
-from rlhf_lightning.models import float32_head
+from rlhf_lightning.models import float32_head, full_tensor
 from rlhf_lightning.registry import register
 
 LORA_SYNCS = ("auto", "adapter", "merged")
@@ -387,13 +387,12 @@ class VLLMEngine(RolloutEngine):
         folder); its bytes."""
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
-        from torch.distributed.tensor import DTensor
 
         policy = module.networks.policy
         if module.networks.sharded:
             fsdp2.reshard(policy)
         state = get_peft_model_state_dict(policy, adapter_name="default")
-        tensors = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous() for name, t in state.items()}
+        tensors = {name: full_tensor(t).detach().contiguous() for name, t in state.items()}
         os.makedirs(self.adapter, exist_ok=True)
         policy.peft_config["default"].save_pretrained(self.adapter)
         save_file(tensors, os.path.join(self.adapter, "adapter_model.safetensors"))
@@ -441,9 +440,7 @@ def policy_weights(module, merge: bool = True) -> Iterator[tuple[str, Tensor]]:
     collective: every rank must walk the same parameters in the same order), so at most one full
     tensor (a merged linear: its base weight and its two adapter matrices) exists beside the shards.
     ``merge=False``: the base weights alone (the engine serves the adapter apart)."""
-    from torch.distributed.tensor import DTensor
 
-    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
     networks = module.networks
     if networks.sharded:
         fsdp2.reshard(networks.policy)  # every parameter its shard (a root keeps its weights gathered after a forward)
@@ -451,10 +448,10 @@ def policy_weights(module, merge: bool = True) -> Iterator[tuple[str, Tensor]]:
     modules = dict(model.named_modules())
     for name, tensor in hf_weights(model, with_names=True):
         with torch.no_grad():
-            weight = full(tensor.detach())
+            weight = full_tensor(tensor.detach())
             owner = modules.get(name[0].rsplit(".base_layer.", 1)[0]) if ".base_layer." in name[0] else None
             if merge and owner is not None and "default" in getattr(owner, "lora_A", {}):
-                a, b = full(owner.lora_A["default"].weight.detach()), full(owner.lora_B["default"].weight.detach())
+                a, b = full_tensor(owner.lora_A["default"].weight.detach()), full_tensor(owner.lora_B["default"].weight.detach())
                 weight = weight + (b.to(weight.dtype) @ a.to(weight.dtype)) * owner.scaling["default"]
         yield name[1], weight
 

@@ -37,6 +37,7 @@ from rlhf_lightning import fsdp2
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.checks import ConfigError, require
 from rlhf_lightning.interfaces import Samples
+from rlhf_lightning.models import full_tensor
 from rlhf_lightning.networks import Networks
 
 
@@ -211,7 +212,7 @@ class AsyncRollouts:
         """Keep the policy's trainable weights as ``version`` (a LoRA policy's: its adapter; the frozen base is
         the sampler copy's own): the sampler reads them while the trainer updates its own."""
         if version not in self.versions:  # FSDP2: each trainable tensor gathered whole (a collective, on every rank alike)
-            whole = lambda p: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+            whole = lambda p: p.full_tensor() if isinstance(p, DTensor) else p.clone()  # a gathered DTensor is a new tensor
             self.versions[version] = {name: whole(p.detach()) for name, p in self._trainable(self.module.policy)}
             self.steps[version] = self.module.global_step
 
@@ -327,7 +328,7 @@ class AsyncRollouts:
             if self.skeleton is None:
                 policy = copy.deepcopy(module.policy)
             else:  # FSDP2: the whole policy, gathered (a collective: every rank draws its first batch at the same iteration)
-                whole = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in module.policy.state_dict().items()}
+                whole = {name: full_tensor(t) for name, t in module.policy.state_dict().items()}
                 policy, self.skeleton = self.skeleton, None
                 policy.load_state_dict(whole, assign=True)
             self.frozen = {name: p.detach().clone() for name, p in policy.named_parameters() if not p.requires_grad}

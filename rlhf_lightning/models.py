@@ -405,6 +405,11 @@ def local_tensor(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole of an FSDP2 parameter (a DTensor), gathered: a collective every rank runs; any other tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 class ValueModel(nn.Module):
     """Critic: a scalar value head V(s_t) = w . h_t + b on a transformer trunk's last hidden states.
 

@@ -287,8 +287,8 @@ class PPORLHF(LightningModule):
         if fault is None and not torch.isfinite(kl).all():
             bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
             fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()}"
-        elif fault is None and penalty is not None and not torch.isfinite(penalty.to(kl.dtype)).all():
-            bad = (~torch.isfinite(penalty.to(kl.dtype))).nonzero().flatten().tolist()
+        elif fault is None and penalty is not None and not (finite := torch.isfinite(penalty.to(kl.dtype))).all():
+            bad = (~finite).nonzero().flatten().tolist()
             fault = (
                 f"the {type(self.divergence).__name__} penalty beta f'(u) is not finite in the reward's {kl.dtype} "
                 f"for responses {bad}: {penalty[bad].tolist()}"
@@ -411,9 +411,7 @@ class PPORLHF(LightningModule):
             initial_logits = None
             if self.networks.initial_is_apart:  # the starting policy, for objective/kl_to_initial
                 with self.networks.initial() as initial:
-                    initial_logits = sampling.restrict(
-                        self.networks.response_logits(initial, input_ids, attention_mask, response.shape[1]), old.kept
-                    )
+                    initial_logits = self.networks.kept_logits(initial, input_ids, attention_mask, response.shape[1], old.kept)
         trajectory = Trajectory(
             prompts=list(prompts),
             response_texts=self.tokenizer.batch_decode(response, skip_special_tokens=True),

@@ -200,10 +200,14 @@ class Networks:
             kept = kept.scatter(-1, response.unsqueeze(-1), True)
         return kept
 
+    def kept_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, kept: Optional[Tensor]) -> Tensor:
+        """``model``'s logits predicting each response token (``response_logits``), on the kept set (batch, response_len, vocab)."""
+        return sampling.restrict(self.response_logits(model, input_ids, attention_mask, response_len), kept)
+
     def reference_logits(self, input_ids: Tensor, attention_mask: Tensor, response_len: int, kept: Optional[Tensor]) -> Tensor:
         """The reference's logits predicting each response token, on the kept set (batch, response_len, vocab)."""
         with self.reference() as ref:
-            return sampling.restrict(self.response_logits(ref, input_ids, attention_mask, response_len), kept)
+            return self.kept_logits(ref, input_ids, attention_mask, response_len, kept)
 
     # ------------------------------------------------------------------ the sampler and the reference
     @contextlib.contextmanager
