@@ -39,9 +39,10 @@ class HFGenerate(RolloutEngine):
     with gathered weights generate runs no collective, so each rank may stop at its own EOS. With
     ``model.runtime.shared_prompts`` the prefill runs once per distinct prompt, or where none repeats, the first
     tokens all prompts share once (``prefix.prompt_cache``). Each
-    token is drawn by :class:`DeclaredDraw`."""
+    token is drawn by :class:`DeclaredDraw`, from ``model.sampling.explore``'s mixture where it explores."""
 
     samples_stale_weights = True
+    draws_exploration = True
 
     def sample(self, module, enc: dict[str, Tensor], seed: int) -> Samples:
         from transformers import LogitsProcessorList
@@ -59,6 +60,7 @@ class HFGenerate(RolloutEngine):
                 sampled.min_new_tokens,
                 enc["input_ids"].shape[1],
                 torch.Generator(device=module.device).manual_seed(seed),
+                module.exploration,
             )
             greedy = dict(do_sample=False, temperature=None, top_k=None, top_p=None, min_new_tokens=None)
             drawn = {**greedy, "logits_processor": LogitsProcessorList([processor])}
@@ -79,7 +81,8 @@ class DeclaredDraw:
     ``generate`` takes it. It replaces transformers' draw (its EOS-ban processors, softmax and
     ``torch.multinomial``, one exponential variate per row and token: 1.5M a decode step for 32 rows over
     SmolLM2's vocabulary) by one uniform per row (docs/performance.md); the samples are the same distribution's, from another
-    stream of random numbers. ``generate`` still records the raw logits (log pi_old)."""
+    stream of random numbers. ``generate`` still records the raw logits (log pi_old). With ``explore`` epsilon > 0 the
+    draw is from ``sampling.explored``'s mixture of that distribution with the uniform on its support."""
 
     def __init__(
         self,
@@ -90,8 +93,9 @@ class DeclaredDraw:
         min_new_tokens: int,
         prompt_len: int,
         generator: Optional[torch.Generator] = None,
+        explore: float = 0.0,
     ) -> None:
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.temperature, self.top_k, self.top_p, self.explore = temperature, top_k, top_p, explore
         self.eos_token_id, self.min_new_tokens, self.prompt_len = eos_token_id, min_new_tokens, prompt_len
         self.generator = generator  # the uniforms' source (default: torch's)
 
@@ -99,7 +103,7 @@ class DeclaredDraw:
         logits = scores.float() / self.temperature
         if input_ids.shape[1] - self.prompt_len < self.min_new_tokens:
             logits[:, self.eos_token_id] = sampling.OUTSIDE_LOGIT
-        logits = sampling.restrict(logits, sampling.kept_tokens(logits, self.top_k, self.top_p))
+        logits = sampling.explored(sampling.restrict(logits, sampling.kept_tokens(logits, self.top_k, self.top_p)), self.explore)
         return torch.full_like(scores, -torch.inf).scatter_(1, sampling.draw(logits, generator=self.generator)[:, None], 0.0)
 
 

@@ -76,6 +76,15 @@ class SamplingArgs:
     (``tis``, ``mis``) or of the response (``seq_tis``, ``seq_mis``)."""
     rollout_correction_cap: float = 2.0
     """The weights are truncated at the cap (tis) or 0 outside [1 / cap, cap] (mis); >= 1."""
+    explore: float = 0.0
+    """epsilon in [0, 1): each token is drawn from the behaviour policy mu = (1 - epsilon) pi + epsilon U, U uniform over
+    the tokens pi can draw (probability > 0: the kept set), so that states the policy rarely visits are met; each
+    token's loss terms are weighed by pi_old / mu of that token (at most 1 / (1 - epsilon)), and log pi_old stays the
+    policy's (docs/divergences.md, "Exploring"). 0: sample pi itself. epsilon falls linearly to 0 over
+    ``explore_iterations``; from there the loop is on-policy, bit for bit the same as without exploration."""
+    explore_iterations: int = 0
+    """Iterations over which ``explore`` falls linearly to 0 (iteration i explores with epsilon (1 - i / n)); >= 1
+    with ``explore`` > 0."""
 
     def __post_init__(self) -> None:
         f = "model.sampling."
@@ -101,6 +110,14 @@ class SamplingArgs:
         _choice(f + "old_logprobs", self.old_logprobs, ("sampler", "forward"))
         _choice(f + "rollout_correction", self.rollout_correction, ("none", "tis", "mis", "seq_tis", "seq_mis"))
         require_number(f + "rollout_correction_cap", self.rollout_correction_cap, at_least=1)
+        require_number(f + "explore", self.explore, at_least=0, below=1)
+        require_number(f + "explore_iterations", self.explore_iterations, at_least=1 if self.explore else 0, integer=True)
+        require(
+            not self.explore or self.do_sample,
+            f + "explore",
+            "0 with model.sampling.do_sample false (greedy decoding draws nothing to explore with)",
+            self.explore,
+        )
         require(
             self.rollout_correction == "none" or self.old_logprobs == "forward",
             f + "rollout_correction",
@@ -108,6 +125,10 @@ class SamplingArgs:
             "pi_old from the trainer)",
             self.rollout_correction,
         )
+
+    def exploration(self, iteration: int) -> float:
+        """epsilon of ``iteration``: ``explore`` falling linearly to 0 over ``explore_iterations``."""
+        return self.explore * max(0.0, 1.0 - iteration / self.explore_iterations) if self.explore else 0.0
 
 
 @dataclass(frozen=True)
@@ -316,10 +337,13 @@ class OffPolicyArgs:
         _choice(f + "correction", self.correction, tuple(OFF_POLICY_WEIGHTS))
         require_number(f + "correction_cap", self.correction_cap, at_least=1)
 
-    def weights(self, sampling: SamplingArgs) -> tuple[str, float]:
+    def weights(self, sampling: SamplingArgs, explore: float = 0.0) -> tuple[str, float]:
         """The mode and cap of ``sampling.correction_weights`` from the sampler's log-probs to the trainer's: this
         group's correction of stale samples with ``max_staleness`` > 0 (mu's log-probs are the sampler's own, its
-        numerics included), else ``model.sampling.rollout_correction``'s of the sampler's numerics alone."""
+        numerics included), exploration's per-token pi_old / mu where the batch was drawn exploring with ``explore``
+        epsilon > 0 (bounded by 1 / (1 - epsilon): no cap), else ``model.sampling.rollout_correction``'s of the sampler's numerics alone."""
+        if explore:
+            return "tis", math.inf
         if self.max_staleness:
             return OFF_POLICY_WEIGHTS[self.correction], self.correction_cap
         return sampling.rollout_correction, sampling.rollout_correction_cap
@@ -532,6 +556,7 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
         )
     check_divergence(plugins["divergence"], kl, sampling, plugins["beta_controller"])
     check_off_policy(groups["off_policy"], sampling, plugins["rollout_engine"])
+    check_exploration(sampling, groups["off_policy"], plugins["rollout_engine"])
     stale = off_policy_warning(groups["off_policy"].correction, groups["off_policy"].max_staleness)
     if stale:
         rank_zero_warn(stale)
@@ -603,6 +628,32 @@ def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: 
         "model.sampling.rollout_correction",
         f"'none' with model.off_policy.max_staleness {off_policy.max_staleness} (the stale samples' weights, "
         f"model.off_policy.correction {off_policy.correction}, are from the sampler's own log-probs: they already correct its numerics)",
+        sampling.rollout_correction,
+    )
+
+
+def check_exploration(sampling: SamplingArgs, off_policy: OffPolicyArgs, engine: Any) -> None:
+    """Exploration (``model.sampling.explore`` > 0) draws from a mixture the engine must build from the policy's
+    logits, and its per-token weights are the only correction of the batch."""
+    if not sampling.explore:
+        return
+    why = f"with model.sampling.explore {sampling.explore}"
+    require(
+        engine.draws_exploration,
+        "model.rollout_engine",
+        f"an engine that draws from the exploring mixture {why} ('hf'; or set model.sampling.explore: 0)",
+        type(engine).__name__,
+    )
+    require(
+        off_policy.max_staleness == 0,
+        "model.off_policy.max_staleness",
+        f"0 {why} (a stale sampler's batch would need both weights, the staleness's and the exploration's; not built)",
+        off_policy.max_staleness,
+    )
+    require(
+        sampling.rollout_correction == "none",
+        "model.sampling.rollout_correction",
+        f"'none' {why} (its per-token weights pi_old / mu are the correction, and 'hf' samples with the trainer's own numerics)",
         sampling.rollout_correction,
     )
 

@@ -451,6 +451,10 @@ class RolloutEngine(Plugin):
     rlhf_lightning/async_rollout.py) can hand it a published copy of older weights (a view of the module whose
     networks and ``global_step`` are that version's)."""
 
+    draws_exploration: bool = False
+    """Whether the engine draws from ``model.sampling.explore``'s mixture (1 - epsilon) pi + epsilon U, reading epsilon
+    from ``module.exploration``, and returns the policy's own logits (``Samples.logits``) beside it."""
+
     def setup(self, module) -> None:
         """Check that the engine can serve ``module`` as configured (strategy, world size); load nothing."""
 

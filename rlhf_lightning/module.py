@@ -239,6 +239,11 @@ class PPORLHF(LightningModule):
         sample independently, and a resumed run or a sampler running ahead draws the same responses."""
         return self.generation_seed_base + 7919 * self.global_rank + 104729 * iteration
 
+    @property
+    def exploration(self) -> float:
+        """epsilon of this iteration's draw (``model.sampling.explore``); 0 outside training (validation samples pi)."""
+        return self.sampling.exploration(self.iteration) if self.training else 0.0
+
     def teardown(self, stage: str) -> None:
         if self.async_rollouts is not None:
             self.async_rollouts.close()
@@ -399,7 +404,7 @@ class PPORLHF(LightningModule):
         input_ids, attention_mask, response, mask, ended = self.assemble(enc, samples)
         keep_logits = self.kl_estimator.needs_logits
         with timer("forward"):
-            old = self.networks.old_policy(samples, input_ids, attention_mask, response, mask, critic_values)
+            old = self.networks.old_policy(samples, input_ids, attention_mask, response, mask, critic_values, self.exploration)
             if drawn is not None and drawn.ref_logprobs is not None:  # the sampler ran the reference (score_in_sampler)
                 ref_logprobs, ref_logits = drawn.ref_logprobs, drawn.ref_logits
             else:
@@ -420,7 +425,7 @@ class PPORLHF(LightningModule):
             responses=response,
             response_mask=mask,
             ended_with_eos=ended,
-            old_logprobs=old.sampler_logprobs if self.sampling.old_logprobs == "sampler" else old.trainer_logprobs,
+            old_logprobs=old.sampler_logprobs if self.sampling.old_logprobs == "sampler" and not self.exploration else old.trainer_logprobs,
             trainer_logprobs=old.trainer_logprobs,
             sampler_logprobs=old.sampler_logprobs,
             ref_logprobs=ref_logprobs,
@@ -433,7 +438,7 @@ class PPORLHF(LightningModule):
             kept=old.kept,
             policy_version=torch.full((len(prompts),), version, dtype=torch.long, device=self.device),
             is_weights=sampling.correction_weights(
-                old.trainer_logprobs, old.sampler_logprobs, mask, *self.off_policy.weights(self.sampling)
+                old.trainer_logprobs, old.sampler_logprobs, mask, *self.off_policy.weights(self.sampling, self.exploration)
             ),
             raw_scores=None if drawn is None else drawn.raw_scores,
             reward_fault=None if drawn is None else drawn.reward_fault,
@@ -873,6 +878,7 @@ class PPORLHF(LightningModule):
             "response/truncated_fraction": 1.0 - n_eos / n,  # cut at max_new_tokens without EOS
             "response/count": n,
             **sampling.mismatch_metrics(rollout.trainer_logprobs, rollout.sampler_logprobs, mask, self._reduce),
+            **({"sampling/explore": self.exploration} if self.sampling.explore else {}),
             **(staleness_metrics(rollout.policy_version, self.iteration, self._reduce) if self.async_rollouts else {}),
             **self.off_policy_weight_metrics(rollout),
             **gold,

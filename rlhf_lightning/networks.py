@@ -162,13 +162,21 @@ class Networks:
         return (shared, 0, beginning) if every else (None, common, None)
 
     def old_policy(
-        self, samples: Samples, input_ids: Tensor, attention_mask: Tensor, response: Tensor, mask: Tensor, critic_values: bool = True
+        self,
+        samples: Samples,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        response: Tensor,
+        mask: Tensor,
+        critic_values: bool = True,
+        explore: float = 0.0,
     ) -> OldPolicy:
         """pi_old at sampling time on the declared distribution (``sampling``: tempered, restricted to
         the sampler's kept set): the trainer's logits, from the sampler's (``hf``) or from one batched
         forward (another engine, ``old_logprobs: forward`` or a rollout correction), V_old (a separate
         critic's only with ``critic_values``), the kept set, and the sampler's own log-probs of the
-        sampled tokens (the trainer's past EOS)."""
+        sampled tokens (the trainer's past EOS): with ``explore`` epsilon > 0 the exploring mixture's
+        (``sampling.explored``), which the engine drew from."""
         sampled, response_len = self.sampling, response.shape[1]
         sampler_logits = None if samples.logits is None else self.tempered(samples.logits.float())
         if sampler_logits is None or sampled.old_logprobs == "forward" or sampled.rollout_correction != "none":
@@ -181,10 +189,10 @@ class Networks:
         kept = self.kept(logits if sampler_logits is None else sampler_logits, response)
         logits = sampling.restrict(logits, kept)
         trainer_logprobs = pm.logprobs_of(logits, response)
-        if sampler_logits is logits:  # the sampler's logits are the trainer's (``hf``)
+        if sampler_logits is logits and not explore:  # the sampler's logits are the trainer's (``hf``)
             sampler_logprobs = trainer_logprobs
         elif sampler_logits is not None:
-            sampler_logprobs = pm.logprobs_of(sampling.restrict(sampler_logits, kept), response)
+            sampler_logprobs = pm.logprobs_of(sampling.explored(sampling.restrict(sampler_logits, kept), explore), response)
         else:
             sampler_logprobs = torch.where(mask.bool(), samples.logprobs.to(logits.device), trainer_logprobs)
         return OldPolicy(logits, values, kept, trainer_logprobs, sampler_logprobs)

@@ -55,6 +55,18 @@ def restrict(logits: Tensor, kept: Optional[Tensor]) -> Tensor:
     return logits if kept is None else logits.masked_fill(~kept, OUTSIDE_LOGIT)
 
 
+def explored(logits: Tensor, epsilon: float) -> Tensor:
+    """Log-probs of the exploring mixture mu = (1 - epsilon) softmax(``logits``) + epsilon U, U uniform over the
+    tokens softmax(``logits``) gives probability > 0 (the kept set, less what the model itself rules out), so mu
+    keeps pi's support and pi / mu <= 1 / (1 - epsilon); OUTSIDE_LOGIT off that support. ``logits`` itself at 0."""
+    if not epsilon:
+        return logits
+    probs = torch.softmax(logits.float(), -1)
+    support = probs > 0
+    mixed = (1 - epsilon) * probs + epsilon * support / support.sum(-1, keepdim=True)
+    return torch.where(support, mixed.log(), OUTSIDE_LOGIT)
+
+
 def draw(logits: Tensor, block: int = 512, generator: Optional[torch.Generator] = None) -> Tensor:
     """One index per row of ``logits`` (rows, vocab) drawn from softmax(logits) by inverse transform: u ~
     U[0, 1) from ``generator`` (default: torch's), then the first index whose cumulative probability exceeds u. In two

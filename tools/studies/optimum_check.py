@@ -422,6 +422,16 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--old-logprobs", choices=("sampler", "forward"), help="model.sampling.old_logprobs (default: forward with a correction)"
     )
     group.add_argument(
+        "--explore",
+        type=option_number(at_least=0, below=1),
+        help="model.sampling.explore: epsilon of the exploring mixture (default: the divergence's recipe, else 0)",
+    )
+    group.add_argument(
+        "--explore-iterations",
+        type=option_number(integer=True, at_least=1),
+        help="model.sampling.explore_iterations (default: the divergence's recipe)",
+    )
+    group.add_argument(
         "--heads",
         type=option_number(integer=True, at_least=1),
         help="attention heads of the task model (32 wide; default 2, 1 with --engine vllm: heads of 32)",
@@ -508,6 +518,8 @@ def recipe_settings(
         "num_minibatches": num_minibatches(settings, epochs),
         "log_samples_every_n_steps": 0,
         "logged": OptimumTracker.READS,
+        "explore": settings["explore"],
+        "explore_iterations": settings["explore_iterations"],
         **advantage_settings(args, advantage, settings),
     }
 
@@ -557,7 +569,11 @@ def run_single(args: argparse.Namespace, name: str, task, seed: int, divergence:
     if sequence_level:
         batch_size = recipe_value(settings, "batch_size", args.advantage[0], args.kl_penalty, args.kl_loss_scope)
         iterations = iterations_of(settings, args.advantage[0], args.kl_penalty, args.kl_loss_scope)
-        print(f"RECIPE divergence={divergence} batch_size={batch_size} iterations={iterations}", flush=True)
+        print(
+            f"RECIPE divergence={divergence} batch_size={batch_size} iterations={iterations} explore={settings['explore']} "
+            f"explore_iterations={settings['explore_iterations']}",
+            flush=True,
+        )
     if not sequence_level and args.kl_budgets is None:  # the per-token fixed point is the reverse KL's, of one beta
         print(
             f"PER_TOKEN fixed_point_gap={per_token_fixed_point_gap(task, settings['beta'], seed):.4f} task={name} seed={seed}", flush=True
@@ -668,6 +684,8 @@ TASK_SETTINGS = {
         "lr_hold": 0.0,
         "end_batch_size": None,
         "end_iterations": 0,
+        "explore": 0.0,
+        "explore_iterations": 0,
     },
     "random": {
         "beta": 1.0,
@@ -701,6 +719,8 @@ TASK_SETTINGS = {
         # per-token cells of random:3 0.05 short and the critic-free cells 0.019 from pi* ("Fourth round").
         "lr_final": {"gae": 0.1, "critic-free": 0.02},
         "lr_hold": 0.0,
+        "explore": 0.0,
+        "explore_iterations": 0,
     },
 }
 
