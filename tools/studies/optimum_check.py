@@ -752,7 +752,19 @@ TASK_SETTINGS["rare-eos"] = {**TASK_SETTINGS["random-eos"], "batch_size": {**TAS
 # 1 / pi_ref, and the last iterate's mass on one the reference gives 4e-10 cost random-eos:3 0.134 of a 0.1496 gap at the
 # lr decayed to 1/10 (0.023 ten iterations earlier); decayed to 1/50 its sampling seeds 0-2 end 0.0078-0.0171, and
 # random:1-3 and random-eos:1-2 0.0021-0.0174.
-DIVERGENCE_SETTINGS = {"forward_kl": {"batch_size": 1536}, "chi2": {"iterations": 300, "batch_size": 1536, "lr_final": 0.02}}
+#
+# The divergences whose f' is bounded above (forward_kl, js, alpha > 0) can put their optimum on responses the reference
+# almost never samples (random-eos:3: 83-100% of a prompt's mass on responses pi_ref gives 6.5e-6 and 1.2e-9), which
+# on-policy PPO never met (0.22, 0.41, 0.74 short). They explore: each token drawn from (1 - eps) pi + eps U with eps 0.5
+# falling to 0 over the first 100 of 200 iterations of 1536 responses, then on-policy (random-eos:3: 0.0061, 0.0009,
+# 0.0045; eps 0.3 over 60 of 150 found one prompt's mode only, 0.18 short; docs/divergences.md, "Exploring").
+EXPLORING = {"iterations": 200, "batch_size": 1536, "explore": 0.5, "explore_iterations": 100}
+DIVERGENCE_SETTINGS = {
+    "forward_kl": EXPLORING,
+    "js": EXPLORING,
+    "alpha": EXPLORING,
+    "chi2": {"iterations": 300, "batch_size": 1536, "lr_final": 0.02},
+}
 
 
 # The per_prompt controller's recipe on a random task (--kl-budgets), where the command line gives none: 250
