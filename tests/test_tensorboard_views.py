@@ -197,7 +197,8 @@ def test_summarize_run_histograms_prints_each_iterations_exact_spread_and_draws_
 
 def test_summarize_run_prompts_prints_each_prompts_kl_and_beta_and_the_means_of_each_budget_group(tmp_path):
     """tools/summarize_run.py --prompts: per prompt over the last --last iterations of prompts.csv (PromptLog's rows) the
-    KL's mean and std and the mean and last beta, by hand; then per budget, or per --groups column, the prompts' means."""
+    KL's mean and std and the mean and last beta, by hand; then per budget, or per --groups column, the prompts' means;
+    with --plot, a PNG of each group's KL and beta over the iterations."""
     import json
     import subprocess
     import sys
@@ -222,12 +223,24 @@ def test_summarize_run_prompts_prints_each_prompts_kl_and_beta_and_the_means_of_
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"q{i}", "id": f"p{i}", "group": "all"}) + "\n" for i in range(2)))
     grouped = subprocess.run(
-        [sys.executable, str(script), str(run), "--prompts", "--last", "2", "--groups", f"{prompts}:group"],
+        [
+            sys.executable,
+            str(script),
+            str(run),
+            "--prompts",
+            "--last",
+            "2",
+            "--groups",
+            f"{prompts}:group",
+            "--plot",
+            str(tmp_path / "g.png"),
+        ],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     assert "group all: 2 prompts, kl_mean 4.0000, kl_std 2.1213, beta_mean 0.3750" in grouped, grouped
+    assert (tmp_path / "g.png").stat().st_size > 10_000  # each group's KL and beta over the iterations
     missing = subprocess.run(
         [sys.executable, str(script), str(run), "--prompts", "--groups", f"{prompts}:budget"], capture_output=True, text=True
     )
