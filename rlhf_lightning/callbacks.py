@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import csv
 import math
 import time
 from collections.abc import Sequence
@@ -212,6 +213,40 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     replacement, hold at least one correct, 1 - C(n - c, k) / C(n, k)."""
     require(1 <= k <= n, "PassAtK.ks", f"integers in [1, n] (n = {n} samples)", k)
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+class PromptLog(Callback):
+    """Appends each training prompt's KL and beta of every iteration, by prompt id, to ``<log dir>/prompts.csv``
+    (columns ``iteration, id, kl, responses, beta, budget``): what the histograms ``prompts/kl`` and ``prompts/beta``
+    pool, one row per prompt sampled in the iteration (``PPORLHF.prompt_stats``, all ranks, written by rank 0), so a
+    prompt's own KL can be followed over a run, or grouped by budget. ``kl`` is the mean KL of the prompt's
+    ``responses`` in the beta controller's unit, ``beta`` the beta its rows were penalised with, ``budget`` its KL
+    budget (a ``per_prompt`` controller's; another controller's ``target``; empty: none). Needs a prompt file
+    (``PromptDataModule``); a resumed run appends to the file of its log folder.
+
+    Args:
+        filename: the file's name in the log folder.
+    """
+
+    def __init__(self, filename: str = "prompts.csv") -> None:
+        require(isinstance(filename, str) and bool(filename.strip()), "PromptLog.filename", "a file name", filename)
+        self.filename = filename
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        prompts = outputs.get("prompts")
+        if outputs.get("skipped", True) or prompts is None or not trainer.is_global_zero:
+            return
+        path = Path(trainer.log_dir or trainer.default_root_dir) / self.filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        budgets = prompts.budgets.tolist() if prompts.budgets is not None else [None] * len(prompts.ids)
+        with path.open("a", newline="") as file:
+            writer = csv.writer(file)
+            if new:
+                writer.writerow(["iteration", "id", "kl", "responses", "beta", "budget"])
+            for row in zip(prompts.ids, prompts.kl.tolist(), prompts.responses.tolist(), prompts.betas.tolist(), budgets, strict=True):
+                prompt_id, kl, responses, beta, budget = row
+                writer.writerow([pl_module.step, prompt_id, repr(kl), int(responses), repr(beta), "" if budget is None else repr(budget)])
 
 
 class PassAtK(Callback):

@@ -5,12 +5,14 @@ on the enumerable tasks against each prompt's own optimum."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
 import torch
 from lightning import Callback
 
+from rlhf_lightning.callbacks import PromptLog
 from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.data import PromptDataModule, load_prompt_records, prompt_id
 from rlhf_lightning.exact import TASKS, optimal_logprobs, optimum_report
@@ -317,6 +319,26 @@ def test_each_row_is_penalised_with_its_prompts_beta_and_the_spread_is_logged(tm
     assert row["prompts/over_budget_share"] == pytest.approx(float((stats.kl > stats.budgets).double().mean()), rel=1e-6)
     # objective/beta is the mean of the rows' betas, and the net objective charges each its own beta
     assert row["objective/beta"] == pytest.approx(float((stats.betas * stats.responses).sum() / stats.responses.sum()), rel=1e-6)
+
+
+def test_the_prompt_log_writes_each_prompts_kl_beta_and_budget_by_id_every_iteration(tmp_path):
+    path = budget_file(tmp_path)
+    module = per_prompt_module()
+    data = PromptDataModule(train_path=str(path), batch_size=4, id_column="id")
+    _, history = fit(module, tmp_path, 2, datamodule=data, max_epochs=2, callbacks=[PromptLog()])
+    with (tmp_path / "prompts.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    stats = [out["prompts"] for out in history.outputs]
+    assert len(stats) == 4 and len(rows) == 16  # 4 iterations of 4 prompts, a row each
+    written = iter(rows)
+    for step, iteration in enumerate(stats):  # the logged step, as the histograms
+        for i, name in enumerate(iteration.ids):
+            row = next(written)
+            assert (int(row["iteration"]), row["id"], int(row["responses"])) == (step, name, int(iteration.responses[i]))
+            assert float(row["kl"]) == float(iteration.kl[i]) and float(row["beta"]) == float(iteration.betas[i])  # exact: repr
+            assert float(row["budget"]) == 0.5 + int(name[1:])  # the prompt file's kl_budget column
+    assert {float(row["beta"]) for row in rows[:4]} == {0.1}  # before any update every prompt has init_beta
+    assert len({row["beta"] for row in rows[8:]}) > 1  # the second epoch's rows: each prompt's own beta
 
 
 class SaveAt(Callback):

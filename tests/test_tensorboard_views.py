@@ -193,3 +193,55 @@ def test_summarize_run_histograms_prints_each_iterations_exact_spread_and_draws_
         text=True,
     )
     assert missing.returncode == 2 and "no histogram prompts/beta" in missing.stderr
+
+
+def test_summarize_run_prompts_prints_each_prompts_kl_and_beta_and_the_means_of_each_budget_group(tmp_path):
+    """tools/summarize_run.py --prompts: per prompt over the last --last iterations of prompts.csv (PromptLog's rows) the
+    KL's mean and std and the mean and last beta, by hand; then per budget, or per --groups column, the prompts' means;
+    with --plot, a PNG of each group's KL and beta over the iterations."""
+    import json
+    import subprocess
+    import sys
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = tmp_path / "run"
+    with SummaryWriter(run) as writer:
+        writer.add_scalar("objective/kl", 1.0, 0)
+    rows = ["iteration,id,kl,responses,beta,budget"]
+    for step, (a, b) in enumerate([(9.0, 9.0), (1.0, 4.0), (3.0, 8.0)]):  # iteration 0 is left out by --last 2
+        rows += [f"{step},p0,{a},4,{0.1 * (step + 1)},1.5", f"{step},p1,{b},4,0.5,6.0"]
+    (run / "prompts.csv").write_text("\n".join(rows) + "\n")
+    script = Path(__file__).parents[1] / "tools" / "summarize_run.py"
+    out = subprocess.run(
+        [sys.executable, str(script), str(run), "--prompts", "--last", "2"], capture_output=True, text=True, check=True
+    ).stdout
+    # p0: KL 1, 3 -> mean 2, std sqrt(2) = 1.4142; beta 0.2, 0.3 -> mean 0.25, last 0.3. p1: KL 4, 8 -> 6, 2.8284
+    assert re.search(r"p0\s+1\.5\s+2\.0000\s+1\.4142\s+0\.2500\s+0\.3000", out), out
+    assert re.search(r"p1\s+6\.0\s+6\.0000\s+2\.8284\s+0\.5000\s+0\.5000", out), out
+    assert "budget 1.5: 1 prompts, kl_mean 2.0000" in out and "budget 6.0: 1 prompts, kl_mean 6.0000" in out, out
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"q{i}", "id": f"p{i}", "group": "all"}) + "\n" for i in range(2)))
+    grouped = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            str(run),
+            "--prompts",
+            "--last",
+            "2",
+            "--groups",
+            f"{prompts}:group",
+            "--plot",
+            str(tmp_path / "g.png"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "group all: 2 prompts, kl_mean 4.0000, kl_std 2.1213, beta_mean 0.3750" in grouped, grouped
+    assert (tmp_path / "g.png").stat().st_size > 10_000  # each group's KL and beta over the iterations
+    missing = subprocess.run(
+        [sys.executable, str(script), str(run), "--prompts", "--groups", f"{prompts}:budget"], capture_output=True, text=True
+    )
+    assert missing.returncode == 2 and "column 'budget' not found" in missing.stderr, missing.stderr
