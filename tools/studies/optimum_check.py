@@ -748,8 +748,8 @@ DIVERGENCE_SETTINGS = {"forward_kl": {"batch_size": 1536}, "chi2": {"iterations"
 # 0.063); 250 iterations held for 60%: 8 of 8, worst 0.030 and 0.031 on two machines. The start of 4 (the random
 # task's beta of 1 before) is what random:3 needs on sampling seeds 1 and 2: from 1, prompt A's policy drops the
 # high-reward responses its optimum at the budget holds (beta 0.584) in its first iterations, its KL lags below the
-# budget and the integrator lowers its beta to 0.08 (gap 0.44); from 2 seed 1 found them only at beta 0.08, after
-# 120 iterations, and the 1/k steps could not bring the beta back (KL 5.8 against 1). From 4 the betas take ~30
+# budget and the integrator lowers its beta to 0.08 (gap 0.44); from 2 seed 1 found them only at beta 0.08, at
+# iterations 130-140, and the 1/k steps could not bring the beta back (KL 5.8 against 1). From 4 the betas take 30-40
 # iterations at the controller's capped rate to come down, with the policy near the reference while the critic
 # learns, and then follow the tilted optimum down as an anneal (``anneal``'s argument): random:1-3 on seeds 0-2
 # (and random:3 on 3-5) within 4.2%, gaps <= 0.0095 (docs/plugins.md, "Per-prompt KL budgets").
