@@ -751,8 +751,8 @@ DIVERGENCE_SETTINGS = {"forward_kl": {"batch_size": 1536}, "chi2": {"iterations"
 # budget and the integrator lowers its beta to 0.08 (gap 0.44); from 2 seed 1 found them only at beta 0.08, at
 # iterations 130-140, and the 1/k steps could not bring the beta back (KL 5.8 against 1). From 4 the betas take 30-40
 # iterations at the controller's capped rate to come down, with the policy near the reference while the critic
-# learns, and then follow the tilted optimum down as an anneal (``anneal``'s argument): random:1-3 on seeds 0-2
-# (and random:3 on 3-5) within 4.2%, gaps <= 0.0095 (docs/plugins.md, "Per-prompt KL budgets").
+# learns, and then follow the tilted optimum down as an anneal (``anneal``'s argument): random:1-3 on seeds 0-2,
+# random:1-2 on 3-5 and random:3 on 3-7 within 4.2%, gaps <= 0.0095 (docs/plugins.md, "Per-prompt KL budgets").
 BUDGET_SETTINGS = {"beta": 4.0, "iterations": 250, "lr_hold": 0.6, "lr_final": 0.02}
 
 
