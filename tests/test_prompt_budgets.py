@@ -434,13 +434,35 @@ def test_the_budget_line_reports_each_prompts_beta_against_its_closed_form(capsy
     assert float(line["kl_max_rel_error"]) > 0.05  # 3 iterations are not enough: the convergence test below
 
 
+def test_the_budget_recipe_starts_every_beta_at_4_on_a_random_task_unless_told():
+    """--kl-budgets on a random task: the betas start at 4 (random:3's prompt A wound up from the task's 1 on sampling
+    seeds 1 and 2), 250 iterations, the lr held for 60% then to 1/50; --beta and the others override; without
+    budgets, and on a hand-made task, the task's own settings."""
+    import optimum_check
+
+    def recipe(task, *argv):
+        args = optimum_check.parse_args(["--task", task, *argv])
+        settings = optimum_check.task_settings(args, task)
+        controller = optimum_check.budget_settings(args, settings).get("beta_controller")
+        return (settings["beta"], settings["iterations"], settings["lr_hold"], settings["lr_final"]), controller
+
+    budgets = ("--kl-budgets", "1.0", "2.0")
+    (settings, controller) = recipe("random:3", *budgets)
+    assert settings == (4.0, 250, 0.6, 0.02) and isinstance(controller, PromptBudgetBeta)
+    assert (controller.beta, controller.horizon, controller.decay_after, controller.beta_min) == (4.0, 800, 30, None)
+    assert recipe("random:3", *budgets, "--beta", "2", "--iterations", "100")[0][:2] == (2.0, 100)
+    assert recipe("random:3")[0][:2] == (1.0, 150) and recipe("terminal", *budgets, "1.5")[0][:2] == (0.5, 100)
+
+
 @pytest.mark.convergence
-def test_every_prompt_lands_within_5_percent_of_its_budget_on_its_own_optimum(capsys):
-    """optimum_check --task random:2 --seed 1 --kl-budgets 1.0 2.0 (the tool's budget recipe: 250 iterations of 384
+@pytest.mark.parametrize("task, seed", [("random:2", "1"), ("random:3", "1")])
+def test_every_prompt_lands_within_5_percent_of_its_budget_on_its_own_optimum(capsys, task, seed):
+    """optimum_check --task TASK --seed SEED --kl-budgets 1.0 2.0 (the tool's budget recipe: 250 iterations of 384
     responses, the lr held for the first 60% then decayed to 1/50, k1 in the reward, gae; per_prompt with horizon
-    800, decay_after 30, from beta 1): every prompt's exact KL within 5% of its budget, and the policy within 0.02 of
-    the optimum with each prompt tilted at its own final beta (docs/plugins.md, "Per-prompt KL budgets"). The run
-    the earlier recipes missed: 0.157 (150 iterations, the lr to 1/10), 0.066 (the lr to 1/50 from the start)."""
-    (line,) = budget_lines(capsys, "--task", "random:2", "--seed", "1", "--kl-budgets", "1.0", "2.0", "--every", "250")
+    800, decay_after 30, from beta 4): every prompt's exact KL within 5% of its budget, and the policy within 0.02 of
+    the optimum with each prompt tilted at its own final beta (docs/plugins.md, "Per-prompt KL budgets"). The runs
+    the earlier recipes missed: random:2 seed 1 0.157 (150 iterations, the lr to 1/10), 0.066 (the lr to 1/50 from
+    the start); random:3 seed 1 from beta 1, prompt A's beta wound up to 0.08 (gap 0.44)."""
+    (line,) = budget_lines(capsys, "--task", task, "--seed", seed, "--kl-budgets", "1.0", "2.0", "--every", "250")
     assert float(line["kl_max_rel_error"]) < 0.05 and float(line["gap"]) < 0.02, line
     assert float(line["beta_max_rel_error"]) < 0.05, line  # and the betas near where pi*'s KL meets the budgets
