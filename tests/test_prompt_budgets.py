@@ -452,17 +452,33 @@ def test_the_budget_recipe_starts_every_beta_at_4_on_a_random_task_unless_told()
     assert (controller.beta, controller.horizon, controller.decay_after, controller.beta_min) == (4.0, 800, 30, None)
     assert recipe("random:3", *budgets, "--beta", "2", "--iterations", "100")[0][:2] == (2.0, 100)
     assert recipe("random:3")[0][:2] == (1.0, 150) and recipe("terminal", *budgets, "1.5")[0][:2] == (0.5, 100)
+    assert recipe("random:3", *budgets, "--budget-horizon", "100")[1].horizon == 100
+
+
+def test_the_budget_recipe_explores_on_responses_that_end_at_eos():
+    """--kl-budgets on a random-eos task: the random task's budget recipe, exploring (epsilon 0.5 over the first 100
+    iterations: prompt B of random-eos:3 needs responses its reference almost never samples) at horizon 3200 (4x the
+    responses a prompt, the same step); without budgets no exploration."""
+    import optimum_check
+
+    args = optimum_check.parse_args(["--task", "random-eos:3", "--kl-budgets", "1.0", "2.0"])
+    settings = optimum_check.task_settings(args, "random-eos:3")
+    assert (settings["beta"], settings["iterations"], settings["explore"], settings["explore_iterations"]) == (4.0, 250, 0.5, 100)
+    assert optimum_check.budget_settings(args, settings)["beta_controller"].horizon == 3200
+    plain = optimum_check.task_settings(optimum_check.parse_args(["--task", "random-eos:3"]), "random-eos:3")
+    assert plain["explore"] == 0.0
 
 
 @pytest.mark.convergence
-@pytest.mark.parametrize("task, seed", [("random:2", "1"), ("random:3", "1")])
+@pytest.mark.parametrize("task, seed", [("random:2", "1"), ("random:3", "1"), ("random-eos:3", "0")])
 def test_every_prompt_lands_within_5_percent_of_its_budget_on_its_own_optimum(capsys, task, seed):
     """optimum_check --task TASK --seed SEED --kl-budgets 1.0 2.0 (the tool's budget recipe: 250 iterations of 384
     responses, the lr held for the first 60% then decayed to 1/50, k1 in the reward, gae; per_prompt with horizon
     800, decay_after 30, from beta 4): every prompt's exact KL within 5% of its budget, and the policy within 0.02 of
     the optimum with each prompt tilted at its own final beta (docs/plugins.md, "Per-prompt KL budgets"). The runs
     the earlier recipes missed: random:2 seed 1 0.157 (150 iterations, the lr to 1/10), 0.066 (the lr to 1/50 from
-    the start); random:3 seed 1 from beta 1, prompt A's beta wound up to 0.08 (gap 0.44)."""
+    the start); random:3 seed 1 from beta 1, prompt A's beta wound up to 0.08 (gap 0.44); random-eos:3 (exploring,
+    1536 responses an iteration) on-policy, prompt B's beta wound down to 0.13 before it met its optimum's responses."""
     (line,) = budget_lines(capsys, "--task", task, "--seed", seed, "--kl-budgets", "1.0", "2.0", "--every", "250")
     assert float(line["kl_max_rel_error"]) < 0.05 and float(line["gap"]) < 0.02, line
     assert float(line["beta_max_rel_error"]) < 0.05, line  # and the betas near where pi*'s KL meets the budgets

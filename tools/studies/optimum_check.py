@@ -361,8 +361,8 @@ def add_budget_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--budget-horizon",
         type=option_number(above=0),
-        default=800,
-        help="the per_prompt controller's horizon, in one prompt's responses (default 800)",
+        help="the per_prompt controller's horizon, in one prompt's responses (default: the task's budget recipe, 800 random, "
+        "3200 random-eos; else 800)",
     )
     group.add_argument(
         "--budget-decay-after",
@@ -382,7 +382,7 @@ def budget_settings(args: argparse.Namespace, settings: dict) -> dict:
         return {}
     controller = PromptBudgetBeta(
         settings["beta"],
-        horizon=args.budget_horizon,
+        horizon=settings.get("budget_horizon", 800) if args.budget_horizon is None else args.budget_horizon,
         decay_after=args.budget_decay_after,
         beta_min=args.budget_beta_min,
         beta_max=args.budget_beta_max,
@@ -785,7 +785,14 @@ DIVERGENCE_SETTINGS = {
 # iterations at the controller's capped rate to come down, with the policy near the reference while the critic
 # learns, and then follow the tilted optimum down as an anneal (``anneal``'s argument): random:1-3 on seeds 0-2,
 # random:1-2 on 3-5 and random:3 on 3-7 within 4.2%, gaps <= 0.0095 (docs/plugins.md, "Per-prompt KL budgets").
-BUDGET_SETTINGS = {"beta": 4.0, "iterations": 250, "lr_hold": 0.6, "lr_final": 0.02}
+BUDGET_SETTINGS = {"beta": 4.0, "iterations": 250, "lr_hold": 0.6, "lr_final": 0.02, "budget_horizon": 800}
+# On responses that end at EOS a prompt's optimum at its budget can sit on responses its reference almost never samples
+# (random-eos:3's prompt B: one response 0.986 under the reference); on-policy the policy met them only after its beta
+# had wound down to 0.13 (KL 18.6 against 2). The budget recipe there explores as the bounded-f' divergences do
+# (epsilon 0.5 falling to 0 over the first 100 iterations) and its horizon is 4x for 4x the responses a prompt (768 an
+# iteration: the same 4.8% a step at most): random-eos:1 and 3 on seed 0 within 3.4% of their budgets, gaps 0.0021
+# and 0.0010 (docs/plugins.md, "Per-prompt KL budgets").
+EOS_BUDGET_SETTINGS = {**BUDGET_SETTINGS, "budget_horizon": 3200, "explore": 0.5, "explore_iterations": 100}
 
 
 def divergence_settings(args: argparse.Namespace, settings: dict, divergence: str) -> dict:
@@ -800,8 +807,8 @@ def task_settings(args: argparse.Namespace, name: str) -> dict:
     ``--kl-budgets``, :data:`BUDGET_SETTINGS` over them)."""
     kind = name.split(":")[0] if name.startswith(("random-eos:", "rare-eos:")) else "random" if _random(name) else "hand-made"
     defaults = TASK_SETTINGS[kind]
-    if args.kl_budgets is not None and kind == "random":
-        defaults = {**defaults, **BUDGET_SETTINGS}
+    if args.kl_budgets is not None and kind in ("random", "random-eos"):
+        defaults = {**defaults, **(BUDGET_SETTINGS if kind == "random" else EOS_BUDGET_SETTINGS)}
     return {key: default if getattr(args, key) is None else getattr(args, key) for key, default in defaults.items()}
 
 
