@@ -413,9 +413,9 @@ def test_the_budget_line_reports_each_prompts_beta_against_its_closed_form(capsy
 
 
 def test_the_budget_recipe_starts_every_beta_at_4_on_a_random_task_unless_told():
-    """--kl-budgets on a random task: the betas start at 4 (random:3's prompt A wound up from the task's 1 on sampling
-    seeds 1 and 2), 250 iterations, the lr held for 60% then to 1/50; --beta and the others override; without
-    budgets, and on a hand-made task, the task's own settings."""
+    """--kl-budgets on a random or random-eos task: the betas start at 4 (random:3's prompt A wound up from the task's
+    1 on sampling seeds 1 and 2), 250 iterations, the lr held for 60% then to 1/50, the horizon 800 per 384 responses
+    an iteration; --beta and the others override; without budgets, and on a hand-made task, the task's own settings."""
     import optimum_check
 
     def recipe(task, *argv):
@@ -430,6 +430,11 @@ def test_the_budget_recipe_starts_every_beta_at_4_on_a_random_task_unless_told()
     assert (controller.beta, controller.horizon, controller.decay_after, controller.beta_min) == (4.0, 800, 30, None)
     assert recipe("random:3", *budgets, "--beta", "2", "--iterations", "100")[0][:2] == (2.0, 100)
     assert recipe("random:3")[0][:2] == (1.0, 150) and recipe("terminal", *budgets, "1.5")[0][:2] == (0.5, 100)
+    # random-eos samples 1536 an iteration: the horizon scales with it (800 per 384), so a beta's step stays <= 4.8%
+    settings, controller = recipe("random-eos:1", *budgets)
+    assert settings == (4.0, 250, 0.6, 0.02) and controller.horizon == 3200
+    assert recipe("random-eos:1", *budgets, "--budget-horizon", "800")[1].horizon == 800
+    assert recipe("random:3", *budgets, "--batch-size", "768")[1].horizon == 1600
 
 
 @pytest.mark.convergence
