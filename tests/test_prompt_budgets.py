@@ -438,11 +438,11 @@ def test_the_budget_recipe_starts_every_beta_at_4_on_a_random_task_unless_told()
 
 
 @pytest.mark.convergence
-@pytest.mark.parametrize("task, seed", [("random:2", "1"), ("random:3", "1")])
+@pytest.mark.parametrize("task, seed", [("random:2", "1"), ("random:3", "1"), ("random-eos:2", "0")])
 def test_every_prompt_lands_within_5_percent_of_its_budget_on_its_own_optimum(capsys, task, seed):
     """optimum_check --task TASK --seed SEED --kl-budgets 1.0 2.0 (the tool's budget recipe: 250 iterations of 384
     responses, the lr held for the first 60% then decayed to 1/50, k1 in the reward, gae; per_prompt with horizon
-    800, decay_after 30, from beta 4): every prompt's exact KL within 5% of its budget, and the policy within 0.02 of
+    800, decay_after 30, from beta 4; random-eos: 1536 responses, horizon 3200): every prompt's exact KL within 5% of its budget, and the policy within 0.02 of
     the optimum with each prompt tilted at its own final beta (docs/plugins.md, "Per-prompt KL budgets"). The runs
     the earlier recipes missed: random:2 seed 1 0.157 (150 iterations, the lr to 1/10), 0.066 (the lr to 1/50 from
     the start); random:3 seed 1 from beta 1, prompt A's beta wound up to 0.08 (gap 0.44)."""
