@@ -435,9 +435,9 @@ def test_the_budget_line_reports_each_prompts_beta_against_its_closed_form(capsy
 
 
 def test_the_budget_recipe_starts_every_beta_at_4_on_a_random_task_unless_told():
-    """--kl-budgets on a random task: the betas start at 4 (random:3's prompt A wound up from the task's 1 on sampling
-    seeds 1 and 2), 250 iterations, the lr held for 60% then to 1/50; --beta and the others override; without
-    budgets, and on a hand-made task, the task's own settings."""
+    """--kl-budgets on a random or random-eos task: the betas start at 4 (random:3's prompt A wound up from the task's
+    1 on sampling seeds 1 and 2), 250 iterations, the lr held for 60% then to 1/50, the horizon 800 per 384 responses
+    an iteration; --beta and the others override; without budgets, and on a hand-made task, the task's own settings."""
     import optimum_check
 
     def recipe(task, *argv):
@@ -452,7 +452,11 @@ def test_the_budget_recipe_starts_every_beta_at_4_on_a_random_task_unless_told()
     assert (controller.beta, controller.horizon, controller.decay_after, controller.beta_min) == (4.0, 800, 30, None)
     assert recipe("random:3", *budgets, "--beta", "2", "--iterations", "100")[0][:2] == (2.0, 100)
     assert recipe("random:3")[0][:2] == (1.0, 150) and recipe("terminal", *budgets, "1.5")[0][:2] == (0.5, 100)
-    assert recipe("random:3", *budgets, "--budget-horizon", "100")[1].horizon == 100
+    # random-eos samples 1536 an iteration: the horizon scales with it (800 per 384), so a beta's step stays <= 4.8%
+    settings, controller = recipe("random-eos:1", *budgets)
+    assert settings == (4.0, 250, 0.6, 0.02) and controller.horizon == 3200
+    assert recipe("random-eos:1", *budgets, "--budget-horizon", "800")[1].horizon == 800
+    assert recipe("random:3", *budgets, "--batch-size", "768")[1].horizon == 1600
 
 
 def test_the_budget_recipe_explores_on_responses_that_end_at_eos():
@@ -464,17 +468,17 @@ def test_the_budget_recipe_explores_on_responses_that_end_at_eos():
     args = optimum_check.parse_args(["--task", "random-eos:3", "--kl-budgets", "1.0", "2.0"])
     settings = optimum_check.task_settings(args, "random-eos:3")
     assert (settings["beta"], settings["iterations"], settings["explore"], settings["explore_iterations"]) == (4.0, 250, 0.5, 100)
-    assert optimum_check.budget_settings(args, settings)["beta_controller"].horizon == 3200
+    assert optimum_check.budget_settings(args, settings)["beta_controller"].horizon == 3200  # scaled: 1536 responses
     plain = optimum_check.task_settings(optimum_check.parse_args(["--task", "random-eos:3"]), "random-eos:3")
     assert plain["explore"] == 0.0
 
 
 @pytest.mark.convergence
-@pytest.mark.parametrize("task, seed", [("random:2", "1"), ("random:3", "1"), ("random-eos:3", "0")])
+@pytest.mark.parametrize("task, seed", [("random:2", "1"), ("random:3", "1"), ("random-eos:2", "0"), ("random-eos:3", "0")])
 def test_every_prompt_lands_within_5_percent_of_its_budget_on_its_own_optimum(capsys, task, seed):
     """optimum_check --task TASK --seed SEED --kl-budgets 1.0 2.0 (the tool's budget recipe: 250 iterations of 384
     responses, the lr held for the first 60% then decayed to 1/50, k1 in the reward, gae; per_prompt with horizon
-    800, decay_after 30, from beta 4): every prompt's exact KL within 5% of its budget, and the policy within 0.02 of
+    800, decay_after 30, from beta 4; random-eos: 1536 responses, horizon 3200): every prompt's exact KL within 5% of its budget, and the policy within 0.02 of
     the optimum with each prompt tilted at its own final beta (docs/plugins.md, "Per-prompt KL budgets"). The runs
     the earlier recipes missed: random:2 seed 1 0.157 (150 iterations, the lr to 1/10), 0.066 (the lr to 1/50 from
     the start); random:3 seed 1 from beta 1, prompt A's beta wound up to 0.08 (gap 0.44); random-eos:3 (exploring,

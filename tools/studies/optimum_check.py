@@ -115,9 +115,9 @@ attention has no kernel for heads of 16; ``--heads 1`` gives ``hf`` the same mod
 pi_old / pi_sampler.
 
 ``--kl-budgets B1 B2 ...`` (one per task prompt, nats per response) trains with the ``per_prompt`` controller
-(one beta per prompt, each held to its own budget; it starts at ``--beta``, steps with ``--budget-horizon`` and
-``--budget-decay-after``, clamped to ``--budget-beta-min`` / ``--budget-beta-max``) instead of a fixed beta; on a random
-task its recipe (:data:`BUDGET_SETTINGS`, where the command line gives none) is every beta starting at 4 and 250
+(one beta per prompt, each held to its own budget; it starts at ``--beta``, steps with ``--budget-horizon`` (default
+800 per 384 responses an iteration, :data:`BUDGET_HORIZON`) and ``--budget-decay-after``, clamped to
+``--budget-beta-min`` / ``--budget-beta-max``) instead of a fixed beta; on a random or random-eos task its recipe (:data:`BUDGET_SETTINGS`, where the command line gives none) is every beta starting at 4 and 250
 iterations with the lr held for the first 60% and then decayed to 1/50; every distance is then to the per-prompt optimum, each
 prompt's pi*(.|x) ∝ pi_ref exp(r / beta_x) at its current beta_x, and a last line reads
 
@@ -361,8 +361,8 @@ def add_budget_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--budget-horizon",
         type=option_number(above=0),
-        help="the per_prompt controller's horizon, in one prompt's responses (default: the task's budget recipe, 800 random, "
-        "3200 random-eos; else 800)",
+        help="the per_prompt controller's horizon, in one prompt's responses (default 800 per 384 responses an iteration: "
+        "a beta moves by at most 4.8%% an iteration at any batch; 3200 at random-eos's 1536)",
     )
     group.add_argument(
         "--budget-decay-after",
@@ -380,9 +380,10 @@ def budget_settings(args: argparse.Namespace, settings: dict) -> dict:
     """train() arguments for --kl-budgets: the per_prompt controller from ``--beta`` and the task's budgets."""
     if args.kl_budgets is None:
         return {}
+    batch_size = recipe_value(settings, "batch_size", args.advantage[0], args.kl_penalty, args.kl_loss_scope)
     controller = PromptBudgetBeta(
         settings["beta"],
-        horizon=settings.get("budget_horizon", 800) if args.budget_horizon is None else args.budget_horizon,
+        horizon=BUDGET_HORIZON * batch_size / 384 if args.budget_horizon is None else args.budget_horizon,
         decay_after=args.budget_decay_after,
         beta_min=args.budget_beta_min,
         beta_max=args.budget_beta_max,
@@ -771,9 +772,9 @@ DIVERGENCE_SETTINGS = {
 }
 
 
-# The per_prompt controller's recipe on a random task (--kl-budgets), where the command line gives none: every beta
-# starts at 4, 250 iterations, the lr held for the first 60% and then decayed to 1/50 (with --budget-decay-after 30:
-# 1/k steps for the betas from their 30th update). The 5% asked of each prompt's exact KL at the end needs both the
+# The per_prompt controller's recipe on a random or random-eos task (--kl-budgets), where the command line gives
+# none: every beta starts at 4, 250 iterations, the lr held for the first 60% and then decayed to 1/50 (with
+# --budget-decay-after 30: 1/k steps for the betas from their 30th update). The 5% asked of each prompt's exact KL at the end needs both the
 # betas and the final iterate quiet: with the random task's 150 iterations and the lr decayed to 1/10 from the start,
 # 4 of the 8 documented runs held every prompt within 5%; decayed to 1/50 from the start, 6 of 8; held for the first
 # half or 2/3 of 150, the betas, settled while the policy was still loud, ended 1-3% high (7 of 8, worst 0.055 and
@@ -784,15 +785,21 @@ DIVERGENCE_SETTINGS = {
 # iterations 130-140, and the 1/k steps could not bring the beta back (KL 5.8 against 1). From 4 the betas take 30-40
 # iterations at the controller's capped rate to come down, with the policy near the reference while the critic
 # learns, and then follow the tilted optimum down as an anneal (``anneal``'s argument): random:1-3 on seeds 0-2,
-# random:1-2 on 3-5 and random:3 on 3-7 within 4.2%, gaps <= 0.0095 (docs/plugins.md, "Per-prompt KL budgets").
-BUDGET_SETTINGS = {"beta": 4.0, "iterations": 250, "lr_hold": 0.6, "lr_final": 0.02, "budget_horizon": 800}
+# random:1-2 on 3-5 and random:3 on 3-7 within 4.2%, gaps <= 0.0095; with BUDGET_HORIZON random-eos:1-2 on seed 0
+# within 1.3%, random-eos:3 not (gap 0.146: a rarer mode; docs/plugins.md, "Per-prompt KL budgets").
+BUDGET_SETTINGS = {"beta": 4.0, "iterations": 250, "lr_hold": 0.6, "lr_final": 0.02}
+# The per_prompt controller's horizon at 384 responses an iteration (192 a prompt of two: a beta moves by at most
+# 0.2 * 192 / 800 = 4.8% an iteration), scaled with the batch where --budget-horizon is not given: the horizon counts
+# responses, and random-eos's 1536 at 800 stepped the betas by 19% an iteration, faster than the policy follows
+# (random-eos:3 seed 0: prompt B's beta from 4 to 0.05 in 20 iterations, its KL at 0.013; at 3200 random-eos:1 and 2
+# land within 1.3% of their budgets, docs/plugins.md, "Per-prompt KL budgets").
+BUDGET_HORIZON = 800
 # On responses that end at EOS a prompt's optimum at its budget can sit on responses its reference almost never samples
-# (random-eos:3's prompt B: one response 0.986 under the reference); on-policy the policy met them only after its beta
-# had wound down to 0.13 (KL 18.6 against 2). The budget recipe there explores as the bounded-f' divergences do
-# (epsilon 0.5 falling to 0 over the first 100 iterations) and its horizon is 4x for 4x the responses a prompt (768 an
-# iteration: the same 4.8% a step at most): random-eos:1 and 3 on seed 0 within 3.4% of their budgets, gaps 0.0021
-# and 0.0010 (docs/plugins.md, "Per-prompt KL budgets").
-EOS_BUDGET_SETTINGS = {**BUDGET_SETTINGS, "budget_horizon": 3200, "explore": 0.5, "explore_iterations": 100}
+# (random-eos:3's prompt B: one response 0.986 under the reference, its optimum at the budget needing beta 0.374): on-policy
+# its beta wound down to 0.13 before the policy met them (KL 9.8 against 2, gap 0.146). The budget recipe there explores
+# as the bounded-f' divergences do (epsilon 0.5 falling to 0 over the first 100 iterations): random-eos:1 and 3 on seed 0
+# within 3.4% of their budgets, gaps 0.0021 and 0.0010 (docs/plugins.md, "Per-prompt KL budgets").
+EOS_BUDGET_SETTINGS = {**BUDGET_SETTINGS, "explore": 0.5, "explore_iterations": 100}
 
 
 def divergence_settings(args: argparse.Namespace, settings: dict, divergence: str) -> dict:
