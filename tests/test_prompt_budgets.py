@@ -454,20 +454,20 @@ def test_the_budget_recipe_starts_every_beta_at_4_on_a_random_task_unless_told()
     assert recipe("random:3")[0][:2] == (1.0, 150) and recipe("terminal", *budgets, "1.5")[0][:2] == (0.5, 100)
     # random-eos samples 1536 an iteration: the horizon scales with it (800 per 384), so a beta's step stays <= 4.8%
     settings, controller = recipe("random-eos:1", *budgets)
-    assert settings == (4.0, 250, 0.6, 0.02) and controller.horizon == 3200
+    assert settings == (4.0, 350, 0.6, 0.02) and controller.horizon == 3200
     assert recipe("random-eos:1", *budgets, "--budget-horizon", "800")[1].horizon == 800
     assert recipe("random:3", *budgets, "--batch-size", "768")[1].horizon == 1600
 
 
 def test_the_budget_recipe_explores_on_responses_that_end_at_eos():
-    """--kl-budgets on a random-eos task: the random task's budget recipe, exploring (epsilon 0.5 over the first 100
-    iterations: prompt B of random-eos:3 needs responses its reference almost never samples) at horizon 3200 (4x the
-    responses a prompt, the same step); without budgets no exploration."""
+    """--kl-budgets on a random-eos task: the random task's budget recipe over 350 iterations, exploring (epsilon 0.5
+    over the first 100: prompt B of random-eos:3 needs responses its reference almost never samples) at horizon 3200
+    (4x the responses a prompt, the same step); without budgets no exploration."""
     import optimum_check
 
     args = optimum_check.parse_args(["--task", "random-eos:3", "--kl-budgets", "1.0", "2.0"])
     settings = optimum_check.task_settings(args, "random-eos:3")
-    assert (settings["beta"], settings["iterations"], settings["explore"], settings["explore_iterations"]) == (4.0, 250, 0.5, 100)
+    assert (settings["beta"], settings["iterations"], settings["explore"], settings["explore_iterations"]) == (4.0, 350, 0.5, 100)
     assert optimum_check.budget_settings(args, settings)["beta_controller"].horizon == 3200  # scaled: 1536 responses
     plain = optimum_check.task_settings(optimum_check.parse_args(["--task", "random-eos:3"]), "random-eos:3")
     assert plain["explore"] == 0.0
@@ -478,7 +478,7 @@ def test_the_budget_recipe_explores_on_responses_that_end_at_eos():
 def test_every_prompt_lands_within_5_percent_of_its_budget_on_its_own_optimum(capsys, task, seed):
     """optimum_check --task TASK --seed SEED --kl-budgets 1.0 2.0 (the tool's budget recipe: 250 iterations of 384
     responses, the lr held for the first 60% then decayed to 1/50, k1 in the reward, gae; per_prompt with horizon
-    800, decay_after 30, from beta 4; random-eos: 1536 responses, horizon 3200): every prompt's exact KL within 5% of its budget, and the policy within 0.02 of
+    800, decay_after 30, from beta 4; random-eos: 350 iterations of 1536, horizon 3200, exploring): every prompt's exact KL within 5% of its budget, and the policy within 0.02 of
     the optimum with each prompt tilted at its own final beta (docs/plugins.md, "Per-prompt KL budgets"). The runs
     the earlier recipes missed: random:2 seed 1 0.157 (150 iterations, the lr to 1/10), 0.066 (the lr to 1/50 from
     the start); random:3 seed 1 from beta 1, prompt A's beta wound up to 0.08 (gap 0.44); random-eos:3 (exploring,
