@@ -799,7 +799,7 @@ BUDGET_HORIZON = 800
 # its beta wound down to 0.13 before the policy met them (KL 9.8 against 2, gap 0.146). The budget recipe there explores
 # as the bounded-f' divergences do (epsilon 0.5 falling to 0 over the first 100 iterations) for 350 iterations, its exact
 # KL swinging late (prompt B's lives on responses pi_ref gives ~1e-9): random-eos:1-2 seeds 0-2 and random-eos:3 seeds
-# 0-3 within 1.4% of their budgets, gaps <= 0.0052; with 250 random-eos:3 seed 2 ended 7.4% under (docs/plugins.md).
+# 0-4 within 1.4% of their budgets, gaps <= 0.0052; with 250 random-eos:3 seed 2 ended 7.4% under (docs/plugins.md).
 EOS_BUDGET_SETTINGS = {**BUDGET_SETTINGS, "iterations": 350, "explore": 0.5, "explore_iterations": 100}
 
 
