@@ -176,8 +176,8 @@ def read_prompt_log(log_dir: str) -> dict[str, list[dict[str, float | str]]]:
 def print_prompts(log_dir: str, last: int, groups: dict[str, str] | None) -> None:
     """Per prompt over its last ``last`` iterations: budget, KL mean and std, mean beta, last beta; then per group
     (the prompts' budgets, or ``groups``: id -> group) the means of those columns over its prompts."""
-    table = {}
-    for prompt, rows in read_prompt_log(log_dir).items():
+    table, log = {}, read_prompt_log(log_dir)
+    for prompt, rows in log.items():
         kls, betas = [r["kl"] for r in rows[-last:]], [r["beta"] for r in rows[-last:]]
         std = statistics.stdev(kls) if len(kls) > 1 else 0.0
         table[prompt] = (rows[-1]["budget"], statistics.fmean(kls), std, statistics.fmean(betas), betas[-1], len(kls))
@@ -186,7 +186,7 @@ def print_prompts(log_dir: str, last: int, groups: dict[str, str] | None) -> Non
         print(f"{prompt:<10}{budget:>8}  {kl:>8.4f}  {std:>8.4f}  {beta:>9.4f}  {beta_last:>9.4f}")
     by_group: dict[str, list[tuple]] = {}
     for prompt, values in table.items():
-        by_group.setdefault(str(values[0]) if groups is None else groups.get(prompt, "none"), []).append(values)
+        by_group.setdefault(group_of(prompt, log[prompt], groups), []).append(values)
     for group, members in sorted(by_group.items()):
         kl, std, beta = (statistics.fmean(m[i] for m in members) for i in (1, 2, 3))
         label = "budget" if groups is None else "group"

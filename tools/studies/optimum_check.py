@@ -117,8 +117,9 @@ pi_old / pi_sampler.
 ``--kl-budgets B1 B2 ...`` (one per task prompt, nats per response) trains with the ``per_prompt`` controller
 (one beta per prompt, each held to its own budget; it starts at ``--beta``, steps with ``--budget-horizon`` (default
 800 per 384 responses an iteration, :data:`BUDGET_HORIZON`) and ``--budget-decay-after``, clamped to
-``--budget-beta-min`` / ``--budget-beta-max``) instead of a fixed beta; on a random or random-eos task its recipe (:data:`BUDGET_SETTINGS`, where the command line gives none) is every beta starting at 4 and 250
-iterations with the lr held for the first 60% and then decayed to 1/50; every distance is then to the per-prompt optimum, each
+``--budget-beta-min`` / ``--budget-beta-max``) instead of a fixed beta; on a random task its recipe (:data:`BUDGET_SETTINGS`, where the command line gives none) is every beta starting at 4 and 250
+iterations with the lr held for the first 60% and then decayed to 1/50 (random-eos, :data:`EOS_BUDGET_SETTINGS`: 350,
+exploring over the first 100); every distance is then to the per-prompt optimum, each
 prompt's pi*(.|x) ∝ pi_ref exp(r / beta_x) at its current beta_x, and a last line reads
 
     BUDGET task=<task> seed=<seed> gap=<gap to that optimum> kl_max_rel_error=<max_x |KL_x(pi) / budget_x - 1|>
@@ -785,8 +786,8 @@ DIVERGENCE_SETTINGS = {
 # iterations 130-140, and the 1/k steps could not bring the beta back (KL 5.8 against 1). From 4 the betas take 30-40
 # iterations at the controller's capped rate to come down, with the policy near the reference while the critic
 # learns, and then follow the tilted optimum down as an anneal (``anneal``'s argument): random:1-3 on seeds 0-2,
-# random:1-2 on 3-5 and random:3 on 3-7 within 4.2%, gaps <= 0.0095; with BUDGET_HORIZON random-eos:1-2 on seed 0
-# within 1.3%, random-eos:3 not (gap 0.146: a rarer mode; docs/plugins.md, "Per-prompt KL budgets").
+# random:1-2 on 3-5 and random:3 on 3-7 within 4.2%, gaps <= 0.0095 (docs/plugins.md, "Per-prompt KL budgets"; the
+# random-eos tasks: EOS_BUDGET_SETTINGS below).
 BUDGET_SETTINGS = {"beta": 4.0, "iterations": 250, "lr_hold": 0.6, "lr_final": 0.02}
 # The per_prompt controller's horizon at 384 responses an iteration (192 a prompt of two: a beta moves by at most
 # 0.2 * 192 / 800 = 4.8% an iteration), scaled with the batch where --budget-horizon is not given: the horizon counts
@@ -811,8 +812,8 @@ def divergence_settings(args: argparse.Namespace, settings: dict, divergence: st
 
 def task_settings(args: argparse.Namespace, name: str) -> dict:
     """beta, iterations, batch size, the lr schedule and the matrix's estimators, placements and weightings
-    for task ``name``: the command line's where given, else the task kind's (on a random task with
-    ``--kl-budgets``, :data:`BUDGET_SETTINGS` over them)."""
+    for task ``name``: the command line's where given, else the task kind's (with ``--kl-budgets``, on a random task
+    :data:`BUDGET_SETTINGS` over them, on a random-eos task :data:`EOS_BUDGET_SETTINGS`)."""
     kind = name.split(":")[0] if name.startswith(("random-eos:", "rare-eos:")) else "random" if _random(name) else "hand-made"
     defaults = TASK_SETTINGS[kind]
     if args.kl_budgets is not None and kind in ("random", "random-eos"):
