@@ -852,7 +852,12 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
     for name in ("train_prompts", "val_prompts"):
         prompts, field = getattr(datamodule, name, None), f"data.{name.split('_')[0]}_path"
         if prompts:
-            enc = module.encode_prompts(prompts, field)
+            from rlhf_lightning.data import encode_prompts
+
+            prompt_args = module.prompts
+            enc = encode_prompts(
+                module.tokenizer, prompts, prompt_args.chat_template, prompt_args.max_length, prompt_args.special_tokens, field
+            )
             longest = max(longest or 0, int(enc["attention_mask"].sum(-1).max()))
             for role in ("reward_model", "gold_reward_model"):
                 if getattr(module, role) is not None:

@@ -3,7 +3,7 @@ ahead of the trainer with its own copy of the policy's weights.
 
 A *version* is the number of PPO iterations done (each one update of the weights; a skipped iteration
 leaves them as they were). The batch of iteration i is sampled from version max(0, i - k), with the
-sampling seed of iteration i (``PPORLHF.sampling_seed``): so which responses a batch gets does not depend
+sampling seed of iteration i (``Sampler.seed``): so which responses a batch gets does not depend
 on when, where or in which thread it was sampled. At the start of iteration i the trainer publishes its
 weights as version i and hands the sampler the prompts of iteration i + k (read ahead from the data
 loader, ``data.Lookahead``), which the sampler draws while iteration i scores and updates. A batch whose
@@ -26,7 +26,7 @@ import copy
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -34,65 +34,31 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from rlhf_lightning import fsdp2
-from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.args import OffPolicyArgs
 from rlhf_lightning.checks import ConfigError, require
-from rlhf_lightning.interfaces import Samples
 from rlhf_lightning.models import full_tensor
 from rlhf_lightning.networks import Networks
+from rlhf_lightning.sampler import Drawn, Sampler
 
 
 class SamplerError(ConfigError):
     """The sampler failed or did not answer in time: one line naming ``model.off_policy`` and the cause."""
 
 
-@dataclass
-class Drawn:
-    """One batch as the sampler drew it (per-row tensors on the module's device)."""
+def check_strategy(trainer, max_staleness: int) -> None:
+    """At start-up, before any model loads: the strategies the sampler's copy of the weights serves: one process,
+    DDP and FSDP2 (ModelParallelStrategy: each rank's sampler holds the whole policy, gathered when published);
+    not FSDP version 1 nor DeepSpeed, whose sharded weights no published version gathers."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
-    iteration: int  # the iteration that trains on it
-    prompts: list[str]  # its rows' prompts (each repeated num_generations times)
-    enc: dict[str, Tensor]  # the prompts' encoding (input_ids, attention_mask), left-padded
-    samples: Samples  # the engine's output
-    version: int  # the version of the weights that sampled it
-    seconds: float  # the sampler's own time drawing it
-    # Scored by the sampler too (``model.off_policy.score_in_sampler``; None: by the trainer when consumed):
-    ref_logprobs: Optional[Tensor] = None  # log pi_ref of the sampled tokens, on the kept set (batch, response_len)
-    ref_logits: Optional[Tensor] = None  # the reference's logits, only when the KL estimator needs them
-    raw_scores: Optional[Tensor] = None  # r_RM as the backend returned it (None with a reward fault)
-    reward_fault: Optional[str] = None  # why r_RM was not finite
-    scoring_seconds: float = 0.0  # the sampler's time scoring it
-
-    _TENSORS = ("ref_logprobs", "ref_logits", "raw_scores")
-
-    def state_dict(self) -> dict[str, Any]:
-        samples = {name: getattr(self.samples, name) for name in ("sequences", "logits", "logprobs", "hidden")}
-        fields = dict(iteration=self.iteration, prompts=self.prompts, version=self.version, seconds=self.seconds)
-        fields.update(reward_fault=self.reward_fault, scoring_seconds=self.scoring_seconds)
-        fields.update({name: _cpu(getattr(self, name)) for name in self._TENSORS})
-        return {**fields, "enc": {k: v.cpu() for k, v in self.enc.items()}, "samples": {k: _cpu(v) for k, v in samples.items()}}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any], device: torch.device) -> Drawn:
-        samples = Samples(**{k: None if v is None else v.to(device) for k, v in state["samples"].items()})
-        enc = {k: v.to(device) for k, v in state["enc"].items()}
-        scored = {name: None if state.get(name) is None else state[name].to(device) for name in cls._TENSORS}
-        scored.update(reward_fault=state.get("reward_fault"), scoring_seconds=state.get("scoring_seconds", 0.0))
-        return cls(state["iteration"], list(state["prompts"]), enc, samples, state["version"], state["seconds"], **scored)
-
-
-def staleness_metrics(versions: Tensor, iteration: int, reduce) -> dict[str, float]:
-    """``off_policy/staleness_mean`` and ``off_policy/staleness_max`` over all ranks' responses: how many updates
-    older than the trained weights (``iteration``) the weights that sampled each were (``versions``, (batch,))."""
-    staleness = (iteration - versions).double()
-    total = reduce(torch.stack([staleness.sum(), torch.tensor(float(len(staleness)), dtype=torch.float64, device=staleness.device)]))
-    return {
-        "off_policy/staleness_mean": float(total[0] / total[1]),
-        "off_policy/staleness_max": float(reduce(staleness.max(), op="max")),
-    }
-
-
-def _cpu(t: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else t.cpu()
+    strategy = trainer.strategy
+    require(
+        not isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)),
+        "model.off_policy.max_staleness",
+        f"0 under {type(strategy).__name__} (the sampler gathers the policy's weights under one process, DDP and FSDP2 "
+        "(ModelParallelStrategy) only)",
+        max_staleness,
+    )
 
 
 class _Done:
@@ -125,70 +91,51 @@ def _work(jobs: queue.Queue) -> None:
                 future.set_exception(err)
 
 
-class _SamplerView:
-    """The module as the rollout engine sees it from the sampler: every setting the module's, the
-    networks the sampler's own copy (``Networks.generator`` over it) and ``global_step`` the optimizer steps
-    its weights have taken (an engine with weights of its own, ``vllm``, syncs them from the copy when it changes)."""
-
-    def __init__(self, module, networks, global_step: int) -> None:
-        self._module, self.networks, self.global_step = module, networks, global_step
-
-    def __getattr__(self, name: str):
-        return getattr(self._module, name)
-
-
 class AsyncRollouts:
-    """The sampler of ``PPORLHF`` with ``model.off_policy.max_staleness`` k > 0: its copy of the
-    policy, the versions published for batches still to be drawn, and the batches drawn ahead.
+    """The sampler that runs ahead with ``model.off_policy.max_staleness`` k > 0: the :class:`Sampler` it draws and
+    scores with (on its own copy of the policy's weights), the versions published for batches still to be drawn, and
+    the batches drawn ahead.
 
-    ``concurrent``: draw in one worker thread (the run's default) or in the trainer's thread when a
-    batch is handed over (the in-line path, the same numbers)."""
+    Its inputs are explicit: the trainer's ``sampler`` (its networks hold the policy whose weights are published),
+    the ``off_policy`` settings, whether the reference moves (then the trainer runs its pass), the step context the
+    trainer's thread runs in (``step_context()``: the precision plugin's, thread-local), and ``concurrent``: draw in
+    one worker thread (the run's default) or in the trainer's thread when a batch is handed over (the in-line path,
+    the same numbers). ``skeleton``: under FSDP2, the policy's structure on the meta device, kept before sharding
+    (``Networks.skeleton``), which the sampler's whole copy is made from."""
 
-    def __init__(self, module, concurrent: bool = True) -> None:
-        self.module = module
-        self.k = module.off_policy.max_staleness
-        self.timeout_s = module.off_policy.sampler_timeout_s
-        self.concurrent = concurrent
-        self.networks = None  # the sampler's Networks over its copy of the policy (built at the first draw)
+    def __init__(
+        self,
+        sampler: Sampler,
+        off_policy: OffPolicyArgs,
+        reference_moves: bool,
+        step_context: Callable[[], Any] = contextlib.nullcontext,
+        concurrent: bool = True,
+        skeleton=None,
+    ) -> None:
+        self.trainer_sampler = sampler
+        self.k = off_policy.max_staleness
+        self.timeout_s = off_policy.sampler_timeout_s
+        self.score_in_sampler, self.reference_moves = off_policy.score_in_sampler, reference_moves
+        self.step_context, self.concurrent, self.skeleton = step_context, concurrent, skeleton
+        self.sampler: Optional[Sampler] = None  # the trainer's sampler over its own copy of the policy (built at the first draw)
         self.frozen: dict[str, Tensor] = {}  # the copy's frozen tensors as built (a LoRA base), restored before each draw
         self.versions: dict[int, dict[str, Tensor]] = {}  # published trainable weights by version, while a batch needs them
-        self.steps: dict[int, int] = {}  # the optimizer steps (module.global_step) of each published version's weights
+        self.steps: dict[int, int] = {}  # the optimizer steps (global_step) of each published version's weights
         self.first_version = 0  # the oldest version there is: 0, or the iteration a run resumed at without batches in flight
         self.jobs: dict[int, Any] = {}  # iteration -> Future (or _Done) of its Drawn
         self._queue: Optional[queue.Queue] = None  # the worker's jobs, once it runs
         self._thread: Optional[threading.Thread] = None
         self._hung = False  # the sampler missed sampler_timeout_s: close() does not wait for it
         self.handed_ahead = 0  # batches handed to the sampler before their iteration (read ahead)
-        self.skeleton = None  # FSDP2: the policy's structure, kept before sharding (keep_skeleton)
-
-    def setup(self, trainer) -> None:
-        """At start-up, before any model loads: the strategies the sampler's copy of the weights serves: one process,
-        DDP and FSDP2 (ModelParallelStrategy: each rank's sampler holds the whole policy, gathered when published);
-        not FSDP version 1 nor DeepSpeed, whose sharded weights no published version gathers."""
-        from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
-
-        strategy = trainer.strategy
-        require(
-            not isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)),
-            "model.off_policy.max_staleness",
-            f"0 under {type(strategy).__name__} (the sampler gathers the policy's weights under one process, DDP and FSDP2 "
-            "(ModelParallelStrategy) only)",
-            self.k,
-        )
-
-    def keep_skeleton(self, policy) -> None:
-        """Under FSDP2, before the policy is sharded: a copy of its structure on the meta device (no memory), which
-        the sampler's whole copy of the policy is made from at its first draw (``_sampler_networks``)."""
-        self.skeleton = fsdp2.meta_copy(policy)
 
     # ------------------------------------------------------------------ the trainer's side
-    def draw(self, prompts: list[str], upcoming: list[list[str]], timer) -> Drawn:
-        """The batch of the module's current iteration i on ``prompts`` (repeated rows), drawn from version
-        max(first_version, i - k): publish version i, hand the sampler the batches of ``upcoming`` (the prompts of
-        iterations i + 1, i + 2, ..., as far as read ahead) that version i or an earlier one samples, and
-        wait for batch i (``timing/sampler_wait_s``)."""
-        i = self.module.iteration
-        self.publish(i)
+    def draw(self, prompts: list[str], upcoming: list[list[str]], iteration: int, global_step: int, timer) -> Drawn:
+        """The batch of iteration i = ``iteration`` on ``prompts`` (repeated rows), drawn from version
+        max(first_version, i - k): publish version i (``global_step`` optimizer steps), hand the sampler the batches
+        of ``upcoming`` (the prompts of iterations i + 1, i + 2, ..., as far as read ahead) that version i or an
+        earlier one samples, and wait for batch i (``timing/sampler_wait_s``)."""
+        i = iteration
+        self.publish(i, global_step)
         if i not in self.jobs:  # not read ahead: drawn now, from the version it needs
             self.submit(i, prompts)
         for ahead, rows in enumerate(upcoming[: self.k], start=1):
@@ -208,22 +155,21 @@ class AsyncRollouts:
             timer.seconds["sampler_score"] = drawn.scoring_seconds
         return drawn
 
-    def publish(self, version: int) -> None:
+    def publish(self, version: int, global_step: int) -> None:
         """Keep the policy's trainable weights as ``version`` (a LoRA policy's: its adapter; the frozen base is
         the sampler copy's own): the sampler reads them while the trainer updates its own."""
         if version not in self.versions:  # FSDP2: each trainable tensor gathered whole (a collective, on every rank alike)
             whole = lambda p: p.full_tensor() if isinstance(p, DTensor) else p.clone()  # a gathered DTensor is a new tensor
-            self.versions[version] = {name: whole(p.detach()) for name, p in self._trainable(self.module.policy)}
-            self.steps[version] = self.module.global_step
+            self.versions[version] = {name: whole(p.detach()) for name, p in self._trainable(self.trainer_sampler.networks.policy)}
+            self.steps[version] = global_step
 
     def submit(self, iteration: int, prompts: list[str]) -> None:
         """Hand the sampler iteration ``iteration``'s batch on ``prompts``, to draw from version max(first_version, iteration - k)."""
-        self._sampler_networks()  # built here, in the trainer's thread, from weights no one else is changing
+        sampler = self._sampler()  # built here, in the trainer's thread, from weights no one else is changing
         version = max(self.first_version, iteration - self.k)
-        weights, step = self.versions[version], self.steps[version]
-        enc = self.module.encode_prompts(prompts)
-        seed = self.module.sampling_seed(iteration)
-        job = lambda: self._sample(iteration, list(prompts), enc, seed, version, weights, step)
+        weights, view = self.versions[version], sampler.view(self.steps[version])
+        enc = sampler.encode(prompts)  # in the trainer's thread: a fast tokenizer's padding state is not thread-safe
+        job = lambda: self._sample(view, iteration, list(prompts), enc, version, weights)
         if not self.concurrent:
             self.jobs[iteration] = _Done(job)
             return
@@ -278,38 +224,22 @@ class AsyncRollouts:
         self.jobs.clear()
 
     # ------------------------------------------------------------------ the sampler's side
-    def _sample(self, iteration, prompts, enc, seed, version, weights, step) -> Drawn:
-        start = time.perf_counter()
-        networks = self._sampler_networks()
+    def _sample(self, view: Sampler, iteration: int, prompts: list[str], enc: dict, version: int, weights: dict[str, Tensor]) -> Drawn:
+        start, context = time.perf_counter(), self.step_context if self.concurrent else contextlib.nullcontext
         # Every tensor set before each draw (the version's, and a LoRA base as built: merging the adapter
         # for a draw and unmerging it moves the base by rounding), so a draw depends on its version alone.
-        self._load(networks, self.frozen, weights)
-        module = self.module
-        with self._step_context():
-            samples = module.rollout_engine.checked_sample(_SamplerView(module, networks, step), enc, seed)
-        drawn = Drawn(iteration, prompts, enc, samples, version, time.perf_counter() - start)
-        if module.off_policy.score_in_sampler:
+        self._load(view.networks, self.frozen, weights)
+        with context():
+            drawn = view.draw(prompts, iteration, version, enc=enc)
+        drawn.seconds = time.perf_counter() - start
+        if self.score_in_sampler:
             start = time.perf_counter()
-            with self._step_context(), torch.no_grad():
-                self._score(drawn, networks)
+            with context(), torch.no_grad():
+                if self.reference_in_sampler:
+                    self._load(view.networks, self.frozen)  # a LoRA base as built (the draw's merge and unmerge round it)
+                view.score_drawn(drawn, self.reference_in_sampler)
             drawn.scoring_seconds = time.perf_counter() - start
         return drawn
-
-    def _score(self, drawn: Drawn, networks: Networks) -> None:
-        """What the trainer would compute from ``drawn`` alone when it consumes it, computed now: the reward
-        and, with a frozen reference and a kept set the sampler knows (its logits), log pi_ref, as
-        ``PPORLHF.rollout`` and ``score`` compute them (the same functions on the same tensors)."""
-        module = self.module
-        input_ids, attention_mask, response, _, _ = module.assemble(drawn.enc, drawn.samples)
-        texts = module.tokenizer.batch_decode(response, skip_special_tokens=True)
-        drawn.raw_scores, drawn.reward_fault = module.reward(drawn.prompts, texts)
-        if not self.reference_in_sampler or drawn.samples.logits is None:  # it moves, or the kept set is the trainer's
-            return
-        self._load(networks, self.frozen)  # a LoRA base as built (the draw's merge and unmerge round it)
-        kept = networks.kept(networks.tempered(drawn.samples.logits.float()), response)
-        ref_logits = networks.reference_logits(input_ids, attention_mask, response.shape[1], kept)
-        drawn.ref_logprobs = pm.logprobs_of(ref_logits, response)
-        drawn.ref_logits = ref_logits if module.kl_estimator.needs_logits else None
 
     @staticmethod
     def _load(networks: Networks, *tensors: dict[str, Tensor]) -> None:
@@ -319,51 +249,44 @@ class AsyncRollouts:
             for named in filter(None, tensors):
                 torch._foreach_copy_([params[name] for name in named], list(named.values()))
 
-    def _sampler_networks(self):
-        """The sampler's ``Networks``: a copy of the policy alone (no critic, no reference), run as the trainer's is;
-        built in the trainer's thread, where the rollout engine starts what it needs (``RolloutEngine.start``)."""
-        if self.networks is None:
-            module = self.module
-            trainer = module.networks
+    def _sampler(self) -> Sampler:
+        """The sampler over a copy of the policy alone (no critic, no reference but a frozen one it may run), run as the
+        trainer's is; built in the trainer's thread, where the rollout engine starts what it needs (``RolloutEngine.start``)."""
+        if self.sampler is None:
+            trainer_sampler = self.trainer_sampler
+            trainer = trainer_sampler.networks
             if self.skeleton is None:
-                policy = copy.deepcopy(module.policy)
+                policy = copy.deepcopy(trainer.policy)
             else:  # FSDP2: the whole policy, gathered (a collective: every rank draws its first batch at the same iteration)
-                whole = {name: full_tensor(t) for name, t in module.policy.state_dict().items()}
+                whole = {name: full_tensor(t) for name, t in trainer.policy.state_dict().items()}
                 policy, self.skeleton = self.skeleton, None
                 policy.load_state_dict(whole, assign=True)
             self.frozen = {name: p.detach().clone() for name, p in policy.named_parameters() if not p.requires_grad}
-            self.networks = Networks(
+            networks = Networks(
                 policy,
                 None,
-                module.networks.ref_model if self.reference_in_sampler else None,
+                trainer.ref_model if self.reference_in_sampler else None,
                 None,
-                sampling=module.sampling,
+                sampling=trainer.sampling,
                 shared_prompts=trainer.shared_prompts,
-                lora=module.lora,
+                lora=trainer.lora,
                 reference_moves=False,
                 foreign_reference=False,
-                eos_token_id=module.tokenizer.eos_token_id,
+                eos_token_id=trainer.eos_token_id,
                 reduce=lambda t, op="sum": t,
             )
-            module.rollout_engine.start(_SamplerView(module, self.networks, module.global_step))
-        return self.networks
+            self.sampler = trainer_sampler.view(trainer_sampler.global_step, networks=networks)
+            trainer_sampler.engine.start(self.sampler)
+        return self.sampler
 
     @property
     def reference_in_sampler(self) -> bool:
         """Whether the sampler runs the reference's pass: it is frozen (``model.reference_update`` none) and
         ``score_in_sampler``. Its model there: the trainer's separate one (read, never written, by both threads), or
         under LoRA the sampler copy's own weights with the adapter disabled."""
-        module = self.module
-        sharded = module.networks.ref_model is not None and fsdp2.is_sharded(module.networks.ref_model)  # its passes gather
-        return module.off_policy.score_in_sampler and not module.reference_update.moves and not sharded
-
-    def _step_context(self):
-        """What the trainer's step runs inside (the precision plugin's: autocast, the CPU's oneDNN route), for the
-        sampler's thread: those are thread-local."""
-        trainer = self.module._trainer
-        if trainer is None or not self.concurrent:
-            return contextlib.nullcontext()
-        return trainer.precision_plugin.train_step_context()
+        ref_model = self.trainer_sampler.networks.ref_model
+        sharded = ref_model is not None and fsdp2.is_sharded(ref_model)  # its passes gather
+        return self.score_in_sampler and not self.reference_moves and not sharded
 
     @staticmethod
     def _trainable(policy) -> list[tuple[str, Tensor]]:
@@ -392,7 +315,7 @@ class AsyncRollouts:
             if state is None:
                 return "the checkpoint holds no batches in flight (written with model.off_policy.max_staleness 0)"
             return f"the checkpoint's batches in flight were drawn for model.off_policy.max_staleness {state['max_staleness']}"
-        device = self.module.device
+        device = self.trainer_sampler.device
         self.jobs = {d["iteration"]: _Done(lambda d=d: Drawn.from_state(d, device)) for d in state["drawn"]}
         self.versions = {int(v): {n: t.to(device) for n, t in w.items()} for v, w in state["versions"].items()}
         self.steps = {int(v): step for v, step in state["steps"].items()}

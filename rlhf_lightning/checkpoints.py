@@ -88,6 +88,8 @@ def load_state(module, checkpoint: dict) -> None:
     )
     module.iteration = state["iteration"]
     module.generation_seed_base = state["generation_seed_base"]
+    if module.sampler is not None:  # built before a checkpoint loads (configure_model)
+        module.sampler.generation_seed_base = module.generation_seed_base
     module.faults.load_state_dict(state["faults"])
     module.reference_updates = state.get("reference_updates", 0)
     for name in STATEFUL_PLUGINS:

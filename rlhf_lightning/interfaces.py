@@ -211,6 +211,19 @@ class BetaController(Plugin):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.beta = float(state["beta"])
 
+    # TEMPORARY (lead's stub until the args helper's API lands)
+    keyed_by_prompt = False
+
+    def betas_of(self, prompt_ids) -> Tensor:
+        return torch.full((len(prompt_ids),), self.checked_beta(), dtype=torch.float64)
+
+    def budgets_of(self, prompt_ids) -> Optional[Tensor]:
+        target = getattr(self, "target", None)
+        return None if target is None else torch.full((len(prompt_ids),), float(target), dtype=torch.float64)
+
+    def update_prompts(self, prompt_ids, observed_kls, n_samples) -> None:
+        pass
+
 
 class PerPromptBetaController(BetaController):
     """A controller that keeps one beta per training prompt, each moved by that prompt's own KL toward
@@ -227,6 +240,7 @@ class PerPromptBetaController(BetaController):
     so every rank holds the same table."""
 
     budget_column: Optional[str] = None
+    keyed_by_prompt = True
 
     @abstractmethod
     def set_budgets(self, budgets: Optional[dict[str, float]]) -> None:

@@ -23,10 +23,12 @@ may move the reference toward the policy (default ``none``: the reference stays 
 starting policy; ``sync``, ``reset`` or ``ema`` every N iterations). ``reference`` names another
 model as the reference instead (a teacher: on-policy distillation; docs/reference.md).
 
-Where things live: the networks (policy, critic, reference, sampling model) and their passes in
-networks.py (``self.networks``), their loading in models.py,
-argument checks and the fault counts in checks.py, checkpoint and resume in checkpoints.py, the math in
-ppo_math.py, CPU kernels in cpu.py (a Lightning precision plugin around each step).
+Where things live: the sampler that draws and assembles a rollout in sampler.py (``self.sampler``), and the
+one that runs ahead in async_rollout.py; the networks (policy, critic, reference) and their passes in
+networks.py (``self.networks``, built by ``build_networks``), their loading in models.py; the KL's terms in
+regulariser.py (``self.regulariser``); the logged metrics in metrics.py; the arguments and the rules across them
+in args.py, start-up checks and fault counts in checks.py; checkpoint and resume in checkpoints.py; the math in
+ppo_math.py; CPU kernels in cpu.py (a Lightning precision plugin around each step).
 
 Left out on purpose: reward-model training (tools/) and any home-made distributed code: every
 cross-rank statistic goes through the Lightning strategy's ``reduce``.
@@ -35,7 +37,6 @@ cross-rank statistic goes through the Lightning strategy's ``reduce``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import warnings
 from functools import partial
@@ -52,24 +53,26 @@ from torchmetrics import MeanMetric
 from rlhf_lightning import args, checkpoints, fsdp2, gpu, models, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import KLArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
-from rlhf_lightning.async_rollout import AsyncRollouts, Drawn, staleness_metrics
+from rlhf_lightning.async_rollout import AsyncRollouts, check_strategy
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
 from rlhf_lightning.checks import Faults, nonfinite_terms, require
-from rlhf_lightning.data import PromptTable, encode_prompts, token_ids
+from rlhf_lightning.data import PromptTable, token_ids
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
     BetaController,
     Divergence,
     KLEstimator,
     LossAggregation,
-    PerPromptBetaController,
     PolicyLoss,
     ReferenceUpdate,
     RewardModel,
     RolloutEngine,
 )
-from rlhf_lightning.models import ValueModel, add_lora, frozen_copy, load_tokenizer, shard_models
-from rlhf_lightning.networks import Networks
+from rlhf_lightning.metrics import prompt_stats, rollout_metrics, update_means
+from rlhf_lightning.models import ValueModel, load_tokenizer
+from rlhf_lightning.networks import Networks, build_networks
+from rlhf_lightning.regulariser import Regulariser
+from rlhf_lightning.sampler import Drawn, Sampler
 from rlhf_lightning.trajectory import IterationOutputs, PromptStats, Scored, Trajectory
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
@@ -159,17 +162,20 @@ class PPORLHF(LightningModule):
         self.save_hyperparameters(
             {**network, "trust_remote_code": trust_remote_code, **{name: dataclasses.asdict(groups[name]) for name in args.GROUPS}}
         )
-        self._kl_reads_sampled_token = self.kl_estimator.reads_sampled_token()
         self.automatic_optimization = False
 
         self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), trust_remote_code)
-        self.kl_ignore_ids = token_ids(self.tokenizer, self.kl.ignore_tokens or [], "each of model.kl.ignore_tokens")
+        ignore_ids = token_ids(self.tokenizer, self.kl.ignore_tokens or [], "each of model.kl.ignore_tokens")
+        self.regulariser = Regulariser(self.kl_estimator, self.divergence, self.kl, ignore_ids)
         self.policy: Optional[nn.Module] = None
         self.ref_model: Optional[nn.Module] = None
         self.initial_model: Optional[nn.Module] = None  # full fine-tuning with a moving or foreign reference: pi_0
         self.reference_updates = 0  # times the reference has moved (checkpointed)
         self.critic: Optional[ValueModel] = None
         self.networks: Optional[Networks] = None  # the part that runs them, once built (configure_model)
+        self.sampler: Optional[Sampler] = None  # the part that draws rollouts with them (configure_model)
+        # max_staleness k > 0: the sampler that runs ahead (async_rollout.py, configure_model); None: the synchronous loop
+        self.async_rollouts: Optional[AsyncRollouts] = None
         self.update_stats = nn.ModuleDict({name.replace("/", "__"): MeanMetric() for name in UPDATE_STATS})
         self._loss_terms: dict[str, Tensor] = {}  # a micro-batch's logged terms, named in the fault when a loss is not finite
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
@@ -178,8 +184,6 @@ class PPORLHF(LightningModule):
         self.faults = Faults(limit=self.runtime.max_consecutive_faults)
         self.longest_prompt: Optional[int] = None  # tokens, of the data module's prompt files (setup)
         self.prompt_table: Optional[PromptTable] = None  # the training prompts' ids and budgets (setup; prompt_stats)
-        # max_staleness k > 0: the sampler that runs ahead (async_rollout.py); None: the synchronous loop
-        self.async_rollouts = AsyncRollouts(self) if self.off_policy.max_staleness else None
 
     # ------------------------------------------------------------------ setup
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
@@ -232,12 +236,26 @@ class PPORLHF(LightningModule):
         if lookahead is not None and lookahead.consume(prompts):
             left = self.trainer.num_training_batches - self.trainer.fit_loop.epoch_loop.batch_idx - 1
             upcoming = [self.repeat_prompts(batch) for batch in lookahead.upcoming(min(self.off_policy.max_staleness, left))]
-        return self.async_rollouts.draw(rows, upcoming, timer)
+        return self.async_rollouts.draw(rows, upcoming, self.iteration, self.global_step, timer)
 
-    def sampling_seed(self, iteration: int) -> int:
-        """The seed the rollout engine draws iteration ``iteration``'s responses with, per (run, rank, iteration): ranks
-        sample independently, and a resumed run or a sampler running ahead draws the same responses."""
-        return self.generation_seed_base + 7919 * self.global_rank + 104729 * iteration
+    def rollout(
+        self, prompts: list[str], timer: Optional[Timer] = None, critic_values: bool = True, drawn: Optional[Drawn] = None
+    ) -> Trajectory:
+        """The rollout phase (``Sampler.rollout``): ``prompts`` sampled from the current weights (exploring while
+        training, ``exploration``), or the batch the asynchronous sampler ``drawn`` ahead; pi_old, V_old (a separate
+        critic's only with ``critic_values``) and log pi_ref."""
+        first = self.training and self.iteration == 0
+        exploration = self.exploration
+        return self.sampler.rollout(
+            prompts,
+            self.iteration,
+            global_step=self.global_step,
+            exploration=exploration,
+            timer=timer,
+            critic_values=critic_values,
+            drawn=drawn,
+            first=first,
+        )
 
     @property
     def exploration(self) -> float:
@@ -262,14 +280,13 @@ class PPORLHF(LightningModule):
     on_validation_start = on_test_start = _setup_reward_models
 
     def row_betas(self, prompts: list[str]) -> Tensor:
-        """beta of each row (batch,), float64 on the module's device: the controller's one beta, or with a
-        per-prompt controller each row's prompt's own (by its id in ``prompt_table``), checked >= 0."""
-        if not isinstance(self.beta_controller, PerPromptBetaController):
-            return torch.full((len(prompts),), self.beta_controller.checked_beta(), dtype=torch.float64, device=self.device)
-        betas = self.beta_controller.betas_of(self.prompt_table.ids_of(prompts))
+        """beta of each row (batch,), float64 on the module's device: the controller's for each row's prompt
+        (``BetaController.betas_of``, by its id in ``prompt_table``; one beta for all with a scalar controller), checked >= 0."""
+        controller = self.beta_controller
+        betas = controller.betas_of(self.prompt_table.ids_of(prompts) if self.prompt_table is not None else prompts)
         require(
             bool(torch.isfinite(betas).all() and (betas >= 0).all()),
-            f"the betas of beta controller {type(self.beta_controller).__name__}",
+            f"the betas of beta controller {type(controller).__name__}",
             "finite numbers >= 0",
             betas.tolist(),
         )
@@ -279,11 +296,11 @@ class PPORLHF(LightningModule):
         """r_RM from the reward backend, the per-token KL estimate, and the per-token rewards
         R_t = r_RM * 1[t = T] - beta * kl_t (the KL term only when the penalty is in the reward), beta the
         row's (``betas``, (batch,)); with a sequence-level divergence R_t = (r_RM - beta f'(u)) * 1[t = T], u the
-        response's probability ratio to the reference (``divergence_terms``). A non-finite reward, KL or penalty on
+        response's probability ratio to the reference (``Regulariser.divergence_terms``). A non-finite reward, KL or penalty on
         any rank is a fault, named in ``Scored.fault``: the penalty beta f'(u) as the reward holds it (float32), so
         a u finite in float64 but past float32's range (chi2: log u > 88 + log(1 / 2 beta)) is not a silent inf."""
-        kl, raw_scores, fault = self.kl_per_token(rollout), rollout.raw_scores, rollout.reward_fault
-        penalty, divergence = self.divergence_terms(rollout, kl)
+        kl, raw_scores, fault = self.regulariser.kl_per_token(rollout), rollout.raw_scores, rollout.reward_fault
+        penalty, divergence = self.regulariser.divergence_terms(rollout, kl)
         if penalty is not None:  # beta f'(u) in float64; the reward holds it in kl's dtype, where e^(log u) overflows sooner
             penalty = betas.to(penalty.device, penalty.dtype) * penalty
         if raw_scores is None and fault is None:  # not scored by the sampler ahead
@@ -318,16 +335,6 @@ class PPORLHF(LightningModule):
         except FloatingPointError as err:
             return None, str(err)
 
-    def divergence_terms(self, rollout: Trajectory, kl: Tensor) -> tuple[Optional[Tensor], Tensor]:
-        """``(penalty, value)`` per response (batch,): the sequence-level penalty f'(u) (None for the reverse KL,
-        whose penalty is the per-token ``kl``) and the divergence's value from this sample, f(u) / u (its batch
-        mean estimates D_f: ``objective/divergence``; the reverse KL's is the KL estimate's sum, ``objective/kl``),
-        with log u = sum_t log pi_old(y_t) - log pi_ref(y_t) over the response, in float64."""
-        if self.divergence.per_token:
-            return None, kl.sum(-1)
-        log_u = pm.masked_select(rollout.trainer_logprobs.double() - rollout.ref_logprobs.double(), rollout.response_mask).sum(-1)
-        return self.divergence.f_prime(log_u), self.divergence.value(log_u)
-
     def skip_iteration(self, rollout: Trajectory, scored: Scored) -> IterationOutputs:
         """Count a faulty iteration (weights untouched) and log it as skipped, without stale metrics."""
         self.iteration += 1
@@ -343,7 +350,7 @@ class PPORLHF(LightningModule):
         self.beta_controller.update(
             metrics["objective/divergence" if unit == "sequence_sum" else "objective/kl_per_token"], n_samples=n_samples
         )
-        if isinstance(self.beta_controller, PerPromptBetaController):
+        if prompt_stats is not None:
             self.beta_controller.update_prompts(prompt_stats.ids, prompt_stats.kl, prompt_stats.responses)
         if self.entropy_controller is not None:
             metrics["objective/entropy_coef"] = self.entropy_controller.beta
@@ -368,7 +375,7 @@ class PPORLHF(LightningModule):
         else:
             self.faults.consecutive = 0
         metrics.update(self.faults.metrics(iteration_skipped=False))
-        metrics.update(self.consume_update_stats())
+        metrics.update(update_means(self.update_stats))
         metrics.update(prompt_stats.metrics() if prompt_stats is not None else {})
         metrics.update(timer.metrics())
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rollout.prompts))
@@ -382,99 +389,6 @@ class PPORLHF(LightningModule):
             "skipped": False,
             "prompts": prompt_stats,
         }
-
-    @torch.no_grad()
-    def rollout(
-        self, prompts: list[str], timer: Optional[Timer] = None, critic_values: bool = True, drawn: Optional[Drawn] = None
-    ) -> Trajectory:
-        """Sample one response per prompt with the rollout engine (timed as ``rollout``), or take the batch the
-        sampler ``drawn`` ahead from older weights; then pi_old and V_old (``_old_policy``; a separate critic's
-        only with ``critic_values``) and log pi_ref (one batched forward of the reference, on the sampler's kept
-        set), timed as ``forward``."""
-        timer = timer or Timer(self.device)
-        if drawn is None:
-            enc, version = self.encode_prompts(prompts), self.iteration
-            if self.rollout_engine.stale(self):  # an engine with its own copy of the weights, behind the policy's
-                with timer("weight_sync"):
-                    self.rollout_engine.sync(self)
-            with timer("rollout"):
-                samples = self.rollout_engine.checked_sample(self, enc, self.sampling_seed(self.iteration))
-        else:
-            enc, samples, version = drawn.enc, drawn.samples, drawn.version
-        input_ids, attention_mask, response, mask, ended = self.assemble(enc, samples)
-        keep_logits = self.kl_estimator.needs_logits
-        with timer("forward"):
-            old = self.networks.old_policy(samples, input_ids, attention_mask, response, mask, critic_values, self.exploration)
-            if drawn is not None and drawn.ref_logprobs is not None:  # the sampler ran the reference (score_in_sampler)
-                ref_logprobs, ref_logits = drawn.ref_logprobs, drawn.ref_logits
-            else:
-                if self.networks.reference_is_policy():  # the same function: the log-probs just computed, and a KL of exactly 0
-                    ref_logits = old.logits
-                else:
-                    ref_logits = self.networks.reference_logits(input_ids, attention_mask, response.shape[1], old.kept)
-                ref_logprobs = pm.logprobs_of(ref_logits, response)
-            initial_logits = None
-            if self.networks.initial_is_apart:  # the starting policy, for objective/kl_to_initial
-                with self.networks.initial() as initial:
-                    initial_logits = self.networks.kept_logits(initial, input_ids, attention_mask, response.shape[1], old.kept)
-        trajectory = Trajectory(
-            prompts=list(prompts),
-            response_texts=self.tokenizer.batch_decode(response, skip_special_tokens=True),
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            responses=response,
-            response_mask=mask,
-            ended_with_eos=ended,
-            old_logprobs=old.sampler_logprobs if self.sampling.old_logprobs == "sampler" and not self.exploration else old.trainer_logprobs,
-            trainer_logprobs=old.trainer_logprobs,
-            sampler_logprobs=old.sampler_logprobs,
-            ref_logprobs=ref_logprobs,
-            old_values=None if old.values is None else old.values * mask,
-            entropy=pm.entropy_of(old.logits),
-            old_logits=old.logits if keep_logits else None,
-            ref_logits=ref_logits if keep_logits else None,
-            initial_logprobs=None if initial_logits is None else pm.logprobs_of(initial_logits, response),
-            initial_logits=initial_logits if keep_logits else None,
-            kept=old.kept,
-            policy_version=torch.full((len(prompts),), version, dtype=torch.long, device=self.device),
-            is_weights=sampling.correction_weights(
-                old.trainer_logprobs, old.sampler_logprobs, mask, *self.off_policy.weights(self.sampling, self.exploration)
-            ),
-            raw_scores=None if drawn is None else drawn.raw_scores,
-            reward_fault=None if drawn is None else drawn.reward_fault,
-        )
-        if self.training and self.iteration == 0:  # a sampler that draws one token alone: nothing to learn, said once
-            untrainable = args.point_mass_warning(self.sampling, trajectory.old_logprobs, trajectory.kept, trajectory.response_mask)
-            if untrainable:
-                rank_zero_warn(untrainable)
-        return trajectory
-
-    def assemble(self, enc: dict[str, Tensor], samples) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """A rollout's rows from the prompts' encoding ``enc`` and the engine's ``samples``: ``(input_ids,
-        attention_mask, response, response_mask, ended_with_eos)``, the response's padding after EOS pad tokens."""
-        response = samples.sequences[:, enc["input_ids"].shape[1] :].to(self.device)  # right-padded with pad
-        mask = pm.response_mask(response, self.tokenizer.eos_token_id)
-        ended = ((response == self.tokenizer.eos_token_id) & mask.bool()).any(-1)
-        attention_mask = torch.cat([enc["attention_mask"], mask.to(enc["attention_mask"].dtype)], dim=1)
-        # Padding after EOS becomes pad tokens, whatever the sampler wrote there.
-        response = torch.where(mask.bool(), response, torch.full_like(response, self.tokenizer.pad_token_id))
-        return torch.cat([enc["input_ids"], response], dim=1), attention_mask, response, mask, ended
-
-    def kl_per_token(self, rollout: Trajectory, to_initial: bool = False) -> Tensor:
-        """The penalised per-token KL estimate (batch, response_len), zero off the KL mask; with
-        ``to_initial`` the same estimate against the starting policy (a moving reference only); of the
-        trainer's pi_old (a rollout correction weighs its reward through the policy loss)."""
-        ref_logprobs, ref_logits = (
-            (rollout.initial_logprobs, rollout.initial_logits) if to_initial else (rollout.ref_logprobs, rollout.ref_logits)
-        )
-        kl = self.kl_estimator.checked(rollout.trainer_logprobs, ref_logprobs, rollout.old_logits, ref_logits)
-        return pm.masked_select(kl, self.kl_mask(rollout.responses, rollout.response_mask))
-
-    def kl_mask(self, response: Tensor, mask: Tensor) -> Tensor:
-        """The response mask without the positions of ``kl_ignore_tokens``."""
-        if not len(self.kl_ignore_ids):
-            return mask
-        return mask * ~torch.isin(response, self.kl_ignore_ids.to(response.device))
 
     def compute_advantages(self, rewards: Tensor, rollout: Trajectory) -> tuple[Tensor, Optional[Tensor]]:
         """The advantage estimator on the per-token rewards (and V_old with a critic), checked,
@@ -543,7 +457,7 @@ class PPORLHF(LightningModule):
         self, rollout: Trajectory, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, kl_coef: Tensor, weights: Tensor
     ) -> Tensor:
         """On the rows ``idx``: the policy loss (+ ``value_loss`` with a critic, unless it is
-        ``_critic_apart``) (+ kl_coef * KL in the loss) (- entropy bonus), each per-token term summed
+        ``_critic_apart``) (+ kl_coef * the KL's loss term, ``Regulariser.loss_term``) (- entropy bonus), each per-token term summed
         with ``weights``. The critic (gae) learns the returns of the reward alone when the KL is in
         the loss: the KL's future is carried by the loss's sequence term, not by the values."""
         input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.response_mask[idx]
@@ -563,20 +477,7 @@ class PPORLHF(LightningModule):
         if values is not None:
             loss = loss + self.value_loss(rollout, returns, idx, weights, values)
         if self.kl.in_loss:
-            ref_logits = rollout.ref_logits[idx] if rollout.ref_logits is not None else None
-            kl_mask = self.kl_mask(rollout.responses[idx], mask)
-            kl = pm.masked_select(self.kl_estimator(logprobs, rollout.ref_logprobs[idx], logits, ref_logits), kl_mask)
-            kl_loss = kl
-            # The ratio corrects the sampling of y_t (full sums over the vocabulary: none); its gradient
-            # only where no reward carries k's score term.
-            if self.kl.loss_weighting == "importance" and self._kl_reads_sampled_token:
-                ratio_gradient, baseline = self.kl.placement == "loss", self.kl_estimator.score_baseline
-                kl_loss = pm.importance_weighted_kl(kl, logprobs, old_logprobs, kl_mask, ratio_gradient, baseline)
-            # The KL still to come after each token (ppo_math.kl_to_go_loss) from the log-ratio's values (unbiased,
-            # light-tailed; full's exact ones), a group baseline on the KL's score terms. 'both': in the returns.
-            if self.kl.placement == "loss" and self.kl.loss_scope == "sequence":
-                values = pm.masked_select(logprobs - rollout.ref_logprobs[idx], kl_mask) if self._kl_reads_sampled_token else kl
-                kl_loss = kl_loss + pm.kl_to_go_loss(logprobs, old_logprobs, values, kl_mask, groups=pm.group_ids(rollout.prompts, idx))
+            kl_loss, kl_mask = self.regulariser.loss_term(rollout, idx, logprobs, logits)
             # The advantage estimator's gradient scale (a group std, a mean baseline's (n - 1) / n) on
             # the KL as on the reward, so that beta weighs one against the other as configured.
             loss = loss + (weights * kl_coef[idx, None] * is_weights * kl_loss).sum()
@@ -605,52 +506,57 @@ class PPORLHF(LightningModule):
         for name, value in terms.items():
             self.update_stats[name.replace("/", "__")].update(value.detach().float())
 
-    # ------------------------------------------------------------------ the networks
+    # ------------------------------------------------------------------ the networks and the sampler
     def configure_model(self) -> None:
-        """Build the networks (models.py) and the part that runs them (``self.networks``). Under FSDP2
-        (ModelParallelStrategy) no rank holds a full copy of them: the critic's trunk and the reference
-        are skeletons on the meta device, and so is the policy when its checkpoint is a safetensors
-        folder; once sharded, each rank reads its own rows of every tensor (``fsdp2.materialise``). A
-        policy built whole (the tiny model, a GGUF file) is the one full copy, freed once its shards are taken."""
+        """Build the networks (``networks.build_networks``; under FSDP2 no rank holds a full copy), register them on
+        the module (Lightning's checkpoints, devices and strategies see them there), and the sampler that draws with
+        them (sampler.py; with ``model.off_policy.max_staleness`` > 0 the one that runs ahead, async_rollout.py)."""
         if self.policy is not None:
             return
-        hp, sharded = self.hparams, self.device_mesh is not None  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
-        copy_of = fsdp2.meta_copy if sharded else copy.deepcopy
-        policy, rows = self.load_policy(empty=sharded)
-        args.check_context(self.prompts, self.sampling, policy.config, self.longest_prompt)
-        self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared", copy_of=copy_of)
-        foreign = self.hparams.reference is not None
-        if self.lora.rank > 0:
-            self.policy = add_lora(policy, self.lora, self.reference_update.moves)
-        else:
-            self.policy = policy
-            self.ref_model = None if foreign else frozen_copy(policy, copy_of)
-            self.initial_model = frozen_copy(policy, copy_of) if self.reference_update.moves or foreign else None
-        reference_rows = None
-        if foreign:  # a separate frozen model, under LoRA too (the adapter-disabled policy is then pi_0)
-            reference, reference_rows = self.load_reference(empty=sharded)
-            args.check_context(self.prompts, self.sampling, reference.config, self.longest_prompt, "model.reference's")
-            models.check_reference_vocabulary(policy, reference)
-            self.ref_model = frozen_copy(reference, copy_of=lambda model: model)
-        if sharded and self.async_rollouts is not None:
-            self.async_rollouts.keep_skeleton(self.policy)
-        if sharded:
-            shard_models(
-                self.device_mesh, self.policy, self.critic, self.ref_model, self.initial_model, rows, self.lora.rank > 0, reference_rows
-            )
-        self.networks = Networks(
-            self.policy,
-            self.critic,
-            self.ref_model,
-            self.initial_model,
+        hp, staleness = self.hparams, self.off_policy.max_staleness
+        networks = build_networks(
+            self.load_policy,
+            self.load_reference if hp.reference is not None else None,
+            critic=hp.critic,
             sampling=self.sampling,
-            shared_prompts=self.runtime.shared_prompts,
+            prompts=self.prompts,
             lora=self.lora,
             reference_moves=self.reference_update.moves,
-            foreign_reference=foreign,
+            shared_prompts=self.runtime.shared_prompts,
             eos_token_id=self.tokenizer.eos_token_id,
             reduce=self._reduce,
+            device_mesh=self.device_mesh,  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
+            longest_prompt=self.longest_prompt,
+            keep_skeleton=bool(staleness),
         )
+        self.critic, self.policy, self.ref_model, self.initial_model = (
+            networks.critic,
+            networks.policy,
+            networks.ref_model,
+            networks.initial_model,
+        )
+        self.networks = networks
+        trainer = self._trainer
+        self.sampler = Sampler(
+            tokenizer=self.tokenizer,
+            engine=self.rollout_engine,
+            networks=networks,
+            sampling=self.sampling,
+            prompts=self.prompts,
+            off_policy=self.off_policy,
+            lora=self.lora,
+            runtime=self.runtime,
+            reward=self.reward,
+            needs_logits=self.kl_estimator.needs_logits,
+            seed_base=self.generation_seed_base,
+            global_rank=self.global_rank,
+            local_rank=self.local_rank,
+        )
+        if staleness:
+            step_context = trainer.precision_plugin.train_step_context if trainer is not None else contextlib.nullcontext
+            self.async_rollouts = AsyncRollouts(
+                self.sampler, self.off_policy, self.reference_update.moves, step_context, skeleton=networks.skeleton
+            )
 
     def load_policy(self, empty: bool = False) -> tuple[nn.Module, fsdp2.Rows]:
         """The policy network as configured, unsharded and without LoRA (``models.load_policy``): where a
@@ -716,29 +622,21 @@ class PPORLHF(LightningModule):
 
     @property
     def _critic_apart(self) -> bool:
-        """A separate critic's value loss is a forward and backward pass of its own, after the policy's
-        (the graphs share no tensor: the gradients are those of the sum): FSDP2 frees a root unit's
-        gathered weights and full gradient only when a backward pass ends, so neither model's root
-        nor activations are then held through the other's backward. Not under DDP, whose reducer
-        expects every parameter's gradient in each pass, nor without a trainer."""
+        """A separate critic's value loss in a pass of its own (``Networks.critic_apart``); not without a trainer."""
         ddp = isinstance(getattr(self._trainer, "model", None), DistributedDataParallel)
-        return self.critic is not None and not self.networks.shared_critic and self._trainer is not None and not ddp
+        return self._trainer is not None and self.networks.critic_apart(ddp)
 
     @property
     def old_values_in_update(self) -> bool:
-        """Whether a separate critic's V_old comes from the update's first forward of it instead of a
-        forward of its own while scoring: when that first minibatch is the whole batch in one
-        micro-batch (one minibatch, no accumulation), where the critic still has V_old's weights. One
-        critic trunk forward per iteration fewer, the same values (tests/test_module.py)."""
-        return self._critic_apart and self.ppo.num_minibatches == 1 and self.ppo.gradient_accumulation_steps == 1
+        """A separate critic's V_old from the update's first forward of it (``Networks.old_values_in_update``)."""
+        return Networks.old_values_in_update(self._critic_apart, self.ppo.num_minibatches, self.ppo.gradient_accumulation_steps)
 
     def _first_critic_values(self, rollout: Trajectory) -> Optional[Tensor]:
-        """With ``old_values_in_update``: the separate critic's forward of the first minibatch (the
-        whole batch), its graph kept for that minibatch's value loss; V_old is its detached values."""
+        """With ``old_values_in_update``: the separate critic's forward of the first minibatch (the whole batch), its
+        graph kept for that minibatch's value loss; V_old is its detached values (``Networks.first_critic_values``)."""
         if rollout.old_values is not None or not self.old_values_in_update:
             return None
-        values = self.networks.critic_values(rollout.input_ids, rollout.attention_mask, rollout.responses.shape[1])
-        rollout.old_values = values.detach() * rollout.response_mask
+        values, rollout.old_values = self.networks.first_critic_values(rollout.input_ids, rollout.attention_mask, rollout.response_mask)
         return values
 
     # ------------------------------------------------------------------ pieces
@@ -747,8 +645,8 @@ class PPORLHF(LightningModule):
         module's prompts (``args.check_setup``); the CPU and GPU settings (cpu.py, gpu.py)."""
         if self._trainer is not None:
             gpu.setup(self.trainer, self)
-            if self.async_rollouts is not None:
-                self.async_rollouts.setup(self.trainer)
+            if self.off_policy.max_staleness:
+                check_strategy(self.trainer, self.off_policy.max_staleness)
         self.rollout_engine.setup(self)
         self.check_reference()
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -756,7 +654,7 @@ class PPORLHF(LightningModule):
         if stage == "fit":
             self.prompt_table = self.training_prompt_table(datamodule)
             controller = self.beta_controller
-            if isinstance(controller, PerPromptBetaController):
+            if controller.keyed_by_prompt:
                 require(
                     self.prompt_table is not None,
                     "model.beta_controller",
@@ -772,13 +670,6 @@ class PPORLHF(LightningModule):
         if not hasattr(datamodule, "prompt_table"):
             return None
         return datamodule.prompt_table(getattr(self.beta_controller, "budget_column", None))
-
-    def encode_prompts(self, prompts: list[str], field: str = "the prompts") -> dict[str, Tensor]:
-        """``data.encode_prompts`` with this module's tokenizer and settings, on its device."""
-        enc = encode_prompts(
-            self.tokenizer, prompts, self.prompts.chat_template, self.prompts.max_length, self.prompts.special_tokens, field
-        )
-        return {k: v.to(self.device) for k, v in enc.items()}
 
     def _update_entropy_controller(self, metrics: dict[str, float], n_samples: int) -> None:
         """The entropy controller raises its coefficient while the entropy is below its target: it
@@ -833,99 +724,41 @@ class PPORLHF(LightningModule):
             return contextlib.nullcontext()
         return self.trainer.strategy.block_backward_sync()
 
-    # ------------------------------------------------------------------ metrics
+    # ------------------------------------------------------------------ metrics (metrics.py)
     def rollout_metrics(self, rollout: Trajectory, scored: Scored, betas: Tensor) -> dict[str, float]:
-        """Global (all-rank) means of what the rollout saw, ``betas`` each row's beta (batch,); each name is
-        documented in docs/metrics.md."""
-        mask, kl, raw_scores, scores = rollout.response_mask, scored.kl, scored.raw_scores, scored.scores
-        kl = kl if rollout.is_weights is None else kl * rollout.is_weights  # E_sampler[w k] = E_pi_old[k]
-        kl_seq = kl.sum(-1)
-        counts = [torch.tensor(float(len(raw_scores)), device=self.device), raw_scores.to(self.device).sum(), scores.to(self.device).sum()]
-        sums = [kl_seq.sum(), kl.sum(), mask.sum(), (rollout.entropy * mask).sum(), rollout.ended_with_eos.float().sum()]
-        # the divergence's value per response (the reverse KL's: the KL estimate's sum, which the rollout correction weighs)
-        divergence_seq = kl_seq if self.divergence.per_token else scored.divergence.to(kl_seq.device)
-        sums.append(divergence_seq.sum())
-        penalty = [betas.sum(), (betas * divergence_seq.double()).sum()]
-        totals = self._reduce(torch.stack([t.double() for t in counts + sums + penalty]))
-        n, reward, reward_trained, kl_total, kl_tokens, n_tokens, entropy, n_eos, divergence_total, beta_total, penalty_total = (
-            totals.tolist()
-        )
-        kl_mean, divergence = kl_total / n, divergence_total / n
-        kl_to_initial = kl_mean  # the same estimate against pi_0, which is the reference unless it moves
-        if rollout.initial_logprobs is not None:
-            kl_to_initial = float(self._reduce(self.kl_per_token(rollout, to_initial=True).sum().double().to(self.device))) / n
-        gold = {}
+        """``metrics.rollout_metrics`` of the iteration, with what only the module holds: the KL to the starting
+        policy (a moving or foreign reference), the gold reward, the controller's target and the off-policy settings."""
+        kl_to_initial = None if rollout.initial_logprobs is None else self.regulariser.kl_per_token(rollout, to_initial=True)
+        gold_scores = None
         if self.gold_reward_model is not None:
             with gpu.no_autocast(self.device):
                 gold_scores = self.gold_reward_model.checked_scores(rollout.prompts, rollout.response_texts, "model.gold_reward_model")
-            gold = {"objective/gold_reward": float(self._reduce(gold_scores.sum().double().to(self.device))) / n}
-        return {
-            "objective/reward": reward / n,
-            "objective/reward_trained": reward_trained / n,
-            "objective/kl": kl_mean,
-            "objective/kl_per_token": kl_tokens / n_tokens,
-            "objective/kl_max": float(self._reduce(kl_seq.max().double(), op="max")),
-            "objective/kl_to_initial": kl_to_initial,
-            "reference/updates": float(self.reference_updates),
-            "objective/divergence": divergence,
-            "objective/non_score_reward": -penalty_total / n,  # -E[beta_x D_x]: -beta * objective/divergence with one beta
-            "objective/net": reward / n - penalty_total / n,
-            "objective/entropy": entropy / n_tokens,
-            "objective/beta": beta_total / n,  # the mean over the responses: the beta, with one
-            **({"objective/kl_target": float(self.beta_controller.target)} if hasattr(self.beta_controller, "target") else {}),
-            "response/length": n_tokens / n,
-            "response/eos_fraction": n_eos / n,
-            "response/truncated_fraction": 1.0 - n_eos / n,  # cut at max_new_tokens without EOS
-            "response/count": n,
-            **sampling.mismatch_metrics(rollout.trainer_logprobs, rollout.sampler_logprobs, mask, self._reduce),
-            **({"sampling/explore": self.exploration} if self.sampling.explore else {}),
-            **(staleness_metrics(rollout.policy_version, self.iteration, self._reduce) if self.async_rollouts else {}),
-            **self.off_policy_weight_metrics(rollout),
-            **gold,
-        }
-
-    def off_policy_weight_metrics(self, rollout: Trajectory) -> dict[str, float]:
-        """With stale samples (``model.off_policy.max_staleness`` > 0): ``off_policy/clipped_fraction`` and
-        ``off_policy/ess`` of the correction's weights from mu to pi_prox (``sampling.off_policy_weight_metrics``)."""
-        if not self.off_policy.max_staleness:
-            return {}
-        mode, cap = self.off_policy.weights(self.sampling)
-        logprobs = (rollout.trainer_logprobs, rollout.sampler_logprobs, rollout.response_mask)
-        return sampling.off_policy_weight_metrics(*logprobs, mode, cap, sum_fn=self._reduce)
+        stale = bool(self.off_policy.max_staleness)
+        return rollout_metrics(
+            rollout,
+            scored,
+            betas,
+            self._reduce,
+            per_token_divergence=self.divergence.per_token,
+            kl_to_initial=kl_to_initial,
+            gold_scores=gold_scores,
+            kl_target=getattr(self.beta_controller, "target", None),
+            reference_updates=self.reference_updates,
+            exploration=self.exploration if self.sampling.explore else None,
+            iteration=self.iteration if stale else None,
+            off_policy_weights=self.off_policy.weights(self.sampling) if stale else None,
+        )
 
     def prompt_stats(self, rollout: Trajectory, scored: Scored, betas: Tensor) -> Optional[PromptStats]:
-        """Each training prompt's mean KL in the beta controller's unit, its responses and the beta its rows used,
-        over all ranks: one row per prompt of ``prompt_table`` summed through the strategy's reduce, so every rank
-        holds the same; its budget (a per-prompt controller's, another's target). None without a prompt table."""
-        table = self.prompt_table
-        if table is None:
+        """``metrics.prompt_stats`` over ``prompt_table`` in the beta controller's unit, each prompt's budget the
+        controller's (``BetaController.budgets_of``); None without a prompt table."""
+        if self.prompt_table is None:
             return None
-        kl = scored.kl if rollout.is_weights is None else scored.kl * rollout.is_weights
-        ones = torch.ones_like(betas)
-        per_row = torch.stack([kl.sum(-1).double(), rollout.response_mask.sum(-1).double(), ones, betas])  # (4, batch)
-        rows = table.rows(rollout.prompts).to(self.device)
-        sums = torch.zeros(4, len(table.ids), dtype=torch.float64, device=self.device).index_add_(1, rows, per_row)
-        sums = self._reduce(sums).cpu()
-        seen = sums[2] > 0
-        kl_total, tokens, responses, beta_total = sums[:, seen]
-        ids = [table.ids[row] for row in seen.nonzero().flatten().tolist()]
         controller = self.beta_controller
-        budgets = None
-        if isinstance(controller, PerPromptBetaController):
-            budgets = controller.budgets_of(ids)
-        elif hasattr(controller, "target"):
-            budgets = torch.full((len(ids),), float(controller.target), dtype=torch.float64)
-        kl_mean = kl_total / (responses if controller.unit == "sequence_sum" else tokens)
-        return PromptStats(ids, kl_mean, responses, beta_total / responses, budgets)
-
-    def consume_update_stats(self) -> dict[str, float]:
-        """Means of the update statistics over every micro-batch of this iteration (all ranks)."""
-        out = {}
-        for key, metric in self.update_stats.items():
-            if metric.update_count:
-                out[key.replace("__", "/")] = float(metric.compute())
-            metric.reset()
-        return out
+        per_response = controller.unit == "sequence_sum"
+        return prompt_stats(
+            rollout, scored, betas, self.prompt_table, self._reduce, per_response=per_response, budgets_of=controller.budgets_of
+        )
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, prompts: list[str], batch_idx: int) -> None:
@@ -939,8 +772,8 @@ class PPORLHF(LightningModule):
         with gpu.no_autocast(self.device):
             raw_scores, _ = self.reward_model(rollout.prompts, rollout.response_texts, rollout.ended_with_eos, update_stats=False)
         reward = raw_scores.mean().item()
-        kl_tokens = self.kl_per_token(rollout)
-        kl, divergence = kl_tokens.sum(-1).mean().item(), self.divergence_terms(rollout, kl_tokens)[1].mean().item()
+        kl_tokens = self.regulariser.kl_per_token(rollout)
+        kl, divergence = kl_tokens.sum(-1).mean().item(), self.regulariser.divergence_terms(rollout, kl_tokens)[1].mean().item()
         metrics = {
             f"{stage}/reward": reward,
             f"{stage}/kl": kl,

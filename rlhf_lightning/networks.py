@@ -1,7 +1,7 @@
 """The networks PPO reads, as one part the LightningModule owns and calls by name
 (``self.networks.reference()``): the policy, its critic, the reference and the starting policy, and
-every pass over them the loop needs. How they are built (loading, LoRA, FSDP2 sharding) is in
-models.py; the Lightning hooks are the module's.
+every pass over them the loop needs, and ``build_networks``, which builds them (loading, LoRA and FSDP2
+sharding are models.py's); the Lightning hooks are the module's.
 
 A reference whose weights equal the policy's (iteration 0, right after a sync) computes the policy's
 very function: its forward is skipped and the KL is exactly 0 (``reference_is_policy``). Under LoRA
@@ -14,17 +14,29 @@ separate frozen model under LoRA too, and the starting policy is then kept besid
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
-from rlhf_lightning import fsdp2, prefix, sampling
+from rlhf_lightning import args, fsdp2, models, prefix, sampling
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.args import LoraArgs, SamplingArgs
+from rlhf_lightning.args import LoraArgs, PromptArgs, SamplingArgs
 from rlhf_lightning.interfaces import Samples
-from rlhf_lightning.models import REFERENCE_ADAPTER, ValueModel, adapter_pairs, float32_head, local_tensor, merged_adapter, move_toward
+from rlhf_lightning.models import (
+    REFERENCE_ADAPTER,
+    ValueModel,
+    adapter_pairs,
+    add_lora,
+    float32_head,
+    frozen_copy,
+    local_tensor,
+    merged_adapter,
+    move_toward,
+    shard_models,
+)
 from rlhf_lightning.prefix import position_ids, trim_left_padding
 
 Reduce = Callable[..., Tensor]  # a tensor summed (or maxed, op="max") over all ranks
@@ -71,6 +83,7 @@ class Networks:
         self.sampling, self.shared_prompts, self.lora = sampling, shared_prompts, lora
         self.reference_moves, self.eos_token_id, self.reduce = reference_moves, eos_token_id, reduce
         self.foreign_reference = foreign_reference
+        self.skeleton: Optional[nn.Module] = None  # FSDP2: the policy's structure on the meta device, kept before sharding
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank."""
@@ -308,3 +321,89 @@ class Networks:
     def sharded(self) -> bool:
         """The models are FSDP2-sharded (ModelParallelStrategy)."""
         return fsdp2.is_sharded(self.policy)
+
+    # ------------------------------------------------------------------ the critic's passes in the update
+    def critic_apart(self, ddp: bool) -> bool:
+        """A separate critic's value loss is a forward and backward pass of its own, after the policy's
+        (the graphs share no tensor: the gradients are those of the sum): FSDP2 frees a root unit's
+        gathered weights and full gradient only when a backward pass ends, so neither model's root
+        nor activations are then held through the other's backward. Not under DDP (``ddp``), whose reducer
+        expects every parameter's gradient in each pass."""
+        return self.critic is not None and not self.shared_critic and not ddp
+
+    @staticmethod
+    def old_values_in_update(critic_apart: bool, num_minibatches: int, gradient_accumulation_steps: int) -> bool:
+        """Whether a separate critic's V_old comes from the update's first forward of it instead of a forward of
+        its own while scoring: when that first minibatch is the whole batch in one micro-batch (one minibatch, no
+        accumulation), where the critic still has V_old's weights. One critic trunk forward per iteration fewer,
+        the same values (tests/test_module.py)."""
+        return critic_apart and num_minibatches == 1 and gradient_accumulation_steps == 1
+
+    def first_critic_values(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The separate critic's forward of the whole batch (the update's first minibatch), its graph kept for that
+        minibatch's value loss, and V_old: its detached values on the response mask."""
+        values = self.critic_values(input_ids, attention_mask, response_mask.shape[1])
+        return values, values.detach() * response_mask
+
+
+def build_networks(
+    load_policy: Callable[[bool], tuple[nn.Module, Any]],
+    load_reference: Optional[Callable[[bool], tuple[nn.Module, Any]]],
+    *,
+    critic: str,
+    sampling: SamplingArgs,
+    prompts: PromptArgs,
+    lora: LoraArgs,
+    reference_moves: bool,
+    shared_prompts: bool,
+    eos_token_id: int,
+    reduce: Reduce,
+    device_mesh=None,
+    longest_prompt: Optional[int] = None,
+    keep_skeleton: bool = False,
+) -> Networks:
+    """The networks as configured: the policy from ``load_policy(empty)`` (with LoRA where ``lora.rank`` > 0), its
+    critic (``critic``: separate, shared or none), the reference (the starting policy's frozen copy, the LoRA
+    policy with its adapter disabled, or the foreign model of ``load_reference(empty)``) and the starting policy
+    beside a moving or foreign reference, each checked against the prompts' context (``longest_prompt`` tokens).
+    Under FSDP2 (``device_mesh``) no rank holds a full copy: the critic's trunk and the reference are skeletons on the
+    meta device, and so is the policy when its checkpoint is a safetensors folder; once sharded, each rank reads its
+    own rows of every tensor (``fsdp2.materialise``). A policy built whole (the tiny model, a GGUF file) is the one
+    full copy, freed once its shards are taken. ``keep_skeleton``: keep the policy's structure before sharding
+    (``Networks.skeleton``), for the asynchronous sampler's whole copy."""
+    sharded = device_mesh is not None
+    copy_of = fsdp2.meta_copy if sharded else copy.deepcopy
+    policy, rows = load_policy(sharded)
+    args.check_context(prompts, sampling, policy.config, longest_prompt)
+    value_model = None if critic == "none" else ValueModel.from_policy(policy, shared=critic == "shared", copy_of=copy_of)
+    foreign = load_reference is not None
+    trained, ref_model, initial_model = policy, None, None
+    if lora.rank > 0:
+        trained = add_lora(policy, lora, reference_moves)
+    else:
+        ref_model = None if foreign else frozen_copy(policy, copy_of)
+        initial_model = frozen_copy(policy, copy_of) if reference_moves or foreign else None
+    reference_rows = None
+    if foreign:  # a separate frozen model, under LoRA too (the adapter-disabled policy is then pi_0)
+        reference, reference_rows = load_reference(sharded)
+        args.check_context(prompts, sampling, reference.config, longest_prompt, "model.reference's")
+        models.check_reference_vocabulary(policy, reference)
+        ref_model = frozen_copy(reference, copy_of=lambda model: model)
+    skeleton = fsdp2.meta_copy(trained) if sharded and keep_skeleton else None
+    if sharded:
+        shard_models(device_mesh, trained, value_model, ref_model, initial_model, rows, lora.rank > 0, reference_rows)
+    networks = Networks(
+        trained,
+        value_model,
+        ref_model,
+        initial_model,
+        sampling=sampling,
+        shared_prompts=shared_prompts,
+        lora=lora,
+        reference_moves=reference_moves,
+        foreign_reference=foreign,
+        eos_token_id=eos_token_id,
+        reduce=reduce,
+    )
+    networks.skeleton = skeleton
+    return networks

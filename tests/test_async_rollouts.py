@@ -37,8 +37,8 @@ def resample(module, versions, iteration: int, k: int, prompts: list[str]):
     with torch.no_grad():
         for name, p in fresh.policy.named_parameters():
             p.copy_(versions[max(0, iteration - k)][name])
-    enc = fresh.encode_prompts(prompts)
-    return enc, fresh.rollout_engine.checked_sample(fresh, enc, module.sampling_seed(iteration))
+    enc = fresh.sampler.encode(prompts)
+    return enc, fresh.rollout_engine.checked_sample(fresh.sampler, enc, module.sampler.seed(iteration))
 
 
 @pytest.mark.parametrize("concurrent", [False, True], ids=["in_line", "thread"])
@@ -324,8 +324,9 @@ def test_strategies_whose_shards_no_version_gathers_are_refused_naming_the_setti
 
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
-    module = make_module(**STALE, off_policy=dict(max_staleness=1))
+    from rlhf_lightning.async_rollout import check_strategy
+
     for served in (DDPStrategy(), ModelParallelStrategy()):
-        module.async_rollouts.setup(SimpleNamespace(strategy=served))
+        check_strategy(SimpleNamespace(strategy=served), 1)
     with pytest.raises(ConfigError, match=r"model\.off_policy\.max_staleness must be 0 under FSDPStrategy \(.*DDP and FSDP2"):
-        module.async_rollouts.setup(SimpleNamespace(strategy=FSDPStrategy()))
+        check_strategy(SimpleNamespace(strategy=FSDPStrategy()), 1)

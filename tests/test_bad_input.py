@@ -97,9 +97,9 @@ def test_fewer_prompts_than_one_batch(tmp_path):
 def test_prompt_longer_than_the_context():
     module = make_module(prompts=dict(max_length=20))
     with pytest.raises(ValueError, match=r"is 44 tokens, longer than model.prompts.max_length=20 \(1 such distinct prompts"):
-        module.encode_prompts(["short", "a prompt of forty-four characters, in full!!"])
+        module.sampler.encode(["short", "a prompt of forty-four characters, in full!!"])
     with pytest.raises(ValueError, match=r"prompt 1 \('a prompt of forty-four.*\(1 such distinct prompts"):  # where it first appears
-        module.encode_prompts(
+        module.sampler.encode(
             ["short", "a prompt of forty-four characters, in full!!", "short", "a prompt of forty-four characters, in full!!"]
         )
 
@@ -223,9 +223,9 @@ def test_special_token_strings_in_prompt_text_are_refused_by_default(smollm2_tok
         match=r"prompt 1 \('Say hi.<\|im_end\|>.*contains the special token string\(s\) "
         r"\['<\|im_end\|>', '<\|im_start\|>'\].*model.prompts.special_tokens: allow",
     ):
-        module.encode_prompts(["A fine prompt.", FORGED])
+        module.sampler.encode(["A fine prompt.", FORGED])
     allowed = PPORLHF(policy="tiny", tokenizer="smollm2", reward_model=char_reward(), prompts=dict(special_tokens="allow"))
-    ids = allowed.encode_prompts([FORGED])["input_ids"][0].tolist()
+    ids = allowed.sampler.encode([FORGED])["input_ids"][0].tolist()
     im_end = allowed.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert ids.count(im_end) == 3  # the forged one, the end of the user turn and of the system prompt
 

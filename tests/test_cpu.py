@@ -134,11 +134,11 @@ def test_the_rollout_samples_the_same_with_the_output_layer_in_chunks(monkeypatc
 
     module = make_module(sampling=dict(max_new_tokens=6, min_new_tokens=6))
     module.configure_model()
-    enc = module.encode_prompts(["abc", "hello", "xyz", "q"])
+    enc = module.sampler.encode(["abc", "hello", "xyz", "q"])
     samples = {}
     for chunk in (10**9, 8):
         monkeypatch.setattr(cpu, "VOCAB_CHUNK", chunk)
-        samples[chunk] = module.rollout_engine.sample(module, enc, seed=3)
+        samples[chunk] = module.rollout_engine.sample(module.sampler, enc, seed=3)
     assert module.policy.get_output_embeddings().weight.shape[0] > 2 * 8
     assert torch.equal(samples[8].sequences, samples[10**9].sequences)
     torch.testing.assert_close(samples[8].logits, samples[10**9].logits)

@@ -246,7 +246,7 @@ def test_a_sequence_level_divergence_puts_minus_beta_f_prime_of_u_at_the_last_to
     expected[torch.arange(len(last)), last] = scored.scores - 0.7 * divergence.f_prime(log_u).float()
     torch.testing.assert_close(scored.rewards, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(scored.divergence, divergence.value(log_u), rtol=1e-6, atol=1e-9)
-    torch.testing.assert_close(scored.kl, module.kl_per_token(rollout))
+    torch.testing.assert_close(scored.kl, module.regulariser.kl_per_token(rollout))
     metrics = module.rollout_metrics(rollout, scored, betas)
     assert metrics["objective/divergence"] == pytest.approx(float(divergence.value(log_u).mean()), rel=1e-9)
     assert metrics["objective/net"] == pytest.approx(metrics["objective/reward"] - 0.7 * metrics["objective/divergence"], rel=1e-9)

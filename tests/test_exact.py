@@ -135,7 +135,7 @@ def test_exact_distribution_sums_to_one_and_bans_non_content_tokens(task):
         torch.testing.assert_close(logprobs.logsumexp(-1), torch.zeros(3, dtype=torch.float64), atol=1e-6, rtol=0)
     # The reference is not uniform: the optimum has to keep its shape, not just follow the reward.
     assert module.exact_ref_logprobs().exp().max() > 2 / len(TASKS[task].responses)
-    enc = module.encode_prompts(list(TASKS[task].prompts))
+    enc = module.sampler.encode(list(TASKS[task].prompts))
     probs = module.policy(**enc).logits[:, -1].softmax(-1)
     banned = [i for i in range(len(module.tokenizer)) if i not in module.content_ids]
     assert module.tokenizer.eos_token_id in banned and module.tokenizer.pad_token_id in banned

@@ -184,7 +184,7 @@ class FrozenBase(Callback):
 
     def snapshot(self, module) -> None:
         base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if not p.requires_grad}
-        enc = module.encode_prompts(PROMPTS)
+        enc = module.sampler.encode(PROMPTS)
         with torch.no_grad(), module.networks.reference() as ref:
             logits = module.networks.response_logits(ref, enc["input_ids"], enc["attention_mask"], 4)
         self.snapshots.append((base, logits))
@@ -219,7 +219,7 @@ def test_bf16_mixed_logits_are_float32_from_the_output_layer():
     """Under bf16 autocast the output layer returns bf16 logits, rounded by up to ~1e-2 here; the
     module's float32 head gives the float32 product of the same hidden states."""
     module = make_module()
-    enc = module.encode_prompts(PROMPTS)
+    enc = module.sampler.encode(PROMPTS)
     hidden = []
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         plain = module.policy(**enc).logits

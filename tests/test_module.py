@@ -28,7 +28,7 @@ def test_repeated_prompts_encode_as_each_alone_would(smollm2_tokenizer):
     tokenised once, and every row equals what the tokenizer gives the whole list (chat template, left padding)."""
     module = make_module(tokenizer="smollm2")
     prompts = ["a much longer prompt than the other", "short", "a much longer prompt than the other", "short", "short"]
-    enc = module.encode_prompts(prompts)
+    enc = module.sampler.encode(prompts)
     texts = [
         smollm2_tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts
     ]
@@ -43,7 +43,7 @@ def test_sampler_and_forward_logprobs_agree_with_chat_template(smollm2_tokenizer
     built from ids != pad would hide those, and left padding needs matching position ids.
     """
     module = make_module(tokenizer="smollm2", tiny_config={"hidden_size": 32, "intermediate_size": 64}, sampling=dict(max_new_tokens=6))
-    enc = module.encode_prompts(PROMPTS)
+    enc = module.sampler.encode(PROMPTS)
     eos = smollm2_tokenizer.eos_token_id
     in_prompt_eos = (enc["input_ids"] == eos) & (enc["attention_mask"] == 1)
     assert in_prompt_eos.sum(-1).min() >= 2  # system and user turns end with <|im_end|>, and stay attended
@@ -64,7 +64,7 @@ def test_sampler_and_forward_logprobs_agree_with_chat_template(smollm2_tokenizer
 def test_left_padding_changes_nothing():
     """A prompt scores the same alone and left-padded beside a longer one, whatever the pad ids."""
     module = make_module()
-    enc = module.encode_prompts(["a much longer prompt than the other", "short"])
+    enc = module.sampler.encode(["a much longer prompt than the other", "short"])
     response = torch.tensor([[10, 11, 12], [13, 14, 15]])
     ids = torch.cat([enc["input_ids"], response], 1)
     attn = torch.cat([enc["attention_mask"], torch.ones_like(response)], 1)
@@ -73,7 +73,7 @@ def test_left_padding_changes_nothing():
         garbage = ids.clone()
         garbage[attn == 0] = 7  # change every padded prompt position
         garbled = pm.logprobs_of(module.networks.response_logits(module.policy, garbage, attn, 3), response)
-        alone_enc = module.encode_prompts(["short"])
+        alone_enc = module.sampler.encode(["short"])
         alone_ids = torch.cat([alone_enc["input_ids"], response[1:]], 1)
         alone_attn = torch.cat([alone_enc["attention_mask"], torch.ones_like(response[1:])], 1)
         alone = pm.logprobs_of(module.networks.response_logits(module.policy, alone_ids, alone_attn, 3), response[1:])
@@ -94,7 +94,7 @@ def test_a_minibatch_of_short_prompts_scores_the_same_without_the_batchs_padding
     """Log-probs and values of the short rows equal (to fp32 rounding) those of the untrimmed
     forward, whose extra columns are the long prompt's padding: trimming changes the cost only."""
     module = make_module(critic=critic)
-    enc = module.encode_prompts(["a much longer prompt than the other two", "short", "tiny"])
+    enc = module.sampler.encode(["a much longer prompt than the other two", "short", "tiny"])
     response = torch.tensor([[10, 11, 12], [13, 14, 15], [16, 17, 18]])
     ids, attn = torch.cat([enc["input_ids"], response], 1)[1:], torch.cat([enc["attention_mask"], torch.ones_like(response)], 1)[1:]
     assert (attn[:, 0] == 0).all()  # the minibatch carries all-pad columns
@@ -124,7 +124,7 @@ def test_rollout_masks_after_eos_and_puts_score_on_last_token():
     # Every response ends with EOS or runs to max_new_tokens.
     assert ((lengths == 40) | rollout.ended_with_eos).all()
     scores = torch.arange(len(lengths), dtype=torch.float32)
-    kl = module.kl_per_token(rollout)
+    kl = module.regulariser.kl_per_token(rollout)
     rewards = pm.token_rewards(scores, kl, rollout.response_mask, beta=0.5)
     last = lengths - 1
     expected = -0.5 * kl
@@ -135,7 +135,7 @@ def test_rollout_masks_after_eos_and_puts_score_on_last_token():
 def test_lora_reference_is_the_adapter_disabled_policy():
     module = make_module(lora=dict(rank=4))
     assert module.ref_model is None
-    enc = module.encode_prompts(PROMPTS[:2])
+    enc = module.sampler.encode(PROMPTS[:2])
     ids, attn = enc["input_ids"], enc["attention_mask"]
     with torch.no_grad():
         base = module.networks.response_logits(module.policy.get_base_model(), ids, attn, 3)
@@ -333,7 +333,7 @@ def test_kl_ignore_tokens_leaves_those_positions_out_of_the_penalty():
     module = make_module(sampling=dict(max_new_tokens=40), kl=dict(ignore_tokens=["eos", "e"]))
     torch.manual_seed(3)
     rollout = module.rollout(PROMPTS * 4)
-    kl = module.kl_per_token(rollout)
+    kl = module.regulariser.kl_per_token(rollout)
     full = (rollout.old_logprobs - rollout.ref_logprobs) * rollout.response_mask  # k1, no ignored tokens
     ignored = (rollout.responses == module.tokenizer.eos_token_id) | (rollout.responses == module.tokenizer.convert_tokens_to_ids("e"))
     assert ignored[rollout.response_mask.bool()].any()

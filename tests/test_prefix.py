@@ -16,7 +16,7 @@ PROMPTS = ["a much longer prompt than the other two", "short", "tiny"]
 def group_batch(module, rows_of=(0, 1, 0, 2, 1, 0), response_len=4, system=""):
     """Rows of prompt + response: prompts ``system + PROMPTS[i]`` for i in ``rows_of`` (left-padded to the
     longest), each with its own random response; the last row's response ends early (its last two positions masked)."""
-    enc = module.encode_prompts([system + PROMPTS[i] for i in rows_of])
+    enc = module.sampler.encode([system + PROMPTS[i] for i in rows_of])
     response = torch.randint(5, 60, (len(rows_of), response_len), generator=torch.Generator().manual_seed(3))
     response_mask = torch.ones_like(response)
     response_mask[-1, -2:] = 0
@@ -157,7 +157,7 @@ def test_a_common_prefix_forward_gives_the_plain_forwards_logits_values_and_grad
     if critic is not None:  # a zero value head (its initialisation) would pass no gradient to a trunk
         torch.nn.init.normal_(module.critic.head.weight, generator=torch.Generator().manual_seed(1))
     prompts = [SYSTEM + p for p in PROMPTS]
-    enc = module.encode_prompts(prompts)
+    enc = module.sampler.encode(prompts)
     response = torch.randint(5, 60, (3, 4), generator=torch.Generator().manual_seed(3))
     ids, mask = torch.cat([enc["input_ids"], response], 1), torch.cat([enc["attention_mask"], torch.ones_like(response)], 1)
     mask[-1, -1] = 0  # a response that ended early
@@ -228,11 +228,11 @@ def test_generate_on_shared_prompt_caches_samples_what_it_samples_without_them(s
     module = make_module(
         advantage_estimator="rloo", sampling=dict(num_generations=3, max_new_tokens=8), optim=dict(critic_lr=None), critic=None
     )
-    enc = module.encode_prompts([system + PROMPTS[i] for i in (0, 0, 0, 1, 1, 1)])
+    enc = module.sampler.encode([system + PROMPTS[i] for i in (0, 0, 0, 1, 1, 1)])
 
     def sample(shared: bool):
         module.networks.shared_prompts = shared
-        return module.rollout_engine.sample(module, enc, seed=5)
+        return module.rollout_engine.sample(module.sampler, enc, seed=5)
 
     shared, plain = sample(True), sample(False)
     assert torch.equal(shared.sequences, plain.sequences)
@@ -251,11 +251,11 @@ def test_generate_on_a_common_prefix_cache_samples_what_it_samples_without_it():
     prompt after it but the last token, with the attention mask that lines the cache up with the prompt's
     columns: the same responses from the same seed, the same logits and hidden states to fp32 rounding."""
     module = make_module(critic="shared", sampling=dict(max_new_tokens=8))
-    enc = module.encode_prompts([SYSTEM + p for p in PROMPTS])
+    enc = module.sampler.encode([SYSTEM + p for p in PROMPTS])
 
     def sample(shared: bool):
         module.networks.shared_prompts = shared
-        return module.rollout_engine.sample(module, enc, seed=5)
+        return module.rollout_engine.sample(module.sampler, enc, seed=5)
 
     shared, plain = sample(True), sample(False)
     assert torch.equal(shared.sequences, plain.sequences)

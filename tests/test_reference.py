@@ -43,10 +43,10 @@ def test_a_foreign_reference_scores_with_the_teachers_log_probs_and_the_starting
     )
     # pi_old from the sampler's KV-cached logits, pi_0 from a forward: equal up to float rounding
     assert torch.allclose(rollout.initial_logprobs * mask, rollout.old_logprobs * mask, atol=1e-5)
-    kl = module.kl_per_token(rollout)
+    kl = module.regulariser.kl_per_token(rollout)
     assert torch.allclose(kl, (rollout.old_logprobs - teacher_logprobs) * mask, atol=1e-4)
     assert float(kl.sum(-1).mean()) > 0.1  # another model: far from the student
-    assert float(module.kl_per_token(rollout, to_initial=True).abs().max()) < 1e-5
+    assert float(module.regulariser.kl_per_token(rollout, to_initial=True).abs().max()) < 1e-5
 
 
 def test_a_foreign_reference_trains_and_logs_the_kl_to_it_and_the_drift_from_the_start(teacher, tmp_path):

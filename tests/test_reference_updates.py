@@ -136,7 +136,7 @@ def test_lora_reference_adapter_is_frozen_and_starts_as_the_base():
     trainable = {n for n, p in module.policy.named_parameters() if p.requires_grad}
     assert trainable == {n for n, p in plain.policy.named_parameters() if p.requires_grad}  # the same optimizer
     assert not any(".reference." in n for n in trainable)
-    enc = module.encode_prompts(["hello there", "a b"])
+    enc = module.sampler.encode(["hello there", "a b"])
     with torch.no_grad():
         with module.policy.disable_adapter():
             base = module.networks.response_logits(module.policy, enc["input_ids"], enc["attention_mask"], 3)

@@ -302,8 +302,8 @@ def test_hf_engine_samples_inside_top_k_and_bans_eos_before_min_new_tokens():
     """The hf engine, top-k 3 and min_new_tokens 2 on 64 rows: every sampled token is among the 3 largest
     of the logits it recorded for that step (EOS out of the first two), and no row ends before 2 tokens."""
     module = make_module(sampling=dict(temperature=0.7, top_k=3, min_new_tokens=2, max_new_tokens=4))
-    enc = module.encode_prompts(["Hello there", "Count to three"] * 32)
-    samples = module.rollout_engine.sample(module, enc, seed=11)
+    enc = module.sampler.encode(["Hello there", "Count to three"] * 32)
+    samples = module.rollout_engine.sample(module.sampler, enc, seed=11)
     response, logits = samples.sequences[:, enc["input_ids"].shape[1] :], samples.logits.float()
     eos = module.tokenizer.eos_token_id
     assert not (response[:, :2] == eos).any()

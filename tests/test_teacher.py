@@ -40,7 +40,7 @@ def brute_force_logprobs(module: ExactPPORLHF, model) -> torch.Tensor:
     task, tokenizer = module.task, module.tokenizer
     out = torch.zeros(len(task.prompts), len(task.responses), dtype=torch.float64)
     for i, prompt in enumerate(task.prompts):
-        prompt_ids = module.encode_prompts([prompt])["input_ids"][0].tolist()
+        prompt_ids = module.sampler.encode([prompt])["input_ids"][0].tolist()
         for j, response in enumerate(task.responses):
             ids = tokenizer.convert_tokens_to_ids(list(response))
             for t, token in enumerate(ids):

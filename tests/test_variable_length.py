@@ -64,7 +64,7 @@ def test_two_token_task_by_hand():
     task = ExactTask(prompts=("A",), content_tokens=("a", "b"), response_length=2, eos=True, missing_eos_penalty=0.5)
     module = ExactPPORLHF(task, seed=0)
     module.configure_model()
-    tokenizer, prompt = module.tokenizer, module.encode_prompts(["A"])["input_ids"]
+    tokenizer, prompt = module.tokenizer, module.sampler.encode(["A"])["input_ids"]
     a, b, eos = [*tokenizer.convert_tokens_to_ids(["a", "b"]), tokenizer.eos_token_id]
 
     def next_logprobs(*tokens: int) -> torch.Tensor:

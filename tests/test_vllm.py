@@ -200,7 +200,7 @@ def test_with_a_foreign_reference_the_engine_serves_the_policy_and_the_teacher_s
         teacher_logprobs = response_logprobs(teacher_model, rollout)
         assert torch.allclose(rollout.ref_logprobs * mask, teacher_logprobs, atol=1e-4)
         assert float(((rollout.sampler_logprobs - teacher_logprobs) * mask).abs().max()) > 0.1  # the engine is not the teacher
-        kl = module.kl_per_token(rollout)
+        kl = module.regulariser.kl_per_token(rollout)
         assert torch.allclose(kl, (rollout.old_logprobs - teacher_logprobs) * mask, atol=1e-4)
 
 
@@ -238,8 +238,8 @@ def test_asynchronous_batches_are_drawn_by_the_weights_one_update_old(tmp_path):
                 for name, p in module.policy.named_parameters():
                     p.copy_(versions[version][name])
             engine.sync(module)
-            enc = module.encode_prompts(rollout.prompts)
-            samples = engine.checked_sample(module, enc, module.sampling_seed(i))
+            enc = module.sampler.encode(rollout.prompts)
+            samples = engine.checked_sample(module, enc, module.sampler.seed(i))
             drawn[version] = (samples.sequences[:, enc["input_ids"].shape[1] :], samples.logprobs)
         by_hand, mu = drawn[max(0, i - 1)]
         n = rollout.responses.shape[1]

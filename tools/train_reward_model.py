@@ -225,7 +225,7 @@ def sample_pairs(
     torch.manual_seed(seed)
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
-        enc = sampler.encode_prompts(batch)
+        enc = sampler.sampler.encode(batch)
         with torch.no_grad():
             sequences = sampler.policy.generate(**enc, num_return_sequences=2)  # (2 * batch, ...): a prompt's two samples adjacent
         responses = sampler.tokenizer.batch_decode(sequences[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)

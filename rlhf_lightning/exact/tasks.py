@@ -495,7 +495,7 @@ class ExactPPORLHF(PPORLHF):
     def _all_responses(self) -> tuple[Tensor, Tensor, Tensor]:
         """input_ids, attention_mask and response mask of every (prompt, path) pair, (prompts * paths, len) and
         (prompts * paths, L), as PPORLHF's rollout builds them: pad after EOS, the mask up to and including EOS."""
-        enc = self.encode_prompts(list(self.task.prompts))
+        enc = self.sampler.encode(list(self.task.prompts))
         response_ids = torch.tensor(self.symbol_ids, device=self.device)[self.task.indices.to(self.device)]  # (paths, L)
         mask = pm.response_mask(response_ids, self.tokenizer.eos_token_id)
         response_ids = torch.where(mask.bool(), response_ids, self.tokenizer.pad_token_id)

@@ -390,7 +390,7 @@ def expected_train(
         # The return from each token G_t = r - beta sum_{t' >= t} k_t' (the estimator's values at pi_old, with
         # the KL in the reward) and V_old(x, y_<t) = E_{pi_old}[G_t | x, y_<t]: sums of pi_old(y) G_t over the
         # responses sharing the prefix
-        kl = module.kl_per_token(rollout).double() if module.kl.in_reward else torch.zeros_like(mask, dtype=torch.float64)
+        kl = module.regulariser.kl_per_token(rollout).double() if module.kl.in_reward else torch.zeros_like(mask, dtype=torch.float64)
         to_go = rewards.reshape(-1, 1) - beta * kl.flip(-1).cumsum(-1).flip(-1)  # (prompts * paths, length)
         joint, values = behaviour.exp().view(shape), []  # V^mu: E_mu[G_t | x, y_<t]
         for t in range(length):

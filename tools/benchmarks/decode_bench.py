@@ -235,11 +235,11 @@ def compare_engines(args: argparse.Namespace) -> None:
     module.configure_model()
     hf, engine, ratios = HFGenerate(), module.rollout_engine, []
     start = time.perf_counter()
-    engine.sample(module, module.encode_prompts(bench.builtin_prompts(1)), seed=0)  # starts the engine
+    engine.sample(module.sampler, module.sampler.encode(bench.builtin_prompts(1)), seed=0)  # starts the engine
     print(f"{args.engine} start-up (weights written, engine built): {time.perf_counter() - start:.1f} s", flush=True)
     for generations in args.num_generations:
         prompts = [p for p in bench.builtin_prompts(args.batch_size) for _ in range(generations)]
-        enc = module.encode_prompts(prompts)
+        enc = module.sampler.encode(prompts)
         seconds = {"hf": [], args.engine: []}
         for round_ in range(args.rounds + 1):  # round 0 warms up
             for name, sampler in (("hf", hf), (args.engine, engine)):

@@ -62,7 +62,7 @@ def evaluate(module, prompts: Sequence[str], batch_size: int) -> tuple[list[str]
             rollout = module.rollout(list(prompts[start : start + batch_size]))
             responses += rollout.response_texts
             scores += module.reward_model.checked_scores(rollout.prompts, rollout.response_texts).tolist()
-            kls += module.kl_per_token(rollout).sum(-1).tolist()
+            kls += module.regulariser.kl_per_token(rollout).sum(-1).tolist()
     return responses, sum(scores) / len(scores), sum(kls) / len(kls)
 
 

@@ -1,0 +1,139 @@
+"""What an iteration logs, as pure functions of the trajectory, its scores and the betas (docs/metrics.md names
+each). ``reduce(t, op="sum" | "max")`` sums (or maxes) a tensor over the ranks: the strategy's, or the identity
+on one process, so every rank returns the same numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_lightning import sampling
+from rlhf_lightning.data import PromptTable
+from rlhf_lightning.trajectory import PromptStats, Scored, Trajectory
+
+Reduce = Callable[..., Tensor]
+
+
+def weighted_kl(rollout: Trajectory, kl: Tensor) -> Tensor:
+    """The per-token KL as an estimate under pi_old: weighed by the rollout correction's weights, E_sampler[w k] = E_pi_old[k]."""
+    return kl if rollout.is_weights is None else kl * rollout.is_weights
+
+
+def rollout_metrics(
+    rollout: Trajectory,
+    scored: Scored,
+    betas: Tensor,
+    reduce: Reduce,
+    *,
+    per_token_divergence: bool,
+    kl_to_initial: Optional[Tensor] = None,
+    gold_scores: Optional[Tensor] = None,
+    kl_target: Optional[float] = None,
+    reference_updates: int = 0,
+    exploration: Optional[float] = None,
+    iteration: Optional[int] = None,
+    off_policy_weights: Optional[tuple[str, float]] = None,
+) -> dict[str, float]:
+    """Global (all-rank) means of what the rollout saw, ``betas`` each row's beta (batch,). ``per_token_divergence``:
+    the divergence is the reverse KL (its value per response the KL estimate's sum); ``kl_to_initial``: the same
+    estimate against pi_0 (batch, response_len), where the reference moves or is another model (else the KL is it);
+    ``gold_scores`` (batch,) of a gold reward model; ``kl_target`` the controller's; ``exploration`` epsilon where
+    the run explores; ``iteration`` the trained version where batches may be stale (``off_policy/staleness_*``) and
+    ``off_policy_weights`` (mode, cap) of their correction (``off_policy/ess``, ``off_policy/clipped_fraction``)."""
+    mask, raw_scores, scores = rollout.response_mask, scored.raw_scores, scored.scores
+    kl = weighted_kl(rollout, scored.kl)
+    kl_seq = kl.sum(-1)
+    device = kl.device
+    counts = [torch.tensor(float(len(raw_scores)), device=device), raw_scores.to(device).sum(), scores.to(device).sum()]
+    sums = [kl_seq.sum(), kl.sum(), mask.sum(), (rollout.entropy * mask).sum(), rollout.ended_with_eos.float().sum()]
+    # the divergence's value per response (the reverse KL's: the KL estimate's sum, which the rollout correction weighs)
+    divergence_seq = kl_seq if per_token_divergence else scored.divergence.to(device)
+    sums.append(divergence_seq.sum())
+    betas = betas.to(device)
+    penalty = [betas.sum(), (betas * divergence_seq.double()).sum()]
+    totals = reduce(torch.stack([t.double() for t in counts + sums + penalty]))
+    n, reward, reward_trained, kl_total, kl_tokens, n_tokens, entropy, n_eos, divergence_total, beta_total, penalty_total = totals.tolist()
+    out = {
+        "objective/reward": reward / n,
+        "objective/reward_trained": reward_trained / n,
+        "objective/kl": kl_total / n,
+        "objective/kl_per_token": kl_tokens / n_tokens,
+        "objective/kl_max": float(reduce(kl_seq.max().double(), op="max")),
+        # the same estimate against pi_0, which is the reference unless it moves
+        "objective/kl_to_initial": kl_total / n if kl_to_initial is None else float(reduce(kl_to_initial.sum().double())) / n,
+        "reference/updates": float(reference_updates),
+        "objective/divergence": divergence_total / n,
+        "objective/non_score_reward": -penalty_total / n,  # -E[beta_x D_x]: -beta * objective/divergence with one beta
+        "objective/net": reward / n - penalty_total / n,
+        "objective/entropy": entropy / n_tokens,
+        "objective/beta": beta_total / n,  # the mean over the responses: the beta, with one
+        "response/length": n_tokens / n,
+        "response/eos_fraction": n_eos / n,
+        "response/truncated_fraction": 1.0 - n_eos / n,  # cut at max_new_tokens without EOS
+        "response/count": n,
+        **sampling.mismatch_metrics(rollout.trainer_logprobs, rollout.sampler_logprobs, mask, reduce),
+    }
+    if kl_target is not None:
+        out["objective/kl_target"] = float(kl_target)
+    if gold_scores is not None:
+        out["objective/gold_reward"] = float(reduce(gold_scores.sum().double().to(device))) / n
+    if exploration is not None:
+        out["sampling/explore"] = exploration
+    if iteration is not None:
+        out.update(staleness_metrics(rollout.policy_version, iteration, reduce))
+    if off_policy_weights is not None:
+        logprobs = (rollout.trainer_logprobs, rollout.sampler_logprobs, rollout.response_mask)
+        out.update(sampling.off_policy_weight_metrics(*logprobs, *off_policy_weights, sum_fn=reduce))
+    return out
+
+
+def staleness_metrics(versions: Tensor, iteration: int, reduce: Reduce) -> dict[str, float]:
+    """``off_policy/staleness_mean`` and ``off_policy/staleness_max`` over all ranks' responses: how many updates
+    older than the trained weights (``iteration``) the weights that sampled each were (``versions``, (batch,))."""
+    staleness = (iteration - versions).double()
+    total = reduce(torch.stack([staleness.sum(), torch.tensor(float(len(staleness)), dtype=torch.float64, device=staleness.device)]))
+    return {
+        "off_policy/staleness_mean": float(total[0] / total[1]),
+        "off_policy/staleness_max": float(reduce(staleness.max(), op="max")),
+    }
+
+
+def prompt_stats(
+    rollout: Trajectory,
+    scored: Scored,
+    betas: Tensor,
+    table: PromptTable,
+    reduce: Reduce,
+    *,
+    per_response: bool,
+    budgets_of: Callable[[list[str]], Optional[Tensor]],
+) -> PromptStats:
+    """Each training prompt's mean KL (per response with ``per_response``, the controller's ``sequence_sum``
+    unit, else per token), its responses and the beta its rows used, over all ranks: one row per prompt of
+    ``table`` summed through ``reduce``, so every rank holds the same; its budget (``budgets_of(ids)``)."""
+    kl = weighted_kl(rollout, scored.kl)
+    device = kl.device
+    ones = torch.ones_like(betas)
+    per_row = torch.stack([kl.sum(-1).double(), rollout.response_mask.sum(-1).double(), ones, betas]).to(device)  # (4, batch)
+    rows = table.rows(rollout.prompts).to(device)
+    sums = torch.zeros(4, len(table.ids), dtype=torch.float64, device=device).index_add_(1, rows, per_row)
+    sums = reduce(sums).cpu()
+    seen = sums[2] > 0
+    kl_total, tokens, responses, beta_total = sums[:, seen]
+    ids = [table.ids[row] for row in seen.nonzero().flatten().tolist()]
+    kl_mean = kl_total / (responses if per_response else tokens)
+    return PromptStats(ids, kl_mean, responses, beta_total / responses, budgets_of(ids))
+
+
+def update_means(update_stats: nn.ModuleDict) -> dict[str, float]:
+    """Means of the update statistics (torchmetrics ``MeanMetric``s named with ``__`` for ``/``) over every micro-batch
+    of the iteration (all ranks), each reset for the next."""
+    out = {}
+    for key, metric in update_stats.items():
+        if metric.update_count:
+            out[key.replace("__", "/")] = float(metric.compute())
+        metric.reset()
+    return out
