@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from functools import partial
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -50,12 +49,12 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
-from rlhf_lightning import args, checkpoints, fsdp2, gpu, models, sampling
+from rlhf_lightning import args, checkpoints, fsdp2, gpu, models
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import KLArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.async_rollout import AsyncRollouts, check_strategy
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
-from rlhf_lightning.checks import Faults, nonfinite_terms, require
+from rlhf_lightning.checks import Faults, require
 from rlhf_lightning.data import PromptTable, token_ids
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
@@ -74,6 +73,7 @@ from rlhf_lightning.networks import Networks, build_networks
 from rlhf_lightning.regulariser import Regulariser
 from rlhf_lightning.sampler import Drawn, Sampler
 from rlhf_lightning.trajectory import IterationOutputs, PromptStats, Scored, Trajectory
+from rlhf_lightning.update import PPOUpdate
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -136,27 +136,12 @@ class PPORLHF(LightningModule):
         plugin_specs = {name: value for name, value in locals().items() if name in args.PLUGIN_ARGUMENTS}
         # Plugins first: an unknown name fails here, before any model loads.
         plugins = args.build_plugins(plugin_specs, groups["ppo"])
-        self.reward_model: RewardModel = plugins["reward_model"]
-        self.kl_estimator: KLEstimator = plugins["kl_estimator"]
-        self.divergence: Divergence = plugins["divergence"]
-        self.beta_controller: BetaController = plugins["beta_controller"]
-        self.advantage_estimator: AdvantageEstimator = plugins["advantage_estimator"]
-        self.policy_loss: PolicyLoss = plugins["policy_loss"]
-        self.loss_aggregation: LossAggregation = plugins["loss_aggregation"]
-        self.entropy_controller: Optional[BetaController] = plugins["entropy_controller"]
-        self.gold_reward_model: Optional[RewardModel] = plugins["gold_reward_model"]
-        self.reference_update: ReferenceUpdate = plugins["reference_update"]
-        self.rollout_engine: RolloutEngine = plugins["rollout_engine"]
+        for name, plugin in plugins.items():  # self.reward_model, self.kl_estimator, ...: the types of the signature
+            setattr(self, name, plugin)
         groups.update(args.check_across_groups(critic, groups, plugins))
         args.check_reference(reference, self.reference_update)
-        self.sampling: SamplingArgs = groups["sampling"]
-        self.prompts: PromptArgs = groups["prompts"]
-        self.kl: KLArgs = groups["kl"]
-        self.ppo: PPOArgs = groups["ppo"]
-        self.optim: OptimArgs = groups["optim"]
-        self.lora: LoraArgs = groups["lora"]
-        self.runtime: RuntimeArgs = groups["runtime"]
-        self.off_policy: OffPolicyArgs = groups["off_policy"]
+        for name in args.GROUPS:  # self.sampling, self.prompts, ...: the groups of args.py
+            setattr(self, name, groups[name])
         # The saved hyperparameters: the network keys and each group as plain values, resolved.
         network = dict(policy=policy, tokenizer=tokenizer, reference=reference, critic=groups["critic"], tiny_config=tiny_config, seed=seed)
         self.save_hyperparameters(
@@ -174,10 +159,10 @@ class PPORLHF(LightningModule):
         self.critic: Optional[ValueModel] = None
         self.networks: Optional[Networks] = None  # the part that runs them, once built (configure_model)
         self.sampler: Optional[Sampler] = None  # the part that draws rollouts with them (configure_model)
+        self.update: Optional[PPOUpdate] = None  # the part that runs the PPO epochs on them (configure_model)
         # max_staleness k > 0: the sampler that runs ahead (async_rollout.py, configure_model); None: the synchronous loop
         self.async_rollouts: Optional[AsyncRollouts] = None
         self.update_stats = nn.ModuleDict({name.replace("/", "__"): MeanMetric() for name in UPDATE_STATS})
-        self._loss_terms: dict[str, Tensor] = {}  # a micro-batch's logged terms, named in the fault when a loss is not finite
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
         self._rng_to_restore: Optional[dict] = None
         self.generation_seed_base = int(torch.initial_seed()) % 2**31  # saved with checkpoints
@@ -212,7 +197,7 @@ class PPORLHF(LightningModule):
             scale = self.advantage_estimator.gradient_scale(
                 scored.rewards, rollout.response_mask, self.sampling.num_generations, self._reduce
             )
-            skipped_steps = self.ppo_update(rollout, advantages, returns, betas.to(scale.dtype) * scale, values)
+            skipped_steps = self.update.run(rollout, advantages, returns, betas.to(scale.dtype) * scale, values, **self.update_context())
         metrics = self.rollout_metrics(rollout, scored, betas)
         prompt_stats = self.prompt_stats(rollout, scored, betas)
         self.update_controllers(metrics, prompt_stats)
@@ -305,19 +290,7 @@ class PPORLHF(LightningModule):
             penalty = betas.to(penalty.device, penalty.dtype) * penalty
         if raw_scores is None and fault is None:  # not scored by the sampler ahead
             raw_scores, fault = self.reward(rollout.prompts, rollout.response_texts)
-        bad = []
-        if fault is None and not torch.isfinite(kl).all():
-            bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
-            fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()}"
-        elif fault is None and penalty is not None and not (finite := torch.isfinite(penalty.to(kl.dtype))).all():
-            bad = (~finite).nonzero().flatten().tolist()
-            fault = (
-                f"the {type(self.divergence).__name__} penalty beta f'(u) is not finite in the reward's {kl.dtype} "
-                f"for responses {bad}: {penalty[bad].tolist()}"
-            )
-        if bad:
-            bad_betas = sorted(set(betas[bad].tolist()))  # one beta, or each bad row's prompt's
-            fault += f" (beta {bad_betas[0] if len(bad_betas) == 1 else bad_betas})"
+        fault = fault or self.regulariser.nonfinite(kl, penalty, betas)
         if self.networks.any_rank(fault is not None):
             return Scored(kl, raw_scores, fault=fault or "a non-finite reward, KL or penalty on another rank")
         scores = self.reward_model.shape_scores(raw_scores, rollout.ended_with_eos, sum_fn=self._reduce).to(self.device)
@@ -370,7 +343,7 @@ class PPORLHF(LightningModule):
         if skipped_steps:
             beta = metrics["objective/beta"]
             rewards = f"rewards up to {float(scored.raw_scores.abs().max()):.3g} from model.reward_model {type(self.reward_model).__name__}"
-            cause = f"non-finite PPO loss: {skipped_steps} optimizer step(s) skipped (not finite: {self.nonfinite_terms}; beta {beta}; {rewards})"
+            cause = f"non-finite PPO loss: {skipped_steps} optimizer step(s) skipped (not finite: {self.update.nonfinite_terms}; beta {beta}; {rewards})"
             self._record_fault(cause, iteration_skipped=False, steps=skipped_steps)
         else:
             self.faults.consecutive = 0
@@ -399,112 +372,6 @@ class PPORLHF(LightningModule):
         if self.ppo.whiten_advantages:
             advantages = pm.masked_whiten(advantages, rollout.response_mask, sum_fn=self._reduce)
         return advantages, returns
-
-    def ppo_update(
-        self, rollout: Trajectory, advantages: Tensor, returns: Optional[Tensor], kl_coef: Tensor, values: Optional[Tensor] = None
-    ) -> int:
-        """All PPO epochs over the rollout, one optimizer step per minibatch; ``kl_coef`` (batch,) is
-        beta times the advantage estimator's gradient scale of each response (a KL in the loss is
-        weighed against the reward as configured); ``values``: the first minibatch's critic forward
-        (``_first_critic_values``). Returns how many steps were skipped because a loss was not finite
-        on some rank (gradients dropped, weights untouched)."""
-        opt, skipped = self.optimizers(), 0  # clipped in on_before_optimizer_step (models.py)
-        for _ in range(self.ppo.epochs):
-            order = torch.randperm(rollout.input_ids.shape[0], device=self.device)
-            for minibatch in order.chunk(self.ppo.num_minibatches):
-                if self._accumulate_gradients(rollout, advantages, returns, minibatch, kl_coef, values):
-                    opt.step()
-                else:
-                    skipped += 1
-                opt.zero_grad(set_to_none=True)
-                values = None
-        return skipped
-
-    def _accumulate_gradients(
-        self,
-        rollout: Trajectory,
-        advantages: Tensor,
-        returns: Optional[Tensor],
-        minibatch: Tensor,
-        kl_coef: Tensor,
-        values: Optional[Tensor],
-    ) -> bool:
-        """Backward over the minibatch's micro-batches; False (and stop) at a non-finite loss. Given the
-        critic's ``values`` of every row, the value loss goes first, freeing their graph."""
-        size = len(minibatch) // self.ppo.gradient_accumulation_steps
-        # The loss of the minibatch is sum w * loss_t over all its tokens on all ranks, with the
-        # aggregation's weights w (global denominators), times the world size that DDP divides by.
-        weights = self.loss_aggregation.weights(rollout.response_mask[minibatch], self.sampling.max_new_tokens, self._reduce)
-        weights = weights * self.trainer.world_size
-        micro_batches = list(zip(minibatch.split(size), weights.split(size), strict=True))
-        for i, (idx, micro_weights) in enumerate(micro_batches):
-            self._loss_terms = {}
-            with self._no_grad_sync(last=i == len(micro_batches) - 1):
-                losses = [partial(self.ppo_loss, rollout, advantages, returns, idx, kl_coef, micro_weights)]
-                if values is not None:
-                    losses.insert(0, partial(self.value_loss, rollout, returns, idx, micro_weights, values[idx]))
-                elif self._critic_apart:
-                    losses.append(partial(self.value_loss, rollout, returns, idx, micro_weights))
-                for loss_of in losses:  # the policy's forward and backward, a separate critic's after or before
-                    loss = loss_of()
-                    if self.networks.any_rank(not torch.isfinite(loss)):
-                        self.nonfinite_terms = nonfinite_terms(self._loss_terms, loss)
-                        return False
-                    self.manual_backward(loss)
-        return True
-
-    def ppo_loss(
-        self, rollout: Trajectory, advantages: Tensor, returns: Optional[Tensor], idx: Tensor, kl_coef: Tensor, weights: Tensor
-    ) -> Tensor:
-        """On the rows ``idx``: the policy loss (+ ``value_loss`` with a critic, unless it is
-        ``_critic_apart``) (+ kl_coef * the KL's loss term, ``Regulariser.loss_term``) (- entropy bonus), each per-token term summed
-        with ``weights``. The critic (gae) learns the returns of the reward alone when the KL is in
-        the loss: the KL's future is carried by the loss's sequence term, not by the values."""
-        input_ids, attention_mask, mask = rollout.input_ids[idx], rollout.attention_mask[idx], rollout.response_mask[idx]
-        response_len = rollout.responses.shape[1]
-        logits, values = self.networks.policy_outputs(input_ids, attention_mask, response_len, critic=not self._critic_apart)
-        logits = sampling.restrict(logits, None if rollout.kept is None else rollout.kept[idx])
-        logprobs, old_logprobs = pm.logprobs_of(logits, rollout.responses[idx]), rollout.old_logprobs[idx]
-        pg_loss, clipped = self.policy_loss(logprobs, old_logprobs, advantages[idx], mask)
-        is_weights = 1.0 if rollout.is_weights is None else rollout.is_weights[idx]
-        pg_loss = pg_loss * is_weights
-        loss = (weights * pg_loss).sum()
-        stats = {
-            "policy/loss": pm.masked_mean(pg_loss, mask),
-            "policy/clipfrac": pm.masked_mean(clipped, mask),
-            "policy/approxkl": pm.approx_kl(logprobs, old_logprobs, mask),
-        }
-        if values is not None:
-            loss = loss + self.value_loss(rollout, returns, idx, weights, values)
-        if self.kl.in_loss:
-            kl_loss, kl_mask = self.regulariser.loss_term(rollout, idx, logprobs, logits)
-            # The advantage estimator's gradient scale (a group std, a mean baseline's (n - 1) / n) on
-            # the KL as on the reward, so that beta weighs one against the other as configured.
-            loss = loss + (weights * kl_coef[idx, None] * is_weights * kl_loss).sum()
-            stats["policy/kl_loss"] = pm.masked_mean(kl_loss, kl_mask)
-        if self.entropy_controller is not None and self.entropy_controller.beta:
-            entropy = pm.masked_select(pm.entropy_of(logits), mask)
-            loss = loss - self.entropy_controller.beta * (weights * entropy).sum()
-            stats["policy/entropy"] = pm.masked_mean(entropy, mask)
-        self._record_terms(stats)
-        return loss
-
-    def value_loss(self, rollout: Trajectory, returns: Tensor, idx: Tensor, weights: Tensor, values: Optional[Tensor] = None) -> Tensor:
-        """On the rows ``idx``: vf_coef * the clipped value loss, each per-token term summed with
-        ``weights``, of ``values`` (a shared critic's, from the policy's forward) or of a forward of
-        the separate critic."""
-        mask, response_len = rollout.response_mask[idx], rollout.responses.shape[1]
-        if values is None:
-            values = self.networks.critic_values(rollout.input_ids[idx], rollout.attention_mask[idx], response_len)
-        vf = pm.value_loss_terms(values, rollout.old_values[idx], returns[idx], mask, self.ppo.cliprange_value)
-        self._record_terms({"value/loss": pm.masked_mean(vf.loss, mask), "value/clipfrac": pm.masked_mean(vf.clipped, mask)})
-        return self.ppo.vf_coef * (weights * vf.loss).sum()
-
-    def _record_terms(self, terms: dict[str, Tensor]) -> None:
-        """A loss's logged terms: into the iteration's update statistics, and kept for a fault's message."""
-        self._loss_terms.update(terms)
-        for name, value in terms.items():
-            self.update_stats[name.replace("/", "__")].update(value.detach().float())
 
     # ------------------------------------------------------------------ the networks and the sampler
     def configure_model(self) -> None:
@@ -536,6 +403,17 @@ class PPORLHF(LightningModule):
             networks.initial_model,
         )
         self.networks = networks
+        self.update = PPOUpdate(
+            networks,
+            self.policy_loss,
+            self.loss_aggregation,
+            self.regulariser,
+            self.entropy_controller,
+            self.ppo,
+            self.kl,
+            self.sampling.max_new_tokens,
+            self.update_stats,
+        )
         trainer = self._trainer
         self.sampler = Sampler(
             tokenizer=self.tokenizer,
@@ -592,33 +470,17 @@ class PPORLHF(LightningModule):
 
     # ------------------------------------------------------------------ optimizers
     def configure_optimizers(self) -> torch.optim.AdamW:
-        """One AdamW over the parameter groups ``policy`` (lr) and ``critic`` (critic_lr), each with
-        its own weight decay: AdamW's update is per parameter, so this is the update of one AdamW
-        per model (tests/test_gpu.py), and it is what DeepSpeed supports (one optimizer);
-        one optimizer step, one GradScaler update under 16-mixed. ``optimizers: separate`` clips
-        each group's gradient norm on its own, ``shared`` the norm of both (``on_before_optimizer_step``)."""
-        optim = self.optim
-        groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad], "lr": optim.lr}]
-        if self.critic is not None:
-            groups.append({"name": "critic", "params": list(self.critic.parameters()), "lr": optim.critic_lr or optim.lr})
-        # fused: one kernel per step instead of a dozen per tensor. Not under 16-mixed/bf16-mixed:
-        # a fused AdamW unscales 16-mixed gradients inside its step, after they would be clipped,
-        # so the multi-tensor (foreach) AdamW steps instead.
+        """``Networks.optimizer``: one AdamW over the policy's and the critic's parameter groups. Fused, one kernel per
+        step, but not under 16-mixed/bf16-mixed, whose gradients a fused AdamW would unscale after they are clipped."""
         fused = not (self._trainer is not None and isinstance(self.trainer.precision_plugin, MixedPrecision))
-        return torch.optim.AdamW(groups, weight_decay=optim.weight_decay, fused=fused)
+        return self.networks.optimizer(self.optim, fused)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Clip the gradients to ``max_grad_norm`` here, where Lightning calls this hook: after the
-        precision plugin has unscaled them (16-mixed: ``scaler.unscale_``) and before the step, so
-        the clip sees the true norm. Per parameter group (``optimizers: separate``) or over all
-        (``shared``). DeepSpeed clips inside its own step, from its config (``gpu.configure_deepspeed``).
-        Without a trainer too (``exact.expected_train`` steps its optimizer itself)."""
-        optim = self.optim
-        if not optim.max_grad_norm or (self._trainer is not None and gpu.is_deepspeed(self.trainer.strategy)):
-            return
-        groups = [group["params"] for group in optimizer.param_groups]
-        for params in groups if optim.optimizers == "separate" else [[p for group in groups for p in group]]:
-            torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm)
+        """Clip the gradients here, where Lightning calls this hook: after the precision plugin has unscaled them
+        (16-mixed: ``scaler.unscale_``) and before the step (``Networks.clip_gradients``). DeepSpeed clips inside its
+        own step, from its config (``gpu.configure_deepspeed``). Without a trainer too (``exact.expected_train``)."""
+        if not (self._trainer is not None and gpu.is_deepspeed(self.trainer.strategy)):
+            Networks.clip_gradients(optimizer, self.optim)
 
     @property
     def _critic_apart(self) -> bool:
@@ -717,6 +579,18 @@ class PPORLHF(LightningModule):
         if iteration_skipped:  # only the fault counts: no metric of an iteration that did not happen
             self.log_dict(self.faults.metrics(iteration_skipped=True), on_step=True, on_epoch=False, batch_size=1)
         self.faults.stop_if_too_many()
+
+    def update_context(self) -> dict[str, Any]:
+        """What ``PPOUpdate.run`` takes from the trainer: the optimizer, Lightning's backward, DDP's no_sync, the ranks."""
+        world_size = self.trainer.world_size if self._trainer is not None else 1
+        return dict(
+            optimizer=self.optimizers(),
+            backward=self.manual_backward,
+            no_sync=self._no_grad_sync,
+            reduce=self._reduce,
+            world_size=world_size,
+            critic_apart=self._critic_apart,
+        )
 
     def _no_grad_sync(self, last: bool):
         """Skip DDP's gradient all-reduce on all but the last micro-batch of a minibatch."""

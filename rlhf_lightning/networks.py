@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from rlhf_lightning import args, fsdp2, models, prefix, sampling
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.args import LoraArgs, PromptArgs, SamplingArgs
+from rlhf_lightning.args import LoraArgs, OptimArgs, PromptArgs, SamplingArgs
 from rlhf_lightning.interfaces import Samples
 from rlhf_lightning.models import (
     REFERENCE_ADAPTER,
@@ -321,6 +321,28 @@ class Networks:
     def sharded(self) -> bool:
         """The models are FSDP2-sharded (ModelParallelStrategy)."""
         return fsdp2.is_sharded(self.policy)
+
+    # ------------------------------------------------------------------ the optimizer
+    def optimizer(self, optim: OptimArgs, fused: bool) -> torch.optim.AdamW:
+        """One AdamW over the parameter groups ``policy`` (lr) and ``critic`` (critic_lr), each with its own weight
+        decay: AdamW's update is per parameter, so this is the update of one AdamW per model (tests/test_gpu.py),
+        and it is what DeepSpeed supports (one optimizer); one optimizer step, one GradScaler update under
+        16-mixed. ``fused``: one kernel per step instead of a dozen per tensor (not under mixed precision: the
+        module's ``configure_optimizers``)."""
+        groups = [{"name": "policy", "params": [p for p in self.policy.parameters() if p.requires_grad], "lr": optim.lr}]
+        if self.critic is not None:
+            groups.append({"name": "critic", "params": list(self.critic.parameters()), "lr": optim.critic_lr or optim.lr})
+        return torch.optim.AdamW(groups, weight_decay=optim.weight_decay, fused=fused)
+
+    @staticmethod
+    def clip_gradients(optimizer: torch.optim.Optimizer, optim: OptimArgs) -> None:
+        """Clip the gradients to ``optim.max_grad_norm`` (0: not at all): each parameter group's norm on its own
+        (``optimizers: separate``) or the norm of all (``shared``)."""
+        if not optim.max_grad_norm:
+            return
+        groups = [group["params"] for group in optimizer.param_groups]
+        for params in groups if optim.optimizers == "separate" else [[p for group in groups for p in group]]:
+            torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm)
 
     # ------------------------------------------------------------------ the critic's passes in the update
     def critic_apart(self, ddp: bool) -> bool:

@@ -49,6 +49,25 @@ class Regulariser:
         log_u = pm.masked_select(rollout.trainer_logprobs.double() - rollout.ref_logprobs.double(), rollout.response_mask).sum(-1)
         return self.divergence.f_prime(log_u), self.divergence.value(log_u)
 
+    def nonfinite(self, kl: Tensor, penalty: Optional[Tensor], betas: Tensor) -> Optional[str]:
+        """Why the penalty is not finite, naming the responses and their betas (``betas``, (batch,)): the per-token
+        ``kl`` estimate, or the sequence-level ``penalty`` beta f'(u) as the reward holds it (``kl``'s dtype), so that a
+        u finite in float64 but past float32's range (chi2: log u > 88 + log(1 / 2 beta)) is not a silent inf; None
+        when both are finite."""
+        if not torch.isfinite(kl).all():
+            bad = (~torch.isfinite(kl)).any(-1).nonzero().flatten().tolist()
+            fault = f"the {type(self.kl_estimator).__name__} KL estimate is not finite for responses {bad}: {kl.sum(-1)[bad].tolist()}"
+        elif penalty is not None and not (finite := torch.isfinite(penalty.to(kl.dtype))).all():
+            bad = (~finite).nonzero().flatten().tolist()
+            fault = (
+                f"the {type(self.divergence).__name__} penalty beta f'(u) is not finite in the reward's {kl.dtype} "
+                f"for responses {bad}: {penalty[bad].tolist()}"
+            )
+        else:
+            return None
+        bad_betas = sorted(set(betas[bad].tolist()))  # one beta, or each bad row's prompt's
+        return fault + f" (beta {bad_betas[0] if len(bad_betas) == 1 else bad_betas})"
+
     def loss_term(self, rollout: Trajectory, idx: Tensor, logprobs: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
         """The KL's per-token loss term on the rows ``idx`` from the policy's current ``logprobs`` and ``logits``, and
         the KL mask it covers: the estimator (importance-weighted over PPO epochs where it reads the sampled token,
