@@ -357,7 +357,7 @@ def test_every_divergence_optimum_lies_on_or_below_the_reverse_kl_frontier(tmp_p
 def test_ppo_with_a_sequence_level_divergence_reaches_its_own_optimum(spec, capsys):
     """tools/studies/optimum_check.py --divergence on random:1 with each divergence's recipe (beta 1, k1 logged, gae;
     js 150 iterations of 384 responses, chi2 300 of 1536 with the lr decayed to 1/50): the trained policy within 0.02 of
-    J*_f, its own divergence's optimum (measured 2026-11-29: js 0.0016, js:0.1 0.0022, chi2 0.0021; docs/results.md).
+    J*_f, its own divergence's optimum (measured 2026-11-29: js 0.0016, js:0.1 0.0022, chi2 0.0021; docs/results.md and docs/history/results-log.md).
     About 30 s (js) and 3-4 minutes (chi2) on a 2-core CPU at a load of 3-4."""
     import optimum_check
 

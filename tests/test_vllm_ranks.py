@@ -101,7 +101,7 @@ def test_two_ranks_sampling_with_vllm_reach_the_declared_optimum():
     ``tis``, 100 iterations of 48 responses) on 2 DDP processes of 24 responses each
     (tests/vllm_ranks_worker.py under torchrun, about 100 s): the gap to the declared optimum <= 0.02
     on a non-trivial optimum, and the engines' log-probs the trainers' over the whole run. Sampling
-    seed 1: seeds 0, 1, 2 gave gaps 0.030, 0.0014, 0.0026 on 2026-11-29 (docs/rollout-engines.md)."""
+    seed 1: seeds 0, 1, 2 gave gaps 0.030, 0.0014, 0.0026 on 2026-11-29 (docs/results.md, "vLLM on every rank")."""
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
     result = subprocess.run(

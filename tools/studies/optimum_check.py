@@ -786,21 +786,21 @@ DIVERGENCE_SETTINGS = {
 # iterations 130-140, and the 1/k steps could not bring the beta back (KL 5.8 against 1). From 4 the betas take 30-40
 # iterations at the controller's capped rate to come down, with the policy near the reference while the critic
 # learns, and then follow the tilted optimum down as an anneal (``anneal``'s argument): random:1-3 on seeds 0-2,
-# random:1-2 on 3-5 and random:3 on 3-7 within 4.2%, gaps <= 0.0095 (docs/plugins.md, "Per-prompt KL budgets"; the
+# random:1-2 on 3-5 and random:3 on 3-7 within 4.2%, gaps <= 0.0095 (docs/results.md, "Per-prompt KL budgets against the closed form"; the
 # random-eos tasks: EOS_BUDGET_SETTINGS below).
 BUDGET_SETTINGS = {"beta": 4.0, "iterations": 250, "lr_hold": 0.6, "lr_final": 0.02}
 # The per_prompt controller's horizon at 384 responses an iteration (192 a prompt of two: a beta moves by at most
 # 0.2 * 192 / 800 = 4.8% an iteration), scaled with the batch where --budget-horizon is not given: the horizon counts
 # responses, and random-eos's 1536 at 800 stepped the betas by 19% an iteration, faster than the policy follows
 # (random-eos:3 seed 0: prompt B's beta from 4 to 0.05 in 20 iterations, its KL at 0.013; at 3200 random-eos:1 and 2
-# land within 1.3% of their budgets, docs/plugins.md, "Per-prompt KL budgets").
+# land within 1.3% of their budgets, docs/history/results-log.md, "Per-prompt KL budgets").
 BUDGET_HORIZON = 800
 # On responses that end at EOS a prompt's optimum at its budget can sit on responses its reference almost never samples
 # (random-eos:3's prompt B: one response 0.986 under the reference, its optimum at the budget needing beta 0.374): on-policy
 # its beta wound down to 0.13 before the policy met them (KL 9.8 against 2, gap 0.146). The budget recipe there explores
 # as the bounded-f' divergences do (epsilon 0.5 falling to 0 over the first 100 iterations) for 350 iterations, its exact
 # KL swinging late (prompt B's lives on responses pi_ref gives ~1e-9): random-eos:1-2 seeds 0-2 and random-eos:3 seeds
-# 0-4 within 1.4% of their budgets, gaps <= 0.0052; with 250 random-eos:3 seed 2 ended 7.4% under (docs/plugins.md).
+# 0-4 within 1.4% of their budgets, gaps <= 0.0052; with 250 random-eos:3 seed 2 ended 7.4% under (docs/results.md).
 EOS_BUDGET_SETTINGS = {**BUDGET_SETTINGS, "iterations": 350, "explore": 0.5, "explore_iterations": 100}
 
 
