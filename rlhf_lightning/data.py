@@ -300,6 +300,16 @@ class Lookahead:
                 break
         return [*self.handed, *self.read][:n]
 
+    @staticmethod
+    def of(trainer, batch, n: int) -> list:
+        """The (at most) ``n`` batches after ``batch`` within the epoch's batches, read ahead from ``trainer``'s training
+        loader; none where it has no look-ahead (a loader of its own) or ``batch`` is not the one it handed out."""
+        lookahead = getattr(trainer.train_dataloader, "lookahead", None) if trainer is not None else None
+        if lookahead is None or not lookahead.consume(batch):
+            return []
+        left = trainer.num_training_batches - trainer.fit_loop.epoch_loop.batch_idx - 1
+        return lookahead.upcoming(min(n, left))
+
 
 class PromptLoader(DataLoader):
     """A DataLoader that Lightning saves and restores with the checkpoint (it has

@@ -446,23 +446,25 @@ class Samples:
 
 class RolloutEngine(Plugin):
     """Samples the rollout's responses from the policy: ``model.sampling.temperature``, ``top_k``, ``top_p``,
-    ``max_new_tokens``, ``min_new_tokens`` and the tokenizer's EOS, read from the module.
+    ``max_new_tokens``, ``min_new_tokens`` and the tokenizer's EOS.
 
-    The declared distribution (docs/rollout-engines.md): at each position the policy's logits over
-    the temperature, restricted to the sampler's kept set (top-k, then top-p) and renormalised. An
-    engine returns the log-prob of each sampled token under it (``Samples.logprobs``), or the raw
-    logits it sampled from (``Samples.logits``, the trainer's own model). An engine that keeps its
-    own copy of the weights brings it up to date in ``sample`` whenever ``module.global_step``
-    (optimizer steps taken) has changed since it last looked: after every update, and never when
-    nothing changed. ``setup`` runs at start-up, before any model loads: it refuses (ConfigError,
-    naming ``model.rollout_engine``) what the engine cannot run.
+    Every method but ``setup`` is handed the sampler (rlhf_lightning/sampler.py), or a view of it on another copy of
+    the weights, as ``module``: its ``networks``, ``sampling``, ``prompts``, ``off_policy``, ``runtime``,
+    ``tokenizer``, ``device``, ``exploration``, ``global_step``, ``global_rank``, ``local_rank`` and
+    ``generation_seed_base``. The declared distribution (docs/rollout-engines.md): at each position the policy's
+    logits over the temperature, restricted to the sampler's kept set (top-k, then top-p) and renormalised. An
+    engine returns the log-prob of each sampled token under it (``Samples.logprobs``), or the raw logits it sampled
+    from (``Samples.logits``, the trainer's own model). An engine that keeps its own copy of the weights says it
+    lags (``stale``) whenever ``module.global_step`` (optimizer steps taken) has changed since it last synced, and
+    the sampler calls ``sync`` before it samples. ``setup`` runs at start-up with the LightningModule, before any
+    model loads: it refuses (ConfigError, naming ``model.rollout_engine``) what the engine cannot run.
     """
 
     samples_stale_weights: bool = False
-    """Whether the engine samples the weights of the ``module`` it is given: ``module.networks``' policy, through
+    """Whether the engine samples the weights of the sampler it is given: ``module.networks``' policy, through
     ``module.networks.generator()`` (``hf``) or its own copy synced from it whenever ``module.global_step`` changes
     (``vllm``), so that an asynchronous sampler (``model.off_policy.max_staleness`` > 0,
-    rlhf_lightning/async_rollout.py) can hand it a published copy of older weights (a view of the module whose
+    rlhf_lightning/async_rollout.py) can hand it a published copy of older weights (a view of the sampler whose
     networks and ``global_step`` are that version's)."""
 
     draws_exploration: bool = False
@@ -473,14 +475,14 @@ class RolloutEngine(Plugin):
         """Check that the engine can serve ``module`` as configured (strategy, world size); load nothing."""
 
     def start(self, module) -> None:
-        """Called once in the trainer's thread with the asynchronous sampler's view of ``module`` before the sampler's
+        """Called once in the trainer's thread with the asynchronous sampler (``module``) before its
         first draw (which may run in a thread of its own, beside the trainer): start here what touches the process's
         state (its random generators, a collective)."""
 
     def stale(self, module) -> bool:
         """Whether the engine's own copy of the policy's weights lags behind the policy's (an engine
-        sampling the trainer's own model has none: never). The module then calls ``sync`` before the
-        rollout, timed as ``weight_sync``."""
+        sampling the trainer's own model has none: never). The sampler then calls ``sync`` before the
+        draw, timed as ``weight_sync``."""
         return False
 
     def sync(self, module) -> None:

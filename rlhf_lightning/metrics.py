@@ -128,6 +128,18 @@ def prompt_stats(
     return PromptStats(ids, kl_mean, responses, beta_total / responses, budgets_of(ids))
 
 
+def entropy_controller_input(metrics: dict[str, float], unit: str, target: Optional[float]) -> float:
+    """What an entropy controller is fed from the iteration's ``metrics``: the entropy (per token, or per response
+    with ``unit`` sequence_sum), or with a ``target`` target^2 / H, the entropy mirrored about the target in log space
+    (log(input / target) = -log(H / target)), which a KL controller (raising beta while its input exceeds the target)
+    turns into raising the coefficient while the entropy is below its target: the same log error with the opposite
+    sign, and never negative."""
+    entropy = metrics["objective/entropy"]  # nats per token
+    if unit == "sequence_sum":
+        entropy *= metrics["response/length"]
+    return entropy if target is None else target**2 / max(entropy, 1e-6)
+
+
 def update_means(update_stats: nn.ModuleDict) -> dict[str, float]:
     """Means of the update statistics (torchmetrics ``MeanMetric``s named with ``__`` for ``/``) over every micro-batch
     of the iteration (all ranks), each reset for the next."""

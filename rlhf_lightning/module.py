@@ -24,11 +24,10 @@ starting policy; ``sync``, ``reset`` or ``ema`` every N iterations). ``reference
 model as the reference instead (a teacher: on-policy distillation; docs/reference.md).
 
 Where things live: the sampler that draws and assembles a rollout in sampler.py (``self.sampler``), and the
-one that runs ahead in async_rollout.py; the networks (policy, critic, reference) and their passes in
-networks.py (``self.networks``, built by ``build_networks``), their loading in models.py; the KL's terms in
-regulariser.py (``self.regulariser``); the logged metrics in metrics.py; the arguments and the rules across them
-in args.py, start-up checks and fault counts in checks.py; checkpoint and resume in checkpoints.py; the math in
-ppo_math.py; CPU kernels in cpu.py (a Lightning precision plugin around each step).
+one that runs ahead in async_rollout.py; the networks and their passes in networks.py (``self.networks``, built
+by ``build_networks``), their loading in models.py; the KL's terms in regulariser.py (``self.regulariser``); the
+PPO epochs and the loss in update.py (``self.update``); the logged metrics in metrics.py; the arguments in
+args.py, start-up checks and faults in checks.py; checkpoints in checkpoints.py; the math in ppo_math.py.
 
 Left out on purpose: reward-model training (tools/) and any home-made distributed code: every
 cross-rank statistic goes through the Lightning strategy's ``reduce``.
@@ -47,7 +46,6 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torchmetrics import MeanMetric
 
 from rlhf_lightning import args, checkpoints, fsdp2, gpu, models
 from rlhf_lightning import ppo_math as pm
@@ -55,7 +53,7 @@ from rlhf_lightning.args import KLArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOA
 from rlhf_lightning.async_rollout import AsyncRollouts, check_strategy
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
 from rlhf_lightning.checks import Faults, require
-from rlhf_lightning.data import PromptTable, token_ids
+from rlhf_lightning.data import Lookahead, PromptTable, token_ids
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
     BetaController,
@@ -67,7 +65,7 @@ from rlhf_lightning.interfaces import (
     RewardModel,
     RolloutEngine,
 )
-from rlhf_lightning.metrics import prompt_stats, rollout_metrics, update_means
+from rlhf_lightning.metrics import entropy_controller_input, prompt_stats, rollout_metrics, update_means
 from rlhf_lightning.models import ValueModel, load_tokenizer
 from rlhf_lightning.networks import Networks, build_networks
 from rlhf_lightning.regulariser import Regulariser
@@ -78,24 +76,15 @@ from rlhf_lightning.update import PPOUpdate
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
-UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss", "policy/entropy")
-
 
 class PPORLHF(LightningModule):
     """PPO-RLHF: rollout -> score -> advantages -> update, with a pluggable KL penalty.
 
-    The plugins are flat arguments: a registered short name (``k3``, ``adaptive``), a class name or
-    ``class_path`` with ``init_args`` (docs/plugins.md). So are the network keys: ``policy``
-    (``tiny``, ``smollm2``, a local HF checkpoint folder or a ``.gguf`` file), ``tokenizer`` (default:
-    the policy's own; ``char`` for ``tiny``), ``reference`` (the model the KL is to: null, the starting
-    policy, or another causal LM with the policy's tokenizer, a checkpoint folder, a ``.gguf`` file or
-    ``smollm2``: a teacher, docs/reference.md), ``critic`` (the value head's trunk: a ``separate``
-    copy of the policy's, ``shared`` with it, or ``none`` for the critic-free estimators; null: what
-    the advantage estimator needs), ``tiny_config`` (overrides of the ``tiny`` model's LlamaConfig),
-    ``seed`` (the ``tiny`` model's initialisation) and ``trust_remote_code``. Every other setting is
-    in a group, each field documented where it is declared (args.py): ``sampling``, ``prompts``,
-    ``kl``, ``ppo``, ``optim``, ``lora``, ``runtime``, ``off_policy``. The flat names of earlier versions
-    (``lr=...``) still work from Python for one release, with a FutureWarning naming the new key.
+    The plugins are flat arguments: a registered short name (``k3``, ``adaptive``), a class name or ``class_path``
+    with ``init_args`` (docs/plugins.md). So are the network keys (``policy``, ``tokenizer``, ``reference``,
+    ``critic``, ``tiny_config``, ``seed``, ``trust_remote_code``; docs/configuration.md). Every other setting is in a
+    group, each field documented where it is declared (args.py): ``sampling``, ``prompts``, ``kl``, ``ppo``,
+    ``optim``, ``lora``, ``runtime``, ``off_policy``.
     """
 
     def __init__(
@@ -162,7 +151,6 @@ class PPORLHF(LightningModule):
         self.update: Optional[PPOUpdate] = None  # the part that runs the PPO epochs on them (configure_model)
         # max_staleness k > 0: the sampler that runs ahead (async_rollout.py, configure_model); None: the synchronous loop
         self.async_rollouts: Optional[AsyncRollouts] = None
-        self.update_stats = nn.ModuleDict({name.replace("/", "__"): MeanMetric() for name in UPDATE_STATS})
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
         self._rng_to_restore: Optional[dict] = None
         self.generation_seed_base = int(torch.initial_seed()) % 2**31  # saved with checkpoints
@@ -216,11 +204,7 @@ class PPORLHF(LightningModule):
         loader: ``data.Lookahead``, within the epoch's batches); None for the synchronous loop."""
         if self.async_rollouts is None:
             return None
-        lookahead = getattr(self.trainer.train_dataloader, "lookahead", None) if self._trainer is not None else None
-        upcoming = []
-        if lookahead is not None and lookahead.consume(prompts):
-            left = self.trainer.num_training_batches - self.trainer.fit_loop.epoch_loop.batch_idx - 1
-            upcoming = [self.repeat_prompts(batch) for batch in lookahead.upcoming(min(self.off_policy.max_staleness, left))]
+        upcoming = [self.repeat_prompts(batch) for batch in Lookahead.of(self._trainer, prompts, self.off_policy.max_staleness)]
         return self.async_rollouts.draw(rows, upcoming, self.iteration, self.global_step, timer)
 
     def rollout(
@@ -229,18 +213,8 @@ class PPORLHF(LightningModule):
         """The rollout phase (``Sampler.rollout``): ``prompts`` sampled from the current weights (exploring while
         training, ``exploration``), or the batch the asynchronous sampler ``drawn`` ahead; pi_old, V_old (a separate
         critic's only with ``critic_values``) and log pi_ref."""
-        first = self.training and self.iteration == 0
-        exploration = self.exploration
-        return self.sampler.rollout(
-            prompts,
-            self.iteration,
-            global_step=self.global_step,
-            exploration=exploration,
-            timer=timer,
-            critic_values=critic_values,
-            drawn=drawn,
-            first=first,
-        )
+        first = self.training and self.iteration == 0  # the run's first rollout: a sampler that draws one token alone is said
+        return self.sampler.rollout(prompts, self.iteration, self.global_step, self.exploration, timer, critic_values, drawn, first)
 
     @property
     def exploration(self) -> float:
@@ -317,7 +291,7 @@ class PPORLHF(LightningModule):
     def update_controllers(self, metrics: dict[str, float], prompt_stats: Optional[PromptStats] = None) -> None:
         """The beta controller sees the global mean divergence (``objective/divergence``: the KL under the reverse
         KL, the default) or, with unit ``token_mean``, the KL per token (a per-prompt controller also each prompt's
-        KL, ``prompt_stats``); an entropy controller, if any, the entropy (see ``_update_entropy_controller``)."""
+        KL, ``prompt_stats``); an entropy controller, if any, the entropy (``metrics.entropy_controller_input``)."""
         n_samples = int(metrics["response/count"])
         unit = self.beta_controller.unit  # sequence_sum: the divergence's value (the KL's, under the reverse KL)
         self.beta_controller.update(
@@ -325,26 +299,19 @@ class PPORLHF(LightningModule):
         )
         if prompt_stats is not None:
             self.beta_controller.update_prompts(prompt_stats.ids, prompt_stats.kl, prompt_stats.responses)
-        if self.entropy_controller is not None:
-            metrics["objective/entropy_coef"] = self.entropy_controller.beta
-            self._update_entropy_controller(metrics, n_samples)
+        if (controller := self.entropy_controller) is not None:
+            metrics["objective/entropy_coef"] = controller.beta
+            controller.update(entropy_controller_input(metrics, controller.unit, getattr(controller, "target", None)), n_samples=n_samples)
 
     def end_iteration(
-        self,
-        rollout: Trajectory,
-        scored: Scored,
-        metrics: dict[str, float],
-        skipped_steps: int,
-        timer: Timer,
-        prompt_stats: Optional[PromptStats] = None,
+        self, rollout: Trajectory, scored: Scored, metrics: dict, skipped: int, timer: Timer, prompt_stats=None
     ) -> IterationOutputs:
         """Count the iteration and its faults; log its metrics (docs/metrics.md)."""
         self.iteration += 1
-        if skipped_steps:
-            beta = metrics["objective/beta"]
+        if skipped:
             rewards = f"rewards up to {float(scored.raw_scores.abs().max()):.3g} from model.reward_model {type(self.reward_model).__name__}"
-            cause = f"non-finite PPO loss: {skipped_steps} optimizer step(s) skipped (not finite: {self.update.nonfinite_terms}; beta {beta}; {rewards})"
-            self._record_fault(cause, iteration_skipped=False, steps=skipped_steps)
+            cause = f"non-finite PPO loss: {skipped} optimizer step(s) skipped (not finite: {self.update.nonfinite_terms}; beta {metrics['objective/beta']}; {rewards})"
+            self._record_fault(cause, iteration_skipped=False, steps=skipped)
         else:
             self.faults.consecutive = 0
         metrics.update(self.faults.metrics(iteration_skipped=False))
@@ -396,24 +363,11 @@ class PPORLHF(LightningModule):
             longest_prompt=self.longest_prompt,
             keep_skeleton=bool(staleness),
         )
-        self.critic, self.policy, self.ref_model, self.initial_model = (
-            networks.critic,
-            networks.policy,
-            networks.ref_model,
-            networks.initial_model,
-        )
+        for name in ("critic", "policy", "ref_model", "initial_model"):  # registered here: Lightning's checkpoints, devices, strategies
+            setattr(self, name, getattr(networks, name))
         self.networks = networks
-        self.update = PPOUpdate(
-            networks,
-            self.policy_loss,
-            self.loss_aggregation,
-            self.regulariser,
-            self.entropy_controller,
-            self.ppo,
-            self.kl,
-            self.sampling.max_new_tokens,
-            self.update_stats,
-        )
+        self.update = PPOUpdate(networks, self.policy_loss, self.loss_aggregation, self.regulariser, self.entropy_controller, self.ppo)
+        self.update_stats = self.update.stats  # registered: its means follow the module's device and are reduced over the ranks
         trainer = self._trainer
         self.sampler = Sampler(
             tokenizer=self.tokenizer,
@@ -514,7 +468,9 @@ class PPORLHF(LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         self.longest_prompt = args.check_setup(self, datamodule, stage)
         if stage == "fit":
-            self.prompt_table = self.training_prompt_table(datamodule)
+            # the training prompts' ids and KL budgets (data.PromptTable), read before any model loads; None: batches from elsewhere
+            has_table = hasattr(datamodule, "prompt_table")
+            self.prompt_table = datamodule.prompt_table(getattr(self.beta_controller, "budget_column", None)) if has_table else None
             controller = self.beta_controller
             if controller.keyed_by_prompt:
                 require(
@@ -526,30 +482,9 @@ class PPORLHF(LightningModule):
                 )
                 controller.set_budgets(self.prompt_table.budgets)
 
-    def training_prompt_table(self, datamodule) -> Optional[PromptTable]:
-        """The training prompts' ids and KL budgets (``data.PromptTable``; a per-prompt controller's ``budget_column``)
-        from the data module's prompt file, read at start-up before any model loads; None for batches from elsewhere."""
-        if not hasattr(datamodule, "prompt_table"):
-            return None
-        return datamodule.prompt_table(getattr(self.beta_controller, "budget_column", None))
-
-    def _update_entropy_controller(self, metrics: dict[str, float], n_samples: int) -> None:
-        """The entropy controller raises its coefficient while the entropy is below its target: it
-        is fed target^2 / H, the entropy mirrored about the target in log space (log(input / target)
-        = -log(H / target)), which a KL controller (raising beta while its input exceeds the target)
-        turns into exactly that: the same log error with the opposite sign, and never negative."""
-        controller = self.entropy_controller
-        entropy = metrics["objective/entropy"]  # nats per token
-        if controller.unit == "sequence_sum":
-            entropy *= metrics["response/length"]
-        target = getattr(controller, "target", None)
-        controller.update(entropy if target is None else target**2 / max(entropy, 1e-6), n_samples=n_samples)
-
     @property
     def step(self) -> int:
-        """The TensorBoard step of the latest iteration, for every record of it (scalars, text,
-        images, warnings): its 0-based index, the step Lightning logs the scalars at. Read it once
-        the iteration has been counted (``iteration`` is then its 1-based number)."""
+        """The TensorBoard step of the latest iteration, for every record of it: its 0-based index (read it once counted)."""
         return self.iteration - 1
 
     def update_reference(self) -> None:

@@ -235,7 +235,6 @@ class Sampler:
         self,
         prompts: list[str],
         iteration: int,
-        *,
         global_step: int,
         exploration: float = 0.0,
         timer: Optional[Timer] = None,

@@ -12,10 +12,11 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning import sampling
-from rlhf_lightning.args import KLArgs, PPOArgs
+from rlhf_lightning.args import PPOArgs
 from rlhf_lightning.checks import nonfinite_terms
 from rlhf_lightning.interfaces import BetaController, LossAggregation, PolicyLoss
 from rlhf_lightning.networks import Networks
@@ -23,13 +24,14 @@ from rlhf_lightning.regulariser import Regulariser
 from rlhf_lightning.trajectory import Trajectory
 
 Reduce = Callable[..., Tensor]
+UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss", "policy/entropy")
 
 
 class PPOUpdate:
     """The update of one iteration on the ``networks``, with explicit inputs: the policy loss and the loss
-    aggregation plugins, the regulariser (the KL's loss term), the entropy controller (its coefficient read at each
-    micro-batch; None: no bonus), the PPO and KL settings, ``max_new_tokens`` (a constant aggregation's
-    denominator) and ``update_stats``: the iteration's logged means by name (``/`` as ``__``), registered on the module.
+    aggregation plugins, the regulariser (the KL's loss term and settings), the entropy controller (its coefficient read
+    at each micro-batch; None: no bonus) and the PPO settings. ``stats``: the iteration's logged means by name (``/``
+    as ``__``), which the module registers (``update_stats``).
 
     ``run`` takes what belongs to the trainer: the optimizer, ``backward`` (Lightning's ``manual_backward``),
     ``no_sync(last)`` (DDP's gradient all-reduce skipped on all but a minibatch's last micro-batch), ``reduce``
@@ -44,13 +46,11 @@ class PPOUpdate:
         regulariser: Regulariser,
         entropy_controller: Optional[BetaController],
         ppo: PPOArgs,
-        kl: KLArgs,
-        max_new_tokens: int,
-        update_stats: nn.ModuleDict,
     ) -> None:
         self.networks, self.policy_loss, self.loss_aggregation = networks, policy_loss, loss_aggregation
-        self.regulariser, self.entropy_controller = regulariser, entropy_controller
-        self.ppo, self.kl, self.max_new_tokens, self.update_stats = ppo, kl, max_new_tokens, update_stats
+        self.regulariser, self.entropy_controller, self.ppo, self.kl = regulariser, entropy_controller, ppo, regulariser.kl
+        self.max_new_tokens = networks.sampling.max_new_tokens  # a constant aggregation's denominator
+        self.stats = nn.ModuleDict({name.replace("/", "__"): MeanMetric() for name in UPDATE_STATS})
         self.terms: dict[str, Tensor] = {}  # a micro-batch's logged terms, named in the fault when a loss is not finite
         self.nonfinite_terms = ""  # which terms were not finite, at the last skipped step
 
@@ -179,4 +179,4 @@ class PPOUpdate:
         """A loss's logged terms: into the iteration's update statistics, and kept for a fault's message."""
         self.terms.update(terms)
         for name, value in terms.items():
-            self.update_stats[name.replace("/", "__")].update(value.detach().float())
+            self.stats[name.replace("/", "__")].update(value.detach().float())

@@ -67,14 +67,14 @@ def test_consecutive_faults_stop_the_run_naming_the_cause(tmp_path):
 def test_non_finite_loss_skips_only_that_optimizer_step(tmp_path, monkeypatch):
     module = make_module(ppo=dict(epochs=2, num_minibatches=1))
     calls = {"n": 0}
-    original = module.ppo_loss
+    original = module.update.loss
 
     def loss_with_one_nan(*args, **kwargs):
         loss = original(*args, **kwargs)
         calls["n"] += 1
         return loss * float("nan") if calls["n"] == 2 else loss  # the second of two minibatch steps
 
-    monkeypatch.setattr(module, "ppo_loss", loss_with_one_nan)
+    monkeypatch.setattr(module.update, "loss", loss_with_one_nan)
     snaps = Snapshots()
     with pytest.warns(
         UserWarning,

@@ -498,14 +498,14 @@ def test_kl_loss_is_the_importance_weighted_term_and_the_rollout_kl_stays_unweig
         kl=dict(placement="loss"), ppo=dict(whiten_advantages=False, epochs=1), sampling=dict(old_logprobs="forward"), kl_estimator="k3"
     )
     seen = []
-    original = module.ppo_loss
+    original = module.update.loss
 
-    def recording(rollout, advantages, returns, idx, beta, weights):
-        loss = original(rollout, advantages, returns, idx, beta, weights)
+    def recording(rollout, advantages, returns, idx, beta, weights, critic=True):
+        loss = original(rollout, advantages, returns, idx, beta, weights, critic)
         seen.append((float(module.update_stats["policy__kl_loss"].compute()), idx))
         return loss
 
-    module.ppo_loss = recording
+    module.update.loss = recording
     _, history = fit(module, tmp_path, iterations=1)
     rollout, kl = history.outputs[-1]["rollout"], history.outputs[-1]["kl"]
     first_kl_loss, first_idx = seen[0]

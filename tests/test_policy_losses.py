@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.metrics import entropy_controller_input
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.beta_controllers import AdaptiveBeta
 from rlhf_lightning_plugins.policy_losses import (
@@ -168,7 +169,7 @@ def test_entropy_bonus_is_minus_coef_times_the_weighted_entropy():
     zeros = torch.zeros_like(rollout.response_mask)
     weights = TokenMean().weights(rollout.response_mask, max_new_tokens=12)
     with torch.no_grad():
-        loss = module.ppo_loss(rollout, zeros, rollout.old_values, torch.arange(2), kl_coef=torch.zeros(2), weights=weights)
+        loss = module.update.loss(rollout, zeros, rollout.old_values, torch.arange(2), kl_coef=torch.zeros(2), weights=weights)
         logits, _values = module.networks.policy_outputs(rollout.input_ids, rollout.attention_mask, rollout.responses.shape[1])
     # Zero advantages, values equal to their targets: only the bonus is left (on-policy, entropy as sampled).
     entropy = pm.masked_mean(pm.entropy_of(logits), rollout.response_mask)
@@ -183,13 +184,17 @@ def test_entropy_controller_raises_the_coefficient_below_the_target(entropy, exp
     H = 1: 4 / 2 - 1 = 1, clipped to +0.2: beta * (1 + 0.2 / 10); H = 3: 4 / 6 - 1 = -1/3, clipped
     to -0.2: beta * (1 - 0.2 / 10); H = 2: error 0."""
     module = make_module(entropy_controller=AdaptiveBeta(init_beta=0.1, target=2.0, horizon=10, unit="token_mean"))
-    module._update_entropy_controller({"objective/entropy": entropy, "response/length": 5.0}, n_samples=1)
+    module.entropy_controller.update(
+        entropy_controller_input({"objective/entropy": entropy, "response/length": 5.0}, "token_mean", 2.0), n_samples=1
+    )
     assert module.entropy_controller.beta == pytest.approx(expected_coef)
 
 
 def test_entropy_controller_state_is_checkpointed():
     module = make_module(entropy_controller=AdaptiveBeta(init_beta=0.1, target=2.0, horizon=10, unit="token_mean"))
-    module._update_entropy_controller({"objective/entropy": 1.0, "response/length": 5.0}, n_samples=1)
+    module.entropy_controller.update(
+        entropy_controller_input({"objective/entropy": 1.0, "response/length": 5.0}, "token_mean", 2.0), n_samples=1
+    )
     checkpoint = {"state_dict": {}}
     module.on_save_checkpoint(checkpoint)
     restored = make_module(entropy_controller=AdaptiveBeta(init_beta=0.1, target=2.0, horizon=10, unit="token_mean"))

@@ -410,7 +410,7 @@ def expected_train(
             share = share.view(-1, 1) / prompts
             per_token = mask / (share * mask).sum() if token_mean else aggregation
             weights = (share * per_token).float()
-            loss = module.ppo_loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)
+            loss = module.update.loss(rollout, advantages, None, rows_all, torch.full((len(input_ids),), beta), weights)
             loss.backward()
             module.on_before_optimizer_step(optimizer)  # the module's gradient clipping, as in the sampled loop
             optimizer.step()

@@ -21,7 +21,7 @@ of the estimator call alone (minimum over repeats; ``full`` also needs both mode
 logits, 2 x vocab floats per token, where the others need two log-probs).
 
 Gradients (the ``kl_penalty: loss`` use). Per batch, the loss is the estimator's masked token
-mean, as in ``PPORLHF.ppo_loss``, differentiated w.r.t. the LoRA parameters at the sampled
+mean, as in ``PPOUpdate.loss``, differentiated w.r.t. the LoRA parameters at the sampled
 (on-policy) responses; the exact gradient is that of ``full`` used as the same loss. Reported:
 cosine and relative norm error ||g - g_exact|| / ||g_exact|| of the gradients averaged over the
 batches, and the spread of the per-batch gradients, sqrt(trace Cov) / ||g_exact||. The same cosine
@@ -238,7 +238,7 @@ def measure(module: PPORLHF, estimators: dict, prompts: Sequence[str], batch_siz
         rollout = module.rollout(list(prompts[start : start + batch_size]))
         mask = rollout.response_mask.float()
         response_len = rollout.responses.shape[1]
-        # The same forward pass with gradients, as ppo_loss does (on-policy: pi = pi_old).
+        # The same forward pass with gradients, as PPOUpdate.loss does (on-policy: pi = pi_old).
         logits = module.networks.response_logits(module.policy, rollout.input_ids, rollout.attention_mask, response_len)
         logprobs = pm.logprobs_of(logits, rollout.responses)
         logp_all, ref_logp_all = logits.log_softmax(-1), rollout.ref_logits.log_softmax(-1)  # (batch, len, vocab)
