@@ -1,13 +1,13 @@
 """PPO, best-of-N and the exact KL-regularised frontier on one reward-KL plane.
 
-    python tools/studies/kl_frontier.py --exact                      # terminal task: frontier, BoN 1..64, soft BoN, PPO at 4 betas
-    python tools/studies/kl_frontier.py --exact --fast               # seconds: one PPO beta of 20 iterations (the tests)
-    python tools/studies/kl_frontier.py --exact --task random:3      # a task with distinct rewards and an order-dependent reward
-    python tools/studies/kl_frontier.py --smollm2 --prompts 4 --pool 64 --betas 0.3 0.5 --iterations 15 --batch-size 4 \
+    python -m tools.studies.kl_frontier --exact                      # terminal task: frontier, BoN 1..64, soft BoN, PPO at 4 betas
+    python -m tools.studies.kl_frontier --exact --fast               # seconds: one PPO beta of 20 iterations (the tests)
+    python -m tools.studies.kl_frontier --exact --task random:3      # a task with distinct rewards and an order-dependent reward
+    python -m tools.studies.kl_frontier --smollm2 --prompts 4 --pool 64 --betas 0.3 0.5 --iterations 15 --batch-size 4 \
         --override=--model.advantage_estimator=rloo --override=--model.sampling.num_generations=4 \
         --override=--model.critic=none --override=--model.optim.critic_lr=null   # PPO with RLOO, no critic
-    python tools/studies/kl_frontier.py --meter-table                # bias and spread of the sampled log Z against n
-    python tools/studies/kl_frontier.py --exact --task random:1 --divergences reverse_kl forward_kl js chi2 alpha:0.5 alpha:-0.5
+    python -m tools.studies.kl_frontier --meter-table                # bias and spread of the sampled log Z against n
+    python -m tools.studies.kl_frontier --exact --task random:1 --divergences reverse_kl forward_kl js chi2 alpha:0.5 alpha:-0.5
 
 ``--exact`` (``rlhf_lightning.exact``'s enumerable tasks; every number exact): the frontier
 pi_beta ∝ pi_ref exp(r / beta) over a dense beta grid (the most reward any policy gets at each
@@ -15,7 +15,7 @@ KL), best-of-N for N = 1..64 enumerated with ties (``frontier.bon_logprobs``), s
 N in ``--soft-n`` over a temperature grid, and PPO trained at each of ``--betas``
 (``exact.train``, the settings of tools/studies/regulariser_frontier.py: k1 in the reward, lr 2e-3 decayed
 to 2e-4, 4 epochs of 2 minibatches; iterations and responses per iteration those of the task's kind
-in tools/studies/optimum_check.py, 100 x 48 hand-made, 150 x 384 random) against the reference of its
+in tools/studies/optimum_check/recipes.py, 100 x 48 hand-made, 150 x 384 random) against the reference of its
 seed; ``--anneal-from B`` starts each PPO run at beta B and lowers it to its own beta over the first half of
 the run (the ``anneal`` controller), which reaches optima that a run fixed at a small beta stops short of
 (docs/results.md). Prints a table and
@@ -26,7 +26,7 @@ the run (the ``anneal`` controller), which reaches optima that a run fixed at a 
 ``--exact --divergences NAME ...`` (``chi2``, ``alpha:0.5``: ``exact.divergence_named``): no training; the optimum
 pi*_f of each divergence (``exact.divergence_optimal_logprobs``) over the beta grid, on the same plane (reward
 against the exact KL(pi || pi_ref), so that the divergences are compared on one axis), its point at each of
-``--betas`` (default 1, where tools/studies/optimum_check.py trains them) marked, and writes
+``--betas`` (default 1, where tools/studies/optimum_check/ trains them) marked, and writes
 ``frontier_divergences.png`` and ``.csv``. The reverse KL's curve is the frontier; every other lies on or below
 it (the most reward at a KL is pi_beta's). Prints a table of the marked points and
 
@@ -61,7 +61,6 @@ import argparse
 import csv
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -75,9 +74,7 @@ import torch
 
 from rlhf_lightning.exact import frontier as fr
 from rlhf_lightning.exact import log_partition, reference_logprobs, task_named, train
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-from _cli_args import option_number
+from tools._cli_args import option_number, tool_parser
 
 BON_N = tuple(range(1, 65))
 FRONTIER_BETAS = np.geomspace(0.02, 100, 300)
@@ -85,8 +82,10 @@ SOFT_LAMBDAS = np.geomspace(0.05, 20, 25)
 
 
 def exact_mode(args: argparse.Namespace) -> str:
-    from optimum_check import TASK_SETTINGS, by_recipe  # what each kind of task converges with (iterations, responses per iteration)
-    from regulariser_frontier import PPO  # the PPO settings that put the KL penalty on the frontier there
+    # what each kind of task converges with (iterations, responses per iteration), and the PPO settings that put the
+    # KL penalty on the frontier there
+    from tools.studies.optimum_check.recipes import TASK_SETTINGS, by_recipe
+    from tools.studies.regulariser_frontier import PPO
 
     kind = TASK_SETTINGS["random" if args.task.startswith("random:") else "hand-made"]
     # PPO's cells: k1 in the reward with a critic
@@ -237,9 +236,8 @@ def meter_prompt_file(args: argparse.Namespace) -> Path:
 
 def smollm2_mode(args: argparse.Namespace) -> None:
     from rlhf_lightning.exact import KLToOptimum
-
-    from sweep_beta import fixed_beta, prepare
-    from sweep_beta import train as train_config
+    from tools.studies.sweep_beta import fixed_beta, prepare
+    from tools.studies.sweep_beta import train as train_config
 
     prepare(args.threads, str(args.out))
     pool_state = torch.load(args.pool_from) if args.pool_from else None
@@ -401,7 +399,7 @@ def write_csv(path: Path, header: list[str], rows) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__, first_paragraph=True)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--exact", action="store_true", help="the enumerable task: every point exact")
     mode.add_argument("--smollm2", action="store_true", help="SmolLM2 with --config's reward: sampled points with intervals")
@@ -499,7 +497,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="runs/frontier", help="output folder")
     args = parser.parse_args(argv)
-    # exact: None leaves the iterations to the task's kind (tools/studies/optimum_check.py's TASK_SETTINGS)
+    # exact: None leaves the iterations to the task's kind (tools/studies/optimum_check/recipes.py's TASK_SETTINGS)
     default_betas, default_iterations = ([0.25, 0.5, 1.0, 2.0], None) if not args.smollm2 else ([0.1, 0.3, 1.0], 20)
     if args.meter_table:
         default_betas = [0.25, 1.0, 4.0]
