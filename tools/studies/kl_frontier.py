@@ -160,13 +160,9 @@ def exact_mode(args: argparse.Namespace) -> str:
     for n in (2, 4, 16, 64):
         ax.annotate(f"N={n}", (bon[n].kl, bon[n].reward), textcoords="offset points", xytext=(-4, 6), fontsize=7, ha="right")
     ax.set_xlim(0, max(fr.bon_kl_bound(64), max(p.kl for _, p, *_ in ppo)) * 1.05)
-    ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
-    ax.set_ylabel("exact expected reward")
-    ax.set_title(f"{args.task} task (seed {args.seed}): the reward-KL plane, every point exact", fontsize=10)
-    save_figure(fig, ax, args.out / "frontier.png")
     line = f"FRONTIER ppo_max_gap={max((g for _, _, g, *_ in ppo), default=math.nan):.4f} bon_kl_bound_max_error={max(bound_error.values()):.4f}"
-    print(line)
-    return line
+    title = f"{args.task} task (seed {args.seed}): the reward-KL plane, every point exact"
+    return finish_exact_plane(fig, ax, title, args.out / "frontier.png", line)
 
 
 def beta_ctl(beta: float, anneal_from: Optional[float] = None, iterations: int = 1):
@@ -337,6 +333,17 @@ def save_figure(fig, ax, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def finish_exact_plane(fig, ax, title: str, path: Path, line: str) -> str:
+    """The exact reward-KL plane's axes and ``title``, the figure saved at ``path`` (:func:`save_figure`); then the
+    mode's last ``line``, printed and returned."""
+    ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
+    ax.set_ylabel("exact expected reward")
+    ax.set_title(title, fontsize=10)
+    save_figure(fig, ax, path)
+    print(line)
+    return line
 
 
 def plot_smollm2(points: list[tuple], args: argparse.Namespace) -> None:
@@ -572,13 +579,8 @@ def divergence_plane(args: argparse.Namespace) -> str:
     for label, beta, j_star, point, best in table:
         print(f"| {label} | {beta:g} | {j_star:.4f} | {point.kl:.4f} | {point.reward:.4f} | {best:.4f} |")
     ax.set_xlim(0, max(p.kl for *_, p, _ in table) * 1.6)
-    ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
-    ax.set_ylabel("exact expected reward")
-    ax.set_title(f"{args.task} task: each divergence's optimum pi*_f over beta, every point exact", fontsize=10)
-    save_figure(fig, ax, args.out / "frontier_divergences.png")
-    line = f"DIVERGENCES max_below_frontier={below:.4f}"
-    print(line)
-    return line
+    title = f"{args.task} task: each divergence's optimum pi*_f over beta, every point exact"
+    return finish_exact_plane(fig, ax, title, args.out / "frontier_divergences.png", f"DIVERGENCES max_below_frontier={below:.4f}")
 
 
 if __name__ == "__main__":
