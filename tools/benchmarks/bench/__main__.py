@@ -2,4 +2,5 @@
 
 from tools.benchmarks.bench import main
 
-main()
+if __name__ == "__main__":
+    main()
