@@ -734,7 +734,7 @@ def kl_recipe(
 ) -> tuple[str, str]:
     """The class of a KL recipe (docs/kl-estimators.md, "Which recipe reaches which optimum"), with
     why, read from the estimator's properties (``KLEstimator``): the one table the start-up warning,
-    ``tools/studies/optimum_check.py``'s expected classes and the docs' matrix (``tests/test_kl_loss_scope.py``)
+    ``tools/studies/optimum_check/matrix.py``'s expected classes and the docs' matrix (``tests/test_kl_loss_scope.py``)
     are checked against. With s = grad log pi:
 
     ``unbiased``: the whole response's KL gradient at every minibatch of every epoch (converges to pi*).
@@ -795,7 +795,7 @@ def kl_recipe(
 
 def off_policy_recipe(correction: str, max_staleness: int) -> tuple[str, str]:
     """The class of a correction for stale samples (docs/kl-estimators.md, "Stale samples"), with why: the one table
-    the start-up warning, ``tools/studies/optimum_check.py --max-staleness`` and the docs' table are checked against.
+    the start-up warning, ``python -m tools.studies.optimum_check --max-staleness`` and the docs' table are checked against.
     Samples y ~ mu (the weights of up to ``max_staleness`` updates ago), the PPO ratio's anchor and the KL's values
     pi_prox (the current weights at consumption); every recipe's on-policy class (:func:`kl_recipe`) is that of
     expectations under pi_prox, so what a correction must do is turn E_mu into E_prox:

@@ -338,8 +338,9 @@ def name_plugin_arguments(parser) -> None:
 
 def where_the_logs_are(logger) -> str:
     """What a finished ``fit`` prints: the run's log folder (its ``version_N``) and, for TensorBoard's
-    logs, the two commands that show them: TensorBoard on the folder and ``tools/summarize_run.py``
-    over blocks of 5 iterations."""
+    logs, the two commands that show them: TensorBoard on the folder and ``python -m tools.summarize_run``
+    over blocks of 5 iterations (run from a source checkout's root, where ``tools`` imports: from elsewhere the
+    command goes there first, with the run's folder in full)."""
     from lightning.pytorch.loggers import TensorBoardLogger
 
     if logger is None or logger.log_dir is None:
@@ -349,13 +350,17 @@ def where_the_logs_are(logger) -> str:
         return f"logs: {run}"
     python = Path(sys.executable)
     tensorboard = python.parent / "tensorboard"
-    summarize = Path(__file__).resolve().parents[1] / "tools" / "summarize_run.py"  # a source checkout's
+    summarize = f"{shown_path(python)} -m tools.summarize_run {run} --blocks 5"
+    checkout = Path(__file__).resolve().parents[1]  # a source checkout's root, where tools/ lives
+    if (checkout / "tools").is_dir() and Path.cwd().resolve() != checkout:
+        folders = (shlex.quote(os.path.abspath(path)) for path in (checkout, python, logger.log_dir))
+        summarize = "cd {} && {} -m tools.summarize_run {} --blocks 5".format(*folders)
     return "\n".join(
         (
             f"logs: {run}",
             f"  {shown_path(tensorboard) if tensorboard.exists() else 'tensorboard'} --logdir {run}"
             "   (then http://localhost:6006/#custom_scalars: reward, KL and its target, beta, the net objective)",
-            f"  {shown_path(python)} {shown_path(summarize) if summarize.exists() else 'tools/summarize_run.py'} {run} --blocks 5",
+            f"  {summarize}",
         )
     )
 

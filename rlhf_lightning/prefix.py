@@ -71,7 +71,7 @@ def shared_prompt_logits(
     logits = [out.logits[inverse]]  # the prompt's last position predicts the first response token
     if response_len > 1:
         cache = getattr(out, name)
-        cache.shared_prompts = True  # marked for whoever counts passes (tools/benchmarks/bench.py): the rest of this one
+        cache.shared_prompts = True  # marked for whoever counts passes (tools/benchmarks/bench/measure.py): the rest of this one
         mask = torch.cat([prompt_mask[inverse], attention_mask[:, prompt_len:-1]], dim=1)
         positions = position_ids(attention_mask)[:, prompt_len:-1]  # counted over the whole row's real tokens
         out = model(input_ids=input_ids[:, prompt_len:-1], attention_mask=mask, position_ids=positions, use_cache=True, **{name: cache})
@@ -113,7 +113,7 @@ def on_common_prefix(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
     ones = torch.ones(1, n, dtype=attention_mask.dtype, device=attention_mask.device)
     out, name, _ = _prompts_once(model, input_ids[:1, start : start + n], ones, torch.zeros_like(input_ids[:, 0]), causal_lm)
     cache = getattr(out, name)
-    cache.shared_prompts = True  # the rest of this pass, for whoever counts passes (tools/benchmarks/bench.py)
+    cache.shared_prompts = True  # the rest of this pass, for whoever counts passes (tools/benchmarks/bench/measure.py)
     mask, positions = _after_prefix_mask(attention_mask, n), position_ids(attention_mask)[:, n:]
     return model(input_ids=input_ids[:, n:], attention_mask=mask, position_ids=positions, **{name: cache}, **kwargs)
 
@@ -174,7 +174,7 @@ def classify_shared_prefixes(model: nn.Module, rows: list[list[int]], groups: li
     positions = torch.tensor(prefix_len, device=device)[inverse, None] + torch.arange(longest, device=device)
     full_mask = torch.cat([mask[inverse], rest_mask], dim=1)
     cache = getattr(out, name)
-    cache.shared_prompts = True  # the rest of this pass, for whoever counts passes (tools/benchmarks/bench.py)
+    cache.shared_prompts = True  # the rest of this pass, for whoever counts passes (tools/benchmarks/bench/measure.py)
     return model(input_ids=rest_ids, attention_mask=full_mask, position_ids=positions, **{name: cache}).logits
 
 

@@ -41,6 +41,12 @@ def cli(cwd: Path, *args: str, timeout: float = 600, env: Optional[dict] = None)
     )
 
 
+def tool(module: str, *args: str, check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m <module> <args>`` (``tools.summarize_run``) as a user runs a tool: from the repository root."""
+    command = [sys.executable, "-m", module, *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=check, timeout=timeout)
+
+
 def free_port() -> int:
     import socket
 
@@ -128,7 +134,7 @@ def global_batch_run(root, devices: int, *extra: str) -> dict[str, list[float]]:
     :data:`GLOBAL_BATCH` prompts, one minibatch (with more, one process and two draw differently composed
     minibatches) and a reward the greedy answers earn from the start (so the policy really moves): each
     logged tag's values by iteration, to compare one process with two."""
-    from summarize_run import read_scalars
+    from tools.summarize_run import read_scalars
 
     result = run_cli(
         root,
@@ -255,7 +261,7 @@ def fit(
 
 # The terminal task's model that vLLM's CPU attention can serve (one head of 32; heads of 16 have no kernel).
 ONE_HEAD = {"num_attention_heads": 1, "num_key_value_heads": 1}
-# tools/studies/optimum_check.py's settings on the terminal task: 100 iterations of 48 responses, the learning rate decaying to 0.1x
+# tools/studies/optimum_check/recipes.py's settings on the terminal task: 100 iterations of 48 responses, the learning rate decaying to 0.1x
 EXACT_RUN = dict(lr=2e-3, critic_lr=2e-3, vf_coef=0.5, num_minibatches=2, log_samples_every_n_steps=0, lr_final=0.1, every=100)
 
 

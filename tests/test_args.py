@@ -49,9 +49,9 @@ def test_the_docs_matrix_is_the_code_table():
 
 def test_the_advantage_docs_kl_in_the_loss_table_is_the_code_table():
     """docs/advantages-and-losses.md's KL-in-the-loss table (critic-free estimator x k1/k3 x weighting):
-    each cell's class is tools/studies/optimum_check.py's expected class (args.kl_recipe, and grpo's std), and
+    each cell's class is tools/studies/optimum_check/matrix.py's expected class (args.kl_recipe, and grpo's std), and
     PPORLHF warns at start-up exactly for the cells it calls biased."""
-    from optimum_check import expected_class
+    from tools.studies.optimum_check.matrix import expected_class
 
     columns = [("k1", "importance"), ("k3", "importance"), ("k1", "none"), ("k3", "none")]
     cells = {}

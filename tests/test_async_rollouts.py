@@ -257,8 +257,8 @@ def test_a_sampler_that_hangs_stops_the_run_after_the_timeout_naming_it(tmp_path
 
 
 def test_bench_max_staleness_prints_the_ratio_of_the_two_loops(capsys):
-    """``tools/benchmarks/bench.py --tiny --max-staleness 1``: both loops run (alternating), the ratio is the medians'."""
-    import bench
+    """``python -m tools.benchmarks.bench --tiny --max-staleness 1``: both loops run (alternating), the ratio is the medians'."""
+    from tools.benchmarks import bench
 
     (result,) = bench.main(["--tiny", "--max-staleness", "1", "--mode", "full", "--iters", "2", "--threads", "1"])
     assert result["ratio"] == pytest.approx(result["iter_s"] / result["iter_s_synchronous"])

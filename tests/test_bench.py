@@ -1,4 +1,4 @@
-"""tools/benchmarks/bench.py: in --tiny mode (full, LoRA and GRPO) every run finishes and the BENCH line carries finite, positive numbers;
+"""tools/benchmarks/bench/: in --tiny mode (full, LoRA and GRPO) every run finishes and the BENCH line carries finite, positive numbers;
 its pass counter, memory lines and peak RSS; decode_bench's products left out. The roofline's counts: tests/test_roofline.py."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-import bench
+from tools.benchmarks.bench import measure, memory
+
 from helpers import REPO
 
 BENCH_LINE = re.compile(
@@ -24,7 +25,7 @@ def test_bench_tiny_prints_a_parsable_last_line_of_finite_positive_numbers_and_c
     # One thread: on a busy 2-core CPU spinning OpenMP threads only add noise (and minutes).
     saved = tmp_path / "results.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "benchmarks" / "bench.py"), "--tiny", "--threads", "1", "--save", str(saved)],
+        [sys.executable, "-m", "tools.benchmarks.bench", "--tiny", "--threads", "1", "--save", str(saved)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -66,7 +67,7 @@ def test_pass_counter_counts_generate_decode_steps_and_forwards_with_and_without
 
     model = load_causal_lm("tiny", vocab_size=100)
     phase = ["rollout"]
-    counter = bench.PassCounter(lambda: phase[0])
+    counter = measure.PassCounter(lambda: phase[0])
     counter.watch("policy", model)
     ids = torch.ones(2, 3, dtype=torch.long)
     with torch.no_grad():
@@ -105,7 +106,7 @@ def test_memory_line_decomposes_each_process_and_divides_the_largest_ranks_train
         run(2, 1, 420.0, 750.0, 500.0, 1000.0, start=2210.0, train_peak=3250.0),
     ]
     # The largest rank's training peak over the one process's: 3250 / 5200.
-    assert bench.memory_line(results) == "MEMORY rank_peak_vs_single=0.625"
+    assert memory.memory_line(results) == "MEMORY rank_peak_vs_single=0.625"
     printed = capsys.readouterr().out
     # One process: 400 + 1500 + 2000 held, 100 other at 4000; score's peak is its nested phases' largest (+100).
     assert "single: baseline 400 + weights 1500 + AdamW 2000 + other 100 = 4000 MB" in printed
@@ -114,23 +115,23 @@ def test_memory_line_decomposes_each_process_and_divides_the_largest_ranks_train
     # at the peak: 3250 - 420 - 2250 = 580 per rank, 5200 - 400 - 4500 = 300 in one process.
     assert "= 0.545; measured 0.625" in printed
     assert "580 MB per rank, 300 MB in one process" in printed
-    assert bench.memory_floor(results[0]["memory"], 420.0, 2) == pytest.approx(2670 / 4900)
+    assert memory.memory_floor(results[0]["memory"], 420.0, 2) == pytest.approx(2670 / 4900)
 
 
 def test_reset_peak_rss_starts_the_peak_again_from_the_current_rss():
     import mmap
 
-    if not bench.reset_peak_rss():
+    if not measure.reset_peak_rss():
         pytest.skip("no /proc/self/clear_refs")
     # 200 MB mapped and written here, unmapped when closed, whatever malloc settings an earlier test left.
     block = mmap.mmap(-1, 200 * 2**20)
     block.write(b"\1" * len(block))
-    held = bench.rss_mb()
+    held = measure.rss_mb()
     block.close()
-    high = bench.peak_rss_mb()  # the kernel's high-water mark kept the freed block
-    assert high >= held - 1 and high - bench.rss_mb() > 150
-    assert bench.reset_peak_rss()
-    assert bench.peak_rss_mb() < high - 150
+    high = measure.peak_rss_mb()  # the kernel's high-water mark kept the freed block
+    assert high >= held - 1 and high - measure.rss_mb() > 150
+    assert measure.reset_peak_rss()
+    assert measure.peak_rss_mb() < high - 150
 
 
 def test_decode_bench_leaves_every_product_out_and_puts_each_back():
@@ -139,8 +140,7 @@ def test_decode_bench_leaves_every_product_out_and_puts_each_back():
     import torch
 
     from rlhf_lightning.models import load_causal_lm
-
-    import decode_bench
+    from tools.benchmarks import decode_bench
 
     model = load_causal_lm("tiny", vocab_size=40)
     ids = torch.randint(0, 40, (3, 7))

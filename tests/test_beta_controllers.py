@@ -124,8 +124,9 @@ def test_anneal_follows_its_geometric_schedule_whatever_the_kl_and_then_stays():
 def test_anneal_through_the_command_logs_its_schedule(tmp_path):
     """The way a user picks it: rlhf-lightning fit with the anneal controller by its short name; the logged
     objective/beta of iterations 0-3 is init, then 0.5 * 0.1 ** (i / 2), then final: 0.5, 0.15811, 0.05, 0.05."""
+    from tools.summarize_run import read_scalars
+
     from helpers import CONFIGS, cli
-    from summarize_run import read_scalars
 
     result = cli(
         tmp_path,

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tools.summarize_run import read_scalars
+
 from helpers import CONFIGS, cli
-from summarize_run import read_scalars
 
 DATA = Path(__file__).parent / "data" / "checkpoints_0.2"
 RESUME_ARGS = (

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tools.summarize_run import read_scalars
+
 from helpers import run_cli
-from summarize_run import read_scalars
 
 # What a checkpoint of the previous layout recorded for configs/tiny.yaml with RUN_ARGS's BandBeta.
 OLD_PLUGINS = {

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-import compare_trl
+from tools.benchmarks import compare_trl
 
 
 def test_summary_is_the_median_over_all_rounds_and_its_ratio_to_trl_with_the_same_epochs():

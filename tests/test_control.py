@@ -282,18 +282,18 @@ def test_closed_loop_adaptive_moves_toward_the_target(init_beta, above):
 
 
 # ---------------------------------------------------------------------------------------------
-# tools/studies/compare_controllers.py
+# python -m tools.studies.compare_controllers
 
 
 @pytest.mark.convergence
 def test_compare_controllers_tool_fast(tmp_path):
     out = tmp_path / "compare"
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "studies" / "compare_controllers.py"), "--fast", "--out", str(out)],
+        [sys.executable, "-m", "tools.studies.compare_controllers", "--fast", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,  # a hang guard: the run takes seconds, about 16 at load 4
-        cwd=tmp_path,
+        cwd=REPO,  # where tools/ imports; everything it writes goes to --out
     )
     assert result.returncode == 0, result.stderr[-3000:]
     with open(out / "trajectories.csv") as f:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tools.summarize_run import read_scalars
+
 from helpers import CONFIGS, cli
-from summarize_run import read_scalars
 
 
 def scalars_of_a_tiny_run(root: Path, seed: int) -> dict[str, dict[int, float]]:

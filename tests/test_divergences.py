@@ -329,7 +329,7 @@ def test_every_divergence_optimum_lies_on_or_below_the_reverse_kl_frontier(tmp_p
     optimum is the frontier itself (the most reward at each KL) and chi2's optimum, at every beta, never above it."""
     import numpy as np
 
-    import kl_frontier as tool
+    from tools.studies import kl_frontier as tool
 
     monkeypatch.setattr(tool, "FRONTIER_BETAS", np.geomspace(0.02, 100, 40))
 
@@ -355,11 +355,11 @@ def test_every_divergence_optimum_lies_on_or_below_the_reverse_kl_frontier(tmp_p
 @pytest.mark.convergence
 @pytest.mark.parametrize("spec", ["js", "js:0.1", "chi2"])
 def test_ppo_with_a_sequence_level_divergence_reaches_its_own_optimum(spec, capsys):
-    """tools/studies/optimum_check.py --divergence on random:1 with each divergence's recipe (beta 1, k1 logged, gae;
+    """python -m tools.studies.optimum_check --divergence on random:1 with each divergence's recipe (beta 1, k1 logged, gae;
     js 150 iterations of 384 responses, chi2 300 of 1536 with the lr decayed to 1/50): the trained policy within 0.02 of
     J*_f, its own divergence's optimum (measured 2026-11-29: js 0.0016, js:0.1 0.0022, chi2 0.0021; docs/results.md and docs/history/results-log.md).
     About 30 s (js) and 3-4 minutes (chi2) on a 2-core CPU at a load of 3-4."""
-    import optimum_check
+    from tools.studies import optimum_check
 
     optimum_check.main(["--task", "random:1", "--divergence", spec, "--every", "150"])
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("OPTIMUM "))
@@ -375,7 +375,7 @@ def test_a_bounded_f_prime_divergence_explores_to_an_optimum_in_the_references_t
     0.0061; docs/divergences.md, "Exploring an optimum in the reference's tail"). About 4 minutes on a 2-core CPU at a
     load of 9; without exploration (``--explore 0``) the same run stops short (checked in the second call, 150
     iterations: 0.22 measured)."""
-    import optimum_check
+    from tools.studies import optimum_check
 
     def gap(*argv: str) -> float:
         optimum_check.main(["--task", "random-eos:3", "--divergence", "forward_kl", "--every", "200", *argv])

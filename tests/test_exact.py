@@ -239,10 +239,10 @@ def test_recommended_critic_free_kl_in_the_loss_reaches_the_optimum():
 
 @pytest.mark.convergence
 def test_matrix_fast_subset_separates_the_biased_cells(capsys):
-    """tools/studies/optimum_check.py --matrix on the bandit task (one token: no sequence-level term), 4 epochs:
+    """python -m tools.studies.optimum_check --matrix on the bandit task (one token: no sequence-level term), 4 epochs:
     the importance-weighted k1 and k3 losses reach pi*; unweighted k1 (a zero-mean gradient on-policy,
     E_old[grad log pi_theta] off-policy) and importance-weighted k3+ (the score term counted twice) do not."""
-    import optimum_check
+    from tools.studies import optimum_check
 
     optimum_check.main(
         ["--matrix", "--task", "bandit", "--iterations", "40", "--estimators", "k1", "k3", "k3+", "--placements", "loss", "--epochs", "4"]
@@ -274,7 +274,7 @@ def test_matrix_reports_each_per_token_cell_over_its_seeds(capsys):
     seed's), and the MATRIX line the largest |mean|; recomputed here from the OPTIMUM lines (4 decimals)."""
     import statistics
 
-    import optimum_check
+    from tools.studies import optimum_check
 
     argv = ["--matrix", "--task", "terminal", "--iterations", "3", "--estimators", "k1", "--placements", "loss"]
     optimum_check.main([*argv, "--weightings", "importance", "--epochs", "1", "--seed", "0", "1", "2"])

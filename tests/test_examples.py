@@ -112,7 +112,7 @@ def test_each_fit_example_then_its_validate_runs_and_the_adaptive_example_moves_
     last`` with the same settings, one after the other in one folder as a user would: every one exits
     0. The adaptive example's beta falls while the KL is under the target, then rises past its start,
     as the README says: 0.05, at most 0.04 by iteration 10, at least 0.1 (twice the start) at the end."""
-    from summarize_run import read_scalars
+    from tools.summarize_run import read_scalars
 
     cwd = in_a_copy_of_the_configs(tmp_path)
     adaptive = next(line for line in fit_examples() if "--model.beta_controller.horizon=" in line)
@@ -171,7 +171,7 @@ def test_the_readme_plugin_saved_in_the_plugins_folder_trains(tmp_path):
 
 
 # docs/rollout-engines.md's example of a truncating run: its OPTIMUM and KEPT lines as printed.
-ROLLOUT_EXAMPLE = "python tools/studies/optimum_check.py --temperature 0.7 --top-p 0.9"
+ROLLOUT_EXAMPLE = "python -m tools.studies.optimum_check --temperature 0.7 --top-p 0.9"
 
 
 def kept_figures(text: str) -> dict[str, float]:
@@ -210,7 +210,7 @@ def test_the_tiny_config_trains_as_results_md_reports(tmp_path):
     """``rlhf-lightning fit --config configs/tiny.yaml`` as docs/results.md shows it (40 iterations):
     the page's figures and the run's both have a first reward under 1 "e", a last one over 10, and a
     last KL over 20 nats. About 30 s on a 2-core CPU at a load average of 3.5."""
-    from summarize_run import read_scalars
+    from tools.summarize_run import read_scalars
 
     page = " ".join((REPO / "docs" / "results.md").read_text().split("## The tiny config", 1)[1].split("\n## ", 1)[0].split())
     shown = re.search(
@@ -250,7 +250,7 @@ def other_pages_tiny_fits() -> list[tuple[str, str]]:
 def test_each_tiny_example_of_the_other_pages_trains_an_iteration(tmp_path, page, command):
     """Each such command as shown, one iteration long, in its own process (a strategy's process group
     is the process's): exit 0 and the iteration logged."""
-    from summarize_run import read_scalars
+    from tools.summarize_run import read_scalars
 
     cwd = in_a_copy_of_the_configs(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -307,7 +307,7 @@ def test_the_readme_quickstart_runs_as_written_and_shows_what_the_readme_and_res
     """The README's run command after ``tools/setup.sh`` (this environment), from a fresh folder, with
     no thread setting: its block means hold the README's claims (as docs/results.md's do, above), and
     the merged policy is exported. About 6 minutes idle on a 2-core CPU, 50 at a load of 4-11 (issue 55)."""
-    from summarize_run import read_scalars
+    from tools.summarize_run import read_scalars
 
     cwd = in_a_copy_of_the_configs(tmp_path)
     (cwd / ".venv").symlink_to(REPO / ".venv")
@@ -322,7 +322,7 @@ def test_the_readme_quickstart_runs_as_written_and_shows_what_the_readme_and_res
     assert (run / "policy" / "config.json").is_file() and "logs: lightning_logs/quickstart/version_0" in done.stdout
 
 
-THREADS_BENCH = "python tools/benchmarks/threads_bench.py --iterations 4 --burners 0 1"
+THREADS_BENCH = "python -m tools.benchmarks.threads_bench --iterations 4 --burners 0 1"
 
 
 @pytest.mark.convergence
@@ -352,7 +352,7 @@ def test_the_distillation_config_runs_as_its_header_says(tmp_path):
     with a reward of 0. What the header says shows in blocks of 5 of the 40 iterations: the reward 0 throughout,
     the KL to the teacher from above 45 nats to under 0.8 of that, the drift past 20 nats, and the measured "e"s
     per response from under 1 to more than 10."""
-    from summarize_run import read_scalars
+    from tools.summarize_run import read_scalars
 
     config = REPO / "configs" / "distillation.yaml"
     commands = [line.removeprefix("#").strip() for line in config.read_text().splitlines() if line.startswith("#   rlhf-lightning fit")]

@@ -9,9 +9,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from rlhf_lightning.interfaces import RewardModel
+from tools.summarize_run import read_scalars
 
 from helpers import fit, make_module
-from summarize_run import read_scalars
 
 
 class FlakyReward(RewardModel):

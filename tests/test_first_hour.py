@@ -134,7 +134,14 @@ def test_where_the_logs_are_names_the_folder_and_both_commands(tmp_path, monkeyp
     assert re.fullmatch(
         r"  \S*tensorboard --logdir lightning_logs/tiny/version_3   \(then http://localhost:6006/#custom_scalars: .*\)", lines[1]
     )
-    assert re.fullmatch(r"  \S*python\S* \S*tools/summarize_run.py lightning_logs/tiny/version_3 --blocks 5", lines[2])
+    # from outside the checkout, the command goes to its root first (where tools/ imports), the run's folder in full
+    summarize = f"{shlex.quote(str(tmp_path / 'lightning_logs' / 'tiny' / 'version_3'))} --blocks 5"
+    assert re.fullmatch(rf"  cd \S+ && \S*python\S* -m tools.summarize_run {re.escape(summarize)}", lines[2]), lines[2]
+    monkeypatch.chdir(REPO)  # from the checkout's root, as the README's quickstart runs
+    logger = TensorBoardLogger(REPO / "lightning_logs", name="tiny", version=3)
+    assert re.fullmatch(
+        r"  \S*python\S* -m tools.summarize_run lightning_logs/tiny/version_3 --blocks 5", where_the_logs_are(logger).splitlines()[2]
+    )
     assert where_the_logs_are(None).startswith("no logger")
 
 
@@ -157,7 +164,7 @@ def test_a_run_logs_its_threads_once_shows_the_bar_and_ends_with_its_logs(tmp_pa
     assert (run / "checkpoints").is_dir() and any(run.glob("events.out.tfevents.*"))
     closing = done.stdout.rstrip().splitlines()[-3:]
     assert closing[0] == "logs: lightning_logs/tiny/version_1"
-    summarize = subprocess.run(shlex.split(closing[2]), cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    summarize = subprocess.run(closing[2], shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert summarize.returncode == 0 and summarize.stdout.splitlines()[1].startswith("  0-3 "), summarize.stderr
 
 

@@ -302,7 +302,7 @@ def test_kl_to_optimum_refuses_a_small_beta_and_bad_arguments():
 def test_frontier_tool_fast_prints_its_line(tmp_path, capsys):
     """tools/studies/kl_frontier.py --exact --fast (about 10 s): one PPO run at beta 0.5 within 0.02 of the frontier,
     and best-of-N's exact KL on the terminal task (4 reward values) far below the bound at N = 64."""
-    import kl_frontier as tool
+    from tools.studies import kl_frontier as tool
 
     line = tool.main(["--exact", "--fast", "--out", str(tmp_path)])
     assert line in capsys.readouterr().out
@@ -317,8 +317,7 @@ def test_frontier_anneal_from_lowers_beta_over_the_first_half_then_holds_it():
     """tools/studies/kl_frontier.py --anneal-from 2: each PPO run's controller goes 2 -> its beta geometrically over half the
     iterations (2 * 0.25 ** (i / 75) at beta 0.5 over 150), then stays; without the option, fixed."""
     from rlhf_lightning_plugins.beta_controllers import AnnealedBeta, FixedBeta
-
-    import kl_frontier as tool
+    from tools.studies import kl_frontier as tool
 
     args = tool.parse_args(["--exact", "--task", "random:3", "--betas", "0.5", "--anneal-from", "2"])
     ctl = tool.beta_ctl(0.5, args.anneal_from, 150)
@@ -336,8 +335,7 @@ def test_train_on_meter_prompts_writes_the_first_prompts_of_the_configs_set(tmp_
     import yaml
 
     from rlhf_lightning.data import BUILTIN_TRAIN, load_prompts
-
-    import kl_frontier as tool
+    from tools.studies import kl_frontier as tool
 
     args = tool.parse_args(["--smollm2", "--prompts", "3", "--train-on-meter-prompts", "--out", str(tmp_path)])
     args.out = tmp_path
@@ -354,7 +352,7 @@ def test_smollm2_mode_on_the_tiny_config_prints_the_meter_and_its_fall(tmp_path,
     """tools/studies/kl_frontier.py --smollm2's whole path (pool, PPO run, meter lines, CSV, figure) on configs/tiny.yaml in
     seconds: best-of-N lines for each N, one PPO line per measurement (the start and iterations 1, 2), each with
     the meter and its fall since the start (0 at the start), the figure written."""
-    import kl_frontier as tool
+    from tools.studies import kl_frontier as tool
 
     argv = "--smollm2 --config configs/tiny.yaml --prompts 2 --pool 16 --policy-samples 4 --betas 10 --iterations 2 --meter-every 1"
     argv += " --train-on-meter-prompts --bon 1 2 --bootstrap 5 --reward-max 24 --max-tail 100"
@@ -377,9 +375,8 @@ def test_annealed_beta_reaches_the_optimum_a_fixed_beta_stops_short_of():
     visiting, which seed 0 finds by chance since the random tasks' network has a position embedding; 0.0232,
     0.0225, 0.0231 without it; docs/results.md)."""
     from rlhf_lightning.exact import train
-
-    import kl_frontier as tool
-    from regulariser_frontier import PPO
+    from tools.studies import kl_frontier as tool
+    from tools.studies.regulariser_frontier import PPO
 
     task = task_named("random:3")
     ref, rewards = reference_logprobs(task, 0), task.rewards()

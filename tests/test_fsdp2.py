@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
+from tools.summarize_run import read_scalars
+
 from helpers import COMPARED, CONFIGS, GLOBAL_BATCH, betas_by_iteration, run_cli, save_tiny_teacher
-from summarize_run import read_scalars
 
 # Greedy rollouts and one minibatch, as in test_ddp, so one process and two see the same batches;
 # two micro-batches per minibatch, so FSDP2's no_sync (block_backward_sync) is on the path.

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-import gao_fit
+from tools.studies import gao_fit
 
 
 def test_fit_recovers_known_alpha_and_beta_from_exact_points():

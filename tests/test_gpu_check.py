@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+from tools import gpu_check
 
-import gpu_check  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU: the check would run")
 def test_without_a_gpu_the_check_is_skipped_with_the_reason():
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "tools.gpu_check"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0
     assert result.stdout.strip().splitlines()[-1].startswith("GPU_CHECK skipped: no GPU: torch ")
 

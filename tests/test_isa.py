@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-import isa
+from tools.benchmarks import isa
+
 from helpers import REPO
 
 with open("/proc/cpuinfo") as f:
@@ -41,17 +42,16 @@ def test_isa_line_names_avx2_for_every_library_under_avx2_and_more_natively_wher
 
 @needs_avx2
 def test_apply_reexecutes_a_process_that_loaded_torch_and_its_children_inherit_the_variables(tmp_path):
-    script = tmp_path / "tool.py"
-    script.write_text(
+    (tmp_path / "tool.py").write_text(  # a tool run as `python -m tool` from its folder, as the tools are from the root
         "import os, subprocess, sys\n"
-        f"sys.path.insert(0, {str(REPO / 'tools' / 'benchmarks')!r})\n"
         "import torch\n"
-        "import isa\n"
-        "isa.apply('avx2', __file__, sys.argv[1:])\n"
+        "from tools.benchmarks import isa\n"
+        "isa.apply('avx2', 'tool', sys.argv[1:])\n"
         "child = subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"ONEDNN_MAX_CPU_ISA\"])'], capture_output=True, text=True)\n"
         "print(torch.backends.cpu.get_cpu_capability(), child.stdout.strip(), sys.argv[1:])\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in isa.ISA_ENV["avx2"]}
-    out = subprocess.run([sys.executable, str(script), "--x"], capture_output=True, text=True, env=env, timeout=300)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))  # tools/
+    out = subprocess.run([sys.executable, "-m", "tool", "--x"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     # Torch was loaded before apply: only a re-executed process runs its kernels at AVX2, with the same arguments.
     assert out.stdout.strip() == "AVX2 AVX2 ['--x']", out.stderr[-2000:]

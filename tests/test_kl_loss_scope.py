@@ -192,11 +192,11 @@ def test_a_tabular_policy_with_a_group_baseline_reaches_pi_star_with_the_sequenc
 
 
 def test_optimum_check_tabular_matrix_runs_the_loss_cells_on_a_table(capsys):
-    """``tools/studies/optimum_check.py --matrix --tabular`` on random:3: only the loss cells (the reward placement is the
+    """``python -m tools.studies.optimum_check --matrix --tabular`` on random:3: only the loss cells (the reward placement is the
     sampled loop's), each as exact.sampled_ppo with the task's settings; the per-token cell lands within 0.02 of
     its fixed point's gap and 0.005 of it by fixed_point_distance (measured 0.0068, 0.0011), the sequence cell
     within 0.01 of pi*."""
-    import optimum_check
+    from tools.studies import optimum_check
 
     flags = ["--estimators", "k1", "--epochs", "1", "--seed", "0", "--batch-size", "1536"]
     optimum_check.main(["--matrix", "--tabular", "--task", "random:3", *flags])
@@ -252,12 +252,12 @@ def test_sampled_ppo_names_what_it_refuses():
 
 
 def test_matrix_classes_follow_the_theory():
-    """tools/studies/optimum_check.py's expected class of a cell: k1 in the reward and value-unbiased estimators
+    """tools/studies/optimum_check/matrix.py's expected class of a cell: k1 in the reward and value-unbiased estimators
     in the loss with the sequence scope are right for the whole response; the same losses per token reach
     the per-token fixed point; k3+ importance (its score term twice) and k2 importance (a biased value) are
     wrong even on-policy; the reward's returns carry the sequence term with 'both', whose loss carries a sampled
     estimator's pathwise gradient without a baseline (high_variance; full samples nothing)."""
-    from optimum_check import expected_class
+    from tools.studies.optimum_check.matrix import expected_class
 
     table = {
         ("k1", "reward", "n/a", "n/a"): "unbiased",
@@ -289,11 +289,12 @@ def test_matrix_classes_follow_the_theory():
 def test_matrix_cells_leave_out_what_cannot_differ_or_is_refused():
     """The scope only with 'loss' and only on responses longer than one token; no weighting where the
     estimator ignores the sampled token (full); no sequence scope for a biased value (k2, refused)."""
-    import optimum_check
+    from tools.studies import optimum_check
+    from tools.studies.optimum_check import matrix
 
     def cells(*argv):
         args = optimum_check.parse_args(["--matrix", "--epochs", "1", *argv])
-        return {(c.estimator, c.placement, c.weighting, c.scope) for c in optimum_check.matrix_cells(args)}
+        return {(c.estimator, c.placement, c.weighting, c.scope) for c in matrix.matrix_cells(args)}
 
     bandit = cells("--task", "bandit", "--estimators", "k1", "--placements", "loss", "--weightings", "importance")
     assert bandit == {("k1", "loss", "importance", "sequence")}
@@ -314,11 +315,12 @@ def test_random_task_cells_take_the_same_optimizer_steps_at_every_epoch_count(ca
     """A random task's cells take 8 AdamW steps per iteration whatever their PPO epochs (8 minibatches at one
     epoch, 2 at four), a hand-made task's 2 minibatches per epoch; --updates that the epochs do not divide is
     refused before any training, naming the option."""
-    import optimum_check
+    from tools.studies import optimum_check
+    from tools.studies.optimum_check import recipes
 
     def minibatches(task, epochs, *argv):
         args = optimum_check.parse_args(["--task", task, "--ppo-epochs", str(epochs), *argv])
-        return optimum_check.num_minibatches(optimum_check.task_settings(args, task), epochs)
+        return recipes.num_minibatches(recipes.task_settings(args, task), epochs)
 
     assert [minibatches("random:3", e) for e in (1, 2, 4, 8)] == [8, 4, 2, 1]
     assert [minibatches("terminal", e) for e in (1, 4)] == [2, 2]
@@ -332,11 +334,12 @@ def test_random_task_cells_take_the_same_optimizer_steps_at_every_epoch_count(ca
 def test_critic_free_cells_sample_the_tasks_group_size_unless_told():
     """Without a critic a random task's cells sample 8 responses per prompt, a hand-made task's 4, gae 1;
     --num-generations overrides each."""
-    import optimum_check
+    from tools.studies import optimum_check
+    from tools.studies.optimum_check import recipes
 
     def group(task, advantage, *argv):
         args = optimum_check.parse_args(["--task", task, *argv])
-        return optimum_check.advantage_settings(args, advantage, optimum_check.task_settings(args, task))["num_generations"]
+        return recipes.advantage_settings(args, advantage, recipes.task_settings(args, task))["num_generations"]
 
     assert [group("random:4", "rloo"), group("terminal", "rloo"), group("random:4", "gae")] == [8, 4, 1]
     assert [group("random:4", "rloo", "--num-generations", "2"), group("random:4", "gae", "--num-generations", "2")] == [2, 2]
@@ -346,11 +349,12 @@ def test_critic_free_cells_on_random_tasks_end_at_a_fiftieth_of_the_lr_unless_to
     """The lr decays from the start to 1/50 without a critic on random tasks (a per-token cell's end point moves
     at first order with the noise it ends with), to 1/10 with one and on hand-made tasks; --lr-final and
     --lr-hold override each."""
-    import optimum_check
+    from tools.studies import optimum_check
+    from tools.studies.optimum_check import recipes
 
     def schedule(task, advantage, *argv):
         args = optimum_check.parse_args(["--task", task, *argv])
-        found = optimum_check.advantage_settings(args, advantage, optimum_check.task_settings(args, task))
+        found = recipes.advantage_settings(args, advantage, recipes.task_settings(args, task))
         return found["lr_final"], found["lr_hold"]
 
     assert [schedule("random:2", a) for a in ("rloo", "reinforce_pp", "gae")] == [(0.02, 0.0), (0.02, 0.0), (0.1, 0.0)]
@@ -362,17 +366,16 @@ def test_random_task_per_token_cells_sample_more_responses():
     """On a random task every cell trains 150 iterations of 384 responses, except with the KL in the loss per
     token: a critic-free cell samples 1536 throughout, a gae cell ends on 30 iterations of 1536; a hand-made
     task 100 of 48 throughout; the command line's --iterations, --batch-size and end batch override each."""
-    import optimum_check
+    from tools.studies import optimum_check
+    from tools.studies.optimum_check import matrix, recipes
 
     def runs(task, *argv):
         args = optimum_check.parse_args(["--matrix", "--task", task, "--advantage", "gae", "rloo", *argv])
-        settings = optimum_check.task_settings(args, task)
+        settings = recipes.task_settings(args, task)
         keys = ("iterations", "batch_size", "end_batch_size", "end_iterations")
         return {
-            (c.advantage, c.placement, c.scope): tuple(
-                optimum_check.recipe_value(settings, k, c.advantage, c.placement, c.scope) for k in keys
-            )
-            for c in optimum_check.matrix_cells(args)
+            (c.advantage, c.placement, c.scope): tuple(recipes.recipe_value(settings, k, c.advantage, c.placement, c.scope) for k in keys)
+            for c in matrix.matrix_cells(args)
         }
 
     assert runs("random:2") == {
@@ -421,7 +424,7 @@ def test_the_last_iterations_sample_the_end_batch():
     ],
 )
 def test_optimum_check_refuses_flags_that_would_change_nothing(capsys, argv, message):
-    import optimum_check
+    from tools.studies import optimum_check
 
     with pytest.raises(SystemExit) as exit_info:
         optimum_check.parse_args(["--task", "random:3", *argv])
@@ -432,12 +435,13 @@ def test_optimum_check_refuses_flags_that_would_change_nothing(capsys, argv, mes
 def test_optimum_check_max_grad_norm_reaches_the_module():
     """--max-grad-norm is the module's gradient clip: 1.0 by default (the module's own), 0 for none (the
     module's null), any other value as given; a negative one is refused."""
-    import optimum_check
+    from tools.studies import optimum_check
+    from tools.studies.optimum_check import recipes
 
     def clip(*flags):
         args = optimum_check.parse_args(["--task", "random:3", *flags])
-        settings = optimum_check.task_settings(args, "random:3")
-        return optimum_check.recipe_settings(args, settings, "gae", "k1", "loss", "importance", "per_token", 4)["max_grad_norm"]
+        settings = recipes.task_settings(args, "random:3")
+        return recipes.recipe_settings(args, settings, "gae", "k1", "loss", "importance", "per_token", 4)["max_grad_norm"]
 
     assert (clip(), clip("--max-grad-norm", "0"), clip("--max-grad-norm", "0.5")) == (1.0, None, 0.5)
     with pytest.raises(SystemExit):
@@ -482,15 +486,16 @@ def test_lr_decay_holds_then_falls_linearly_to_its_final_fraction():
 def matrix_cell(
     advantage: str, estimator: str = "k3", placement: str = "loss", scope: str = "sequence", epochs: int = 4, **overrides
 ) -> dict:
-    """One cell of ``tools/studies/optimum_check.py --matrix --task random:3`` (sampling seed 0) at the matrix's own settings
-    (optimum_check.recipe_settings: batch, end batch, iterations and lr schedule of the cell's kind), ``overrides``
+    """One cell of ``python -m tools.studies.optimum_check --matrix --task random:3`` (sampling seed 0) at the matrix's own settings
+    (recipes.recipe_settings: batch, end batch, iterations and lr schedule of the cell's kind), ``overrides``
     on top; the last exact row."""
-    import optimum_check
+    from tools.studies import optimum_check
+    from tools.studies.optimum_check import recipes
 
     args = optimum_check.parse_args(["--task", "random:3"])
-    settings = optimum_check.task_settings(args, "random:3")
-    kwargs = {**optimum_check.recipe_settings(args, settings, advantage, estimator, placement, "importance", scope, epochs), **overrides}
-    iterations = optimum_check.iterations_of(settings, advantage, placement, scope)
+    settings = recipes.task_settings(args, "random:3")
+    kwargs = {**recipes.recipe_settings(args, settings, advantage, estimator, placement, "importance", scope, epochs), **overrides}
+    iterations = recipes.iterations_of(settings, advantage, placement, scope)
     _, tracker = train(TASK, iterations, every=iterations, seed=0, **kwargs)
     return tracker.last
 
@@ -529,11 +534,11 @@ def test_per_token_scope_lands_at_its_fixed_point(advantage, epochs):
 
 @pytest.mark.convergence
 def test_matrix_on_a_random_task_separates_the_classes(capsys):
-    """tools/studies/optimum_check.py --matrix on random:3 with k3, one epoch (8 minibatches): the unbiased cell within
+    """python -m tools.studies.optimum_check --matrix on random:3 with k3, one epoch (8 minibatches): the unbiased cell within
     0.02 of pi*, the per-token cell within 0.02 of its fixed point, the biased one (k3 in the reward) far off
     (measured 2026-11-28 with the random tasks' position embedding and the per-token cells' end of 1536
     responses: 0.0016, 0.2226 against 0.2291, 1.1976; docs/results.md, "Eleventh round")."""
-    import optimum_check
+    from tools.studies import optimum_check
 
     optimum_check.main(["--matrix", "--task", "random:3", "--estimators", "k3", "--epochs", "1", "--jobs", "2"])
     out = capsys.readouterr().out

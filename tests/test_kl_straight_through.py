@@ -18,8 +18,7 @@ import torch
 from rlhf_lightning.interfaces import KLEstimator
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.kl_estimators import StraightThroughKL, straight_through
-
-import kl_estimator_report
+from tools.studies import kl_estimator_report
 
 
 def estimator(name: str) -> KLEstimator:

@@ -12,7 +12,7 @@ from helpers import make_module
 
 
 def test_the_exclaiming_map_swaps_every_token_with_a_full_stop_that_has_a_twin():
-    import make_teacher
+    from tools import make_teacher
 
     tokenizer = char_tokenizer()
     vocabulary = tokenizer.get_vocab()
@@ -27,7 +27,7 @@ def test_the_teacher_loads_as_the_reference_and_prefers_exclamations(tmp_path):
     teacher's log p("!") - log p(".") at the response's positions is higher than the start's, and the KL it printed
     is KL(start || teacher) > 0 on held-out responses (measured: the preference 2.52 nats above the start's, KL 2.01
     nats per response, 0.81 "!" per response against 0.25). About 25 s."""
-    import make_teacher
+    from tools import make_teacher
 
     out = tmp_path / "teacher"
     argv = ["--policy", "tiny", "--out", str(out), "--prompts", "32", "--held-out", "16", "--lr", "1e-2", "--epochs", "4"]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-import gpu_check
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -18,6 +17,7 @@ from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.interfaces import RewardModel
 from rlhf_lightning.reward_shaping import check_scores
 from rlhf_lightning_plugins.rewards.classifier import HFClassifierReward
+from tools import gpu_check
 
 from helpers import CONFIGS, cli, command, fit, make_module
 

@@ -204,25 +204,22 @@ def test_the_asynchronous_loop_weighs_by_its_own_behaviour_policy(tmp_path):
 
 
 def stale_cell(advantage: str, staleness: int, correction: str = "sequence", **cell) -> dict:
-    """One cell of ``tools/studies/optimum_check.py --matrix --task random:3 --max-staleness K`` (sampling seed 0, one
+    """One cell of ``python -m tools.studies.optimum_check --matrix --task random:3 --max-staleness K`` (sampling seed 0, one
     epoch) at the matrix's own settings, trained by the asynchronous loop; the last exact row."""
-    import optimum_check
+    from tools.studies import optimum_check
+    from tools.studies.optimum_check import matrix, recipes
 
     args = optimum_check.parse_args(["--task", "random:3", "--matrix"])
-    settings = optimum_check.task_settings(args, "random:3")
+    settings = recipes.task_settings(args, "random:3")
     estimator, placement = cell.get("estimator", "k3"), cell.get("placement", "loss")
-    kwargs = optimum_check.recipe_settings(args, settings, advantage, estimator, placement, "importance", "sequence", 1)
-    stale = optimum_check.Cell(
-        "random:3", advantage, estimator, placement, "importance", "sequence", 1, 0, "token_mean", staleness, correction
-    )
-    iterations = optimum_check.iterations_of(settings, advantage, placement, "sequence")
+    kwargs = recipes.recipe_settings(args, settings, advantage, estimator, placement, "importance", "sequence", 1)
+    stale = matrix.Cell("random:3", advantage, estimator, placement, "importance", "sequence", 1, 0, "token_mean", staleness, correction)
+    iterations = recipes.iterations_of(settings, advantage, placement, "sequence")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from rlhf_lightning.exact import train
 
-        _, tracker = train(
-            task_named("random:3"), iterations, every=iterations, seed=0, **kwargs, **optimum_check.stale_settings(args, stale)
-        )
+        _, tracker = train(task_named("random:3"), iterations, every=iterations, seed=0, **kwargs, **matrix.stale_settings(args, stale))
     return tracker.last
 
 

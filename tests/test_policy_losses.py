@@ -24,8 +24,8 @@ from rlhf_lightning_plugins.policy_losses import (
     SeqMeanTokenSum,
     TokenMean,
 )
+from tools.studies import length_bias
 
-import length_bias
 from helpers import make_module, policy_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
@@ -220,7 +220,7 @@ def test_a_length_blind_reward_shortens_responses_only_under_the_per_response_to
 def test_regulariser_frontier_fast_puts_the_kl_penalty_on_the_exact_frontier(tmp_path):
     """tools/studies/regulariser_frontier.py --fast: the beta = 0.5 run lands on the exact frontier well short
     of the reward maximiser's KL, while PPO's clip alone (beta = 0) runs to the maximiser (KL ~4)."""
-    import regulariser_frontier
+    from tools.studies import regulariser_frontier
 
     finals = {row["family"]: row for row in regulariser_frontier.main(["--fast", "--out", str(tmp_path)])}
     assert set(finals) == {"kl_penalty", "clip_higher", "entropy", "none"}

@@ -417,8 +417,8 @@ def test_two_processes_hold_the_same_table_and_a_resume_on_one_starts_from_it_ex
 
 # ---------------------------------------------------------------------- the closed-form lab
 def budget_lines(capsys, *argv: str) -> list[dict]:
-    """tools/studies/optimum_check.py's BUDGET lines, as fields."""
-    import optimum_check
+    """tools/studies/optimum_check/single.py's BUDGET lines, as fields."""
+    from tools.studies import optimum_check
 
     optimum_check.main(list(argv))
     out = capsys.readouterr().out.splitlines()
@@ -438,12 +438,13 @@ def test_the_budget_recipe_starts_every_beta_at_4_on_a_random_task_unless_told()
     """--kl-budgets on a random or random-eos task: the betas start at 4 (random:3's prompt A wound up from the task's
     1 on sampling seeds 1 and 2), 250 iterations, the lr held for 60% then to 1/50, the horizon 800 per 384 responses
     an iteration; --beta and the others override; without budgets, and on a hand-made task, the task's own settings."""
-    import optimum_check
+    from tools.studies import optimum_check
+    from tools.studies.optimum_check import recipes
 
     def recipe(task, *argv):
         args = optimum_check.parse_args(["--task", task, *argv])
-        settings = optimum_check.task_settings(args, task)
-        controller = optimum_check.budget_settings(args, settings).get("beta_controller")
+        settings = recipes.task_settings(args, task)
+        controller = recipes.budget_settings(args, settings).get("beta_controller")
         return (settings["beta"], settings["iterations"], settings["lr_hold"], settings["lr_final"]), controller
 
     budgets = ("--kl-budgets", "1.0", "2.0")
@@ -463,13 +464,14 @@ def test_the_budget_recipe_explores_on_responses_that_end_at_eos():
     """--kl-budgets on a random-eos task: the random task's budget recipe over 350 iterations, exploring (epsilon 0.5
     over the first 100: prompt B of random-eos:3 needs responses its reference almost never samples) at horizon 3200
     (4x the responses a prompt, the same step); without budgets no exploration."""
-    import optimum_check
+    from tools.studies import optimum_check
+    from tools.studies.optimum_check import recipes
 
     args = optimum_check.parse_args(["--task", "random-eos:3", "--kl-budgets", "1.0", "2.0"])
-    settings = optimum_check.task_settings(args, "random-eos:3")
+    settings = recipes.task_settings(args, "random-eos:3")
     assert (settings["beta"], settings["iterations"], settings["explore"], settings["explore_iterations"]) == (4.0, 350, 0.5, 100)
-    assert optimum_check.budget_settings(args, settings)["beta_controller"].horizon == 3200  # scaled: 1536 responses
-    plain = optimum_check.task_settings(optimum_check.parse_args(["--task", "random-eos:3"]), "random-eos:3")
+    assert recipes.budget_settings(args, settings)["beta_controller"].horizon == 3200  # scaled: 1536 responses
+    plain = recipes.task_settings(optimum_check.parse_args(["--task", "random-eos:3"]), "random-eos:3")
     assert plain["explore"] == 0.0
 
 

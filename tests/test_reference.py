@@ -151,7 +151,7 @@ def test_a_run_with_a_foreign_reference_killed_mid_iteration_resumes_as_if_unint
     """SIGKILL during iteration 4 after the checkpoint of iteration 2, then ``--ckpt_path last``: the teacher and
     the starting policy, left out of the checkpoint, are rebuilt from the config and the policy's weights come
     from it, so iterations 3-6 log what the uninterrupted run logged, the KL to the teacher and the drift included."""
-    from summarize_run import read_scalars
+    from tools.summarize_run import read_scalars
 
     teacher = f"--model.reference={save_tiny_teacher(tmp_path / 'teacher')}"
     straight = run_cli(tmp_path / "straight", teacher)

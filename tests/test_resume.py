@@ -13,8 +13,9 @@ import pytest
 import torch
 import yaml
 
+from tools.summarize_run import read_scalars
+
 from helpers import CONFIGS, RUN_ARGS, cli, run_cli
-from summarize_run import read_scalars
 
 WATCHED = ("objective/reward", "objective/kl", "objective/beta", "objective/kl_max", "objective/kl_to_initial", "policy/loss", "value/loss")
 

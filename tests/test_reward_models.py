@@ -14,8 +14,7 @@ from rlhf_lightning.interfaces import RewardModel
 from rlhf_lightning.reward_shaping import RunningMeanStd
 from rlhf_lightning_plugins.rewards.classifier import HFClassifierReward
 from rlhf_lightning_plugins.rewards.function import CallableReward, import_function
-
-import bench
+from tools.benchmarks.bench.measure import PassCounter
 
 # Helper reward functions live in a module under tmp_path (tests/ is not a package, so the
 # test module itself has no stable 'module:function' name).
@@ -470,7 +469,7 @@ def test_hf_classifier_scores_a_shared_prompt_once_as_it_scores_whole_texts(tiny
     rests = [len(r) - prefix_len[g] for r, g in zip(rows, [0, 0, 0, 1, 1, 1, 2, 2], strict=True)]
     assert tokens == [3 * max(prefix_len), 8 * max(rests)]
     assert sum(tokens) < 0.6 * 8 * max(map(len, rows))  # the whole texts, padded
-    counter = bench.PassCounter()  # the two calls are one pass over the reward model for tools/benchmarks/bench.py
+    counter = PassCounter()  # the two calls are one pass over the reward model for tools/benchmarks/bench/measure.py
     counter.watch("reward", rm.model)
     rm(prompts, responses, torch.ones(8, dtype=torch.bool))
     assert counter.take() == {"all": {"reward fwd": 1}}

@@ -240,9 +240,9 @@ def test_a_sampler_with_a_known_error_is_corrected_back_to_the_optimum():
 
 
 def test_optimum_check_prints_the_kept_line_only_for_a_truncating_run(capsys):
-    """tools/studies/optimum_check.py (2 iterations): a top-p run ends with the KEPT line, whose J* and
+    """python -m tools.studies.optimum_check (2 iterations): a top-p run ends with the KEPT line, whose J* and
     KL(q*||r_K) are the ones the run printed above it; a run without truncation has none."""
-    import optimum_check
+    from tools.studies import optimum_check
 
     optimum_check.main(["--temperature", "0.7", "--top-p", "0.8", "--iterations", "2", "--every", "2"])
     lines = capsys.readouterr().out.splitlines()

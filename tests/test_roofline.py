@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import roofline
+from tools.benchmarks import roofline
 
 
 @pytest.fixture(scope="module")

@@ -335,8 +335,7 @@ def test_kl_estimator_report_sequence_level():
     estimators: corrected configurations at cosine 1 on-policy and >= 0.99 off-policy, per-token ones far off
     (measured 0.43), k2's biased value visible in its term, k3+ importance (score term twice) wrong."""
     from rlhf_lightning.registry import registry
-
-    import kl_estimator_report
+    from tools.studies import kl_estimator_report
 
     kl = registry("kl_estimator")
     rows = kl_estimator_report.sequence_level({name: kl.create(name) for name in ("k1", "k2", "k3", "k3+", "full")})

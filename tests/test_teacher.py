@@ -30,7 +30,7 @@ from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
 
-BETA = 1.0  # the random tasks' beta (tools/studies/optimum_check.py, TASK_SETTINGS)
+BETA = 1.0  # the random tasks' beta (tools/studies/optimum_check/recipes.py, TASK_SETTINGS)
 
 
 @torch.no_grad()
@@ -146,14 +146,14 @@ def test_with_a_reward_the_optimum_tilts_the_teacher_by_brute_force():
     ],
 )
 def test_optimum_check_refuses_what_a_teacher_task_cannot_give(argv, message, capsys):
-    import optimum_check
+    from tools.studies import optimum_check
 
     with pytest.raises(SystemExit) as stop:
         optimum_check.parse_args(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
-SETTINGS = dict(  # the random tasks' settings for a gae cell (tools/studies/optimum_check.py, TASK_SETTINGS)
+SETTINGS = dict(  # the random tasks' settings for a gae cell (tools/studies/optimum_check/recipes.py, TASK_SETTINGS)
     batch_size=384,
     lr=2e-3,
     critic_lr=2e-3,

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from rlhf_lightning.callbacks import MORE_CATEGORY, SEEDS_CATEGORY, custom_scalars_layout
 
-from helpers import run_cli
+from helpers import run_cli, tool
 
 
 def charts(layout: dict, category: str) -> list[tuple[str, list[str]]]:
@@ -123,9 +123,7 @@ def test_the_scalars_tab_opens_on_the_seeds_metrics(scalar_tags):
 
 
 def test_summarize_run_prints_and_plots_two_runs_side_by_side(tmp_path):
-    """tools/summarize_run.py --runs: a table per folder (block means by hand) and, with --plot, one PNG."""
-    import subprocess
-    import sys
+    """python -m tools.summarize_run --runs: a table per folder (block means by hand) and, with --plot, one PNG."""
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -135,9 +133,8 @@ def test_summarize_run_prints_and_plots_two_runs_side_by_side(tmp_path):
                 writer.add_scalar("objective/kl", step, step)
                 writer.add_scalar("response/length", length + step, step)
     png = tmp_path / "runs.png"
-    script = Path(__file__).parents[1] / "tools" / "summarize_run.py"
-    argv = [sys.executable, str(script), str(tmp_path / "short"), str(tmp_path / "long"), "--runs", "--blocks", "2", "--plot", str(png)]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600).stdout
+    runs = str(tmp_path / "short"), str(tmp_path / "long")
+    out = tool("tools.summarize_run", *runs, "--runs", "--blocks", "2", "--plot", str(png), check=True).stdout
     short, long = out.split(f"== {tmp_path / 'long'}")
     assert f"== {tmp_path / 'short'}" in short
     assert re.search(r"0-1\s+0\.5000\s+10\.5000", short) and re.search(r"2-3\s+2\.5000\s+12\.5000", short), short
@@ -148,8 +145,6 @@ def test_summarize_run_prints_and_plots_two_runs_side_by_side(tmp_path):
 def test_summarize_run_shows_the_divergence_only_where_it_is_not_the_kl(tmp_path):
     """Under chi2 (a sequence-level divergence) objective/divergence is its own column, block means by hand; under the
     reverse KL it equals objective/kl and is left out."""
-    import subprocess
-    import sys
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -158,19 +153,15 @@ def test_summarize_run_shows_the_divergence_only_where_it_is_not_the_kl(tmp_path
             for step in range(4):
                 writer.add_scalar("objective/kl", step, step)
                 writer.add_scalar("objective/divergence", divergence[step], step)
-    script = Path(__file__).parents[1] / "tools" / "summarize_run.py"
-    argv = [sys.executable, str(script), str(tmp_path / "chi2"), str(tmp_path / "kl"), "--runs", "--blocks", "2"]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600).stdout
+    out = tool("tools.summarize_run", str(tmp_path / "chi2"), str(tmp_path / "kl"), "--runs", "--blocks", "2", check=True).stdout
     chi2, kl = out.split(f"== {tmp_path / 'kl'}")
     assert "divergence" in chi2 and "divergence" not in kl, out
     assert re.search(r"0-1\s+0\.5000\s+6\.0000", chi2) and re.search(r"2-3\s+2\.5000\s+1\.5000", chi2), chi2
 
 
 def test_summarize_run_histograms_prints_each_iterations_exact_spread_and_draws_it(tmp_path):
-    """tools/summarize_run.py --histograms: per iteration the mean, std, min and max of the prompts/kl histogram's values
+    """python -m tools.summarize_run --histograms: per iteration the mean, std, min and max of the prompts/kl histogram's values
     (exact, from its moments: values 1, 2, 3, 6 have mean 3, std sqrt(3.5) = 1.8708), and one PNG for two runs."""
-    import subprocess
-    import sys
 
     import torch
     from torch.utils.tensorboard import SummaryWriter
@@ -180,28 +171,20 @@ def test_summarize_run_histograms_prints_each_iterations_exact_spread_and_draws_
             for step in range(3):
                 writer.add_histogram("prompts/kl", torch.tensor([1.0, 2.0, 3.0, 6.0]) * scale, step)
     png = tmp_path / "spread.png"
-    script = Path(__file__).parents[1] / "tools" / "summarize_run.py"
-    argv = [sys.executable, str(script), str(tmp_path / "one_beta"), str(tmp_path / "budgets"), "--histograms", str(png)]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600).stdout
+    out = tool("tools.summarize_run", str(tmp_path / "one_beta"), str(tmp_path / "budgets"), "--histograms", str(png), check=True).stdout
     one_beta, budgets = out.split(f"== {tmp_path / 'budgets'}")
     assert re.search(r"\n\s+2\s+3\.0000\s+1\.8708\s+1\.0000\s+6\.0000", one_beta), one_beta
     assert re.search(r"\n\s+2\s+1\.5000\s+0\.9354\s+0\.5000\s+3\.0000", budgets), budgets
     assert png.stat().st_size > 10_000
-    missing = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "one_beta"), "--histograms", str(png), "--tag", "prompts/beta"],
-        capture_output=True,
-        text=True,
-    )
+    missing = tool("tools.summarize_run", str(tmp_path / "one_beta"), "--histograms", str(png), "--tag", "prompts/beta")
     assert missing.returncode == 2 and "no histogram prompts/beta" in missing.stderr
 
 
 def test_summarize_run_prompts_prints_each_prompts_kl_and_beta_and_the_means_of_each_budget_group(tmp_path):
-    """tools/summarize_run.py --prompts: per prompt over the last --last iterations of prompts.csv (PromptLog's rows) the
+    """python -m tools.summarize_run --prompts: per prompt over the last --last iterations of prompts.csv (PromptLog's rows) the
     KL's mean and std and the mean and last beta, by hand; then per budget, or per --groups column, the prompts' means;
     with --plot, a PNG of each group's KL and beta over the iterations."""
     import json
-    import subprocess
-    import sys
 
     from torch.utils.tensorboard import SummaryWriter
 
@@ -212,36 +195,16 @@ def test_summarize_run_prompts_prints_each_prompts_kl_and_beta_and_the_means_of_
     for step, (a, b) in enumerate([(9.0, 9.0), (1.0, 4.0), (3.0, 8.0)]):  # iteration 0 is left out by --last 2
         rows += [f"{step},p0,{a},4,{0.1 * (step + 1)},1.5", f"{step},p1,{b},4,0.5,6.0"]
     (run / "prompts.csv").write_text("\n".join(rows) + "\n")
-    script = Path(__file__).parents[1] / "tools" / "summarize_run.py"
-    out = subprocess.run(
-        [sys.executable, str(script), str(run), "--prompts", "--last", "2"], capture_output=True, text=True, check=True
-    ).stdout
+    out = tool("tools.summarize_run", str(run), "--prompts", "--last", "2", check=True).stdout
     # p0: KL 1, 3 -> mean 2, std sqrt(2) = 1.4142; beta 0.2, 0.3 -> mean 0.25, last 0.3. p1: KL 4, 8 -> 6, 2.8284
     assert re.search(r"p0\s+1\.5\s+2\.0000\s+1\.4142\s+0\.2500\s+0\.3000", out), out
     assert re.search(r"p1\s+6\.0\s+6\.0000\s+2\.8284\s+0\.5000\s+0\.5000", out), out
     assert "budget 1.5: 1 prompts, kl_mean 2.0000" in out and "budget 6.0: 1 prompts, kl_mean 6.0000" in out, out
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"q{i}", "id": f"p{i}", "group": "all"}) + "\n" for i in range(2)))
-    grouped = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            str(run),
-            "--prompts",
-            "--last",
-            "2",
-            "--groups",
-            f"{prompts}:group",
-            "--plot",
-            str(tmp_path / "g.png"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    groups = ("--groups", f"{prompts}:group", "--plot", str(tmp_path / "g.png"))
+    grouped = tool("tools.summarize_run", str(run), "--prompts", "--last", "2", *groups, check=True).stdout
     assert "group all: 2 prompts, kl_mean 4.0000, kl_std 2.1213, beta_mean 0.3750" in grouped, grouped
     assert (tmp_path / "g.png").stat().st_size > 10_000  # each group's KL and beta over the iterations
-    missing = subprocess.run(
-        [sys.executable, str(script), str(run), "--prompts", "--groups", f"{prompts}:budget"], capture_output=True, text=True
-    )
+    missing = tool("tools.summarize_run", str(run), "--prompts", "--groups", f"{prompts}:budget")
     assert missing.returncode == 2 and "column 'budget' not found" in missing.stderr, missing.stderr

@@ -1,4 +1,4 @@
-"""Every script in tools/ and its folders checks its arguments as the command checks its settings: 0 where at least
+"""Every tool in tools/ and its folders checks its arguments as the command checks its settings: 0 where at least
 1 is needed, negative, NaN and inf numbers, and missing or empty folders and files end in argparse's
 exit status 2 with a line naming the option (tools/_cli_args.py: ``option_number``, ``log_folder``,
 ``existing_file``), before any work starts."""
@@ -10,24 +10,26 @@ import sys
 
 import pytest
 
-TOOLS = (
-    "bench",
-    "compare_controllers",
-    "compare_trl",
-    "decode_bench",
-    "gao_fit",
-    "kl_estimator_report",
-    "kl_frontier",
-    "length_bias",
-    "make_arithmetic_prompts",
-    "matmul_bench",
-    "optimum_check",
-    "regulariser_frontier",
-    "reward_hacking_report",
-    "summarize_run",
-    "sweep_beta",
-    "train_reward_model",
-)
+# Each tool's module, run as ``python -m <module>`` from the repository root.
+MODULES = {
+    "bench": "tools.benchmarks.bench",
+    "compare_controllers": "tools.studies.compare_controllers",
+    "compare_trl": "tools.benchmarks.compare_trl",
+    "decode_bench": "tools.benchmarks.decode_bench",
+    "gao_fit": "tools.studies.gao_fit",
+    "kl_estimator_report": "tools.studies.kl_estimator_report",
+    "kl_frontier": "tools.studies.kl_frontier",
+    "length_bias": "tools.studies.length_bias",
+    "make_arithmetic_prompts": "tools.make_arithmetic_prompts",
+    "matmul_bench": "tools.benchmarks.matmul_bench",
+    "optimum_check": "tools.studies.optimum_check",
+    "regulariser_frontier": "tools.studies.regulariser_frontier",
+    "reward_hacking_report": "tools.studies.reward_hacking_report",
+    "summarize_run": "tools.summarize_run",
+    "sweep_beta": "tools.studies.sweep_beta",
+    "train_reward_model": "tools.train_reward_model",
+}
+TOOLS = tuple(MODULES)
 # One count (at least 1) and one real-valued option per tool, and the arguments it needs besides.
 COUNT = {
     "bench": "--iters",
@@ -60,9 +62,9 @@ REAL = {
 
 
 def run_tool(monkeypatch, capsys, tool: str, *argv: str) -> tuple[int, str]:
-    """``python tools/[benchmarks/ or studies/]<tool>.py <argv>`` in this process: its exit status and last line on stderr."""
-    module = importlib.import_module(tool)
-    monkeypatch.setattr(sys, "argv", [f"{tool}.py", *argv])
+    """``python -m tools.[benchmarks. or studies.]<tool> <argv>`` in this process: its exit status and last line on stderr."""
+    module = importlib.import_module(MODULES[tool])
+    monkeypatch.setattr(sys, "argv", [MODULES[tool], *argv])
     with pytest.raises(SystemExit) as stopped:
         module.main()
     return stopped.value.code, capsys.readouterr().err.strip().splitlines()[-1]

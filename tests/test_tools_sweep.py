@@ -9,8 +9,7 @@ import math
 
 import pytest
 
-import reward_hacking_report
-import sweep_beta
+from tools.studies import reward_hacking_report, sweep_beta
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

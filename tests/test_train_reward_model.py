@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from rlhf_lightning_plugins.rewards.classifier import HFClassifierReward
-
-import train_reward_model
+from tools import train_reward_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 OTHER_LETTERS = "abcdfghijklmnopqrstuvwxyz"

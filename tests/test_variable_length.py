@@ -302,8 +302,8 @@ def test_each_controller_unit_rests_at_its_own_beta():
 
 
 def _matrix(capsys, *argv: str) -> tuple[list[dict], dict]:
-    """tools/studies/optimum_check.py --matrix's OPTIMUM lines and its MATRIX line, as fields."""
-    import optimum_check
+    """python -m tools.studies.optimum_check --matrix's OPTIMUM lines and its MATRIX line, as fields."""
+    from tools.studies import optimum_check
 
     optimum_check.main(["--matrix", *argv])
     out = capsys.readouterr().out.splitlines()

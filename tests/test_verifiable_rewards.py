@@ -13,8 +13,8 @@ from rlhf_lightning.callbacks import PassAtK, pass_at_k
 from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.interfaces import ConfigError
 from rlhf_lightning_plugins.rewards.verifiable import ExactAnswerReward, parse_answer, question_answer
+from tools import make_arithmetic_prompts
 
-import make_arithmetic_prompts
 from helpers import fit, make_module
 
 

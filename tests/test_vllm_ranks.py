@@ -30,7 +30,7 @@ def two_ranks(root, strategy: str, *extra: str) -> tuple[dict[str, list[float]],
     heads of 32 dimensions), every prompt the same one, 4 a rank, so that different responses can only
     come from the ranks' own seeds; the logged scalars and the
     rollouts each rank recorded (``fault_callbacks.RecordRollouts``)."""
-    from summarize_run import read_scalars
+    from tools.summarize_run import read_scalars
 
     for key, value in ENV.items():
         os.environ.setdefault(key, value)

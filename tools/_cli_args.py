@@ -1,14 +1,46 @@
-"""Argparse types the tools share: a bad option ends in argparse's exit status 2 with a line that
-names it, before any work starts, as a bad setting of the command does (rlhf_lightning.checks)."""
+"""What the tools' command lines share: their parser (``python -m tools.<name>``), the argparse types that end a
+bad option in argparse's exit status 2 with a line that names it, before any work starts, as a bad setting of the
+command does (rlhf_lightning.checks), and the opening of a speed tool's ``main``."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from rlhf_lightning.checks import ConfigError, require_number
+from tools.benchmarks import isa
+
+
+def tool_parser(module: str, doc: str, first_paragraph: bool = False) -> argparse.ArgumentParser:
+    """The parser of the tool ``module`` (``tools.summarize_run``), whose usage line names its command,
+    ``python -m tools.summarize_run``: its docstring as the description, laid out as written (or its first
+    paragraph alone, for a docstring that is the tool's manual)."""
+    description = doc.split("\n\n")[0] if first_paragraph else doc
+    return argparse.ArgumentParser(
+        prog=f"python -m {module}", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def open_speed_tool(
+    parse_args: Callable[[Optional[Sequence[str]]], argparse.Namespace],
+    module: str,
+    argv: Optional[Sequence[str]] = None,
+    worker_main: Optional[Callable[[argparse.Namespace], None]] = None,
+) -> Optional[argparse.Namespace]:
+    """The opening of a speed tool's ``main`` (bench, compare_trl, decode_bench): its arguments, after
+    ``--isa``'s variables are set (the process started again as ``python -m module`` where torch is loaded
+    already: :func:`isa.apply`) and the ISA line printed, the tool's first; None in a worker process
+    (``--worker``), which has run its part (``worker_main``) and prints no ISA line."""
+    args = parse_args(argv)
+    if getattr(args, "worker", None):
+        worker_main(args)
+        return None
+    isa.apply(args.isa, module, sys.argv[1:] if argv is None else argv)
+    print(isa.describe(), flush=True)
+    return args
 
 
 def option_number(integer: bool = False, **bounds: float) -> Callable[[str], Any]:

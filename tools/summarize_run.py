@@ -1,10 +1,10 @@
 """Print the main metrics of a finished run, iteration by iteration, from its TensorBoard events.
 
-    python tools/summarize_run.py lightning_logs/quickstart/version_0 [--every 5]
-    python tools/summarize_run.py lightning_logs/quickstart/version_0 --blocks 5   # means over blocks of 5 iterations
-    python tools/summarize_run.py lightning_logs/tiny/version_0 lightning_logs/tiny/version_1   # a run and its resumption
-    python tools/summarize_run.py runs/a/version_0 runs/b/version_0 --runs --plot ab.png   # two runs, side by side
-    python tools/summarize_run.py runs/a/version_0 runs/b/version_0 --runs --histograms spread.png   # per-prompt KL spread
+    python -m tools.summarize_run lightning_logs/quickstart/version_0 [--every 5]
+    python -m tools.summarize_run lightning_logs/quickstart/version_0 --blocks 5   # means over blocks of 5 iterations
+    python -m tools.summarize_run lightning_logs/tiny/version_0 lightning_logs/tiny/version_1   # a run and its resumption
+    python -m tools.summarize_run runs/a/version_0 runs/b/version_0 --runs --plot ab.png   # two runs, side by side
+    python -m tools.summarize_run runs/a/version_0 runs/b/version_0 --runs --histograms spread.png   # per-prompt KL spread
 
 
 Iterations are numbered by the logged step (a resumed run goes on from where it stopped); with
@@ -23,7 +23,7 @@ last, then the same means per group of prompts with one budget; ``--groups FILE:
 a column of a prompt file instead (``configs/budget_prompts.jsonl:kl_budget``: the one-beta run by the budgets of the other),
 and ``--plot PNG`` draws each group's mean KL and mean beta over the iterations, a colour per run.
 
-    python tools/summarize_run.py runs/a/version_0 runs/b/version_0 --runs --prompts --last 10 --groups prompts.jsonl:kl_budget
+    python -m tools.summarize_run runs/a/version_0 runs/b/version_0 --runs --prompts --last 10 --groups prompts.jsonl:kl_budget
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from _cli_args import log_folder, option_number
+from tools._cli_args import log_folder, option_number, tool_parser
 
 COLUMNS = (
     "objective/reward",
@@ -249,7 +249,7 @@ def prompt_groups(text: str) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("log_dirs", nargs="+", metavar="log_dir", type=log_folder)
     parser.add_argument("--every", type=option_number(integer=True, at_least=1), default=1, help="print every n-th iteration")
     parser.add_argument(

@@ -1,10 +1,10 @@
 """Train a Bradley-Terry reward model on preference pairs, for the ``hf_classifier`` reward backend.
 
-    python tools/train_reward_model.py --trunk minilm --gold sentiment --num-prompts 150 --out runs/rm_sentiment
-    python tools/train_reward_model.py --trunk smollm2 --train-layers 2 --pairs my_pairs.jsonl --out runs/rm_mine
-    python tools/train_reward_model.py --trunk minilm --pairs runs/rm_sentiment/pairs.jsonl --relabel --gold sentiment_relevance --out runs/rm_relevance
-    python tools/train_reward_model.py --trunk tiny --pairs toy.jsonl --out /tmp/rm     # seconds (the tests)
-    python tools/train_reward_model.py --trunk minilm --gold sentiment_relevance --response-only --ensemble 3 --out runs/rm_ens
+    python -m tools.train_reward_model --trunk minilm --gold sentiment --num-prompts 150 --out runs/rm_sentiment
+    python -m tools.train_reward_model --trunk smollm2 --train-layers 2 --pairs my_pairs.jsonl --out runs/rm_mine
+    python -m tools.train_reward_model --trunk minilm --pairs runs/rm_sentiment/pairs.jsonl --relabel --gold sentiment_relevance --out runs/rm_relevance
+    python -m tools.train_reward_model --trunk tiny --pairs toy.jsonl --out /tmp/rm     # seconds (the tests)
+    python -m tools.train_reward_model --trunk minilm --gold sentiment_relevance --response-only --ensemble 3 --out runs/rm_ens
 
 The reward model r(x, y) is the single logit of a sequence classifier on ``x + separator + y``,
 the text ``HFClassifierReward(include_prompt=True)`` scores (with ``--response-only``: on ``y``
@@ -69,8 +69,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 from rlhf_lightning_plugins.rewards.classifier import REWARD_STATS_FILE
-
-from _cli_args import existing_file, option_number
+from tools._cli_args import existing_file, option_number, tool_parser
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 # Per trunk: learning rate and transformer blocks trained (None: all), unless given on the command line.
@@ -306,7 +305,7 @@ def split_by_prompt(pairs: list[dict], val_fraction: float, seed: int) -> tuple[
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     from rlhf_lightning.data import BUILTIN_TRAIN
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = tool_parser(__spec__.name, __doc__)
     p.add_argument("--trunk", choices=list(TRUNK_DEFAULTS), default="minilm")
     p.add_argument("--out", type=Path, default=Path("runs/reward_model"), help="output folder (model, logs, pair cache)")
     p.add_argument("--pairs", type=existing_file, help="jsonl of {prompt, chosen, rejected}; default: sample pairs from --policy")

@@ -177,7 +177,7 @@ class EnsembleReward(RewardModel):
     Each member is loaded once in :meth:`setup` and scores the whole batch in its own batched pass.
 
     Args:
-        paths: the K >= 2 model folders (``tools/train_reward_model.py --ensemble K`` prints them).
+        paths: the K >= 2 model folders (``python -m tools.train_reward_model --ensemble K`` prints them).
         combine: ``mean``, ``min`` or ``mean_minus_std``.
         std_coef: lambda of ``mean_minus_std`` (ignored otherwise).
         standardize: standardise members by their ``reward_stats.json`` first.

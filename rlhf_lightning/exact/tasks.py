@@ -172,7 +172,7 @@ class ExactTask:
         the per-token fixed point (:func:`backward_induction`, ``soft=False``) lies away from pi* (its gap:
         :func:`per_token_fixed_point_gap`). The defaults (64 responses per prompt, strong sparse transitions,
         no pair term) are chosen so that on every seed from 1 to 5 the two lie clearly apart and PPO converges
-        within the iterations ``tools/studies/optimum_check.py --matrix`` gives a random task.
+        within the iterations ``python -m tools.studies.optimum_check --matrix`` gives a random task.
 
         The tiny model gets a position embedding (zero at the start: the reference is the same): the
         per-token fixed point asks for conditionals that differ by position after the same tokens where

@@ -7,7 +7,7 @@
 - :func:`sampled_ppo`: the module's loss pieces on a tabular policy (one logit vector per prompt and
   prefix), from sampled responses, so where it settles is the loss's doing, not a shared network's.
 
-What they show (tests/test_exact.py, tools/studies/optimum_check.py): with the penalty in the reward
+What they show (tests/test_exact.py, tools/studies/optimum_check/): with the penalty in the reward
 only k1 reaches pi*. PPO differentiates the rewards only through log pi of the sampled token, so
 E_pi[grad kl_t] is lost; it is 0 for k1, but not for k3 nor for full, which collapse towards the
 reward maximiser there and reach pi* with kl_penalty 'both' and unwhitened advantages.
@@ -292,7 +292,7 @@ def expected_train(
 ) -> list[dict[str, float]]:
     """PPO with the KL in the loss (or, ``kl_penalty="both"``, in the loss and the reward) where every rollout
     is replaced by its exact expectation: no sampling noise, so where it goes is where the loss's expected gradient leads (bias against noise: the matrix of
-    ``tools/studies/optimum_check.py --expected-gradient``).
+    ``python -m tools.studies.optimum_check --expected-gradient``).
 
     Each iteration: pi_old = the current policy; the "rollout" is every response of every prompt, each
     response's per-token losses weighted by pi_old(y|x) / prompts times the module's loss aggregation in

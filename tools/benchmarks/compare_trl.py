@@ -2,11 +2,11 @@
 project's CLI, or (``--grpo``) TRL 1.16's GRPOTrainer against ``configs/grpo.yaml``'s setup.
 
     pip install "rlhf-lightning[bench]"            # TRL 1.12, in a separate environment is best
-    python tools/benchmarks/compare_trl.py                    # 2 rounds of 1 warm-up + 3 timed iterations per run
-    python tools/benchmarks/compare_trl.py --quick            # 1 round of 1 warm-up + 2 timed iterations
-    python tools/benchmarks/compare_trl.py --trl-python ~/venv-trl112/bin/python --threads 1
-    python tools/benchmarks/compare_trl.py --grpo --trl-python ~/venv-trl116/bin/python --threads 1 --isa avx2
-    python tools/benchmarks/compare_trl.py --grpo --max-staleness 1 --trl-python ~/venv-trl116/bin/python --threads 1
+    python -m tools.benchmarks.compare_trl                    # 2 rounds of 1 warm-up + 3 timed iterations per run
+    python -m tools.benchmarks.compare_trl --quick            # 1 round of 1 warm-up + 2 timed iterations
+    python -m tools.benchmarks.compare_trl --trl-python ~/venv-trl112/bin/python --threads 1
+    python -m tools.benchmarks.compare_trl --grpo --trl-python ~/venv-trl116/bin/python --threads 1 --isa avx2
+    python -m tools.benchmarks.compare_trl --grpo --max-staleness 1 --trl-python ~/venv-trl116/bin/python --threads 1
 
 ``--grpo``: SmolLM2-135M-Instruct fp32 full fine-tuning, the first ``--batch-size`` (8) built-in
 prompts x ``--num-generations`` (4) responses of exactly ``--max-new-tokens`` (32) tokens, the
@@ -24,7 +24,7 @@ batch, and CPU seconds of the process per batch (with one thread the work itself
 the machine runs). ``--max-staleness K`` adds ``grpo_async``: ``grpo`` with the sampler K updates ahead
 (``model.off_policy.max_staleness``, ``old_logprobs: forward``; sampling, the reward and the reference in the
 sampler's thread), and ``async_ratio_<updates>=<ours/TRL>`` to the last line. Every run also reports its passes per batch over each model's trunk
-(``bench.PassCounter``: policy, reference, reward model) and its peak RSS.
+(``bench.measure.PassCounter``: policy, reference, reward model) and its peak RSS.
 
 The first line says which instruction set the kernels run (``tools/benchmarks/isa.py``); ``--isa avx2``
 runs both sides as on an AVX2-only CPU.
@@ -82,10 +82,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-import bench
-import isa
-from _cli_args import option_number
+from tools._cli_args import open_speed_tool, option_number, tool_parser
+from tools.benchmarks import isa
+from tools.benchmarks.bench.measure import PassCounter, builtin_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT_PREFIX = "COMPARE_RESULT "
@@ -94,7 +93,7 @@ GRPO_SETUPS = ("trl_grpo", "grpo", "grpo_async")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument(
         "--setups", nargs="+", choices=SETUPS + GRPO_SETUPS, help="what to run (ratios need trl; default: all of the mode's)"
     )
@@ -156,13 +155,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def prompts(n: int) -> list[str]:
-    from rlhf_lightning.data import BUILTIN_TRAIN
-
-    with BUILTIN_TRAIN.open() as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()][:n]
-
-
 def build_reward_model(target: Path) -> Path:
     """SmolLM2's trunk with a one-output classification head (seeded), saved with its tokenizer."""
     import torch
@@ -198,7 +190,7 @@ def run_trl(args: argparse.Namespace) -> tuple[list[float], dict]:
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        for p in prompts(args.batch_size)
+        for p in builtin_prompts(args.batch_size)
     ]
     dataset = Dataset.from_dict({"input_ids": [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]})
     iterations = args.warmup + args.iters
@@ -262,7 +254,7 @@ def run_trl_grpo(args: argparse.Namespace) -> tuple[list[float], dict, dict]:
     path = smollm2_checkpoint()
     batches, updates = args.warmup + args.iters, args.epochs
     rows = args.batch_size * args.num_generations
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts(args.batch_size)] * batches})
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in builtin_prompts(args.batch_size)] * batches})
     config = GRPOConfig(
         output_dir=str(Path(args.workdir) / "trl"),
         per_device_train_batch_size=rows,  # one optimizer step per generation batch, as ours with 1 minibatch
@@ -290,7 +282,7 @@ def run_trl_grpo(args: argparse.Namespace) -> tuple[list[float], dict, dict]:
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     reward_model = AutoModelForSequenceClassification.from_pretrained(args.reward_path)
     reward_model.config.pad_token_id = tokenizer.pad_token_id
-    counter, per_batch, cpu_ends = bench.PassCounter(), [], []
+    counter, per_batch, cpu_ends = PassCounter(), [], []
     phases, in_phase = defaultdict(list), defaultdict(float)
 
     class StepClock(TrainerCallback):
@@ -372,7 +364,7 @@ def our_config(args: argparse.Namespace) -> dict:
     """The run's YAML config (what a user would write); LoRA as in configs/quickstart.yaml."""
     work = Path(args.workdir)
     prompt_file = work / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts(args.batch_size) * (args.warmup + args.iters)))
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in builtin_prompts(args.batch_size) * (args.warmup + args.iters)))
     data = {"train_path": str(prompt_file), "batch_size": args.batch_size, "shuffle": False}
     if args.worker in ("grpo", "grpo_async"):
         return grpo_config(args, trainer_config(args), data)
@@ -460,7 +452,7 @@ def run_ours(args: argparse.Namespace) -> tuple[list[float], dict[str, list[floa
     config = Path(args.workdir) / "config.yaml"
     config.write_text(json.dumps(our_config(args)))  # JSON is YAML
     per_batch = []
-    count_our_passes(bench.PassCounter(), per_batch)
+    count_our_passes(PassCounter(), per_batch)
     cli_main(["fit", "--config", str(config)])
     (metrics,) = Path(args.workdir).glob("csv/version_*/metrics.csv")
     with metrics.open() as f:
@@ -516,7 +508,7 @@ def run_worker(args: argparse.Namespace, setup: str, epochs: int, reward_path: P
         "--threads": args.threads,
         **({"--max-staleness": args.max_staleness} if args.max_staleness else {}),
     }
-    argv = [python, str(Path(__file__).resolve()), "--worker", setup, *(["--grpo"] if args.grpo else [])]
+    argv = [python, "-m", "tools.benchmarks.compare_trl", "--worker", setup, *(["--grpo"] if args.grpo else [])]
     argv += [word for flag, value in settings.items() for word in (flag, str(value))]
     for option in ("old_logprobs", "cpu_linear", "cpu_malloc", "shared_prompts"):
         if getattr(args, option):
@@ -601,12 +593,9 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
-    args = parse_args(argv)
-    if args.worker:
-        worker_main(args)
+    args = open_speed_tool(parse_args, __spec__.name, argv, worker_main)
+    if args is None:
         return []
-    isa.apply(args.isa, __file__, sys.argv[1:] if argv is None else argv)
-    print(isa.describe(), flush=True)
     print(
         f"threads {args.threads or 'default'}, {args.rounds} round(s) of {args.warmup} warm-up + {args.iters} timed iterations, "
         f"load {os.getloadavg()}",

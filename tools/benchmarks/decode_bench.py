@@ -1,10 +1,10 @@
 """The rollout's decode: ``generate`` against its alternatives on the same workload.
 
-    python tools/benchmarks/decode_bench.py                   # SmolLM2, 8 chat prompts, 32 new tokens, 4 rounds
-    python tools/benchmarks/decode_bench.py --threads 1 --rounds 6
-    python tools/benchmarks/decode_bench.py --compile         # also a torch.compile'd decode step (minutes to compile)
-    python tools/benchmarks/decode_bench.py --engine vllm     # the rollout engines: hf's generate against vLLM (docs/rollout-engines.md)
-    python tools/benchmarks/decode_bench.py --isa avx2        # as on an AVX2-only CPU (the first line names the kernels' ISA)
+    python -m tools.benchmarks.decode_bench                   # SmolLM2, 8 chat prompts, 32 new tokens, 4 rounds
+    python -m tools.benchmarks.decode_bench --threads 1 --rounds 6
+    python -m tools.benchmarks.decode_bench --compile         # also a torch.compile'd decode step (minutes to compile)
+    python -m tools.benchmarks.decode_bench --engine vllm     # the rollout engines: hf's generate against vLLM (docs/rollout-engines.md)
+    python -m tools.benchmarks.decode_bench --isa avx2        # as on an AVX2-only CPU (the first line names the kernels' ISA)
 
 The rows: ``generate`` with PyTorch's own CPU linear kernel (MKL) and with oneDNN's
 (``cpu.linear``, what the module uses on a CPU), ``generate`` with a preallocated (static)
@@ -37,15 +37,13 @@ import argparse
 import contextlib
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
+from collections.abc import Sequence
+from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-import bench
-import isa
-import roofline
-from _cli_args import option_number
+from tools._cli_args import open_speed_tool, option_number, tool_parser
+from tools.benchmarks import isa, roofline
+from tools.benchmarks.bench.measure import builtin_prompts, quiet
 
 
 @__import__("torch").no_grad()
@@ -92,8 +90,8 @@ def products_left_out(model):
             del m.forward
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("--rounds", type=option_number(integer=True, at_least=1), default=4)
     parser.add_argument("--batch-size", type=option_number(integer=True, at_least=1), default=8)
     parser.add_argument("--max-new-tokens", type=option_number(integer=True, at_least=1), default=32)
@@ -102,9 +100,11 @@ def main() -> None:
     parser.add_argument("--engine", choices=("vllm",), help="compare the rollout engines hf and ENGINE instead of the decode loops")
     parser.add_argument("--num-generations", type=int, nargs="+", default=[1, 4], help="--engine: responses per prompt, one workload each")
     isa.add_argument(parser)
-    args = parser.parse_args()
-    isa.apply(args.isa, __file__, sys.argv[1:])  # torch is loaded already: re-executes with the variables set
-    print(isa.describe(), flush=True)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = open_speed_tool(parse_args, __spec__.name, argv)
     if args.engine:
         compare_engines(args)
         return
@@ -117,14 +117,14 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    bench.quiet()
+    quiet()
     cpu.tune_malloc()  # as the module does
     tokenizer = load_tokenizer("smollm2")
     tokenizer.padding_side = "left"
     model = load_causal_lm("smollm2", vocab_size=len(tokenizer)).eval()
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        for p in bench.builtin_prompts(args.batch_size)
+        for p in builtin_prompts(args.batch_size)
     ]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     config = GenerationConfig(
@@ -227,7 +227,7 @@ def compare_engines(args: argparse.Namespace) -> None:
     from rlhf_lightning.module import PPORLHF
     from rlhf_lightning_plugins.rollout_engines import HFGenerate
 
-    bench.quiet()
+    quiet()
     n = args.max_new_tokens
     module = PPORLHF(
         policy="smollm2", rollout_engine=args.engine, sampling=dict(max_new_tokens=n, min_new_tokens=n, old_logprobs="forward")
@@ -235,10 +235,10 @@ def compare_engines(args: argparse.Namespace) -> None:
     module.configure_model()
     hf, engine, ratios = HFGenerate(), module.rollout_engine, []
     start = time.perf_counter()
-    engine.sample(module.sampler, module.sampler.encode(bench.builtin_prompts(1)), seed=0)  # starts the engine
+    engine.sample(module.sampler, module.sampler.encode(builtin_prompts(1)), seed=0)  # starts the engine
     print(f"{args.engine} start-up (weights written, engine built): {time.perf_counter() - start:.1f} s", flush=True)
     for generations in args.num_generations:
-        prompts = [p for p in bench.builtin_prompts(args.batch_size) for _ in range(generations)]
+        prompts = [p for p in builtin_prompts(args.batch_size) for _ in range(generations)]
         enc = module.sampler.encode(prompts)
         seconds = {"hf": [], args.engine: []}
         for round_ in range(args.rounds + 1):  # round 0 warms up

@@ -23,7 +23,6 @@ import re
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Optional
 
 ISA_ENV = {
@@ -50,15 +49,16 @@ def add_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def apply(isa: str, script: str, argv: Sequence[str]) -> None:
+def apply(isa: str, module: str, argv: Sequence[str]) -> None:
     """Put ``isa``'s variables into this process's environment (children inherit it). Where torch
-    is already loaded it has read the old ones: re-execute ``script`` with ``argv`` instead."""
+    is already loaded it has read the old ones: re-execute ``python -m module`` with ``argv`` instead
+    (in the same folder, where ``module`` was found)."""
     env = ISA_ENV[isa]
     if all(os.environ.get(name) == value for name, value in env.items()):
         return
     os.environ.update(env)
     if "torch" in sys.modules:
-        os.execv(sys.executable, [sys.executable, str(Path(script).resolve()), *argv])
+        os.execv(sys.executable, [sys.executable, "-m", module, *argv])
 
 
 def requested(env: Mapping[str, str]) -> str:

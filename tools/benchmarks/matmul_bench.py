@@ -1,8 +1,8 @@
 """PyTorch's CPU linear kernel (MKL) against oneDNN's (``cpu.linear``), on SmolLM2's shapes.
 
-    python tools/benchmarks/matmul_bench.py                  # all threads
-    python tools/benchmarks/matmul_bench.py --threads 1
-    python tools/benchmarks/matmul_bench.py --threads 1 --decode-rows 1 8 32   # and a whole decode step's products
+    python -m tools.benchmarks.matmul_bench                  # all threads
+    python -m tools.benchmarks.matmul_bench --threads 1
+    python -m tools.benchmarks.matmul_bench --threads 1 --decode-rows 1 8 32   # and a whole decode step's products
 
 For each linear layer shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down
 576x1536, the LM head 49152x576) and each way an iteration uses it (a batch-8 decode step, a
@@ -21,15 +21,11 @@ step's floor is its weights' read, so weights_gbps / read_gbps is how near the p
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-from _cli_args import option_number
+from tools._cli_args import option_number, tool_parser
 
 SHAPES = {
     "q_proj/o_proj": (576, 576),
@@ -52,7 +48,7 @@ def median_seconds(run, rounds: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("--threads", type=option_number(integer=True, at_least=0), default=0)
     parser.add_argument("--rounds", type=option_number(integer=True, at_least=1), default=20)
     parser.add_argument(
@@ -117,8 +113,7 @@ def decode_report(row_counts: list[int], rounds: int) -> None:
     import torch.nn.functional as F
 
     from rlhf_lightning import cpu
-
-    import roofline
+    from tools.benchmarks import roofline
 
     block = [SHAPES[name] for name in ("q_proj/o_proj", "k_proj/v_proj", "k_proj/v_proj", "q_proj/o_proj")]
     block += [SHAPES["gate/up_proj"]] * 2 + [SHAPES["down_proj"]]

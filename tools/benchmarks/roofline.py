@@ -1,5 +1,5 @@
 """The roofline of a PPO-RLHF iteration: what each phase must compute and move at least, from the
-model's shape, and this machine's rates to turn that into seconds (``tools/benchmarks/bench.py``'s roofline
+model's shape, and this machine's rates to turn that into seconds (``tools/benchmarks/bench/report.py``'s roofline
 table, ``tools/benchmarks/decode_bench.py``'s floor).
 
 ``iteration_costs`` lists each phase's passes over the weights as (FLOPs, bytes) pairs (a decode

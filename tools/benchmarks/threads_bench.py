@@ -2,9 +2,9 @@
 and with other jobs burning cores: what ``cpu.threads`` null (``rlhf_lightning.cpu.choose_threads``,
 OpenMP threads that sleep when idle) buys over torch's default.
 
-    python tools/benchmarks/threads_bench.py                                  # configs/tiny.yaml, 4 iterations
-    python tools/benchmarks/threads_bench.py --config configs/quickstart.yaml --iterations 3 --burners 0 1
-    python tools/benchmarks/threads_bench.py --settings automatic one_thread --burners 2
+    python -m tools.benchmarks.threads_bench                                  # configs/tiny.yaml, 4 iterations
+    python -m tools.benchmarks.threads_bench --config configs/quickstart.yaml --iterations 3 --burners 0 1
+    python -m tools.benchmarks.threads_bench --settings automatic one_thread --burners 2
 
 Each run is ``rlhf-lightning fit --config <config>`` for ``--iterations`` iterations in a fresh process
 (no validation, no progress bar, ``IterationTimer`` logging ``timing/iteration_s`` to a CSV file), under
@@ -24,7 +24,6 @@ The machine's other jobs count too: read the load column.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -36,9 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-
-from _cli_args import option_number
+from tools._cli_args import option_number, tool_parser
 
 REPO = Path(__file__).resolve().parents[2]
 SETTINGS = ("as_written", "cores_passive", "one_thread", "automatic")
@@ -88,7 +85,7 @@ def run(config: str, iterations: int, setting: str, cores: int, extra: list[str]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
     parser.add_argument("--iterations", type=option_number(integer=True, at_least=1), default=4)
     parser.add_argument("--burners", type=option_number(integer=True, at_least=0), nargs="+", default=[0, 1])

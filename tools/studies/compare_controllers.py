@@ -1,7 +1,7 @@
 """Compare the beta controllers on one task: KL and beta over time against the KL target.
 
-    python tools/studies/compare_controllers.py [--iterations 80] [--target 4] [--out runs/compare_controllers] [--fast]
-    python tools/studies/compare_controllers.py --advantage grpo --num-generations 4    # critic-free training
+    python -m tools.studies.compare_controllers [--iterations 80] [--target 4] [--out runs/compare_controllers] [--fast]
+    python -m tools.studies.compare_controllers --advantage grpo --num-generations 4    # critic-free training
 
 Runs fixed, adaptive, band, pid and dual through the real training loop on the same task and
 seed: the tiny random Llama (``policy: tiny``) learning to write the letter "e" (reward =
@@ -23,10 +23,8 @@ window of ``--window`` iterations to smooth the sampling noise of 8 responses, s
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -43,9 +41,7 @@ from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
 from rlhf_lightning.trainer_settings import QUIET_TRAINER
 from rlhf_lightning_plugins.rewards.function import CallableReward
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-from _cli_args import option_number
+from tools._cli_args import option_number, tool_parser
 
 BATCH_SIZE = 8
 # name -> extra init_args beyond init_beta and target
@@ -157,7 +153,7 @@ def plot(results: dict[str, list[tuple]], target: float, tolerance: float, path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument(
         "--iterations",
         type=option_number(integer=True, at_least=1),

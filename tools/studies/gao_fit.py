@@ -1,6 +1,6 @@
 """Fit Gao et al.'s over-optimisation law to measured gold-reward curves, and plot them.
 
-    python tools/studies/gao_fit.py single=runs/overopt/single/lightning_logs/overoptimisation/version_0 \\
+    python -m tools.studies.gao_fit single=runs/overopt/single/lightning_logs/overoptimisation/version_0 \\
         min=runs/overopt/min/lightning_logs/overoptimisation+overoptimisation_ensemble/version_0 \\
         --out tools/figures/gao_fit.png
 
@@ -35,7 +35,6 @@ import argparse
 import csv
 import itertools
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
@@ -46,9 +45,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the shared argument types, summarize_run
-from _cli_args import log_folder, option_number
-from summarize_run import read_scalars
+from tools._cli_args import log_folder, option_number, tool_parser
+from tools.summarize_run import read_scalars
 
 
 def gao_fit(d: np.ndarray, gold: np.ndarray) -> dict[str, float]:
@@ -151,7 +149,7 @@ def plot(curves: list[tuple[str, np.ndarray, np.ndarray, dict]], path: Path, pro
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("runs", nargs="+", metavar="label=log_dir")
     parser.add_argument(
         "--blocks", type=option_number(integer=True, at_least=1), default=5, help="iterations per block for the measured peak and end"

@@ -1,8 +1,8 @@
 """Every registered KL estimator against the exact KL, on real samples: values and gradients.
 
-    python tools/studies/kl_estimator_report.py                        # SmolLM2-135M, 64 samples of 32 tokens
-    python tools/studies/kl_estimator_report.py --fast                 # the tiny random Llama (the tests)
-    python tools/studies/kl_estimator_report.py --samples 128 --push 0.02 --out /tmp/kl
+    python -m tools.studies.kl_estimator_report                        # SmolLM2-135M, 64 samples of 32 tokens
+    python -m tools.studies.kl_estimator_report --fast                 # the tiny random Llama (the tests)
+    python -m tools.studies.kl_estimator_report --samples 128 --push 0.02 --out /tmp/kl
 
 Setup. The reference is the model itself (``--policy``, default ``smollm2``); the policy is the
 same weights plus a rank-8 LoRA adapter on every linear layer whose B matrices (zero at init) are
@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,9 +72,7 @@ from rlhf_lightning.data import BUILTIN_TRAIN, load_prompts
 from rlhf_lightning.exact import tabular as tb
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-from _cli_args import option_number
+from tools._cli_args import option_number, tool_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO / "runs" / "kl_estimator_report" / "report.md"
@@ -508,7 +505,7 @@ def plot(acc: dict, path: Path) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("--policy", default=None, help="model spec of the reference (default smollm2; --fast: tiny)")
     parser.add_argument(
         "--samples", type=option_number(integer=True, at_least=1), default=None, help="responses to sample (default 64; --fast 32)"

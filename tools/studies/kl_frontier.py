@@ -1,13 +1,13 @@
 """PPO, best-of-N and the exact KL-regularised frontier on one reward-KL plane.
 
-    python tools/studies/kl_frontier.py --exact                      # terminal task: frontier, BoN 1..64, soft BoN, PPO at 4 betas
-    python tools/studies/kl_frontier.py --exact --fast               # seconds: one PPO beta of 20 iterations (the tests)
-    python tools/studies/kl_frontier.py --exact --task random:3      # a task with distinct rewards and an order-dependent reward
-    python tools/studies/kl_frontier.py --smollm2 --prompts 4 --pool 64 --betas 0.3 0.5 --iterations 15 --batch-size 4 \
+    python -m tools.studies.kl_frontier --exact                      # terminal task: frontier, BoN 1..64, soft BoN, PPO at 4 betas
+    python -m tools.studies.kl_frontier --exact --fast               # seconds: one PPO beta of 20 iterations (the tests)
+    python -m tools.studies.kl_frontier --exact --task random:3      # a task with distinct rewards and an order-dependent reward
+    python -m tools.studies.kl_frontier --smollm2 --prompts 4 --pool 64 --betas 0.3 0.5 --iterations 15 --batch-size 4 \
         --override=--model.advantage_estimator=rloo --override=--model.sampling.num_generations=4 \
         --override=--model.critic=none --override=--model.optim.critic_lr=null   # PPO with RLOO, no critic
-    python tools/studies/kl_frontier.py --meter-table                # bias and spread of the sampled log Z against n
-    python tools/studies/kl_frontier.py --exact --task random:1 --divergences reverse_kl forward_kl js chi2 alpha:0.5 alpha:-0.5
+    python -m tools.studies.kl_frontier --meter-table                # bias and spread of the sampled log Z against n
+    python -m tools.studies.kl_frontier --exact --task random:1 --divergences reverse_kl forward_kl js chi2 alpha:0.5 alpha:-0.5
 
 ``--exact`` (``rlhf_lightning.exact``'s enumerable tasks; every number exact): the frontier
 pi_beta ∝ pi_ref exp(r / beta) over a dense beta grid (the most reward any policy gets at each
@@ -15,7 +15,7 @@ KL), best-of-N for N = 1..64 enumerated with ties (``frontier.bon_logprobs``), s
 N in ``--soft-n`` over a temperature grid, and PPO trained at each of ``--betas``
 (``exact.train``, the settings of tools/studies/regulariser_frontier.py: k1 in the reward, lr 2e-3 decayed
 to 2e-4, 4 epochs of 2 minibatches; iterations and responses per iteration those of the task's kind
-in tools/studies/optimum_check.py, 100 x 48 hand-made, 150 x 384 random) against the reference of its
+in tools/studies/optimum_check/recipes.py, 100 x 48 hand-made, 150 x 384 random) against the reference of its
 seed; ``--anneal-from B`` starts each PPO run at beta B and lowers it to its own beta over the first half of
 the run (the ``anneal`` controller), which reaches optima that a run fixed at a small beta stops short of
 (docs/results.md). Prints a table and
@@ -26,7 +26,7 @@ the run (the ``anneal`` controller), which reaches optima that a run fixed at a 
 ``--exact --divergences NAME ...`` (``chi2``, ``alpha:0.5``: ``exact.divergence_named``): no training; the optimum
 pi*_f of each divergence (``exact.divergence_optimal_logprobs``) over the beta grid, on the same plane (reward
 against the exact KL(pi || pi_ref), so that the divergences are compared on one axis), its point at each of
-``--betas`` (default 1, where tools/studies/optimum_check.py trains them) marked, and writes
+``--betas`` (default 1, where tools/studies/optimum_check/ trains them) marked, and writes
 ``frontier_divergences.png`` and ``.csv``. The reverse KL's curve is the frontier; every other lies on or below
 it (the most reward at a KL is pi_beta's). Prints a table of the marked points and
 
@@ -61,7 +61,6 @@ import argparse
 import csv
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -75,9 +74,7 @@ import torch
 
 from rlhf_lightning.exact import frontier as fr
 from rlhf_lightning.exact import log_partition, reference_logprobs, task_named, train
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-from _cli_args import option_number
+from tools._cli_args import option_number, tool_parser
 
 BON_N = tuple(range(1, 65))
 FRONTIER_BETAS = np.geomspace(0.02, 100, 300)
@@ -85,8 +82,10 @@ SOFT_LAMBDAS = np.geomspace(0.05, 20, 25)
 
 
 def exact_mode(args: argparse.Namespace) -> str:
-    from optimum_check import TASK_SETTINGS, by_recipe  # what each kind of task converges with (iterations, responses per iteration)
-    from regulariser_frontier import PPO  # the PPO settings that put the KL penalty on the frontier there
+    # what each kind of task converges with (iterations, responses per iteration), and the PPO settings that put the
+    # KL penalty on the frontier there
+    from tools.studies.optimum_check.recipes import TASK_SETTINGS, by_recipe
+    from tools.studies.regulariser_frontier import PPO
 
     kind = TASK_SETTINGS["random" if args.task.startswith("random:") else "hand-made"]
     # PPO's cells: k1 in the reward with a critic
@@ -161,13 +160,9 @@ def exact_mode(args: argparse.Namespace) -> str:
     for n in (2, 4, 16, 64):
         ax.annotate(f"N={n}", (bon[n].kl, bon[n].reward), textcoords="offset points", xytext=(-4, 6), fontsize=7, ha="right")
     ax.set_xlim(0, max(fr.bon_kl_bound(64), max(p.kl for _, p, *_ in ppo)) * 1.05)
-    ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
-    ax.set_ylabel("exact expected reward")
-    ax.set_title(f"{args.task} task (seed {args.seed}): the reward-KL plane, every point exact", fontsize=10)
-    save_figure(fig, ax, args.out / "frontier.png")
     line = f"FRONTIER ppo_max_gap={max((g for _, _, g, *_ in ppo), default=math.nan):.4f} bon_kl_bound_max_error={max(bound_error.values()):.4f}"
-    print(line)
-    return line
+    title = f"{args.task} task (seed {args.seed}): the reward-KL plane, every point exact"
+    return finish_exact_plane(fig, ax, title, args.out / "frontier.png", line)
 
 
 def beta_ctl(beta: float, anneal_from: Optional[float] = None, iterations: int = 1):
@@ -237,9 +232,8 @@ def meter_prompt_file(args: argparse.Namespace) -> Path:
 
 def smollm2_mode(args: argparse.Namespace) -> None:
     from rlhf_lightning.exact import KLToOptimum
-
-    from sweep_beta import fixed_beta, prepare
-    from sweep_beta import train as train_config
+    from tools.studies.sweep_beta import fixed_beta, prepare
+    from tools.studies.sweep_beta import train as train_config
 
     prepare(args.threads, str(args.out))
     pool_state = torch.load(args.pool_from) if args.pool_from else None
@@ -341,6 +335,17 @@ def save_figure(fig, ax, path: Path) -> None:
     plt.close(fig)
 
 
+def finish_exact_plane(fig, ax, title: str, path: Path, line: str) -> str:
+    """The exact reward-KL plane's axes and ``title``, the figure saved at ``path`` (:func:`save_figure`); then the
+    mode's last ``line``, printed and returned."""
+    ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
+    ax.set_ylabel("exact expected reward")
+    ax.set_title(title, fontsize=10)
+    save_figure(fig, ax, path)
+    print(line)
+    return line
+
+
 def plot_smollm2(points: list[tuple], args: argparse.Namespace) -> None:
     """Left: the plane (best-of-N from the pool; each PPO beta's path from the reference, its last point with
     intervals). Right: the meter, KL(pi || pi_beta) against the iteration, +-1.96 SE (trusted measurements)."""
@@ -401,7 +406,7 @@ def write_csv(path: Path, header: list[str], rows) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__, first_paragraph=True)
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--exact", action="store_true", help="the enumerable task: every point exact")
     mode.add_argument("--smollm2", action="store_true", help="SmolLM2 with --config's reward: sampled points with intervals")
@@ -499,7 +504,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="runs/frontier", help="output folder")
     args = parser.parse_args(argv)
-    # exact: None leaves the iterations to the task's kind (tools/studies/optimum_check.py's TASK_SETTINGS)
+    # exact: None leaves the iterations to the task's kind (tools/studies/optimum_check/recipes.py's TASK_SETTINGS)
     default_betas, default_iterations = ([0.25, 0.5, 1.0, 2.0], None) if not args.smollm2 else ([0.1, 0.3, 1.0], 20)
     if args.meter_table:
         default_betas = [0.25, 1.0, 4.0]
@@ -574,13 +579,8 @@ def divergence_plane(args: argparse.Namespace) -> str:
     for label, beta, j_star, point, best in table:
         print(f"| {label} | {beta:g} | {j_star:.4f} | {point.kl:.4f} | {point.reward:.4f} | {best:.4f} |")
     ax.set_xlim(0, max(p.kl for *_, p, _ in table) * 1.6)
-    ax.set_xlabel("exact KL(pi || pi_ref) (nats per response)")
-    ax.set_ylabel("exact expected reward")
-    ax.set_title(f"{args.task} task: each divergence's optimum pi*_f over beta, every point exact", fontsize=10)
-    save_figure(fig, ax, args.out / "frontier_divergences.png")
-    line = f"DIVERGENCES max_below_frontier={below:.4f}"
-    print(line)
-    return line
+    title = f"{args.task} task: each divergence's optimum pi*_f over beta, every point exact"
+    return finish_exact_plane(fig, ax, title, args.out / "frontier_divergences.png", f"DIVERGENCES max_below_frontier={below:.4f}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Length bias of the loss aggregations: a reward that ignores length, and which aggregations
 still move the response length.
 
-    python tools/studies/length_bias.py                      # 4 aggregations x 3 seeds, 30 iterations
-    python tools/studies/length_bias.py --fast               # the test's version
+    python -m tools.studies.length_bias                      # 4 aggregations x 3 seeds, 30 iterations
+    python -m tools.studies.length_bias --fast               # the test's version
 
 The tiny random Llama (``policy: tiny``) is trained with REINFORCE without a baseline
 (``advantage_estimator: reinforce``) on a constant reward of +1 (``rewards.toy:constant``), no KL
@@ -23,10 +23,8 @@ last ``--window`` iterations averaged over the seeds, and writes ``length_bias.c
 
 from __future__ import annotations
 
-import argparse
 import csv
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -37,9 +35,7 @@ from rlhf_lightning.data import PromptDataModule
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.trainer_settings import QUIET_TRAINER
 from rlhf_lightning_plugins.rewards.function import CallableReward
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-from _cli_args import option_number
+from tools._cli_args import option_number, tool_parser
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant")
 
@@ -85,7 +81,7 @@ def run(aggregation: str, seed: int, iterations: int, reward: float, workdir: Pa
 
 
 def main(argv: list[str] | None = None) -> dict[str, tuple[float, float]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations per run (default 30; --fast 12)")
     parser.add_argument("--seeds", type=option_number(integer=True), nargs="+", help="seeds (default 0 1 2; --fast 0 1)")
     parser.add_argument(

@@ -2,8 +2,8 @@
 reference on the enumerable task, for a beta sweep, a clip-higher sweep, an entropy-target sweep
 and beta = 0 alone.
 
-    python tools/studies/regulariser_frontier.py                 # 2 seeds, 60 iterations per run (a few CPU minutes)
-    python tools/studies/regulariser_frontier.py --fast          # the tests' version
+    python -m tools.studies.regulariser_frontier                 # 2 seeds, 60 iterations per run (a few CPU minutes)
+    python -m tools.studies.regulariser_frontier --fast          # the tests' version
 
 Every run trains the unchanged PPO loop on ``rlhf_lightning.exact``'s terminal task (3 prompts,
 3-token responses over 3 letters, reward = count of the prompt's letter, at most 3), where the
@@ -29,7 +29,6 @@ import argparse
 import csv
 import logging
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -44,9 +43,7 @@ import torch
 from rlhf_lightning.exact import TASKS, ExactPPORLHF, expected_reward, kl_divergence, optimal_logprobs, train
 from rlhf_lightning_plugins.beta_controllers import FixedBeta, PIDBeta
 from rlhf_lightning_plugins.policy_losses import ClipHigher
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-from _cli_args import option_number
+from tools._cli_args import option_number, tool_parser
 
 PPO = dict(batch_size=48, lr=2e-3, critic_lr=2e-3, lr_final=0.1, ppo_epochs=4, num_minibatches=2, vf_coef=0.5, log_samples_every_n_steps=0)
 
@@ -90,7 +87,7 @@ def exact_frontier(seed: int, betas: np.ndarray = FRONTIER_BETAS) -> tuple[np.nd
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("--betas", type=option_number(above=0), nargs="+", default=[0.25, 0.5, 1.0, 2.0])
     parser.add_argument("--eps-high", type=option_number(above=0), nargs="+", default=[0.28, 0.5, 1.0])
     parser.add_argument("--entropy-targets", type=option_number(above=0), nargs="+", default=[0.3, 0.5, 0.7, 0.9])

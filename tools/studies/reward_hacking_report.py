@@ -1,8 +1,8 @@
 """Reward hacking with and without the KL penalty: train configs/reward_hacking.yaml twice and compare.
 
-    python tools/studies/reward_hacking_report.py                    # 40 iterations per run, report in runs/reward_hacking
-    python tools/studies/reward_hacking_report.py --fast             # 10 iterations per run (the tests)
-    python tools/studies/reward_hacking_report.py --config my.yaml --iterations 60 --out /tmp/hacking
+    python -m tools.studies.reward_hacking_report                    # 40 iterations per run, report in runs/reward_hacking
+    python -m tools.studies.reward_hacking_report --fast             # 10 iterations per run (the tests)
+    python -m tools.studies.reward_hacking_report --config my.yaml --iterations 60 --out /tmp/hacking
 
 The proxy reward of the config counts exclamation marks. Run ``no_penalty`` is the config with its
 controller replaced by ``FixedBeta(0)``; run ``penalised`` is the config as written (its KL
@@ -17,15 +17,13 @@ TensorBoard logs go under ``<out>/<run>/``.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-from _cli_args import existing_file, option_number
-from sweep_beta import REPO, RUN_OVERRIDES, fixed_beta, prepare, train
+from tools._cli_args import existing_file, option_number, tool_parser
+from tools.studies.sweep_beta import REPO, RUN_OVERRIDES, fixed_beta, prepare, train
 
 DEFAULT_CONFIG = REPO / "configs" / "reward_hacking.yaml"
 EXPLOIT = "!"
@@ -109,7 +107,7 @@ def format_report(rows: Sequence[HackingRow], config: str, iterations: int) -> s
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("--config", type=existing_file, default=str(DEFAULT_CONFIG), help="default: configs/reward_hacking.yaml")
     parser.add_argument("--iterations", type=option_number(integer=True, at_least=1), help="PPO iterations per run (default 40, --fast 10)")
     parser.add_argument(

@@ -1,11 +1,11 @@
 """Sweep the KL coefficient beta: one PPO-RLHF run per beta, same seed, fixed controller.
 
-    python tools/studies/sweep_beta.py                                   # the default task, 6 betas, 80 iterations
-    python tools/studies/sweep_beta.py --betas 0 0.1 1 --iterations 60 --out /tmp/my_sweep
-    python tools/studies/sweep_beta.py --fast                            # 2 betas, 10 iterations (the tests)
-    python tools/studies/sweep_beta.py --full                            # 9 betas, 80 iterations
-    python tools/studies/sweep_beta.py --config configs/quickstart.yaml --betas 0 0.05 0.2 --iterations 40
-    python tools/studies/sweep_beta.py --advantage grpo --num-generations 4     # critic-free, GRPO's group baseline
+    python -m tools.studies.sweep_beta                                   # the default task, 6 betas, 80 iterations
+    python -m tools.studies.sweep_beta --betas 0 0.1 1 --iterations 60 --out /tmp/my_sweep
+    python -m tools.studies.sweep_beta --fast                            # 2 betas, 10 iterations (the tests)
+    python -m tools.studies.sweep_beta --full                            # 9 betas, 80 iterations
+    python -m tools.studies.sweep_beta --config configs/quickstart.yaml --betas 0 0.05 0.2 --iterations 40
+    python -m tools.studies.sweep_beta --advantage grpo --num-generations 4     # critic-free, GRPO's group baseline
 
 Every run trains ``--config`` (any rlhf-lightning YAML) through LightningCLI with the beta
 controller replaced by ``FixedBeta(beta)``; the seed, prompts and everything else stay as the
@@ -38,7 +38,6 @@ import argparse
 import csv
 import logging
 import math
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -48,8 +47,7 @@ from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/: the argument types every tool shares
-from _cli_args import existing_file, option_number
+from tools._cli_args import existing_file, option_number, tool_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = REPO / "configs" / "tiny.yaml"
@@ -214,7 +212,7 @@ def format_table(rows: Sequence[SweepRow]) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = tool_parser(__spec__.name, __doc__)
     parser.add_argument("--config", type=existing_file, help="rlhf-lightning YAML (default: configs/tiny.yaml with DEFAULT_TASK)")
     parser.add_argument(
         "--betas", type=option_number(at_least=0), nargs="+", help=f"fixed betas to run (default: {' '.join(map(str, DEFAULT_BETAS))})"

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m tools.benchmarks.<name>`` from the repository root (tools/README.md)."""

@@ -1,0 +1,103 @@
+"""``--max-staleness K``: the plain loop's seconds per iteration with the sampler K updates ahead against the
+synchronous loop, in this process, runs alternating K, 0, K, 0 per mode; last line ``STALENESS ...``."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tools.benchmarks.bench.measure import quiet
+
+
+def run(args: argparse.Namespace, mode: str, k: int) -> tuple[list[float], list[dict[str, float]]]:
+    """Seconds of each timed iteration (after ``--warmup``) of the plain loop in ``mode`` with max_staleness ``k``:
+    from one end of an iteration to the next (the first timed one from the end of the warm-up); and each one's
+    logged phase seconds (``timing/*``: with k > 0 ``rollout_s`` is the sampler thread's draw, ``sampler_wait_s``
+    the trainer's wait for it)."""
+    import torch
+    from lightning import Trainer, seed_everything
+    from lightning.pytorch.callbacks import Callback
+
+    from rlhf_lightning import cpu
+    from rlhf_lightning.data import PromptDataModule
+    from rlhf_lightning.module import PPORLHF
+    from rlhf_lightning.trainer_settings import QUIET_TRAINER
+
+    class Ends(Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+            self.phases: list[dict[str, float]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.ends.append(time.perf_counter())
+            self.phases.append({k.removeprefix("timing/"): v for k, v in outputs["metrics"].items() if k.startswith("timing/")})
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seed_everything(0, verbose=False)
+    lora = mode == "lora"
+    module = PPORLHF(
+        policy=args.policy,
+        reward_model=args.reward,
+        sampling=dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, old_logprobs="forward"),
+        prompts=dict(chat_template=not args.no_chat_template),
+        ppo=dict(epochs=args.ppo_epochs[0], num_minibatches=args.num_minibatches),
+        critic=args.critic or ("shared" if lora else "separate"),
+        lora=dict(rank=args.lora_rank if lora else 0, alpha=2.0 * args.lora_rank),
+        runtime=dict(log_samples_every_n_steps=0),
+        off_policy=dict(max_staleness=k),
+        rollout_engine=args.engine,
+    )
+    ends = Ends()
+    with tempfile.TemporaryDirectory(prefix="rlhf_bench_stale_") as root:
+        trainer = Trainer(
+            **{**QUIET_TRAINER, "accelerator": "gpu" if args.device == "cuda" else "cpu"},
+            max_epochs=1,
+            limit_train_batches=args.warmup + args.iters,
+            precision="bf16-mixed" if args.bf16 else "32-true",
+            callbacks=[ends],
+            default_root_dir=root,
+        )
+        cpu.apply_cpu_settings(trainer, cpu.CPUSettings(linear=args.cpu_linear, malloc=args.cpu_malloc))
+        trainer.fit(module, datamodule=PromptDataModule(batch_size=args.batch_size, shuffle=False))
+    del trainer, module
+    gc.collect()  # the module and its trainer refer to each other: free this run's models before the next loads
+    start = max(args.warmup - 1, 0)
+    seconds = [b - a for a, b in zip(ends.ends[start:], ends.ends[start + 1 :], strict=False)][-args.iters :]
+    return seconds, ends.phases[-len(seconds) :]
+
+
+def main(args: argparse.Namespace, modes: Sequence[str]) -> list[dict]:
+    """``--max-staleness K``: per mode, runs alternating K, 0, K, 0 in this process; the median iteration seconds of
+    each K and their ratio, one line per mode, then ``STALENESS k=K <mode>_ratio=<r> ... load=<before>-<after>``."""
+    quiet()
+    load_before, results, k = os.getloadavg()[0], [], args.max_staleness
+    for mode in modes:
+        seconds: dict[int, list[float]] = {k: [], 0: []}
+        phases: dict[int, list[dict[str, float]]] = {k: [], 0: []}
+        for staleness in (k, 0, k, 0):
+            run_seconds, run_phases = run(args, mode, staleness)
+            seconds[staleness] += run_seconds
+            phases[staleness] += run_phases
+        with_k, without = statistics.median(seconds[k]), statistics.median(seconds[0])
+        phase = {s: {name: statistics.median(p.get(name, 0.0) for p in phases[s]) for name in phases[s][0]} for s in (k, 0)}
+        ratio = with_k / without
+        results.append(dict(mode=mode, k=k, iter_s=with_k, iter_s_synchronous=without, ratio=ratio, seconds=seconds, phases=phase))
+        medians = {s: ", ".join(f"{name} {v:.2f}" for name, v in phase[s].items()) for s in (k, 0)}
+        print(
+            f"{mode}: {with_k:.2f} s per iteration with max_staleness {k}, {without:.2f} s without: ratio {ratio:.3f} (iterations: "
+            f"{len(seconds[k])} and {len(seconds[0])}); median seconds with {k}: {medians[k]}; without: {medians[0]}",
+            flush=True,
+        )
+    if args.save:
+        Path(args.save).write_text(json.dumps(results, indent=1))
+    cells = " ".join(f"{r['mode']}_ratio={r['ratio']:.3f} {r['mode']}_iter_s={r['iter_s']:.3f}" for r in results)
+    print(f"STALENESS k={k} {cells} load={load_before:.2f}-{os.getloadavg()[0]:.2f}", flush=True)
+    return results
