@@ -1,5 +1,5 @@
 """Start-up warnings and refusals for combinations that are legal but biased, or that cannot learn:
-the KL recipes from the one table in the code (``args.kl_recipe``), checked against the docs'
+the KL recipes from the one table in the code (``recipes.kl_recipe``), checked against the docs'
 matrix; group estimators without sampling; clip ranges that remove the lower clip; numeric extremes
 named by the field the user wrote."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlhf_lightning import args
-from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.recipes import kl_recipe
 from rlhf_lightning.registry import registry
 
 from helpers import CONFIGS, char_reward, command
@@ -41,7 +41,7 @@ def docs_matrix() -> list[tuple[str, str, str, str]]:
 
 def test_the_docs_matrix_is_the_code_table():
     """Every class the docs' measured matrix gives (25 cells: 5 estimators x reward, loss, both x
-    none, importance) is the one ``args.kl_recipe`` gives: the docs cannot drift from the warnings."""
+    none, importance) is the one ``recipes.kl_recipe`` gives: the docs cannot drift from the warnings."""
     rows = docs_matrix()
     assert len(rows) == 25 and {r[3] for r in rows} == {"unbiased", "biased", "drift", "high_variance"}
     assert {r[:3]: kl_recipe(registry("kl_estimator").create(r[0]), *r[1:3])[0] for r in rows} == {r[:3]: r[3] for r in rows}
@@ -49,7 +49,7 @@ def test_the_docs_matrix_is_the_code_table():
 
 def test_the_advantage_docs_kl_in_the_loss_table_is_the_code_table():
     """docs/advantages-and-losses.md's KL-in-the-loss table (critic-free estimator x k1/k3 x weighting):
-    each cell's class is tools/studies/optimum_check.py's expected class (args.kl_recipe, and grpo's std), and
+    each cell's class is tools/studies/optimum_check.py's expected class (recipes.kl_recipe, and grpo's std), and
     PPORLHF warns at start-up exactly for the cells it calls biased."""
     from optimum_check import expected_class
 

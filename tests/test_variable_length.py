@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_exact import PPO_SETTINGS  # the terminal task's settings: terminal-eos is trained alike
 
-from rlhf_lightning import args
+from rlhf_lightning import recipes
 from rlhf_lightning.cli import main
 from rlhf_lightning.exact import (
     TASKS,
@@ -221,12 +221,12 @@ def test_length_report_counts_tokens_and_cut_responses():
 
 def test_a_length_weighted_kl_in_the_loss_is_its_own_class_and_warned_at_start_up():
     create = registry("kl_estimator").create
-    assert args.kl_recipe(create("k3"), "loss", "importance", "sequence", "seq_mean_token_mean")[0] == "length_weighted"
-    assert args.kl_recipe(create("k3"), "loss", "importance", "per_token", "seq_mean_token_mean")[0] == "length_weighted"
+    assert recipes.kl_recipe(create("k3"), "loss", "importance", "sequence", "seq_mean_token_mean")[0] == "length_weighted"
+    assert recipes.kl_recipe(create("k3"), "loss", "importance", "per_token", "seq_mean_token_mean")[0] == "length_weighted"
     for aggregation in ("token_mean", "seq_mean_token_sum", "ConstantNormaliser"):
-        assert args.kl_recipe(create("k3"), "loss", "importance", "sequence", aggregation)[0] == "unbiased"
-    assert args.kl_recipe(create("k1"), "reward", "importance", "sequence", "seq_mean_token_mean")[0] == "unbiased"
-    assert args.kl_recipe(create("k2"), "loss", "importance", "per_token", "seq_mean_token_mean")[0] == "biased"  # biased first
+        assert recipes.kl_recipe(create("k3"), "loss", "importance", "sequence", aggregation)[0] == "unbiased"
+    assert recipes.kl_recipe(create("k1"), "reward", "importance", "sequence", "seq_mean_token_mean")[0] == "unbiased"
+    assert recipes.kl_recipe(create("k2"), "loss", "importance", "per_token", "seq_mean_token_mean")[0] == "biased"  # biased first
     with pytest.warns(
         UserWarning, match=r"model.loss_aggregation seq_mean_token_mean with model.kl.placement loss: .*weighted_fixed_point"
     ):
@@ -349,7 +349,7 @@ def test_full_in_both_reaches_the_optimum_where_a_sampled_estimator_in_both_is_n
     argv = ["--task", "random-eos:3", "--advantage", "gae", "--placements", "both", "--epochs", "1", "--seed", "2"]
     (cell,), _ = _matrix(capsys, *argv, "--estimators", "full")
     assert cell["expected"] == "unbiased" and float(cell["gap"]) < 0.02, cell
-    assert args.kl_recipe(registry("kl_estimator").create("k3"), "both", "importance")[0] == "high_variance"
+    assert recipes.kl_recipe(registry("kl_estimator").create("k3"), "both", "importance")[0] == "high_variance"
 
 
 @pytest.mark.convergence

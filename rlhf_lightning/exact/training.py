@@ -26,7 +26,7 @@ from torch import Tensor
 
 from rlhf_lightning import args as settings
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning import sampling
+from rlhf_lightning import recipes, sampling
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact.closed_form import (
     backward_induction,
@@ -50,10 +50,10 @@ MEAN_BASELINES = ("rloo", "dr_grpo", "reinforce_pp")  # critic-free, the reward'
 
 
 def recipe_class(module: ExactPPORLHF) -> str:
-    """The class of the module's KL recipe (``args.kl_recipe``), with its loss aggregation."""
+    """The class of the module's KL recipe (``recipes.kl_recipe``), with its loss aggregation."""
     kl = module.kl
-    aggregation = settings.aggregation_name(module.loss_aggregation)
-    return settings.kl_recipe(module.kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)[0]
+    aggregation = recipes.aggregation_name(module.loss_aggregation)
+    return recipes.kl_recipe(module.kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)[0]
 
 
 def documented_optimum(module: ExactPPORLHF, ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Optional[Tensor]:
@@ -345,7 +345,7 @@ def expected_train(
     # Each response's weight in the aggregation, as its share of the responses (the batch's denominators
     # in expectation): 1 / E[|y|] per token for token_mean, 1 / |y| for seq_mean_token_mean, ...
     aggregation = module.loss_aggregation.weights(mask, module.sampling.max_new_tokens) * len(mask)
-    token_mean = settings.aggregation_name(module.loss_aggregation) == "token_mean"
+    token_mean = recipes.aggregation_name(module.loss_aggregation) == "token_mean"
     if responses is not None:
         draws = torch.Generator().manual_seed(seed)
         per_minibatch = responses // (prompts * num_minibatches)

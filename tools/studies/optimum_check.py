@@ -97,7 +97,7 @@ docs/kl-estimators.md and docs/results.md.
 weights of K iterations ago (``model.off_policy.max_staleness``, the asynchronous loop; with ``--expected-gradient``
 ``exact.expected_train(staleness=K)``, the responses weighted by that policy), once per ``--corrections`` value
 (``model.off_policy.correction``: sequence, token, none; default sequence none) at ``--correction-cap`` (default the
-setting's, 5). Their lines carry ``staleness= correction= off_policy=<the correction's class, args.off_policy_recipe>``
+setting's, 5). Their lines carry ``staleness= correction= off_policy=<the correction's class, recipes.off_policy_recipe>``
 (and, exact, the last iteration's ``ess=`` and ``clipped_fraction=``), and a summary per staleness and class follows
 MATRIX (whose classes are the synchronous cells')::
 
@@ -150,7 +150,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rlhf_lightning.args import OFF_POLICY_WEIGHTS, OffPolicyArgs, kl_recipe, off_policy_recipe
+from rlhf_lightning.args import OFF_POLICY_WEIGHTS, OffPolicyArgs
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact import (
     OptimumTracker,
@@ -167,6 +167,7 @@ from rlhf_lightning.exact import (
     train,
 )
 from rlhf_lightning.exact.tasks import RANDOM_KINDS, TASK_CHOICES
+from rlhf_lightning.recipes import kl_recipe, off_policy_recipe
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta, PromptBudgetBeta
@@ -936,7 +937,7 @@ def expected_class(
 ) -> str:
     """What the theory (docs/kl-estimators.md, "Which recipe reaches which optimum") says of a cell:
     ``unbiased``, ``per_token``, ``drift`` or ``biased``, from the one table the module's start-up
-    warning reads (``rlhf_lightning.args.kl_recipe``, where the classes are defined). ``grpo`` with
+    warning reads (``rlhf_lightning.recipes.kl_recipe``, where the classes are defined). ``grpo`` with
     any KL outside the reward is biased whatever the recipe: its division by each group's reward std
     weighs each prompt's reward against its KL differently (the objective is sum_x (E r - beta std_x
     KL), not J); in the reward the std divides both alike."""
@@ -1165,7 +1166,7 @@ def run_matrix(args: argparse.Namespace) -> None:
 
 
 def stale_fields(cell: Cell, row: dict) -> str:
-    """A stale cell's fields of its OPTIMUM line: staleness, correction and its class (``args.off_policy_recipe``),
+    """A stale cell's fields of its OPTIMUM line: staleness, correction and its class (``recipes.off_policy_recipe``),
     and the last iteration's ``off_policy/ess`` and ``off_policy/clipped_fraction`` where the row has them."""
     if not cell.staleness:
         return ""
