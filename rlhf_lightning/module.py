@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
-from rlhf_lightning import args, checkpoints, fsdp2, gpu, models, sampling
+from rlhf_lightning import args, checkpoints, checks, fsdp2, gpu, models, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import KLArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.async_rollout import AsyncRollouts, Drawn, staleness_metrics
@@ -218,7 +218,7 @@ class PPORLHF(LightningModule):
 
     def repeat_prompts(self, prompts: list[str]) -> list[str]:
         """Each prompt ``num_generations`` times, its group in consecutive rows of this rank's batch."""
-        args.check_batch_split(len(prompts), self.sampling, self.ppo)
+        checks.check_batch_split(len(prompts), self.sampling, self.ppo)
         return [prompt for prompt in prompts for _ in range(self.sampling.num_generations)]
 
     def draw_ahead(self, prompts: list[str], rows: list[str], timer: Timer) -> Optional[Drawn]:
@@ -444,7 +444,7 @@ class PPORLHF(LightningModule):
             reward_fault=None if drawn is None else drawn.reward_fault,
         )
         if self.training and self.iteration == 0:  # a sampler that draws one token alone: nothing to learn, said once
-            untrainable = args.point_mass_warning(self.sampling, trajectory.old_logprobs, trajectory.kept, trajectory.response_mask)
+            untrainable = checks.point_mass_warning(self.sampling, trajectory.old_logprobs, trajectory.kept, trajectory.response_mask)
             if untrainable:
                 rank_zero_warn(untrainable)
         return trajectory
@@ -617,7 +617,7 @@ class PPORLHF(LightningModule):
         hp, sharded = self.hparams, self.device_mesh is not None  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
         copy_of = fsdp2.meta_copy if sharded else copy.deepcopy
         policy, rows = self.load_policy(empty=sharded)
-        args.check_context(self.prompts, self.sampling, policy.config, self.longest_prompt)
+        checks.check_context(self.prompts, self.sampling, policy.config, self.longest_prompt)
         self.critic = None if hp.critic == "none" else ValueModel.from_policy(policy, shared=hp.critic == "shared", copy_of=copy_of)
         foreign = self.hparams.reference is not None
         if self.lora.rank > 0:
@@ -629,7 +629,7 @@ class PPORLHF(LightningModule):
         reference_rows = None
         if foreign:  # a separate frozen model, under LoRA too (the adapter-disabled policy is then pi_0)
             reference, reference_rows = self.load_reference(empty=sharded)
-            args.check_context(self.prompts, self.sampling, reference.config, self.longest_prompt, "model.reference's")
+            checks.check_context(self.prompts, self.sampling, reference.config, self.longest_prompt, "model.reference's")
             models.check_reference_vocabulary(policy, reference)
             self.ref_model = frozen_copy(reference, copy_of=lambda model: model)
         if sharded and self.async_rollouts is not None:
@@ -744,7 +744,7 @@ class PPORLHF(LightningModule):
     # ------------------------------------------------------------------ pieces
     def setup(self, stage: str) -> None:
         """At start-up, before any model loads: the checks that need the tokenizer or the data
-        module's prompts (``args.check_setup``); the CPU and GPU settings (cpu.py, gpu.py)."""
+        module's prompts (``checks.check_setup``); the CPU and GPU settings (cpu.py, gpu.py)."""
         if self._trainer is not None:
             gpu.setup(self.trainer, self)
             if self.async_rollouts is not None:
@@ -752,7 +752,7 @@ class PPORLHF(LightningModule):
         self.rollout_engine.setup(self)
         self.check_reference()
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        self.longest_prompt = args.check_setup(self, datamodule, stage)
+        self.longest_prompt = checks.check_setup(self, datamodule, stage)
         if stage == "fit":
             self.prompt_table = self.training_prompt_table(datamodule)
             controller = self.beta_controller
