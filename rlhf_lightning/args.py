@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lightning import recipes
 from rlhf_lightning.checks import ConfigError, require, require_number
-from rlhf_lightning.interfaces import Divergence, LossAggregation, PerPromptBetaController
+from rlhf_lightning.interfaces import Divergence, LossAggregation
 from rlhf_lightning.registry import registry
 
 # Arguments that name plugins: built here, kept out of the saved hyperparameters (the config
@@ -470,7 +470,7 @@ def build_plugins(args: dict[str, Any], ppo: PPOArgs) -> dict[str, Any]:
     if args["entropy_controller"] is not None:
         plugins["entropy_controller"] = build("entropy_controller")
         require(
-            not isinstance(plugins["entropy_controller"], PerPromptBetaController),
+            not plugins["entropy_controller"].keyed_by_prompt,
             "model.entropy_controller",
             "a controller with one coefficient (the entropy bonus is one term of the loss, not one per prompt)",
             type(plugins["entropy_controller"]).__name__,
@@ -690,7 +690,7 @@ def check_divergence(divergence: Divergence, kl: KLArgs, sampling: SamplingArgs,
         controller.unit,
     )
     require(
-        not isinstance(controller, PerPromptBetaController),
+        not controller.keyed_by_prompt,
         "model.beta_controller",
         f"a controller with one beta with {name} (the per-prompt budgets hold each prompt's reverse KL; a sequence-level "
         "divergence's optimum and controller input are the whole batch's)",

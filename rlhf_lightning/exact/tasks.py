@@ -47,7 +47,6 @@ from rlhf_lightning.checks import require
 from rlhf_lightning.data import PromptTable, prompt_id
 from rlhf_lightning.exact.closed_form import OptimumReport, backward_induction, optimum_logprobs, optimum_report
 from rlhf_lightning.exact.tabular import enumerate_responses, response_lengths, valid_responses
-from rlhf_lightning.interfaces import PerPromptBetaController
 from rlhf_lightning.models import SPECIAL_TOKENS, char_tokenizer
 from rlhf_lightning.module import PPORLHF
 
@@ -424,7 +423,7 @@ class ExactPPORLHF(PPORLHF):
         self.task, self.logged = task, logged
         budget_column = getattr(self.beta_controller, "budget_column", None)
         require(
-            kl_budgets is None or (isinstance(self.beta_controller, PerPromptBetaController) and len(kl_budgets) == len(task.prompts)),
+            kl_budgets is None or (self.beta_controller.keyed_by_prompt and len(kl_budgets) == len(task.prompts)),
             "ExactPPORLHF's kl_budgets",
             f"one per task prompt ({len(task.prompts)}), with a per-prompt beta controller",
             kl_budgets,
@@ -445,7 +444,7 @@ class ExactPPORLHF(PPORLHF):
     def exact_beta(self) -> float | Tensor:
         """The beta the optimum is tilted at: the controller's, or each task prompt's own (a per-prompt
         controller; (prompts,) float64)."""
-        if not isinstance(self.beta_controller, PerPromptBetaController):
+        if not self.beta_controller.keyed_by_prompt:
             return self.beta_controller.beta
         return self.beta_controller.betas_of([prompt_id(prompt) for prompt in self.task.prompts])
 
