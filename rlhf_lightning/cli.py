@@ -215,8 +215,9 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
 
+    # Imported, their callbacks resolve by bare name (class_path: KLGuard, KLToOptimum): of the lab, the meter alone.
     import rlhf_lightning.exact.meter
-    import rlhf_lightning.kl_monitor  # noqa: F401 (imported, their classes resolve by bare name: class_path: KLGuard)
+    import rlhf_lightning.kl_monitor  # noqa: F401
     from rlhf_lightning.checkpoints import AtomicCheckpointIO, check_resume, find_last_checkpoint
     from rlhf_lightning.cpu import CPUSettings, apply_cpu_settings
     from rlhf_lightning.data import PromptDataModule

@@ -148,7 +148,7 @@ class Divergence(Plugin):
     grad (E_pi r - beta D_f). Its value from the policy's own samples: D_f = E_pi[f(u) / u] (:meth:`value`).
     The optimum solves r(y) - beta f'(u(y)) = lambda(x) wherever u > 0: pi*(y) = pi_ref(y) (f')^{-1}((r(y) -
     lambda) / beta), clipped at u = 0 where (f')^{-1} would leave [0, inf), lambda set by normalisation
-    (f-DPO, Wang et al. 2023; f-DPG, Go et al. 2023; ``exact.divergence_optimal_logprobs``).
+    (f-DPO, Wang et al. 2023; f-DPG, Go et al. 2023; ``exact.f_divergence.divergence_optimal_logprobs``).
 
     ``per_token``: True only for the reverse KL, whose f'(u) = log u + 1 is a sum over tokens plus a constant:
     its penalty is the KL estimator's per-token one (``model.kl_estimator``, ``model.kl.placement``), as it

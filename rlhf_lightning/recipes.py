@@ -32,18 +32,18 @@ def kl_recipe(
 
     ``unbiased``: the whole response's KL gradient at every minibatch of every epoch (converges to pi*).
     ``per_token``: grad KL(pi(.|s) || pi_ref(.|s)) at each visited state, without the KL still to come
-    after the token (converges to ``exact.backward_induction(soft=False)``).
+    after the token (converges to ``exact.closed_form.backward_induction(soft=False)``).
     ``drift``: right on a rollout's first minibatch only (an unweighted token-dependent term
     evaluated at pi_theta on pi_old's tokens).
     ``biased``: wrong even on-policy.
     ``high_variance``: ``both`` with an estimator that reads the sampled token (k1, k3): the expected gradient is
-    the KL's (``exact.expected_train`` reaches pi*), but the loss carries k's pathwise gradient at the sampled token
+    the KL's (``exact.training.expected_train`` reaches pi*), but the loss carries k's pathwise gradient at the sampled token
     (k3: (1 - pi_ref / pi) grad log pi; k1: grad log pi, zero in expectation) with no baseline, and its noise moves
     the policy where a batch is small against the policy's distance from the reference (docs/kl-estimators.md,
     "Responses of different lengths"). ``full`` in ``both`` has no sampled value.
     ``length_weighted``: a KL in the loss (or ``both``) aggregated with a weight per response that depends on its
     length (``seq_mean_token_mean``: 1 / |y|): on responses of different lengths a short response's tokens weigh
-    more, and the policy settles at ``exact.weighted_fixed_point`` instead (the KL in the reward has pi* at
+    more, and the policy settles at ``exact.closed_form.weighted_fixed_point`` instead (the KL in the reward has pi* at
     every aggregation: there the whole return is the same for every response at pi*, so every token's
     advantage is 0 whatever weighs it; docs/kl-estimators.md, "Responses of different lengths").
 
@@ -95,7 +95,7 @@ def kl_recipe_warning(estimator: KLEstimator, kl: KLArgs, ppo: PPOArgs, aggregat
     if recipe == "length_weighted" and max_new_tokens > 1:
         return (
             f"model.loss_aggregation {aggregation} with model.kl.placement {kl.placement}: {reason}, so where responses end at "
-            "EOS the policy converges away from the KL-regularised optimum (to exact.weighted_fixed_point; docs/kl-estimators.md, "
+            "EOS the policy converges away from the KL-regularised optimum (to exact.closed_form.weighted_fixed_point; docs/kl-estimators.md, "
             "'Responses of different lengths'). Use model.loss_aggregation token_mean, seq_mean_token_sum or constant, or the KL in the reward."
         )
     if recipe == "high_variance":

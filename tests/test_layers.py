@@ -71,3 +71,19 @@ def test_the_package_imports_in_no_circle():
 def test_every_import_points_down_the_layers():
     upward = sorted((m, t) for m, targets in import_graph().items() for t in targets if layer(t) > layer(m))
     assert upward == [], "a lower layer imports a higher one (module docstring)"
+
+
+def test_the_command_loads_of_the_lab_the_meter_and_the_math_it_reads():
+    """The command imports the lab for ``class_path: KLToOptimum`` alone: the meter and what it reads (the package's
+    ``__init__`` re-exports nothing), not the tasks and the training harness that import the module."""
+    graph = import_graph(annotations=False)
+    imported = {t for t in graph["rlhf_lightning.cli"] if layer(t) == 2}
+    assert imported == {"rlhf_lightning.exact", "rlhf_lightning.exact.meter"}
+    loaded, todo = set(), list(imported)
+    while todo:
+        name = todo.pop()
+        if name not in loaded:
+            loaded.add(name)
+            todo.extend(graph[name])
+    lab = {f"rlhf_lightning.exact.{name}" for name in ("meter", "frontier", "closed_form", "f_divergence", "tabular")}
+    assert {name for name in loaded if layer(name) == 2} == {"rlhf_lightning.exact", *lab}

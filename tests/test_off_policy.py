@@ -2,7 +2,7 @@
 trained on by the proximal policy pi_prox (the current weights). The weights that turn E_mu into E_prox
 (``sampling.correction_weights``), what they clip and their effective sample size (``sampling.off_policy_weight_metrics``),
 the declared class of each correction (``recipes.off_policy_recipe``), and the exact lab's stale expected path
-(``exact.expected_train(staleness=k)``) against the synchronous one and against J*."""
+(``exact.training.expected_train(staleness=k)``) against the synchronous one and against J*."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rlhf_lightning import args, recipes
-from rlhf_lightning.exact import expected_train
 from rlhf_lightning.exact.tasks import task_named
+from rlhf_lightning.exact.training import expected_train
 from rlhf_lightning.sampling import correction_weights, off_policy_weight_metrics
 
 LOG = math.log
@@ -218,7 +218,7 @@ def stale_cell(advantage: str, staleness: int, correction: str = "sequence", **c
     iterations = optimum_check.iterations_of(settings, advantage, placement, "sequence")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from rlhf_lightning.exact import train
+        from rlhf_lightning.exact.training import train
 
         _, tracker = train(
             task_named("random:3"), iterations, every=iterations, seed=0, **kwargs, **optimum_check.stale_settings(args, stale)

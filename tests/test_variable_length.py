@@ -17,19 +17,14 @@ from test_exact import PPO_SETTINGS  # the terminal task's settings: terminal-eo
 
 from rlhf_lightning import recipes
 from rlhf_lightning.cli import main
-from rlhf_lightning.exact import (
-    TASKS,
-    ExactPPORLHF,
-    ExactTask,
+from rlhf_lightning.exact.closed_form import (
     backward_induction,
-    expected_train,
+    controller_beta,
     kl_divergence,
+    length_report,
     optimal_logprobs,
-    reference_logprobs,
-    task_named,
-    train,
+    weighted_fixed_point,
 )
-from rlhf_lightning.exact.closed_form import controller_beta, length_report, weighted_fixed_point
 from rlhf_lightning.exact.tabular import (
     conditional_tables,
     enumerate_responses,
@@ -39,6 +34,8 @@ from rlhf_lightning.exact.tabular import (
     token_logprobs,
     valid_responses,
 )
+from rlhf_lightning.exact.tasks import TASKS, ExactPPORLHF, ExactTask, reference_logprobs, task_named
+from rlhf_lightning.exact.training import expected_train, train
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
@@ -242,7 +239,7 @@ def test_a_length_weighted_kl_in_the_loss_is_its_own_class_and_warned_at_start_u
 
 
 def test_every_unbiased_placement_takes_the_same_exact_expected_step_and_a_biased_one_does_not():
-    """exact.expected_train (every response enumerated, the exact advantage) on random-eos:3: the KL in the reward
+    """exact.training.expected_train (every response enumerated, the exact advantage) on random-eos:3: the KL in the reward
     (k1), in the loss (k1, k3, full; sequence scope) and in both (full; k1, k3: high_variance) take the same steps,
     objective to 1e-6 after three AdamW steps from pi_ref (the first step's KL gradient is 0 there; the later ones
     are not): what separates them sampled is noise. k3 in the reward (biased) and the per-token scope do not."""
@@ -355,7 +352,7 @@ def test_full_in_both_reaches_the_optimum_where_a_sampled_estimator_in_both_is_n
 @pytest.mark.convergence
 def test_a_length_weighted_kl_in_the_loss_lands_on_its_own_optimum(capsys):
     """rloo with k3 in the loss aggregated by seq_mean_token_mean on random-eos:2, per-token scope (where the
-    weighted fixed point lies clearly apart from pi*): within 0.02 (beta KL / |J*|) of exact.weighted_fixed_point."""
+    weighted fixed point lies clearly apart from pi*): within 0.02 (beta KL / |J*|) of exact.closed_form.weighted_fixed_point."""
     argv = ["--task", "random-eos:2", "--advantage", "rloo", "--estimators", "k3", "--placements", "loss", "--scopes", "per_token"]
     cells, _ = _matrix(capsys, *argv, "--epochs", "1", "--aggregations", "seq_mean_token_mean")
     (cell,) = cells

@@ -47,8 +47,10 @@ from rlhf_lightning.checks import require
 from rlhf_lightning.data import PromptTable, prompt_id
 from rlhf_lightning.exact.closed_form import OptimumReport, backward_induction, optimum_logprobs, optimum_report
 from rlhf_lightning.exact.tabular import enumerate_responses, response_lengths, valid_responses
+from rlhf_lightning.interfaces import RewardModel
 from rlhf_lightning.models import SPECIAL_TOKENS, char_tokenizer
 from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.registry import registry
 
 BANNED_LOGIT = -1e4  # added to the logits of non-content tokens: probability exactly 0, entropy still finite
 EXACT_TINY_CONFIG = dict(
@@ -281,10 +283,11 @@ class ExactTask:
         tokens = self.content_tokens
         return ["".join(tokens[i] for i in itertools.takewhile(lambda i: i < len(tokens), row)) for row in self.indices.tolist()]
 
-    def reward_model(self):
-        from rlhf_lightning_plugins.rewards.function import CallableReward
-
-        return CallableReward(function=self.reward_function, kwargs=dict(self.reward_kwargs), missing_eos_penalty=self.missing_eos_penalty)
+    def reward_model(self) -> RewardModel:
+        """The task's reward backend, built through the registry by its short name (``callable``), as the module builds its plugins."""
+        return registry("reward_model").create(
+            "callable", function=self.reward_function, kwargs=dict(self.reward_kwargs), missing_eos_penalty=self.missing_eos_penalty
+        )
 
     def rewards(self) -> Tensor:
         """r(x, y) for every prompt and path: (prompts, paths), from the reward backend itself, less

@@ -95,7 +95,7 @@ class OptimumTracker(Callback):
     With a per-prompt controller the optimum is each prompt's, tilted at the prompt's own current beta (the gap
     E_x beta_x KL(pi || pi*) / |J*|; no per-token fixed point nor own optimum: NaN), and the row adds the budget
     columns of :meth:`_budget_row`. With a sequence-level ``model.divergence`` (not the reverse KL) the objective,
-    optimum and gap are J_f's and pi* is pi*_f (``exact.divergence_optimal_logprobs``); the iterated optimum's
+    optimum and gap are J_f's and pi* is pi*_f (``exact.f_divergence.divergence_optimal_logprobs``); the iterated optimum's
     theory is the reverse KL's, so its columns mean something there only with a frozen reference (k = 1, where
     they repeat the plain ones)."""
 

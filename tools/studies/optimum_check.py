@@ -32,7 +32,7 @@ Every run first prints
 
     PER_TOKEN fixed_point_gap=<gap> task=<task> seed=<seed>
 
-the exact gap of the fixed point of a per-token KL loss (``exact.backward_induction(soft=False)``): where a
+the exact gap of the fixed point of a per-token KL loss (``exact.closed_form.backward_induction(soft=False)``): where a
 KL in the loss with ``--kl-loss-scope per_token`` converges. At beta 1 it is >= 0.05 on random tasks 1-7
 (their values: ``ExactTask.random``'s docstring).
 
@@ -74,11 +74,11 @@ With several ``--seed`` values each per_token cell also gets a line after the ce
 over its sampling seeds: where the cell sits, and how far one seed strays from it).
 
 ``--expected-gradient`` trains the same cells with every rollout replaced by its exact expectation
-(:func:`rlhf_lightning.exact.expected_train`: all responses enumerated, weighted by pi_old, the exact
+(:func:`rlhf_lightning.exact.training.expected_train`: all responses enumerated, weighted by pi_old, the exact
 advantage with the reward's KL values in the return, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
 gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
 cell adds to them is noise. Every cell trains the task kind's iterations (150 on a random task).
-``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.exact.sampled_ppo`:
+``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.exact.training.sampled_ppo`:
 one logit vector per prompt and prefix, sampled responses, the module's loss pieces, the exact advantage for
 ``gae`` or the critic-free estimator's own, Adam at ``--tabular-lr``, one batch size: the cell's, without an end batch), about a second a cell: where the loss
 settles when no network couples the states. ``--expected-noise`` puts the noise back and nothing else: each step weighs the responses by a draw of
@@ -95,7 +95,7 @@ docs/kl-estimators.md and docs/results.md.
 
 ``--max-staleness K [K ...]`` adds stale cells to the matrix (0: the synchronous cell): each batch sampled from the
 weights of K iterations ago (``model.off_policy.max_staleness``, the asynchronous loop; with ``--expected-gradient``
-``exact.expected_train(staleness=K)``, the responses weighted by that policy), once per ``--corrections`` value
+``exact.training.expected_train(staleness=K)``, the responses weighted by that policy), once per ``--corrections`` value
 (``model.off_policy.correction``: sequence, token, none; default sequence none) at ``--correction-cap`` (default the
 setting's, 5). Their lines carry ``staleness= correction= off_policy=<the correction's class, recipes.off_policy_recipe>``
 (and, exact, the last iteration's ``ess=`` and ``clipped_fraction=``), and a summary per staleness and class follows
@@ -125,7 +125,7 @@ prompt's pi*(.|x) ∝ pi_ref exp(r / beta_x) at its current beta_x, and a last l
     BUDGET task=<task> seed=<seed> gap=<gap to that optimum> kl_max_rel_error=<max_x |KL_x(pi) / budget_x - 1|>
            beta_max_rel_error=<max_x |beta_x / beta_x^rest - 1|> kls=<KL_x> betas=<beta_x> rest_betas=<beta_x^rest>
 
-(beta_x^rest: where the budget puts pi*'s KL, ``exact.prompt_betas``; KL_x exact).
+(beta_x^rest: where the budget puts pi*'s KL, ``exact.closed_form.prompt_betas``; KL_x exact).
 
 ``--reference sync|reset|ema --resets k`` trains k phases of ``--iterations`` iterations (the learning
 rate decays within each phase) and moves the reference after each phase, the last at the very end.
@@ -152,21 +152,10 @@ from pathlib import Path
 
 from rlhf_lightning.args import OFF_POLICY_WEIGHTS, OffPolicyArgs
 from rlhf_lightning.checks import require
-from rlhf_lightning.exact import (
-    OptimumTracker,
-    divergence_label,
-    divergence_named,
-    expected_train,
-    optimum_report,
-    per_token_fixed_point_gap,
-    prompt_betas,
-    prompt_kls,
-    reference_logprobs,
-    sampled_ppo,
-    task_named,
-    train,
-)
-from rlhf_lightning.exact.tasks import RANDOM_KINDS, TASK_CHOICES
+from rlhf_lightning.exact.closed_form import optimum_report, prompt_betas, prompt_kls
+from rlhf_lightning.exact.f_divergence import divergence_label, divergence_named
+from rlhf_lightning.exact.tasks import RANDOM_KINDS, TASK_CHOICES, per_token_fixed_point_gap, reference_logprobs, task_named
+from rlhf_lightning.exact.training import OptimumTracker, expected_train, sampled_ppo, train
 from rlhf_lightning.recipes import kl_recipe, off_policy_recipe
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE
@@ -186,7 +175,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="+",
         default=["reverse_kl"],
         help="model.divergence: reverse_kl (default), forward_kl, js, chi2, alpha:VALUE or any registered name; several: "
-        "one run each, every other setting the same, each measured against its own optimum (exact.divergence_optimal_logprobs)",
+        "one run each, every other setting the same, each measured against its own optimum (exact.f_divergence.divergence_optimal_logprobs)",
     )
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
     parser.add_argument(
@@ -305,7 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.end_iterations and args.expected_gradient:
         parser.error("--end-batch-size / --end-iterations: not with --expected-gradient (the exact path samples no batch)")
     if args.end_iterations and args.tabular:
-        parser.error("--end-batch-size / --end-iterations: not with --tabular (exact.sampled_ppo samples one batch size)")
+        parser.error("--end-batch-size / --end-iterations: not with --tabular (exact.training.sampled_ppo samples one batch size)")
     sequence_level = [name for name in args.divergence if not divergence_named(name).per_token]
     if sequence_level and (args.matrix or args.reference != "none" or args.kl_penalty != "reward"):
         parser.error(
@@ -327,7 +316,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.tabular and any(name.startswith(("teacher:", "random-teacher:")) for name in args.task):
         parser.error(
-            "--tabular: not with a teacher task (exact.sampled_ppo starts the table at pi_ref, and a teacher task's policy starts elsewhere)"
+            "--tabular: not with a teacher task (exact.training.sampled_ppo starts the table at pi_ref, and a teacher task's policy starts elsewhere)"
         )
     for name, epochs in itertools.product(args.task, args.epochs if args.matrix else [args.ppo_epochs]):
         updates = task_settings(args, name)["updates"]
@@ -910,14 +899,14 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     add(
         "--expected-gradient",
         action="store_true",
-        help="replace every rollout by its exact expectation (exact.expected_train): where each cell's expected gradient "
+        help="replace every rollout by its exact expectation (exact.training.expected_train): where each cell's expected gradient "
         "leads, without sampling noise; the advantage exact (a perfect critic's: --advantage ignored), the KL in the reward "
         "in the exact return",
     )
     add(
         "--tabular",
         action="store_true",
-        help="a tabular policy (one logit vector per prompt and prefix, exact.sampled_ppo) in place of the tiny Llama: "
+        help="a tabular policy (one logit vector per prompt and prefix, exact.training.sampled_ppo) in place of the tiny Llama: "
         "sampled responses (the task's --batch-size), the module's loss pieces, the exact advantage for gae (a perfect "
         "critic's) or the critic-free --advantage's own, Adam at --tabular-lr; KL in the loss only. Where the sampled loss settles when no shared network "
         'couples the states (docs/results.md, "Tenth round")',
@@ -1015,7 +1004,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     aggregation = {"loss_aggregation": cell.aggregation} if args.aggregations else {}
     if args.tabular:
         task = task_named(cell.task)
-        require(not task.eos, "--tabular", "a task of fixed-length responses (exact.sampled_ppo's table has no EOS)", cell.task)
+        require(not task.eos, "--tabular", "a task of fixed-length responses (exact.training.sampled_ppo's table has no EOS)", cell.task)
         ref, rewards = reference_logprobs(task, cell.seed), task.rewards()
         logprobs = sampled_ppo(
             ref,
@@ -1109,7 +1098,7 @@ def run_matrix(args: argparse.Namespace) -> None:
     deviations = []  # |gap - the per-token fixed point's gap| of the per_token cells
     distances = []  # their fixed_point_distance: beta KL(pi || fixed point) / |J*|, the gap's unit
     over_seeds: dict[Cell, list[float]] = {}  # gap - the fixed point's gap of each per_token cell, by sampling seed
-    own_distances = []  # the length_weighted cells' beta KL(pi || exact.weighted_fixed_point) / |J*|
+    own_distances = []  # the length_weighted cells' beta KL(pi || exact.closed_form.weighted_fixed_point) / |J*|
     stale_gaps: dict[tuple[int, str], list[float]] = {}  # (staleness, the correction's class) -> gaps
     # spawn, not fork: a process forked after torch started its OpenMP threads can deadlock in them.
     pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) if args.jobs > 1 else _InProcess()
