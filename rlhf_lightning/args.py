@@ -7,8 +7,10 @@ reaches which optimum is recipes.py's.
 
 ``PPORLHF`` takes the plugins and the network keys flat and everything else in these groups; in
 YAML a group reads nested (``model.sampling.temperature``, ``model.kl.placement``). The flat names
-of earlier versions (``model.lr``) are refused by the command with the new key (:func:`refuse_flat_keys`),
-and accepted by the Python API for one release with a FutureWarning (:func:`regroup`).
+of 0.1 (``model.lr``) are refused by the command with the new key (``cli.check_config_files``), and
+accepted by the Python API with a FutureWarning (:func:`regroup`); the top-level arguments that 0.3 folded
+into ``model.loading`` (``model.seed``) are read by both with a FutureWarning (``FOLDED``); both paths
+end in ``REMOVED_IN``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -294,6 +297,29 @@ class RuntimeArgs:
         require_number(f + "num_logged_samples", self.num_logged_samples, at_least=0, integer=True)
 
 
+@dataclass(frozen=True)
+class LoadingArgs:
+    """How the networks that ``model.policy``, ``model.tokenizer`` and ``model.reference`` name are built
+    (``model.loading``; models.py): what a checkpoint may run, and the ``tiny`` policy's shape and seed."""
+
+    trust_remote_code: bool = False
+    """Run a checkpoint's own modelling and tokenizer code (transformers' ``trust_remote_code``) for the policy,
+    the reference and their tokenizers."""
+    tiny_config: Optional[dict] = None
+    """Overrides of the ``tiny`` policy's LlamaConfig (``{hidden_size: 32}``); null: the built-in one (models.TINY_CONFIG)."""
+    seed: int = 0
+    """The seed the ``tiny`` policy is initialised from (a pretrained policy's weights are its checkpoint's)."""
+
+    def __post_init__(self) -> None:
+        require_number("model.loading.seed", self.seed, integer=True)
+        require(
+            self.tiny_config is None or isinstance(self.tiny_config, dict),
+            "model.loading.tiny_config",
+            "a mapping of LlamaConfig fields, or null",
+            self.tiny_config,
+        )
+
+
 # model.off_policy.correction -> the mode of ``sampling.correction_weights`` from mu (the stale sampler) to pi_prox
 OFF_POLICY_WEIGHTS = {"sequence": "seq_tis", "token": "tis", "none": "none"}
 
@@ -361,6 +387,7 @@ GROUPS: dict[str, type] = {
     "lora": LoraArgs,
     "runtime": RuntimeArgs,
     "off_policy": OffPolicyArgs,
+    "loading": LoadingArgs,
 }
 # The flat names of earlier versions whose field is spelt differently in its group.
 _RENAMED = {
@@ -389,6 +416,10 @@ FLAT_KEYS: dict[str, str] = {
 }
 # Flat settings that left the module: the CPU kernel and malloc are the command's ``cpu`` section.
 MOVED_OUT = {"cpu_linear": "cpu.linear", "cpu_malloc": "cpu.malloc"}
+# Top-level arguments of 0.2 folded into a group in 0.3: the command still reads them under their old names, with a
+# FutureWarning (cli.fold_old_keys), as the Python API does every flat name (regroup), until REMOVED_IN.
+FOLDED = {name: f"loading.{name}" for name in ("trust_remote_code", "tiny_config", "seed")}
+REMOVED_IN = "0.4.0"
 
 
 def new_key(flat: str) -> str:
@@ -396,10 +427,18 @@ def new_key(flat: str) -> str:
     return MOVED_OUT[flat] if flat in MOVED_OUT else f"model.{FLAT_KEYS[flat]}"
 
 
+def old_keys_warning(flat: Iterable[str]) -> str:
+    """The FutureWarning of settings under the names of earlier versions: each one's key now, and the release that
+    stops reading the old names."""
+    moved = ", ".join(f"model.{name} is now {new_key(name)}" for name in flat)
+    return f"settings under the names of earlier versions are deprecated and removed in {REMOVED_IN}: {moved}"
+
+
 def regroup(flat: dict[str, Any], warn: bool = True) -> dict[str, Any]:
     """Flat settings of earlier versions (``lr=1e-3``) as this version's group arguments
-    (``optim=OptimArgs(lr=1e-3)``), with a FutureWarning naming each new key; group arguments
-    already given as dataclasses or dicts are merged with them. The Python API's path for one release."""
+    (``optim=OptimArgs(lr=1e-3)``), with a FutureWarning naming each new key and the release that removes
+    the old names (``REMOVED_IN``); group arguments already given as dataclasses or dicts are merged with them.
+    The Python API's path until then."""
     moved = [name for name in flat if name in MOVED_OUT]
     if moved:
         raise ConfigError(
@@ -412,11 +451,7 @@ def regroup(flat: dict[str, Any], warn: bool = True) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"PPORLHF got unexpected keyword arguments {unknown}")
     if warn:
-        warnings.warn(
-            "flat module settings are deprecated: " + ", ".join(f"model.{name} is now {new_key(name)}" for name in flat),
-            FutureWarning,
-            stacklevel=4,
-        )
+        warnings.warn(old_keys_warning(flat), FutureWarning, stacklevel=4)
     fields: dict[str, dict[str, Any]] = {}
     for name, value in flat.items():
         group, field = FLAT_KEYS[name].split(".")

@@ -51,7 +51,7 @@ from torchmetrics import MeanMetric
 
 from rlhf_lightning import args, checkpoints, checks, fsdp2, gpu, models, sampling
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.args import KLArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
+from rlhf_lightning.args import KLArgs, LoadingArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.async_rollout import AsyncRollouts, Drawn, staleness_metrics
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
 from rlhf_lightning.checks import Faults, nonfinite_terms, require
@@ -88,11 +88,11 @@ class PPORLHF(LightningModule):
     policy, or another causal LM with the policy's tokenizer, a checkpoint folder, a ``.gguf`` file or
     ``smollm2``: a teacher, docs/reference.md), ``critic`` (the value head's trunk: a ``separate``
     copy of the policy's, ``shared`` with it, or ``none`` for the critic-free estimators; null: what
-    the advantage estimator needs), ``tiny_config`` (overrides of the ``tiny`` model's LlamaConfig),
-    ``seed`` (the ``tiny`` model's initialisation) and ``trust_remote_code``. Every other setting is
-    in a group, each field documented where it is declared (args.py): ``sampling``, ``prompts``,
-    ``kl``, ``ppo``, ``optim``, ``lora``, ``runtime``, ``off_policy``. The flat names of earlier versions
-    (``lr=...``) still work from Python for one release, with a FutureWarning naming the new key.
+    the advantage estimator needs). Every other setting is in a group, each field documented where it
+    is declared (args.py): ``sampling``, ``prompts``, ``kl``, ``ppo``, ``optim``, ``lora``, ``runtime``,
+    ``off_policy``, ``loading`` (how the networks are built: ``trust_remote_code``, the ``tiny`` model's
+    ``tiny_config`` and ``seed``). The flat names of earlier versions (``lr=...``, ``seed=...``) still work
+    from Python until 0.4.0, with a FutureWarning naming the new key.
     """
 
     def __init__(
@@ -120,16 +120,11 @@ class PPORLHF(LightningModule):
         lora: LoraArgs = LoraArgs(),
         runtime: RuntimeArgs = RuntimeArgs(),
         off_policy: OffPolicyArgs = OffPolicyArgs(),
-        tiny_config: Optional[dict] = None,
-        seed: int = 0,
-        trust_remote_code: bool = False,
+        loading: LoadingArgs = LoadingArgs(),
         **flat_settings: Any,
     ) -> None:
         super().__init__()
-        groups = args.build_groups(
-            dict(sampling=sampling, prompts=prompts, kl=kl, ppo=ppo, optim=optim, lora=lora, runtime=runtime, off_policy=off_policy),
-            flat_settings,
-        )
+        groups = args.build_groups({name: value for name, value in locals().items() if name in args.GROUPS}, flat_settings)
         plugin_specs = {name: value for name, value in locals().items() if name in args.PLUGIN_ARGUMENTS}
         # Plugins first: an unknown name fails here, before any model loads.
         plugins = args.build_plugins(plugin_specs, groups["ppo"])
@@ -154,15 +149,14 @@ class PPORLHF(LightningModule):
         self.lora: LoraArgs = groups["lora"]
         self.runtime: RuntimeArgs = groups["runtime"]
         self.off_policy: OffPolicyArgs = groups["off_policy"]
+        self.loading: LoadingArgs = groups["loading"]
         # The saved hyperparameters: the network keys and each group as plain values, resolved.
-        network = dict(policy=policy, tokenizer=tokenizer, reference=reference, critic=groups["critic"], tiny_config=tiny_config, seed=seed)
-        self.save_hyperparameters(
-            {**network, "trust_remote_code": trust_remote_code, **{name: dataclasses.asdict(groups[name]) for name in args.GROUPS}}
-        )
+        network = dict(policy=policy, tokenizer=tokenizer, reference=reference, critic=groups["critic"])
+        self.save_hyperparameters({**network, **{name: dataclasses.asdict(groups[name]) for name in args.GROUPS}})
         self._kl_reads_sampled_token = self.kl_estimator.reads_sampled_token()
         self.automatic_optimization = False
 
-        self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), trust_remote_code)
+        self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), self.loading.trust_remote_code)
         self.kl_ignore_ids = token_ids(self.tokenizer, self.kl.ignore_tokens or [], "each of model.kl.ignore_tokens")
         self.policy: Optional[nn.Module] = None
         self.ref_model: Optional[nn.Module] = None
@@ -655,22 +649,24 @@ class PPORLHF(LightningModule):
     def load_policy(self, empty: bool = False) -> tuple[nn.Module, fsdp2.Rows]:
         """The policy network as configured, unsharded and without LoRA (``models.load_policy``): where a
         subclass changes it before the reference and the critic are copied from it (the lab's tasks do)."""
-        hp = self.hparams
+        hp, loading = self.hparams, self.loading
         return models.load_policy(
-            hp.policy, self.tokenizer, self.sampling, hp.seed, hp.trust_remote_code, hp.tiny_config, self._trainer, empty
+            hp.policy, self.tokenizer, self.sampling, loading.seed, loading.trust_remote_code, loading.tiny_config, self._trainer, empty
         )
 
     def load_reference(self, empty: bool = False) -> tuple[nn.Module, fsdp2.Rows]:
         """The foreign reference network (``model.reference``), unsharded, and where its rows are read from
         (``models.load_policy``, as the policy's): where a subclass builds another (the lab's teacher)."""
-        hp = self.hparams
-        return models.load_policy(hp.reference, self.tokenizer, self.sampling, hp.seed, hp.trust_remote_code, None, self._trainer, empty)
+        hp, loading = self.hparams, self.loading
+        return models.load_policy(
+            hp.reference, self.tokenizer, self.sampling, loading.seed, loading.trust_remote_code, None, self._trainer, empty
+        )
 
     def check_reference(self) -> None:
         """Before any model loads: a foreign ``model.reference`` exists and shares the policy's tokenizer
         (``models.check_reference_tokenizer``)."""
         if self.hparams.reference is not None:
-            models.check_reference_tokenizer(self.tokenizer, self.hparams.reference, self.hparams.trust_remote_code)
+            models.check_reference_tokenizer(self.tokenizer, self.hparams.reference, self.loading.trust_remote_code)
 
     def reference_identity(self) -> Optional[dict[str, str]]:
         """What a checkpoint records of a foreign reference (``checkpoints.save_state``) and a resume compares:

@@ -403,12 +403,13 @@ class ExactPPORLHF(PPORLHF):
         fixed |= {f"sampling.{name}" for name in own if name in kwargs.get("sampling", {})}
         fixed |= {"lora.rank"} if "rank" in kwargs.get("lora", {}) else set()
         require(not fixed, "ExactPPORLHF's arguments", "free of what the task sets itself", sorted(fixed))
+        loading = kwargs.setdefault("loading", {})
         if task.model_seed is not None:  # the task's reference: the initialisation is the task's, not the run's
             require(
-                kwargs.setdefault("seed", task.model_seed) == task.model_seed,
+                loading.setdefault("seed", task.model_seed) == task.model_seed,
                 "ExactPPORLHF's seed",
                 f"the task's model_seed {task.model_seed} (it defines pi_ref)",
-                kwargs["seed"],
+                loading["seed"],
             )
         require(
             not task.position_embedding or kwargs.get("rollout_engine", "hf") == "hf",
@@ -416,10 +417,10 @@ class ExactPPORLHF(PPORLHF):
             "hf (another engine serves the model without it)",
             kwargs.get("rollout_engine"),
         )
-        tiny_config = {**EXACT_TINY_CONFIG, **(kwargs.pop("tiny_config", None) or {})}
+        loading["tiny_config"] = {**EXACT_TINY_CONFIG, **(loading.get("tiny_config") or {})}
         # A task's prompts are 1-2 tokens: sharing them saves nothing and costs a second forward call per pass.
         task_settings = dict(runtime=dict(shared_prompts=False), sampling=dict(max_new_tokens=task.response_length))
-        networks = dict(policy="tiny", reward_model=task.reward_model(), tiny_config=tiny_config)
+        networks = dict(policy="tiny", reward_model=task.reward_model())
         if task.teacher_seed is not None:  # a foreign reference: built by load_reference, named for the checkpoint
             networks["reference"] = f"teacher:{task.teacher_seed}"
         super().__init__(**args.merge_settings(task_settings, kwargs, networks))
@@ -466,8 +467,7 @@ class ExactPPORLHF(PPORLHF):
 
     def load_reference(self, empty: bool = False):
         """The teacher: the task's network initialised from ``task.teacher_seed``, on the task's tokenizer."""
-        hp = self.hparams
-        teacher, rows = models.load_policy("tiny", self.tokenizer, self.sampling, self.task.teacher_seed, False, hp.tiny_config)
+        teacher, rows = models.load_policy("tiny", self.tokenizer, self.sampling, self.task.teacher_seed, False, self.loading.tiny_config)
         self._as_task_network(teacher)
         return teacher, rows
 
