@@ -46,7 +46,7 @@ class _GroupBaseline(AdvantageEstimator):
         """A group-mean baseline contains R_i itself: E[s_i (R_i - mean_g R)] = (n - 1) / n E[s_i R_i]
         (leave-one-out is unbiased: 1). GRPO's division by the group std is not carried over: a group
         of identical responses (std 0) would weigh its KL a million times beta; with it the fixed
-        point is not the KL-regularised optimum, which args.check_arguments warns of."""
+        point is not the KL-regularised optimum, which args.check_across_groups warns of."""
         factor = 1.0 if self.baseline == "leave_one_out" else (group_size - 1) / group_size
         return rewards.new_full((rewards.shape[0],), factor)
 

@@ -137,7 +137,7 @@ class PromptBudgetBeta(PerPromptBetaController, AdaptiveBeta):
     it is scale-free: the error is relative and the step multiplicative, so one ``horizon`` serves budgets of
     0.1 and of 10 nats, and beta_x stays > 0 without a clamp. Both are integral control of the budget (beta_x
     accumulates the errors), so at rest KL_x = budget_x: with the policy at its optimum, pi*(.|x) ∝ pi_ref
-    exp(r / beta_x), beta_x is where the tilted optimum's KL meets the budget (``exact.prompt_betas``), and the
+    exp(r / beta_x), beta_x is where the tilted optimum's KL meets the budget (``exact.closed_form.prompt_betas``), and the
     policy is the maximiser of E r subject to KL_x <= budget_x for every prompt (the betas are its Lagrange
     multipliers). ``horizon`` counts one prompt's responses (default 100: 16 responses a prompt move its beta
     by at most 3.2% an iteration). ``beta``, the beta of a prompt with no entry yet, follows ``adaptive``'s

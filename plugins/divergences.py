@@ -99,7 +99,7 @@ class JensenShannon(Divergence):
         mixture: b, strictly between 0 and 1 (0 is ``forward_kl``, 1 ``reverse_kl``).
     """
 
-    omit_default_arguments = True  # "js" names the symmetric one; "js:0.1" another mixture (exact.divergence_label)
+    omit_default_arguments = True  # "js" names the symmetric one; "js:0.1" another mixture (exact.f_divergence.divergence_label)
 
     def __init__(self, mixture: float = 0.5) -> None:
         require_number("divergence.mixture", mixture)

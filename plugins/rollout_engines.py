@@ -463,7 +463,7 @@ def policy_weights(module, merge: bool = True) -> Iterator[tuple[str, Tensor]]:
 def hf_weights(model: nn.Module, with_names: bool = False) -> Iterator[tuple]:
     """The causal LM's parameters under their Hugging Face names, detached: a LoRA-injected model's
     base layers (``q_proj.base_layer.weight`` -> ``q_proj.weight``) without the adapters, a tied
-    ``lm_head`` left out (it is the embeddings), and the head inside ``exact.MaskedHead`` under the
+    ``lm_head`` left out (it is the embeddings), and the head inside ``exact.tasks.MaskedHead`` under the
     head's own name (the engine bans the same tokens through ``allowed_token_ids``: the module's
     ``sampled_token_ids``). With ``with_names`` the first item is the pair (the model's own name,
     the Hugging Face name)."""

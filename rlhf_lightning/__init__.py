@@ -27,4 +27,4 @@ __all__ = [
     "register",
     "register_kind",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -1,12 +1,16 @@
 """The module's arguments: the groups of settings (each field documented and checked where it is
-declared), the plugins built from their names, and the checks across groups, all before any model
-loads. Every refusal is a ConfigError naming the field as the user writes it
-(``model.sampling.temperature``) and what it must be.
+declared), the plugins built from their names, and the rules across groups and plugins, all decided from
+the arguments alone, before any model loads. Every refusal is a ConfigError naming the field as the user
+writes it (``model.sampling.temperature``) and what it must be. What needs more than the arguments (the
+tokenizer, the prompt files, a model's context) is checked at start-up (checks.py); which KL recipe
+reaches which optimum is recipes.py's.
 
 ``PPORLHF`` takes the plugins and the network keys flat and everything else in these groups; in
 YAML a group reads nested (``model.sampling.temperature``, ``model.kl.placement``). The flat names
-of earlier versions (``model.lr``) are refused by the command with the new key (:func:`refuse_flat_keys`),
-and accepted by the Python API for one release with a FutureWarning (:func:`regroup`).
+of 0.1 (``model.lr``) are refused by the command with the new key (``cli.check_config_files``), and
+accepted by the Python API with a FutureWarning (:func:`regroup`); the top-level arguments that 0.3 folded
+into ``model.loading`` (``model.seed``) are read by both with a FutureWarning (``FOLDED``); both paths
+end in ``REMOVED_IN``.
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from rlhf_lightning import recipes
 from rlhf_lightning.checks import ConfigError, require, require_number
-from rlhf_lightning.interfaces import Divergence, KLEstimator, LossAggregation, PerPromptBetaController
+from rlhf_lightning.data import encode_prompts
+from rlhf_lightning.interfaces import Divergence, LossAggregation
 from rlhf_lightning.registry import registry
 
 # Arguments that name plugins: built here, kept out of the saved hyperparameters (the config
@@ -146,6 +153,10 @@ class PromptArgs:
     def __post_init__(self) -> None:
         require_number("model.prompts.max_length", self.max_length, at_least=1, integer=True)
         _choice("model.prompts.special_tokens", self.special_tokens, ("refuse", "allow"))
+
+    def encode(self, tokenizer, prompts: list[str], field: str = "the prompts") -> dict[str, Any]:
+        """``data.encode_prompts`` with these settings: rendered, left-padded, each checked (a ConfigError naming ``field``)."""
+        return encode_prompts(tokenizer, prompts, self.chat_template, self.max_length, self.special_tokens, field)
 
 
 @dataclass(frozen=True)
@@ -291,6 +302,29 @@ class RuntimeArgs:
         require_number(f + "num_logged_samples", self.num_logged_samples, at_least=0, integer=True)
 
 
+@dataclass(frozen=True)
+class LoadingArgs:
+    """How the networks that ``model.policy``, ``model.tokenizer`` and ``model.reference`` name are built
+    (``model.loading``; models.py): what a checkpoint may run, and the ``tiny`` policy's shape and seed."""
+
+    trust_remote_code: bool = False
+    """Run a checkpoint's own modelling and tokenizer code (transformers' ``trust_remote_code``) for the policy,
+    the reference and their tokenizers."""
+    tiny_config: Optional[dict] = None
+    """Overrides of the ``tiny`` policy's LlamaConfig (``{hidden_size: 32}``); null: the built-in one (models.TINY_CONFIG)."""
+    seed: int = 0
+    """The seed the ``tiny`` policy is initialised from (a pretrained policy's weights are its checkpoint's)."""
+
+    def __post_init__(self) -> None:
+        require_number("model.loading.seed", self.seed, integer=True)
+        require(
+            self.tiny_config is None or isinstance(self.tiny_config, dict),
+            "model.loading.tiny_config",
+            "a mapping of LlamaConfig fields, or null",
+            self.tiny_config,
+        )
+
+
 # model.off_policy.correction -> the mode of ``sampling.correction_weights`` from mu (the stale sampler) to pi_prox
 OFF_POLICY_WEIGHTS = {"sequence": "seq_tis", "token": "tis", "none": "none"}
 
@@ -358,6 +392,7 @@ GROUPS: dict[str, type] = {
     "lora": LoraArgs,
     "runtime": RuntimeArgs,
     "off_policy": OffPolicyArgs,
+    "loading": LoadingArgs,
 }
 # The flat names of earlier versions whose field is spelt differently in its group.
 _RENAMED = {
@@ -386,6 +421,10 @@ FLAT_KEYS: dict[str, str] = {
 }
 # Flat settings that left the module: the CPU kernel and malloc are the command's ``cpu`` section.
 MOVED_OUT = {"cpu_linear": "cpu.linear", "cpu_malloc": "cpu.malloc"}
+# Top-level arguments of 0.2 folded into a group in 0.3: the command still reads them under their old names, with a
+# FutureWarning (cli.fold_old_keys), as the Python API does every flat name (regroup), until REMOVED_IN.
+FOLDED = {name: f"loading.{name}" for name in ("trust_remote_code", "tiny_config", "seed")}
+REMOVED_IN = "0.4.0"
 
 
 def new_key(flat: str) -> str:
@@ -393,10 +432,18 @@ def new_key(flat: str) -> str:
     return MOVED_OUT[flat] if flat in MOVED_OUT else f"model.{FLAT_KEYS[flat]}"
 
 
+def old_keys_warning(flat: Iterable[str]) -> str:
+    """The FutureWarning of settings under the names of earlier versions: each one's key now, and the release that
+    stops reading the old names."""
+    moved = ", ".join(f"model.{name} is now {new_key(name)}" for name in flat)
+    return f"settings under the names of earlier versions are deprecated and removed in {REMOVED_IN}: {moved}"
+
+
 def regroup(flat: dict[str, Any], warn: bool = True) -> dict[str, Any]:
     """Flat settings of earlier versions (``lr=1e-3``) as this version's group arguments
-    (``optim=OptimArgs(lr=1e-3)``), with a FutureWarning naming each new key; group arguments
-    already given as dataclasses or dicts are merged with them. The Python API's path for one release."""
+    (``optim=OptimArgs(lr=1e-3)``), with a FutureWarning naming each new key and the release that removes
+    the old names (``REMOVED_IN``); group arguments already given as dataclasses or dicts are merged with them.
+    The Python API's path until then."""
     moved = [name for name in flat if name in MOVED_OUT]
     if moved:
         raise ConfigError(
@@ -409,11 +456,7 @@ def regroup(flat: dict[str, Any], warn: bool = True) -> dict[str, Any]:
     if unknown:
         raise TypeError(f"PPORLHF got unexpected keyword arguments {unknown}")
     if warn:
-        warnings.warn(
-            "flat module settings are deprecated: " + ", ".join(f"model.{name} is now {new_key(name)}" for name in flat),
-            FutureWarning,
-            stacklevel=4,
-        )
+        warnings.warn(old_keys_warning(flat), FutureWarning, stacklevel=4)
     fields: dict[str, dict[str, Any]] = {}
     for name, value in flat.items():
         group, field = FLAT_KEYS[name].split(".")
@@ -467,7 +510,7 @@ def build_plugins(args: dict[str, Any], ppo: PPOArgs) -> dict[str, Any]:
     if args["entropy_controller"] is not None:
         plugins["entropy_controller"] = build("entropy_controller")
         require(
-            not isinstance(plugins["entropy_controller"], PerPromptBetaController),
+            not plugins["entropy_controller"].keyed_by_prompt,
             "model.entropy_controller",
             "a controller with one coefficient (the entropy bonus is one term of the loss, not one per prompt)",
             type(plugins["entropy_controller"]).__name__,
@@ -498,10 +541,11 @@ def _loss_aggregation(spec: Optional[LossAggregation | str], plugins: dict[str, 
 
 
 def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: dict[str, Any]) -> dict[str, Any]:
-    """The rules that join settings of several groups and plugins; warn of biased KL recipes.
+    """The rules that join settings of several groups and plugins; warn of the KL recipes and stale-sample corrections
+    that do not reach the KL-regularised optimum (recipes.py).
     Returns the settings resolved from the plugins (``critic``, ``ppo.whiten_advantages``), stored
     resolved so that checkpoints and the resume check see what was built."""
-    sampling, kl, ppo, optim = groups["sampling"], groups["kl"], groups["ppo"], groups["optim"]
+    sampling, kl, ppo, optim, off_policy = (groups[name] for name in ("sampling", "kl", "ppo", "optim", "off_policy"))
     advantage, kl_estimator = plugins["advantage_estimator"], plugins["kl_estimator"]
     # Whitening divides the advantages (the reward's gradient, and with 'both' the reward's part
     # of the KL's) by their std; a KL loss term is not divided, so beta would no longer weigh the
@@ -555,42 +599,15 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
             "the responses of a group are mostly identical, so are their rewards, and their advantages are 0 (nothing is learnt from them)"
         )
     check_divergence(plugins["divergence"], kl, sampling, plugins["beta_controller"])
-    check_off_policy(groups["off_policy"], sampling, plugins["rollout_engine"])
-    check_exploration(sampling, groups["off_policy"], plugins["rollout_engine"])
-    stale = off_policy_warning(groups["off_policy"].correction, groups["off_policy"].max_staleness)
-    if stale:
-        rank_zero_warn(stale)
-    aggregation = aggregation_name(plugins["loss_aggregation"])
+    check_off_policy(off_policy, sampling, plugins["rollout_engine"])
+    check_exploration(sampling, off_policy, plugins["rollout_engine"])
     # A sequence-level divergence's penalty is its own (a score-function reward); the KL estimator only measures.
-    recipe, reason = kl_recipe(kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)
-    recipe = recipe if plugins["divergence"].per_token else "unbiased"
-    if recipe == "length_weighted" and sampling.max_new_tokens > 1:
-        rank_zero_warn(
-            f"model.loss_aggregation {aggregation} with model.kl.placement {kl.placement}: {reason}, so where responses end at "
-            "EOS the policy converges away from the KL-regularised optimum (to exact.weighted_fixed_point; docs/kl-estimators.md, "
-            "'Responses of different lengths'). Use model.loss_aggregation token_mean, seq_mean_token_sum or constant, or the KL in the reward."
-        )
-    if recipe == "high_variance":
-        rank_zero_warn(
-            f"model.kl_estimator {type(kl_estimator).__name__} with model.kl.placement both: {reason}; with a batch that is small "
-            "against how far the policy moves from the reference it lands away from the KL-regularised optimum (docs/kl-estimators.md, "
-            "'Responses of different lengths'). Use full in both, k1 in the reward, or k3 in the loss."
-        )
-    if recipe == "biased":
-        weighting = (
-            f", model.kl.loss_weighting {kl.loss_weighting}" if kl.placement != "reward" and kl_estimator.reads_sampled_token() else ""
-        )
-        rank_zero_warn(
-            f"model.kl_estimator {type(kl_estimator).__name__} with model.kl.placement {kl.placement}{weighting} gives a biased gradient "
-            f"of the KL: {reason}; the policy converges away from the KL-regularised optimum (docs/kl-estimators.md, 'Which recipe "
-            "reaches which optimum'). Use k1 in the reward, or k3 (or full) in the loss with model.kl.loss_weighting: importance."
-        )
-    if recipe == "drift" and ppo.epochs * ppo.num_minibatches > 1:
-        rank_zero_warn(
-            f"model.kl_estimator {type(kl_estimator).__name__} in the loss with model.kl.loss_weighting none is right only on a "
-            f"rollout's first minibatch: with model.ppo.epochs {ppo.epochs} x model.ppo.num_minibatches {ppo.num_minibatches} the later "
-            "steps take its gradient at pi_theta on pi_old's tokens and drift from the KL's. Use model.kl.loss_weighting: importance."
-        )
+    kl_warning = plugins["divergence"].per_token and recipes.kl_recipe_warning(
+        kl_estimator, kl, ppo, recipes.aggregation_name(plugins["loss_aggregation"]), sampling.max_new_tokens
+    )
+    for warning in (recipes.off_policy_warning(off_policy.correction, off_policy.max_staleness), kl_warning):
+        if warning:
+            rank_zero_warn(warning)
     if kl.placement != "reward" and getattr(advantage, "scale", False):
         rank_zero_warn(
             f"model.advantage_estimator {type(advantage).__name__} divides each prompt's advantages by its group's reward std "
@@ -713,252 +730,9 @@ def check_divergence(divergence: Divergence, kl: KLArgs, sampling: SamplingArgs,
         controller.unit,
     )
     require(
-        not isinstance(controller, PerPromptBetaController),
+        not controller.keyed_by_prompt,
         "model.beta_controller",
         f"a controller with one beta with {name} (the per-prompt budgets hold each prompt's reverse KL; a sequence-level "
         "divergence's optimum and controller input are the whole batch's)",
         type(controller).__name__,
-    )
-
-
-LENGTH_WEIGHTED_AGGREGATIONS = ("seq_mean_token_mean",)  # weigh each response by 1 / its length
-
-
-def aggregation_name(aggregation: LossAggregation) -> str:
-    """The name :func:`kl_recipe` reads for a loss aggregation: its ``ppo_math.aggregation_weights`` mode, else its class's name."""
-    return getattr(aggregation, "mode", type(aggregation).__name__)
-
-
-def kl_recipe(
-    estimator: KLEstimator, placement: str, weighting: str, scope: str = "sequence", aggregation: str = "token_mean"
-) -> tuple[str, str]:
-    """The class of a KL recipe (docs/kl-estimators.md, "Which recipe reaches which optimum"), with
-    why, read from the estimator's properties (``KLEstimator``): the one table the start-up warning,
-    ``tools/studies/optimum_check/matrix.py``'s expected classes and the docs' matrix (``tests/test_kl_loss_scope.py``)
-    are checked against. With s = grad log pi:
-
-    ``unbiased``: the whole response's KL gradient at every minibatch of every epoch (converges to pi*).
-    ``per_token``: grad KL(pi(.|s) || pi_ref(.|s)) at each visited state, without the KL still to come
-    after the token (converges to ``exact.backward_induction(soft=False)``).
-    ``drift``: right on a rollout's first minibatch only (an unweighted token-dependent term
-    evaluated at pi_theta on pi_old's tokens).
-    ``biased``: wrong even on-policy.
-    ``high_variance``: ``both`` with an estimator that reads the sampled token (k1, k3): the expected gradient is
-    the KL's (``exact.expected_train`` reaches pi*), but the loss carries k's pathwise gradient at the sampled token
-    (k3: (1 - pi_ref / pi) grad log pi; k1: grad log pi, zero in expectation) with no baseline, and its noise moves
-    the policy where a batch is small against the policy's distance from the reference (docs/kl-estimators.md,
-    "Responses of different lengths"). ``full`` in ``both`` has no sampled value.
-    ``length_weighted``: a KL in the loss (or ``both``) aggregated with a weight per response that depends on its
-    length (``seq_mean_token_mean``: 1 / |y|): on responses of different lengths a short response's tokens weigh
-    more, and the policy settles at ``exact.weighted_fixed_point`` instead (the KL in the reward has pi* at
-    every aggregation: there the whole return is the same for every response at pi*, so every token's
-    advantage is 0 whatever weighs it; docs/kl-estimators.md, "Responses of different lengths").
-
-    reward: PPO follows E[s_t sum_{t'>=t} k_t']: the KL's gradient for an estimator whose score-function
-    gradient is the KL's (k1). loss, none: E_old[grad k]: right per token where the pathwise gradient is
-    the KL's (k2, k3+, k1+, full). importance (and both): E_old[w (k s + grad k)] = grad E_theta[k]: right
-    for an unbiased value whose gradient is its derivative (k1, k3, full). An estimator that ignores the
-    sampled token (full) takes no ratio and is right either way."""
-    if placement == "reward":
-        if estimator.unbiased_as_reward:
-            return "unbiased", ""
-        return (
-            "biased",
-            "as a per-token reward only a score-function gradient reaches the policy, and this estimator's is not the KL's (k1's is)",
-        )
-    if not estimator.reads_sampled_token():
-        token, reason = "unbiased", ""
-    elif (placement, weighting) == ("loss", "none"):
-        token = "drift" if estimator.pathwise_gradient_unbiased() else "biased"
-        reason = "unweighted in the loss its pathwise gradient is not the KL's (k1's is zero in expectation, k3's the forward KL's)"
-    elif not estimator.gradient_follows_value():
-        token, reason = "biased", "its gradient is not the derivative of its value (a straight-through estimator such as k3+ already "
-        reason += "carries the score-function term k * grad log pi that the importance ratio's gradient or the reward adds: counted twice)"
-    elif not estimator.unbiased_value:
-        token, reason = "biased", "its value is not an unbiased per-token KL, and the weighted term follows the gradient of its expectation"
-    else:
-        token, reason = ("drift" if weighting == "none" else "unbiased"), ""
-    if placement == "loss" and scope == "per_token" and token == "unbiased":
-        token = "per_token"
-    if token in ("unbiased", "per_token") and aggregation in LENGTH_WEIGHTED_AGGREGATIONS:
-        return "length_weighted", (
-            f"the loss aggregation {aggregation} divides each response's loss by its length, the KL's with it: on responses of "
-            "different lengths a short response's tokens weigh more than a long one's"
-        )
-    if token == "unbiased" and placement == "both" and estimator.reads_sampled_token():
-        return "high_variance", (
-            "its expected gradient is the KL's, but the loss carries its pathwise gradient at each sampled token (k3's is "
-            "(1 - pi_ref / pi) grad log pi, k1's grad log pi) with no baseline, and that noise moves the policy"
-        )
-    return token, reason if token == "biased" else ""
-
-
-def off_policy_recipe(correction: str, max_staleness: int) -> tuple[str, str]:
-    """The class of a correction for stale samples (docs/kl-estimators.md, "Stale samples"), with why: the one table
-    the start-up warning, ``python -m tools.studies.optimum_check --max-staleness`` and the docs' table are checked against.
-    Samples y ~ mu (the weights of up to ``max_staleness`` updates ago), the PPO ratio's anchor and the KL's values
-    pi_prox (the current weights at consumption); every recipe's on-policy class (:func:`kl_recipe`) is that of
-    expectations under pi_prox, so what a correction must do is turn E_mu into E_prox:
-
-    ``on_policy``: ``max_staleness`` 0, mu = pi_prox (nothing to correct).
-    ``exact``: ``sequence``: every term of the response (policy loss, KL in the loss with its sequence term, the
-    returns that carry k1 or a divergence's f'(u)) weighed by W = pi_prox(y|x) / mu(y|x), and E_mu[W f(y)] = E_prox[f(y)]
-    for any f: the expected gradient is the synchronous loop's, for every placement, estimator and scope (the exact
-    lab's stale path equals the synchronous one, ``tests/test_off_policy.py``). Truncated at the cap, E_mu[min(W, c) f]
-    = E_prox[min(1, c / W) f]: exact where no response's W exceeds c; ``off_policy/clipped_fraction`` reads how often.
-    ``approximate``: ``token``: w_t = pi_prox(y_t|s_t) / mu(y_t|s_t) turns the token drawn at each visited state into
-    pi_prox's, but the states are mu's (the prefix's ratio is dropped) and so is the continuation after the token (the
-    return, the KL still to come): a bias of the order of how far pi moved in k updates. The fixed point is pi* all the
-    same (where pi stops moving mu = pi_prox).
-    ``biased``: ``none``: the expectation is mu's with pi_prox's scores and ratios; each step's gradient is neither grad
-    J at pi_prox nor at mu. pi* is still the only fixed point (there mu = pi_prox), but stale steps can overshoot and
-    oscillate (k3 in the loss at staleness 4 on random:3: 0.90 from J* after 60 exact iterations, 0.0007 with a correction)."""
-    if max_staleness == 0:
-        return "on_policy", ""
-    if correction == "sequence":
-        return "exact", ""
-    if correction == "token":
-        return "approximate", (
-            "the per-token weight pi_prox / mu corrects the token drawn at each state, not which states mu visits nor the "
-            "continuation after the token (the return, the KL still to come)"
-        )
-    return "biased", (
-        "without a weight every expectation is over the stale policy mu's responses while the scores, the PPO ratio and the "
-        "KL's values are pi_prox's: each step's gradient is neither that of J at the current weights nor at mu's"
-    )
-
-
-def off_policy_warning(correction: str, max_staleness: int) -> Optional[str]:
-    """The start-up warning of a stale recipe that is not exact (:func:`off_policy_recipe`), None for the others."""
-    recipe, reason = off_policy_recipe(correction, max_staleness)
-    if recipe not in ("approximate", "biased"):
-        return None
-    return (
-        f"model.off_policy.correction {correction} with model.off_policy.max_staleness {max_staleness} is {recipe}: {reason}; "
-        "pi* stays the fixed point, but each step follows another gradient and stale steps can overshoot (docs/kl-estimators.md, "
-        "'Stale samples'). Use model.off_policy.correction: sequence (exact, truncated at model.off_policy.correction_cap)."
-    )
-
-
-def check_setup(module, datamodule, stage: str) -> Optional[int]:
-    """At start-up, once the tokenizer is loaded and before any model is: the batch split; every
-    prompt of the data module's files (special-token strings, rendered length, and each reward
-    backend's own check: ``RewardModel.check_prompts``); a nucleus that keeps one token; an entropy
-    target the policy can reach. Returns the longest rendered prompt in tokens (None without
-    prompt files), for :func:`check_context` once the policy's context is known."""
-    if stage == "fit" and getattr(datamodule, "batch_size", None):
-        check_batch_split(datamodule.batch_size, module.sampling, module.ppo)
-    longest = None
-    for name in ("train_prompts", "val_prompts"):
-        prompts, field = getattr(datamodule, name, None), f"data.{name.split('_')[0]}_path"
-        if prompts:
-            from rlhf_lightning.data import encode_prompts
-
-            prompt_args = module.prompts
-            enc = encode_prompts(
-                module.tokenizer, prompts, prompt_args.chat_template, prompt_args.max_length, prompt_args.special_tokens, field
-            )
-            longest = max(longest or 0, int(enc["attention_mask"].sum(-1).max()))
-            for role in ("reward_model", "gold_reward_model"):
-                if getattr(module, role) is not None:
-                    getattr(module, role).check_prompts(prompts, field, f"model.{role}")
-    sampling, vocab = module.sampling, len(module.tokenizer)
-    # The most likely token always stays in the nucleus; at top_p <= 1 / V no other ever joins it.
-    require(
-        not sampling.do_sample or sampling.top_p * vocab > 1,
-        "model.sampling.top_p",
-        f"> 1 / V = {1 / vocab:.3g} with the tokenizer's V = {vocab} tokens (below it the nucleus is the most likely token alone at "
-        "every position: sampling is greedy, every log-prob of the sampled distribution is 0 and nothing is learnt)",
-        sampling.top_p,
-    )
-    controller = module.entropy_controller
-    if controller is not None and getattr(controller, "target", None) is not None:
-        # The entropy is of the sampled distribution, over its kept set: at most log of its size (uniform).
-        kept = min(vocab, sampling.top_k) if sampling.do_sample and sampling.top_k else vocab
-        per_response = controller.unit == "sequence_sum"
-        most = math.log(kept) * (sampling.max_new_tokens if per_response else 1)
-        within = f"model.sampling.top_k = {kept} kept tokens" if kept < vocab else f"the tokenizer's V = {vocab} tokens"
-        bound = f"max_new_tokens x log {'top_k' if kept < vocab else 'V'}" if per_response else f"log {'top_k' if kept < vocab else 'V'}"
-        require(
-            controller.target < most,
-            "model.entropy_controller.init_args.target",
-            f"< {most:.4g} nats per {'response' if per_response else 'token'} ({bound}) with {within} (no policy's entropy is "
-            "higher: the coefficient would only grow)",
-            controller.target,
-        )
-    return longest
-
-
-# Where a model's config keeps its context, in positions (transformers' names across architectures).
-CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-
-
-def check_context(
-    prompts: PromptArgs, sampling: SamplingArgs, config: Any, longest_prompt: Optional[int] = None, whose: str = "the policy's"
-) -> None:
-    """The policy (and a foreign reference, ``whose`` "model.reference's") must hold a prompt and its response: the longest prompt (``longest_prompt`` tokens,
-    the prompt files' as rendered: ``check_setup`` returns it; unknown, as when prompts come only in
-    batches: one token) plus ``model.sampling.max_new_tokens`` within the context its ``config``
-    declares (``max_position_embeddings``). Past it the positions are ones the model never saw
-    (rotary embeddings extrapolate, learnt ones index out of range): sampling goes on silently on
-    garbage. A config that declares no context is not checked."""
-    name = next((name for name in CONTEXT_FIELDS if isinstance(getattr(config, name, None), int)), None)
-    if name is None:
-        return
-    context, prompt = getattr(config, name), 1 if longest_prompt is None else longest_prompt
-    what = (
-        "a one-token prompt" if longest_prompt is None else f"the longest prompt (model.prompts.max_length {prompts.max_length} bounds it)"
-    )
-    require(
-        prompt + sampling.max_new_tokens <= context,
-        f"{what} + model.sampling.max_new_tokens",
-        f"<= {context} positions, {whose} context (its {type(config).__name__}'s {name}); lower model.sampling.max_new_tokens "
-        f"to at most {max(context - prompt, 0)}, or shorten the prompts",
-        f"{prompt} + {sampling.max_new_tokens} = {prompt + sampling.max_new_tokens}",
-    )
-
-
-# Past this share of the first rollout's response positions sampled from one token alone, next to nothing is learnt.
-POINT_MASS_SHARE = 0.5
-# A token of probability above 1 - this under pi_old is sampled from a point mass, as far as float32 tells.
-POINT_MASS_GAP = 1e-6
-
-
-def point_mass_warning(sampling: SamplingArgs, old_logprobs: Any, kept: Any, mask: Any) -> Optional[str]:
-    """For the first rollout (the module warns with it): why the run will learn next to nothing when
-    on most response positions (more than ``POINT_MASS_SHARE``) the sampled distribution is a point
-    mass: a kept set of one token (a nucleus so small, or top_k 1), or a sampled token of probability
-    1 to float32 (a temperature so low). There the log-prob is 0 whatever the weights: no gradient.
-    Tensors (batch, response_len) for ``old_logprobs`` and ``mask``, (batch, response_len, vocab) bool or
-    None for ``kept``. None when the share is below the bound."""
-    real = mask.bool()
-    single = old_logprobs.detach() > -POINT_MASS_GAP
-    if kept is not None:
-        single = single | (kept.sum(-1) == 1)
-    share = float((single & real).sum()) / max(float(real.sum()), 1.0)
-    if share <= POINT_MASS_SHARE:
-        return None
-    setting = (
-        f"model.sampling.top_p {sampling.top_p}"
-        if sampling.top_p < 1
-        else f"model.sampling.top_k {sampling.top_k}"
-        if sampling.top_k
-        else f"model.sampling.temperature {sampling.temperature}"
-    )
-    return (
-        f"{setting}: at the first rollout {share:.0%} of the response positions were sampled from one token alone (a point mass: "
-        "its log-prob is 0 whatever the weights, so no gradient reaches the policy there) and next to nothing will be learnt; "
-        "raise it (or leave model.sampling.top_p 1, top_k 0, temperature 1)"
-    )
-
-
-def check_batch_split(batch_size: int, sampling: SamplingArgs, ppo: PPOArgs) -> None:
-    """Each rank's rollout (``batch_size`` prompts x ``num_generations``) splits evenly into minibatches and micro-batches."""
-    parts = ppo.num_minibatches * ppo.gradient_accumulation_steps
-    require(
-        batch_size * sampling.num_generations % parts == 0,
-        "data.batch_size * model.sampling.num_generations",
-        f"divisible by model.ppo.num_minibatches * model.ppo.gradient_accumulation_steps = {ppo.num_minibatches} * "
-        f"{ppo.gradient_accumulation_steps}",
-        f"{batch_size} * {sampling.num_generations}",
     )

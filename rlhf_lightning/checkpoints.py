@@ -41,7 +41,7 @@ RESUME_FIXED = (
     "policy",
     "tokenizer",
     "reference",
-    "tiny_config",
+    "loading.tiny_config",
     "lora.rank",
     "lora.alpha",
     "lora.target_modules",
@@ -233,7 +233,7 @@ def check_compatible(
     nor its weights under the same spec (``saved_reference``: the fingerprint the checkpoint recorded,
     ``PPORLHF.reference_identity``)."""
     hparams, saved, resume = settings(module.hparams), settings(saved), Resume()
-    fixed = [*RESUME_FIXED, "seed"] if hparams["policy"] == "tiny" else RESUME_FIXED  # the tiny model is rebuilt from its seed
+    fixed = [*RESUME_FIXED, "loading.seed"] if hparams["policy"] == "tiny" else RESUME_FIXED  # the tiny model is rebuilt from its seed
     changed = {f: (saved[f], hparams[f]) for f in hparams if f in saved and saved[f] != hparams[f]}
     differ = [f"model.{f}: checkpoint {old!r}, config {new!r}" for f, (old, new) in changed.items() if f in fixed]
     resume.changes.update({f"model.{f}": f"model.{f}: {old!r} -> {new!r}" for f, (old, new) in changed.items() if f not in fixed})
@@ -267,9 +267,9 @@ def check_compatible(
 
 def settings(hparams: dict) -> dict[str, Any]:
     """A module's saved settings by the key the user writes under ``model.`` (``optim.lr``): each
-    group's fields under its name. A checkpoint of the versions before the groups holds them flat
-    (``lr``): read as their keys now (``args.FLAT_KEYS``), so it resumes and its changes are named
-    in today's spelling; the CPU settings it holds left the module and are not compared."""
+    group's fields under its name. A checkpoint of 0.1 holds them flat (``lr``), one of 0.2 the settings
+    that 0.3 folded into ``loading`` (``seed``): read as their keys now (``args.FLAT_KEYS``), so it resumes
+    and its changes are named in today's spelling; the CPU settings it holds left the module and are not compared."""
     flat = {}
     for name, value in hparams.items():
         if name in args.GROUPS and isinstance(value, dict):

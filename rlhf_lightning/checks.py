@@ -1,4 +1,7 @@
-"""Configuration checks: the one error type and the one helper every setting is checked with."""
+"""Configuration checks: the one error type and the one helper every setting is checked with; the start-up
+checks, of what the arguments alone do not tell (the tokenizer, the prompt files, a model's context, the
+first rollout: the rules across the arguments are args.py's); and the fault counts of a run.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,10 @@ import re
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from rlhf_lightning.args import PPOArgs, PromptArgs, SamplingArgs
 
 
 def finite_number(value: Any) -> bool:
@@ -91,6 +97,125 @@ def require_number(
     ok = ok and (above is None or value > above) and (at_least is None or value >= at_least)
     ok = ok and (below is None or value < below) and (at_most is None or value <= at_most)
     require(ok, field, requirement, value)
+
+
+def check_setup(module, datamodule, stage: str) -> Optional[int]:
+    """At start-up, once the tokenizer is loaded and before any model is: the batch split; every
+    prompt of the data module's files (special-token strings, rendered length, and each reward
+    backend's own check: ``RewardModel.check_prompts``); a nucleus that keeps one token; an entropy
+    target the policy can reach. Returns the longest rendered prompt in tokens (None without
+    prompt files), for :func:`check_context` once the policy's context is known."""
+    if stage == "fit" and getattr(datamodule, "batch_size", None):
+        check_batch_split(datamodule.batch_size, module.sampling, module.ppo)
+    longest = None
+    for name in ("train_prompts", "val_prompts"):
+        prompts, field = getattr(datamodule, name, None), f"data.{name.split('_')[0]}_path"
+        if prompts:
+            enc = module.prompts.encode(module.tokenizer, prompts, field)
+            longest = max(longest or 0, int(enc["attention_mask"].sum(-1).max()))
+            for role in ("reward_model", "gold_reward_model"):
+                if getattr(module, role) is not None:
+                    getattr(module, role).check_prompts(prompts, field, f"model.{role}")
+    sampling, vocab = module.sampling, len(module.tokenizer)
+    # The most likely token always stays in the nucleus; at top_p <= 1 / V no other ever joins it.
+    require(
+        not sampling.do_sample or sampling.top_p * vocab > 1,
+        "model.sampling.top_p",
+        f"> 1 / V = {1 / vocab:.3g} with the tokenizer's V = {vocab} tokens (below it the nucleus is the most likely token alone at "
+        "every position: sampling is greedy, every log-prob of the sampled distribution is 0 and nothing is learnt)",
+        sampling.top_p,
+    )
+    controller = module.entropy_controller
+    if controller is not None and getattr(controller, "target", None) is not None:
+        # The entropy is of the sampled distribution, over its kept set: at most log of its size (uniform).
+        kept = min(vocab, sampling.top_k) if sampling.do_sample and sampling.top_k else vocab
+        per_response = controller.unit == "sequence_sum"
+        most = math.log(kept) * (sampling.max_new_tokens if per_response else 1)
+        within = f"model.sampling.top_k = {kept} kept tokens" if kept < vocab else f"the tokenizer's V = {vocab} tokens"
+        bound = f"max_new_tokens x log {'top_k' if kept < vocab else 'V'}" if per_response else f"log {'top_k' if kept < vocab else 'V'}"
+        require(
+            controller.target < most,
+            "model.entropy_controller.init_args.target",
+            f"< {most:.4g} nats per {'response' if per_response else 'token'} ({bound}) with {within} (no policy's entropy is "
+            "higher: the coefficient would only grow)",
+            controller.target,
+        )
+    return longest
+
+
+# Where a model's config keeps its context, in positions (transformers' names across architectures).
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def check_context(
+    prompts: PromptArgs, sampling: SamplingArgs, config: Any, longest_prompt: Optional[int] = None, whose: str = "the policy's"
+) -> None:
+    """The policy (and a foreign reference, ``whose`` "model.reference's") must hold a prompt and its response: the longest prompt (``longest_prompt`` tokens,
+    the prompt files' as rendered: ``check_setup`` returns it; unknown, as when prompts come only in
+    batches: one token) plus ``model.sampling.max_new_tokens`` within the context its ``config``
+    declares (``max_position_embeddings``). Past it the positions are ones the model never saw
+    (rotary embeddings extrapolate, learnt ones index out of range): sampling goes on silently on
+    garbage. A config that declares no context is not checked."""
+    name = next((name for name in CONTEXT_FIELDS if isinstance(getattr(config, name, None), int)), None)
+    if name is None:
+        return
+    context, prompt = getattr(config, name), 1 if longest_prompt is None else longest_prompt
+    what = (
+        "a one-token prompt" if longest_prompt is None else f"the longest prompt (model.prompts.max_length {prompts.max_length} bounds it)"
+    )
+    require(
+        prompt + sampling.max_new_tokens <= context,
+        f"{what} + model.sampling.max_new_tokens",
+        f"<= {context} positions, {whose} context (its {type(config).__name__}'s {name}); lower model.sampling.max_new_tokens "
+        f"to at most {max(context - prompt, 0)}, or shorten the prompts",
+        f"{prompt} + {sampling.max_new_tokens} = {prompt + sampling.max_new_tokens}",
+    )
+
+
+# Past this share of the first rollout's response positions sampled from one token alone, next to nothing is learnt.
+POINT_MASS_SHARE = 0.5
+# A token of probability above 1 - this under pi_old is sampled from a point mass, as far as float32 tells.
+POINT_MASS_GAP = 1e-6
+
+
+def point_mass_warning(sampling: SamplingArgs, old_logprobs: Any, kept: Any, mask: Any) -> Optional[str]:
+    """For the first rollout (the module warns with it): why the run will learn next to nothing when
+    on most response positions (more than ``POINT_MASS_SHARE``) the sampled distribution is a point
+    mass: a kept set of one token (a nucleus so small, or top_k 1), or a sampled token of probability
+    1 to float32 (a temperature so low). There the log-prob is 0 whatever the weights: no gradient.
+    Tensors (batch, response_len) for ``old_logprobs`` and ``mask``, (batch, response_len, vocab) bool or
+    None for ``kept``. None when the share is below the bound."""
+    real = mask.bool()
+    single = old_logprobs.detach() > -POINT_MASS_GAP
+    if kept is not None:
+        single = single | (kept.sum(-1) == 1)
+    share = float((single & real).sum()) / max(float(real.sum()), 1.0)
+    if share <= POINT_MASS_SHARE:
+        return None
+    setting = (
+        f"model.sampling.top_p {sampling.top_p}"
+        if sampling.top_p < 1
+        else f"model.sampling.top_k {sampling.top_k}"
+        if sampling.top_k
+        else f"model.sampling.temperature {sampling.temperature}"
+    )
+    return (
+        f"{setting}: at the first rollout {share:.0%} of the response positions were sampled from one token alone (a point mass: "
+        "its log-prob is 0 whatever the weights, so no gradient reaches the policy there) and next to nothing will be learnt; "
+        "raise it (or leave model.sampling.top_p 1, top_k 0, temperature 1)"
+    )
+
+
+def check_batch_split(batch_size: int, sampling: SamplingArgs, ppo: PPOArgs) -> None:
+    """Each rank's rollout (``batch_size`` prompts x ``num_generations``) splits evenly into minibatches and micro-batches."""
+    parts = ppo.num_minibatches * ppo.gradient_accumulation_steps
+    require(
+        batch_size * sampling.num_generations % parts == 0,
+        "data.batch_size * model.sampling.num_generations",
+        f"divisible by model.ppo.num_minibatches * model.ppo.gradient_accumulation_steps = {ppo.num_minibatches} * "
+        f"{ppo.gradient_accumulation_steps}",
+        f"{batch_size} * {sampling.num_generations}",
+    )
 
 
 def nonfinite_terms(terms: dict[str, Any], total: Any) -> str:

@@ -215,8 +215,9 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.plugins.io import CheckpointIO
 
+    # Imported, their callbacks resolve by bare name (class_path: KLGuard, KLToOptimum): of the lab, the meter alone.
     import rlhf_lightning.exact.meter
-    import rlhf_lightning.kl_monitor  # noqa: F401 (imported, their classes resolve by bare name: class_path: KLGuard)
+    import rlhf_lightning.kl_monitor  # noqa: F401
     from rlhf_lightning.checkpoints import AtomicCheckpointIO, check_resume, find_last_checkpoint
     from rlhf_lightning.cpu import CPUSettings, apply_cpu_settings
     from rlhf_lightning.data import PromptDataModule
@@ -225,6 +226,10 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     class RLHFLightningCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
             parser.add_class_arguments(CPUSettings, "cpu")
+            add_old_keys(parser)
+
+        def before_instantiate_classes(self) -> None:
+            fold_old_keys(self.config[self.subcommand] if self.subcommand else self.config)
 
         def cpu_settings(self) -> CPUSettings:
             return (self.config_init[self.subcommand] if self.subcommand else self.config_init)["cpu"]
@@ -336,6 +341,38 @@ def name_plugin_arguments(parser) -> None:
         action.instantiate_classes = build_for_key
 
 
+def add_old_keys(parser) -> None:
+    """0.2's top-level module arguments that 0.3 folded into a group (``args.FOLDED``: ``model.seed`` is
+    ``model.loading.seed``), read under their old names until ``args.REMOVED_IN``: present in the parsed
+    config only where given (a file or the command line), then moved to their keys by :func:`fold_old_keys`."""
+    import argparse
+    import typing
+
+    from rlhf_lightning.args import FOLDED, GROUPS, REMOVED_IN
+
+    for name, key in FOLDED.items():
+        group, field = key.split(".")
+        hint = typing.get_type_hints(GROUPS[group])[field]
+        parser.add_argument(
+            f"--model.{name}",
+            type=Optional[hint],
+            default=argparse.SUPPRESS,
+            help=f"deprecated: model.{key} (this name is removed in {REMOVED_IN})",
+        )
+
+
+def fold_old_keys(config) -> None:
+    """Each 0.2 name given (:func:`add_old_keys`) moved to its key now, with a FutureWarning naming the key and
+    the release that stops reading the old name."""
+    from rlhf_lightning.args import FOLDED, old_keys_warning
+
+    given = [name for name in FOLDED if name in config.model]
+    if given:
+        warnings.warn(old_keys_warning(given), FutureWarning, stacklevel=2)
+    for name in given:
+        config.model[FOLDED[name]] = config.model.pop(name)
+
+
 def where_the_logs_are(logger) -> str:
     """What a finished ``fit`` prints: the run's log folder (its ``version_N``) and, for TensorBoard's
     logs, the two commands that show them: TensorBoard on the folder and ``python -m tools.summarize_run``
@@ -412,11 +449,12 @@ TRACEBACK_ENV = "RLHF_LIGHTNING_TRACEBACK"
 def check_config_files(argv: list[str]) -> None:
     """Every ``--config`` file that exists must hold a mapping of settings: an empty file or a
     list says so, naming the file (jsonargparse's own message would be "Unexpected config"). A
-    setting under its flat name of an earlier version (``model.lr``), in a file or on the command
-    line, is refused naming its key now (``model.optim.lr``)."""
+    setting under its flat name of 0.1 (``model.lr``), in a file or on the command line, is refused
+    naming its key now (``model.optim.lr``); 0.2's names of what 0.3 folded into a group are read
+    (:func:`fold_old_keys`)."""
     import yaml
 
-    from rlhf_lightning.args import FLAT_KEYS, MOVED_OUT, new_key
+    from rlhf_lightning.args import FLAT_KEYS, FOLDED, MOVED_OUT, new_key
     from rlhf_lightning.interfaces import ConfigError
 
     paths = [b for a, b in itertools.pairwise(argv) if a == "--config"] + [a[9:] for a in argv if a.startswith("--config=")]
@@ -433,7 +471,7 @@ def check_config_files(argv: list[str]) -> None:
         if not isinstance(settings, dict):
             raise ConfigError(f"--config {path}: expected a mapping of settings (model:, data:, trainer:), got a {type(settings).__name__}")
         flat.update({key: f"--config {path}" for key in settings.get("model") or {} if isinstance(settings.get("model"), dict)})
-    moved = {key: where for key, where in flat.items() if key in FLAT_KEYS or key in MOVED_OUT}
+    moved = {key: where for key, where in flat.items() if (key in FLAT_KEYS and key not in FOLDED) or key in MOVED_OUT}
     if moved:
         raise ConfigError(
             "settings under their names before version 0.2, now in groups: "

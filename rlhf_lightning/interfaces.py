@@ -148,7 +148,7 @@ class Divergence(Plugin):
     grad (E_pi r - beta D_f). Its value from the policy's own samples: D_f = E_pi[f(u) / u] (:meth:`value`).
     The optimum solves r(y) - beta f'(u(y)) = lambda(x) wherever u > 0: pi*(y) = pi_ref(y) (f')^{-1}((r(y) -
     lambda) / beta), clipped at u = 0 where (f')^{-1} would leave [0, inf), lambda set by normalisation
-    (f-DPO, Wang et al. 2023; f-DPG, Go et al. 2023; ``exact.divergence_optimal_logprobs``).
+    (f-DPO, Wang et al. 2023; f-DPG, Go et al. 2023; ``exact.f_divergence.divergence_optimal_logprobs``).
 
     ``per_token``: True only for the reverse KL, whose f'(u) = log u + 1 is a sum over tokens plus a constant:
     its penalty is the KL estimator's per-token one (``model.kl_estimator``, ``model.kl.placement``), as it
@@ -183,7 +183,16 @@ class BetaController(Plugin):
     ``sequence_sum`` (batch mean of each response's summed per-token KL, as in
     lm-human-preferences and TRL) or ``token_mean`` (mean over all response tokens, as in
     verl and OpenRLHF). The observed value is always the global mean across ranks.
+
+    Every controller answers the per-prompt questions, so the loop asks them whatever its kind: the beta
+    of each prompt (:meth:`betas_of`), its KL budget (:meth:`budgets_of`), each prompt's KL after an
+    iteration (:meth:`update_prompts`). A controller with one beta gives it for every prompt and ignores
+    the prompts' KLs; :class:`PerPromptBetaController` keeps one per prompt.
     """
+
+    keyed_by_prompt: bool = False
+    """True where the controller keeps a beta per training prompt, named by the prompt file's ids: it needs
+    them (and their budgets, :meth:`set_budgets`) at start-up, so its training batches must come from a prompt file."""
 
     def __init__(self, init_beta: float = 0.1, unit: KLUnit = "sequence_sum") -> None:
         require_number("beta_controller.init_beta", init_beta, at_least=0)
@@ -205,24 +214,39 @@ class BetaController(Plugin):
         )
         return float(self.beta)
 
+    def betas_of(self, prompt_ids: Sequence[str]) -> Tensor:
+        """The beta of each prompt id (float64, (len(prompt_ids),)): here the one (checked) beta for every prompt."""
+        return torch.full((len(prompt_ids),), self.checked_beta(), dtype=torch.float64)
+
+    def checked_betas(self, prompt_ids: Sequence[str]) -> Tensor:
+        """:meth:`betas_of`, refused unless each is a finite number >= 0 (a plugin's output the loop relies on)."""
+        betas = self.betas_of(prompt_ids)
+        require(
+            bool(torch.isfinite(betas).all() and (betas >= 0).all()),
+            f"the betas of beta controller {type(self).__name__}",
+            "finite numbers >= 0",
+            betas.tolist(),
+        )
+        return betas
+
+    def budgets_of(self, prompt_ids: Sequence[str]) -> Optional[Tensor]:
+        """The KL budget of each prompt id (float64, (len(prompt_ids),)), in ``unit``: here the controller's
+        ``target`` for every prompt where it steers toward one, else None (no budget)."""
+        target = getattr(self, "target", None)
+        return None if target is None else torch.full((len(prompt_ids),), float(target), dtype=torch.float64)
+
+    def set_budgets(self, budgets: Optional[dict[str, float]]) -> None:
+        """Each prompt id's budget (the prompt file's ``budget_column``), at start-up: nothing to keep here."""
+
+    def update_prompts(self, prompt_ids: Sequence[str], observed_kls: Tensor, n_samples: Tensor) -> None:
+        """Each prompt's observed KL in ``unit`` over its ``n_samples`` responses this iteration (every rank's),
+        after :meth:`update`: nothing to do here (the one beta moves in :meth:`update`)."""
+
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.beta = float(state["beta"])
-
-    # TEMPORARY (lead's stub until the args helper's API lands)
-    keyed_by_prompt = False
-
-    def betas_of(self, prompt_ids) -> Tensor:
-        return torch.full((len(prompt_ids),), self.checked_beta(), dtype=torch.float64)
-
-    def budgets_of(self, prompt_ids) -> Optional[Tensor]:
-        target = getattr(self, "target", None)
-        return None if target is None else torch.full((len(prompt_ids),), float(target), dtype=torch.float64)
-
-    def update_prompts(self, prompt_ids, observed_kls, n_samples) -> None:
-        pass
 
 
 class PerPromptBetaController(BetaController):
@@ -239,6 +263,7 @@ class PerPromptBetaController(BetaController):
     The module feeds :meth:`update_prompts` the KL of every prompt of the iteration, summed over all ranks,
     so every rank holds the same table."""
 
+    keyed_by_prompt = True
     budget_column: Optional[str] = None
     keyed_by_prompt = True
 

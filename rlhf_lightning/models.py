@@ -573,7 +573,7 @@ def float32_head(model: nn.Module, hidden: Optional[list] = None):
     products of the bf16 values). Each call's input, the last layer's hidden states at the kept
     positions, is appended to ``hidden`` when given."""
     head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear):  # a module around the output layer (exact.MaskedHead): its linear layer
+    if not isinstance(head, nn.Linear):  # a module around the output layer (exact.tasks.MaskedHead): its linear layer
         head = next(m for m in reversed(list(head.modules())) if isinstance(m, nn.Linear))
 
     def forward(x: Tensor) -> Tensor:

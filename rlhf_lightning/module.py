@@ -47,9 +47,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rlhf_lightning import args, checkpoints, fsdp2, gpu, models
+from rlhf_lightning import args, checkpoints, checks, fsdp2, gpu, models
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.args import KLArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
+from rlhf_lightning.args import KLArgs, LoadingArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.async_rollout import AsyncRollouts, check_strategy
 from rlhf_lightning.callbacks import TensorBoardViews, Timer
 from rlhf_lightning.checks import Faults, require
@@ -82,9 +82,10 @@ class PPORLHF(LightningModule):
 
     The plugins are flat arguments: a registered short name (``k3``, ``adaptive``), a class name or ``class_path``
     with ``init_args`` (docs/plugins.md). So are the network keys (``policy``, ``tokenizer``, ``reference``,
-    ``critic``, ``tiny_config``, ``seed``, ``trust_remote_code``; docs/configuration.md). Every other setting is in a
-    group, each field documented where it is declared (args.py): ``sampling``, ``prompts``, ``kl``, ``ppo``,
-    ``optim``, ``lora``, ``runtime``, ``off_policy``.
+    ``critic``; docs/configuration.md). Every other setting is in a group, each field documented where it is
+    declared (args.py): ``sampling``, ``prompts``, ``kl``, ``ppo``, ``optim``, ``lora``, ``runtime``, ``off_policy``,
+    ``loading`` (how the networks are built). The names of earlier versions (``lr=...``, ``seed=...``) still work
+    from Python until 0.4.0, with a FutureWarning naming the new key.
     """
 
     def __init__(
@@ -112,16 +113,11 @@ class PPORLHF(LightningModule):
         lora: LoraArgs = LoraArgs(),
         runtime: RuntimeArgs = RuntimeArgs(),
         off_policy: OffPolicyArgs = OffPolicyArgs(),
-        tiny_config: Optional[dict] = None,
-        seed: int = 0,
-        trust_remote_code: bool = False,
+        loading: LoadingArgs = LoadingArgs(),
         **flat_settings: Any,
     ) -> None:
         super().__init__()
-        groups = args.build_groups(
-            dict(sampling=sampling, prompts=prompts, kl=kl, ppo=ppo, optim=optim, lora=lora, runtime=runtime, off_policy=off_policy),
-            flat_settings,
-        )
+        groups = args.build_groups({name: value for name, value in locals().items() if name in args.GROUPS}, flat_settings)
         plugin_specs = {name: value for name, value in locals().items() if name in args.PLUGIN_ARGUMENTS}
         # Plugins first: an unknown name fails here, before any model loads.
         plugins = args.build_plugins(plugin_specs, groups["ppo"])
@@ -132,13 +128,11 @@ class PPORLHF(LightningModule):
         for name in args.GROUPS:  # self.sampling, self.prompts, ...: the groups of args.py
             setattr(self, name, groups[name])
         # The saved hyperparameters: the network keys and each group as plain values, resolved.
-        network = dict(policy=policy, tokenizer=tokenizer, reference=reference, critic=groups["critic"], tiny_config=tiny_config, seed=seed)
-        self.save_hyperparameters(
-            {**network, "trust_remote_code": trust_remote_code, **{name: dataclasses.asdict(groups[name]) for name in args.GROUPS}}
-        )
+        network = dict(policy=policy, tokenizer=tokenizer, reference=reference, critic=groups["critic"])
+        self.save_hyperparameters({**network, **{name: dataclasses.asdict(groups[name]) for name in args.GROUPS}})
         self.automatic_optimization = False
 
-        self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), trust_remote_code)
+        self.tokenizer = load_tokenizer(tokenizer or ("char" if policy == "tiny" else policy), self.loading.trust_remote_code)
         ignore_ids = token_ids(self.tokenizer, self.kl.ignore_tokens or [], "each of model.kl.ignore_tokens")
         self.regulariser = Regulariser(self.kl_estimator, self.divergence, self.kl, ignore_ids)
         self.policy: Optional[nn.Module] = None
@@ -195,7 +189,7 @@ class PPORLHF(LightningModule):
 
     def repeat_prompts(self, prompts: list[str]) -> list[str]:
         """Each prompt ``num_generations`` times, its group in consecutive rows of this rank's batch."""
-        args.check_batch_split(len(prompts), self.sampling, self.ppo)
+        checks.check_batch_split(len(prompts), self.sampling, self.ppo)
         return [prompt for prompt in prompts for _ in range(self.sampling.num_generations)]
 
     def draw_ahead(self, prompts: list[str], rows: list[str], timer: Timer) -> Optional[Drawn]:
@@ -239,17 +233,10 @@ class PPORLHF(LightningModule):
     on_validation_start = on_test_start = _setup_reward_models
 
     def row_betas(self, prompts: list[str]) -> Tensor:
-        """beta of each row (batch,), float64 on the module's device: the controller's for each row's prompt
-        (``BetaController.betas_of``, by its id in ``prompt_table``; one beta for all with a scalar controller), checked >= 0."""
-        controller = self.beta_controller
-        betas = controller.betas_of(self.prompt_table.ids_of(prompts) if self.prompt_table is not None else prompts)
-        require(
-            bool(torch.isfinite(betas).all() and (betas >= 0).all()),
-            f"the betas of beta controller {type(controller).__name__}",
-            "finite numbers >= 0",
-            betas.tolist(),
-        )
-        return betas.to(self.device)
+        """beta of each row (batch,), float64 on the module's device: the controller's for each row's prompt, by its id
+        in ``prompt_table`` (``BetaController.checked_betas``; one beta for all with a scalar controller)."""
+        ids = prompts if self.prompt_table is None else self.prompt_table.ids_of(prompts)
+        return self.beta_controller.checked_betas(ids).to(self.device)
 
     def score(self, rollout: Trajectory, betas: Tensor) -> Scored:
         """r_RM from the reward backend, the per-token KL estimate, and the per-token rewards
@@ -393,22 +380,24 @@ class PPORLHF(LightningModule):
     def load_policy(self, empty: bool = False) -> tuple[nn.Module, fsdp2.Rows]:
         """The policy network as configured, unsharded and without LoRA (``models.load_policy``): where a
         subclass changes it before the reference and the critic are copied from it (the lab's tasks do)."""
-        hp = self.hparams
+        hp, loading = self.hparams, self.loading
         return models.load_policy(
-            hp.policy, self.tokenizer, self.sampling, hp.seed, hp.trust_remote_code, hp.tiny_config, self._trainer, empty
+            hp.policy, self.tokenizer, self.sampling, loading.seed, loading.trust_remote_code, loading.tiny_config, self._trainer, empty
         )
 
     def load_reference(self, empty: bool = False) -> tuple[nn.Module, fsdp2.Rows]:
         """The foreign reference network (``model.reference``), unsharded, and where its rows are read from
         (``models.load_policy``, as the policy's): where a subclass builds another (the lab's teacher)."""
-        hp = self.hparams
-        return models.load_policy(hp.reference, self.tokenizer, self.sampling, hp.seed, hp.trust_remote_code, None, self._trainer, empty)
+        hp, loading = self.hparams, self.loading
+        return models.load_policy(
+            hp.reference, self.tokenizer, self.sampling, loading.seed, loading.trust_remote_code, None, self._trainer, empty
+        )
 
     def check_reference(self) -> None:
         """Before any model loads: a foreign ``model.reference`` exists and shares the policy's tokenizer
         (``models.check_reference_tokenizer``)."""
         if self.hparams.reference is not None:
-            models.check_reference_tokenizer(self.tokenizer, self.hparams.reference, self.hparams.trust_remote_code)
+            models.check_reference_tokenizer(self.tokenizer, self.hparams.reference, self.loading.trust_remote_code)
 
     def reference_identity(self) -> Optional[dict[str, str]]:
         """What a checkpoint records of a foreign reference (``checkpoints.save_state``) and a resume compares:
@@ -458,7 +447,7 @@ class PPORLHF(LightningModule):
     # ------------------------------------------------------------------ pieces
     def setup(self, stage: str) -> None:
         """At start-up, before any model loads: the checks that need the tokenizer or the data
-        module's prompts (``args.check_setup``); the CPU and GPU settings (cpu.py, gpu.py)."""
+        module's prompts (``checks.check_setup``); the CPU and GPU settings (cpu.py, gpu.py)."""
         if self._trainer is not None:
             gpu.setup(self.trainer, self)
             if self.off_policy.max_staleness:
@@ -466,7 +455,7 @@ class PPORLHF(LightningModule):
         self.rollout_engine.setup(self)
         self.check_reference()
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        self.longest_prompt = args.check_setup(self, datamodule, stage)
+        self.longest_prompt = checks.check_setup(self, datamodule, stage)
         if stage == "fit":
             # the training prompts' ids and KL budgets (data.PromptTable), read before any model loads; None: batches from elsewhere
             has_table = hasattr(datamodule, "prompt_table")

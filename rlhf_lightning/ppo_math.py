@@ -302,7 +302,7 @@ def kl_to_go_loss(
     The per-token loss w_t k_t with its ratio carrying gradient (:func:`importance_weighted_kl`) gives
     the first two terms. The third, the sequence term, is the KL still to be paid after y_t, which
     depends on y_t whenever the later conditionals' distance to pi_ref depends on the prefix (almost
-    always): a per-token loss alone has the fixed point of ``exact.backward_induction(soft=False)``,
+    always): a per-token loss alone has the fixed point of ``exact.closed_form.backward_induction(soft=False)``,
     not pi*. Which factors carry gradient:
 
     - rho_t: it is the score function of the token y_t at s_t (grad rho_t = rho_t s_t; s_t at epoch 1);

@@ -30,11 +30,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from rlhf_lightning import args, sampling
+from rlhf_lightning import checks, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import LoraArgs, OffPolicyArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.callbacks import Timer
-from rlhf_lightning.data import encode_prompts
 from rlhf_lightning.interfaces import RolloutEngine, Samples
 from rlhf_lightning.networks import Networks
 from rlhf_lightning.trajectory import Trajectory
@@ -124,10 +123,8 @@ class Sampler:
         return view
 
     def encode(self, prompts: list[str], field: str = "the prompts") -> dict[str, Tensor]:
-        """``data.encode_prompts`` with the tokenizer and the prompt settings, on the sampler's device."""
-        prompt_args = self.prompts
-        enc = encode_prompts(self.tokenizer, prompts, prompt_args.chat_template, prompt_args.max_length, prompt_args.special_tokens, field)
-        return {k: v.to(self.device) for k, v in enc.items()}
+        """The prompts encoded with the tokenizer and the prompt settings (``PromptArgs.encode``), on the sampler's device."""
+        return {k: v.to(self.device) for k, v in self.prompts.encode(self.tokenizer, prompts, field).items()}
 
     def seed(self, iteration: int) -> int:
         """The seed iteration ``iteration``'s responses are drawn with, per (run, rank, iteration): ranks sample
@@ -250,7 +247,7 @@ class Sampler:
             drawn = self.view(global_step, exploration).draw(prompts, iteration, iteration, timer)
         trajectory = self.trajectory(drawn, timer, critic_values, exploration)
         if first and (
-            untrainable := args.point_mass_warning(self.sampling, trajectory.old_logprobs, trajectory.kept, trajectory.response_mask)
+            untrainable := checks.point_mass_warning(self.sampling, trajectory.old_logprobs, trajectory.kept, trajectory.response_mask)
         ):
             rank_zero_warn(untrainable)
         return trajectory

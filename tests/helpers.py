@@ -268,7 +268,8 @@ EXACT_RUN = dict(lr=2e-3, critic_lr=2e-3, vf_coef=0.5, num_minibatches=2, log_sa
 def declared_optimum_run(iterations: int = 100, **overrides) -> tuple[dict[str, float], dict[str, float]]:
     """``optimum_check --heads 1 --temperature 0.7 --top-p 0.8 --beta 1`` (any engine by ``overrides``):
     the last exact row (gap, optimum_kl_to_ref, ...) and the final kept sets' report (``kept_report``)."""
-    from rlhf_lightning.exact import TASKS, train
+    from rlhf_lightning.exact.tasks import TASKS
+    from rlhf_lightning.exact.training import train
     from rlhf_lightning_plugins.advantage_estimators import GAE
     from rlhf_lightning_plugins.beta_controllers import FixedBeta
 

@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.exact import TASKS, train
+from rlhf_lightning.exact.tasks import TASKS
+from rlhf_lightning.exact.training import train
 from rlhf_lightning.interfaces import AdvantageEstimator
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.advantage_estimators import GAE, GRPO, RLOO, DrGRPO, ReinforcePlusPlus

@@ -1,5 +1,5 @@
 """Start-up warnings and refusals for combinations that are legal but biased, or that cannot learn:
-the KL recipes from the one table in the code (``args.kl_recipe``), checked against the docs'
+the KL recipes from the one table in the code (``recipes.kl_recipe``), checked against the docs'
 matrix; group estimators without sampling; clip ranges that remove the lower clip; numeric extremes
 named by the field the user wrote."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlhf_lightning import args
-from rlhf_lightning.args import kl_recipe
 from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.recipes import kl_recipe
 from rlhf_lightning.registry import registry
 
 from helpers import CONFIGS, char_reward, command
@@ -41,7 +41,7 @@ def docs_matrix() -> list[tuple[str, str, str, str]]:
 
 def test_the_docs_matrix_is_the_code_table():
     """Every class the docs' measured matrix gives (25 cells: 5 estimators x reward, loss, both x
-    none, importance) is the one ``args.kl_recipe`` gives: the docs cannot drift from the warnings."""
+    none, importance) is the one ``recipes.kl_recipe`` gives: the docs cannot drift from the warnings."""
     rows = docs_matrix()
     assert len(rows) == 25 and {r[3] for r in rows} == {"unbiased", "biased", "drift", "high_variance"}
     assert {r[:3]: kl_recipe(registry("kl_estimator").create(r[0]), *r[1:3])[0] for r in rows} == {r[:3]: r[3] for r in rows}
@@ -49,7 +49,7 @@ def test_the_docs_matrix_is_the_code_table():
 
 def test_the_advantage_docs_kl_in_the_loss_table_is_the_code_table():
     """docs/advantages-and-losses.md's KL-in-the-loss table (critic-free estimator x k1/k3 x weighting):
-    each cell's class is tools/studies/optimum_check/matrix.py's expected class (args.kl_recipe, and grpo's std), and
+    each cell's class is tools/studies/optimum_check/matrix.py's expected class (recipes.kl_recipe, and grpo's std), and
     PPORLHF warns at start-up exactly for the cells it calls biased."""
     from tools.studies.optimum_check.matrix import expected_class
 
@@ -291,3 +291,41 @@ def test_a_checkpoint_incompatible_with_the_config_is_refused_before_any_model_l
         "error: checkpoint is incompatible with this config (these settings cannot change on resume); "
         "model.critic: checkpoint 'shared', config 'separate'; model.lora.rank: checkpoint 4, config 0",
     )
+
+
+def test_the_module_takes_at_most_25_top_level_arguments():
+    """What is not a plugin or a network lives in a group (args.py): the signature stays readable, with room for the next plugin kind."""
+    import inspect
+
+    parameters = list(inspect.signature(PPORLHF.__init__).parameters.values())[1:]
+    assert len([p for p in parameters if p.kind is not p.VAR_KEYWORD]) <= 25
+
+
+def test_a_config_written_for_0_2_runs_with_a_warning_naming_each_new_key_and_the_release_that_removes_the_old(tmp_path):
+    """0.2's top-level seed, tiny_config and trust_remote_code are model.loading's since 0.3: a YAML written for 0.2
+    (and the command line) still sets them, with a FutureWarning naming the new keys and 0.4.0."""
+    from rlhf_lightning.cli import build_cli
+
+    old = tmp_path / "for_0_2.yaml"
+    old.write_text("model:\n  seed: 3\n  tiny_config: {hidden_size: 32, intermediate_size: 64}\n  trust_remote_code: false\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = build_cli(["--config", str(CONFIGS / "tiny.yaml"), "--config", str(old)], run=False).model
+    (message,) = [str(w.message) for w in caught if w.category is FutureWarning]
+    assert message == (
+        "settings under the names of earlier versions are deprecated and removed in 0.4.0: model.trust_remote_code is now "
+        "model.loading.trust_remote_code, model.tiny_config is now model.loading.tiny_config, model.seed is now model.loading.seed"
+    )
+    assert module.loading == args.LoadingArgs(trust_remote_code=False, tiny_config={"hidden_size": 32, "intermediate_size": 64}, seed=3)
+    assert module.hparams["loading"]["seed"] == 3 and "seed" not in module.hparams
+    with pytest.warns(FutureWarning, match=r"removed in 0\.4\.0: model\.seed is now model\.loading\.seed$"):
+        module = build_cli(["--config", str(CONFIGS / "tiny.yaml"), "--model.seed=5"], run=False).model
+    assert module.loading.seed == 5
+
+
+def test_flat_settings_from_python_warn_naming_each_new_key_and_the_release_that_removes_them():
+    with pytest.warns(
+        FutureWarning, match=r"removed in 0\.4\.0: model\.lr is now model\.optim\.lr, model\.seed is now model\.loading\.seed$"
+    ):
+        module = PPORLHF(policy="tiny", reward_model=char_reward(), lr=1e-3, seed=2)
+    assert (module.optim.lr, module.loading.seed) == (1e-3, 2)

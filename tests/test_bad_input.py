@@ -158,7 +158,7 @@ def test_checkpoint_from_an_incompatible_config(tmp_path):
     other = make_module(critic="shared", tiny_config={"hidden_size": 32})
     with pytest.raises(
         ValueError,
-        match=r"incompatible with this config \(these settings cannot change on resume\); model.critic: checkpoint 'separate', config 'shared'; model.tiny_config",
+        match=r"incompatible with this config \(these settings cannot change on resume\); model.critic: checkpoint 'separate', config 'shared'; model.loading.tiny_config",
     ):
         fit(other, tmp_path, iterations=1, ckpt_path=str(path))
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
+from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.interfaces import BetaController
 from rlhf_lightning.registry import registry
+from rlhf_lightning_plugins.beta_controllers import FixedBeta, PromptBudgetBeta
 
 
 def controller(name: str, **kwargs) -> BetaController:
@@ -244,3 +247,54 @@ def test_contract_state_dict_restores_beta(name):
     run(a, [100.0, 100.0])
     b.load_state_dict(a.state_dict())
     assert b.beta == a.beta
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-prompt questions, answered by every controller (the loop asks them whatever its kind)
+
+ONE_BETA = [name for name in registry("beta_controller").names() if not controller(name).keyed_by_prompt]
+
+
+@pytest.mark.parametrize("name", ONE_BETA)
+def test_a_controller_with_one_beta_gives_it_for_every_prompt_and_ignores_the_prompts_kls(name):
+    ctrl = controller(name)
+    run(ctrl, [100.0, 0.5])  # a beta away from init_beta
+    ids = ["a", "b", "a", "c"]
+    betas = ctrl.checked_betas(ids)
+    assert betas.dtype == torch.float64 and betas.tolist() == [ctrl.beta] * 4
+    assert ctrl.betas_of([]).shape == (0,)
+    state = ctrl.state_dict()
+    ctrl.set_budgets({"a": 9.0})
+    ctrl.update_prompts(["a", "b"], torch.tensor([50.0, 0.0], dtype=torch.float64), torch.tensor([4, 4]))
+    assert ctrl.state_dict() == state  # nothing moved: the one beta moves in update()
+    # its budget: the target it steers toward, for every prompt (the set budgets are a per-prompt controller's)
+    target = getattr(ctrl, "target", None)
+    budgets = ctrl.budgets_of(ids)
+    assert budgets is None if target is None else budgets.tolist() == [target] * 4
+
+
+def test_budgets_of_a_controller_with_one_beta_by_hand():
+    """fixed steers toward nothing: no budget; adaptive toward its target 6 (the default), dual toward 2."""
+    assert controller("fixed").budgets_of(["a"]) is None
+    assert controller("adaptive").budgets_of(["a", "b"]).tolist() == [6.0, 6.0]
+    assert controller("dual", target=2.0).budgets_of(["x"]).tolist() == [2.0]
+
+
+def test_only_a_per_prompt_controller_is_keyed_by_prompt():
+    assert [name for name in registry("beta_controller").names() if controller(name).keyed_by_prompt] == ["per_prompt"]
+    ctrl = PromptBudgetBeta(init_beta=0.5, target=2.0)
+    ctrl.set_budgets({"a": 1.0})
+    ctrl.betas["a"] = 0.25
+    assert ctrl.checked_betas(["a", "new"]).tolist() == [0.25, 0.5]  # its own, or beta before it has one
+    assert ctrl.budgets_of(["a", "new"]).tolist() == [1.0, 2.0]  # its budget, or the target
+
+
+def test_checked_betas_refuses_a_beta_that_is_not_finite_or_negative():
+    scalar = FixedBeta(0.1)
+    scalar.beta = float("nan")
+    with pytest.raises(ConfigError, match=r"the beta of beta controller FixedBeta must be a finite number >= 0, got nan"):
+        scalar.checked_betas(["a"])
+    per_prompt = PromptBudgetBeta()
+    per_prompt.betas["a"] = -1.0
+    with pytest.raises(ConfigError, match=r"the betas of beta controller PromptBudgetBeta must be finite numbers >= 0, got \[-1.0, 0.1\]"):
+        per_prompt.checked_betas(["a", "b"])

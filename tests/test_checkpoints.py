@@ -63,3 +63,22 @@ def test_a_checkpoint_written_before_the_groups_resumes_and_names_changes_in_tod
     assert resume.changes == {"model.optim.lr": "model.optim.lr: 0.001 -> 0.003"}
     with pytest.raises(ValueError, match=r"model.lora.rank: checkpoint 4, config 0"):
         checkpoints.check_compatible(module, {**flat, "lora_rank": 4}, {})
+
+
+def test_a_checkpoint_of_0_2_resumes_with_the_settings_0_3_folded_into_loading():
+    """A checkpoint of 0.2 holds ``seed``, ``tiny_config`` and ``trust_remote_code`` at the top of its settings, the
+    groups nested: read as model.loading's, the same values resume, and a changed seed of the tiny model (which
+    defines its weights) is refused under today's key."""
+    import dataclasses
+
+    from rlhf_lightning import args, checkpoints
+
+    from helpers import make_module
+
+    module = make_module()
+    saved = {"policy": "tiny", "tokenizer": None, "reference": None, "critic": "separate"}
+    saved |= {name: dataclasses.asdict(getattr(module, name)) for name in args.GROUPS if name != "loading"}
+    saved |= {"seed": 0, "tiny_config": None, "trust_remote_code": False}
+    assert checkpoints.check_compatible(module, saved, {}).changes == {}
+    with pytest.raises(ValueError, match=r"model.loading.seed: checkpoint 1, config 0"):
+        checkpoints.check_compatible(module, {**saved, "seed": 1}, {})

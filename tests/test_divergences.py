@@ -1,6 +1,6 @@
 """The divergence plugins (plugins/divergences.py) and their closed-form optima (rlhf_lightning/exact/f_divergence.py):
 f, f' and (f')^{-1} against each other for every registered divergence, the optimum against a brute-force search
-over a 3-response bandit's simplex and against its KKT conditions, the reverse KL against exact.optimal_logprobs,
+over a 3-response bandit's simplex and against its KKT conditions, the reverse KL against exact.closed_form.optimal_logprobs,
 the sequence-level penalty in the loop's rewards, and the start-up refusals (docs/divergences.md)."""
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.exact import (
+from rlhf_lightning.exact.closed_form import optimal_logprobs, optimal_objective
+from rlhf_lightning.exact.f_divergence import (
     divergence_label,
     divergence_named,
     divergence_objective,
     divergence_optimal_logprobs,
     divergence_optimal_objective,
     divergence_value,
-    optimal_logprobs,
-    optimal_objective,
 )
 from rlhf_lightning.interfaces import ConfigError
 from rlhf_lightning.registry import load_plugins, registry
@@ -338,7 +337,7 @@ def test_every_divergence_optimum_lies_on_or_below_the_reverse_kl_frontier(tmp_p
     assert 0 <= below < 1  # chi2's optimum spends KL on something other than reward somewhere, but never beats the frontier
     rows = (tmp_path / "frontier_divergences.csv").read_text().splitlines()[1:]
     from rlhf_lightning.exact import frontier as fr
-    from rlhf_lightning.exact import reference_logprobs, task_named
+    from rlhf_lightning.exact.tasks import reference_logprobs, task_named
 
     task = task_named("terminal")
     ref, rewards = reference_logprobs(task), task.rewards()
@@ -388,7 +387,7 @@ def test_a_bounded_f_prime_divergence_explores_to_an_optimum_in_the_references_t
 
 def test_the_kl_optimum_meter_refuses_a_sequence_level_divergence():
     """KLToOptimum measures the distance to the KL's optimum pi_beta: with chi2 it would measure the wrong optimum."""
-    from rlhf_lightning.exact import KLToOptimum
+    from rlhf_lightning.exact.meter import KLToOptimum
 
     module = make_module(divergence="chi2")
     with pytest.raises(ConfigError, match=r"^model\.divergence must be reverse_kl with the KLToOptimum callback .*, got 'ChiSquared'$"):

@@ -21,10 +21,7 @@ import math
 import pytest
 import torch
 
-from rlhf_lightning.exact import (
-    TASKS,
-    ExactPPORLHF,
-    enumerate_responses,
+from rlhf_lightning.exact.closed_form import (
     expected_reward,
     kl_divergence,
     log_partition,
@@ -32,9 +29,10 @@ from rlhf_lightning.exact import (
     optimal_logprobs,
     optimal_objective,
     optimum_report,
-    target_count,
-    train,
 )
+from rlhf_lightning.exact.tabular import enumerate_responses
+from rlhf_lightning.exact.tasks import TASKS, ExactPPORLHF, target_count
+from rlhf_lightning.exact.training import train
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 from rlhf_lightning_plugins.reference_updates import EMA, Reset
@@ -294,13 +292,13 @@ def test_matrix_reports_each_per_token_cell_over_its_seeds(capsys):
 
 
 def test_per_token_fixed_point_by_hand():
-    """exact.backward_induction on 2-token responses over {a, b}, one prompt, beta = 1, reward 1 when the
+    """exact.closed_form.backward_induction on 2-token responses over {a, b}, one prompt, beta = 1, reward 1 when the
     second token is a; pi_ref(y1) = (0.5, 0.5), pi_ref(y2 | a) = (0.9, 0.1), pi_ref(y2 | b) = (0.5, 0.5).
     soft: V(a) = log(0.9 e + 0.1) = 0.934 702, V(b) = log(0.5 e + 0.5) = 0.620 115, pi*(y1 = a) =
     (0.9 e + 0.1) / (0.9 e + 0.1 + 0.5 e + 0.5) = 0.578 005: equal to optimal_logprobs.
     per-token: Q(a) = 0.9 e / (0.9 e + 0.1) = 0.960 730, Q(b) = e / (e + 1) = 0.731 059,
     pi(y1 = a) = e^Q(a) / (e^Q(a) + e^Q(b)) = 0.557 167: the first token ignores the KL the second costs."""
-    from rlhf_lightning.exact import backward_induction
+    from rlhf_lightning.exact.closed_form import backward_induction
 
     ref = torch.tensor([[0.45, 0.05, 0.25, 0.25]], dtype=torch.float64).log()
     rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0]], dtype=torch.float64)

@@ -12,7 +12,7 @@ import torch
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning import sampling
 from rlhf_lightning.args import SamplingArgs
-from rlhf_lightning.exact import ExactPPORLHF, task_named
+from rlhf_lightning.exact.tasks import ExactPPORLHF, task_named
 from rlhf_lightning.interfaces import ConfigError, RolloutEngine
 from rlhf_lightning_plugins.rollout_engines import DeclaredDraw
 

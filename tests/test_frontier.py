@@ -10,17 +10,10 @@ import math
 import pytest
 import torch
 
-from rlhf_lightning.exact import (
-    TASKS,
-    ExactPPORLHF,
-    KLToOptimum,
-    kl_divergence,
-    log_partition,
-    optimal_logprobs,
-    reference_logprobs,
-    task_named,
-)
 from rlhf_lightning.exact import frontier as fr
+from rlhf_lightning.exact.closed_form import kl_divergence, log_partition, optimal_logprobs
+from rlhf_lightning.exact.meter import KLToOptimum
+from rlhf_lightning.exact.tasks import TASKS, ExactPPORLHF, reference_logprobs, task_named
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
 
@@ -374,7 +367,7 @@ def test_annealed_beta_reaches_the_optimum_a_fixed_beta_stops_short_of():
     0.0004, 0.0003); fixed, most stop about 0.022 below it (0.0012, 0.0220, 0.0221: a mode the sampler stops
     visiting, which seed 0 finds by chance since the random tasks' network has a position embedding; 0.0232,
     0.0225, 0.0231 without it; docs/results.md)."""
-    from rlhf_lightning.exact import train
+    from rlhf_lightning.exact.training import train
     from tools.studies import kl_frontier as tool
     from tools.studies.regulariser_frontier import PPO
 

@@ -3,7 +3,7 @@ where the per-token fixed point lies far from pi*.
 
 With the KL in the loss, ``kl_loss_scope: per_token`` follows grad KL(pi(.|s) || pi_ref(.|s)) at each
 visited state and never charges a token for the KL of the states it leads to: it converges to
-``exact.backward_induction(soft=False)``. ``sequence`` (the default) adds that KL still to come
+``exact.closed_form.backward_induction(soft=False)``. ``sequence`` (the default) adds that KL still to come
 (ppo_math.kl_to_go_loss) and converges to pi*. On random:3 at beta 1 the two lie 0.229 apart in gap.
 
 The fast tier trains both scopes briefly and checks that they separate; the runs that check convergence
@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_lightning.exact import ExactTask, expected_train, per_token_fixed_point_gap, train
+from rlhf_lightning.exact.tasks import ExactTask, per_token_fixed_point_gap
+from rlhf_lightning.exact.training import expected_train, train
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
@@ -66,7 +67,7 @@ def test_sequence_scope_separates_from_per_token_in_a_short_run():
 
 
 def test_expected_gradient_reaches_pi_star_only_with_the_sequence_term():
-    """No sampling: every rollout replaced by its exact expectation (exact.expected_train), the module's own
+    """No sampling: every rollout replaced by its exact expectation (exact.training.expected_train), the module's own
     ppo_loss with k3 importance weighted, 60 iterations of 2 epochs. Where it goes is where the loss's
     expected gradient leads: pi* with the sequence term, towards the per-token fixed point (gap 0.2291)
     without it (measured: 0.0017 and 0.1913, still climbing; 0.2288 after 150 iterations of 4 epochs). k1
@@ -104,11 +105,12 @@ def test_expected_path_with_drawn_responses_adds_only_the_noise():
 
 
 def test_per_token_residuals_vanish_at_the_per_token_fixed_point_only():
-    """exact.per_token_residuals on TASK: 0 (1e-10) at every state of backward_induction(soft=False); pi* misses the
+    """exact.closed_form.per_token_residuals on TASK: 0 (1e-10) at every state of backward_induction(soft=False); pi* misses the
     per-token condition at the first token, where the KL still to pay after it varies (its residual there, weighted
     by the prefix's probability, is 0.16); the reference misses it everywhere it could. The probabilities of each
     position's prefixes sum to 1 per prompt."""
-    from rlhf_lightning.exact import backward_induction, optimal_logprobs, per_token_residuals, reference_logprobs
+    from rlhf_lightning.exact.closed_form import backward_induction, optimal_logprobs, per_token_residuals
+    from rlhf_lightning.exact.tasks import reference_logprobs
 
     ref, rewards, tokens = reference_logprobs(TASK), TASK.rewards(), len(TASK.content_tokens)
 
@@ -131,13 +133,8 @@ def test_the_gap_is_a_distance_from_pi_star_and_fixed_point_distance_the_same_fr
     where the gap is 0.2291, and beta KL(pi* || fixed point) / |J*| at pi*; nan without num_tokens."""
     import math
 
-    from rlhf_lightning.exact import (
-        backward_induction,
-        kl_divergence,
-        optimal_logprobs,
-        optimum_report,
-        reference_logprobs,
-    )
+    from rlhf_lightning.exact.closed_form import backward_induction, kl_divergence, optimal_logprobs, optimum_report
+    from rlhf_lightning.exact.tasks import reference_logprobs
 
     ref, rewards, tokens = reference_logprobs(TASK), TASK.rewards(), len(TASK.content_tokens)
     optimum, fixed_point = optimal_logprobs(ref, rewards, BETA), backward_induction(ref, rewards, BETA, tokens, soft=False)
@@ -152,12 +149,14 @@ def test_the_gap_is_a_distance_from_pi_star_and_fixed_point_distance_the_same_fr
 
 
 def test_a_tabular_policy_lands_on_each_scopes_fixed_point():
-    """exact.sampled_ppo (the module's loss pieces on one logit vector per prompt and prefix, sampled responses,
+    """exact.training.sampled_ppo (the module's loss pieces on one logit vector per prompt and prefix, sampled responses,
     an exact advantage) on TASK, 1536 responses, one epoch: with the KL per token each seed ends within 0.02 of
     backward_induction(soft=False)'s gap (measured +0.0068 and +0.0081), 0.2 and more from pi*, and its
     fixed_point_distance under 0.005; with the sequence term within 0.01 of pi* (0.0015). The tiny Llama's cells on TASK settle 0.03-0.04 short of the fixed point at
     any batch tried (docs/results.md, "Tenth round"): what the table does not share, the network does."""
-    from rlhf_lightning.exact import optimum_report, reference_logprobs, sampled_ppo
+    from rlhf_lightning.exact.closed_form import optimum_report
+    from rlhf_lightning.exact.tasks import reference_logprobs
+    from rlhf_lightning.exact.training import sampled_ppo
 
     ref, rewards, tokens = reference_logprobs(TASK), TASK.rewards(), len(TASK.content_tokens)
     fixed_point = per_token_fixed_point_gap(TASK, BETA)
@@ -173,11 +172,13 @@ def test_a_tabular_policy_lands_on_each_scopes_fixed_point():
 
 
 def test_a_tabular_policy_with_a_group_baseline_reaches_pi_star_with_the_sequence_term():
-    """exact.sampled_ppo with rloo's advantage (groups of 8 per prompt, the KL scaled by its gradient_scale), k3 in
+    """exact.training.sampled_ppo with rloo's advantage (groups of 8 per prompt, the KL scaled by its gradient_scale), k3 in
     the loss with the sequence term, 1536 responses, the lr to 1/50: within 0.01 of pi* on TASK (measured 0.0016);
     per token it stays 0.2 and more away. An advantage that needs a critic is refused."""
     from rlhf_lightning.checks import ConfigError
-    from rlhf_lightning.exact import optimum_report, reference_logprobs, sampled_ppo
+    from rlhf_lightning.exact.closed_form import optimum_report
+    from rlhf_lightning.exact.tasks import reference_logprobs
+    from rlhf_lightning.exact.training import sampled_ppo
 
     ref, rewards, tokens = reference_logprobs(TASK), TASK.rewards(), len(TASK.content_tokens)
 
@@ -193,7 +194,7 @@ def test_a_tabular_policy_with_a_group_baseline_reaches_pi_star_with_the_sequenc
 
 def test_optimum_check_tabular_matrix_runs_the_loss_cells_on_a_table(capsys):
     """``python -m tools.studies.optimum_check --matrix --tabular`` on random:3: only the loss cells (the reward placement is the
-    sampled loop's), each as exact.sampled_ppo with the task's settings; the per-token cell lands within 0.02 of
+    sampled loop's), each as exact.training.sampled_ppo with the task's settings; the per-token cell lands within 0.02 of
     its fixed point's gap and 0.005 of it by fixed_point_distance (measured 0.0068, 0.0011), the sequence cell
     within 0.01 of pi*."""
     from tools.studies import optimum_check
@@ -216,8 +217,8 @@ def test_optimum_check_tabular_matrix_runs_the_loss_cells_on_a_table(capsys):
 def test_conditional_tables_rebuild_the_policy_they_came_from():
     """tabular.conditional_tables: the per-state conditionals of a whole-response policy, each a distribution, whose
     product along every response is the response's probability again."""
-    from rlhf_lightning.exact import reference_logprobs
     from rlhf_lightning.exact.tabular import conditional_tables, enumerate_responses, prefix_index
+    from rlhf_lightning.exact.tasks import reference_logprobs
 
     ref, tokens = reference_logprobs(TASK), len(TASK.content_tokens)
     tables = conditional_tables(ref, tokens)
@@ -236,7 +237,7 @@ def test_conditional_tables_rebuild_the_policy_they_came_from():
 
 def test_sampled_ppo_names_what_it_refuses():
     from rlhf_lightning.checks import ConfigError
-    from rlhf_lightning.exact import sampled_ppo
+    from rlhf_lightning.exact.training import sampled_ppo
     from rlhf_lightning.registry import UnknownPluginError
 
     ref, rewards = torch.zeros(2, 4).log_softmax(-1), torch.zeros(2, 4)
@@ -456,7 +457,7 @@ def test_lr_decay_holds_then_falls_linearly_to_its_final_fraction():
 
     import torch
 
-    from rlhf_lightning.exact import LinearLRDecay
+    from rlhf_lightning.exact.training import LinearLRDecay
 
     def factors(hold, iterations=5, steps=5):
         optimizers = [torch.optim.SGD([torch.zeros(1)], lr=2.0), torch.optim.SGD([torch.zeros(1)], lr=4.0)]

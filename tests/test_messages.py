@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from rlhf_lightning.args import PromptArgs, SamplingArgs, check_context, point_mass_warning
+from rlhf_lightning.args import PromptArgs, SamplingArgs
 from rlhf_lightning.checkpoints import AtomicCheckpointIO, checkpoint_state
-from rlhf_lightning.checks import ConfigError
+from rlhf_lightning.checks import ConfigError, check_context, point_mass_warning
 from rlhf_lightning.interfaces import RewardModel
 from rlhf_lightning.reward_shaping import check_scores
 from rlhf_lightning_plugins.rewards.classifier import HFClassifierReward

@@ -1,8 +1,8 @@
 """Stale samples (docs/kl-estimators.md, "Stale samples"): responses drawn from mu, the weights of k updates ago,
 trained on by the proximal policy pi_prox (the current weights). The weights that turn E_mu into E_prox
 (``sampling.correction_weights``), what they clip and their effective sample size (``sampling.off_policy_weight_metrics``),
-the declared class of each correction (``args.off_policy_recipe``), and the exact lab's stale expected path
-(``exact.expected_train(staleness=k)``) against the synchronous one and against J*."""
+the declared class of each correction (``recipes.off_policy_recipe``), and the exact lab's stale expected path
+(``exact.training.expected_train(staleness=k)``) against the synchronous one and against J*."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import warnings
 import pytest
 import torch
 
-from rlhf_lightning import args
-from rlhf_lightning.exact import expected_train
+from rlhf_lightning import args, recipes
 from rlhf_lightning.exact.tasks import task_named
+from rlhf_lightning.exact.training import expected_train
 from rlhf_lightning.sampling import correction_weights, off_policy_weight_metrics
 
 LOG = math.log
@@ -79,17 +79,17 @@ def test_sequence_weights_are_exact_and_token_weights_miss_the_state():
 
 
 def test_each_correction_is_declared():
-    """args.off_policy_recipe: the table of docs/kl-estimators.md, "Stale samples"; a correction that is not exact warns
+    """recipes.off_policy_recipe: the table of docs/kl-estimators.md, "Stale samples"; a correction that is not exact warns
     at start-up with its class and the fix, an exact or synchronous one does not."""
-    assert args.off_policy_recipe("none", 0) == ("on_policy", "")
-    assert args.off_policy_recipe("sequence", 2) == ("exact", "")
-    assert args.off_policy_recipe("token", 2)[0] == "approximate"
-    assert args.off_policy_recipe("none", 1)[0] == "biased"
-    assert args.off_policy_warning("sequence", 4) is None and args.off_policy_warning("none", 0) is None
-    text = args.off_policy_warning("none", 2)
+    assert recipes.off_policy_recipe("none", 0) == ("on_policy", "")
+    assert recipes.off_policy_recipe("sequence", 2) == ("exact", "")
+    assert recipes.off_policy_recipe("token", 2)[0] == "approximate"
+    assert recipes.off_policy_recipe("none", 1)[0] == "biased"
+    assert recipes.off_policy_warning("sequence", 4) is None and recipes.off_policy_warning("none", 0) is None
+    text = recipes.off_policy_warning("none", 2)
     assert text.startswith("model.off_policy.correction none with model.off_policy.max_staleness 2 is biased: without a weight")
     assert "Use model.off_policy.correction: sequence" in text
-    text = args.off_policy_warning("token", 1)
+    text = recipes.off_policy_warning("token", 1)
     assert "is approximate: the per-token weight pi_prox / mu corrects the token drawn at each state" in text
     assert set(args.OFF_POLICY_WEIGHTS.values()) <= {"seq_tis", "tis", "none"}
 
@@ -217,7 +217,7 @@ def stale_cell(advantage: str, staleness: int, correction: str = "sequence", **c
     iterations = recipes.iterations_of(settings, advantage, placement, "sequence")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from rlhf_lightning.exact import train
+        from rlhf_lightning.exact.training import train
 
         _, tracker = train(task_named("random:3"), iterations, every=iterations, seed=0, **kwargs, **matrix.stale_settings(args, stale))
     return tracker.last

@@ -15,8 +15,17 @@ from lightning import Callback
 from rlhf_lightning.callbacks import PromptLog
 from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.data import PromptDataModule, load_prompt_records, prompt_id
-from rlhf_lightning.exact import TASKS, optimal_logprobs, optimum_report
-from rlhf_lightning.exact.closed_form import expected_reward, log_partition, objective, optimal_objective, prompt_betas, prompt_kls
+from rlhf_lightning.exact.closed_form import (
+    expected_reward,
+    log_partition,
+    objective,
+    optimal_logprobs,
+    optimal_objective,
+    optimum_report,
+    prompt_betas,
+    prompt_kls,
+)
+from rlhf_lightning.exact.tasks import TASKS
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.beta_controllers import PromptBudgetBeta
 
@@ -199,7 +208,7 @@ def test_a_per_prompt_controller_without_prompt_ids_is_refused_before_any_model_
 
 
 def test_a_per_prompt_entropy_controller_and_budgets_without_one_are_refused():
-    from rlhf_lightning.exact import ExactPPORLHF
+    from rlhf_lightning.exact.tasks import ExactPPORLHF
 
     with pytest.raises(ConfigError, match=r"model\.entropy_controller must be a controller with one coefficient"):
         make_module(entropy_controller="per_prompt")
@@ -212,7 +221,7 @@ def test_a_per_prompt_entropy_controller_and_budgets_without_one_are_refused():
 def test_the_kl_to_optimum_meter_needs_its_own_beta_with_a_per_prompt_controller():
     from types import SimpleNamespace
 
-    from rlhf_lightning.exact import KLToOptimum
+    from rlhf_lightning.exact.meter import KLToOptimum
 
     module = SimpleNamespace(beta_controller=PromptBudgetBeta())
     with pytest.raises(ConfigError, match=r"KLToOptimum\.beta must be a number with a per-prompt beta controller"):

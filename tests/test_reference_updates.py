@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhf_lightning.cli import build_cli
-from rlhf_lightning.exact import ema_reference_logprobs, iterated_optimal_logprobs, optimal_logprobs
+from rlhf_lightning.exact.closed_form import ema_reference_logprobs, iterated_optimal_logprobs, optimal_logprobs
 from rlhf_lightning.models import move_toward
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.reference_updates import EMA, NoUpdate, Reset, Sync

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from rlhf_lightning import sampling
-from rlhf_lightning.exact import TASKS, ExactPPORLHF, kl_divergence, train
+from rlhf_lightning.exact.closed_form import kl_divergence
+from rlhf_lightning.exact.tasks import TASKS, ExactPPORLHF
+from rlhf_lightning.exact.training import train
 from rlhf_lightning.interfaces import ConfigError, Samples
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.beta_controllers import FixedBeta

@@ -229,7 +229,7 @@ def test_per_token_fixed_point_differs_under_a_uniform_reference():
     0.620115, pi*(a) = e^V(a) / (e^V(a) + 1) = 0.650245. Per-token: pi(a | a) = e / (e + 1) = 0.731059 = Q(a),
     Q(b) = 0, pi(a) = e^Q(a) / (e^Q(a) + 1) = 0.675038: the first token ignores the KL the second costs
     after a (and only after a). J* = log(e / 4 + 3 / 4) = 0.357374, J(per-token) = 0.356007, gap 0.003825."""
-    from rlhf_lightning.exact import backward_induction, optimal_logprobs, optimum_report
+    from rlhf_lightning.exact.closed_form import backward_induction, optimal_logprobs, optimum_report
 
     ref = torch.full((1, 4), 0.25, dtype=torch.float64).log()
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)  # aa, ab, ba, bb
@@ -244,7 +244,7 @@ def test_per_token_fixed_point_differs_under_a_uniform_reference():
 def test_order_reward_by_hand():
     """tokens "ab", response "abb": position[0][a] + position[1][b] + position[2][b] = 0.1 + 0.4 + 0.6;
     transitions a->b, b->b = 1.0 + 2.0; pairs (a, b), (a, b), (b, b) = 0.5 + 0.5 - 1.0; offset -3: 1.1."""
-    from rlhf_lightning.exact import order_reward
+    from rlhf_lightning.exact.tasks import order_reward
 
     table = {
         "offset": -3.0,
@@ -258,7 +258,7 @@ def test_order_reward_by_hand():
 def test_random_task_is_seeded_centred_and_order_dependent():
     """One seed fixes rewards and reference; the reward is centred under the reference (J(pi_ref) = 0);
     the per-token fixed point's gap at beta 1 is the one recorded in ExactTask.random's docstring."""
-    from rlhf_lightning.exact import ExactTask, per_token_fixed_point_gap, reference_logprobs, task_named
+    from rlhf_lightning.exact.tasks import ExactTask, per_token_fixed_point_gap, reference_logprobs, task_named
 
     task = ExactTask.random(1)
     assert task == task_named("random:1") and task != ExactTask.random(2)
@@ -280,7 +280,7 @@ def test_random_tasks_position_embedding_starts_at_zero_and_is_each_copys_own():
     are the trainer's); another rollout engine is refused."""
     import dataclasses
 
-    from rlhf_lightning.exact import TASKS, ExactPPORLHF, ExactTask, reference_logprobs
+    from rlhf_lightning.exact.tasks import TASKS, ExactPPORLHF, ExactTask, reference_logprobs
 
     task = ExactTask.random(3)
     assert task.position_embedding and not TASKS["terminal"].position_embedding
@@ -304,7 +304,8 @@ def test_random_tasks_position_embedding_starts_at_zero_and_is_each_copys_own():
 @pytest.mark.filterwarnings("ignore:.*eval mode.*", "ignore:.*val_dataloader.*", "ignore:.*LeafSpec.*")
 def test_train_samples_with_its_own_seed_on_the_tasks_reference():
     """Two sampling seeds on one random task: the same pi_ref and J* (the task's), different trajectories."""
-    from rlhf_lightning.exact import ExactTask, train
+    from rlhf_lightning.exact.tasks import ExactTask
+    from rlhf_lightning.exact.training import train
     from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
     task = ExactTask.random(1)

@@ -14,17 +14,9 @@ import pytest
 import torch
 
 from rlhf_lightning.checks import ConfigError
-from rlhf_lightning.exact import (
-    ExactPPORLHF,
-    backward_induction,
-    kl_divergence,
-    objective,
-    optimal_logprobs,
-    optimum_report,
-    task_named,
-    train,
-)
-from rlhf_lightning.exact.tasks import TEACHER_SEED_OFFSET
+from rlhf_lightning.exact.closed_form import backward_induction, kl_divergence, objective, optimal_logprobs, optimum_report
+from rlhf_lightning.exact.tasks import TEACHER_SEED_OFFSET, ExactPPORLHF, task_named
+from rlhf_lightning.exact.training import train
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 

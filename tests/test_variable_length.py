@@ -15,21 +15,16 @@ import pytest
 import torch
 from test_exact import PPO_SETTINGS  # the terminal task's settings: terminal-eos is trained alike
 
-from rlhf_lightning import args
+from rlhf_lightning import recipes
 from rlhf_lightning.cli import main
-from rlhf_lightning.exact import (
-    TASKS,
-    ExactPPORLHF,
-    ExactTask,
+from rlhf_lightning.exact.closed_form import (
     backward_induction,
-    expected_train,
+    controller_beta,
     kl_divergence,
+    length_report,
     optimal_logprobs,
-    reference_logprobs,
-    task_named,
-    train,
+    weighted_fixed_point,
 )
-from rlhf_lightning.exact.closed_form import controller_beta, length_report, weighted_fixed_point
 from rlhf_lightning.exact.tabular import (
     conditional_tables,
     enumerate_responses,
@@ -39,6 +34,8 @@ from rlhf_lightning.exact.tabular import (
     token_logprobs,
     valid_responses,
 )
+from rlhf_lightning.exact.tasks import TASKS, ExactPPORLHF, ExactTask, reference_logprobs, task_named
+from rlhf_lightning.exact.training import expected_train, train
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.registry import registry
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
@@ -221,12 +218,12 @@ def test_length_report_counts_tokens_and_cut_responses():
 
 def test_a_length_weighted_kl_in_the_loss_is_its_own_class_and_warned_at_start_up():
     create = registry("kl_estimator").create
-    assert args.kl_recipe(create("k3"), "loss", "importance", "sequence", "seq_mean_token_mean")[0] == "length_weighted"
-    assert args.kl_recipe(create("k3"), "loss", "importance", "per_token", "seq_mean_token_mean")[0] == "length_weighted"
+    assert recipes.kl_recipe(create("k3"), "loss", "importance", "sequence", "seq_mean_token_mean")[0] == "length_weighted"
+    assert recipes.kl_recipe(create("k3"), "loss", "importance", "per_token", "seq_mean_token_mean")[0] == "length_weighted"
     for aggregation in ("token_mean", "seq_mean_token_sum", "ConstantNormaliser"):
-        assert args.kl_recipe(create("k3"), "loss", "importance", "sequence", aggregation)[0] == "unbiased"
-    assert args.kl_recipe(create("k1"), "reward", "importance", "sequence", "seq_mean_token_mean")[0] == "unbiased"
-    assert args.kl_recipe(create("k2"), "loss", "importance", "per_token", "seq_mean_token_mean")[0] == "biased"  # biased first
+        assert recipes.kl_recipe(create("k3"), "loss", "importance", "sequence", aggregation)[0] == "unbiased"
+    assert recipes.kl_recipe(create("k1"), "reward", "importance", "sequence", "seq_mean_token_mean")[0] == "unbiased"
+    assert recipes.kl_recipe(create("k2"), "loss", "importance", "per_token", "seq_mean_token_mean")[0] == "biased"  # biased first
     with pytest.warns(
         UserWarning, match=r"model.loss_aggregation seq_mean_token_mean with model.kl.placement loss: .*weighted_fixed_point"
     ):
@@ -242,7 +239,7 @@ def test_a_length_weighted_kl_in_the_loss_is_its_own_class_and_warned_at_start_u
 
 
 def test_every_unbiased_placement_takes_the_same_exact_expected_step_and_a_biased_one_does_not():
-    """exact.expected_train (every response enumerated, the exact advantage) on random-eos:3: the KL in the reward
+    """exact.training.expected_train (every response enumerated, the exact advantage) on random-eos:3: the KL in the reward
     (k1), in the loss (k1, k3, full; sequence scope) and in both (full; k1, k3: high_variance) take the same steps,
     objective to 1e-6 after three AdamW steps from pi_ref (the first step's KL gradient is 0 there; the later ones
     are not): what separates them sampled is noise. k3 in the reward (biased) and the per-token scope do not."""
@@ -349,13 +346,13 @@ def test_full_in_both_reaches_the_optimum_where_a_sampled_estimator_in_both_is_n
     argv = ["--task", "random-eos:3", "--advantage", "gae", "--placements", "both", "--epochs", "1", "--seed", "2"]
     (cell,), _ = _matrix(capsys, *argv, "--estimators", "full")
     assert cell["expected"] == "unbiased" and float(cell["gap"]) < 0.02, cell
-    assert args.kl_recipe(registry("kl_estimator").create("k3"), "both", "importance")[0] == "high_variance"
+    assert recipes.kl_recipe(registry("kl_estimator").create("k3"), "both", "importance")[0] == "high_variance"
 
 
 @pytest.mark.convergence
 def test_a_length_weighted_kl_in_the_loss_lands_on_its_own_optimum(capsys):
     """rloo with k3 in the loss aggregated by seq_mean_token_mean on random-eos:2, per-token scope (where the
-    weighted fixed point lies clearly apart from pi*): within 0.02 (beta KL / |J*|) of exact.weighted_fixed_point."""
+    weighted fixed point lies clearly apart from pi*): within 0.02 (beta KL / |J*|) of exact.closed_form.weighted_fixed_point."""
     argv = ["--task", "random-eos:2", "--advantage", "rloo", "--estimators", "k3", "--placements", "loss", "--scopes", "per_token"]
     cells, _ = _matrix(capsys, *argv, "--epochs", "1", "--aggregations", "seq_mean_token_mean")
     (cell,) = cells

@@ -14,7 +14,7 @@ from helpers import declared_optimum_run
 
 if __name__ == "__main__":
     ddp = dict(devices=2, strategy=DDPStrategy(), use_distributed_sampler=False)
-    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0  # the sampling seed (exact.train's)
+    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0  # the sampling seed (exact.training.train's)
     engine = sys.argv[2] if len(sys.argv) > 2 else "vllm"
     iterations = int(sys.argv[3]) if len(sys.argv) > 3 else 100
     last, kept = declared_optimum_run(

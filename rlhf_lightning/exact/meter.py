@@ -28,7 +28,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lightning.checks import require, require_number
 from rlhf_lightning.exact.frontier import OptimumDistance, kl_to_optimum, log_partition_estimate
-from rlhf_lightning.interfaces import PerPromptBetaController
 
 
 class KLToOptimum(Callback):
@@ -88,7 +87,7 @@ class KLToOptimum(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         controller = pl_module.beta_controller
         require(
-            self.beta is not None or not isinstance(controller, PerPromptBetaController),
+            self.beta is not None or not controller.keyed_by_prompt,
             "KLToOptimum.beta",
             "a number with a per-prompt beta controller (the meter measures against one beta's optimum)",
             self.beta,

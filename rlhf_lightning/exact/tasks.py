@@ -47,9 +47,10 @@ from rlhf_lightning.checks import require
 from rlhf_lightning.data import PromptTable, prompt_id
 from rlhf_lightning.exact.closed_form import OptimumReport, backward_induction, optimum_logprobs, optimum_report
 from rlhf_lightning.exact.tabular import enumerate_responses, response_lengths, valid_responses
-from rlhf_lightning.interfaces import PerPromptBetaController
+from rlhf_lightning.interfaces import RewardModel
 from rlhf_lightning.models import SPECIAL_TOKENS, char_tokenizer
 from rlhf_lightning.module import PPORLHF
+from rlhf_lightning.registry import registry
 
 BANNED_LOGIT = -1e4  # added to the logits of non-content tokens: probability exactly 0, entropy still finite
 EXACT_TINY_CONFIG = dict(
@@ -282,10 +283,11 @@ class ExactTask:
         tokens = self.content_tokens
         return ["".join(tokens[i] for i in itertools.takewhile(lambda i: i < len(tokens), row)) for row in self.indices.tolist()]
 
-    def reward_model(self):
-        from rlhf_lightning_plugins.rewards.function import CallableReward
-
-        return CallableReward(function=self.reward_function, kwargs=dict(self.reward_kwargs), missing_eos_penalty=self.missing_eos_penalty)
+    def reward_model(self) -> RewardModel:
+        """The task's reward backend, built through the registry by its short name (``callable``), as the module builds its plugins."""
+        return registry("reward_model").create(
+            "callable", function=self.reward_function, kwargs=dict(self.reward_kwargs), missing_eos_penalty=self.missing_eos_penalty
+        )
 
     def rewards(self) -> Tensor:
         """r(x, y) for every prompt and path: (prompts, paths), from the reward backend itself, less
@@ -401,12 +403,13 @@ class ExactPPORLHF(PPORLHF):
         fixed |= {f"sampling.{name}" for name in own if name in kwargs.get("sampling", {})}
         fixed |= {"lora.rank"} if "rank" in kwargs.get("lora", {}) else set()
         require(not fixed, "ExactPPORLHF's arguments", "free of what the task sets itself", sorted(fixed))
+        loading = kwargs.setdefault("loading", {})
         if task.model_seed is not None:  # the task's reference: the initialisation is the task's, not the run's
             require(
-                kwargs.setdefault("seed", task.model_seed) == task.model_seed,
+                loading.setdefault("seed", task.model_seed) == task.model_seed,
                 "ExactPPORLHF's seed",
                 f"the task's model_seed {task.model_seed} (it defines pi_ref)",
-                kwargs["seed"],
+                loading["seed"],
             )
         require(
             not task.position_embedding or kwargs.get("rollout_engine", "hf") == "hf",
@@ -414,17 +417,17 @@ class ExactPPORLHF(PPORLHF):
             "hf (another engine serves the model without it)",
             kwargs.get("rollout_engine"),
         )
-        tiny_config = {**EXACT_TINY_CONFIG, **(kwargs.pop("tiny_config", None) or {})}
+        loading["tiny_config"] = {**EXACT_TINY_CONFIG, **(loading.get("tiny_config") or {})}
         # A task's prompts are 1-2 tokens: sharing them saves nothing and costs a second forward call per pass.
         task_settings = dict(runtime=dict(shared_prompts=False), sampling=dict(max_new_tokens=task.response_length))
-        networks = dict(policy="tiny", reward_model=task.reward_model(), tiny_config=tiny_config)
+        networks = dict(policy="tiny", reward_model=task.reward_model())
         if task.teacher_seed is not None:  # a foreign reference: built by load_reference, named for the checkpoint
             networks["reference"] = f"teacher:{task.teacher_seed}"
         super().__init__(**args.merge_settings(task_settings, kwargs, networks))
         self.task, self.logged = task, logged
         budget_column = getattr(self.beta_controller, "budget_column", None)
         require(
-            kl_budgets is None or (isinstance(self.beta_controller, PerPromptBetaController) and len(kl_budgets) == len(task.prompts)),
+            kl_budgets is None or (self.beta_controller.keyed_by_prompt and len(kl_budgets) == len(task.prompts)),
             "ExactPPORLHF's kl_budgets",
             f"one per task prompt ({len(task.prompts)}), with a per-prompt beta controller",
             kl_budgets,
@@ -445,7 +448,7 @@ class ExactPPORLHF(PPORLHF):
     def exact_beta(self) -> float | Tensor:
         """The beta the optimum is tilted at: the controller's, or each task prompt's own (a per-prompt
         controller; (prompts,) float64)."""
-        if not isinstance(self.beta_controller, PerPromptBetaController):
+        if not self.beta_controller.keyed_by_prompt:
             return self.beta_controller.beta
         return self.beta_controller.betas_of([prompt_id(prompt) for prompt in self.task.prompts])
 
@@ -464,8 +467,7 @@ class ExactPPORLHF(PPORLHF):
 
     def load_reference(self, empty: bool = False):
         """The teacher: the task's network initialised from ``task.teacher_seed``, on the task's tokenizer."""
-        hp = self.hparams
-        teacher, rows = models.load_policy("tiny", self.tokenizer, self.sampling, self.task.teacher_seed, False, hp.tiny_config)
+        teacher, rows = models.load_policy("tiny", self.tokenizer, self.sampling, self.task.teacher_seed, False, self.loading.tiny_config)
         self._as_task_network(teacher)
         return teacher, rows
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from rlhf_lightning import args as settings
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning import sampling
+from rlhf_lightning import recipes, sampling
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact.closed_form import (
     backward_induction,
@@ -50,10 +50,10 @@ MEAN_BASELINES = ("rloo", "dr_grpo", "reinforce_pp")  # critic-free, the reward'
 
 
 def recipe_class(module: ExactPPORLHF) -> str:
-    """The class of the module's KL recipe (``args.kl_recipe``), with its loss aggregation."""
+    """The class of the module's KL recipe (``recipes.kl_recipe``), with its loss aggregation."""
     kl = module.kl
-    aggregation = settings.aggregation_name(module.loss_aggregation)
-    return settings.kl_recipe(module.kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)[0]
+    aggregation = recipes.aggregation_name(module.loss_aggregation)
+    return recipes.kl_recipe(module.kl_estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)[0]
 
 
 def documented_optimum(module: ExactPPORLHF, ref_logprobs: Tensor, rewards: Tensor, beta: float) -> Optional[Tensor]:
@@ -95,7 +95,7 @@ class OptimumTracker(Callback):
     With a per-prompt controller the optimum is each prompt's, tilted at the prompt's own current beta (the gap
     E_x beta_x KL(pi || pi*) / |J*|; no per-token fixed point nor own optimum: NaN), and the row adds the budget
     columns of :meth:`_budget_row`. With a sequence-level ``model.divergence`` (not the reverse KL) the objective,
-    optimum and gap are J_f's and pi* is pi*_f (``exact.divergence_optimal_logprobs``); the iterated optimum's
+    optimum and gap are J_f's and pi* is pi*_f (``exact.f_divergence.divergence_optimal_logprobs``); the iterated optimum's
     theory is the reverse KL's, so its columns mean something there only with a frozen reference (k = 1, where
     they repeat the plain ones)."""
 
@@ -345,7 +345,7 @@ def expected_train(
     # Each response's weight in the aggregation, as its share of the responses (the batch's denominators
     # in expectation): 1 / E[|y|] per token for token_mean, 1 / |y| for seq_mean_token_mean, ...
     aggregation = module.loss_aggregation.weights(mask, module.sampling.max_new_tokens) * len(mask)
-    token_mean = settings.aggregation_name(module.loss_aggregation) == "token_mean"
+    token_mean = recipes.aggregation_name(module.loss_aggregation) == "token_mean"
     if responses is not None:
         draws = torch.Generator().manual_seed(seed)
         per_minibatch = responses // (prompts * num_minibatches)

@@ -13,7 +13,7 @@
 pi_beta ∝ pi_ref exp(r / beta) over a dense beta grid (the most reward any policy gets at each
 KL), best-of-N for N = 1..64 enumerated with ties (``frontier.bon_logprobs``), soft best-of-N for
 N in ``--soft-n`` over a temperature grid, and PPO trained at each of ``--betas``
-(``exact.train``, the settings of tools/studies/regulariser_frontier.py: k1 in the reward, lr 2e-3 decayed
+(``exact.training.train``, the settings of tools/studies/regulariser_frontier.py: k1 in the reward, lr 2e-3 decayed
 to 2e-4, 4 epochs of 2 minibatches; iterations and responses per iteration those of the task's kind
 in tools/studies/optimum_check/recipes.py, 100 x 48 hand-made, 150 x 384 random) against the reference of its
 seed; ``--anneal-from B`` starts each PPO run at beta B and lowers it to its own beta over the first half of
@@ -23,8 +23,8 @@ the run (the ``anneal`` controller), which reaches optima that a run fixed at a 
     FRONTIER ppo_max_gap=<largest (F(KL) - reward) / F(KL) of a PPO point, F the frontier at its own KL>
              bon_kl_bound_max_error=<largest log N - (N - 1) / N - KL(BoN || pi_ref) over N>
 
-``--exact --divergences NAME ...`` (``chi2``, ``alpha:0.5``: ``exact.divergence_named``): no training; the optimum
-pi*_f of each divergence (``exact.divergence_optimal_logprobs``) over the beta grid, on the same plane (reward
+``--exact --divergences NAME ...`` (``chi2``, ``alpha:0.5``: ``exact.f_divergence.divergence_named``): no training; the optimum
+pi*_f of each divergence (``exact.f_divergence.divergence_optimal_logprobs``) over the beta grid, on the same plane (reward
 against the exact KL(pi || pi_ref), so that the divergences are compared on one axis), its point at each of
 ``--betas`` (default 1, where tools/studies/optimum_check/ trains them) marked, and writes
 ``frontier_divergences.png`` and ``.csv``. The reverse KL's curve is the frontier; every other lies on or below
@@ -73,7 +73,9 @@ import numpy as np
 import torch
 
 from rlhf_lightning.exact import frontier as fr
-from rlhf_lightning.exact import log_partition, reference_logprobs, task_named, train
+from rlhf_lightning.exact.closed_form import log_partition
+from rlhf_lightning.exact.tasks import reference_logprobs, task_named
+from rlhf_lightning.exact.training import train
 from tools._cli_args import option_number, tool_parser
 
 BON_N = tuple(range(1, 65))
@@ -231,7 +233,7 @@ def meter_prompt_file(args: argparse.Namespace) -> Path:
 
 
 def smollm2_mode(args: argparse.Namespace) -> None:
-    from rlhf_lightning.exact import KLToOptimum
+    from rlhf_lightning.exact.meter import KLToOptimum
     from tools.studies.sweep_beta import fixed_beta, prepare
     from tools.studies.sweep_beta import train as train_config
 
@@ -513,7 +515,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.divergences:
         if not args.exact:
             parser.error("--divergences: only with --exact (the closed-form optima of the enumerable tasks)")
-        from rlhf_lightning.exact import divergence_named
+        from rlhf_lightning.exact.f_divergence import divergence_named
 
         for spec in args.divergences:
             try:
@@ -553,7 +555,12 @@ def main(argv=None):
 
 def divergence_plane(args: argparse.Namespace) -> str:
     """Each divergence's closed-form optimum over the beta grid on the reward-KL plane (``--exact --divergences``)."""
-    from rlhf_lightning.exact import divergence_label, divergence_named, divergence_optimal_logprobs, divergence_optimal_objective
+    from rlhf_lightning.exact.f_divergence import (
+        divergence_label,
+        divergence_named,
+        divergence_optimal_logprobs,
+        divergence_optimal_objective,
+    )
 
     task = task_named(args.task)
     ref, rewards = reference_logprobs(task, args.seed), task.rewards()

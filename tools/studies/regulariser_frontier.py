@@ -40,7 +40,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from rlhf_lightning.exact import TASKS, ExactPPORLHF, expected_reward, kl_divergence, optimal_logprobs, train
+from rlhf_lightning.exact.closed_form import expected_reward, kl_divergence, optimal_logprobs
+from rlhf_lightning.exact.tasks import TASKS, ExactPPORLHF
+from rlhf_lightning.exact.training import train
 from rlhf_lightning_plugins.beta_controllers import FixedBeta, PIDBeta
 from rlhf_lightning_plugins.policy_losses import ClipHigher
 from tools._cli_args import option_number, tool_parser

@@ -32,7 +32,7 @@ Every run first prints
 
     PER_TOKEN fixed_point_gap=<gap> task=<task> seed=<seed>
 
-the exact gap of the fixed point of a per-token KL loss (``exact.backward_induction(soft=False)``): where a
+the exact gap of the fixed point of a per-token KL loss (``exact.closed_form.backward_induction(soft=False)``): where a
 KL in the loss with ``--kl-loss-scope per_token`` converges. At beta 1 it is >= 0.05 on random tasks 1-7
 (their values: ``ExactTask.random``'s docstring).
 
@@ -48,8 +48,8 @@ import argparse
 import itertools
 
 from rlhf_lightning.args import OFF_POLICY_WEIGHTS
-from rlhf_lightning.exact import divergence_named, task_named
-from rlhf_lightning.exact.tasks import TASK_CHOICES
+from rlhf_lightning.exact.f_divergence import divergence_named
+from rlhf_lightning.exact.tasks import TASK_CHOICES, task_named
 from tools._cli_args import option_number, tool_parser
 from tools.studies.optimum_check import matrix, single
 from tools.studies.optimum_check.matrix import AGGREGATIONS
@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="+",
         default=["reverse_kl"],
         help="model.divergence: reverse_kl (default), forward_kl, js, chi2, alpha:VALUE or any registered name; several: "
-        "one run each, every other setting the same, each measured against its own optimum (exact.divergence_optimal_logprobs)",
+        "one run each, every other setting the same, each measured against its own optimum (exact.f_divergence.divergence_optimal_logprobs)",
     )
     parser.add_argument("--estimator", default="k1", help="KL estimator: k1, k3, full or any registered name (default k1)")
     parser.add_argument(
@@ -194,7 +194,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.end_iterations and args.expected_gradient:
         parser.error("--end-batch-size / --end-iterations: not with --expected-gradient (the exact path samples no batch)")
     if args.end_iterations and args.tabular:
-        parser.error("--end-batch-size / --end-iterations: not with --tabular (exact.sampled_ppo samples one batch size)")
+        parser.error("--end-batch-size / --end-iterations: not with --tabular (exact.training.sampled_ppo samples one batch size)")
     sequence_level = [name for name in args.divergence if not divergence_named(name).per_token]
     if sequence_level and (args.matrix or args.reference != "none" or args.kl_penalty != "reward"):
         parser.error(
@@ -216,7 +216,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.tabular and any(name.startswith(("teacher:", "random-teacher:")) for name in args.task):
         parser.error(
-            "--tabular: not with a teacher task (exact.sampled_ppo starts the table at pi_ref, and a teacher task's policy starts elsewhere)"
+            "--tabular: not with a teacher task (exact.training.sampled_ppo starts the table at pi_ref, and a teacher task's policy starts elsewhere)"
         )
     for name, epochs in itertools.product(args.task, args.epochs if args.matrix else [args.ppo_epochs]):
         updates = task_settings(args, name)["updates"]
@@ -355,14 +355,14 @@ def add_matrix_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     add(
         "--expected-gradient",
         action="store_true",
-        help="replace every rollout by its exact expectation (exact.expected_train): where each cell's expected gradient "
+        help="replace every rollout by its exact expectation (exact.training.expected_train): where each cell's expected gradient "
         "leads, without sampling noise; the advantage exact (a perfect critic's: --advantage ignored), the KL in the reward "
         "in the exact return",
     )
     add(
         "--tabular",
         action="store_true",
-        help="a tabular policy (one logit vector per prompt and prefix, exact.sampled_ppo) in place of the tiny Llama: "
+        help="a tabular policy (one logit vector per prompt and prefix, exact.training.sampled_ppo) in place of the tiny Llama: "
         "sampled responses (the task's --batch-size), the module's loss pieces, the exact advantage for gae (a perfect "
         "critic's) or the critic-free --advantage's own, Adam at --tabular-lr; KL in the loss only. Where the sampled loss settles when no shared network "
         'couples the states (docs/results.md, "Tenth round")',

@@ -26,11 +26,11 @@ With several ``--seed`` values each per_token cell also gets a line after the ce
 over its sampling seeds: where the cell sits, and how far one seed strays from it).
 
 ``--expected-gradient`` trains the same cells with every rollout replaced by its exact expectation
-(:func:`rlhf_lightning.exact.expected_train`: all responses enumerated, weighted by pi_old, the exact
+(:func:`rlhf_lightning.exact.training.expected_train`: all responses enumerated, weighted by pi_old, the exact
 advantage with the reward's KL values in the return, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
 gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
 cell adds to them is noise. Every cell trains the task kind's iterations (150 on a random task).
-``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.exact.sampled_ppo`:
+``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.exact.training.sampled_ppo`:
 one logit vector per prompt and prefix, sampled responses, the module's loss pieces, the exact advantage for
 ``gae`` or the critic-free estimator's own, Adam at ``--tabular-lr``, one batch size: the cell's, without an end batch), about a second a cell: where the loss
 settles when no network couples the states. ``--expected-noise`` puts the noise back and nothing else: each step weighs the responses by a draw of
@@ -47,9 +47,9 @@ docs/kl-estimators.md and docs/results.md.
 
 ``--max-staleness K [K ...]`` adds stale cells to the matrix (0: the synchronous cell): each batch sampled from the
 weights of K iterations ago (``model.off_policy.max_staleness``, the asynchronous loop; with ``--expected-gradient``
-``exact.expected_train(staleness=K)``, the responses weighted by that policy), once per ``--corrections`` value
+``exact.training.expected_train(staleness=K)``, the responses weighted by that policy), once per ``--corrections`` value
 (``model.off_policy.correction``: sequence, token, none; default sequence none) at ``--correction-cap`` (default the
-setting's, 5). Their lines carry ``staleness= correction= off_policy=<the correction's class, args.off_policy_recipe>``
+setting's, 5). Their lines carry ``staleness= correction= off_policy=<the correction's class, recipes.off_policy_recipe>``
 (and, exact, the last iteration's ``ess=`` and ``clipped_fraction=``), and a summary per staleness and class follows
 MATRIX (whose classes are the synchronous cells')::
 
@@ -68,17 +68,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
-from rlhf_lightning.args import OffPolicyArgs, kl_recipe, off_policy_recipe
+from rlhf_lightning.args import OffPolicyArgs
 from rlhf_lightning.checks import require
-from rlhf_lightning.exact import (
-    expected_train,
-    optimum_report,
-    per_token_fixed_point_gap,
-    reference_logprobs,
-    sampled_ppo,
-    task_named,
-    train,
-)
+from rlhf_lightning.exact.closed_form import optimum_report
+from rlhf_lightning.exact.tasks import per_token_fixed_point_gap, reference_logprobs, task_named
+from rlhf_lightning.exact.training import expected_train, sampled_ppo, train
+from rlhf_lightning.recipes import kl_recipe, off_policy_recipe
 from rlhf_lightning.registry import registry
 from tools.studies.optimum_check.recipes import (
     final_lr,
@@ -100,7 +95,7 @@ def expected_class(
 ) -> str:
     """What the theory (docs/kl-estimators.md, "Which recipe reaches which optimum") says of a cell:
     ``unbiased``, ``per_token``, ``drift`` or ``biased``, from the one table the module's start-up
-    warning reads (``rlhf_lightning.args.kl_recipe``, where the classes are defined). ``grpo`` with
+    warning reads (``rlhf_lightning.recipes.kl_recipe``, where the classes are defined). ``grpo`` with
     any KL outside the reward is biased whatever the recipe: its division by each group's reward std
     weighs each prompt's reward against its KL differently (the objective is sum_x (E r - beta std_x
     KL), not J); in the reward the std divides both alike."""
@@ -178,7 +173,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
     aggregation = {"loss_aggregation": cell.aggregation} if args.aggregations else {}
     if args.tabular:
         task = task_named(cell.task)
-        require(not task.eos, "--tabular", "a task of fixed-length responses (exact.sampled_ppo's table has no EOS)", cell.task)
+        require(not task.eos, "--tabular", "a task of fixed-length responses (exact.training.sampled_ppo's table has no EOS)", cell.task)
         ref, rewards = reference_logprobs(task, cell.seed), task.rewards()
         logprobs = sampled_ppo(
             ref,
@@ -329,7 +324,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def stale_fields(cell: Cell, row: dict) -> str:
-    """A stale cell's fields of its OPTIMUM line: staleness, correction and its class (``args.off_policy_recipe``),
+    """A stale cell's fields of its OPTIMUM line: staleness, correction and its class (``recipes.off_policy_recipe``),
     and the last iteration's ``off_policy/ess`` and ``off_policy/clipped_fraction`` where the row has them."""
     if not cell.staleness:
         return ""

@@ -8,8 +8,9 @@ import argparse
 import logging
 import warnings
 
-from rlhf_lightning.exact import OptimumTracker, divergence_label, divergence_named
+from rlhf_lightning.exact.f_divergence import divergence_label, divergence_named
 from rlhf_lightning.exact.tasks import RANDOM_KINDS
+from rlhf_lightning.exact.training import OptimumTracker
 from rlhf_lightning_plugins.advantage_estimators import GAE
 from rlhf_lightning_plugins.beta_controllers import FixedBeta, PromptBudgetBeta
 from rlhf_lightning_plugins.reference_updates import EMA, Reset, Sync

@@ -33,7 +33,7 @@ prompt's pi*(.|x) ∝ pi_ref exp(r / beta_x) at its current beta_x, and a last l
     BUDGET task=<task> seed=<seed> gap=<gap to that optimum> kl_max_rel_error=<max_x |KL_x(pi) / budget_x - 1|>
            beta_max_rel_error=<max_x |beta_x / beta_x^rest - 1|> kls=<KL_x> betas=<beta_x> rest_betas=<beta_x^rest>
 
-(beta_x^rest: where the budget puts pi*'s KL, ``exact.prompt_betas``; KL_x exact).
+(beta_x^rest: where the budget puts pi*'s KL, ``exact.closed_form.prompt_betas``; KL_x exact).
 
 ``--reference sync|reset|ema --resets k`` trains k phases of ``--iterations`` iterations (the learning
 rate decays within each phase) and moves the reference after each phase, the last at the very end.
@@ -49,15 +49,10 @@ import argparse
 import statistics
 import time
 
-from rlhf_lightning.exact import (
-    OptimumTracker,
-    divergence_named,
-    per_token_fixed_point_gap,
-    prompt_betas,
-    prompt_kls,
-    task_named,
-    train,
-)
+from rlhf_lightning.exact.closed_form import prompt_betas, prompt_kls
+from rlhf_lightning.exact.f_divergence import divergence_named
+from rlhf_lightning.exact.tasks import per_token_fixed_point_gap, task_named
+from rlhf_lightning.exact.training import OptimumTracker, train
 from tools.studies.optimum_check.recipes import (
     advantage_settings,
     budget_settings,
