@@ -318,7 +318,7 @@ class AdvantageEstimator(Plugin):
     def gradient_scale(self, rewards: Tensor, mask: Tensor, group_size: int, sum_fn=None) -> Tensor:
         """Per response (batch,): the factor by which the advantages scale the expected policy
         gradient of each response's return (1: an unbiased estimator, unnormalised). A KL in the
-        loss is scaled by it too (``PPORLHF.ppo_update``'s ``kl_coef``), so that beta weighs the KL
+        loss is scaled by it too (``PPOUpdate.run``'s ``kl_coef``), so that beta weighs the KL
         against the reward as configured whatever the estimator normalises by."""
         return torch.ones(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
 

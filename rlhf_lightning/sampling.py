@@ -13,7 +13,7 @@ pi_theta during the PPO epochs and the reference are restricted to the same K_t 
 there. The PPO ratio, every KL estimate, the KL the controller sees and the entropy are of these
 distributions; with top_k 0, top_p 1 and min_new_tokens 0, K_t is the whole vocabulary.
 
-Pure functions on tensors; the module calls them in ``PPORLHF.rollout``.
+Pure functions on tensors; the sampler calls them in ``Sampler.trajectory``.
 """
 
 from __future__ import annotations

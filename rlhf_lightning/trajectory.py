@@ -1,4 +1,4 @@
-"""What one PPO iteration learns from: the rollout's tensors (``PPORLHF.rollout`` builds them), what
+"""What one PPO iteration learns from: the rollout's tensors (``Sampler.trajectory`` builds them), what
 scoring makes of them (``PPORLHF.score``) and what the iteration hands its callbacks.
 
 Every distribution in it is the declared one of ``rlhf_lightning.sampling``: tempered, restricted to

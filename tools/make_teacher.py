@@ -7,7 +7,7 @@ No second model with SmolLM2's tokenizer is installable here (pip only: ``llm-sm
 that ships SmolLM2's weights; ``smollm`` is an empty 2 kB placeholder), so the teacher is made from SmolLM2:
 
 1. SmolLM2 answers ``--prompts`` training prompts (the built-in set), rendered and sampled exactly as PPO
-   rollouts are (``PPORLHF.rollout``: chat template, ``--max-new-tokens`` tokens with EOS banned before them).
+   rollouts are (``Sampler.rollout``: chat template, ``--max-new-tokens`` tokens with EOS banned before them).
 2. Every response token that holds a full stop is swapped for the same token with "!" in its place (".", ".\\n",
    "...": any whose text with "." -> "!" is also a token), so the responses keep their words and lengths and
    change their style: SmolLM2's own text, exclaimed.

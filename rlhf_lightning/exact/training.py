@@ -303,7 +303,7 @@ def expected_train(
     the prefix leaves the expectation unchanged); then ``ppo_epochs`` x
     ``num_minibatches`` full-batch AdamW steps (as many as the sampled loop takes, each on the whole
     expectation, of which a minibatch is an unbiased half, its gradients clipped to ``max_grad_norm`` as the
-    module clips them) of the module's own :meth:`PPORLHF.ppo_loss`:
+    module clips them) of the module's own :meth:`PPOUpdate.loss`:
     clipped surrogate plus beta times the KL loss of its ``kl_estimator``, ``kl_loss_weighting`` and
     ``kl_loss_scope``; the lr held for the first ``lr_hold`` fraction of the run, then decayed linearly
     to ``lr_final`` of ``lr``. A loss whose expected gradient is
@@ -323,7 +323,7 @@ def expected_train(
     version max(0, i - k) (version: completed iterations), as the asynchronous loop does: every response weighted
     by mu(y|x) instead of pi_old(y|x), pi_old (the PPO ratio's anchor, the KL's values) the proximal policy, the
     current weights; the advantage A_t = G_t - E_mu[G_t | x, y_<t] (a critic or group fitted to mu's samples), and
-    the module's ppo_loss with the weights of ``model.off_policy.correction`` ``correction`` truncated at ``correction_cap``
+    the module's loss (``PPOUpdate.loss``) with the weights of ``model.off_policy.correction`` ``correction`` truncated at ``correction_cap``
     (uncapped by default) on every term (``sequence``: the whole response's pi_prox(y) / mu(y); ``token``: each
     token's; ``none``: no weight; ``args.OFF_POLICY_WEIGHTS``, docs/kl-estimators.md, "Stale samples"). Each row
     then also has ``off_policy/ess`` and ``off_policy/clipped_fraction`` of the last iteration's weights under mu
@@ -440,7 +440,7 @@ def sampled_ppo(
     pi_ref), from sampled responses, with the module's own loss pieces: ``ppo_math.policy_loss`` (token mean),
     the registered ``estimator``'s values weighted by ``ppo_math.importance_weighted_kl`` (its ratio carrying
     gradient, its ``score_baseline``) and, for ``scope="sequence"``, ``ppo_math.kl_to_go_loss`` on the log-ratio
-    with the prompt group's baseline, as ``PPORLHF.ppo_loss`` adds them. The advantage is exact (a perfect
+    with the prompt group's baseline, as ``PPOUpdate.loss`` adds them. The advantage is exact (a perfect
     critic): A_t = E_old[r | x, y_<=t] - E_old[r | x, y_<t]; or, naming a critic-free ``advantage`` estimator
     (``rloo``, ``grpo``, ...), that estimator's on groups of ``group_size`` responses to a prompt, the KL scaled
     by its ``gradient_scale`` as the module scales it. Each iteration draws ``responses`` from pi_old,

@@ -27,7 +27,7 @@ over its sampling seeds: where the cell sits, and how far one seed strays from i
 
 ``--expected-gradient`` trains the same cells with every rollout replaced by its exact expectation
 (:func:`rlhf_lightning.exact.training.expected_train`: all responses enumerated, weighted by pi_old, the exact
-advantage with the reward's KL values in the return, the module's own ppo_loss): no sampling noise, so its gaps are where each cell's expected
+advantage with the reward's KL values in the return, the module's own loss, PPOUpdate.loss): no sampling noise, so its gaps are where each cell's expected
 gradient leads (the sequence cells to pi*, the per-token ones to their fixed point), and what a sampled
 cell adds to them is noise. Every cell trains the task kind's iterations (150 on a random task).
 ``--tabular`` trains the same KL-in-the-loss cells on a tabular policy (:func:`rlhf_lightning.exact.training.sampled_ppo`:
