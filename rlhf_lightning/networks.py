@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from rlhf_lightning import args, fsdp2, models, prefix, sampling
+from rlhf_lightning import checks, fsdp2, models, prefix, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import LoraArgs, OptimArgs, PromptArgs, SamplingArgs
 from rlhf_lightning.interfaces import Samples
@@ -396,7 +396,7 @@ def build_networks(
     sharded = device_mesh is not None
     copy_of = fsdp2.meta_copy if sharded else copy.deepcopy
     policy, rows = load_policy(sharded)
-    args.check_context(prompts, sampling, policy.config, longest_prompt)
+    checks.check_context(prompts, sampling, policy.config, longest_prompt)
     value_model = None if critic == "none" else ValueModel.from_policy(policy, shared=critic == "shared", copy_of=copy_of)
     foreign = load_reference is not None
     trained, ref_model, initial_model = policy, None, None
@@ -408,7 +408,7 @@ def build_networks(
     reference_rows = None
     if foreign:  # a separate frozen model, under LoRA too (the adapter-disabled policy is then pi_0)
         reference, reference_rows = load_reference(sharded)
-        args.check_context(prompts, sampling, reference.config, longest_prompt, "model.reference's")
+        checks.check_context(prompts, sampling, reference.config, longest_prompt, "model.reference's")
         models.check_reference_vocabulary(policy, reference)
         ref_model = frozen_copy(reference, copy_of=lambda model: model)
     skeleton = fsdp2.meta_copy(trained) if sharded and keep_skeleton else None

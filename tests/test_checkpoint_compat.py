@@ -14,19 +14,10 @@ import pytest
 
 from tools.summarize_run import read_scalars
 
-from helpers import CONFIGS, cli
+from helpers import CONFIGS, RUN_ARGS, cli
 
 DATA = Path(__file__).parent / "data" / "checkpoints_0.2"
-RESUME_ARGS = (
-    "--trainer.max_epochs=2",
-    "--trainer.limit_train_batches=2",
-    "--trainer.limit_val_batches=0",
-    "--trainer.enable_progress_bar=false",
-    "--model.beta_controller=BandBeta",
-    "--model.beta_controller.init_args.target=0.5",
-    "--model.sampling.max_new_tokens=10",
-    "--trainer.callbacks.every_n_iterations=2",
-)
+RESUME_ARGS = (*RUN_ARGS, "--trainer.max_epochs=2", "--trainer.limit_train_batches=2")  # the later value wins
 ASYNC = ("--model.off_policy.max_staleness=1", "--model.sampling.old_logprobs=forward")
 
 
