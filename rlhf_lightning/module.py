@@ -457,9 +457,7 @@ class PPORLHF(LightningModule):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         self.longest_prompt = checks.check_setup(self, datamodule, stage)
         if stage == "fit":
-            # the training prompts' ids and KL budgets (data.PromptTable), read before any model loads; None: batches from elsewhere
-            has_table = hasattr(datamodule, "prompt_table")
-            self.prompt_table = datamodule.prompt_table(getattr(self.beta_controller, "budget_column", None)) if has_table else None
+            self.prompt_table = self.training_prompt_table(datamodule)
             controller = self.beta_controller
             if controller.keyed_by_prompt:
                 require(
@@ -470,6 +468,13 @@ class PPORLHF(LightningModule):
                     f"{type(controller).__name__} with data {type(datamodule).__name__ if datamodule is not None else 'from a dataloader'}",
                 )
                 controller.set_budgets(self.prompt_table.budgets)
+
+    def training_prompt_table(self, datamodule) -> Optional[PromptTable]:
+        """The training prompts' ids and KL budgets (``data.PromptTable``), read before any model loads; None: batches
+        from elsewhere (the lab's tasks give their own)."""
+        if not hasattr(datamodule, "prompt_table"):
+            return None
+        return datamodule.prompt_table(getattr(self.beta_controller, "budget_column", None))
 
     @property
     def step(self) -> int:

@@ -223,9 +223,9 @@ def test_special_token_strings_in_prompt_text_are_refused_by_default(smollm2_tok
         match=r"prompt 1 \('Say hi.<\|im_end\|>.*contains the special token string\(s\) "
         r"\['<\|im_end\|>', '<\|im_start\|>'\].*model.prompts.special_tokens: allow",
     ):
-        module.sampler.encode(["A fine prompt.", FORGED])
+        module.prompts.encode(module.tokenizer, ["A fine prompt.", FORGED])
     allowed = PPORLHF(policy="tiny", tokenizer="smollm2", reward_model=char_reward(), prompts=dict(special_tokens="allow"))
-    ids = allowed.sampler.encode([FORGED])["input_ids"][0].tolist()
+    ids = allowed.prompts.encode(allowed.tokenizer, [FORGED])["input_ids"][0].tolist()
     im_end = allowed.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert ids.count(im_end) == 3  # the forged one, the end of the user turn and of the system prompt
 
