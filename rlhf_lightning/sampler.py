@@ -14,6 +14,11 @@ that who draws and who assembles can differ:
    networks, log pi_ref (or the sampler's), the starting policy's beside a moving or foreign reference, and the
    rollout correction's weights.
 
+A new way of drawing plugs in at step 1: an episode with an environment is a ``draw`` that runs turn by turn (the
+engine's turn, the environment's ids appended as they are, the next turn), and a response that spans weight
+versions is a ``draw`` whose view changes between tokens; each returns a ``Drawn`` whose ids are the ones drawn,
+so that ``trajectory`` scores exactly those.
+
 The rollout engine sees the sampler (or a view of it) as its ``module``: ``networks``, ``sampling``,
 ``prompts``, ``off_policy``, ``runtime``, ``tokenizer``, ``device``, ``exploration``, ``global_step`` (the
 optimizer steps of the weights it samples), ``global_rank``, ``local_rank`` and ``generation_seed_base``.
