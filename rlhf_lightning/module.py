@@ -226,7 +226,13 @@ class PPORLHF(LightningModule):
             self.async_rollouts.close()
 
     def configure_callbacks(self) -> list:
-        return [TensorBoardViews(self.runtime.log_samples_every_n_steps, self.runtime.num_logged_samples)]
+        """TensorBoard's views, and the KL health monitor (kl_health.py) unless ``trainer.callbacks`` holds one:
+        Lightning would replace the user's with this one, and the user's settings win (``mode: off`` included)."""
+        from rlhf_lightning.kl_health import KLHealth
+
+        views = TensorBoardViews(self.runtime.log_samples_every_n_steps, self.runtime.num_logged_samples)
+        users = self._trainer.callbacks if self._trainer is not None else []
+        return [views] if any(isinstance(callback, KLHealth) for callback in users) else [views, KLHealth()]
 
     def on_fit_start(self) -> None:
         self._setup_reward_models()
