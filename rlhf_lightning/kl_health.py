@@ -82,11 +82,11 @@ class KLHealth(Callback):
       A_0 those of the same scores without the KL; with the KL in the loss, ||beta grad L_KL|| / (||beta grad
       L_KL|| + ||grad L_pg||) on the policy's trainable parameters on the first minibatch (``torch.autograd.grad``:
       no optimizer step, no ``.grad`` written); with both, the larger. Fails at ``kl_share <= min_kl_share``.
-    * ``reference_moved`` (no patience: weights that changed are not noise): a fingerprint of the frozen reference (the float64 sum and absolute sum of
-      ``fingerprint_tensors`` of its frozen tensors, evenly spaced; a LoRA reference's base weights), taken at
-      the start of fit and saved with checkpoints. Fires on a probe when it changed while the reference update
-      plugin keeps it frozen (``moves`` False), and at the start of a resumed fit when it differs from the
-      checkpoint's (either plugin).
+    * ``reference_moved`` (no patience: weights that changed are not noise): a fingerprint of the frozen reference
+      (the float64 sum and absolute sum of ``fingerprint_tensors`` of its frozen tensors, evenly spaced; a LoRA
+      reference's base weights), taken at the start of fit and saved with checkpoints, compared within
+      ``fingerprint_rtol``. Fires on a probe when it changed while the reference update plugin keeps it frozen
+      (``moves`` False), and at the start of a resumed fit when it differs from the checkpoint's (either plugin).
     * ``sampler_mismatch`` (every iteration): ``rollout/logprob_diff_mean > max_logprob_diff``, or
       ``off_policy/ess < min_ess``, ``patience`` iterations in a row; a batch staler than
       ``model.off_policy.max_staleness`` (``off_policy/staleness_max``) at once.
@@ -117,6 +117,8 @@ class KLHealth(Callback):
         reward_window: iterations of the reward's trend.
         min_reward_rise: the rise of that trend over the window that counts as rising.
         fingerprint_tensors: frozen reference tensors in the fingerprint.
+        fingerprint_rtol: a change of a tensor's sum or absolute sum within this share of its absolute sum is no
+            change (LoRA's merge for generation rounds the base weights; another model or a nudge moves them by far more).
     """
 
     def __init__(
@@ -135,6 +137,7 @@ class KLHealth(Callback):
         reward_window: int = 5,
         min_reward_rise: float = 0.0,
         fingerprint_tensors: int = 8,
+        fingerprint_rtol: float = 1e-4,
     ) -> None:
         args = dict(locals())
 
@@ -146,14 +149,16 @@ class KLHealth(Callback):
         for field in ("every_n_iterations", "patience", "reward_window", "fingerprint_tensors"):
             check(isinstance(args[field], int) and args[field] >= 1, field, "an integer >= 1")
         require(all(name in CHECKS for name in checks), "KLHealth.checks", f"a list of {', '.join(CHECKS)}", checks)
-        for field in ("min_kl_share", "max_logprob_diff", "estimate_rel_tol", "estimate_abs_tol", "estimate_z", "kl_zero"):
+        tolerances = ("min_kl_share", "max_logprob_diff", "estimate_rel_tol", "estimate_abs_tol", "estimate_z", "kl_zero")
+        for field in (*tolerances, "fingerprint_rtol"):
             check(args[field] >= 0, field, ">= 0")
         check(0 <= min_ess <= 1, "min_ess", "in [0, 1]")
         check(reward_window >= 2, "reward_window", ">= 2 (a trend needs two points)")
         self.mode, self.every_n_iterations, self.patience, self.checks = mode, every_n_iterations, patience, list(checks)
         self.min_kl_share, self.max_logprob_diff, self.min_ess = min_kl_share, max_logprob_diff, min_ess
         self.estimate_rel_tol, self.estimate_abs_tol, self.estimate_z = estimate_rel_tol, estimate_abs_tol, estimate_z
-        self.kl_zero, self.min_reward_rise, self.fingerprint_tensors = kl_zero, min_reward_rise, fingerprint_tensors
+        self.kl_zero, self.min_reward_rise = kl_zero, min_reward_rise
+        self.fingerprint_tensors, self.fingerprint_rtol = fingerprint_tensors, fingerprint_rtol
         self.conditions = {name: Condition(patience) for name in CHECKS}
         # a batch older than allowed, and a reference whose weights changed, are bugs at once, never noise
         self.conditions.update(staleness=Condition(1), reference_moved=Condition(1))
@@ -179,7 +184,7 @@ class KLHealth(Callback):
         self.fingerprint = reference_fingerprint(pl_module.networks, self.fingerprint_tensors)
         saved, self.saved_fingerprint = self.saved_fingerprint, None
         if saved is not None and len(saved) == len(self.fingerprint):
-            changed = not _same(saved, self.fingerprint)
+            changed = not same_fingerprint(saved, self.fingerprint, self.fingerprint_rtol)
             if self.conditions["reference_moved"].observe(changed):
                 self._fire(
                     trainer,
@@ -274,7 +279,7 @@ class KLHealth(Callback):
             now = reference_fingerprint(pl_module.networks, self.fingerprint_tensors)
         if self.fingerprint is None:
             self.fingerprint = now
-        changed = not _same(now, self.fingerprint)
+        changed = not same_fingerprint(now, self.fingerprint, self.fingerprint_rtol)
         message = (
             f"the frozen reference's weights changed during the run (fingerprint {_short(self.fingerprint)} at the start "
             f"of fit, {_short(now)} now) while model.reference_update is "
@@ -470,9 +475,16 @@ def trend(values: list[float]) -> float:
     return sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / sum((x - mean_x) ** 2 for x in range(n))
 
 
-def _same(a: list[float], b: list[float]) -> bool:
-    # float64 sums of the same tensors in the same order are bit-equal; a checkpoint's round trip keeps them
-    return len(a) == len(b) and all(x == y for x, y in zip(a, b, strict=True))
+def same_fingerprint(a: list[float], b: list[float], rtol: float) -> bool:
+    """Whether two fingerprints (sum, absolute sum per tensor) agree within ``rtol`` of each tensor's absolute sum:
+    LoRA's merge for generation and unmerge round the base weights within a step each time."""
+    if len(a) != len(b):
+        return False
+    for i in range(0, len(a), 2):
+        scale = rtol * max(abs(a[i + 1]), abs(b[i + 1]))
+        if abs(a[i] - b[i]) > scale or abs(a[i + 1] - b[i + 1]) > scale:
+            return False
+    return True
 
 
 def _short(fingerprint: list[float]) -> str:

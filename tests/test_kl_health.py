@@ -15,7 +15,7 @@ from rlhf_lightning.kl_health import KLHealth, KLHealthError, trend
 from rlhf_lightning.networks import Networks
 from rlhf_lightning.regulariser import Regulariser
 
-from helpers import StopAfter, fit, make_module, run_cli
+from helpers import CONFIGS, StopAfter, cli, fit, make_module, run_cli
 
 
 @pytest.fixture(autouse=True)
@@ -179,6 +179,21 @@ def test_the_module_installs_one_unless_the_user_did(tmp_path):
     trainer, _ = fit(make_module(), tmp_path, 5, callbacks=[mine])
     assert [c for c in trainer.callbacks if isinstance(c, KLHealth)] == [mine]
     assert not any(key.startswith("system/kl_health/") for key in trainer.callback_metrics)
+
+
+def test_a_config_names_it_by_its_bare_class_name(tmp_path):
+    """``trainer.callbacks: - class_path: KLHealth`` resolves (the command imports kl_health.py with the module)."""
+    result = cli(
+        tmp_path,
+        "fit",
+        "--config",
+        str(CONFIGS / "tiny.yaml"),
+        "--trainer.callbacks+=KLHealth",
+        "--trainer.callbacks.mode=off",
+        "--print_config",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "class_path: rlhf_lightning.kl_health.KLHealth" in result.stdout and "mode: 'off'" in result.stdout, result.stdout
 
 
 def test_the_command_on_the_tiny_config_is_silent_and_logs_the_scalars(tmp_path):
