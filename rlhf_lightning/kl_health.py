@@ -30,6 +30,7 @@ from torch import Tensor
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning import sampling
 from rlhf_lightning.interfaces import require
+from rlhf_lightning.metrics import weighted_kl
 from rlhf_lightning.models import local_tensor
 from rlhf_lightning.trajectory import Scored, Trajectory
 
@@ -90,7 +91,8 @@ class KLHealth(Callback):
     * ``sampler_mismatch`` (every iteration): ``rollout/logprob_diff_mean > max_logprob_diff``, or
       ``off_policy/ess < min_ess``, ``patience`` iterations in a row; a batch staler than
       ``model.off_policy.max_staleness`` (``off_policy/staleness_max``) at once.
-    * ``estimate_vs_exact`` (probe): the estimator's mean KL per response (``system/kl_health/kl_estimate``)
+    * ``estimate_vs_exact`` (probe): the estimator's mean KL per response (``system/kl_health/kl_estimate``, as
+      ``objective/kl``: weighed by a rollout correction's weights)
       against the exact full-vocabulary KL of the same responses (``system/kl_health/kl_exact``), sum_t sum_v
       pi_old(v) (log pi_old(v) - log pi_ref(v)) on the sampler's kept set, from the trajectory's logits (kept on
       probe iterations). Fails when they differ by more than ``max(estimate_rel_tol * |exact|, estimate_abs_tol)``
@@ -317,7 +319,8 @@ class KLHealth(Callback):
         return out
 
     def estimate_vs_exact(self, trainer, pl_module, outputs) -> dict[str, float]:
-        rollout, kl = outputs["rollout"], outputs["kl"].detach()
+        rollout = outputs["rollout"]
+        kl = weighted_kl(rollout, outputs["kl"].detach())  # as objective/kl: under pi_old where a rollout correction weighs it
         with _timed(self, "estimate_vs_exact"):
             exact = exact_kl(pl_module, rollout)  # (batch, response_len)
             difference = (kl.double() - exact).sum(-1)  # per response
