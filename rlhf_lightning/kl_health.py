@@ -398,10 +398,12 @@ class KLHealth(Callback):
 # ---------------------------------------------------------------------- the measurements
 def reference_fingerprint(networks, count: int) -> list[float]:
     """The float64 sum and absolute sum of ``count`` of the reference's frozen tensors, evenly spaced in
-    parameter order (first and last included): under LoRA the base weights (the adapter disabled), under FSDP2
-    each rank's shards summed over the ranks. Two floats per tensor."""
+    parameter order (first and last included), the policy's trained ones left out: under LoRA the base weights
+    (the adapter disabled; a moving reference's adapter too), under FSDP2 each rank's shards summed over the
+    ranks. Two floats per tensor."""
+    trained = {id(p) for p in networks.policy.parameters() if p.requires_grad}  # PEFT freezes the adapter it disables
     with networks.reference() as reference:
-        frozen = [p for p in reference.parameters() if not p.requires_grad]
+        frozen = [p for p in reference.parameters() if not p.requires_grad and id(p) not in trained]
         if not frozen:
             return []
         picks = sorted({round(i * (len(frozen) - 1) / max(count - 1, 1)) for i in range(count)})

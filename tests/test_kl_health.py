@@ -53,9 +53,15 @@ FAST = dict(every_n_iterations=1, patience=2)
 DECLARED = 1 + FAST["every_n_iterations"] * FAST["patience"]
 
 
-@pytest.mark.parametrize("placement", ["reward", "loss"])
-def test_a_healthy_run_is_silent_and_logs_the_kl_share(tmp_path, placement):
-    module = make_module(kl=dict(placement=placement))
+@pytest.mark.parametrize(
+    "settings",
+    [dict(kl=dict(placement="reward")), dict(kl=dict(placement="loss")), dict(lora=dict(rank=4))],
+    ids=["reward", "loss", "lora"],
+)
+def test_a_healthy_run_is_silent_and_logs_the_kl_share(tmp_path, settings):
+    """LoRA: the reference is the base weights, which the merge for generation rounds, beside an adapter that PEFT
+    freezes while it is disabled: neither is a moved reference."""
+    module = make_module(**settings)
     health = KLHealth(**FAST)
     caught, trainer = run(module, tmp_path, 5, health)
     assert caught == []
