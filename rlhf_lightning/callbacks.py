@@ -17,6 +17,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from rlhf_lightning.fsdp2 import full_state_dict, is_sharded
 from rlhf_lightning.interfaces import require
+from rlhf_lightning.kl_health import CHECKS as KL_HEALTH_CHECKS
+from rlhf_lightning.kl_health import KLHealth
 from rlhf_lightning.models import add_lora
 
 
@@ -63,6 +65,15 @@ def export_policy(module, target: Path) -> Optional[Path]:
     return target
 
 
+def module_callbacks(trainer, runtime) -> list[Callback]:
+    """What ``PPORLHF.configure_callbacks`` installs: :class:`TensorBoardViews` (``runtime``'s sample settings), and
+    the KL health monitor (kl_health.py) unless ``trainer.callbacks`` holds a ``KLHealth``: Lightning would replace
+    the user's with the module's, and the user's settings win (``mode: off`` included)."""
+    views = TensorBoardViews(runtime.log_samples_every_n_steps, runtime.num_logged_samples)
+    users = trainer.callbacks if trainer is not None else []
+    return [views] if any(isinstance(callback, KLHealth) for callback in users) else [views, KLHealth()]
+
+
 class TensorBoardViews(Callback):
     """What ``PPORLHF`` adds to a TensorBoard log beside its scalars (the module installs it through
     ``configure_callbacks``): the Custom Scalars page (:func:`custom_scalars_layout`), the first view
@@ -84,6 +95,7 @@ class TensorBoardViews(Callback):
             has_gold=pl_module.gold_reward_model is not None,
             reference=pl_module.hparams.get("reference"),
             asynchronous=bool(getattr(getattr(pl_module, "off_policy", None), "max_staleness", 0)),
+            kl_health=any(isinstance(callback, KLHealth) and callback.mode != "off" for callback in trainer.callbacks),
         )
         trainer.logger.experiment.add_custom_scalars(layout)
 
@@ -113,10 +125,16 @@ class TensorBoardViews(Callback):
 # scale, and the y axis fits the runs drawn (one config's runs: --logdir lightning_logs/<config>).
 SEEDS_CATEGORY = "rlhf-lightning: reward, KL, beta, net objective"
 MORE_CATEGORY = "rlhf-lightning: entropy, lengths, the PPO update"
+HEALTH_CATEGORY = "rlhf-lightning: KL health"
 
 
 def custom_scalars_layout(
-    unit: str = "sequence_sum", has_target: bool = True, has_gold: bool = False, reference: Optional[str] = None, asynchronous: bool = False
+    unit: str = "sequence_sum",
+    has_target: bool = True,
+    has_gold: bool = False,
+    reference: Optional[str] = None,
+    asynchronous: bool = False,
+    kl_health: bool = False,
 ) -> dict:
     """The Custom Scalars layout, ``{category: {chart title: ["Multiline", [tag regexes]]}}`` in the
     order TensorBoard shows it: first the run at a glance (reward; the KL's mean and max beside the
@@ -127,7 +145,9 @@ def custom_scalars_layout(
     ``reference``: another model is the reference (``model.reference``, a teacher): the KL charts name it and the
     direction (the reverse KL, KL(pi || reference)), and the drift from the starting policy gets a chart of its own.
     ``asynchronous``: the sampler runs ahead (``model.off_policy.max_staleness`` > 0): how stale the batches were,
-    the off-policy correction's clipped share and effective sample size, and the trainer's wait for the sampler."""
+    the off-policy correction's clipped share and effective sample size, and the trainer's wait for the sampler.
+    ``kl_health``: a ``KLHealth`` monitor runs (kl_health.py): a third row, the KL's share of the update, the
+    estimate against the exact KL, and which checks fire."""
     target = ", the controller's target (objective/kl_target)" if has_target else ""
     target_tag = ["objective/kl_target"] if has_target else []
     seeds = {"reward: objective/reward (training batch), val/reward (held-out prompts)": ["objective/reward", "val/reward"]}
@@ -168,10 +188,19 @@ def custom_scalars_layout(
                 ],
             }
         )
-    return {
-        category: {title: ["Multiline", [f"^{tag}$" for tag in tags]] for title, tags in charts.items()}
-        for category, charts in ((SEEDS_CATEGORY, seeds), (MORE_CATEGORY, more))
-    }
+    rows = [(SEEDS_CATEGORY, seeds), (MORE_CATEGORY, more)]
+    if kl_health:
+        checks = [f"system/kl_health/{name}" for name in KL_HEALTH_CHECKS]
+        health = {
+            "the KL's share of the update (system/kl_health/kl_share; 0: the KL does not reach it)": ["system/kl_health/kl_share"],
+            "KL per response (nats): the estimator's (system/kl_health/kl_estimate), the exact (system/kl_health/kl_exact)": [
+                "system/kl_health/kl_estimate",
+                "system/kl_health/kl_exact",
+            ],
+            f"checks firing (1) or not (0): {', '.join(checks)}": checks,
+        }
+        rows.append((HEALTH_CATEGORY, health))
+    return {category: {title: ["Multiline", [f"^{tag}$" for tag in tags]] for title, tags in charts.items()} for category, charts in rows}
 
 
 def _md(text: str, limit: int = 300) -> str:

@@ -51,7 +51,7 @@ from rlhf_lightning import args, checkpoints, checks, fsdp2, gpu, models
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import KLArgs, LoadingArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.async_rollout import AsyncRollouts, check_strategy
-from rlhf_lightning.callbacks import TensorBoardViews, Timer
+from rlhf_lightning.callbacks import Timer, module_callbacks
 from rlhf_lightning.checks import Faults, require
 from rlhf_lightning.data import Lookahead, PromptTable, token_ids
 from rlhf_lightning.interfaces import (
@@ -220,7 +220,7 @@ class PPORLHF(LightningModule):
             self.async_rollouts.close()
 
     def configure_callbacks(self) -> list:
-        return [TensorBoardViews(self.runtime.log_samples_every_n_steps, self.runtime.num_logged_samples)]
+        return module_callbacks(self._trainer, self.runtime)  # TensorBoard's views; the KL health monitor unless the user's
 
     def on_fit_start(self) -> None:
         self._setup_reward_models()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rlhf_lightning.callbacks import MORE_CATEGORY, SEEDS_CATEGORY, custom_scalars_layout
+from rlhf_lightning.callbacks import HEALTH_CATEGORY, MORE_CATEGORY, SEEDS_CATEGORY, custom_scalars_layout
 
 from helpers import run_cli, tool
 
@@ -45,11 +45,26 @@ def test_the_first_category_is_reward_kl_beside_its_target_beta_and_the_net_obje
     ]
 
 
+def test_a_kl_health_monitor_adds_a_third_row():
+    """With ``KLHealth`` running (the module's default): the KL's share of the update, the estimate beside the exact
+    KL on one axis (both nats per response), and the five checks' 0/1 flags."""
+    layout = custom_scalars_layout(kl_health=True)
+    assert list(layout) == [SEEDS_CATEGORY, MORE_CATEGORY, HEALTH_CATEGORY]
+    assert [tags for _, tags in charts(layout, HEALTH_CATEGORY)] == [
+        ["system/kl_health/kl_share"],
+        ["system/kl_health/kl_estimate", "system/kl_health/kl_exact"],
+        [
+            f"system/kl_health/{name}"
+            for name in ("dead_kl", "reference_moved", "sampler_mismatch", "estimate_vs_exact", "reward_up_kl_zero")
+        ],
+    ]
+
+
 def test_every_title_names_its_lines_in_order():
     """The title is the legend: each tag a chart draws is named in its title, in the order drawn."""
     for unit in ("sequence_sum", "token_mean"):
         for has_target in (True, False):
-            layout = custom_scalars_layout(unit=unit, has_target=has_target, has_gold=True)
+            layout = custom_scalars_layout(unit=unit, has_target=has_target, has_gold=True, kl_health=True)
             for category in layout:
                 for title, tags in charts(layout, category):
                     places = [title.find(tag) for tag in tags]
@@ -80,7 +95,7 @@ def test_every_charted_tag_is_a_documented_metric():
     from helpers import REPO
 
     page = (REPO / "docs" / "metrics.md").read_text()
-    layout = custom_scalars_layout(unit="token_mean", has_target=True, has_gold=True)
+    layout = custom_scalars_layout(unit="token_mean", has_target=True, has_gold=True, kl_health=True)
     tags = {tag for category in layout for _, chart_tags in charts(layout, category) for tag in chart_tags}
     missing = sorted(tag for tag in tags if not re.search(rf"`{re.escape(tag)}`", page))
     assert not missing, missing
@@ -116,6 +131,7 @@ def test_the_machinerys_counts_sort_after_the_runs_own_measures(scalar_tags):
     assert scalar_tags >= {"system/faults/iteration_skipped", "system/faults/skipped_iterations", "system/kl_guard/spikes"}
     assert groups(scalar_tags) == ["objective", "policy", "prompts", "reference", "response", "rollout", "system", "timing", "val", "value"]
     assert "system/memory/param_numel_local" in scalar_tags
+    assert "system/kl_health/sampler_mismatch" in scalar_tags  # the default KL health monitor (every iteration), beside the guard
 
 
 def test_the_scalars_tab_opens_on_the_seeds_metrics(scalar_tags):
