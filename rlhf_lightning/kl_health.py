@@ -293,7 +293,10 @@ class KLHealth(Callback):
     def sampler_mismatch(self, trainer, pl_module, metrics: dict[str, float]) -> dict[str, float]:
         causes = []
         diff = metrics.get("rollout/logprob_diff_mean")
-        if diff is not None and diff > self.max_logprob_diff:
+        # A declared behaviour policy differs from pi on purpose: the exploring mixture, or weights k versions old
+        # (whose health the correction's ESS says).
+        declared = metrics.get("sampling/explore", 0.0) > 0 or pl_module.off_policy.max_staleness > 0
+        if diff is not None and diff > self.max_logprob_diff and not declared:
             causes.append(
                 f"rollout/logprob_diff_mean = {diff:.4g} > KLHealth.max_logprob_diff = {self.max_logprob_diff:g}: the rollout "
                 f"engine {type(pl_module.rollout_engine).__name__}'s log-probs are not the trainer's (its dtype, kernels or "
