@@ -258,12 +258,18 @@ def test_console_script_runs_the_tiny_config(tmp_path):
 
     (written,) = events.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(written.tensor_proto.string_val[0])
-    expected = custom_scalars_layout(unit="sequence_sum", has_target=True, has_gold=False)  # adaptive, no gold reward
+    expected = custom_scalars_layout(
+        unit="sequence_sum", has_target=True, has_gold=False, kl_health=True
+    )  # adaptive, no gold reward; KLHealth on by default
     assert [(c.title, [(chart.title, list(chart.multiline.tag)) for chart in c.chart]) for c in layout.category] == [
         (category, [(title, tags) for title, (_, tags) in charts.items()]) for category, charts in expected.items()
     ]
     drawn = {tag[1:-1] for c in layout.category for chart in c.chart for tag in chart.multiline.tag}
-    assert drawn <= set(events.Tags()["scalars"]), drawn - set(events.Tags()["scalars"])  # every chart has its lines
+    probes = {
+        f"system/kl_health/{name}" for name in ("dead_kl", "estimate_vs_exact", "kl_estimate", "kl_exact", "kl_share", "reference_moved")
+    }
+    # every chart has its lines, but KLHealth's probes, which run every 5th iteration (after this short run)
+    assert drawn - probes <= set(events.Tags()["scalars"]), drawn - probes - set(events.Tags()["scalars"])
     assert list((run_dir / "checkpoints").glob("*.ckpt"))
     assert "litlogger" not in result.stdout + result.stderr and "FutureWarning" not in result.stderr
 
