@@ -363,7 +363,8 @@ class OffPolicyArgs:
     change while a batch waits. A reference that moves (``model.reference_update``) and an engine that returns
     no logits while the sampling truncates (its kept set is then the trainer's) keep the reference's pass in
     the trainer; false: everything after the draw in the trainer. The reward model is then called from the
-    sampler's thread (every built-in one may be)."""
+    sampler's thread (every built-in one may be; one with ``RewardModel.thread_safe`` False is refused at
+    start-up, and one that fails there is named by this field in the run's error)."""
 
     def __post_init__(self) -> None:
         f = "model.off_policy."
