@@ -15,16 +15,17 @@ def _count_e(responses: Sequence[str]) -> list[float]:
 
 
 class RaiseOnCall(RewardModel):
-    """Scores as configs/tiny.yaml's reward does until call ``call`` (1-based), which raises."""
+    """Scores as configs/tiny.yaml's reward does until call ``call`` (1-based), which raises ``error``
+    (``RuntimeError`` or ``TimeoutError``: the backend's own, not the sampler's timeout)."""
 
-    def __init__(self, call: int = 2) -> None:
+    def __init__(self, call: int = 2, error: str = "RuntimeError") -> None:
         super().__init__()
-        self.call, self.calls = call, 0
+        self.call, self.calls, self.error = call, 0, {"RuntimeError": RuntimeError, "TimeoutError": TimeoutError}[error]
 
     def score(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
         self.calls += 1
         if self.calls == self.call:
-            raise RuntimeError("the scoring service went away")
+            raise self.error("the scoring service went away")
         return _count_e(responses)
 
 

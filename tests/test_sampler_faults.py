@@ -40,14 +40,16 @@ def last_line(result: subprocess.CompletedProcess) -> str:
     return result.stderr.strip().splitlines()[-1]
 
 
-def test_a_reward_that_raises_in_the_sampler_thread_is_one_line_naming_score_in_sampler(tmp_path):
+@pytest.mark.parametrize("error", ["RuntimeError", "TimeoutError"])
+def test_a_reward_that_raises_in_the_sampler_thread_is_one_line_naming_score_in_sampler(tmp_path, error):
     """The reward's second call (the batch of iteration 1, scored in the sampler's thread while iteration 0 trains)
-    raises; the sampler is drawing iteration 2's batch when the trainer reports it (the run's abort, before)."""
-    result = stale_cli(tmp_path, "--model.reward_model=sampler_faults.RaiseOnCall")
+    raises; the sampler is drawing iteration 2's batch when the trainer reports it (the run's abort, before). The
+    backend's own TimeoutError is its error, not the sampler's timeout."""
+    result = stale_cli(tmp_path, "--model.reward_model=sampler_faults.RaiseOnCall", f"--model.reward_model.init_args.error={error}")
     assert result.returncode == 2, result.stderr[-2000:]
     assert last_line(result) == (
         "error: model.off_policy.score_in_sampler true: the sampler's thread failed scoring the batch of iteration 1 "
-        "(model.off_policy.max_staleness 1): RuntimeError: the scoring service went away; a reward backend that runs only "
+        f"(model.off_policy.max_staleness 1): {error}: the scoring service went away; a reward backend that runs only "
         "in the trainer's thread needs model.off_policy.score_in_sampler false"
     )
 
