@@ -20,7 +20,7 @@ import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -342,9 +342,10 @@ class OffPolicyArgs:
     """k: how many updates old the weights that sample a batch may be (>= 0); 0 is the synchronous loop
     (sample, then score, then update, as without this group). The sampler runs ahead at exactly k: it
     samples batch i + k while iteration i trains (pacing, never discarding)."""
-    sampler_timeout_s: float = 600.0
-    """The longest the trainer waits for the sampler's next batch, in seconds (> 0); past it the run
-    stops with an error naming this field (a sampler that hangs must not hang the run)."""
+    sampler_timeout_s: Union[float, str, None] = 600.0
+    """The longest the trainer waits for the sampler's next batch, in seconds (> 0), or ``never`` (YAML
+    ``never`` or ``null``: wait for ever; Ctrl+C still stops the wait at once); past it the run stops with
+    an error naming this field (a sampler that hangs must not hang the run)."""
     correction: Literal["sequence", "token", "none"] = "sequence"
     """How a stale batch's terms are weighed from the behaviour policy mu to the proximal one (every term of
     the loss: the policy loss, the KL in the loss, the logged KL; docs/kl-estimators.md, "Stale samples"):
@@ -362,14 +363,23 @@ class OffPolicyArgs:
     change while a batch waits. A reference that moves (``model.reference_update``) and an engine that returns
     no logits while the sampling truncates (its kept set is then the trainer's) keep the reference's pass in
     the trainer; false: everything after the draw in the trainer. The reward model is then called from the
-    sampler's thread (every built-in one may be)."""
+    sampler's thread (every built-in one may be; one with ``RewardModel.thread_safe`` False is refused at
+    start-up, and one that fails there is named by this field in the run's error)."""
 
     def __post_init__(self) -> None:
         f = "model.off_policy."
         require_number(f + "max_staleness", self.max_staleness, at_least=0, integer=True)
-        require_number(f + "sampler_timeout_s", self.sampler_timeout_s, above=0)
+        timeout = self.sampler_timeout_s
+        if timeout is not None and timeout != "never":
+            number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
+            require(number and timeout > 0, f + "sampler_timeout_s", "a number of seconds > 0 or never (wait for ever)", timeout)
         _choice(f + "correction", self.correction, tuple(OFF_POLICY_WEIGHTS))
         require_number(f + "correction_cap", self.correction_cap, at_least=1)
+
+    @property
+    def sampler_timeout(self) -> Optional[float]:
+        """``sampler_timeout_s`` in seconds; None for ``never``."""
+        return None if self.sampler_timeout_s in (None, "never") else float(self.sampler_timeout_s)
 
     def weights(self, sampling: SamplingArgs, explore: float = 0.0) -> tuple[str, float]:
         """The mode and cap of ``sampling.correction_weights`` from the sampler's log-probs to the trainer's: this
@@ -599,7 +609,7 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
             "the responses of a group are mostly identical, so are their rewards, and their advantages are 0 (nothing is learnt from them)"
         )
     check_divergence(plugins["divergence"], kl, sampling, plugins["beta_controller"])
-    check_off_policy(off_policy, sampling, plugins["rollout_engine"])
+    check_off_policy(off_policy, sampling, plugins["rollout_engine"], plugins["reward_model"])
     check_exploration(sampling, off_policy, plugins["rollout_engine"])
     # A sequence-level divergence's penalty is its own (a score-function reward); the KL estimator only measures.
     kl_warning = plugins["divergence"].per_token and recipes.kl_recipe_warning(
@@ -620,12 +630,20 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
     return {"critic": critic, "ppo": dataclasses.replace(ppo, whiten_advantages=whiten)}
 
 
-def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: Any) -> None:
+def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: Any, reward_model: Any = None) -> None:
     """Asynchronous rollouts (``model.off_policy.max_staleness`` > 0) anchor the PPO ratio at the weights
     that train (the proximal policy: a forward at consumption time), the sampler's log-probs kept as the
-    behaviour policy's; and need an engine that samples from a published copy of the weights."""
+    behaviour policy's; and need an engine that samples from a published copy of the weights, and with
+    ``score_in_sampler`` a reward backend that may be called from the sampler's thread (``RewardModel.thread_safe``)."""
     if not off_policy.max_staleness:
         return
+    require(
+        not off_policy.score_in_sampler or getattr(reward_model, "thread_safe", True),
+        "model.off_policy.score_in_sampler",
+        f"false with model.reward_model {type(reward_model).__name__}, which runs only in the trainer's thread "
+        f"(thread_safe False; with model.off_policy.max_staleness {off_policy.max_staleness} the sampler's thread scores)",
+        off_policy.score_in_sampler,
+    )
     require(
         sampling.old_logprobs == "forward",
         "model.sampling.old_logprobs",

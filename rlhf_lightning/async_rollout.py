@@ -23,11 +23,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
+import math
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 from torch import Tensor
@@ -40,9 +43,35 @@ from rlhf_lightning.models import full_tensor
 from rlhf_lightning.networks import Networks
 from rlhf_lightning.sampler import Drawn, Sampler
 
+THREAD_NAME = "rlhf-lightning-sampler"
+_POLL_S = 0.25  # the trainer waits for a batch in slices this long: a Ctrl+C is seen between them
+
 
 class SamplerError(ConfigError):
     """The sampler failed or did not answer in time: one line naming ``model.off_policy`` and the cause."""
+
+
+class SamplerInterrupted(SamplerError):
+    """Ctrl+C while the trainer waited for the sampler: one line, and the shell's status for SIGINT (130)."""
+
+    status = 130
+
+
+class _ScoringFailed(Exception):
+    """The sampler's thread drew the batch and failed scoring it (``score_in_sampler``): ``__cause__`` says why."""
+
+
+def exit_process(status: int) -> NoReturn:
+    """End the command with ``status`` once its one line is printed: ``sys.exit``, or, where the sampler's thread
+    still runs (the run stopped while it drew, or it hangs), ``os._exit`` after flushing stdout and stderr. A
+    thread inside torch when the interpreter finalises aborts the process after the message ("terminate called
+    without an active exception", status 134), and waiting for it may be waiting for ever (a hung backend); what
+    the run wrote is closed by then (the trainer's teardown finalises the loggers; checkpoints are whole files)."""
+    if any(thread.name == THREAD_NAME and thread.is_alive() for thread in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 def check_strategy(trainer, max_staleness: int) -> None:
@@ -79,6 +108,9 @@ class _Done:
     def cancel(self) -> bool:
         return False
 
+    def done(self) -> bool:
+        return True
+
 
 def _work(jobs: queue.Queue) -> None:
     """The sampler's thread: run each ``(future, job)`` in order until ``None``."""
@@ -114,7 +146,7 @@ class AsyncRollouts:
     ) -> None:
         self.trainer_sampler = sampler
         self.k = off_policy.max_staleness
-        self.timeout_s = off_policy.sampler_timeout_s
+        self.timeout_s = off_policy.sampler_timeout  # None: wait for ever
         self.score_in_sampler, self.reference_moves = off_policy.score_in_sampler, reference_moves
         self.step_context, self.concurrent, self.skeleton = step_context, concurrent, skeleton
         self.sampler: Optional[Sampler] = None  # the trainer's sampler over its own copy of the policy (built at the first draw)
@@ -125,7 +157,7 @@ class AsyncRollouts:
         self.jobs: dict[int, Any] = {}  # iteration -> Future (or _Done) of its Drawn
         self._queue: Optional[queue.Queue] = None  # the worker's jobs, once it runs
         self._thread: Optional[threading.Thread] = None
-        self._hung = False  # the sampler missed sampler_timeout_s: close() does not wait for it
+        self._abandoned = False  # the sampler failed, hung or was interrupted: close() does not wait for it
         self.handed_ahead = 0  # batches handed to the sampler before their iteration (read ahead)
 
     # ------------------------------------------------------------------ the trainer's side
@@ -176,30 +208,66 @@ class AsyncRollouts:
         if self._queue is None:
             self._queue = queue.Queue()
             # a daemon: a sampler that hangs must not keep the process alive once the trainer has stopped
-            self._thread = threading.Thread(target=_work, args=(self._queue,), name="rlhf-lightning-sampler", daemon=True)
+            self._thread = threading.Thread(target=_work, args=(self._queue,), name=THREAD_NAME, daemon=True)
             self._thread.start()
         future = concurrent.futures.Future()
         self._queue.put((future, job))
         self.jobs[iteration] = future
 
     def wait(self, iteration: int) -> Drawn:
-        """Batch ``iteration``, at most ``sampler_timeout_s`` later; a sampler that raised or hangs is one line."""
+        """Batch ``iteration``, at most ``sampler_timeout_s`` later (or for ever); a sampler that raised or hangs,
+        or a Ctrl+C meanwhile, is one line, and the sampler is abandoned (``close`` and ``exit_process``)."""
         job = self.jobs.pop(iteration)
         try:
-            return job.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            self._hung = True
-            raise SamplerError(
-                f"model.off_policy.sampler_timeout_s {self.timeout_s}: the sampler drew no batch for iteration {iteration} in that time "
-                f"(model.off_policy.max_staleness {self.k}); raise the timeout if sampling one batch takes longer"
-            ) from None
+            return self._result(job)
         except SamplerError:
             raise
-        except Exception as err:
-            raise SamplerError(
-                f"model.off_policy.max_staleness {self.k}: the sampler failed drawing the batch of iteration {iteration}: "
-                f"{type(err).__name__}: {err}"
-            ) from err
+        except BaseException as err:
+            self._abandon()
+            raise self._error(iteration, job, err) from (None if isinstance(err, (KeyboardInterrupt, TimeoutError)) else err)
+
+    def _result(self, job) -> Drawn:
+        """``job``'s result within ``timeout_s`` (None: for ever), waited for in slices of ``_POLL_S``."""
+        deadline = math.inf if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return job.result(timeout=max(0.0, min(_POLL_S, left)))
+            except concurrent.futures.TimeoutError:
+                if job.done() or left <= _POLL_S:  # the job's own TimeoutError, or the deadline
+                    raise
+
+    def _error(self, iteration: int, job, err: BaseException) -> SamplerError:
+        """The one line for ``err``, which stopped the wait for batch ``iteration``."""
+        k, timeout = self.k, "never" if self.timeout_s is None else self.timeout_s
+        if isinstance(err, KeyboardInterrupt):
+            return SamplerInterrupted(
+                f"stopped by Ctrl+C while waiting for the sampler's batch of iteration {iteration} (model.off_policy.max_staleness "
+                f"{k}, model.off_policy.sampler_timeout_s {timeout}); the iteration under way is not saved"
+            )
+        if isinstance(err, TimeoutError) and not job.done():
+            return SamplerError(
+                f"model.off_policy.sampler_timeout_s {timeout}: the sampler drew no batch for iteration {iteration} in that time "
+                f"(model.off_policy.max_staleness {k}); raise the timeout if sampling one batch takes longer, or never to wait for ever"
+            )
+        if isinstance(err, _ScoringFailed):
+            cause = err.__cause__
+            return SamplerError(
+                f"model.off_policy.score_in_sampler true: the sampler's thread failed scoring the batch of iteration {iteration} "
+                f"(model.off_policy.max_staleness {k}): {type(cause).__name__}: {cause}; a reward backend that runs only in the "
+                "trainer's thread needs model.off_policy.score_in_sampler false"
+            )
+        return SamplerError(
+            f"model.off_policy.max_staleness {k}: the sampler failed drawing the batch of iteration {iteration}: {type(err).__name__}: {err}"
+        )
+
+    def _abandon(self) -> None:
+        """Stop handing the sampler batches: those queued are dropped, the draw in flight is not waited for."""
+        self._abandoned = True
+        for job in self.jobs.values():
+            job.cancel()
+        if self._queue is not None:
+            self._queue.put(None)
 
     def prune(self, iteration: int) -> None:
         """Drop the published versions no batch still to be handed over samples from (each batch j > iteration
@@ -218,7 +286,7 @@ class AsyncRollouts:
             job.cancel()
         if self._queue is not None:
             self._queue.put(None)
-            if not self._hung:
+            if not self._abandoned:
                 self._thread.join(self.timeout_s)
             self._queue = self._thread = None
         self.jobs.clear()
@@ -234,10 +302,13 @@ class AsyncRollouts:
         drawn.seconds = time.perf_counter() - start
         if self.score_in_sampler:
             start = time.perf_counter()
-            with context(), torch.no_grad():
-                if self.reference_in_sampler:
-                    self._load(view.networks, self.frozen)  # a LoRA base as built (the draw's merge and unmerge round it)
-                view.score_drawn(drawn, self.reference_in_sampler)
+            try:
+                with context(), torch.no_grad():
+                    if self.reference_in_sampler:
+                        self._load(view.networks, self.frozen)  # a LoRA base as built (the draw's merge and unmerge round it)
+                    view.score_drawn(drawn, self.reference_in_sampler)
+            except Exception as err:  # named by score_in_sampler (a backend bound to the trainer's thread)
+                raise _ScoringFailed() from err
             drawn.scoring_seconds = time.perf_counter() - start
         return drawn
 

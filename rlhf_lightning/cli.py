@@ -526,13 +526,17 @@ def main(args: Optional[list[str]] = None) -> None:
         check_config_files(argv)
         build_cli(args)
     except SIGTERMException as stop:  # Lightning's, a SystemExit with no status: stopped by a signal is not success
-        sys.exit(128 + signal.SIGTERM if stop.code is None else stop.code)
+        from rlhf_lightning.async_rollout import exit_process  # os._exit where the sampler's thread still runs
+
+        exit_process(128 + signal.SIGTERM if stop.code is None else stop.code)
     except (ConfigError, UnknownPluginError, ValueError) as err:
         cause = user_error(err)
         if cause is None or os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
             raise
         print(f"error: {cause}", file=sys.stderr)
-        sys.exit(2)
+        from rlhf_lightning.async_rollout import exit_process
+
+        exit_process(getattr(cause, "status", 2))  # 2; 130 for a Ctrl+C while waiting for the sampler
 
 
 def user_error(err: BaseException) -> Optional[BaseException]:

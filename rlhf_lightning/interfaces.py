@@ -407,6 +407,12 @@ class RewardModel(Plugin):
         missing_eos_penalty: subtracted from the score of a response that never emitted EOS.
     """
 
+    thread_safe: bool = True
+    """Whether the backend may be called from a thread other than the trainer's (the asynchronous sampler's,
+    ``model.off_policy.score_in_sampler``). A backend bound to the thread that set it up (a client of one thread)
+    sets it False: with ``model.off_policy.max_staleness`` > 0 the run then needs ``score_in_sampler: false``,
+    refused at start-up otherwise."""
+
     def __init__(
         self,
         normalize: bool = False,

@@ -150,7 +150,7 @@ def test_start_up_checks_name_the_fields():
         make_module(off_policy=dict(max_staleness=1))
     with pytest.raises(ConfigError, match=r"model\.off_policy\.max_staleness must be an integer >= 0, got -1"):
         make_module(off_policy=dict(max_staleness=-1))
-    with pytest.raises(ConfigError, match=r"model\.off_policy\.sampler_timeout_s must be a finite number > 0"):
+    with pytest.raises(ConfigError, match=r"model\.off_policy\.sampler_timeout_s must be a number of seconds > 0 or never"):
         make_module(off_policy=dict(sampler_timeout_s=0))
 
 
