@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -338,6 +339,11 @@ def world_not_formed(trainer, err: RuntimeError):
 TRACEBACK_ENV = "RLHF_LIGHTNING_TRACEBACK"
 
 
+def config_paths(argv: list[str]) -> list[str]:
+    """The ``--config`` files of a command line, in order."""
+    return [b for a, b in itertools.pairwise(argv) if a == "--config"] + [a[9:] for a in argv if a.startswith("--config=")]
+
+
 def check_config_files(argv: list[str]) -> None:
     """Every ``--config`` file that exists must hold a mapping of settings: an empty file or a
     list says so, naming the file (jsonargparse's own message would be "Unexpected config"). A
@@ -349,7 +355,7 @@ def check_config_files(argv: list[str]) -> None:
     from rlhf_lightning.args import FLAT_KEYS, FOLDED, MOVED_OUT, new_key
     from rlhf_lightning.checks import ConfigError
 
-    paths = [b for a, b in itertools.pairwise(argv) if a == "--config"] + [a[9:] for a in argv if a.startswith("--config=")]
+    paths = config_paths(argv)
     flat = {option.split("=")[0][len("--model.") :]: "the command line" for option in argv if option.startswith("--model.")}
     for path in map(Path, paths):
         if not path.is_file():
@@ -452,8 +458,24 @@ def main(args: Optional[list[str]] = None) -> None:
         cause = user_error(err)
         if cause is None or os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
             raise
-        print(f"error: {cause}", file=sys.stderr)
+        print(f"error: {cause}{how_to_make(cause, argv)}", file=sys.stderr)
         sys.exit(2)
+
+
+def how_to_make(err: BaseException, argv: list[str]) -> str:
+    """For a missing file a setting names (``ConfigFileNotFoundError.missing``), the command that makes it where a
+    ``--config`` file's header names one: a comment line indented as a command, with the path on it
+    (``#   python -m tools.make_teacher   # teachers/smollm2-exclaim: ...``); else nothing."""
+    from rlhf_lightning.checks import ConfigFileNotFoundError
+
+    missing = getattr(err, "missing", None) if isinstance(err, ConfigFileNotFoundError) else None
+    for path in map(Path, config_paths(argv) if missing else []):
+        header = itertools.takewhile(lambda line: line.startswith("#"), path.read_text().splitlines() if path.is_file() else [])
+        for line in header:
+            command = re.match(r"#\s{2,}(\S.*?)\s*(#|$)", line)
+            if command and missing in line:
+                return f"; make it with `{command.group(1)}` (the header of {path})"
+    return ""
 
 
 def user_error(err: BaseException) -> Optional[BaseException]:
