@@ -6,6 +6,8 @@ import contextlib
 import copy
 import csv
 import math
+import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,7 +64,23 @@ def export_policy(module, target: Path) -> Optional[Path]:
         policy = policy.merge_and_unload()
     policy.save_pretrained(target)
     module.tokenizer.save_pretrained(target)
+    mode = new_file_mode(target)
+    for path in target.rglob("*"):  # safetensors writes model.safetensors 0600 (a temporary file renamed)
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
     return target
+
+
+def new_file_mode(folder: Path) -> int:
+    """The permissions a file created in ``folder`` gets, as the rest of a run's files have them (0o666 less the
+    umask, or the folder's default ACL): a probe file's, removed. Read so, not by setting the process's umask to
+    see it, which would change it for a moment for every thread."""
+    probe = folder / f".mode-probe-{os.getpid()}"
+    probe.touch()
+    try:
+        return stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        probe.unlink()
 
 
 def module_callbacks(trainer, runtime) -> list[Callback]:
