@@ -17,12 +17,10 @@ from collections.abc import Iterator
 from typing import Optional
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from rlhf_lightning import fsdp2, prefix, sampling
+from rlhf_lightning import prefix, sampling
 from rlhf_lightning.interfaces import RolloutEngine, Samples, require, require_number
-from rlhf_lightning.models import float32_head, full_tensor
 from rlhf_lightning.registry import register
 
 LORA_SYNCS = ("auto", "adapter", "merged")
@@ -64,6 +62,8 @@ class HFGenerate(RolloutEngine):
             )
             greedy = dict(do_sample=False, temperature=None, top_k=None, top_p=None, min_new_tokens=None)
             drawn = {**greedy, "logits_processor": LogitsProcessorList([processor])}
+        from rlhf_lightning.models import float32_head  # here, so `rlhf-lightning plugins` does not load Lightning
+
         with torch.no_grad(), module.networks.generator() as generator:
             cache = prefix.prompt_cache(generator, enc["input_ids"], enc["attention_mask"]) if module.runtime.shared_prompts else {}
             with float32_head(generator, hidden):
@@ -286,6 +286,8 @@ class VLLMEngine(RolloutEngine):
         self.adapter = None
         lora = {}
         if module.networks.lora.rank:
+            from lightning.pytorch.utilities import rank_zero_info
+
             mode, reason = self.lora_mode(module.networks.lora.rank)
             rank_zero_info(
                 f"rollout_engine vllm: LoRA synced as {'the adapter alone' if mode == 'adapter' else 'merged weights'} ({reason})"
@@ -392,6 +394,9 @@ class VLLMEngine(RolloutEngine):
         from peft import get_peft_model_state_dict
         from safetensors.torch import save_file
 
+        from rlhf_lightning import fsdp2
+        from rlhf_lightning.models import full_tensor
+
         policy = module.networks.policy
         if module.networks.sharded:
             fsdp2.reshard(policy)
@@ -444,6 +449,8 @@ def policy_weights(module, merge: bool = True) -> Iterator[tuple[str, Tensor]]:
     collective: every rank must walk the same parameters in the same order), so at most one full
     tensor (a merged linear: its base weight and its two adapter matrices) exists beside the shards.
     ``merge=False``: the base weights alone (the engine serves the adapter apart)."""
+    from rlhf_lightning import fsdp2
+    from rlhf_lightning.models import full_tensor
 
     networks = module.networks
     if networks.sharded:

@@ -6,6 +6,8 @@ import contextlib
 import copy
 import csv
 import math
+import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,7 +64,23 @@ def export_policy(module, target: Path) -> Optional[Path]:
         policy = policy.merge_and_unload()
     policy.save_pretrained(target)
     module.tokenizer.save_pretrained(target)
+    mode = new_file_mode(target)
+    for path in target.rglob("*"):  # safetensors writes model.safetensors 0600 (a temporary file renamed)
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
     return target
+
+
+def new_file_mode(folder: Path) -> int:
+    """The permissions a file created in ``folder`` gets, as the rest of a run's files have them (0o666 less the
+    umask, or the folder's default ACL): a probe file's, removed. Read so, not by setting the process's umask to
+    see it, which would change it for a moment for every thread."""
+    probe = folder / f".mode-probe-{os.getpid()}"
+    probe.touch()
+    try:
+        return stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        probe.unlink()
 
 
 def module_callbacks(trainer, runtime) -> list[Callback]:
@@ -119,10 +137,11 @@ class TensorBoardViews(Callback):
         trainer.logger.experiment.add_text("samples", "\n".join(rows), global_step=pl_module.step)
 
 
-# The Custom Scalars page. TensorBoard draws a chart's lines in one colour per run, told apart
-# only by their markers and the hover tooltip, and gives a layout no legend and no axis settings:
-# each chart's title names its lines in the order listed, each chart holds one quantity on one
-# scale, and the y axis fits the runs drawn (one config's runs: --logdir lightning_logs/<config>).
+# The Custom Scalars page. TensorBoard colours a chart's lines by run (tf-custom-scalar-helpers.js:
+# DataSeriesColorScale), so a run's lines on one chart share a colour, told apart only by the hover
+# tooltip, and a layout has no legend: each chart draws one line, its title naming it and its tag,
+# and charts of one quantity sit side by side (the KL's mean, max and target). The y axis fits the
+# runs drawn (one config's runs: --logdir lightning_logs/<config>).
 SEEDS_CATEGORY = "rlhf-lightning: reward, KL, beta, net objective"
 MORE_CATEGORY = "rlhf-lightning: entropy, lengths, the PPO update"
 HEALTH_CATEGORY = "rlhf-lightning: KL health"
@@ -136,71 +155,65 @@ def custom_scalars_layout(
     asynchronous: bool = False,
     kl_health: bool = False,
 ) -> dict:
-    """The Custom Scalars layout, ``{category: {chart title: ["Multiline", [tag regexes]]}}`` in the
-    order TensorBoard shows it: first the run at a glance (reward; the KL's mean and max beside the
+    """The Custom Scalars layout, ``{category: {chart title: ["Multiline", ["^tag$"]]}}``, one line per chart,
+    in the order TensorBoard shows it: first the run at a glance (reward; the KL's mean and max and the
     controller's target, in the controller's ``unit``; beta; the net objective reward - beta * KL),
     then what explains it (entropy, response length, the PPO update's approximate KL and clip
     fraction). ``has_target``: the controller holds a KL target (``objective/kl_target`` is logged);
-    ``has_gold``: a gold reward is watched (its own chart: its scale is not the trained reward's).
+    ``has_gold``: a gold reward is watched.
     ``reference``: another model is the reference (``model.reference``, a teacher): the KL charts name it and the
     direction (the reverse KL, KL(pi || reference)), and the drift from the starting policy gets a chart of its own.
     ``asynchronous``: the sampler runs ahead (``model.off_policy.max_staleness`` > 0): how stale the batches were,
     the off-policy correction's clipped share and effective sample size, and the trainer's wait for the sampler.
     ``kl_health``: a ``KLHealth`` monitor runs (kl_health.py): a third row, the KL's share of the update, the
-    estimate against the exact KL, and which checks fire."""
-    target = ", the controller's target (objective/kl_target)" if has_target else ""
-    target_tag = ["objective/kl_target"] if has_target else []
-    seeds = {"reward: objective/reward (training batch), val/reward (held-out prompts)": ["objective/reward", "val/reward"]}
+    estimate and the exact KL, and which checks fire."""
+    seeds = [("reward, training batch", "objective/reward"), ("reward, held-out prompts", "val/reward")]
     if has_gold:
-        seeds["gold reward (watched, not trained on): objective/gold_reward"] = ["objective/gold_reward"]
+        seeds.append(("gold reward (watched, not trained on)", "objective/gold_reward"))
     kl = "KL" if reference is None else f"KL(pi || {reference}), the reverse KL to the reference model,"
-    if unit == "sequence_sum":
-        seeds[f"{kl} per response (nats): mean (objective/kl), max (objective/kl_max){target}"] = [
-            "objective/kl",
-            "objective/kl_max",
-            *target_tag,
-        ]
-    else:  # the target is per token; the largest response's KL is a sum over its tokens: two scales
-        seeds[f"{kl} per token (nats): mean (objective/kl_per_token){target}"] = ["objective/kl_per_token", *target_tag]
-        seeds[f"{kl} per response (nats): mean (objective/kl), max (objective/kl_max)"] = ["objective/kl", "objective/kl_max"]
+    per = "response" if unit == "sequence_sum" else "token"
+    if unit != "sequence_sum":  # the target is per token; the largest response's KL is a sum over its tokens
+        seeds.append((f"{kl} per token (nats), mean", "objective/kl_per_token"))
+    else:
+        seeds.append((f"{kl} per response (nats), mean", "objective/kl"))
+    if has_target:
+        seeds.append((f"the controller's KL target (nats per {per})", "objective/kl_target"))
+    if unit != "sequence_sum":
+        seeds.append((f"{kl} per response (nats), mean", "objective/kl"))
+    seeds.append((f"{kl} per response (nats), max", "objective/kl_max"))
     if reference is not None:
-        seeds["drift from the starting policy, KL(pi || pi_0) per response (nats): objective/kl_to_initial"] = ["objective/kl_to_initial"]
-    seeds["beta, the KL coefficient: objective/beta"] = ["objective/beta"]
-    seeds["net objective, reward - beta * KL: objective/net (training batch), val/net (held-out prompts)"] = ["objective/net", "val/net"]
-    more = {
-        "entropy (nats per token): objective/entropy": ["objective/entropy"],
-        "response length (tokens): response/length (training batch), val/length (held-out prompts)": ["response/length", "val/length"],
-        "PPO update: approximate KL to the rollout's policy (policy/approxkl)": ["policy/approxkl"],
-        "PPO update: fraction of tokens clipped (policy/clipfrac)": ["policy/clipfrac"],
-    }
+        seeds.append(("drift from the starting policy, KL(pi || pi_0) per response (nats)", "objective/kl_to_initial"))
+    seeds += [
+        ("beta, the KL coefficient", "objective/beta"),
+        ("net objective, reward - beta * KL, training batch", "objective/net"),
+        ("net objective, reward - beta * KL, held-out prompts", "val/net"),
+    ]
+    more = [
+        ("entropy (nats per token)", "objective/entropy"),
+        ("response length (tokens), training batch", "response/length"),
+        ("response length (tokens), held-out prompts", "val/length"),
+        ("PPO update: approximate KL to the rollout's policy", "policy/approxkl"),
+        ("PPO update: fraction of tokens clipped", "policy/clipfrac"),
+    ]
     if asynchronous:
-        more.update(
-            {
-                "staleness (updates): mean (off_policy/staleness_mean), max (off_policy/staleness_max)": [
-                    "off_policy/staleness_mean",
-                    "off_policy/staleness_max",
-                ],
-                "off-policy correction: share of tokens clipped (off_policy/clipped_fraction)": ["off_policy/clipped_fraction"],
-                "off-policy correction: effective sample size (off_policy/ess)": ["off_policy/ess"],
-                "seconds: the trainer's wait for the sampler (timing/sampler_wait_s), the sampler's draw (timing/rollout_s)": [
-                    "timing/sampler_wait_s",
-                    "timing/rollout_s",
-                ],
-            }
-        )
+        more += [
+            ("staleness (updates), mean", "off_policy/staleness_mean"),
+            ("staleness (updates), max", "off_policy/staleness_max"),
+            ("off-policy correction: share of tokens clipped", "off_policy/clipped_fraction"),
+            ("off-policy correction: effective sample size", "off_policy/ess"),
+            ("seconds: the trainer's wait for the sampler", "timing/sampler_wait_s"),
+            ("seconds: the sampler's draw", "timing/rollout_s"),
+        ]
     rows = [(SEEDS_CATEGORY, seeds), (MORE_CATEGORY, more)]
     if kl_health:
-        checks = [f"system/kl_health/{name}" for name in KL_HEALTH_CHECKS]
-        health = {
-            "the KL's share of the update (system/kl_health/kl_share; 0: the KL does not reach it)": ["system/kl_health/kl_share"],
-            "KL per response (nats): the estimator's (system/kl_health/kl_estimate), the exact (system/kl_health/kl_exact)": [
-                "system/kl_health/kl_estimate",
-                "system/kl_health/kl_exact",
-            ],
-            f"checks firing (1) or not (0): {', '.join(checks)}": checks,
-        }
+        health = [
+            ("the KL's share of the update (0: the KL does not reach it)", "system/kl_health/kl_share"),
+            ("KL per response (nats), the estimator's", "system/kl_health/kl_estimate"),
+            ("KL per response (nats), the exact", "system/kl_health/kl_exact"),
+            *((f"check {name}: firing (1) or not (0)", f"system/kl_health/{name}") for name in KL_HEALTH_CHECKS),
+        ]
         rows.append((HEALTH_CATEGORY, health))
-    return {category: {title: ["Multiline", [f"^{tag}$" for tag in tags]] for title, tags in charts.items()} for category, charts in rows}
+    return {category: {f"{name}: {tag}": ["Multiline", [f"^{tag}$"]] for name, tag in charts} for category, charts in rows}
 
 
 def _md(text: str, limit: int = 300) -> str:

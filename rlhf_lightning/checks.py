@@ -28,7 +28,15 @@ class ConfigError(ValueError):
 
 
 class ConfigFileNotFoundError(ConfigError, FileNotFoundError):
-    """A file that a setting names does not exist."""
+    """A file that a setting names does not exist; ``missing``, where set, is the path as the setting gives it
+    (the command looks for it in the config's header, which may name the command that makes it)."""
+
+
+def missing_file(message: str, path) -> ConfigFileNotFoundError:
+    """:class:`ConfigFileNotFoundError` of ``message`` for the setting's ``path``."""
+    err = ConfigFileNotFoundError(message)
+    err.missing = str(path)
+    return err
 
 
 def require(condition: bool, field: str, requirement: str, value: Any) -> None:

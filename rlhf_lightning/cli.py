@@ -10,20 +10,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
+import re
 import shlex
 import signal
 import sys
-import threading
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
-
-from lightning.pytorch.callbacks import RichProgressBar
-from rich.progress import ProgressColumn
-from rich.text import Text
 
 from rlhf_lightning.registry import REGISTRIES, load_plugins, preset_arguments, teach_jsonargparse_short_names
 
@@ -74,108 +68,6 @@ def quiet_library_noise() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
-class IterationProgressBar(RichProgressBar):
-    """Lightning's Rich progress bar as a PPO run wants it: iterations done of the epoch's, the time so
-    far and left and the rate from the mean iteration since the epoch began (Lightning's, from the last
-    30 s, shows none while iterations take longer), ``s/it`` below one iteration a second, and the
-    module's ``reward``, ``kl`` and ``beta`` without Lightning's ``v_num``. Redrawn every second, so the
-    clock moves while an iteration runs (Lightning's redraws only when a batch ends)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._ticking: Optional[threading.Event] = None
-
-    def configure_columns(self, trainer) -> list:
-        from lightning.pytorch.callbacks.progress.rich_progress import CustomTimeColumn, ProcessingSpeedColumn
-
-        columns = super().configure_columns(trainer)
-        return [
-            _TimeColumn(self.theme.time)
-            if isinstance(c, CustomTimeColumn)
-            else _RateColumn(self.theme.processing_speed)
-            if isinstance(c, ProcessingSpeedColumn)
-            else c
-            for c in columns
-        ]
-
-    def get_metrics(self, trainer, pl_module) -> dict:
-        metrics = super().get_metrics(trainer, pl_module)
-        metrics.pop("v_num", None)
-        return metrics
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        super().on_train_epoch_start(trainer, pl_module)
-        if self.progress is not None and self.train_progress_bar_id is not None:  # the pace carries over, not the clock
-            self.progress.update(self.train_progress_bar_id, ended_at=0.0)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        self._note_pace(self.train_progress_bar_id)
-
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx: int = 0) -> None:
-        super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
-        self._note_pace(self.val_progress_bar_id)
-
-    def _note_pace(self, task_id) -> None:
-        """Record on the task, as a batch ends, the mean seconds per batch so far and when it ended."""
-        if self.progress is None or task_id is None:
-            return
-        task = self.progress.tasks[task_id]
-        if task.completed and task.elapsed:
-            self.progress.update(task_id, per_iteration=task.elapsed / task.completed, ended_at=task.elapsed)
-
-    def _init_progress(self, trainer) -> None:
-        super()._init_progress(trainer)
-        if self.progress is not None and self._ticking is None:
-            self._ticking = threading.Event()
-            threading.Thread(target=self._tick, args=(self._ticking,), daemon=True, name="progress-bar-clock").start()
-
-    def _tick(self, stop: threading.Event) -> None:
-        while not stop.wait(1.0):
-            progress = self.progress
-            if progress is not None and not self._progress_stopped:
-                progress.soft_refresh()  # Lightning's refresh thread redraws at its next turn
-
-    def teardown(self, trainer, pl_module, stage: str) -> None:
-        super().teardown(trainer, pl_module, stage)
-        if self._ticking is not None:
-            self._ticking.set()
-            self._ticking = None
-
-
-class _TimeColumn(ProgressColumn):
-    """``elapsed • left``: the batches to go at the mean pace so far (``per_iteration``), counting down from
-    the last batch's end (``ended_at``) to no less than the batches after the running one."""
-
-    max_refresh = 0.5
-
-    def __init__(self, style) -> None:
-        super().__init__()
-        self.style = style
-
-    def render(self, task) -> Text:
-        elapsed = (task.finished_time if task.finished else task.elapsed) or 0.0
-        each, to_go = task.fields.get("per_iteration"), (task.total or math.inf) - task.completed
-        left = "-:--:--"
-        if each is not None and math.isfinite(to_go):
-            since = max(0.0, elapsed - task.fields.get("ended_at", elapsed))
-            left = str(timedelta(seconds=round(max(each * (to_go - 1), each * to_go - since, 0.0))))
-        return Text(f"{timedelta(seconds=int(elapsed))} • {left}", style=self.style)
-
-
-class _RateColumn(ProgressColumn):
-    """The mean pace so far: iterations per second, or seconds per iteration when slower than one a second."""
-
-    def __init__(self, style) -> None:
-        super().__init__()
-        self.style = style
-
-    def render(self, task) -> Text:
-        each = task.fields.get("per_iteration")
-        rate = "-- it/s" if each is None else f"{each:.1f}s/it" if each > 1 else f"{1 / each:.2f}it/s"
-        return Text(rate, style=self.style)
-
-
 def default_logger(root_dir: Optional[str], config_files: list) -> TensorBoardLogger:
     """Lightning's default TensorBoardLogger (``<root>/lightning_logs/version_N``) with the run's
     config files in the path, ``<root>/lightning_logs/quickstart/version_N`` (``tiny+fsdp2`` for two),
@@ -222,6 +114,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     from rlhf_lightning.cpu import CPUSettings, apply_cpu_settings
     from rlhf_lightning.data import PromptDataModule
     from rlhf_lightning.module import PPORLHF
+    from rlhf_lightning.progress import IterationProgressBar
 
     class RLHFLightningCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
@@ -446,6 +339,11 @@ def world_not_formed(trainer, err: RuntimeError):
 TRACEBACK_ENV = "RLHF_LIGHTNING_TRACEBACK"
 
 
+def config_paths(argv: list[str]) -> list[str]:
+    """The ``--config`` files of a command line, in order."""
+    return [b for a, b in itertools.pairwise(argv) if a == "--config"] + [a[9:] for a in argv if a.startswith("--config=")]
+
+
 def check_config_files(argv: list[str]) -> None:
     """Every ``--config`` file that exists must hold a mapping of settings: an empty file or a
     list says so, naming the file (jsonargparse's own message would be "Unexpected config"). A
@@ -455,9 +353,9 @@ def check_config_files(argv: list[str]) -> None:
     import yaml
 
     from rlhf_lightning.args import FLAT_KEYS, FOLDED, MOVED_OUT, new_key
-    from rlhf_lightning.interfaces import ConfigError
+    from rlhf_lightning.checks import ConfigError
 
-    paths = [b for a, b in itertools.pairwise(argv) if a == "--config"] + [a[9:] for a in argv if a.startswith("--config=")]
+    paths = config_paths(argv)
     flat = {option.split("=")[0][len("--model.") :]: "the command line" for option in argv if option.startswith("--model.")}
     for path in map(Path, paths):
         if not path.is_file():
@@ -482,24 +380,44 @@ def check_config_files(argv: list[str]) -> None:
 
 RUNS = ("fit", "validate", "test", "predict")  # the subcommands that run the trainer
 
+# The top-level help, written here: Lightning's is built with every subcommand's parser, which needs the
+# module class and so torch, Lightning and the plugins (seconds). tests/test_cli.py checks it lists LightningCLI's subcommands.
+HELP = """usage: rlhf-lightning {fit,validate,test,predict,plugins} ...
 
-def restart_with_passive_wait(argv: list[str]) -> None:
-    """Start this command afresh, in this process, with OpenMP's idle threads sleeping
-    (``cpu.set_passive_wait``), where the environment chose no wait policy and a run may take more
-    than one thread. The OpenMP runtime reads its policy once, when torch loads it, and the package
-    has loaded torch before the command starts; with its default policy an idle thread spins for
-    milliseconds on a core that other jobs on a shared machine want. Only where this process is the
-    command (``rlhf-lightning`` or ``python -m rlhf_lightning.cli``), for a subcommand that runs the trainer."""
-    from rlhf_lightning import cpu
+PPO-RLHF with a KL penalty, on PyTorch Lightning.
+
+subcommands:
+  fit        train the policy: rollout, score, advantages, update
+  validate   one pass over the validation prompts (reward, KL)
+  test       one pass over the test prompts
+  predict    responses to the prompts
+  plugins    every registered plugin (KL estimators, beta controllers, rewards ...), by kind
+
+  rlhf-lightning fit --config configs/tiny.yaml      a first run: a tiny model, a minute on a CPU
+  rlhf-lightning fit --help                          every setting of a subcommand (loads torch first)
+
+Lightning's options before the subcommand (--config, --print_config) work as in any LightningCLI.
+"""
+
+
+def prefer_passive_wait(argv: list[str]) -> None:
+    """Let OpenMP's idle threads sleep (``threads.set_passive_wait``) where the environment chose no wait
+    policy and a run may take more than one thread: with its default policy an idle thread spins for
+    milliseconds on a core that other jobs on a shared machine want. The runtime reads its policy once,
+    when torch loads it: the command sets it before importing torch, and where torch is loaded already
+    (a module imported it first) starts afresh, in this process, with the policy set. Only where this
+    process is the command (``rlhf-lightning`` or ``python -m rlhf_lightning.cli``), for a subcommand that runs the trainer."""
+    from rlhf_lightning import threads
 
     main_module = sys.modules.get("__main__")
     command = (
         getattr(getattr(main_module, "__spec__", None), "name", None) == "rlhf_lightning.cli" or Path(sys.argv[0]).name == "rlhf-lightning"
     )
     one_thread = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip() == "1"
-    if not command or not argv or argv[0] not in RUNS or one_thread or os.name != "posix" or cpu.available_cores() < 2:
+    if not command or not argv or argv[0] not in RUNS or one_thread or os.name != "posix" or threads.available_cores() < 2:
         return
-    if cpu.set_passive_wait():  # now in os.environ, so the fresh start keeps it and does not restart again
+    # now in os.environ, so a fresh start keeps it and does not restart again
+    if threads.set_passive_wait() and "torch" in sys.modules:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
@@ -508,15 +426,19 @@ def restart_with_passive_wait(argv: list[str]) -> None:
 def main(args: Optional[list[str]] = None) -> None:
     """The command. A configuration error (an impossible value, an unknown plugin, a bad file) is
     printed as ``error: ...`` and exits with status 2, without a traceback unless the environment
-    sets RLHF_LIGHTNING_TRACEBACK=1."""
-    if args is None:
-        restart_with_passive_wait(sys.argv[1:])
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-    from rlhf_lightning.interfaces import ConfigError
+    sets RLHF_LIGHTNING_TRACEBACK=1. The help and ``plugins`` load no more than they show; a subcommand
+    that runs the trainer says so in a line before it loads torch and Lightning (seconds)."""
+    from rlhf_lightning.checks import ConfigError
     from rlhf_lightning.registry import UnknownPluginError
 
     argv = sys.argv[1:] if args is None else list(args)
+    if argv in ([], ["-h"], ["--help"]):
+        print(HELP, end="", file=sys.stdout if argv else sys.stderr)
+        sys.exit(0 if argv else 2)
+    if args is None and argv[0] in RUNS:
+        prefer_passive_wait(argv)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per run, not from each process a launcher starts
+            print(f"rlhf-lightning {argv[0]}: loading torch, Lightning and the plugins ...", file=sys.stderr, flush=True)
     quiet_library_noise()
     try:
         if argv[:1] == ["plugins"]:
@@ -525,25 +447,49 @@ def main(args: Optional[list[str]] = None) -> None:
             return
         check_config_files(argv)
         build_cli(args)
-    except SIGTERMException as stop:  # Lightning's, a SystemExit with no status: stopped by a signal is not success
-        from rlhf_lightning.async_rollout import exit_process  # os._exit where the sampler's thread still runs
-
-        exit_process(128 + signal.SIGTERM if stop.code is None else stop.code)
+    except SystemExit as stop:
+        # Lightning's SIGTERMException, a SystemExit with no status: stopped by a signal is not success.
+        # Its module is loaded wherever one can be raised.
+        lightning_exceptions = sys.modules.get("lightning.pytorch.utilities.exceptions")
+        if lightning_exceptions is None or not isinstance(stop, lightning_exceptions.SIGTERMException):
+            raise
+        exit_command(128 + signal.SIGTERM if stop.code is None else stop.code)
     except (ConfigError, UnknownPluginError, ValueError) as err:
         cause = user_error(err)
         if cause is None or os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
             raise
-        print(f"error: {cause}", file=sys.stderr)
-        from rlhf_lightning.async_rollout import exit_process
+        print(f"error: {cause}{how_to_make(cause, argv)}", file=sys.stderr)
+        exit_command(getattr(cause, "status", 2))  # 2; 130 for a Ctrl+C while waiting for the sampler
 
-        exit_process(getattr(cause, "status", 2))  # 2; 130 for a Ctrl+C while waiting for the sampler
+
+def exit_command(status: int) -> None:
+    """End the command with ``status``: through ``async_rollout.exit_process`` where a sampler's thread may still run
+    (it ends the process at once rather than abort at the interpreter's exit), else ``sys.exit``."""
+    async_rollout = sys.modules.get("rlhf_lightning.async_rollout")  # loaded wherever a sampler thread can run
+    (async_rollout.exit_process if async_rollout is not None else sys.exit)(status)
+
+
+def how_to_make(err: BaseException, argv: list[str]) -> str:
+    """For a missing file a setting names (``ConfigFileNotFoundError.missing``), the command that makes it where a
+    ``--config`` file's header names one: a comment line indented as a command, with the path on it
+    (``#   python -m tools.make_teacher   # teachers/smollm2-exclaim: ...``); else nothing."""
+    from rlhf_lightning.checks import ConfigFileNotFoundError
+
+    missing = getattr(err, "missing", None) if isinstance(err, ConfigFileNotFoundError) else None
+    for path in map(Path, config_paths(argv) if missing else []):
+        header = itertools.takewhile(lambda line: line.startswith("#"), path.read_text().splitlines() if path.is_file() else [])
+        for line in header:
+            command = re.match(r"#\s{2,}(\S.*?)\s*(#|$)", line)
+            if command and missing in line:
+                return f"; make it with `{command.group(1)}` (the header of {path})"
+    return ""
 
 
 def user_error(err: BaseException) -> Optional[BaseException]:
     """The configuration error behind ``err``, if any: jsonargparse reports a plugin whose
     constructor refused a setting as "Does not validate against any of the Union subtypes",
     caused by our ConfigError, which names the field."""
-    from rlhf_lightning.interfaces import ConfigError
+    from rlhf_lightning.checks import ConfigError
     from rlhf_lightning.registry import UnknownPluginError
 
     while err is not None and not isinstance(err, (ConfigError, UnknownPluginError)):

@@ -23,7 +23,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rlhf_lightning.interfaces import ConfigError, ConfigFileNotFoundError, finite_number, require, require_number
+from rlhf_lightning.checks import missing_file
+from rlhf_lightning.interfaces import ConfigError, finite_number, require, require_number
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"  # the built-in prompt files (not the module data.py)
 BUILTIN_TRAIN = PROMPTS_DIR / "prompts_train.jsonl"
@@ -49,7 +50,7 @@ def load_prompt_records(
     if path.is_dir():
         raise ConfigError(f"{field}: {str(path)!r} is a folder, not a prompt file")
     if not path.is_file():
-        raise ConfigFileNotFoundError(f"{field}: prompt file {str(path)!r} does not exist")
+        raise missing_file(f"{field}: prompt file {str(path)!r} does not exist", path)
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ConfigError(f"{field}: unsupported prompt file type {path.suffix!r}; use one of {', '.join(FORMATS)}")

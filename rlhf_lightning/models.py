@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from rlhf_lightning import cpu, fsdp2
 from rlhf_lightning.args import LoraArgs, SamplingArgs
-from rlhf_lightning.checks import ConfigError, ConfigFileNotFoundError, require
+from rlhf_lightning.checks import ConfigError, missing_file, require
 
 BUILTIN_MODELS = ("tiny", "smollm2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -187,9 +187,9 @@ def _pretrained_location(
     if path.is_dir():
         return str(path), {}
     builtins = [name for name in BUILTIN_MODELS if not (field == REFERENCE_FIELD and name == "tiny")]  # tiny: the policy's seed
-    raise ConfigFileNotFoundError(
-        f"{field} must be a built-in model ({', '.join(builtins)}), a local checkpoint folder "
-        f"or a .gguf file, got {spec!r}: no such folder or file"
+    raise missing_file(
+        f"{field} must be a built-in model ({', '.join(builtins)}), a local checkpoint folder or a .gguf file, got {spec!r}: no such folder or file",
+        spec,
     )
 
 

@@ -229,3 +229,10 @@ def test_every_command_shown_parses():
     assert not failed, "\n\n".join(failed)
     if skipped:
         print("not run:\n" + "\n".join(skipped))
+
+
+def test_the_async_page_opens_with_a_command_that_runs():
+    """docs/async.md's first code block is a run of the tiny config with the sampler ahead, as a newcomer types it
+    (tests/test_examples.py runs it, one iteration, from a copy of the configs)."""
+    first = fenced_blocks((ROOT / "docs" / "async.md").read_text())[0].strip()
+    assert re.fullmatch(r"rlhf-lightning fit --config configs/tiny\.yaml \S.*--model\.off_policy\.max_staleness=1\b.*", first), first

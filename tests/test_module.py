@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -365,6 +368,22 @@ def test_export_merges_lora_and_transformers_loads_it(tmp_path):
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, module.policy(input_ids=ids).logits, atol=1e-4)
     assert (tmp_path / "policy" / "tokenizer_config.json").exists()
+
+
+def test_the_exported_files_have_the_permissions_of_the_run_s_other_files(tmp_path):
+    """safetensors writes model.safetensors 0600 (a temporary file renamed): the export gives every file the mode
+    a file written there gets (under umask 027: 0640, as Lightning's hparams.yaml beside it)."""
+    from rlhf_lightning.callbacks import export_policy
+
+    before = os.umask(0o027)
+    try:
+        (tmp_path / "hparams.yaml").write_text("{}\n")
+        export_policy(make_module(), tmp_path / "policy")
+    finally:
+        os.umask(before)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "policy").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {stat.S_IMODE((tmp_path / "hparams.yaml").stat().st_mode)} == {0o640}
+    assert not list((tmp_path / "policy").glob(".mode-probe*"))
 
 
 @pytest.mark.parametrize("reference_update", [None, "EMA"])

@@ -181,3 +181,15 @@ def test_the_tensorboard_charts_name_the_reference_model_and_the_direction_and_c
         drift = "drift from the starting policy, KL(pi || pi_0) per response (nats): objective/kl_to_initial"
         assert layout[drift] == ["Multiline", ["^objective/kl_to_initial$"]]
     assert not any("kl_to_initial" in title for title in custom_scalars_layout()[SEEDS_CATEGORY])  # the starting policy: no drift chart
+
+
+def test_a_config_whose_teacher_is_not_made_yet_names_the_command_that_makes_it(tmp_path):
+    """configs/distill.yaml from a fresh folder (no teachers/ there): one line naming the missing folder and the
+    command of the config's header that writes it, exit status 2."""
+    done = cli(tmp_path, "fit", "--config", str(CONFIGS / "distill.yaml"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: model.reference must be a built-in model"), last
+    assert last.endswith(
+        f"got 'teachers/smollm2-exclaim': no such folder or file; make it with `python -m tools.make_teacher` (the header of {CONFIGS / 'distill.yaml'})"
+    ), last

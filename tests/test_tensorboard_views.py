@@ -1,5 +1,5 @@
 """The Custom Scalars page TensorBoardViews writes: its charts, their titles (the only legend
-TensorBoard gives a chart) and the tags each draws, in the order TensorBoard shows them; and the
+TensorBoard gives a chart: one line each) and the tag each draws, in the order TensorBoard shows them; and the
 Scalars tab of a real run, whose groups TensorBoard orders by tag prefix."""
 
 from __future__ import annotations
@@ -29,35 +29,52 @@ def test_the_first_category_is_reward_kl_beside_its_target_beta_and_the_net_obje
     layout = custom_scalars_layout(unit="sequence_sum", has_target=True, has_gold=False)
     assert list(layout) == [SEEDS_CATEGORY, MORE_CATEGORY]
     assert charts(layout, SEEDS_CATEGORY) == [
-        ("reward: objective/reward (training batch), val/reward (held-out prompts)", ["objective/reward", "val/reward"]),
-        (
-            "KL per response (nats): mean (objective/kl), max (objective/kl_max), the controller's target (objective/kl_target)",
-            ["objective/kl", "objective/kl_max", "objective/kl_target"],
-        ),
+        ("reward, training batch: objective/reward", ["objective/reward"]),
+        ("reward, held-out prompts: val/reward", ["val/reward"]),
+        ("KL per response (nats), mean: objective/kl", ["objective/kl"]),
+        ("the controller's KL target (nats per response): objective/kl_target", ["objective/kl_target"]),
+        ("KL per response (nats), max: objective/kl_max", ["objective/kl_max"]),
         ("beta, the KL coefficient: objective/beta", ["objective/beta"]),
-        ("net objective, reward - beta * KL: objective/net (training batch), val/net (held-out prompts)", ["objective/net", "val/net"]),
+        ("net objective, reward - beta * KL, training batch: objective/net", ["objective/net"]),
+        ("net objective, reward - beta * KL, held-out prompts: val/net", ["val/net"]),
     ]
     assert [tags for _, tags in charts(layout, MORE_CATEGORY)] == [
         ["objective/entropy"],
-        ["response/length", "val/length"],
+        ["response/length"],
+        ["val/length"],
         ["policy/approxkl"],
         ["policy/clipfrac"],
     ]
 
 
 def test_a_kl_health_monitor_adds_a_third_row():
-    """With ``KLHealth`` running (the module's default): the KL's share of the update, the estimate beside the exact
-    KL on one axis (both nats per response), and the five checks' 0/1 flags."""
+    """With ``KLHealth`` running (the module's default): the KL's share of the update, the estimate and the exact
+    KL (both nats per response), and the five checks' 0/1 flags."""
     layout = custom_scalars_layout(kl_health=True)
     assert list(layout) == [SEEDS_CATEGORY, MORE_CATEGORY, HEALTH_CATEGORY]
     assert [tags for _, tags in charts(layout, HEALTH_CATEGORY)] == [
         ["system/kl_health/kl_share"],
-        ["system/kl_health/kl_estimate", "system/kl_health/kl_exact"],
-        [
-            f"system/kl_health/{name}"
+        ["system/kl_health/kl_estimate"],
+        ["system/kl_health/kl_exact"],
+        *(
+            [f"system/kl_health/{name}"]
             for name in ("dead_kl", "reference_moved", "sampler_mismatch", "estimate_vs_exact", "reward_up_kl_zero")
-        ],
+        ),
     ]
+
+
+def test_every_chart_draws_one_line_named_in_its_title():
+    """TensorBoard colours a chart's lines by run, so two lines of one run on one chart share a colour and the
+    layout has no legend (the KL's mean, max and target were three lines of one colour): each chart draws one
+    tag, and its title names it."""
+    for unit in ("sequence_sum", "token_mean"):
+        for has_target in (True, False):
+            layout = custom_scalars_layout(
+                unit=unit, has_target=has_target, has_gold=True, reference="teachers/tiny-e", asynchronous=True, kl_health=True
+            )
+            for category in layout:
+                for title, tags in charts(layout, category):
+                    assert len(tags) == 1 and title.endswith(f": {tags[0]}"), (title, tags)
 
 
 def test_every_title_names_its_lines_in_order():
@@ -71,12 +88,13 @@ def test_every_title_names_its_lines_in_order():
                     assert -1 not in places and places == sorted(places), (title, tags)
 
 
-def test_a_per_token_target_is_drawn_with_the_per_token_kl_and_the_max_apart():
-    """A token_mean controller's target is per token; the largest response's KL is a sum over
-    tokens: on one axis the target would be a flat line at the bottom."""
+def test_a_per_token_target_is_charted_beside_the_per_token_kl():
+    """A token_mean controller's target is per token: its chart follows the per-token KL's, before the
+    per-response mean and max (sums over tokens)."""
     layout = custom_scalars_layout(unit="token_mean", has_target=True)
-    kl_charts = [tags for title, tags in charts(layout, SEEDS_CATEGORY) if title.startswith("KL")]
-    assert kl_charts == [["objective/kl_per_token", "objective/kl_target"], ["objective/kl", "objective/kl_max"]]
+    kl_charts = [tags for _, tags in charts(layout, SEEDS_CATEGORY) if tags[0].startswith("objective/kl")]
+    assert kl_charts == [["objective/kl_per_token"], ["objective/kl_target"], ["objective/kl"], ["objective/kl_max"]]
+    assert "nats per token" in next(title for title, tags in charts(layout, SEEDS_CATEGORY) if tags == ["objective/kl_target"])
 
 
 def test_no_target_no_target_line_and_a_gold_reward_gets_its_own_chart():
@@ -87,7 +105,7 @@ def test_no_target_no_target_line_and_a_gold_reward_gets_its_own_chart():
     assert "objective/kl_target" not in tags and not any("target" in title for title in layout[SEEDS_CATEGORY])
     (gold,) = [chart_tags for _, chart_tags in charts(layout, SEEDS_CATEGORY) if "objective/gold_reward" in chart_tags]
     assert gold == ["objective/gold_reward"]
-    assert charts(layout, SEEDS_CATEGORY)[0][1] == ["objective/reward", "val/reward"]
+    assert charts(layout, SEEDS_CATEGORY)[0][1] == ["objective/reward"]
 
 
 def test_every_charted_tag_is_a_documented_metric():

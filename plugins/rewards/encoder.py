@@ -6,7 +6,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lightning.interfaces import RewardModel, require_number
 
@@ -50,6 +49,8 @@ class EncoderReward(RewardModel):
         longer = [n for n in lengths if n > self.max_length]
         if not longer:
             return False
+        from lightning.pytorch.utilities import rank_zero_warn  # here, so `rlhf-lightning plugins` does not load Lightning
+
         self.warned_truncation = True
         end = "last" if self.tokenizer.truncation_side == "left" else "first"
         rank_zero_warn(
