@@ -154,10 +154,12 @@ class PPORLHF(LightningModule):
 
     # ------------------------------------------------------------------ setup
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
-        # Lightning logs, at each step, every step value it still holds from earlier steps: a skipped
-        # iteration would repeat the previous one's metrics at its own step (tests/test_faults.py).
+        # Lightning logs, at each step, every step value it still holds from earlier steps: a skipped iteration
+        # would repeat the previous one's metrics at its own step (tests/test_faults.py), and a callback's value
+        # logged every N iterations (KLHealth's probes) each iteration after.
         if self.trainer._results is not None:
-            self.trainer._results.reset(metrics=False, fx="training_step")
+            for fx in ("training_step", "on_train_batch_end"):
+                self.trainer._results.reset(metrics=False, fx=fx)
         if self._rng_to_restore is not None:
             checkpoints.set_rng_states(self._rng_to_restore, self.device)
             self._rng_to_restore = None

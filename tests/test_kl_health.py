@@ -205,13 +205,15 @@ def test_a_config_names_it_by_its_bare_class_name(tmp_path):
 def test_the_command_on_the_tiny_config_is_silent_and_logs_the_scalars(tmp_path):
     from tools.summarize_run import read_scalars
 
-    result = run_cli(tmp_path, "--trainer.limit_train_batches=5")
+    result = run_cli(tmp_path, "--trainer.limit_train_batches=6")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "KLHealth" not in result.stderr
     scalars = read_scalars(str(tmp_path / "lightning_logs" / "tiny" / "version_0"))
     names = {"dead_kl", "kl_share", "reference_moved", "sampler_mismatch", "estimate_vs_exact", "kl_estimate", "kl_exact"}
     assert {f"system/kl_health/{name}" for name in names | {"reward_up_kl_zero"}} <= set(scalars)
     assert all(set(scalars[f"system/kl_health/{name}"].values()) == {0.0} for name in CHECKS_LOGGED), scalars
+    # a probe's values at its own iteration (the 5th: step 4) only, never repeated at the iterations after it
+    assert list(scalars["system/kl_health/kl_share"]) == [4] and list(scalars["system/kl_health/sampler_mismatch"]) == list(range(6))
 
 
 CHECKS_LOGGED = ("dead_kl", "reference_moved", "sampler_mismatch", "estimate_vs_exact", "reward_up_kl_zero")
