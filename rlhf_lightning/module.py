@@ -365,7 +365,6 @@ class PPORLHF(LightningModule):
             sampling=self.sampling,
             prompts=self.prompts,
             off_policy=self.off_policy,
-            lora=self.lora,
             runtime=self.runtime,
             reward=self.reward,
             needs_logits=self.kl_estimator.needs_logits,

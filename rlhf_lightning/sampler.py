@@ -1,8 +1,8 @@
 """The sampler: prompts in, a :class:`~rlhf_lightning.trajectory.Trajectory` out.
 
 One object, built with the networks (``PPORLHF.configure_model``), whose inputs are explicit: the tokenizer,
-the rollout engine, the :class:`~rlhf_lightning.networks.Networks` it samples and scores with, the sampling,
-prompt, off-policy, LoRA and runtime settings, the reward call and the seed base. It runs in two steps, so
+the rollout engine, the :class:`~rlhf_lightning.networks.Networks` it samples and scores with (their LoRA
+settings with them), the sampling, prompt, off-policy and runtime settings, the reward call and the seed base. It runs in two steps, so
 that who draws and who assembles can differ:
 
 1. ``draw``: the prompts encoded, the engine's responses at a declared seed (the engine's own copy of the
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from rlhf_lightning import checks, sampling
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning.args import LoraArgs, OffPolicyArgs, PromptArgs, RuntimeArgs, SamplingArgs
+from rlhf_lightning.args import OffPolicyArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.callbacks import Timer
 from rlhf_lightning.interfaces import RolloutEngine, Samples
 from rlhf_lightning.networks import Networks
@@ -100,7 +100,6 @@ class Sampler:
         sampling: SamplingArgs,
         prompts: PromptArgs,
         off_policy: OffPolicyArgs,
-        lora: LoraArgs,
         runtime: RuntimeArgs,
         reward: Reward,
         needs_logits: bool,
@@ -109,7 +108,7 @@ class Sampler:
         local_rank: int = 0,
     ) -> None:
         self.tokenizer, self.engine, self.networks = tokenizer, engine, networks
-        self.sampling, self.prompts, self.off_policy, self.lora, self.runtime = sampling, prompts, off_policy, lora, runtime
+        self.sampling, self.prompts, self.off_policy, self.runtime = sampling, prompts, off_policy, runtime
         self.reward, self.needs_logits = reward, needs_logits
         self.generation_seed_base, self.global_rank, self.local_rank = seed_base, global_rank, local_rank
         self.global_step = 0  # the optimizer steps of the weights the engine samples (an engine with its own copy syncs when it changes)
