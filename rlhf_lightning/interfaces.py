@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import torch
@@ -544,6 +544,70 @@ class RolloutEngine(Plugin):
         return out
 
 
+
+@dataclass
+class Step:
+    """What an environment answers to one policy turn (``Environment.step``)."""
+
+    observation: Optional[str] = None  # text of the environment's turn: in its chat role where the tokenizer has a template
+    observation_ids: Optional[list[int]] = None  # or token ids, appended exactly as they are (a token-level environment)
+    reward: Optional[float] = None  # this turn's reward, credited to the policy's turn it answers (None: 0)
+    done: bool = False  # the episode ends here (nothing is appended)
+    info: dict[str, Any] = field(default_factory=dict)  # counted in env/*: ``tool_call`` (bool), ``tool_ok`` (bool)
+
+
+class Environment(Plugin):
+    """The other side of an episode (docs/environments.md): the policy writes a turn, the environment answers it, the
+    policy writes again, until the environment says ``done`` or a limit ends the episode.
+
+    ``reset(prompt, seed)`` starts an episode for one row and returns its state (anything: a dict, the library's own
+    environment object); ``step(state, turn_text, turn_ids)`` takes the policy's turn (its text, special tokens left
+    out, and its ids as drawn) and returns a :class:`Step`. The environment's tokens are state, not actions: the
+    KL, the policy loss, the entropy and the advantages' credit cover the policy's tokens only, while the
+    environment's stay context for everything after them (``policy_tokens_only: false`` counts them too, the known
+    mistake, kept to measure it: a start-up warning says so).
+
+    The limits every environment takes (its ``init_args``, beside its own): ``max_turns`` policy turns per episode;
+    ``max_total_tokens`` the episode's tokens after the prompt, policy's and environment's (None: the policy's
+    context, checked at start-up); ``max_observation_tokens`` per environment turn (a longer one ends the episode,
+    counted in ``env/ended_by_observation_too_long``); ``timeout_s`` per call of ``reset`` or ``step`` (a hung
+    environment stops the run with a line naming it and this field). An environment that raises stops the run with
+    a line naming it and ``model.environment``. ``role``: the chat role of its turns (``tool``, ``user``, ...).
+    ``thread_safe``: the rows' ``step`` calls may run concurrently in threads.
+    """
+
+    role: str = "tool"
+    thread_safe: bool = True
+
+    def __init__(
+        self,
+        max_turns: int = 3,
+        max_total_tokens: Optional[int] = None,
+        max_observation_tokens: int = 256,
+        timeout_s: float = 60.0,
+        policy_tokens_only: bool = True,
+    ) -> None:
+        field = "environment."
+        require_number(field + "max_turns", max_turns, at_least=1, integer=True)
+        require_number(field + "max_total_tokens", max_total_tokens, at_least=1, integer=True, optional=True)
+        require_number(field + "max_observation_tokens", max_observation_tokens, at_least=1, integer=True)
+        require_number(field + "timeout_s", timeout_s, above=0)
+        require(isinstance(policy_tokens_only, bool), field + "policy_tokens_only", "true or false", policy_tokens_only)
+        self.max_turns, self.max_total_tokens, self.max_observation_tokens = max_turns, max_total_tokens, max_observation_tokens
+        self.timeout_s, self.policy_tokens_only = timeout_s, policy_tokens_only
+
+    @abstractmethod
+    def reset(self, prompt: str, seed: int) -> Any:
+        """Start an episode for ``prompt`` (seeded by ``seed``: a redrawn episode is the same); its state."""
+
+    @abstractmethod
+    def step(self, state: Any, turn_text: str, turn_ids: Sequence[int]) -> Step:
+        """Answer the policy's turn in the episode ``state`` (updated in place)."""
+
+    def close(self) -> None:
+        """Release what the environment holds (processes, connections) at the end of the run."""
+
+
 register_kind("kl_estimator", KLEstimator)
 register_kind("beta_controller", BetaController)
 register_kind("divergence", Divergence)
@@ -553,3 +617,4 @@ register_kind("policy_loss", PolicyLoss)
 register_kind("loss_aggregation", LossAggregation)
 register_kind("reference_update", ReferenceUpdate)
 register_kind("rollout_engine", RolloutEngine)
+register_kind("environment", Environment)
