@@ -3,9 +3,12 @@ SkyRL-Gym environment: each reset and step with the numbers they must give."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,8 @@ from rlhf_lightning.interfaces import ConfigError, Step
 from rlhf_lightning.registry import load_plugins, registry
 from rlhf_lightning_plugins.environments import Calculator, GuessNumber, ToolError, evaluate, show
 from rlhf_lightning_plugins.rewards.verifiable import ExactAnswerReward
+
+from helpers import CONFIGS, REPO
 
 load_plugins()
 
@@ -154,12 +159,11 @@ def test_the_calculator_prompts_ask_the_question_first():
     """exact_answer computes the answer from the first 'a OP b' of the prompt: the calculator's instructions
     hold no arithmetic, so every shipped calculator prompt's answer is its question's."""
     import json
-    from pathlib import Path
 
     from rlhf_lightning_plugins.rewards.verifiable import question_answer
 
     for name in ("calculator_train.jsonl", "calculator_validation.jsonl"):
-        rows = [json.loads(line) for line in (Path(__file__).parents[1] / "rlhf_lightning" / "prompts" / name).read_text().splitlines()]
+        rows = [json.loads(line) for line in (REPO / "rlhf_lightning" / "prompts" / name).read_text().splitlines()]
         assert len(rows) > 50 and all("<calc>" in row["prompt"] for row in rows)
         assert all(question_answer(row["prompt"]) == row["answer"] for row in rows)
 
@@ -282,3 +286,45 @@ def test_without_skyrl_gym_the_adapter_names_the_pip_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "skyrl_gym", None)  # import skyrl_gym raises ImportError
     with pytest.raises(ConfigError, match=r"^model\.environment skyrl_gym needs the package skyrl-gym: pip install skyrl-gym"):
         registry("environment").get("skyrl_gym")()
+
+
+def test_a_skyrl_gym_environment_trains_through_the_command(tmp_path):
+    """``rlhf-lightning fit`` from a fresh folder: the tiny policy plays SkyRL-Gym's gsm8k_multi_turn on the
+    arithmetic prompts for 2 iterations; it exits 0 and the env/* metrics are in its TensorBoard logs."""
+    pytest.importorskip("skyrl_gym")
+    from tools.summarize_run import read_scalars
+
+    prompts = REPO / "rlhf_lightning" / "prompts"
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("rlhf-lightning")),
+            "fit",
+            f"--config={CONFIGS / 'tiny.yaml'}",
+            "--model.environment=skyrl_gym",
+            "--model.environment.env_id=gsm8k_multi_turn",
+            f"--model.environment.ground_truth={GROUND_TRUTH}",
+            "--model.environment.max_turns=2",
+            f"--data.train_path={prompts / 'arithmetic_train.jsonl'}",
+            f"--data.val_path={prompts / 'arithmetic_validation.jsonl'}",
+            "--data.batch_size=4",
+            "--trainer.limit_train_batches=2",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    scalars = read_scalars(str(tmp_path / "lightning_logs" / "tiny" / "version_0"))
+    env = {tag: values for tag, values in scalars.items() if tag.startswith("env/")}
+    assert env, sorted(scalars)
+    assert all(len(values) == 2 for values in env.values()), env
+    # The tiny policy never writes '#### 42': every episode takes both turns and SkyRL's environment ends it (its
+    # max_turns is the adapter's), after one feedback turn of its own.
+    assert list(env["env/turns"].values()) == [2.0, 2.0]
+    assert list(env["env/ended_by_environment"].values()) == [1.0, 1.0]
+    assert all(0 < share < 1 for share in env["env/environment_token_share"].values())
