@@ -274,3 +274,21 @@ def test_the_asynchronous_sampler_draws_episodes_ahead_and_weighs_the_policy_s_t
         expected = log_ratio.exp().clamp(max=5.0).unsqueeze(-1).expand_as(rollout.response_mask)
         assert torch.allclose(rollout.is_weights[rollout.response_mask.bool()], expected[rollout.response_mask.bool()], rtol=1e-5)
     assert history.rows[-1]["env/turns"] == 2.0
+
+
+def test_the_environment_in_the_docs_runs_as_written():
+    """docs/environments.md's example, executed as written, registered, and run for one episode per row."""
+    import re
+    from pathlib import Path
+
+    from rlhf_lightning.registry import registry
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    if "echo_twice" not in registry("environment"):
+        exec(compile(code, "docs/environments.md", "exec"), {})
+    module = make_module(environment="echo_twice", sampling=dict(max_new_tokens=4))
+    module.sampler.engine = Scripted([[[4, 5, 1]], [[6, 1]]])
+    episode = module.sampler.draw(["a"], 0, 0).episode
+    assert episode.turns.tolist()[0][:3] == [0, 0, 0] and episode.ended_by.tolist() == [ENDINGS.index("environment")]
+    assert episode.turn_rewards.sum() == 1.0 and episode.policy_turns.tolist() == [2]
