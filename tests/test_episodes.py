@@ -292,3 +292,23 @@ def test_the_environment_in_the_docs_runs_as_written():
     episode = module.sampler.draw(["a"], 0, 0).episode
     assert episode.turns.tolist()[0][:3] == [0, 0, 0] and episode.ended_by.tolist() == [ENDINGS.index("environment")]
     assert episode.turn_rewards.sum() == 1.0 and episode.policy_turns.tolist() == [2]
+
+
+def test_episodes_with_lora_and_per_prompt_budgets(tmp_path):
+    """LoRA trains the adapter alone and a per-prompt controller moves each prompt's beta by its episodes' KL, which
+    is over the policy's tokens: the environment's tokens change nothing in it."""
+    from rlhf_lightning_plugins.beta_controllers import PromptBudgetBeta
+
+    controller = PromptBudgetBeta(init_beta=0.1, target=0.01, horizon=4)
+    env = Echo(text="zz", turns=2)
+    module = make_module(environment=env, beta_controller=controller, lora=dict(rank=4), sampling=dict(max_new_tokens=4))
+    base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "lora" not in n}
+    lora_before = [p.detach().clone() for p in module.policy.parameters()]
+    _, history = fit(module, tmp_path, 2)
+    # The base weights as they were (to within the rounding of merging the adapter for each turn's draw and back).
+    assert all(torch.allclose(p, base[n], atol=1e-6) for n, p in module.policy.named_parameters() if "lora" not in n)
+    assert any(not torch.equal(p, q) for p, q in zip(module.policy.parameters(), lora_before, strict=True))
+    out = history.outputs[-1]
+    rollout, stats = out["rollout"], out["prompts"]
+    assert torch.equal(out["kl"] * (1 - rollout.response_mask), torch.zeros_like(out["kl"]))  # no KL at the environment's tokens
+    assert len(set(controller.betas.values())) > 1 and stats.kl.max() > 0
