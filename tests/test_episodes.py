@@ -9,48 +9,9 @@ import torch
 
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.episodes import ENDINGS, EnvironmentFault, observation_format
-from rlhf_lightning.interfaces import Environment, Samples, Step
 from rlhf_lightning.sampler import Drawn
 
-from helpers import fit, make_module
-
-
-class Scripted:
-    """A rollout engine that answers each turn with fixed ids per row and turn (log-probs -1 each) and records the
-    contexts it was handed."""
-
-    def __init__(self, turns: list[list[list[int]]]) -> None:
-        self.turns, self.contexts = turns, []
-
-    def stale(self, module) -> bool:
-        return False
-
-    def checked_sample(self, module, enc, seed) -> Samples:
-        turn = len(self.contexts)
-        self.contexts.append([ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)])
-        rows = [list(r) for r in self.turns[turn][: len(enc["input_ids"])]]
-        width = max(map(len, rows))
-        new = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-        return Samples(torch.cat([enc["input_ids"], new], dim=1), logprobs=torch.full(new.shape, -1.0))
-
-
-class Echo(Environment):
-    """Answers each turn with the ids ``answer`` (or the text ``text``), reward ``reward`` per turn; done after
-    ``turns`` policy turns."""
-
-    def __init__(self, answer=None, text=None, reward=None, turns: int = 2, **limits) -> None:
-        super().__init__(**limits)
-        self.answer, self.text, self.reward, self.turns = answer, text, reward, turns
-
-    def reset(self, prompt, seed):
-        return {"turn": 0, "seeds": seed}
-
-    def step(self, state, turn_text, turn_ids):
-        state["turn"] += 1
-        done = state["turn"] >= self.turns
-        return Step(
-            observation=self.text, observation_ids=self.answer, reward=self.reward, done=done, info={"tool_call": True, "tool_ok": not done}
-        )
+from helpers import Echo, Scripted, fit, make_module
 
 
 def ids(tok, text: str) -> list[int]:
