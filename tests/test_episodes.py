@@ -273,3 +273,24 @@ def test_episodes_with_lora_and_per_prompt_budgets(tmp_path):
     rollout, stats = out["rollout"], out["prompts"]
     assert torch.equal(out["kl"] * (1 - rollout.response_mask), torch.zeros_like(out["kl"]))  # no KL at the environment's tokens
     assert len(set(controller.betas.values())) > 1 and stats.kl.max() > 0
+
+
+def test_two_ranks_run_their_own_episodes_and_a_resume_continues_them(tmp_path):
+    """Through the command, from a fresh folder: configs/tiny.yaml with the guessing game on 2 DDP ranks (each rank's
+    environments its own, seeded by rank) for an epoch of 2 iterations, then resumed from its checkpoint for a second."""
+    from tools.summarize_run import read_scalars
+
+    from helpers import run_cli
+
+    game = ("--model.environment=guess_number", "--model.environment.init_args.max_turns=2", "--model.sampling.max_new_tokens=6")
+    ddp = ("--trainer.devices=2", "--trainer.strategy=ddp", "--data.batch_size=4")
+    first = run_cli(tmp_path, *game, *ddp, "--trainer.limit_train_batches=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_cli(tmp_path, *game, *ddp, "--trainer.limit_train_batches=2", "--trainer.max_epochs=2", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    runs = sorted((tmp_path / "lightning_logs" / "tiny").glob("version_*"))
+    first_run, second_run = (read_scalars(str(run)) for run in runs)
+    assert sorted(first_run["env/turns"]) == [0, 1] and sorted(second_run["env/turns"]) == [2, 3]  # steps: iterations 0-3
+    for scalars in (first_run, second_run):
+        assert all(1.0 <= turns <= 2.0 for turns in scalars["env/turns"].values())
+        assert all(0.0 < share < 1.0 for share in scalars["env/environment_token_share"].values())
