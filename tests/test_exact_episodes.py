@@ -1,5 +1,6 @@
 """Episodes with a chance node (rlhf_lightning/exact/episodes.py): the soft-Bellman optimum against brute force,
-the episode tilt's optimism, and where a loop that counts the environment's token as an action settles. Seconds."""
+the episode tilt's optimism, and where a loop that counts the environment's token as an action settles; the task the
+loop trains on (exact/episode_tasks.py): its environment, its transcript reward, its exact log-probs. Seconds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from rlhf_lightning.exact.closed_form import optimal_logprobs, optimal_objective
+from rlhf_lightning.exact.episode_tasks import ExactEpisodeTask, LabChance, episode_reference, episode_report, exact_episode_logprobs
 from rlhf_lightning.exact.episodes import (
     environment_tokens_counted,
     episode_objective,
@@ -18,6 +20,7 @@ from rlhf_lightning.exact.episodes import (
     soft_bellman,
     token_level_optimum,
 )
+from rlhf_lightning.exact.tasks import ExactPPORLHF
 
 # Stochastic tasks whose gaps the tests assert (> 0.05 at beta 0.5 and 1, with and without EOS): of seeds 0-19 with
 # the defaults, 88% (no EOS) and 93% (EOS) of the (seed, beta) cells have J* - J(pi_tilt) > 0.05 (every cell has
@@ -210,3 +213,72 @@ def test_random_episode_task_is_seeded_normalised_and_centred():
     assert task.ref1.isinf().sum() == 2 * 2  # 9 paths over 3 symbols, 7 responses: 2 per prompt
     deterministic = random_episode_task(7, deterministic=True)
     assert set(deterministic.obs_probs.unique().tolist()) == {0.0, 1.0}
+
+
+# ---------------------------------------------------------------- the task the loop trains on (exact/episode_tasks.py)
+
+
+def test_lab_chance_draws_o_from_p_with_the_reset_seed_and_ends_after_the_second_turn():
+    env = LabChance({"A": {"ab": [0.2, 0.8], "ba": [1.0, 0.0]}}, observation_ids=[7, 9])
+    assert env.max_turns == 2
+    draws = []
+    for seed in range(2000):
+        state = env.reset("A", seed)
+        step = env.step(state, "ab", [3, 4])
+        assert step.observation_ids in ([7], [9]) and not step.done
+        assert env.step(env.reset("A", seed), "ab", [3, 4]).observation_ids == step.observation_ids  # the seed decides
+        draws.append(step.observation_ids == [9])
+        assert env.step(state, "b", [4]).done
+    assert sum(draws) / len(draws) == pytest.approx(0.8, abs=0.03)
+    assert env.step(env.reset("A", 0), "ba", [4, 3]).observation_ids == [7]
+    with pytest.raises(Exception, match="one probability per observation id"):
+        LabChance({"A": {"ab": [1.0]}}, observation_ids=[7, 9])
+
+
+@pytest.fixture(scope="module")
+def network_task():
+    task = ExactEpisodeTask.random(5)
+    module = ExactPPORLHF(task, seed=task.model_seed)
+    module.configure_model()
+    return module
+
+
+def test_the_episode_tasks_reward_reads_the_transcript_and_is_centred_under_the_network(network_task):
+    task = network_task.task
+    rewards, tables = task.rewards(), task.reward_kwargs["tables"]
+    assert rewards.shape == (2, 4, 2, 4)
+    assert float(rewards[1, 2, 1, 3]) == tables["B"]["ba" + "b" + "bb"]  # y1 = turns[2] = "ba", o = "b", y2 = turns[3] = "bb"
+    assert torch.allclose(task.obs_probs().sum(-1), torch.ones((), dtype=torch.float64))
+    ref1, _, ref2 = episode_reference(task)  # the task's own network, built afresh: the reference it was centred under
+    assert float(episode_objective(ref1, ref2, ref1, task.obs_probs(), ref2, rewards, 1.0)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_exact_episode_logprobs_score_each_position_as_the_network_does(network_task):
+    """One transcript scored by a plain forward pass of the policy: its three parts at their positions."""
+    module = network_task
+    pi1, obs, pi2 = exact_episode_logprobs(module, module.policy)
+    one = torch.ones((), dtype=torch.float64)
+    assert torch.allclose(pi1.exp().sum(-1), one, atol=1e-6) and torch.allclose(obs.exp().sum(-1), one, atol=1e-6)
+    assert torch.allclose(pi2.exp().sum(-1), one, atol=1e-6)
+    tok = module.tokenizer
+    ids = torch.tensor([tok.convert_tokens_to_ids(list("B" + "ab" + "b" + "ba"))])
+    with torch.no_grad():
+        logits = module.policy(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(ids.shape[1])[None]).logits
+    token = logits[0, :-1].double().log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)  # log pi of tokens 1..5
+    assert float(pi1[1, 1]) == pytest.approx(float(token[:2].sum()), abs=1e-5)
+    assert float(obs[1, 1, 1]) == pytest.approx(float(token[2]), abs=1e-5)
+    assert float(pi2[1, 1, 1, 2]) == pytest.approx(float(token[3:].sum()), abs=1e-5)
+
+
+def test_the_network_task_separates_the_optimum_from_both_mistakes(network_task):
+    """ExactEpisodeTask.random(5) at beta 0.5 under its network's reference: J* = 0.827, the tilt's value 1.607, the
+    tilt's policy 0.572, counting the environment's token 0.641 (measured; the convergence cells' targets)."""
+    task = network_task.task
+    with network_task.networks.reference() as ref:
+        ref1, ref_obs, ref2 = exact_episode_logprobs(network_task, ref)
+    row = episode_report(ref1, ref2, ref1, ref_obs, ref2, task.obs_probs(), task.rewards(), 0.5)
+    assert row.objective == pytest.approx(0.0, abs=1e-6) and row.gap == pytest.approx(1.0, abs=1e-5)
+    assert row.optimum == pytest.approx(0.827, abs=1e-3)
+    assert row.tilt_value == pytest.approx(1.607, abs=1e-3)
+    assert row.tilt_objective == pytest.approx(0.572, abs=1e-3)
+    assert row.counted_objective == pytest.approx(0.641, abs=1e-3)
