@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlhf_lightning import recipes
+from rlhf_lightning import episodes, recipes
 from rlhf_lightning.checks import ConfigError, require, require_number
 from rlhf_lightning.data import encode_prompts
 from rlhf_lightning.interfaces import Divergence, LossAggregation
@@ -44,6 +44,7 @@ PLUGIN_ARGUMENTS = {
     "gold_reward_model": "reward_model",
     "reference_update": "reference_update",
     "rollout_engine": "rollout_engine",
+    "environment": "environment",
 }
 # Below this temperature a group's responses are mostly one and the same (the sampler all but argmax).
 GREEDY_TEMPERATURE = 0.1
@@ -530,6 +531,7 @@ def build_plugins(args: dict[str, Any], ppo: PPOArgs) -> dict[str, Any]:
     plugins["gold_reward_model"] = None if args["gold_reward_model"] is None else build("gold_reward_model")
     plugins["reference_update"] = build("reference_update")
     plugins["rollout_engine"] = build("rollout_engine")
+    plugins["environment"] = None if args["environment"] is None else build("environment")
     return plugins
 
 
@@ -557,6 +559,7 @@ def check_across_groups(critic: Optional[str], groups: dict[str, Any], plugins: 
     resolved so that checkpoints and the resume check see what was built."""
     sampling, kl, ppo, optim, off_policy = (groups[name] for name in ("sampling", "kl", "ppo", "optim", "off_policy"))
     advantage, kl_estimator = plugins["advantage_estimator"], plugins["kl_estimator"]
+    episodes.check_settings(plugins["environment"], sampling)
     # Whitening divides the advantages (the reward's gradient, and with 'both' the reward's part
     # of the KL's) by their std; a KL loss term is not divided, so beta would no longer weigh the
     # KL against the reward as configured (docs/kl-estimators.md).

@@ -17,6 +17,7 @@ import torch
 from lightning import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from rlhf_lightning.episodes import turn_texts
 from rlhf_lightning.fsdp2 import full_state_dict, is_sharded
 from rlhf_lightning.interfaces import require
 from rlhf_lightning.kl_health import CHECKS as KL_HEALTH_CHECKS
@@ -114,6 +115,7 @@ class TensorBoardViews(Callback):
             reference=pl_module.hparams.get("reference"),
             asynchronous=bool(getattr(getattr(pl_module, "off_policy", None), "max_staleness", 0)),
             kl_health=any(isinstance(callback, KLHealth) and callback.mode != "off" for callback in trainer.callbacks),
+            episodes=getattr(pl_module, "environment", None) is not None,
         )
         trainer.logger.experiment.add_custom_scalars(layout)
 
@@ -131,8 +133,10 @@ class TensorBoardViews(Callback):
             return
         rollout, scores, kl = outputs["rollout"], outputs["scores"], outputs["kl"]
         rows = ["| prompt | response | score | KL |", "|---|---|---|---|"]
+        turns = None if rollout.episode is None else turn_texts(rollout, pl_module.tokenizer, pl_module.environment.role)
         for i in range(min(self.num_samples, len(rollout.prompts))):
-            cells = [_md(rollout.prompts[i]), _md(rollout.response_texts[i]), f"{scores[i]:.3f}", f"{kl[i].sum():.3f}"]
+            response = _md(rollout.response_texts[i]) if turns is None else "<br>".join(f"**{r}**: {_md(t)}" for r, t in turns[i])
+            cells = [_md(rollout.prompts[i]), response, f"{scores[i]:.3f}", f"{kl[i].sum():.3f}"]
             rows.append("| " + " | ".join(cells) + " |")
         trainer.logger.experiment.add_text("samples", "\n".join(rows), global_step=pl_module.step)
 
@@ -154,6 +158,7 @@ def custom_scalars_layout(
     reference: Optional[str] = None,
     asynchronous: bool = False,
     kl_health: bool = False,
+    episodes: bool = False,
 ) -> dict:
     """The Custom Scalars layout, ``{category: {chart title: ["Multiline", ["^tag$"]]}}``, one line per chart,
     in the order TensorBoard shows it: first the run at a glance (reward; the KL's mean and max and the
@@ -166,7 +171,8 @@ def custom_scalars_layout(
     ``asynchronous``: the sampler runs ahead (``model.off_policy.max_staleness`` > 0): how stale the batches were,
     the off-policy correction's clipped share and effective sample size, and the trainer's wait for the sampler.
     ``kl_health``: a ``KLHealth`` monitor runs (kl_health.py): a third row, the KL's share of the update, the
-    estimate and the exact KL, and which checks fire."""
+    estimate and the exact KL, and which checks fire. ``episodes``: an environment answers the policy
+    (``model.environment``): turns per episode, the environment's share of the tokens, tool calls and their success."""
     seeds = [("reward, training batch", "objective/reward"), ("reward, held-out prompts", "val/reward")]
     if has_gold:
         seeds.append(("gold reward (watched, not trained on)", "objective/gold_reward"))
@@ -203,6 +209,13 @@ def custom_scalars_layout(
             ("off-policy correction: effective sample size", "off_policy/ess"),
             ("seconds: the trainer's wait for the sampler", "timing/sampler_wait_s"),
             ("seconds: the sampler's draw", "timing/rollout_s"),
+        ]
+    if episodes:
+        more += [
+            ("episodes: the policy's turns per episode", "env/turns"),
+            ("episodes: the environment's share of the tokens", "env/environment_token_share"),
+            ("episodes: tool calls per episode", "env/tool_calls"),
+            ("episodes: share of tool calls that succeeded", "env/tool_success"),
         ]
     rows = [(SEEDS_CATEGORY, seeds), (MORE_CATEGORY, more)]
     if kl_health:

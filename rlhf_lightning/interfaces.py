@@ -544,7 +544,6 @@ class RolloutEngine(Plugin):
         return out
 
 
-
 @dataclass
 class Step:
     """What an environment answers to one policy turn (``Environment.step``)."""

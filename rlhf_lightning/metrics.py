@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from rlhf_lightning import sampling
 from rlhf_lightning.data import PromptTable
+from rlhf_lightning.episodes import ENDINGS, EpisodeLayout
 from rlhf_lightning.trajectory import PromptStats, Scored, Trajectory
 
 Reduce = Callable[..., Tensor]
@@ -87,6 +88,31 @@ def rollout_metrics(
     if off_policy_weights is not None:
         logprobs = (rollout.trainer_logprobs, rollout.sampler_logprobs, rollout.response_mask)
         out.update(sampling.off_policy_weight_metrics(*logprobs, *off_policy_weights, sum_fn=reduce))
+    if rollout.episode is not None:
+        out.update(episode_metrics(rollout.episode, reduce))
+    return out
+
+
+def episode_metrics(episode: EpisodeLayout, reduce: Reduce) -> dict[str, float]:
+    """``env/*`` over all ranks' episodes: the policy's turns per episode, the environment's share of the episodes'
+    tokens, the policy's turns cut at max_new_tokens, tool calls per episode and the share that succeeded, the
+    share of episodes ended by each end (``episodes.ENDINGS``: the environment's done, or a limit)."""
+    environment_tokens = episode.episode_mask.sum() - episode.policy_mask.sum()
+    ended = [(episode.ended_by == i).sum() for i in range(len(ENDINGS))]
+    counts = (episode.policy_turns.sum(), episode.turns_cut.sum(), episode.tool_calls.sum(), episode.tool_ok.sum(), *ended)
+    sums = torch.stack(
+        [torch.tensor(float(len(episode.ended_by)), device=environment_tokens.device), episode.episode_mask.sum(), environment_tokens]
+    )
+    totals = reduce(torch.cat([sums.double(), torch.stack(counts).double().to(sums.device)])).tolist()
+    n, tokens, env_tokens, turns, cut, calls, ok, *ended_totals = totals
+    out = {
+        "env/turns": turns / n,
+        "env/environment_token_share": env_tokens / max(tokens, 1.0),
+        "env/turns_cut_fraction": cut / max(turns, 1.0),
+        "env/tool_calls": calls / n,
+        "env/tool_success": ok / calls if calls else 0.0,
+    }
+    out.update({f"env/ended_by_{name}": count / n for name, count in zip(ENDINGS, ended_totals, strict=True)})
     return out
 
 

@@ -23,11 +23,10 @@ may move the reference toward the policy (default ``none``: the reference stays 
 starting policy; ``sync``, ``reset`` or ``ema`` every N iterations). ``reference`` names another
 model as the reference instead (a teacher: on-policy distillation; docs/reference.md).
 
-Where things live: the sampler that draws and assembles a rollout in sampler.py (``self.sampler``), and the
-one that runs ahead in async_rollout.py; the networks and their passes in networks.py (``self.networks``, built
-by ``build_networks``), their loading in models.py; the KL's terms in regulariser.py (``self.regulariser``); the
-PPO epochs and the loss in update.py (``self.update``); the logged metrics in metrics.py; the arguments in
-args.py, start-up checks and faults in checks.py; checkpoints in checkpoints.py; the math in ppo_math.py.
+Where things live: the sampler that draws and assembles a rollout in sampler.py (``self.sampler``), episodes with
+an environment in episodes.py, the sampler that runs ahead in async_rollout.py; the networks in networks.py
+(``self.networks``), their loading in models.py; the KL's terms in regulariser.py; the PPO epochs in update.py;
+metrics in metrics.py; arguments in args.py, checks in checks.py; checkpoints in checkpoints.py; math in ppo_math.py.
 
 Left out on purpose: reward-model training (tools/) and any home-made distributed code: every
 cross-rank statistic goes through the Lightning strategy's ``reduce``.
@@ -58,6 +57,7 @@ from rlhf_lightning.interfaces import (
     AdvantageEstimator,
     BetaController,
     Divergence,
+    Environment,
     KLEstimator,
     LossAggregation,
     PolicyLoss,
@@ -103,6 +103,7 @@ class PPORLHF(LightningModule):
         entropy_controller: Union[BetaController, str, None] = None,
         gold_reward_model: Union[RewardModel, str, None] = None,
         rollout_engine: Union[RolloutEngine, str] = "hf",
+        environment: Union[Environment, str, None] = None,
         reference_update: Union[ReferenceUpdate, str] = "none",
         critic: Optional[Literal["separate", "shared", "none"]] = None,
         sampling: SamplingArgs = SamplingArgs(),
@@ -261,6 +262,8 @@ class PPORLHF(LightningModule):
         row_betas = betas.to(kl.dtype).unsqueeze(-1)  # (batch, 1)
         penalised = scores if penalty is None else scores - penalty.to(scores.device, scores.dtype)
         rewards = pm.token_rewards(penalised, kl_in_reward, rollout.response_mask, row_betas)
+        if rollout.episode is not None:  # the environment's rewards, each at the last token of the turn it answered
+            rewards += rollout.episode.turn_rewards.to(rewards.dtype)
         return Scored(kl, raw_scores, scores, rewards, divergence=divergence)
 
     def reward(self, prompts: list[str], responses: list[str]) -> tuple[Optional[Tensor], Optional[str]]:
@@ -371,6 +374,8 @@ class PPORLHF(LightningModule):
             seed_base=self.generation_seed_base,
             global_rank=self.global_rank,
             local_rank=self.local_rank,
+            environment=self.environment,
+            longest_prompt=self.longest_prompt,
         )
         if staleness:
             step_context = trainer.precision_plugin.train_step_context if trainer is not None else contextlib.nullcontext

@@ -82,17 +82,34 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float | Tensor
     """Per-token reward R_t = score * 1[t = last real token] - beta * kl_t (kl already masked); ``beta`` one
     number or one per row, (batch, 1)."""
     rewards = -beta * kl * mask
-    last = mask.sum(-1).long().clamp(min=1) - 1
-    return rewards.scatter_add(-1, last.unsqueeze(-1), scores.unsqueeze(-1).to(rewards.dtype))
+    return rewards.scatter_add(-1, last_position(mask).unsqueeze(-1), scores.unsqueeze(-1).to(rewards.dtype))
+
+
+def last_position(mask: Tensor) -> Tensor:
+    """Each row's last position where ``mask`` is 1 (batch,), long; 0 for a row without one. The last token of
+    the response, or of an episode's last policy turn (an environment's tokens in between are 0 in the mask)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask.bool(), positions, -1).amax(-1).clamp(min=0)
+
+
+def packed(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(order, packed_mask)``: the positions of each row with its masked-in ones first, in order (a stable sort),
+    and the mask gathered by them (a prefix of ones). ``x.gather(-1, order)`` packs a per-token tensor so that a
+    loop over t runs over the policy's tokens alone; ``out.scatter(-1, order, y)`` puts the result back."""
+    order = torch.sort((mask <= 0).to(torch.int8), dim=-1, stable=True).indices
+    return order, mask.gather(-1, order)
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation; returns ``(advantages, returns)``, both masked.
 
     delta_t = r_t + gamma * V_{t+1} - V_t (V past the last real token is 0);
-    A_t = delta_t + gamma * lam * A_{t+1}; returns = A + V.
+    A_t = delta_t + gamma * lam * A_{t+1}; returns = A + V. t runs over the tokens in ``mask``: in an episode,
+    the policy's tokens, t + 1 the policy's next one, so that an environment's turn between two of them is part
+    of the transition (discounted once, like any other state change; docs/environments.md).
     """
-    rewards, values = masked_select(rewards, mask), masked_select(values, mask)
+    order, mask = packed(mask)
+    rewards, values = masked_select(rewards.gather(-1, order), mask), masked_select(values.gather(-1, order), mask)
     advantages = torch.zeros_like(rewards)
     last_gae = torch.zeros_like(rewards[:, 0])
     length = rewards.shape[1]
@@ -101,7 +118,8 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         last_gae = delta + gamma * lam * last_gae
         advantages[:, t] = last_gae
-    return advantages, masked_select(advantages + values, mask)
+    unpack = torch.zeros_like(advantages)
+    return unpack.scatter(-1, order, advantages), unpack.scatter(-1, order, masked_select(advantages + values, mask))
 
 
 def reward_to_go(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:

@@ -14,10 +14,11 @@ that who draws and who assembles can differ:
    networks, log pi_ref (or the sampler's), the starting policy's beside a moving or foreign reference, and the
    rollout correction's weights.
 
-A new way of drawing plugs in at step 1: an episode with an environment is a ``draw`` that runs turn by turn (the
-engine's turn, the environment's ids appended as they are, the next turn), and a response that spans weight
-versions is a ``draw`` whose view changes between tokens; each returns a ``Drawn`` whose ids are the ones drawn,
-so that ``trajectory`` scores exactly those.
+A new way of drawing plugs in at step 1: an episode with an environment (``model.environment``) is a ``draw``
+that runs turn by turn (episodes.py: the engine's turn, the environment's ids appended as they are, the next turn),
+its :class:`~rlhf_lightning.episodes.EpisodeLayout` in the ``Drawn``; a response that spans weight versions is a
+``draw`` whose view changes between tokens. Each returns a ``Drawn`` whose ids are the ones drawn, so that
+``trajectory`` scores exactly those.
 
 The rollout engine sees the sampler (or a view of it) as its ``module``: ``networks``, ``sampling``,
 ``prompts``, ``off_policy``, ``runtime``, ``tokenizer``, ``device``, ``exploration``, ``global_step`` (the
@@ -39,7 +40,8 @@ from rlhf_lightning import checks, sampling
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import OffPolicyArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.callbacks import Timer
-from rlhf_lightning.interfaces import RolloutEngine, Samples
+from rlhf_lightning.episodes import EpisodeDraw, EpisodeLayout, token_bound
+from rlhf_lightning.interfaces import Environment, RolloutEngine, Samples
 from rlhf_lightning.networks import Networks
 from rlhf_lightning.trajectory import Trajectory
 
@@ -62,6 +64,7 @@ class Drawn:
     raw_scores: Optional[Tensor] = None  # r_RM as the backend returned it (None with a reward fault)
     reward_fault: Optional[str] = None  # why r_RM was not finite
     scoring_seconds: float = 0.0  # the sampler's time scoring it
+    episode: Optional[EpisodeLayout] = None  # with an environment: which of the ids are the policy's, each token's turn
 
     _TENSORS = ("ref_logprobs", "ref_logits", "raw_scores")
 
@@ -70,6 +73,7 @@ class Drawn:
         fields = dict(iteration=self.iteration, prompts=self.prompts, version=self.version, seconds=self.seconds)
         fields.update(reward_fault=self.reward_fault, scoring_seconds=self.scoring_seconds)
         fields.update({name: _cpu(getattr(self, name)) for name in self._TENSORS})
+        fields.update(episode=None if self.episode is None else self.episode.state_dict())
         return {**fields, "enc": {k: v.cpu() for k, v in self.enc.items()}, "samples": {k: _cpu(v) for k, v in samples.items()}}
 
     @classmethod
@@ -78,6 +82,8 @@ class Drawn:
         enc = {k: v.to(device) for k, v in state["enc"].items()}
         scored = {name: None if state.get(name) is None else state[name].to(device) for name in cls._TENSORS}
         scored.update(reward_fault=state.get("reward_fault"), scoring_seconds=state.get("scoring_seconds", 0.0))
+        episode = state.get("episode")
+        scored.update(episode=None if episode is None else EpisodeLayout.from_state(episode, device))
         return cls(state["iteration"], list(state["prompts"]), enc, samples, state["version"], state["seconds"], **scored)
 
 
@@ -106,6 +112,8 @@ class Sampler:
         seed_base: int,
         global_rank: int = 0,
         local_rank: int = 0,
+        environment: Optional[Environment] = None,
+        longest_prompt: Optional[int] = None,
     ) -> None:
         self.tokenizer, self.engine, self.networks = tokenizer, engine, networks
         self.sampling, self.prompts, self.off_policy, self.runtime = sampling, prompts, off_policy, runtime
@@ -113,6 +121,10 @@ class Sampler:
         self.generation_seed_base, self.global_rank, self.local_rank = seed_base, global_rank, local_rank
         self.global_step = 0  # the optimizer steps of the weights the engine samples (an engine with its own copy syncs when it changes)
         self.exploration = 0.0  # epsilon of the draw (model.sampling.explore)
+        self.episodes = None
+        if environment is not None:  # episodes: turn by turn, within the policy's context after the longest prompt
+            bound = token_bound(environment, sampling, networks.policy.config, longest_prompt)
+            self.episodes = EpisodeDraw(tokenizer, environment, sampling.max_new_tokens, bound)
 
     @property
     def device(self) -> torch.device:
@@ -149,14 +161,17 @@ class Sampler:
             with timer("weight_sync"):
                 self.engine.sync(self)
         with timer("rollout"):
-            samples = self.engine.checked_sample(self, enc, self.seed(iteration))
-        return Drawn(iteration, list(prompts), enc, samples, version)
+            if self.episodes is None:
+                samples, episode = self.engine.checked_sample(self, enc, self.seed(iteration)), None
+            else:
+                samples, episode = self.episodes.draw(self, list(prompts), enc, self.seed(iteration))
+        return Drawn(iteration, list(prompts), enc, samples, version, episode=episode)
 
     def score_drawn(self, drawn: Drawn, reference: bool) -> None:
         """What the trainer would compute from ``drawn`` alone, computed where it was drawn: the reward and, with
         ``reference`` (a frozen reference the sampler may run) and a kept set the sampler knows (its logits), log
         pi_ref, the same functions on the same tensors as ``trajectory``."""
-        input_ids, attention_mask, response, _, _ = self.assemble(drawn.enc, drawn.samples)
+        input_ids, attention_mask, response, _, _ = self.assemble(drawn.enc, drawn.samples, drawn.episode)
         texts = self.tokenizer.batch_decode(response, skip_special_tokens=True)
         drawn.raw_scores, drawn.reward_fault = self.reward(drawn.prompts, texts)
         if not reference or drawn.samples.logits is None:  # it moves, or the kept set is the trainer's
@@ -168,16 +183,24 @@ class Sampler:
         drawn.ref_logits = ref_logits if self.needs_logits else None
 
     # ------------------------------------------------------------------ 2. assemble
-    def assemble(self, enc: dict[str, Tensor], samples: Samples) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def assemble(
+        self, enc: dict[str, Tensor], samples: Samples, episode: Optional[EpisodeLayout] = None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """A batch's rows from the prompts' encoding ``enc`` and the engine's ``samples``: ``(input_ids,
-        attention_mask, response, response_mask, ended_with_eos)``, the response's padding after EOS pad tokens."""
+        attention_mask, response, response_mask, ended_with_eos)``, the response's padding after EOS pad tokens. An
+        episode's (``episode``): the response mask is the policy's tokens (every episode token with the environment's
+        ``policy_tokens_only: false``), the attention mask every episode token, ended: its last turn at EOS."""
         eos, device = self.tokenizer.eos_token_id, self.device
         response = samples.sequences[:, enc["input_ids"].shape[1] :].to(device)  # right-padded with pad
-        mask = pm.response_mask(response, eos)
-        ended = ((response == eos) & mask.bool()).any(-1)
-        attention_mask = torch.cat([enc["attention_mask"], mask.to(enc["attention_mask"].dtype)], dim=1)
+        if episode is None:
+            mask = attend = pm.response_mask(response, eos)
+            ended = ((response == eos) & mask.bool()).any(-1)
+        else:
+            attend, ended = episode.episode_mask, episode.ended_with_eos
+            mask = episode.policy_mask if self.episodes.environment.policy_tokens_only else attend
+        attention_mask = torch.cat([enc["attention_mask"], attend.to(enc["attention_mask"].dtype)], dim=1)
         # Padding after EOS becomes pad tokens, whatever the sampler wrote there.
-        response = torch.where(mask.bool(), response, torch.full_like(response, self.tokenizer.pad_token_id))
+        response = torch.where(attend.bool(), response, torch.full_like(response, self.tokenizer.pad_token_id))
         return torch.cat([enc["input_ids"], response], dim=1), attention_mask, response, mask, ended
 
     @torch.no_grad()
@@ -188,7 +211,7 @@ class Sampler:
         timed as ``forward``; ``exploration``: the epsilon ``drawn`` was drawn with."""
         timer = timer or Timer(self.device)
         networks, samples = self.networks, drawn.samples
-        input_ids, attention_mask, response, mask, ended = self.assemble(drawn.enc, samples)
+        input_ids, attention_mask, response, mask, ended = self.assemble(drawn.enc, samples, drawn.episode)
         with timer("forward"):
             old = networks.old_policy(samples, input_ids, attention_mask, response, mask, critic_values, exploration)
             ref_logprobs, ref_logits = drawn.ref_logprobs, drawn.ref_logits
@@ -229,6 +252,7 @@ class Sampler:
             ),
             raw_scores=drawn.raw_scores,
             reward_fault=drawn.reward_fault,
+            episode=drawn.episode,
         )
 
     @torch.no_grad()

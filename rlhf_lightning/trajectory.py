@@ -12,6 +12,8 @@ from typing import Optional, TypedDict
 
 from torch import Tensor
 
+from rlhf_lightning.episodes import EpisodeLayout
+
 
 @dataclass
 class Trajectory:
@@ -22,7 +24,7 @@ class Trajectory:
     input_ids: Tensor  # (batch, prompt_len + response_len): prompt then response
     attention_mask: Tensor  # same shape: the tokenizer's prompt mask, then the response mask
     responses: Tensor  # (batch, response_len) response token ids, pad after EOS
-    response_mask: Tensor  # 1 on real response tokens, up to and including the first EOS
+    response_mask: Tensor  # 1 on real response tokens, up to and including the first EOS; an episode's: the policy's tokens
     ended_with_eos: Tensor  # (batch,) bool
     old_logprobs: Tensor  # log pi_old of the sampled tokens in the PPO ratio: the sampler's or the trainer's (old_logprobs)
     trainer_logprobs: Tensor  # log pi_old from the trainer's model (the KL's); the sampler's own: sampler_logprobs
@@ -39,6 +41,7 @@ class Trajectory:
     policy_version: Optional[Tensor] = None  # (batch,) long: the version (PPO iterations done) of the weights that sampled each row
     raw_scores: Optional[Tensor] = None  # r_RM as the backend returned it, when the sampler scored the batch ahead (else: None)
     reward_fault: Optional[str] = None  # why the sampler found r_RM not finite, when it scored the batch ahead
+    episode: Optional[EpisodeLayout] = None  # with an environment: the policy's and the environment's tokens, turns, rewards
 
 
 @dataclass
