@@ -9,47 +9,9 @@ import torch
 
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.episodes import ENDINGS, EnvironmentFault, observation_format
-from rlhf_lightning.interfaces import Environment, Samples, Step
+from rlhf_lightning.sampler import Drawn
 
-from helpers import fit, make_module
-
-
-class Scripted:
-    """A rollout engine that answers each turn with fixed ids per row and turn (log-probs -1 each) and records the
-    contexts it was handed."""
-
-    def __init__(self, turns: list[list[list[int]]]) -> None:
-        self.turns, self.contexts = turns, []
-
-    def stale(self, module) -> bool:
-        return False
-
-    def checked_sample(self, module, enc, seed) -> Samples:
-        turn = len(self.contexts)
-        self.contexts.append([ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)])
-        rows = [list(r) for r in self.turns[turn][: len(enc["input_ids"])]]
-        width = max(map(len, rows))
-        new = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-        return Samples(torch.cat([enc["input_ids"], new], dim=1), logprobs=torch.full(new.shape, -1.0))
-
-
-class Echo(Environment):
-    """Answers each turn with the ids ``answer`` (or the text ``text``), reward ``reward`` per turn; done after
-    ``turns`` policy turns."""
-
-    def __init__(self, answer=None, text=None, reward=None, turns: int = 2, **limits) -> None:
-        super().__init__(**limits)
-        self.answer, self.text, self.reward, self.turns = answer, text, reward, turns
-
-    def reset(self, prompt, seed):
-        return {"turn": 0, "seeds": seed}
-
-    def step(self, state, turn_text, turn_ids):
-        state["turn"] += 1
-        done = state["turn"] >= self.turns
-        return Step(
-            observation=self.text, observation_ids=self.answer, reward=self.reward, done=done, info={"tool_call": True, "tool_ok": not done}
-        )
+from helpers import Echo, Scripted, fit, make_module
 
 
 def ids(tok, text: str) -> list[int]:
@@ -208,3 +170,106 @@ def test_settings_an_episode_cannot_serve_are_refused_before_models_load():
         make_module(environment=Echo(max_total_tokens=8))
     with pytest.raises(ConfigError, match=r"environment.max_turns must be an integer >= 1"):
         Echo(max_turns=0)
+
+
+def test_token_in_token_out_on_the_real_tokenizer_with_its_chat_template(smollm2_tokenizer):
+    """SmolLM2's tokenizer and chat template on a tiny random model: each turn's context is the prompt, the policy's ids
+    as drawn and the tool's turn rendered in its role; the trainer's forward over the episode gives the log-probs the
+    sampler drew the policy's tokens with (sampler and trainer score the same ids at the same positions)."""
+    tiny = {"hidden_size": 32, "intermediate_size": 64}
+    env = Echo(text="42", turns=3, max_turns=3)
+    module = make_module(tokenizer="smollm2", tiny_config=tiny, environment=env, sampling=dict(max_new_tokens=5, old_logprobs="forward"))
+    tok, engine = module.tokenizer, module.sampler.engine
+    contexts = []
+
+    def recording(sampler, enc, seed):
+        contexts.append([ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)])
+        return type(engine).checked_sample(engine, sampler, enc, seed)
+
+    engine.checked_sample = recording
+    drawn = module.sampler.draw(["What is 6 x 7?", "Say hi."], 0, 0)
+    rollout = module.sampler.trajectory(drawn)
+    before, after = observation_format(tok, "tool")
+    assert (before, after) == ("\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n")
+    episode = drawn.episode
+    for row in range(2):
+        prompt = contexts[0][row]
+        ids_row = rollout.input_ids[row][rollout.attention_mask[row].bool()].tolist()
+        turns = episode.turns[row][episode.episode_mask[row].bool()].tolist()
+        first = [i for i, t in zip(ids_row[len(prompt) :], turns, strict=True) if t == 0]
+        tool = [i for i, t in zip(ids_row[len(prompt) :], turns, strict=True) if t == 1]
+        closing = "" if first[-1] == tok.eos_token_id else tok.eos_token
+        assert tool == tok(closing + before + "42" + after, add_special_tokens=False)["input_ids"]
+        assert contexts[1][row] == prompt + first + tool  # turn 2 drew after exactly these ids
+    mask = rollout.response_mask.bool()
+    assert torch.allclose(rollout.trainer_logprobs[mask], rollout.sampler_logprobs[mask], atol=1e-4)
+    assert rollout.trainer_logprobs[mask].std() > 0.01  # tokens told apart far beyond the tolerance: a shifted position would fail
+
+
+def test_the_asynchronous_sampler_draws_episodes_ahead_and_weighs_the_policy_s_tokens_only(tmp_path):
+    """k = 1 with the sampler in its thread: each iteration's episodes are what the weights one update old draw at the
+    iteration's seed (turn by turn, the environment's ids included), and the sequence correction's weight is the
+    product over the policy's tokens alone."""
+    from helpers import RecordWeights
+
+    settings = dict(environment=Echo(text="ok", turns=2), sampling=dict(old_logprobs="forward", max_new_tokens=4), ppo=dict(epochs=1))
+    module = make_module(**settings, off_policy=dict(max_staleness=1))
+    module.async_rollouts.concurrent = True
+    weights = RecordWeights()
+    _, history = fit(module, tmp_path, 3, batch_size=4, callbacks=[weights])
+    for i, out in enumerate(history.outputs):
+        rollout = out["rollout"]
+        assert rollout.policy_version.tolist() == [max(0, i - 1)] * len(rollout.prompts)
+        fresh = make_module(**settings)
+        with torch.no_grad():
+            for name, p in fresh.policy.named_parameters():
+                p.copy_(weights.versions[max(0, i - 1)][name])
+        fresh.sampler.generation_seed_base = module.sampler.generation_seed_base
+        by_hand = fresh.sampler.draw(rollout.prompts, i, i)
+        assert torch.equal(by_hand.episode.episode_mask, rollout.episode.episode_mask)
+        restored = Drawn.from_state(by_hand.state_dict(), torch.device("cpu")).episode  # a checkpoint of the batches drawn ahead
+        assert all(torch.equal(getattr(restored, k), v) for k, v in vars(by_hand.episode).items())
+        n = rollout.responses.shape[1]
+        assert torch.equal(by_hand.samples.sequences[:, -n:] * rollout.episode.episode_mask.long(), rollout.responses)
+        log_ratio = ((rollout.trainer_logprobs - rollout.sampler_logprobs) * rollout.response_mask).sum(-1)
+        expected = log_ratio.exp().clamp(max=5.0).unsqueeze(-1).expand_as(rollout.response_mask)
+        assert torch.allclose(rollout.is_weights[rollout.response_mask.bool()], expected[rollout.response_mask.bool()], rtol=1e-5)
+    assert history.rows[-1]["env/turns"] == 2.0
+
+
+def test_the_environment_in_the_docs_runs_as_written():
+    """docs/environments.md's example, executed as written, registered, and run for one episode per row."""
+    import re
+    from pathlib import Path
+
+    from rlhf_lightning.registry import registry
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    if "echo_twice" not in registry("environment"):
+        exec(compile(code, "docs/environments.md", "exec"), {})
+    module = make_module(environment="echo_twice", sampling=dict(max_new_tokens=4))
+    module.sampler.engine = Scripted([[[4, 5, 1]], [[6, 1]]])
+    episode = module.sampler.draw(["a"], 0, 0).episode
+    assert episode.turns.tolist()[0][:3] == [0, 0, 0] and episode.ended_by.tolist() == [ENDINGS.index("environment")]
+    assert episode.turn_rewards.sum() == 1.0 and episode.policy_turns.tolist() == [2]
+
+
+def test_episodes_with_lora_and_per_prompt_budgets(tmp_path):
+    """LoRA trains the adapter alone and a per-prompt controller moves each prompt's beta by its episodes' KL, which
+    is over the policy's tokens: the environment's tokens change nothing in it."""
+    from rlhf_lightning_plugins.beta_controllers import PromptBudgetBeta
+
+    controller = PromptBudgetBeta(init_beta=0.1, target=0.01, horizon=4)
+    env = Echo(text="zz", turns=2)
+    module = make_module(environment=env, beta_controller=controller, lora=dict(rank=4), sampling=dict(max_new_tokens=4))
+    base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "lora" not in n}
+    lora_before = [p.detach().clone() for p in module.policy.parameters()]
+    _, history = fit(module, tmp_path, 2)
+    # The base weights as they were (to within the rounding of merging the adapter for each turn's draw and back).
+    assert all(torch.allclose(p, base[n], atol=1e-6) for n, p in module.policy.named_parameters() if "lora" not in n)
+    assert any(not torch.equal(p, q) for p, q in zip(module.policy.parameters(), lora_before, strict=True))
+    out = history.outputs[-1]
+    rollout, stats = out["rollout"], out["prompts"]
+    assert torch.equal(out["kl"] * (1 - rollout.response_mask), torch.zeros_like(out["kl"]))  # no KL at the environment's tokens
+    assert len(set(controller.betas.values())) > 1 and stats.kl.max() > 0

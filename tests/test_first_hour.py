@@ -192,7 +192,8 @@ def test_setup_prints_a_line_per_step():
     steps = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("setup: ")]
     assert [s.split(" ", 1)[0] for s in steps] == ["virtualenv", "torch:", "rlhf-lightning", "the", "done:"], out
     lines = out.splitlines()
-    assert lines.index("pip install -e .[test]") == lines.index("setup: rlhf-lightning (editable) with its test tools") + 1
+    step = "setup: rlhf-lightning (editable) with its test tools and SkyRL-Gym (the skyrl_gym environment)"
+    assert lines.index("pip install -e .[test,skyrl]") == lines.index(step) + 1
 
 
 def test_a_conversion_shows_its_stages_and_silences_transformers_bars(capfd):

