@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from rlhf_lightning import args
 from rlhf_lightning.cpu import CPUSettings, apply_cpu_settings
 from rlhf_lightning.data import PromptDataModule
+from rlhf_lightning.interfaces import Environment, Samples, Step
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning.ppo_math import logprobs_of
 from rlhf_lightning_plugins.rewards.function import CallableReward
@@ -387,3 +388,41 @@ class StopAfter(Callback):
         if pl_module.iteration == self.n:
             trainer.save_checkpoint(self.path, weights_only=False)
             trainer.should_stop = True
+
+
+class Scripted:
+    """A rollout engine that answers each turn with fixed ids per row and turn (log-probs -1 each) and records the
+    contexts it was handed."""
+
+    def __init__(self, turns: list[list[list[int]]]) -> None:
+        self.turns, self.contexts = turns, []
+
+    def stale(self, module) -> bool:
+        return False
+
+    def checked_sample(self, module, enc, seed) -> Samples:
+        turn = len(self.contexts)
+        self.contexts.append([ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)])
+        rows = [list(r) for r in self.turns[turn][: len(enc["input_ids"])]]
+        width = max(map(len, rows))
+        new = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        return Samples(torch.cat([enc["input_ids"], new], dim=1), logprobs=torch.full(new.shape, -1.0))
+
+
+class Echo(Environment):
+    """Answers each turn with the ids ``answer`` (or the text ``text``), reward ``reward`` per turn; done after
+    ``turns`` policy turns."""
+
+    def __init__(self, answer=None, text=None, reward=None, turns: int = 2, **limits) -> None:
+        super().__init__(**limits)
+        self.answer, self.text, self.reward, self.turns = answer, text, reward, turns
+
+    def reset(self, prompt, seed):
+        return {"turn": 0, "seeds": seed}
+
+    def step(self, state, turn_text, turn_ids):
+        state["turn"] += 1
+        done = state["turn"] >= self.turns
+        return Step(
+            observation=self.text, observation_ids=self.answer, reward=self.reward, done=done, info={"tool_call": True, "tool_ok": not done}
+        )

@@ -135,7 +135,9 @@ def test_every_shipped_config_is_in_the_readme():
 
 def test_every_logged_metric_is_documented():
     metrics_page = (ROOT / "docs" / "metrics.md").read_text()
-    pattern = re.compile(r"[\"']((?:objective|policy|value|response|timing|system|val|memory|reference|kl_tokens|off_policy)/[\w@/]+)[\"']")
+    pattern = re.compile(
+        r"[\"']((?:objective|policy|value|response|timing|system|val|memory|reference|kl_tokens|off_policy|env)/[\w@/]+)[\"']"
+    )
     names = set()
     for source in [*(ROOT / "rlhf_lightning").rglob("*.py"), *(ROOT / "plugins").rglob("*.py")]:
         names.update(pattern.findall(source.read_text()))

@@ -9,48 +9,9 @@ import torch
 
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.episodes import ENDINGS, EnvironmentFault, observation_format
-from rlhf_lightning.interfaces import Environment, Samples, Step
 from rlhf_lightning.sampler import Drawn
 
-from helpers import fit, make_module
-
-
-class Scripted:
-    """A rollout engine that answers each turn with fixed ids per row and turn (log-probs -1 each) and records the
-    contexts it was handed."""
-
-    def __init__(self, turns: list[list[list[int]]]) -> None:
-        self.turns, self.contexts = turns, []
-
-    def stale(self, module) -> bool:
-        return False
-
-    def checked_sample(self, module, enc, seed) -> Samples:
-        turn = len(self.contexts)
-        self.contexts.append([ids[mask.bool()].tolist() for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)])
-        rows = [list(r) for r in self.turns[turn][: len(enc["input_ids"])]]
-        width = max(map(len, rows))
-        new = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-        return Samples(torch.cat([enc["input_ids"], new], dim=1), logprobs=torch.full(new.shape, -1.0))
-
-
-class Echo(Environment):
-    """Answers each turn with the ids ``answer`` (or the text ``text``), reward ``reward`` per turn; done after
-    ``turns`` policy turns."""
-
-    def __init__(self, answer=None, text=None, reward=None, turns: int = 2, **limits) -> None:
-        super().__init__(**limits)
-        self.answer, self.text, self.reward, self.turns = answer, text, reward, turns
-
-    def reset(self, prompt, seed):
-        return {"turn": 0, "seeds": seed}
-
-    def step(self, state, turn_text, turn_ids):
-        state["turn"] += 1
-        done = state["turn"] >= self.turns
-        return Step(
-            observation=self.text, observation_ids=self.answer, reward=self.reward, done=done, info={"tool_call": True, "tool_ok": not done}
-        )
+from helpers import Echo, Scripted, fit, make_module
 
 
 def ids(tok, text: str) -> list[int]:
@@ -274,3 +235,62 @@ def test_the_asynchronous_sampler_draws_episodes_ahead_and_weighs_the_policy_s_t
         expected = log_ratio.exp().clamp(max=5.0).unsqueeze(-1).expand_as(rollout.response_mask)
         assert torch.allclose(rollout.is_weights[rollout.response_mask.bool()], expected[rollout.response_mask.bool()], rtol=1e-5)
     assert history.rows[-1]["env/turns"] == 2.0
+
+
+def test_the_environment_in_the_docs_runs_as_written():
+    """docs/environments.md's example, executed as written, registered, and run for one episode per row."""
+    import re
+    from pathlib import Path
+
+    from rlhf_lightning.registry import registry
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    if "echo_twice" not in registry("environment"):
+        exec(compile(code, "docs/environments.md", "exec"), {})
+    module = make_module(environment="echo_twice", sampling=dict(max_new_tokens=4))
+    module.sampler.engine = Scripted([[[4, 5, 1]], [[6, 1]]])
+    episode = module.sampler.draw(["a"], 0, 0).episode
+    assert episode.turns.tolist()[0][:3] == [0, 0, 0] and episode.ended_by.tolist() == [ENDINGS.index("environment")]
+    assert episode.turn_rewards.sum() == 1.0 and episode.policy_turns.tolist() == [2]
+
+
+def test_episodes_with_lora_and_per_prompt_budgets(tmp_path):
+    """LoRA trains the adapter alone and a per-prompt controller moves each prompt's beta by its episodes' KL, which
+    is over the policy's tokens: the environment's tokens change nothing in it."""
+    from rlhf_lightning_plugins.beta_controllers import PromptBudgetBeta
+
+    controller = PromptBudgetBeta(init_beta=0.1, target=0.01, horizon=4)
+    env = Echo(text="zz", turns=2)
+    module = make_module(environment=env, beta_controller=controller, lora=dict(rank=4), sampling=dict(max_new_tokens=4))
+    base = {n: p.detach().clone() for n, p in module.policy.named_parameters() if "lora" not in n}
+    lora_before = [p.detach().clone() for p in module.policy.parameters()]
+    _, history = fit(module, tmp_path, 2)
+    # The base weights as they were (to within the rounding of merging the adapter for each turn's draw and back).
+    assert all(torch.allclose(p, base[n], atol=1e-6) for n, p in module.policy.named_parameters() if "lora" not in n)
+    assert any(not torch.equal(p, q) for p, q in zip(module.policy.parameters(), lora_before, strict=True))
+    out = history.outputs[-1]
+    rollout, stats = out["rollout"], out["prompts"]
+    assert torch.equal(out["kl"] * (1 - rollout.response_mask), torch.zeros_like(out["kl"]))  # no KL at the environment's tokens
+    assert len(set(controller.betas.values())) > 1 and stats.kl.max() > 0
+
+
+def test_two_ranks_run_their_own_episodes_and_a_resume_continues_them(tmp_path):
+    """Through the command, from a fresh folder: configs/tiny.yaml with the guessing game on 2 DDP ranks (each rank's
+    environments its own, seeded by rank) for an epoch of 2 iterations, then resumed from its checkpoint for a second."""
+    from tools.summarize_run import read_scalars
+
+    from helpers import run_cli
+
+    game = ("--model.environment=guess_number", "--model.environment.init_args.max_turns=2", "--model.sampling.max_new_tokens=6")
+    ddp = ("--trainer.devices=2", "--trainer.strategy=ddp", "--data.batch_size=4")
+    first = run_cli(tmp_path, *game, *ddp, "--trainer.limit_train_batches=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_cli(tmp_path, *game, *ddp, "--trainer.limit_train_batches=2", "--trainer.max_epochs=2", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    runs = sorted((tmp_path / "lightning_logs" / "tiny").glob("version_*"))
+    first_run, second_run = (read_scalars(str(run)) for run in runs)
+    assert sorted(first_run["env/turns"]) == [0, 1] and sorted(second_run["env/turns"]) == [2, 3]  # steps: iterations 0-3
+    for scalars in (first_run, second_run):
+        assert all(1.0 <= turns <= 2.0 for turns in scalars["env/turns"].values())
+        assert all(0.0 < share < 1.0 for share in scalars["env/environment_token_share"].values())

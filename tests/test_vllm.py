@@ -294,3 +294,22 @@ def test_asynchronous_training_with_vllm_reaches_the_declared_optimum():
     last, kept = declared_optimum_run(rollout_engine=small_engine(), old_logprobs="forward", off_policy=dict(max_staleness=1), top_p=0.9)
     assert last["gap"] <= 0.02
     assert 2 <= kept["responses"] < 27 and kept["optimum_top_prob"] < 0.8 and last["optimum_kl_to_ref"] > 0.05
+
+
+def test_episodes_on_the_vllm_engine_score_the_ids_it_drew():
+    """Two-turn episodes drawn by vLLM, the environment's text appended between its turns: the trainer's forward over
+    the episode gives vLLM's log-probs of the policy's tokens (fp32 rounding), and greedy episodes are ``hf``'s."""
+    from helpers import Echo
+
+    module = vllm_module(environment=Echo(text="ok", turns=2), max_new_tokens=6)
+    rollout = module.rollout(PROMPTS * 2)
+    assert rollout.episode.policy_turns.tolist() == [2] * 8
+    assert max_diff(rollout) < FP32_ROUNDING
+    greedy = {
+        name: make_module(
+            rollout_engine=engine, environment=Echo(text="ok", turns=2), sampling=dict(do_sample=False), tiny_config=HEADS_OF_32
+        ).rollout(PROMPTS)
+        for name, engine in (("hf", "hf"), ("vllm", small_engine()))
+    }
+    assert torch.equal(greedy["hf"].responses, greedy["vllm"].responses)
+    assert torch.equal(greedy["hf"].response_mask, greedy["vllm"].response_mask)

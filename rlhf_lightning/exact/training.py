@@ -40,6 +40,7 @@ from rlhf_lightning.exact.closed_form import (
     prompt_kls,
     weighted_fixed_point,
 )
+from rlhf_lightning.exact.episode_tasks import EpisodeTracker, ExactEpisodePPORLHF, ExactEpisodeTask
 from rlhf_lightning.exact.tabular import conditional_tables, enumerate_responses, prefix_index, reward_to_go
 from rlhf_lightning.exact.tasks import ExactPPORLHF, ExactTask
 from rlhf_lightning.module import Trajectory
@@ -230,7 +231,7 @@ def train(
     end_iterations: int = 0,
     trainer_options: Optional[dict[str, Any]] = None,
     **module_kwargs: Any,
-) -> tuple[ExactPPORLHF, OptimumTracker]:
+) -> tuple[ExactPPORLHF, OptimumTracker | EpisodeTracker]:
     """Train ExactPPORLHF with a Lightning Trainer on CPU; return the module and its tracker.
     ``batch_size`` counts responses per iteration (prompts x ``num_generations``).
     ``lr_final`` < 1 decays the learning rates linearly to that fraction (LinearLRDecay), over
@@ -242,7 +243,9 @@ def train(
 
     ``seed`` is the sampling seed (rollouts, and the critic's head): one task can be trained with
     several. The policy's initialisation, hence pi_ref, is the task's (``task.model_seed``); for a task
-    without one (``terminal``, ``bandit``) ``seed`` sets it too, as it always has."""
+    without one (``terminal``, ``bandit``) ``seed`` sets it too, as it always has. An
+    :class:`~rlhf_lightning.exact.episode_tasks.ExactEpisodeTask` trains :class:`ExactEpisodePPORLHF` (its
+    environment ``lab_chance``; ``policy_tokens_only`` among ``module_kwargs``) under an :class:`EpisodeTracker`."""
     num_generations = module_kwargs.get("num_generations", 1)
     for name, size in (("batch_size", batch_size), ("end_batch_size", end_batch_size or batch_size)):
         require(size % num_generations == 0, name, f"a multiple of num_generations={num_generations}", size)
@@ -255,8 +258,10 @@ def train(
     )
 
     seed_everything(seed, verbose=False)  # the module draws its sampling seed base from torch's initial seed
-    module = ExactPPORLHF(task, seed=seed if task.model_seed is None else task.model_seed, **module_kwargs)
-    tracker = OptimumTracker(every=every, total=iterations)
+    episodes = isinstance(task, ExactEpisodeTask)  # two turns and an environment: their own module and exact row
+    module_class, tracker_class = (ExactEpisodePPORLHF, EpisodeTracker) if episodes else (ExactPPORLHF, OptimumTracker)
+    module = module_class(task, seed=seed if task.model_seed is None else task.model_seed, **module_kwargs)
+    tracker = tracker_class(every=every, total=iterations)
     callbacks = [tracker] if lr_final == 1.0 else [LinearLRDecay(lr_period or iterations, lr_final, lr_hold), tracker]
     trainer = Trainer(**{**QUIET_TRAINER, **(trainer_options or {})}, max_epochs=1, callbacks=callbacks)
     threads = torch.get_num_threads()
