@@ -294,3 +294,50 @@ def test_two_ranks_run_their_own_episodes_and_a_resume_continues_them(tmp_path):
     for scalars in (first_run, second_run):
         assert all(1.0 <= turns <= 2.0 for turns in scalars["env/turns"].values())
         assert all(0.0 < share < 1.0 for share in scalars["env/environment_token_share"].values())
+
+
+def test_every_kl_estimator_and_placement_leaves_the_environment_s_tokens_out_of_the_loss():
+    """For each registered KL estimator in the reward, the loss and both (settings the start-up checks refuse are
+    skipped): the KL is zero at the environment's tokens, and the gradient of the whole update's loss (policy loss, KL
+    term, entropy) with respect to the policy's logits is zero there and not at the policy's tokens."""
+    from rlhf_lightning.checks import ConfigError
+    from rlhf_lightning.registry import registry
+
+    tried = 0
+    for name in registry("kl_estimator").names():
+        for placement in ("reward", "loss", "both"):
+            kl = dict(placement=placement, loss_scope="sequence")
+            try:
+                module = make_module(
+                    environment=Echo(answer=[7, 8], turns=2),
+                    kl_estimator=name,
+                    kl=kl,
+                    ppo=dict(whiten_advantages=placement == "reward", entropy_coef=0.01),
+                )
+            except (ConfigError, ValueError):
+                continue
+            tried += 1
+            module.sampler.engine = Scripted([[[4, 5, 1], [5, 1]], [[6, 1], [4, 4, 1]]])
+            rollout = module.sampler.trajectory(module.sampler.draw(["a", "b"], 0, 0))
+            environment = rollout.episode.episode_mask.bool() & ~rollout.response_mask.bool()
+            betas = torch.full((2,), 0.5, dtype=torch.float64)
+            scored = module.score(rollout, betas)
+            assert not scored.kl[environment].any() and not scored.rewards[environment].any(), (name, placement)
+            advantages, returns = module.compute_advantages(scored.rewards, rollout)
+            captured = {}
+            outputs = module.networks.policy_outputs
+
+            def keep(*a, outputs=outputs, captured=captured, **kw):
+                logits, values = outputs(*a, **kw)
+                captured["logits"] = logits
+                return logits, values
+
+            module.networks.policy_outputs = keep
+            module.update.terms = {}
+            loss = module.update.loss(
+                rollout, advantages, returns, torch.arange(2), betas.float(), rollout.response_mask / rollout.response_mask.sum()
+            )
+            (grad,) = torch.autograd.grad(loss, captured["logits"])
+            assert grad[environment].abs().max() == 0, (name, placement)
+            assert grad[rollout.response_mask.bool()].abs().sum() > 0, (name, placement)
+    assert tried >= 12, tried
