@@ -29,9 +29,11 @@ from typing import Optional
 from tools._cli_args import option_number, tool_parser
 
 TEMPLATE = "What is {a} {op} {b}? Answer with the number only."
+# One worked call in the prompt (other numbers than the question's): SmolLM2-135M made no call in 32 episodes when the
+# prompt only described the syntax.
 CALCULATOR_TEMPLATE = (
-    "What is {a} {op} {b}? You may use a calculator: write <calc>the expression</calc> and wait for its result. "
-    "Then answer with the number only."
+    "What is {a} {op} {b}? You have a calculator: write <calc>the expression</calc> (for example <calc>12 * 5</calc>) "
+    "and it replies with the result. Then answer with the number only."
 )
 
 
