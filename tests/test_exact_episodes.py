@@ -9,8 +9,16 @@ import math
 import pytest
 import torch
 
+from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.exact.closed_form import optimal_logprobs, optimal_objective
-from rlhf_lightning.exact.episode_tasks import ExactEpisodeTask, LabChance, episode_reference, episode_report, exact_episode_logprobs
+from rlhf_lightning.exact.episode_tasks import (
+    ExactEpisodePPORLHF,
+    ExactEpisodeTask,
+    LabChance,
+    episode_reference,
+    episode_report,
+    exact_episode_logprobs,
+)
 from rlhf_lightning.exact.episodes import (
     environment_tokens_counted,
     episode_objective,
@@ -21,6 +29,8 @@ from rlhf_lightning.exact.episodes import (
     token_level_optimum,
 )
 from rlhf_lightning.exact.tasks import ExactPPORLHF
+from rlhf_lightning_plugins.advantage_estimators import GAE
+from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
 # Stochastic tasks whose gaps the tests assert (> 0.05 at beta 0.5 and 1, with and without EOS): of seeds 0-19 with
 # the defaults, 88% (no EOS) and 93% (EOS) of the (seed, beta) cells have J* - J(pi_tilt) > 0.05 (every cell has
@@ -282,3 +292,44 @@ def test_the_network_task_separates_the_optimum_from_both_mistakes(network_task)
     assert row.tilt_value == pytest.approx(1.607, abs=1e-3)
     assert row.tilt_objective == pytest.approx(0.572, abs=1e-3)
     assert row.counted_objective == pytest.approx(0.641, abs=1e-3)
+
+
+def test_the_loops_episodes_on_the_lab_task_are_the_enumerated_ones():
+    """What the loop builds from its own rollouts of the lab task, against the enumeration (issue #66's check for a
+    bias of the loop, 2026-12-07): the engine's log-probs of both turns (the second drawn from the left-padded
+    context x y1 o) are the trainer's and the enumerated pi1, pi2; the per-token rewards add up to r - beta times the
+    log-ratio summed over the policy's tokens alone; GAE(lambda = 1) returns with V = 0 are that sum from each policy
+    token on, the observation's position skipped; and the critic's value at the second turn's first token reads o."""
+    task = ExactEpisodeTask.random(5)
+    torch.manual_seed(0)
+    module = ExactEpisodePPORLHF(
+        task, seed=task.model_seed, kl_estimator="k1", kl_penalty="reward", advantage_estimator=GAE(lam=1.0), beta_controller=FixedBeta(0.5)
+    )
+    module.configure_model()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # away from the reference (the log-ratios not 0) and a critic that is not constant
+        for p in [*module.policy.parameters(), *module.networks.critic.parameters()]:
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    pi1, _, pi2 = module.exact_episode()
+    _, _, ref2 = module.exact_episode_ref()
+    rollout = module.rollout(list(task.prompts) * 100)
+    mask, length = rollout.response_mask, task.response_length
+    assert mask[0].tolist() == [1.0] * length + [0.0] + [1.0] * length  # y1, o (the environment's), y2
+    torch.testing.assert_close(rollout.old_logprobs * mask, rollout.trainer_logprobs * mask, atol=1e-5, rtol=0)
+    histories = {}
+    for i, (prompt, text) in enumerate(zip(rollout.prompts, rollout.response_texts, strict=True)):
+        x, y1, o, y2 = task.prompts.index(prompt.strip()), task.turns.index(text[:length]), text[length], text[length + 1 :]
+        o, y2 = task.content_tokens.index(o), task.turns.index(y2)
+        assert float(rollout.old_logprobs[i, :length].sum()) == pytest.approx(float(pi1[x, y1]), abs=1e-5)
+        assert float(rollout.old_logprobs[i, length + 1 :].sum()) == pytest.approx(float(pi2[x, y1, o, y2]), abs=1e-5)
+        assert float(rollout.ref_logprobs[i, length + 1 :].sum()) == pytest.approx(float(ref2[x, y1, o, y2]), abs=1e-5)
+        histories.setdefault((x, y1), {})[o] = float(rollout.old_values[i, length + 1])
+    assert any(len(v) == 2 and abs(v[0] - v[1]) > 1e-3 for v in histories.values())  # V(x, y1, o) differs with o
+    scored = module.score(rollout, module.row_betas(rollout.prompts))
+    log_ratio = (rollout.old_logprobs - rollout.ref_logprobs) * mask
+    torch.testing.assert_close(scored.rewards.sum(-1), scored.scores - 0.5 * log_ratio.sum(-1), atol=1e-5, rtol=0)
+    assert (scored.rewards[:, length] == 0).all()
+    returns = pm.gae(scored.rewards, torch.zeros_like(scored.rewards), mask, 1.0, 1.0)[1]
+    to_go = scored.rewards.flip(-1).cumsum(-1).flip(-1) * mask  # the environment's position holds no reward
+    torch.testing.assert_close(returns, to_go, atol=1e-5, rtol=0)

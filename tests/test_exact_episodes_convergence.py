@@ -3,11 +3,20 @@ with a stochastic environment (rlhf_lightning/exact/episode_tasks.py): the recom
 and the two mistakes land elsewhere: counting the environment's token as the policy's (``policy_tokens_only: false``)
 settles where :func:`~rlhf_lightning.exact.episodes.environment_tokens_counted` says, and the episode tilt, the target
 a whole-trajectory reading of the objective would give, is never reached: its value lies far above what any policy
-earns. Minutes per cell (convergence tier).
+earns. About 5 minutes a cell on a shared 2-vCPU machine (convergence tier).
 
 The task: ExactEpisodeTask.random(5), 2 prompts, turns of 2 tokens over 2 symbols, 2 observations; at beta 0.5 under
 its network's reference J* = 0.827, the tilt's value 1.607, the tilt's policy 0.572, the counted environment's 0.641
 (tests/test_exact_episodes.py pins them).
+
+The settings (2026-12-07, issue #66): 200 iterations of 384 episodes, 2 PPO epochs of 4 minibatches (96 episodes a
+step). What held the first try (100 iterations, 1 epoch of 8 minibatches of 48) 0.09 short of J* was the run, not the
+loop nor the network: the loop's rollouts of this task are the enumerated ones, its rewards, returns and values as the
+recursion needs them (tests/test_exact_episodes.py, test_the_loops_episodes_on_the_lab_task_are_the_enumerated_ones);
+exact gradient ascent on J through the same tiny network ends 0.0045 below J* (its capacity); and the loop's gap keeps
+falling with iterations (48 episodes a step, 4 epochs of 2: 0.080 at 100 iterations, 0.035 at 200, 0.025 at 300) and
+with a larger step's batch (96 a step: 0.019 at 120 iterations), while a 3x learning rate did not speed it. At these settings the recipes end 0.007 to 0.022 short of J*, the
+spread over sampling seeds about 0.01: two of the eight cells miss 0.02 by 0.002 or less (``SHORT``, xfail).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ pytestmark = [
 
 BETA = 0.5
 TASK_SEED = 5
-ITERATIONS = 100
+ITERATIONS = 200
 GAE_SETTINGS = dict(advantage_estimator=GAE(lam=1.0), critic_lr=2e-3, vf_coef=0.5, lr_final=0.1)
 RLOO_SETTINGS = dict(advantage_estimator="rloo", num_generations=8, lr_final=0.02)
 RECIPES = {
@@ -47,22 +56,32 @@ def run(seed: int, **settings) -> dict[str, float]:
         seed=seed,
         beta_controller=FixedBeta(BETA),
         lr=2e-3,
-        ppo_epochs=1,
-        num_minibatches=8,
+        ppo_epochs=2,
+        num_minibatches=4,
         log_samples_every_n_steps=0,
         **settings,
     )
     return tracker.last
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="not yet validated (2026-12-07): k1-reward-gae seed 0 ended at J = 0.739 after 100 iterations of 384 (J* 0.827), "
-    "most of its KL to pi* in the second turn (prompt A 0.21, B 0.07; first turn 0.07, 0.006): longer runs, the lr, "
-    "the tiny network's capacity for pi2(.|x, y1, o), or a bias of the loop, to be told apart",
-)
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+# The cells measured short of J* - 0.02 at these settings (2026-12-07), each with its J: seed noise at the 0.01 level
+# (the same recipe lands 0.007-0.009 short with its other seed), not a bias (module docstring).
+SHORT = {
+    ("k1-reward-gae", 0): "measured 0.022 short of J* (2026-12-07; seed 1: 0.009): seed noise at these settings",
+    ("k3-loss-sequence-gae", 1): "measured 0.021 short of J* (2026-12-07; seed 0: 0.007): seed noise at these settings",
+}
+
+
+def cells() -> list:
+    """Every (recipe, seed), the ones in ``SHORT`` marked xfail (not strict) with their measurement."""
+    return [
+        pytest.param(recipe, seed, marks=[pytest.mark.xfail(strict=False, reason=SHORT[recipe, seed])] if (recipe, seed) in SHORT else [])
+        for recipe in sorted(RECIPES)
+        for seed in (0, 1)
+    ]
+
+
+@pytest.mark.parametrize("recipe, seed", cells())
 def test_recommended_recipes_reach_the_soft_bellman_optimum_not_the_tilt(recipe, seed):
     end = run(seed, **RECIPES[recipe])
     assert end["optimum"] - end["objective"] < 0.02, end
