@@ -18,12 +18,13 @@ loss, the entropy and the advantages' credit cover), which are the episode's at 
 mask's), each token's turn and the environment's per-turn rewards. The environment's tokens are state: context for
 what follows, never actions.
 
-An environment that raises, or does not answer within its ``timeout_s``, stops the run with one line naming it
-(:class:`EnvironmentFault`, exit 2).
+The environment's calls run in a few reused daemon threads (:class:`EnvironmentCalls`); one that raises, or does not
+answer within its ``timeout_s``, stops the run with one line naming it (:class:`EnvironmentFault`, exit 2).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -149,26 +150,47 @@ def token_bound(environment: Environment, sampling, config: Any, longest_prompt:
     return bound
 
 
-def call_with_timeout(call: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """``call()`` in a daemon thread, its result within ``timeout_s``: else :class:`EnvironmentFault` naming ``what``
-    (a hung call's thread is left behind, and never keeps the process alive)."""
-    out: dict[str, Any] = {}
+class EnvironmentCalls:
+    """Runs an environment's calls (``reset``, ``step``) in a few daemon threads, reused from one call to the next (a
+    thread per call runs out of threads on a loaded machine, at hundreds of rows), each call's result awaited within
+    ``timeout_s``: else :class:`EnvironmentFault` naming it (a hung call's thread is left behind and never keeps the
+    process alive). ``workers`` 1: one call at a time (an environment that is not thread-safe)."""
 
-    def run() -> None:
-        try:
-            out["value"] = call()
-        except BaseException as err:  # reported in the caller's thread
-            out["error"] = err
+    def __init__(self, what: str, timeout_s: float, workers: int) -> None:
+        self.what, self.timeout_s, self.workers = what, timeout_s, workers
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
 
-    thread = threading.Thread(target=run, name="rlhf-lightning-environment", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise EnvironmentFault(f"{what} did not answer within {timeout_s:g} s (model.environment.init_args.timeout_s)")
-    if "error" in out:
-        err = out["error"]
-        raise EnvironmentFault(f"{what} raised {type(err).__name__}: {err} (model.environment)") from err
-    return out["value"]
+    def _serve(self) -> None:
+        while True:
+            call, done, out = self.queue.get()
+            try:
+                out["value"] = call()
+            except BaseException as err:  # reported in the caller's thread
+                out["error"] = err
+            done.set()
+
+    def map(self, calls: Sequence[Callable[[], Any]], name: str) -> list[Any]:
+        """Each of ``calls`` run by the workers (started as needed, up to ``workers``); their results in order, or
+        the first fault: a call that raised, or one not answered ``timeout_s`` after the wait for it began."""
+        while len(self.threads) < min(self.workers, len(calls)):
+            thread = threading.Thread(target=self._serve, name="rlhf-lightning-environment", daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        pending = [(threading.Event(), {}) for _ in calls]
+        for call, (done, out) in zip(calls, pending, strict=True):
+            self.queue.put((call, done, out))
+        results = []
+        for done, out in pending:
+            if not done.wait(self.timeout_s):
+                raise EnvironmentFault(
+                    f"{self.what}.{name} did not answer within {self.timeout_s:g} s (model.environment.init_args.timeout_s)"
+                )
+            if "error" in out:
+                err = out["error"]
+                raise EnvironmentFault(f"{self.what}.{name} raised {type(err).__name__}: {err} (model.environment)") from err
+            results.append(out["value"])
+        return results
 
 
 @dataclass
@@ -210,6 +232,7 @@ class EpisodeDraw:
         self.max_total_tokens = max_total_tokens  # the episode's tokens after the prompt (token_bound)
         self.name = f"environment {type(environment).__name__}"
         self.format = observation_format(tokenizer, environment.role)
+        self.calls = EnvironmentCalls(self.name, environment.timeout_s, 8 if environment.thread_safe else 1)
 
     def observation_ids(self, step: Step, turn_ended_with_eos: bool) -> list[int]:
         """The ids of the environment's turn: ``step.observation_ids`` as they are, or its text encoded in the
@@ -230,8 +253,9 @@ class EpisodeDraw:
         at the policy's positions, and their layout."""
         env, engine, pad = self.environment, sampler.engine, self.tokenizer.pad_token_id
         episodes = [_Episode(ids[mask.bool()].tolist()) for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
-        for row, (episode, prompt) in enumerate(zip(episodes, prompts, strict=True)):
-            episode.state = call_with_timeout(lambda p=prompt, s=seed + 31 * row: env.reset(p, s), env.timeout_s, f"{self.name}.reset")
+        resets = [lambda p=prompt, s=seed + 31 * row: env.reset(p, s) for row, prompt in enumerate(prompts)]
+        for episode, state in zip(episodes, self.calls.map(resets, "reset"), strict=True):
+            episode.state = state
         draws: list[Samples] = []
         for turn in range(env.max_turns):
             rows = [row for row, episode in enumerate(episodes) if episode.ended_by is None]
@@ -248,7 +272,7 @@ class EpisodeDraw:
 
     def _step(self, turns: list[tuple[_Episode, list[int]]], draw: int, rows: list[int]) -> list[Step]:
         """Each row's drawn turn cut at its EOS, kept in its episode, and the environment's step on it (the rows'
-        calls in threads of their own where the environment is thread-safe)."""
+        calls side by side in the workers where the environment is thread-safe)."""
         eos, env = self.tokenizer.eos_token_id, self.environment
         texts = []
         for i, (episode, new) in enumerate(turns):
@@ -260,29 +284,7 @@ class EpisodeDraw:
             episode.scores.append((draw, i, length))
             episode.append(ids, policy=True)
             texts.append((episode, self.tokenizer.decode(ids, skip_special_tokens=True), ids))
-        calls = [
-            lambda e=episode, t=text, ids=ids: call_with_timeout(lambda: env.step(e.state, t, ids), env.timeout_s, f"{self.name}.step")
-            for episode, text, ids in texts
-        ]
-        if not env.thread_safe or len(calls) == 1:
-            return [call() for call in calls]
-        results: list[Any] = [None] * len(calls)
-        errors: list[BaseException] = []
-
-        def run(i: int) -> None:
-            try:
-                results[i] = calls[i]()
-            except BaseException as err:
-                errors.append(err)
-
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
-        return [self._checked(step) for step in results]
+        return self.calls.map([lambda e=episode, t=text, ids=ids: env.step(e.state, t, ids) for episode, text, ids in texts], "step")
 
     def _checked(self, step: Any) -> Step:
         if not isinstance(step, Step):

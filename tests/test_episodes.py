@@ -341,3 +341,17 @@ def test_every_kl_estimator_and_placement_leaves_the_environment_s_tokens_out_of
             assert grad[environment].abs().max() == 0, (name, placement)
             assert grad[rollout.response_mask.bool()].abs().sum() > 0, (name, placement)
     assert tried >= 12, tried
+
+
+def test_the_environment_s_calls_reuse_a_few_threads():
+    """Hundreds of rows over many draws start at most 8 threads (one per call ran out of threads on a loaded machine)."""
+    import threading
+
+    module = make_module(environment=Echo(answer=[7], turns=2), sampling=dict(max_new_tokens=3))
+    module.sampler.engine = Scripted([[[4, 1]] * 300, [[5, 1]] * 300])
+    before = threading.active_count()
+    for i in range(3):
+        module.sampler.engine.contexts.clear()  # the scripted turns start again
+        episode = module.sampler.draw(["a"] * 300, i, i).episode
+        assert episode.policy_turns.tolist() == [2] * 300
+    assert threading.active_count() - before <= 8
