@@ -143,7 +143,7 @@ def estimate(
         ahead = staleness if batches_per_epoch is None else min(staleness, max(batches_per_epoch - 1, 0))
         size = (P + (policy.adapter if lora else 0)) * B + versions * trained * B + ahead * response_logits * (1 + needs_logits)
         terms.append(
-            Term(f"the sampler running ahead ({versions} versions, {ahead} batches)", size, "lower model.off_policy.max_staleness")
+            Term(f"the sampler running ahead ({versions} versions, {ahead} drawn ahead)", size, "lower model.off_policy.max_staleness")
         )
     return terms
 

@@ -127,13 +127,13 @@ def test_the_estimate_by_hand():
     assert by_name["weights"] == 403_712
     assert by_name["gradients and AdamW's moments"] == 105_228
     assert by_name["logits kept for the KL"] == 239_616
-    assert by_name["the sampler running ahead (3 versions, 2 batches)"] == 987_392
+    assert by_name["the sampler running ahead (3 versions, 2 drawn ahead)"] == 987_392
     assert by_name["the process so far (torch, the tokenizer, the prompts)"] == 10**8
     # a huge staleness counts what can exist: a version per iteration of the run, the epoch's batches less one ahead
     huge = {
         t.name: t.bytes for t in estimate(TINY, **shape, lora=True, critic="shared", staleness=10**12, iterations=40, batches_per_epoch=20)
     }
-    assert huge["the sampler running ahead (40 versions, 19 batches)"] == 403_712 + 40 * 8_704 * 4 + 19 * 16 * 24 * 78 * 4
+    assert huge["the sampler running ahead (40 versions, 19 drawn ahead)"] == 403_712 + 40 * 8_704 * 4 + 19 * 16 * 24 * 78 * 4
 
 
 def test_past_the_available_memory_the_check_names_the_largest_terms_and_their_settings():
