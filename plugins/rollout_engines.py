@@ -210,6 +210,16 @@ class VLLMEngine(RolloutEngine):
             f"{self.sleep} on {device.type if device is not None else 'cpu'}",
         )
 
+    def memory_bytes(self, *, weight_bytes: int, device, **sizes) -> dict[str, tuple[int, str]]:
+        """vLLM's KV cache (``kv_cache_gib``, or ``VLLM_CPU_KVCACHE_SPACE`` GiB, on a CPU; ``gpu_memory_utilization`` of
+        the GPU's memory, its weights included, on one) and its copy of the weights beside it on a CPU."""
+        if device.type == "cuda":
+            share = int(self.gpu_memory_utilization * torch.cuda.get_device_properties(device).total_memory)
+            return {"vLLM's share of the GPU": (share, "lower model.rollout_engine.init_args.gpu_memory_utilization")}
+        gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or self.kv_cache_gib)
+        kv_cache = (int(gib * 2**30), "lower model.rollout_engine.init_args.kv_cache_gib (or VLLM_CPU_KVCACHE_SPACE)")
+        return {"vLLM's KV cache": kv_cache, "vLLM's copy of the weights": (weight_bytes, "set model.rollout_engine hf")}
+
     def start(self, module) -> None:
         """The engine, from the asynchronous sampler's copy of the policy, in the trainer's thread (vLLM's start
         seeds the process's random generators: the run's own are kept around it, which a thread beside the

@@ -115,12 +115,22 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
     prompt files), for :func:`check_context` once the policy's context is known."""
     if stage == "fit" and getattr(datamodule, "batch_size", None):
         check_batch_split(datamodule.batch_size, module.sampling, module.ppo)
-    longest = None
+    from rlhf_lightning.data import check_prompts, prompt_place
+
+    longest, settings = None, module.prompts
     for name in ("train_prompts", "val_prompts"):
         prompts, field = getattr(datamodule, name, None), f"data.{name.split('_')[0]}_path"
         if prompts:
-            enc = module.prompts.encode(module.tokenizer, prompts, field)
-            longest = max(longest or 0, int(enc["attention_mask"].sum(-1).max()))
+            path = getattr(datamodule, field.split(".")[1], None)
+            place = (
+                (lambda prompt, path=path, field=field: prompt_place(path, getattr(datamodule, "prompt_column", "prompt"), field, prompt))
+                if path
+                else None
+            )
+            length = check_prompts(
+                module.tokenizer, prompts, settings.chat_template, settings.max_length, settings.special_tokens, field, place
+            )
+            longest = max(longest or 0, length)
             for role in ("reward_model", "gold_reward_model"):
                 if getattr(module, role) is not None:
                     getattr(module, role).check_prompts(prompts, field, f"model.{role}")
@@ -148,6 +158,10 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
             "higher: the coefficient would only grow)",
             controller.target,
         )
+    if stage == "fit":
+        from rlhf_lightning.memory import check_memory
+
+        check_memory(module, datamodule, longest)
     return longest
 
 

@@ -13,6 +13,7 @@ import csv
 import hashlib
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -200,40 +201,76 @@ def encode_prompts(
 ) -> dict[str, Tensor]:
     """Render (the chat template when the tokenizer has one and ``use_chat_template``) and left-pad;
     the attention mask comes from the tokenizer (never ``ids != pad``: a chat model's pad token
-    is often its end-of-turn token, inside every prompt). A ConfigError naming ``field``:
-    a prompt longer than ``max_prompt_length`` tokens, and (``special_tokens: refuse``) a prompt
-    whose text contains a special-token string (``<|im_end|>``, ...), which the tokenizer would
-    turn into the special token itself, so a prompt file could forge chat turns. Each distinct prompt
-    is rendered and tokenised once (a rollout repeats each prompt ``num_generations`` times)."""
+    is often its end-of-turn token, inside every prompt). Each prompt is checked first (:func:`check_prompts`),
+    so no batch is padded to a prompt the check refuses. Each distinct prompt is rendered and tokenised once
+    (a rollout repeats each prompt ``num_generations`` times)."""
     row_of = {prompt: row for row, prompt in enumerate(dict.fromkeys(prompts))}  # distinct prompts, first seen first
-    distinct = list(row_of)
+    texts, templated, _ = _rendered_lengths(tokenizer, prompts, list(row_of), use_chat_template, max_prompt_length, special_tokens, field)
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
+    rows = torch.tensor([row_of[prompt] for prompt in prompts])
+    return {"input_ids": enc["input_ids"][rows], "attention_mask": enc["attention_mask"][rows]}
+
+
+def check_prompts(
+    tokenizer,
+    prompts: list[str],
+    use_chat_template: bool,
+    max_prompt_length: int,
+    special_tokens: str,
+    field: str,
+    place: Optional[Callable[[str], str]] = None,
+) -> int:
+    """The checks of :func:`encode_prompts` on every prompt of a file, without padding any: the longest rendered
+    prompt in tokens. Token counts are taken a chunk of prompts at a time, so one line far longer than the rest
+    costs its own tokens, never the file's prompts x its length. ``place``: a refused prompt's place in its file
+    (:func:`prompt_place`), for the message."""
+    distinct = list(dict.fromkeys(prompts))
+    _, _, lengths = _rendered_lengths(tokenizer, prompts, distinct, use_chat_template, max_prompt_length, special_tokens, field, place)
+    return max(lengths)
+
+
+def prompt_place(path: str | Path, column: str, field: str, prompt: str) -> str:
+    """Where ``prompt`` first is in the prompt file ``path`` (``prompt file 'p.txt', line 16``), read again: for a message."""
+    place = next((place for place, text, _ in load_prompt_records(path, column, field) if text == prompt), "not found")
+    return f"prompt file {str(path)!r}, {place}"
+
+
+_CHUNK = 256  # prompts tokenised at a time to count their tokens
+
+
+def _rendered_lengths(tokenizer, prompts, distinct, use_chat_template, max_prompt_length, special_tokens, field, place=None):
+    """(texts, templated, token counts) of the ``distinct`` prompts of ``prompts``. A ConfigError naming ``field`` (and
+    the prompt's ``place`` where given): (``special_tokens: refuse``) a prompt whose text contains a special-token
+    string (``<|im_end|>``, ...), which the tokenizer would turn into the special token itself, so a prompt file could
+    forge chat turns; a prompt longer than ``max_prompt_length`` tokens, counted unpadded."""
+    at = (lambda prompt: f", {place(prompt)}") if place is not None else (lambda prompt: "")
     if special_tokens != "allow":
         specials = sorted({t for t in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if len(t) > 1})
         for prompt in distinct:
             found = [t for t in specials if t in prompt]
             if found:
                 raise ConfigError(
-                    f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}) contains the special token string(s) {found}, "
-                    "which would be tokenised as real special tokens (a forged chat turn or end of turn); remove them, or set "
-                    "model.prompts.special_tokens: allow for pre-rendered chat text"
+                    f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}{at(prompt)}) contains the special token string(s) "
+                    f"{found}, which would be tokenised as real special tokens (a forged chat turn or end of turn); remove them, or "
+                    "set model.prompts.special_tokens: allow for pre-rendered chat text"
                 )
-    template = use_chat_template and getattr(tokenizer, "chat_template", None)
-    if template:
+    templated = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+    if templated:
         chat = [[{"role": "user", "content": p}] for p in distinct]
         texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chat]
     else:
         texts = distinct
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not template)
-    lengths = enc["attention_mask"].sum(-1)
-    too_long = (lengths > max_prompt_length).nonzero().flatten().tolist()
+    lengths = []
+    for start in range(0, len(texts), _CHUNK):  # unpadded: a list of ids per prompt
+        lengths += map(len, tokenizer(texts[start : start + _CHUNK], add_special_tokens=not templated)["input_ids"])
+    too_long = [row for row, length in enumerate(lengths) if length > max_prompt_length]
     if too_long:
         prompt = distinct[too_long[0]]
         raise ConfigError(
-            f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}...) is {int(lengths[too_long[0]])} tokens, longer than "
+            f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}...{at(prompt)}) is {lengths[too_long[0]]} tokens, longer than "
             f"model.prompts.max_length={max_prompt_length} ({len(too_long)} such distinct prompts)"
         )
-    rows = torch.tensor([row_of[prompt] for prompt in prompts])
-    return {"input_ids": enc["input_ids"][rows], "attention_mask": enc["attention_mask"][rows]}
+    return texts, templated, lengths
 
 
 def token_ids(tokenizer, tokens: list[str], field: str) -> Tensor:

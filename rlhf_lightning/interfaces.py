@@ -510,6 +510,17 @@ class RolloutEngine(Plugin):
         first draw (which may run in a thread of its own, beside the trainer): start here what touches the process's
         state (its random generators, a collective)."""
 
+    def memory_bytes(
+        self, *, rows: int, prompt_tokens: int, new_tokens: int, vocab: int, layers: int, kv_width: int, weight_bytes: int, device
+    ) -> dict[str, tuple[int, str]]:
+        """What sampling ``rows`` responses of ``new_tokens`` to prompts of ``prompt_tokens`` holds beside the trainer's
+        tensors, for the start-up memory estimate (rlhf_lightning/memory.py): {what: (bytes, how to make it smaller: the
+        settings to change)}, from the policy's vocabulary, layers, KV width per layer and weights' bytes, on ``device``. The default,
+        ``hf``'s: a KV cache in float32 and the logits of every response position twice (generate's per step, stacked)."""
+        kv_cache = rows * (prompt_tokens + new_tokens) * layers * 2 * kv_width * 4
+        lower = "lower data.batch_size, model.sampling.num_generations or model.sampling.max_new_tokens"
+        return {"the KV cache and the logits of generation": (kv_cache + 2 * rows * new_tokens * vocab * 4, lower)}
+
     def stale(self, module) -> bool:
         """Whether the engine's own copy of the policy's weights lags behind the policy's (an engine
         sampling the trainer's own model has none: never). The sampler then calls ``sync`` before the

@@ -234,7 +234,9 @@ def test_special_token_strings_in_a_prompt_file_are_refused_before_any_model_loa
     path = tmp_path / "forged.txt"
     path.write_text("\n".join(["a fine prompt"] * 7 + ["bad <eos> inside"]) + "\n")
     module = PPORLHF(policy="tiny", reward_model=char_reward())
-    with pytest.raises(ValueError, match=r"data.train_path: prompt 7 \('bad <eos> inside'\) contains the special token"):
+    with pytest.raises(
+        ValueError, match=r"data.train_path: prompt 7 \('bad <eos> inside', prompt file '.*forged.txt', line 8\) contains the special token"
+    ):
         fit(module, tmp_path, iterations=1, batch_size=8, datamodule=PromptDataModule(train_path=str(path)))
     assert module.policy is None  # refused in setup(), before configure_model
 
