@@ -126,6 +126,17 @@ def check_settings(environment: Optional[Environment], sampling) -> None:
     )
 
 
+def most_tokens(environment: Optional[Environment], max_new_tokens: int) -> int:
+    """The most tokens a row's response (an episode's, after the prompt) can hold: ``max_new_tokens`` without an
+    environment; with one, ``max_turns`` turns of ``max_new_tokens`` and the environment's turns between them of at
+    most ``max_observation_tokens``, within ``max_total_tokens`` where it is set (what the memory estimate counts)."""
+    if environment is None:
+        return max_new_tokens
+    turns = environment.max_turns
+    most = turns * max_new_tokens + (turns - 1) * environment.max_observation_tokens
+    return most if environment.max_total_tokens is None else min(most, environment.max_total_tokens)
+
+
 def token_bound(environment: Environment, sampling, config: Any, longest_prompt: Optional[int]) -> Optional[int]:
     """The episode's tokens after the prompt, at most: ``max_total_tokens``, else what the policy's context (its
     ``config``) leaves after the longest prompt (``longest_prompt``; one token when unknown); None where neither is

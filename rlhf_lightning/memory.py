@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from rlhf_lightning.checks import ConfigError
+from rlhf_lightning.episodes import most_tokens
 
 B = 4  # bytes per value: float32
 GIB = 2**30
@@ -251,6 +252,7 @@ def check_memory(module, datamodule, longest_prompt: Optional[int]) -> None:
     epochs = trainer.max_epochs if isinstance(trainer.max_epochs, int) and trainer.max_epochs >= 0 else None
     iterations = None if per_epoch is None or epochs is None else per_epoch * epochs
     staleness = module.off_policy.max_staleness
+    new_tokens = most_tokens(module.environment, sampling.max_new_tokens)  # an episode's turns, the environment's included
     if staleness and iterations is not None and staleness >= iterations:
         rank_zero_warn(
             f"model.off_policy.max_staleness {staleness} is more than this run's {iterations} iterations can show: every batch "
@@ -259,7 +261,7 @@ def check_memory(module, datamodule, longest_prompt: Optional[int]) -> None:
     engine = module.rollout_engine.memory_bytes(
         rows=rows,
         prompt_tokens=prompt_tokens,
-        new_tokens=sampling.max_new_tokens,
+        new_tokens=new_tokens,
         vocab=policy.vocab,
         layers=policy.layers,
         kv_width=policy.kv_width,
@@ -275,7 +277,7 @@ def check_memory(module, datamodule, longest_prompt: Optional[int]) -> None:
         policy,
         rows=rows,
         prompt_tokens=prompt_tokens,
-        new_tokens=sampling.max_new_tokens,
+        new_tokens=new_tokens,
         micro_rows=max(rows // (ppo.num_minibatches * ppo.gradient_accumulation_steps), 1),
         lora=module.lora.rank > 0,
         critic=hp.critic,

@@ -355,3 +355,11 @@ def test_the_environment_s_calls_reuse_a_few_threads():
         episode = module.sampler.draw(["a"] * 300, i, i).episode
         assert episode.policy_turns.tolist() == [2] * 300
     assert threading.active_count() - before <= 8
+
+
+def test_the_most_tokens_an_episode_holds_bound_the_memory_estimate():
+    from rlhf_lightning.episodes import most_tokens
+
+    assert most_tokens(None, 24) == 24
+    assert most_tokens(Echo(max_turns=3, max_observation_tokens=10), 24) == 3 * 24 + 2 * 10
+    assert most_tokens(Echo(max_turns=3, max_observation_tokens=10, max_total_tokens=50), 24) == 50
