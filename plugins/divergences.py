@@ -160,15 +160,17 @@ class AlphaDivergence(Divergence):
         require(alpha not in (0, 1), "divergence.alpha", "a number other than 0 and 1 (for those: reverse_kl, forward_kl)", alpha)
         self.alpha = float(alpha)
 
+    # Written with expm1 (u^(-a) - 1 = expm1(-a log u)): at an alpha near 0 the differences of terms near 1 would cancel
+    # to 0 in float64 (alpha 1e-300: a penalty of exactly 0, the regulariser gone) where these tend to the reverse KL's.
     def f(self, log_u: Tensor) -> Tensor:
         a = self.alpha
-        return (torch.exp((1.0 - a) * log_u) - (1.0 - a) * log_u.exp() - a) / (a * (a - 1.0))
+        return (log_u.exp() * torch.expm1(-a * log_u) / a + torch.expm1(log_u)) / (a - 1.0)
 
     def f_prime(self, log_u: Tensor) -> Tensor:
-        return (1.0 - torch.exp(-self.alpha * log_u)) / self.alpha
+        return -torch.expm1(-self.alpha * log_u) / self.alpha
 
     def log_f_prime_inverse(self, v: Tensor) -> Tensor:
         a = self.alpha
         base = 1.0 - a * v
         outside = math.inf if a > 0 else -math.inf  # a > 0: v at or past sup f' = 1 / a; a < 0: below f'(0) = 1 / a
-        return torch.where(base > 0, -torch.log(base.clamp(min=1e-300)) / a, outside)
+        return torch.where(base > 0, -torch.log1p((-a * v).clamp(min=-1.0 + 1e-300)) / a, outside)

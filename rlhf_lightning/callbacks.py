@@ -125,8 +125,9 @@ class TensorBoardViews(Callback):
             histograms = {"prompts/kl": prompts.kl, "prompts/beta": prompts.betas}
             if prompts.budgets is not None:
                 histograms["prompts/kl_over_budget"] = prompts.kl / prompts.budgets
-            for tag, values in histograms.items():
-                trainer.logger.experiment.add_histogram(tag, values, global_step=pl_module.step)
+            for tag, values in histograms.items():  # TensorBoard's histogram of no finite value raises: left out
+                if torch.isfinite(values).any():
+                    trainer.logger.experiment.add_histogram(tag, values[torch.isfinite(values)], global_step=pl_module.step)
         if not self.every_n_steps or pl_module.step % self.every_n_steps:
             return
         rollout, scores, kl = outputs["rollout"], outputs["scores"], outputs["kl"]

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rlhf_lightning.checks import missing_file
+from rlhf_lightning.checks import FLOAT32_RANGE, missing_file
 from rlhf_lightning.interfaces import ConfigError, finite_number, require, require_number
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"  # the built-in prompt files (not the module data.py)
@@ -123,10 +123,11 @@ class PromptTable:
                 written = value = extra[budget_column]
                 with contextlib.suppress(ValueError):
                     value = float(value) if isinstance(value, str) else value  # a csv's cells are text
+                low, high = FLOAT32_RANGE  # a KL the float32 KL can meet: past it the ratio KL / budget is 0 or inf
                 require(
-                    finite_number(value) and not isinstance(value, bool) and value > 0,
+                    finite_number(value) and not isinstance(value, bool) and low <= value <= high,
                     f"{where}, {place}: the KL budget in column {budget_column!r} (model.beta_controller.init_args.budget_column)",
-                    "a finite number > 0",
+                    f"a finite number in [{low:g}, {high:g}] nats",
                     written,
                 )
                 if budgets.setdefault(identity, float(value)) != float(value):
