@@ -40,7 +40,10 @@ def test_wrong_type_for_a_plugin_argument(capsys):
             ["--model.beta_controller=FixedBeta", "--model.beta_controller.init_args.init_beta=-0.5"],
             r"init_beta must be a finite number in \[0, 3e\+38\]",
         ),
-        (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.target=0"], r"target must be a finite number in \[1e-37, 3e\+38\]"),
+        (
+            ["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.target=0"],
+            r"target must be a finite number in \[1e-37, 3e\+38\]",
+        ),
         (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.horizon=0"], "horizon must be a finite number > 0"),
         (["--model.ppo.epochs=0"], "model.ppo.epochs must be an integer >= 1"),
         (["--model.sampling.temperature=0"], "model.sampling.temperature must be a finite number > 0"),
