@@ -125,8 +125,10 @@ class TensorBoardViews(Callback):
             histograms = {"prompts/kl": prompts.kl, "prompts/beta": prompts.betas}
             if prompts.budgets is not None:
                 histograms["prompts/kl_over_budget"] = prompts.kl / prompts.budgets
-            for tag, values in histograms.items():  # TensorBoard's histogram of no finite value raises: left out
-                if torch.isfinite(values).any():
+            for tag, values in histograms.items():
+                # TensorBoard's histogram raises ("The histogram is empty") on values none of which is finite, or whose
+                # bins overflow (a beta near float32's largest): such a view is left out, never the run stopped for it
+                with contextlib.suppress(ValueError):
                     trainer.logger.experiment.add_histogram(tag, values[torch.isfinite(values)], global_step=pl_module.step)
         if not self.every_n_steps or pl_module.step % self.every_n_steps:
             return

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning_plugins.divergences import AlphaDivergence
 from tools.summarize_run import read_scalars
 
-from helpers import CONFIGS, RUN_ARGS, cli, command, run_cli, save_tiny_teacher
+from helpers import CONFIGS, RUN_ARGS, cli, command, save_tiny_teacher
 
 TINY = str(CONFIGS / "tiny.yaml")
 # Two iterations of 4 prompts, 4 tokens each: about 10 s on an idle 2-core machine; a run's timeout is 10x that.
@@ -38,6 +40,11 @@ ASYNC = ("--model.sampling.old_logprobs=forward", "--model.off_policy.max_stalen
 
 def fit(tmp_path, *args: str):
     return cli(tmp_path, "fit", "--config", TINY, *QUICK, *args, timeout=TIMEOUT)
+
+
+def run_cli(root, *args: str):
+    """``helpers.RUN_ARGS``' 6 iterations with a checkpoint every 2 (about 15 s idle), ``args`` after them."""
+    return cli(root, "fit", "--config", TINY, *RUN_ARGS, *args, timeout=150)
 
 
 def start_up_warnings(tmp_path, monkeypatch, *args: str) -> list[str]:
@@ -144,12 +151,12 @@ def test_an_alpha_near_0_keeps_the_penalty_of_the_reverse_kl():
             "model.beta_controller.init_args.target must be a finite number in [1e-37, 3e+38], got 1e-320",
         ),
         (
-            [*BUDGETS, "--model.beta_controller.init_args.budget_column=b", "--files.budget=1e-320"],
+            [*BUDGETS, "--data.batch_size=4", "--model.beta_controller.init_args.budget_column=b", "--files.budget=1e-320"],
             "data.train_path: prompt file 'p.jsonl', line 4: the KL budget in column 'b' (model.beta_controller.init_args.budget_column) "
             "must be a finite number in [1e-37, 3e+38] nats, got 1e-320",
         ),
         (
-            [*BUDGETS, "--model.beta_controller.init_args.budget_column=b", "--files.budget=1e308"],
+            [*BUDGETS, "--data.batch_size=4", "--model.beta_controller.init_args.budget_column=b", "--files.budget=1e308"],
             "line 4: the KL budget in column 'b' (model.beta_controller.init_args.budget_column) must be a finite number in [1e-37, 3e+38] "
             "nats, got 1e+308",
         ),
@@ -159,7 +166,7 @@ def test_an_alpha_near_0_keeps_the_penalty_of_the_reverse_kl():
             "(1 - 0.2 x 16 / horizon) leaves beta at or below 0), got 1.0",
         ),
         (
-            [*BUDGETS, "--model.beta_controller.init_args.horizon=1e-300", "--model.sampling.num_generations=2"],
+            [*BUDGETS, "--data.batch_size=4", "--model.beta_controller.init_args.horizon=1e-300", "--model.sampling.num_generations=2"],
             "model.beta_controller.init_args.horizon must be > 0.4, 0.2 x the 2 responses of one prompt that an update of its beta counts",
         ),
     ],
@@ -172,21 +179,21 @@ def test_a_regulariser_that_would_vanish_or_overflow_is_refused_before_any_model
     assert code == 2 and line.startswith("error: " + message), line
 
 
-def test_a_beta_whose_penalty_overflows_the_reward_stops_naming_it(tmp_path):
-    """beta 3e38 is float32's, but beta * kl_t is not once the policy leaves the reference (iteration 2): a fault
-    naming the penalty and beta, never a crash on the inf."""
-    result = fit(
-        tmp_path,
-        "--model.beta_controller.init_args.init_beta=3e38",
-        "--model.runtime.max_consecutive_faults=1",
-        "--trainer.limit_train_batches=3",
+def test_a_beta_whose_penalty_overflows_the_reward_is_a_fault_naming_it():
+    """beta 3e38 is float32's, but beta * kl_t of a KL above 1.13 nats is not: a fault naming the penalty, the responses
+    and beta (the iteration is skipped, weights untouched), never an inf reward."""
+    from rlhf_lightning.args import KLArgs
+    from rlhf_lightning.regulariser import Regulariser
+    from rlhf_lightning_plugins.divergences import ReverseKL
+    from rlhf_lightning_plugins.kl_estimators import K1
+
+    regulariser = Regulariser(K1(), ReverseKL(), KLArgs(), torch.tensor([], dtype=torch.long))
+    kl = torch.tensor([[0.5, 0.1], [2.0, 0.0]])  # (batch, response_len)
+    betas = torch.tensor([3e38, 3e38], dtype=torch.float64)
+    assert regulariser.nonfinite(kl, None, betas) == (
+        "the penalty beta * kl_t is not finite in the reward's torch.float32 for responses [1]: KL [2.0] (beta 3e+38)"
     )
-    assert result.returncode == 1, result.stderr[-3000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(
-        "RuntimeError: stopping: 1 iterations in a row had faults (model.runtime.max_consecutive_faults=1); last cause: "
-    )
-    assert "the penalty beta * kl_t is not finite in the reward's torch.float32 for responses [" in last and last.endswith("(beta 3e+38)")
+    assert regulariser.nonfinite(kl, None, torch.tensor([1e30, 1e30], dtype=torch.float64)) is None
 
 
 # --- non-finite weights never reach the sampler
@@ -194,8 +201,6 @@ def test_a_beta_whose_penalty_overflows_the_reward_stops_naming_it(tmp_path):
 
 def test_a_policy_checkpoint_with_nan_weights_is_refused_at_load(tmp_path):
     folder = save_tiny_teacher(tmp_path / "nan_policy")
-    from safetensors.torch import load_file, save_file
-
     tensors = load_file(f"{folder}/model.safetensors")
     tensors["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
     save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
@@ -206,7 +211,8 @@ def test_a_policy_checkpoint_with_nan_weights_is_refused_at_load(tmp_path):
         .splitlines()[-1]
         .startswith(
             "error: model.policy and model.reference must be checkpoints of finite weights (a nan or inf weight makes every log-prob "
-            "the sampler draws with nan), got 'non-finite weights in policy model.layers.1.mlp.up_proj.weight (1 of "
+            "the sampler draws with nan), got 'non-finite weights in policy model.layers.1.mlp.up_proj.weight, critic "
+            "trunk.layers.1.mlp.up_proj.weight (2 of 43 tensors)'"
         )
     )
     assert not (tmp_path / "lightning_logs" / "tiny" / "version_0" / "checkpoints").exists()
@@ -264,6 +270,47 @@ def test_a_path_that_is_not_a_model_is_named_before_any_model_loads(tmp_path, mo
     assert code == 2 and line.startswith("error: " + message), line
 
 
+# --- malformed prompt files: bytes that are no text are named, a byte-order mark is not a prompt's first character
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("p.txt", "".join(f"prompt {i}\x00x\n" for i in range(8)), "line 1: the prompt in column 'prompt' holds '\\x00' at character 8"),
+        (
+            "p.jsonl",
+            "".join(json.dumps({"prompt": f"number {i}"}) + "\n" for i in range(7)) + '{"prompt": "half \\ud800"}\n',
+            "line 8: "
+            "the prompt in column 'prompt' holds '\\ud800' at character 5, which is no text (a control character, or half of a UTF-16 "
+            "pair escaped in JSON)",
+        ),
+        ("p.txt", "".join(f"red {i}\x1b[31m\n" for i in range(8)), "line 1: the prompt in column 'prompt' holds '\\x1b' at character 5"),
+    ],
+    ids=["nul-bytes", "lone-surrogate", "terminal-escapes"],
+)
+def test_a_prompt_that_is_no_text_is_named_before_any_model_loads(tmp_path, monkeypatch, capsys, name, content, message):
+    (tmp_path / name).write_text(content, encoding="utf-8", errors="surrogatepass")
+    code, line = command(tmp_path, monkeypatch, capsys, f"--data.train_path={name}", "--data.batch_size=4")
+    assert code == 2 and line.startswith(f"error: data.train_path: prompt file '{name}', " + message), line
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_column(tmp_path, monkeypatch):
+    """A csv saved by a Windows editor starts with U+FEFF: read as UTF-8 with a signature, its header is ``prompt``."""
+    (tmp_path / "p.csv").write_bytes(("\ufeffprompt,id\n" + "".join(f"Say {i},{i}\n" for i in range(8))).encode("utf-8"))
+    start_up_warnings(tmp_path, monkeypatch, "--data.train_path=p.csv", "--data.batch_size=4")  # reaches the model: read
+
+
+def test_more_threads_than_the_machine_can_start_are_refused(tmp_path, monkeypatch, capsys):
+    """cpu.threads 100000 was a segmentation fault (exit -11) in the OpenMP runtime."""
+    code, line = command(tmp_path, monkeypatch, capsys, "--cpu.threads=100000")
+    assert code == 2
+    assert re.fullmatch(
+        r"error: cpu.threads must be null or an integer in \[1, (\d+)\] \(8 x the (\d+) cores this process may use: more threads "
+        r"than cores only wait on each other\), got 100000",
+        line,
+    ), line
+
+
 # --- resumes: every changed setting logged, nothing lost
 
 
@@ -309,6 +356,3 @@ def test_a_resume_on_prompts_without_the_controllers_ids_warns_naming_them(tmp_p
         "data.train_path ('q"
     ) in resumed.stderr
     assert "and 8 of the file's 8 prompts start from beta " in resumed.stderr
-
-
-assert RUN_ARGS  # the resumes above run helpers.run_cli's 6 iterations with a checkpoint every 2
