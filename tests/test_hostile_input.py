@@ -311,6 +311,36 @@ def test_more_threads_than_the_machine_can_start_are_refused(tmp_path, monkeypat
     ), line
 
 
+# --- a settings group left empty in YAML (every line under it commented out reads as null)
+
+
+@pytest.mark.parametrize(
+    "yaml, empty",
+    [
+        ("model:\n  off_policy:\n    # max_staleness: 2\n", "model.off_policy is"),
+        ("model:\n  sampling:\n", "model.sampling is"),
+        ("model:\n", "model is"),
+        ("trainer:\ncpu:\n", "trainer, cpu are"),
+        ("model:\n  beta_controller:\n    class_path: adaptive\n    init_args:\n", "model.beta_controller.init_args is"),
+    ],
+    ids=["off_policy", "sampling", "model", "trainer-and-cpu", "init_args"],
+)
+def test_a_group_left_empty_in_yaml_is_named(tmp_path, monkeypatch, capsys, yaml, empty):
+    """Was a TypeError ("argument after ** must be a mapping, not NoneType"), jsonargparse's "Unexpected config: model:",
+    or (model.sampling) silently nothing."""
+    (tmp_path / "extra.yaml").write_text(yaml)
+    code, line = command(tmp_path, monkeypatch, capsys, "--config", "extra.yaml")
+    assert (code, line) == (
+        2,
+        f"error: --config extra.yaml: {empty} empty: a group takes its settings under it; write {{}} for its defaults, or leave the key out",
+    )
+
+
+def test_a_group_written_as_an_empty_mapping_is_its_defaults(tmp_path, monkeypatch):
+    (tmp_path / "extra.yaml").write_text("model:\n  off_policy: {}\n")
+    start_up_warnings(tmp_path, monkeypatch, "--config", "extra.yaml")  # reaches the model: accepted
+
+
 # --- resumes: every changed setting logged, nothing lost
 
 
