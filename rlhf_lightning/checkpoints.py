@@ -174,7 +174,7 @@ def checkpoint_state(checkpoint: Any, path: Any = None, complete: bool = True) -
     return state
 
 
-PLUGINS = ("reward_model", "beta_controller", "entropy_controller", "kl_estimator", "divergence", "advantage_estimator", "policy_loss")
+PLUGINS = ("reward_model", "beta_controller", "entropy_controller", "kl_estimator", "advantage_estimator", "policy_loss")
 PLUGINS += ("loss_aggregation", "reference_update")
 
 
@@ -184,8 +184,9 @@ def plugin_kinds(module) -> dict[str, Optional[str]]:
     return {name: None if getattr(module, name) is None else class_path(type(getattr(module, name))) for name in PLUGINS}
 
 
-# Plugins whose kind may change on resume (a measurement, or how the same distribution is drawn): the change is logged.
-CHANGEABLE_PLUGINS = ("gold_reward_model", "rollout_engine")
+# Plugins whose kind may change on resume, as beta may: a measurement, how the same distribution is drawn, the regulariser
+# (stateless; its beta goes on from the controller's). The change is logged.
+CHANGEABLE_PLUGINS = ("gold_reward_model", "rollout_engine", "divergence")
 
 
 def plugin_arguments(module) -> dict[str, Optional[dict]]:

@@ -346,16 +346,22 @@ def test_a_group_written_as_an_empty_mapping_is_its_defaults(tmp_path, monkeypat
 
 def test_a_resume_with_another_engine_and_staleness_logs_both_and_goes_on(tmp_path):
     """Stopped by SIGTERM after iteration 3 with the sampler ahead (last.ckpt of iteration 3), resumed with the sampler
-    in line (max_staleness 0) on an engine of another kind: both changes logged, iterations 4..6 run."""
+    in line (max_staleness 0) on an engine of another kind, with another divergence: each change logged, iterations 4..6 run."""
     stop = ("--trainer.callbacks+=fault_callbacks.SignalMidIteration", "--trainer.callbacks.iteration=3")
     first = run_cli(tmp_path, *ASYNC, *stop)
     assert first.returncode == 143, first.stderr[-3000:]
     resumed = run_cli(
-        tmp_path, "--model.sampling.old_logprobs=forward", "--model.rollout_engine=hostile_plugins.RenamedHF", "--ckpt_path", "last"
+        tmp_path,
+        "--model.sampling.old_logprobs=forward",
+        "--model.rollout_engine=hostile_plugins.RenamedHF",
+        "--model.divergence=js",
+        "--ckpt_path",
+        "last",
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     (line,) = [line for line in resumed.stderr.splitlines() if "resuming with changed settings" in line]
     assert "model.off_policy.max_staleness: 1 -> 0" in line and "model.rollout_engine: HFGenerate -> RenamedHF" in line, line
+    assert "model.divergence: ReverseKL -> JensenShannon" in line, line
     assert list(read_scalars(str(tmp_path / "lightning_logs" / "tiny" / "version_1"))["objective/kl"]) == [3, 4, 5]
 
 
