@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -230,9 +231,9 @@ def run(case, root: Path, timeout: float) -> dict:
     except subprocess.TimeoutExpired as expired:
         rc, err = "timeout", (expired.stderr or b"").decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr or ""
     lines = [line for line in err.splitlines() if line.strip()]
-    warnings = [
-        line.strip() for line in lines if "Warning:" in line and "Trainer(" not in line and "does not have many workers" not in line
-    ]
+    warned = re.compile(r"\.py:\d+: ")  # a warning: "file.py:line: message" (Lightning's rank_zero_warn) or "...: UserWarning: ..."
+    noise = ("Trainer(", "does not have many workers")
+    warnings = [line.strip() for line in lines if warned.search(line) and not any(n in line for n in noise)]
     return {
         "name": name,
         "rc": rc,
