@@ -144,6 +144,12 @@ class ChiSquared(Divergence):
         return torch.where(u > 0, torch.log(u.clamp(min=0)), -math.inf)
 
 
+# |alpha| past this: u^(-alpha) overflows float64 (e^709) for a response a few nats from the reference (7 at alpha 100), and
+# the penalty is inf on one side of u = 1 and vanishes (1 / alpha) on the other. Below ALPHA_MIN (float64's smallest
+# normal number), alpha is subnormal. Between them the penalty is computed to float64's precision (expm1).
+ALPHA_MAX, ALPHA_MIN = 100.0, 2.2250738585072014e-308
+
+
 @register("divergence", "alpha", description="alpha-divergence, f(u) = (u^(1-alpha) - (1-alpha) u - alpha) / (alpha (alpha - 1))")
 class AlphaDivergence(Divergence):
     """The alpha-divergence (f-DPO's parametrisation), f(u) = (u^(1 - alpha) - (1 - alpha) u - alpha) /
@@ -152,12 +158,18 @@ class AlphaDivergence(Divergence):
     responses (u clipped at 0 where 1 - alpha v <= 0); for alpha > 0 it keeps every one.
 
     Args:
-        alpha: any finite number but 0 and 1 (use ``reverse_kl`` and ``forward_kl``).
+        alpha: a number in [-100, 100] but 0 and 1 (use ``reverse_kl`` and ``forward_kl``), not subnormal.
     """
 
     def __init__(self, alpha: float = 0.5) -> None:
-        require_number("divergence.alpha", alpha)
+        require_number("divergence.alpha", alpha, at_least=-ALPHA_MAX, at_most=ALPHA_MAX)
         require(alpha not in (0, 1), "divergence.alpha", "a number other than 0 and 1 (for those: reverse_kl, forward_kl)", alpha)
+        require(
+            abs(alpha) >= ALPHA_MIN,
+            "divergence.alpha",
+            f"at least {ALPHA_MIN:g} in size, float64's smallest normal number (a subnormal alpha keeps a few bits: its penalty is no longer the formula's)",
+            alpha,
+        )
         self.alpha = float(alpha)
 
     # Written with expm1 (u^(-a) - 1 = expm1(-a log u)): at an alpha near 0 the differences of terms near 1 would cancel

@@ -196,6 +196,12 @@ class BetaController(Plugin):
 
     def __init__(self, init_beta: float = 0.1, unit: KLUnit = "sequence_sum") -> None:
         require_number("beta_controller.init_beta", init_beta, at_least=0, at_most=FLOAT32_RANGE[1])
+        require(
+            init_beta == 0 or init_beta >= FLOAT32_RANGE[0],
+            "beta_controller.init_beta",
+            f"0 or at least {FLOAT32_RANGE[0]:g} (below, beta is 0 in the float32 reward: the regulariser vanishes unsaid)",
+            init_beta,
+        )
         require(unit in ("sequence_sum", "token_mean"), "beta_controller.unit", "'sequence_sum' or 'token_mean'", unit)
         self.beta = float(init_beta)
         self.unit = unit

@@ -147,6 +147,19 @@ def test_an_alpha_near_0_keeps_the_penalty_of_the_reverse_kl():
             "model.beta_controller.init_args.init_beta must be a finite number in [0, 3e+38], got 1e+300",
         ),
         (
+            ["--model.beta_controller.init_args.init_beta=1e-320"],
+            "model.beta_controller.init_args.init_beta must be 0 or at least 1e-37 (below, beta is 0 in the float32 reward: the "
+            "regulariser vanishes unsaid), got 1e-320",
+        ),
+        (
+            ["--model.divergence=alpha", "--model.divergence.init_args.alpha=1e300"],
+            "model.divergence.init_args.alpha must be a finite number in [-100.0, 100.0], got 1e+300",
+        ),
+        (
+            ["--model.divergence=alpha", "--model.divergence.init_args.alpha=1e-320"],
+            "model.divergence.init_args.alpha must be at least 2.22507e-308 in size, float64's smallest normal number",
+        ),
+        (
             ["--model.beta_controller=adaptive", "--model.beta_controller.init_args.target=1e-320"],
             "model.beta_controller.init_args.target must be a finite number in [1e-37, 3e+38], got 1e-320",
         ),
@@ -157,7 +170,8 @@ def test_an_alpha_near_0_keeps_the_penalty_of_the_reverse_kl():
         ),
         (
             [*BUDGETS, "--data.batch_size=4", "--model.beta_controller.init_args.budget_column=b", "--files.budget=1e308"],
-            "line 4: the KL budget in column 'b' (model.beta_controller.init_args.budget_column) must be a finite number in [1e-37, 3e+38] "
+            "data.train_path: prompt file 'p.jsonl', line 4: the KL budget in column 'b' (model.beta_controller.init_args.budget_column) "
+            "must be a finite number in [1e-37, 3e+38] "
             "nats, got 1e+308",
         ),
         (
@@ -170,7 +184,17 @@ def test_an_alpha_near_0_keeps_the_penalty_of_the_reverse_kl():
             "model.beta_controller.init_args.horizon must be > 0.4, 0.2 x the 2 responses of one prompt that an update of its beta counts",
         ),
     ],
-    ids=["init-beta-1e300", "target-1e-320", "budget-1e-320", "budget-1e308", "horizon-below-a-batch", "per-prompt-horizon-1e-300"],
+    ids=[
+        "init-beta-1e300",
+        "init-beta-1e-320",
+        "alpha-1e300",
+        "alpha-1e-320",
+        "target-1e-320",
+        "budget-1e-320",
+        "budget-1e308",
+        "horizon-below-a-batch",
+        "per-prompt-horizon-1e-300",
+    ],
 )
 def test_a_regulariser_that_would_vanish_or_overflow_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys, args, message):
     budget = [float(a.split("=")[1]) for a in args if a.startswith("--files.budget=")]
