@@ -8,6 +8,18 @@ A case is ``(name, args, files, yaml)``: ``files`` are written in the run's fold
 checkpoint folder), ``yaml`` is a second ``--config`` layered over tiny.yaml. Cases whose name ends in ``+resume``
 run twice: the first args, then the second with ``--ckpt_path last`` (a checkpoint every iteration).
 The regression tests of the classes found here are tests/test_hostile_input.py.
+
+The tour of 2026-12-07 (133 cases, before the fixes of that day; a 2-core machine at a load of 2-20): silent 16
+(max_staleness-0 settings and explore_iterations without explore ignored; alpha 1e-300 and 1e-16 a penalty of 0 or
+inexact, alpha 1e300 one that vanishes on one side; budgets 1e-320 and 1e308 and target 1e-320 accepted; init_beta
+1e-320; a per-prompt horizon of 1e-300 driving betas to 0; NUL bytes in prompts; model.sampling left empty; a
+resume on other prompt ids; a resume on another engine), unclear 6 (a text file as model.reference said "no such
+file"; a horizon below a batch named the negative beta, not the horizon; model:, data:, trainer:, cpu: left empty
+"Unexpected config"; an empty init_args), late 3 (that horizon, at the first low KL; a policy or reference folder
+without config.json, at load), crash 13 (init_beta 1e300 and 1e308: TensorBoard's "The histogram is empty"; a
+policy folder of text: transformers' sentencepiece ImportError; cpu.threads 100000: a segmentation fault; a lone
+surrogate in a JSON prompt: the tokenizer's TypeError; eight model groups left empty in YAML: a TypeError),
+nothing lost; the rest fine (clear refusals, or runs that are right). Each class is closed and tested.
 """
 
 from __future__ import annotations
