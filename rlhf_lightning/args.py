@@ -25,7 +25,7 @@ from typing import Any, Literal, Optional, Union
 from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lightning import episodes, recipes
-from rlhf_lightning.checks import ConfigError, require, require_number
+from rlhf_lightning.checks import ConfigError, require, require_number, unused_settings
 from rlhf_lightning.data import encode_prompts
 from rlhf_lightning.interfaces import Divergence, LossAggregation
 from rlhf_lightning.registry import registry
@@ -639,7 +639,13 @@ def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: 
     behaviour policy's; and need an engine that samples from a published copy of the weights, and with
     ``score_in_sampler`` a reward backend that may be called from the sampler's thread (``RewardModel.thread_safe``)."""
     if not off_policy.max_staleness:
+        unused = ("sampler_timeout_s", "correction", "correction_cap", "score_in_sampler")
+        _warn(unused_settings("model.off_policy.", off_policy, unused, "with model.off_policy.max_staleness 0 (no sampler runs ahead)"))
         return
+    _warn(
+        off_policy.correction == "none"
+        and unused_settings("model.off_policy.", off_policy, ("correction_cap",), "with model.off_policy.correction none")
+    )
     require(
         not off_policy.score_in_sampler or getattr(reward_model, "thread_safe", True),
         "model.off_policy.score_in_sampler",
@@ -670,10 +676,16 @@ def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: 
     )
 
 
+def _warn(warning: Optional[str]) -> None:
+    if warning:
+        rank_zero_warn(warning)
+
+
 def check_exploration(sampling: SamplingArgs, off_policy: OffPolicyArgs, engine: Any) -> None:
     """Exploration (``model.sampling.explore`` > 0) draws from a mixture the engine must build from the policy's
     logits, and its per-token weights are the only correction of the batch."""
     if not sampling.explore:
+        _warn(unused_settings("model.sampling.", sampling, ("explore_iterations",), "with model.sampling.explore 0 (nothing explores)"))
         return
     why = f"with model.sampling.explore {sampling.explore}"
     require(

@@ -13,6 +13,7 @@ import csv
 import hashlib
 import io
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rlhf_lightning.checks import missing_file
+from rlhf_lightning.checks import FLOAT32_RANGE, missing_file
 from rlhf_lightning.interfaces import ConfigError, finite_number, require, require_number
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"  # the built-in prompt files (not the module data.py)
@@ -65,7 +66,7 @@ def load_prompt_records(
         records, columns = [(f"row {i + 1}", row) for i, row in enumerate(table)], table.column_names
     else:
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is no text
         except UnicodeDecodeError as err:
             line = path.read_bytes()[: err.start].count(b"\n") + 1
             raise ConfigError(f"{where} is not valid UTF-8 (line {line}, byte {err.start})") from None
@@ -79,11 +80,21 @@ def load_prompt_records(
         prompt = record.get(column)
         if not isinstance(prompt, str):
             raise ConfigError(f"{where}, {place}: the prompt in column {column!r} is {type(prompt).__name__} {prompt!r}, not text")
+        if (odd := NOT_TEXT.search(prompt)) is not None:
+            raise ConfigError(
+                f"{where}, {place}: the prompt in column {column!r} holds {odd.group()!r} at character {odd.start()}, which is no "
+                "text (a control character, or half of a UTF-16 pair escaped in JSON): a binary file, or an escape gone wrong?"
+            )
         if prompt.strip():
             prompts.append((place, prompt, {name: record.get(name) for name in extra or {}}))
     if not prompts:
         raise ConfigError(f"{field}: prompt file {str(path)!r} has no non-empty prompts in column {column!r}")
     return prompts
+
+
+# What no prompt text holds: C0 control characters but tab, newline, carriage return, vertical tab and form feed; DEL; and
+# lone surrogates (JSON's "\ud800" escapes one half of a UTF-16 pair, which no tokenizer can encode).
+NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\x7f\ud800-\udfff]")
 
 
 def prompt_id(prompt: str) -> str:
@@ -124,10 +135,11 @@ class PromptTable:
                 written = value = extra[budget_column]
                 with contextlib.suppress(ValueError):
                     value = float(value) if isinstance(value, str) else value  # a csv's cells are text
+                low, high = FLOAT32_RANGE  # a KL the float32 KL can meet: past it the ratio KL / budget is 0 or inf
                 require(
-                    finite_number(value) and not isinstance(value, bool) and value > 0,
+                    finite_number(value) and not isinstance(value, bool) and low <= value <= high,
                     f"{where}, {place}: the KL budget in column {budget_column!r} (model.beta_controller.init_args.budget_column)",
-                    "a finite number > 0",
+                    f"a finite number in [{low:g}, {high:g}] nats",
                     written,
                 )
                 if budgets.setdefault(identity, float(value)) != float(value):

@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
-from rlhf_lightning.checks import ConfigError, ConfigFileNotFoundError, finite_number, require, require_number  # noqa: F401 (re-exported)
+from rlhf_lightning.checks import FLOAT32_RANGE, ConfigError, ConfigFileNotFoundError, finite_number, require, require_number  # noqa: F401 (re-exported)
 from rlhf_lightning.registry import register_kind
 from rlhf_lightning.reward_shaping import ScoreShaping, check_scores
 
@@ -195,7 +195,13 @@ class BetaController(Plugin):
     them (and their budgets, :meth:`set_budgets`) at start-up, so its training batches must come from a prompt file."""
 
     def __init__(self, init_beta: float = 0.1, unit: KLUnit = "sequence_sum") -> None:
-        require_number("beta_controller.init_beta", init_beta, at_least=0)
+        require_number("beta_controller.init_beta", init_beta, at_least=0, at_most=FLOAT32_RANGE[1])
+        require(
+            init_beta == 0 or init_beta >= FLOAT32_RANGE[0],
+            "beta_controller.init_beta",
+            f"0 or at least {FLOAT32_RANGE[0]:g} (below, beta is 0 in the float32 reward: the regulariser vanishes unsaid)",
+            init_beta,
+        )
         require(unit in ("sequence_sum", "token_mean"), "beta_controller.unit", "'sequence_sum' or 'token_mean'", unit)
         self.beta = float(init_beta)
         self.unit = unit
@@ -207,9 +213,9 @@ class BetaController(Plugin):
     def checked_beta(self) -> float:
         """``beta``, refused unless a finite number >= 0 (a plugin's output the loop relies on)."""
         require(
-            finite_number(self.beta) and self.beta >= 0,
+            finite_number(self.beta) and 0 <= self.beta <= FLOAT32_RANGE[1],
             f"the beta of beta controller {type(self).__name__}",
-            "a finite number >= 0",
+            f"a finite number in [0, {FLOAT32_RANGE[1]:g}] (float32's range: it multiplies the float32 KL)",
             self.beta,
         )
         return float(self.beta)
@@ -222,9 +228,9 @@ class BetaController(Plugin):
         """:meth:`betas_of`, refused unless each is a finite number >= 0 (a plugin's output the loop relies on)."""
         betas = self.betas_of(prompt_ids)
         require(
-            bool(torch.isfinite(betas).all() and (betas >= 0).all()),
+            bool(torch.isfinite(betas).all() and (betas >= 0).all() and (betas <= FLOAT32_RANGE[1]).all()),
             f"the betas of beta controller {type(self).__name__}",
-            "finite numbers >= 0",
+            f"finite numbers in [0, {FLOAT32_RANGE[1]:g}] (float32's range: they multiply the float32 KL)",
             betas.tolist(),
         )
         return betas
@@ -237,6 +243,10 @@ class BetaController(Plugin):
 
     def set_budgets(self, budgets: Optional[dict[str, float]]) -> None:
         """Each prompt id's budget (the prompt file's ``budget_column``), at start-up: nothing to keep here."""
+
+    def check_batch(self, responses: int, per_prompt: int, field: str) -> None:
+        """At start-up: refuse (a ConfigError naming ``field``'s argument) steps that cannot work with iterations of
+        ``responses`` responses in all, ``per_prompt`` of each prompt; here every step can."""
 
     def update_prompts(self, prompt_ids: Sequence[str], observed_kls: Tensor, n_samples: Tensor) -> None:
         """Each prompt's observed KL in ``unit`` over its ``n_samples`` responses this iteration (every rank's),
@@ -283,6 +293,11 @@ class PerPromptBetaController(BetaController):
     def update_prompts(self, prompt_ids: Sequence[str], observed_kls: Tensor, n_samples: Tensor) -> None:
         """Update the betas of ``prompt_ids`` (the prompts of this iteration, on every rank) from each one's
         observed KL in ``unit`` over its ``n_samples`` responses; prompts not named keep their beta."""
+
+    def prompt_ids(self) -> list[str]:
+        """The ids of the prompts the controller holds a beta of (after a resume, the checkpoint's: compared with the
+        prompt file's, ``checkpoints.load_state``); here the keys of its state's ``betas``."""
+        return [str(prompt_id) for prompt_id in self.state_dict().get("betas", {})]
 
 
 class AdvantageEstimator(Plugin):

@@ -17,7 +17,7 @@ from torchmetrics import MeanMetric
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning import sampling
 from rlhf_lightning.args import PPOArgs
-from rlhf_lightning.checks import nonfinite_terms
+from rlhf_lightning.checks import ConfigError, nonfinite_terms
 from rlhf_lightning.interfaces import BetaController, LossAggregation, PolicyLoss
 from rlhf_lightning.networks import Networks
 from rlhf_lightning.regulariser import Regulariser
@@ -87,6 +87,14 @@ class PPOUpdate:
                     skipped += 1
                 optimizer.zero_grad(set_to_none=True)
                 values = None
+        bad = self.networks.nonfinite_weights(trained_only=True)
+        if bad:  # stopped here, before the sampler draws from them (and before any checkpoint holds them)
+            lr = ", ".join(f"{group.get('name', 'params')} {group['lr']:g}" for group in optimizer.param_groups)
+            raise ConfigError(
+                f"the weights are not finite after this iteration's update: {bad}, though every loss was finite: a gradient or "
+                f"an optimizer step overflowed them; lower model.optim.lr ({lr}) or set model.optim.max_grad_norm. Stopped before "
+                "the sampler draws from them; the last checkpoint holds the weights before"
+            )
         return skipped
 
     def accumulate(
