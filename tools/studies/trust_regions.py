@@ -10,8 +10,8 @@ gap is the correction's bias and nothing else. The sampler is off by a declared 
 loop, ``--staleness``), or its logit of the first symbol d too high at every state (``--drift``, another engine's
 numerics); the first cell (k = 0, d = 0) is the synchronous loop, where every correction is the same. Prints one
 ``TRUST`` line per cell (``gap``: (J* - J) over the task's scale, ``exact.closed_form.optimum_report``; the last
-iteration's ``off_policy/ess``, ``weight_mass`` and ``clipped_fraction``, the trust region's masked share) and the
-markdown table.
+iteration's ``off_policy/ess``, ``weight_mass`` and ``clipped_fraction``, the trust region's masked share; the smallest
+ESS and largest masked share of the run, read every 5 iterations) and the markdown table.
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ RECIPE = dict(kl_estimator="k3", kl_penalty="loss", ppo_epochs=1)
 
 
 def cell(correction: str, staleness: int, drift: float, iterations: int = 60, task: str = "random:3") -> dict[str, float]:
-    """The last row of one cell's ``expected_train`` run (gap, objective, the weights' metrics)."""
+    """The last row of one cell's ``expected_train`` run (gap, objective, the weights' metrics), with ``masked_max``, the
+    largest masked share of any iteration (read every 5), and ``ess_min``, the smallest ESS."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rows = expected_train(
-            task_named(task), iterations, 1.0, every=iterations, staleness=staleness, correction=correction, sampler_drift=drift, **RECIPE
+            task_named(task), iterations, 1.0, every=5, staleness=staleness, correction=correction, sampler_drift=drift, **RECIPE
         )
-    return rows[-1]
+    masked = [row.get("off_policy/trust_masked_fraction", 0.0) for row in rows]
+    return {**rows[-1], "masked_max": max(masked), "ess_min": min(row.get("off_policy/ess", 1.0) for row in rows)}
 
 
 def main(argv=None) -> None:
@@ -64,19 +66,24 @@ def main(argv=None) -> None:
                 mass=row.get("off_policy/weight_mass", 1.0),
                 clipped=row.get("off_policy/clipped_fraction", 0.0),
                 masked=row.get("off_policy/trust_masked_fraction", float("nan")),
+                masked_max=row["masked_max"] if correction in ("icepop", "ipo", "m2po") else float("nan"),
+                ess_min=row["ess_min"],
                 seconds=time.time() - start,
             )
             table.append(fields)
             print("TRUST " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()), flush=True)
-    print("\n| correction | class | sampler | gap to J* | off_policy/ess | weight_mass | masked share |\n|---|---|---|---:|---:|---:|---:|")
+    print(
+        "\n| correction | class | sampler | gap to J* | off_policy/ess (min) | weight_mass | masked share (max) |\n|---|---|---|---:|---:|---:|---:|"
+    )
     for f in table:
         sampler = (
             "synchronous"
             if not (f["staleness"] or f["drift"])
             else (f"stale k={f['staleness']}" if f["staleness"] else f"drift d={f['drift']:g}")
         )
-        masked = "" if f["masked"] != f["masked"] else f"{f['masked']:.3f}"
-        print(f"| `{f['correction']}` | {f['recipe']} | {sampler} | {f['gap']:.4f} | {f['ess']:.3f} | {f['mass']:.3f} | {masked} |")
+        masked = "" if f["masked"] != f["masked"] else f"{f['masked']:.3f} ({f['masked_max']:.3f})"
+        ess = f"{f['ess']:.3f} ({f['ess_min']:.3f})"
+        print(f"| `{f['correction']}` | {f['recipe']} | {sampler} | {f['gap']:.4f} | {ess} | {f['mass']:.3f} | {masked} |")
 
 
 if __name__ == "__main__":
