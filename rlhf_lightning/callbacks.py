@@ -210,6 +210,8 @@ def custom_scalars_layout(
             ("staleness (updates), max", "off_policy/staleness_max"),
             ("off-policy correction: share of tokens clipped", "off_policy/clipped_fraction"),
             ("off-policy correction: effective sample size", "off_policy/ess"),
+            ("off-policy correction: mean weight per token", "off_policy/weight_mass"),
+            ("off-policy correction: share of tokens outside the trust region", "off_policy/trust_masked_fraction"),
             ("seconds: the trainer's wait for the sampler", "timing/sampler_wait_s"),
             ("seconds: the sampler's draw", "timing/rollout_s"),
         ]

@@ -133,7 +133,8 @@ def off_policy_recipe(correction: str, max_staleness: int) -> tuple[str, str]:
     for any f: the expected gradient is the synchronous loop's, for every placement, estimator and scope (the exact
     lab's stale path equals the synchronous one, ``tests/test_off_policy.py``). Truncated at the cap, E_mu[min(W, c) f]
     = E_prox[min(1, c / W) f]: exact where no response's W exceeds c; ``off_policy/clipped_fraction`` reads how often.
-    ``approximate``: ``token``: w_t = pi_prox(y_t|s_t) / mu(y_t|s_t) turns the token drawn at each visited state into
+    ``approximate``: ``token``, and the sampler-side trust regions (``icepop``, ``ipo``, ``m2po``: ``trust_regions``, the
+    token's weight inside the region, 0 outside; at the fixed point mu = pi_prox every token is inside). ``token``: w_t = pi_prox(y_t|s_t) / mu(y_t|s_t) turns the token drawn at each visited state into
     pi_prox's, but the states are mu's (the prefix's ratio is dropped) and so is the continuation after the token (the
     return, the KL still to come): a bias of the order of how far pi moved in k updates. The fixed point is pi* all the
     same (where pi stops moving mu = pi_prox).
@@ -144,6 +145,12 @@ def off_policy_recipe(correction: str, max_staleness: int) -> tuple[str, str]:
         return "on_policy", ""
     if correction == "sequence":
         return "exact", ""
+    if correction in ("icepop", "ipo", "m2po"):
+        return "approximate", (
+            f"the {correction} trust region weighs each token by pi_prox / mu inside it and drops the tokens outside it: the "
+            "states and the continuation stay mu's, and a dropped token's gradient is lost while mu is far from pi_prox; "
+            "a sampler whose numerics stay off keeps dropping them and lands off pi* (docs/async.md, 'Sampler-side trust regions')"
+        )
     if correction == "token":
         return "approximate", (
             "the per-token weight pi_prox / mu corrects the token drawn at each state, not which states mu visits nor the "

@@ -22,6 +22,7 @@ from rlhf_lightning.interfaces import BetaController, LossAggregation, PolicyLos
 from rlhf_lightning.networks import Networks
 from rlhf_lightning.regulariser import Regulariser
 from rlhf_lightning.trajectory import Trajectory
+from rlhf_lightning.weight_guard import WeightGuard
 
 Reduce = Callable[..., Tensor]
 UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss", "policy/entropy")
@@ -68,11 +69,16 @@ class PPOUpdate:
         reduce: Reduce,
         world_size: int = 1,
         critic_apart: bool = False,
+        guard: Optional[WeightGuard] = None,
     ) -> int:
         """All PPO epochs over the rollout, one optimizer step per minibatch; ``kl_coef`` (batch,) is beta times the
         advantage estimator's gradient scale of each response (a KL in the loss is weighed against the reward as
         configured); ``values``: the first minibatch's critic forward (``Networks.first_critic_values``). Returns how
-        many steps were skipped because a loss was not finite on some rank (gradients dropped, weights untouched)."""
+        many steps were skipped because a loss was not finite on some rank (gradients dropped, weights untouched).
+        ``guard``: the rollout's correction weights checked first, a batch whose weights are (almost) all zero warned
+        of or refused (``weight_guard``): never a silent update on a zero loss."""
+        if guard is not None:
+            guard.check(rollout.is_weights, rollout.response_mask, reduce)
         skipped = 0
         for _ in range(self.ppo.epochs):
             order = torch.randperm(rollout.input_ids.shape[0], device=rollout.input_ids.device)
