@@ -227,3 +227,14 @@ def test_lab_reproduces_the_reported_failures():
     assert TABLE[False, "topk_reverse", 1][2] and TABLE[False, "topk_reverse", 1][3] == pytest.approx(
         TABLE[False, "topk_reverse", 1][0] * -1, abs=1e-3
     )
+
+
+def test_the_module_warns_at_start_up_and_scores_with_a_top_k_estimator():
+    from helpers import make_module
+
+    with pytest.warns(UserWarning, match=r"TopKKL \(top 2 of the teacher\) is biased against KL\(pi_ref \|\| pi\)"):
+        module = make_module(kl_estimator=create("topk_forward_clamped", k=2), kl=dict(placement="loss", loss_scope="per_token"))
+    torch.manual_seed(0)
+    rollout = module.rollout(["Hi", "Go"])
+    scored = module.score(rollout, torch.full((2,), 0.5, dtype=torch.float64))
+    assert torch.isfinite(scored.kl).all() and (scored.kl >= 0).all()  # clamped at 0
