@@ -115,8 +115,7 @@ def measure(name: str, task: BanditTask, k: int = 0, steps: int = 200, lr: float
         unclamped = registry("kl_estimator").create("topk", **{**vars(estimator.truncation), "clamp": False})
     logits = task.student.clone().requires_grad_()
     value, exact = estimate(estimator, logits, task.teacher, sampled), exact_kl(logits, task.teacher, towards)
-    (grad,) = torch.autograd.grad(value.sum(), logits, allow_unused=False) if value.requires_grad else (torch.zeros_like(logits),)
-    (exact_grad,) = torch.autograd.grad(exact.sum(), logits)
+    (grad,), (exact_grad,) = torch.autograd.grad(value.sum(), logits), torch.autograd.grad(exact.sum(), logits)
     start_kl, start_entropy = float(exact_kl(task.student, task.teacher, "reverse").mean()), entropy(task.student)
     optimiser = torch.optim.Adam([logits], lr=lr)
     clamped = 0
