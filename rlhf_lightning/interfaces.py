@@ -50,6 +50,21 @@ class Plugin(ABC):
         return self
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """What a truncated-support KL estimator keeps of the vocabulary (``plugins/kl_estimators.TopKKL``), read by
+    ``recipes.truncation_recipe``: the top ``k`` tokens of the ``teacher`` (pi_ref; a forward KL) or the ``student``
+    (pi; a reverse KL), the rest's mass as one ``tail`` symbol, both restrictions ``renormalise``-d, the sum
+    ``clamp``-ed at 0, or the ``generalised`` KL of the unnormalised masses (docs/divergences.md, "Truncated support")."""
+
+    k: int
+    of: Literal["teacher", "student"]
+    tail: bool = False
+    renormalise: bool = False
+    clamp: bool = False
+    generalised: bool = False
+
+
 class KLEstimator(Plugin):
     """Per-token estimate of KL(pi || pi_ref) at the sampled tokens of a response.
 
@@ -71,6 +86,8 @@ class KLEstimator(Plugin):
     # value is unchanged): E_old[grad w_t] = grad E_theta[1] = 0, so the mean gradient stays grad KL and
     # a score term carrying no signal goes. k1: grad(w k1) = w (k1 + 1) s; b = 1 leaves w k1 s, k3's.
     score_baseline: float = 0.0
+    # Set by an estimator that sums over part of the vocabulary (a top-k): recipes.truncation_recipe classes it.
+    truncation: Optional[Truncation] = None
 
     @abstractmethod
     def __call__(
