@@ -655,12 +655,16 @@ def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: 
     behaviour policy's; and need an engine that samples from a published copy of the weights, and with
     ``score_in_sampler`` a reward backend that may be called from the sampler's thread (``RewardModel.thread_safe``)."""
     if not off_policy.max_staleness:
-        unused = ("sampler_timeout_s", "correction", "correction_cap", "score_in_sampler")
+        unused = ("sampler_timeout_s", "correction", "correction_cap", "score_in_sampler", "trust_band")
         _warn(unused_settings("model.off_policy.", off_policy, unused, "with model.off_policy.max_staleness 0 (no sampler runs ahead)"))
         return
     _warn(
         off_policy.correction == "none"
         and unused_settings("model.off_policy.", off_policy, ("correction_cap",), "with model.off_policy.correction none")
+    )
+    _warn(
+        off_policy.correction not in trust_regions.TRUST_REGIONS
+        and unused_settings("model.off_policy.", off_policy, ("trust_band",), f"with model.off_policy.correction {off_policy.correction}")
     )
     require(
         not off_policy.score_in_sampler or getattr(reward_model, "thread_safe", True),
