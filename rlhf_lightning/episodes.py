@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,15 @@ _PLACEHOLDER = "\x00OBSERVATION\x00"
 
 class EnvironmentFault(ConfigError):
     """An environment raised or did not answer in time: one line naming it and the setting (exit 2)."""
+
+
+class EnvironmentInterrupted(EnvironmentFault):
+    """Ctrl+C while the run waited for an environment: one line, and the shell's status for SIGINT (130)."""
+
+    status = 130
+
+
+_POLL_S = 0.25  # an environment's answer is awaited in slices this long: a Ctrl+C is seen between them
 
 
 @dataclass
@@ -193,7 +203,7 @@ class EnvironmentCalls:
             self.queue.put((call, done, out))
         results = []
         for done, out in pending:
-            if not done.wait(self.timeout_s):
+            if not self._wait(done, name):
                 raise EnvironmentFault(
                     f"{self.what}.{name} did not answer within {self.timeout_s:g} s (model.environment.init_args.timeout_s)"
                 )
@@ -202,6 +212,21 @@ class EnvironmentCalls:
                 raise EnvironmentFault(f"{self.what}.{name} raised {type(err).__name__}: {err} (model.environment)") from err
             results.append(out["value"])
         return results
+
+    def _wait(self, done: threading.Event, name: str) -> bool:
+        """Whether ``done`` is set within ``timeout_s``, waited for in slices of ``_POLL_S``; a Ctrl+C meanwhile is one
+        line (:class:`EnvironmentInterrupted`), the calls in flight left to their daemon threads."""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while not done.wait(max(0.0, min(_POLL_S, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    return False
+        except KeyboardInterrupt:
+            raise EnvironmentInterrupted(
+                f"stopped by Ctrl+C while waiting for {self.what}.{name} (model.environment.init_args.timeout_s "
+                f"{self.timeout_s:g}); the iteration under way is not saved"
+            ) from None
+        return True
 
 
 @dataclass
