@@ -354,3 +354,36 @@ class IterationTimer(Callback):
         for logger in trainer.loggers:
             logger.log_metrics({"timing/iteration_s": now - self._since}, step=pl_module.step)  # the iteration's step, as its other scalars
         self._since = now
+
+
+class InterruptibleRendezvous(Callback):
+    """While the processes of a run form their world (torch.distributed's rendezvous blocks in C++, where Python's
+    Ctrl+C handler cannot run until the strategy's timeout), Ctrl+C ends the process at once (SIGINT's default action),
+    as the line printed before the wait says (``arm``, which the command calls); the handler before it is back once
+    the world has formed (``setup``, which Lightning calls after the rendezvous). The command adds it to every run."""
+
+    def __init__(self) -> None:
+        self.previous = None
+
+    def arm(self, trainer) -> None:
+        import signal
+        import sys
+
+        import torch.distributed
+
+        if trainer.world_size > 1 and not torch.distributed.is_initialized():
+            self.previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+            timeout = getattr(trainer.strategy, "_timeout", "unknown")
+            print(
+                f"waiting for the world of trainer.num_nodes={trainer.num_nodes} x trainer.devices={trainer.num_devices} processes "
+                f"to form (trainer.strategy's timeout {timeout}); Ctrl+C stops at once",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None

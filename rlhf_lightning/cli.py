@@ -110,6 +110,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
     # Imported, their callbacks resolve by bare name (class_path: KLGuard, KLToOptimum): of the lab, the meter alone.
     import rlhf_lightning.exact.meter
     import rlhf_lightning.kl_monitor  # noqa: F401
+    from rlhf_lightning.callbacks import InterruptibleRendezvous
     from rlhf_lightning.checkpoints import AtomicCheckpointIO, check_resume, find_last_checkpoint
     from rlhf_lightning.cpu import CPUSettings, apply_cpu_settings
     from rlhf_lightning.data import PromptDataModule
@@ -149,6 +150,9 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
 
         def _run_subcommand(self, subcommand: str) -> None:
             set_threads(self.cpu_settings().threads, processes=self.trainer.num_devices)
+            for callback in self.trainer.callbacks:
+                if isinstance(callback, InterruptibleRendezvous):
+                    callback.arm(self.trainer)
             try:
                 super()._run_subcommand(subcommand)
             except RuntimeError as err:
@@ -173,7 +177,7 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             if config.get("logger") in (None, True):  # Lightning's default logger, named after the run's config
                 configs = (self.config.get(self.subcommand) if self.subcommand else self.config).get("config") or []
                 config = {**config, "logger": default_logger(config.get("default_root_dir"), configs)}
-            return super()._instantiate_trainer(config, callbacks)
+            return super()._instantiate_trainer(config, [*callbacks, InterruptibleRendezvous()])
 
     load_plugins()  # before parsing: class_path and short names must resolve
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # --help shows each group field's docstring

@@ -123,6 +123,37 @@ def test_a_world_whose_other_node_never_comes_fails_within_the_timeout_naming_nu
     assert waits_for in line and f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}" in line and "NODE_RANK 0..1" in line, line
 
 
+def test_ctrl_c_while_the_world_forms_stops_at_once(tmp_path):
+    """Node 0 started alone waits for node 1 in torch's rendezvous (in C++, where Python's Ctrl+C handler cannot run
+    until the 30-minute timeout): the command says Ctrl+C stops at once, and it does, with the shell's status for
+    SIGINT."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import REPO
+
+    env = {**os.environ, "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    args = ("--trainer.num_nodes=2", "--trainer.devices=1", "--trainer.strategy=ddp")
+    command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", str(CONFIGS / "tiny.yaml"), *RUN_ARGS, *args]
+    run = subprocess.Popen(command, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    lines, deadline = [], time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = run.stderr.readline()
+        lines.append(line)
+        if not line or "Ctrl+C stops at once" in line:
+            break
+    assert "waiting for the world of trainer.num_nodes=2 x trainer.devices=1 processes to form" in lines[-1], "".join(lines)[-3000:]
+    time.sleep(2.0)  # into the rendezvous
+    run.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    run.communicate(timeout=60)
+    assert run.returncode == -signal.SIGINT and time.monotonic() - started < 30
+
+
 def prompt_loaders(prompts: list[str], world: int):
     """The training loaders of ``world`` ranks (batches of one prompt), with a stand-in for the trainer
     they read their position from (batches started: ``trainer.fit_loop...ready``)."""
