@@ -246,11 +246,14 @@ def test_the_environment_in_the_docs_runs_as_written():
 
     page = (Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
     code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
-    if "echo_twice" not in registry("environment"):
-        exec(compile(code, "docs/environments.md", "exec"), {})
-    module = make_module(environment="echo_twice", sampling=dict(max_new_tokens=4))
-    module.sampler.engine = Scripted([[[4, 5, 1]], [[6, 1]]])
-    episode = module.sampler.draw(["a"], 0, 0).episode
+    environments = registry("environment")
+    exec(compile(code, "docs/environments.md", "exec"), {})
+    try:
+        module = make_module(environment="echo_twice", sampling=dict(max_new_tokens=4))
+        module.sampler.engine = Scripted([[[4, 5, 1]], [[6, 1]]])
+        episode = module.sampler.draw(["a"], 0, 0).episode
+    finally:  # the registry as it was: the tests that read every registered plugin run in this process too
+        del environments._entries["echo_twice"], environments._names["echo_twice"]
     assert episode.turns.tolist()[0][:3] == [0, 0, 0] and episode.ended_by.tolist() == [ENDINGS.index("environment")]
     assert episode.turn_rewards.sum() == 1.0 and episode.policy_turns.tolist() == [2]
 
