@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -165,8 +166,15 @@ class PromptTable:
         return [self.ids[row] for row in self.rows(prompts).tolist()]
 
     def teacher_prompts(self, prompts: list[str]) -> list[str]:
-        """Each prompt's teacher prompt (a ConfigError for one not in the table: :meth:`rows`)."""
-        self.rows(prompts, "the teacher's prompts (model.prompts.teacher_template)")
+        """Each prompt's teacher prompt; a ConfigError for one of no prompt file's (the training and validation
+        files' prompts have one: :meth:`PromptDataModule.prompt_table`)."""
+        missing = [p for p in prompts if p not in self.teacher]
+        require(
+            not missing,
+            "the teacher's prompts (model.prompts.teacher_template)",
+            "of prompts of data.train_path, or of data.val_path when it has the template's columns (else set trainer.limit_val_batches: 0)",
+            missing[:3],
+        )
         return [self.teacher[prompt] for prompt in prompts]
 
     def rows(self, prompts: list[str], field: str = "the training batch") -> Tensor:
@@ -479,7 +487,13 @@ class PromptDataModule(LightningDataModule):
         }
         records = load_prompt_records(self.train_path, self.prompt_column, "data.train_path", extra)
         where = f"data.train_path: prompt file {self.train_path!r}"
-        return PromptTable.of(records, where, self.id_column, budget_column, teacher_template)
+        table = PromptTable.of(records, where, self.id_column, budget_column, teacher_template)
+        if teacher_template:  # the validation prompts' teachers too, where their file has the columns: validation scores them
+            with contextlib.suppress(ConfigError):
+                records += load_prompt_records(self.val_path, self.prompt_column, "data.val_path", dict(teacher))
+            where = f"data.train_path and data.val_path: prompt files {self.train_path!r}, {self.val_path!r}"
+            table = dataclasses.replace(table, teacher=PromptTable.of(records, where, teacher_template=teacher_template).teacher)
+        return table
 
     def train_dataloader(self) -> DataLoader:
         sampler = PromptSampler(

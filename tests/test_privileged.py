@@ -12,7 +12,7 @@ import torch
 
 from rlhf_lightning.args import PromptArgs
 from rlhf_lightning.checks import ConfigError, check_prompt_table
-from rlhf_lightning.data import PromptDataModule, PromptTable
+from rlhf_lightning.data import PromptDataModule, PromptTable, prompt_id
 from rlhf_lightning_plugins.beta_controllers import FixedBeta
 
 from helpers import CONFIGS, cli, make_module, run_cli
@@ -39,8 +39,20 @@ def test_the_prompt_table_renders_each_rows_teacher_prompt(tmp_path):
         "xyz\nThe answer is zero.",
         "n\nThe answer is 7.",  # a number as Python writes it
     ]
-    with pytest.raises(ConfigError, match=r"the teacher's prompts \(model.prompts.teacher_template\): every prompt must be one of"):
+    with pytest.raises(
+        ConfigError, match=r"the teacher's prompts \(model.prompts.teacher_template\) must be of prompts of data.train_path"
+    ):
         table.teacher_prompts(["not in the file"])
+
+
+def test_the_validation_prompts_have_their_teacher_where_their_file_has_the_columns(tmp_path):
+    """PassAtK and the validation loop score held-out prompts with the reference too."""
+    train = answer_file(tmp_path, ROWS[:2])
+    val = answer_file(tmp_path, ROWS[2:], "val.jsonl")
+    table = PromptDataModule(train_path=str(train), val_path=str(val)).prompt_table(None, TEMPLATE)
+    assert table.ids == [prompt_id("abc"), prompt_id("hello")] and table.teacher_prompts(["xyz", "abc"]) == ["xyz so zero", "abc so three"]
+    plain = PromptDataModule(train_path=str(train)).prompt_table(None, TEMPLATE)  # the built-in validation prompts: no answers
+    assert set(plain.teacher) == {"abc", "hello"}
 
 
 @pytest.mark.parametrize("template", ["{}", "{0}", "{answer.real}", "{answer[0]}", "{prompt", "{prompt}", " "])
