@@ -147,7 +147,7 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
                 if getattr(module, role) is not None:
                     getattr(module, role).check_prompts(prompts, field, f"model.{role}")
     table = getattr(module, "prompt_table", None)
-    if stage == "fit" and table is not None and table.teacher is not None:  # the teacher's prompts are scored in the same context
+    if table is not None and table.teacher is not None:  # the teacher's prompts are scored in the same context
         enc = module.prompts.encode(module.tokenizer, list(table.teacher.values()), "model.prompts.teacher_template")
         longest = max(longest or 0, int(enc["attention_mask"].sum(-1).max()))
     sampling, vocab = module.sampling, len(module.tokenizer)

@@ -462,7 +462,7 @@ class PPORLHF(LightningModule):
         self.rollout_engine.setup(self)
         self.check_reference()
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if stage == "fit":
+        if stage == "fit" or self.prompts.teacher_template:  # validation scores the reference under the teacher's prompts too
             self.prompt_table = self.training_prompt_table(datamodule)
             checks.check_prompt_table(self.prompt_table, self.beta_controller, self.prompts.teacher_template, datamodule)
             if self.beta_controller.keyed_by_prompt:

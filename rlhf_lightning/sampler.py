@@ -11,7 +11,8 @@ that who draws and who assembles can differ:
    (async_rollout.py) draws ahead on a published copy of older weights (``view``), and may ``score_drawn``
    there too (the reward, a frozen reference's log-probs).
 2. ``trajectory``: the rows assembled (prompt, response, masks, EOS), pi_old and V_old from the trainer's
-   networks, log pi_ref (or the sampler's), the starting policy's beside a moving or foreign reference, and the
+   networks, log pi_ref (or the sampler's; the response's ids after the teacher's prompt where
+   ``model.prompts.teacher_template`` gives one: ``reference_inputs``), the starting policy's beside a moving or foreign reference, and the
    rollout correction's weights.
 
 A new way of drawing plugs in at step 1: an episode with an environment (``model.environment``) is a ``draw``

@@ -162,6 +162,15 @@ def test_the_command_trains_with_a_teacher_that_sees_the_answer_and_refuses_a_mi
         "--data.batch_size=4",
     )
     assert bad.returncode == 2, bad.stderr[-2000:]
+    args = (
+        "--config",
+        str(CONFIGS / "tiny.yaml"),
+        f"--data.train_path={path}",
+        f"--data.val_path={path}",
+        f"--model.prompts.teacher_template={TEMPLATE}",
+    )
+    validate = cli(tmp_path / "validate", "validate", *args, "--trainer.limit_val_batches=1")  # held-out prompts scored by the teacher too
+    assert validate.returncode == 0, validate.stderr[-3000:]
     assert "model.prompts.teacher_template: column 'hint' not found in answers.jsonl" in bad.stderr
 
 
