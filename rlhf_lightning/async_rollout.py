@@ -90,6 +90,20 @@ def check_strategy(trainer, max_staleness: int) -> None:
     )
 
 
+def needed_versions(versions, iteration: int, k: int, first_version: int, handed: dict[int, Any]) -> set[int]:
+    """Which of the published ``versions`` a batch still to be handed over samples from, at ``iteration`` with
+    staleness ``k``: batch j (iteration < j <= iteration + k, not in ``handed``) samples version
+    max(first_version, j - k). Computed over the versions and the handed batches, never over the k batches (a k of
+    10**9 is as cheap as 1): a version v > first_version serves batch v + k alone; first_version serves every
+    j <= first_version + k, needed while one of them is not handed. So at most min(k, iterations so far) + 1
+    versions are kept (docs/async.md)."""
+    needed = {v for v in versions if first_version < v <= iteration < v + k and v + k not in handed}
+    first_batches = first_version + k - iteration  # batches j > iteration that sample first_version
+    if first_version in versions and first_batches > sum(iteration < j <= first_version + k for j in handed):
+        needed.add(first_version)
+    return needed
+
+
 class _Done:
     """A job run in the trainer's thread: its result or its exception, as a Future holds them."""
 
@@ -270,12 +284,8 @@ class AsyncRollouts:
             self._queue.put(None)
 
     def prune(self, iteration: int) -> None:
-        """Drop the published versions no batch still to be handed over samples from (each batch j > iteration
-        already handed over has its weights; the next to hand over, iteration + k + 1 onwards, need versions >
-        iteration)."""
-        pending = [j for j in range(iteration + 1, iteration + self.k + 1) if j not in self.jobs]
-        needed = {max(self.first_version, j - self.k) for j in pending}
-        for version in [v for v in self.versions if v not in needed]:
+        """Drop the published versions no batch still to be handed over samples from (:func:`needed_versions`)."""
+        for version in set(self.versions) - needed_versions(self.versions, iteration, self.k, self.first_version, self.jobs):
             del self.versions[version], self.steps[version]
 
     def close(self) -> None:

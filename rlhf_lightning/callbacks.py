@@ -128,7 +128,10 @@ class TensorBoardViews(Callback):
             if prompts.budgets is not None:
                 histograms["prompts/kl_over_budget"] = prompts.kl / prompts.budgets
             for tag, values in histograms.items():
-                trainer.logger.experiment.add_histogram(tag, values, global_step=pl_module.step)
+                # TensorBoard's histogram raises ("The histogram is empty") on values none of which is finite, or whose
+                # bins overflow (a beta near float32's largest): such a view is left out, never the run stopped for it
+                with contextlib.suppress(ValueError):
+                    trainer.logger.experiment.add_histogram(tag, values[torch.isfinite(values)], global_step=pl_module.step)
         if not self.every_n_steps or pl_module.step % self.every_n_steps:
             return
         rollout, scores, kl = outputs["rollout"], outputs["scores"], outputs["kl"]
@@ -207,6 +210,8 @@ def custom_scalars_layout(
             ("staleness (updates), max", "off_policy/staleness_max"),
             ("off-policy correction: share of tokens clipped", "off_policy/clipped_fraction"),
             ("off-policy correction: effective sample size", "off_policy/ess"),
+            ("off-policy correction: mean weight per token", "off_policy/weight_mass"),
+            ("off-policy correction: share of tokens outside the trust region", "off_policy/trust_masked_fraction"),
             ("seconds: the trainer's wait for the sampler", "timing/sampler_wait_s"),
             ("seconds: the sampler's draw", "timing/rollout_s"),
         ]

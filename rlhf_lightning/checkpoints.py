@@ -28,7 +28,7 @@ import torch
 from fsspec.utils import get_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlhf_lightning import args
@@ -102,6 +102,7 @@ def load_state(module, checkpoint: dict) -> None:
         plugin.beta = beta
     if resume.changes:
         rank_zero_info("resuming with changed settings (checkpoint -> config): " + "; ".join(resume.changes.values()))
+    _warn_dropped_prompt_ids(module)
     module._rng_to_restore = state.get("rng")
     if module.async_rollouts is not None:
         ranks, world = state.get("async_rollouts"), module.trainer.world_size if module._trainer is not None else 1
@@ -121,6 +122,24 @@ def load_state(module, checkpoint: dict) -> None:
     for saved in checkpoint.get("optimizer_states", []):
         for saved_group, group in zip(saved["param_groups"], module.configure_optimizers().param_groups, strict=False):
             saved_group.update({key: value for key, value in group.items() if key != "params"})
+
+
+def _warn_dropped_prompt_ids(module) -> None:
+    """A per-prompt controller resumed on a prompt file whose ids are not the ones it keyed its betas by (another file,
+    another ``data.id_column``, edited texts without ids): warn, naming how many and which, since those prompts' betas
+    are kept but never read, and the file's new prompts start from the population's beta."""
+    controller, table = module.beta_controller, module.prompt_table
+    if not controller.keyed_by_prompt or table is None:
+        return
+    saved, now = controller.prompt_ids(), set(table.ids)
+    dropped, new = [i for i in saved if i not in now], [i for i in table.ids if i not in set(saved)]
+    if dropped:
+        rank_zero_warn(
+            f"resuming: {len(dropped)} of the {len(saved)} prompt ids model.beta_controller {type(controller).__name__} keyed its "
+            f"betas by in the checkpoint are not in data.train_path ({', '.join(map(repr, dropped[:3]))}{', ...' if len(dropped) > 3 else ''}): "
+            f"their betas are kept but unused, and {len(new)} of the file's {len(table.ids)} prompts start from beta "
+            f"{controller.beta:.4g}; resume with the prompt file and data.id_column the run was trained with to keep each prompt's beta"
+        )
 
 
 # What a resume reads of the module's part of a checkpoint (``save_state``); the rest has defaults.
@@ -155,7 +174,7 @@ def checkpoint_state(checkpoint: Any, path: Any = None, complete: bool = True) -
     return state
 
 
-PLUGINS = ("reward_model", "beta_controller", "entropy_controller", "kl_estimator", "divergence", "advantage_estimator", "policy_loss")
+PLUGINS = ("reward_model", "beta_controller", "entropy_controller", "kl_estimator", "advantage_estimator", "policy_loss")
 PLUGINS += ("loss_aggregation", "reference_update")
 
 
@@ -165,13 +184,23 @@ def plugin_kinds(module) -> dict[str, Optional[str]]:
     return {name: None if getattr(module, name) is None else class_path(type(getattr(module, name))) for name in PLUGINS}
 
 
-def plugin_arguments(module) -> dict[str, dict]:
+# Plugins whose kind may change on resume, as beta may: a measurement, how the same distribution is drawn, the regulariser
+# (stateless; its beta goes on from the controller's). The change is logged.
+CHANGEABLE_PLUGINS = ("gold_reward_model", "rollout_engine", "divergence")
+
+
+def plugin_arguments(module) -> dict[str, Optional[dict]]:
     """Each plugin's class path and the arguments it was built with (``interfaces.Plugin.init_args``),
-    as plain values; the entropy controller that ``model.ppo.entropy_coef`` builds is that setting's."""
-    plugins = {name: getattr(module, name) for name in (*PLUGINS, "gold_reward_model")}
+    as plain values (None for a plugin that is off); the entropy controller that ``model.ppo.entropy_coef`` builds is
+    that setting's."""
+    plugins = {name: getattr(module, name) for name in (*PLUGINS, *CHANGEABLE_PLUGINS)}
     if module.ppo.entropy_coef:
         del plugins["entropy_controller"]
-    return {name: _plain(plugin) for name, plugin in plugins.items() if hasattr(plugin, "init_args")}
+    return {name: _plain(plugin) for name, plugin in plugins.items() if plugin is None or hasattr(plugin, "init_args")}
+
+
+def _plugin_name(plain: Optional[dict]) -> str:
+    return "none" if plain is None else plain["class_path"].rsplit(".", 1)[-1]
 
 
 def _entropy_change(module, saved: dict, saved_kind: Optional[str], resume: Resume) -> None:
@@ -254,7 +283,11 @@ def check_compatible(
         raise ConfigError("checkpoint is incompatible with this config (these settings cannot change on resume); " + "; ".join(differ))
     for name, plugin in plugin_arguments(module).items():
         old = (saved_args or {}).get(name)
-        if name in resume.fresh or old is None or canonical_class_path(old["class_path"]) != plugin["class_path"]:
+        if name in resume.fresh or name not in (saved_args or {}) or (old is None and plugin is None):
+            continue
+        if old is None or plugin is None or canonical_class_path(old["class_path"]) != plugin["class_path"]:
+            if name in CHANGEABLE_PLUGINS:  # another kind (the others were refused above)
+                resume.changes[f"model.{name}"] = f"model.{name}: {_plugin_name(old)} -> {_plugin_name(plugin)}"
             continue
         old, new = old["init_args"], plugin["init_args"]
         for key in [k for k in {**old, **new} if old.get(k, "unset") != new.get(k, "unset")]:

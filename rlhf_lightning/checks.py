@@ -22,6 +22,11 @@ def finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+# Where a number that multiplies or divides the float32 KLs and rewards must lie (a beta; a KL target or budget): float32's
+# normal numbers, rounded inward, so that none is an inf there, or a 0 that drops the regulariser without a word.
+FLOAT32_RANGE = (1e-37, 3e38)
+
+
 class ConfigError(ValueError):
     """A setting, a file it names, or a plugin's output that cannot work; its message names the
     field. The command prints it and exits with status 2, without a traceback."""
@@ -76,6 +81,17 @@ def plugin_field(field: str) -> str:
     match = _PLUGIN_FIELD.fullmatch(field)
     key = _BUILDING.get()
     return field if match is None or key is None else f"{key}.init_args.{match.group(1)}"
+
+
+def unused_settings(prefix: str, group: Any, names: tuple[str, ...], why: str) -> Optional[str]:
+    """The warning of the fields ``names`` of the settings dataclass ``group`` (``model.off_policy.``: ``prefix``) set away
+    from their defaults where ``why`` says nothing reads them (a timeout without a sampler thread), so that a setting is
+    never ignored unsaid; None where every one is at its default."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(group)}
+    changed = [f"{prefix}{name} {getattr(group, name)!r}" for name in names if getattr(group, name) != defaults[name]]
+    return f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} not used {why}" if changed else None
 
 
 def require_number(
@@ -137,12 +153,27 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
     :func:`check_context` once the policy's context is known."""
     if stage == "fit" and getattr(datamodule, "batch_size", None):
         check_batch_split(datamodule.batch_size, module.sampling, module.ppo)
-    longest = None
+        world = module.trainer.world_size if module._trainer is not None else 1
+        for role in ("beta_controller", "entropy_controller"):
+            if getattr(module, role) is not None:
+                per_prompt = module.sampling.num_generations
+                getattr(module, role).check_batch(datamodule.batch_size * per_prompt * world, per_prompt, f"model.{role}")
+    from rlhf_lightning.data import check_prompts, prompt_place
+
+    longest, settings = None, module.prompts
     for name in ("train_prompts", "val_prompts"):
         prompts, field = getattr(datamodule, name, None), f"data.{name.split('_')[0]}_path"
         if prompts:
-            enc = module.prompts.encode(module.tokenizer, prompts, field)
-            longest = max(longest or 0, int(enc["attention_mask"].sum(-1).max()))
+            path = getattr(datamodule, field.split(".")[1], None)
+            place = (
+                (lambda prompt, path=path, field=field: prompt_place(path, getattr(datamodule, "prompt_column", "prompt"), field, prompt))
+                if path
+                else None
+            )
+            length = check_prompts(
+                module.tokenizer, prompts, settings.chat_template, settings.max_length, settings.special_tokens, field, place
+            )
+            longest = max(longest or 0, length)
             for role in ("reward_model", "gold_reward_model"):
                 if getattr(module, role) is not None:
                     getattr(module, role).check_prompts(prompts, field, f"model.{role}")
@@ -174,6 +205,10 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
             "higher: the coefficient would only grow)",
             controller.target,
         )
+    if stage == "fit":
+        from rlhf_lightning.memory import check_memory
+
+        check_memory(module, datamodule, longest)
     return longest
 
 

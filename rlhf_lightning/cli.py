@@ -368,6 +368,12 @@ def check_config_files(argv: list[str]) -> None:
             raise ConfigError(f"--config {path}: the file is empty; expected settings such as model:, data:, trainer:")
         if not isinstance(settings, dict):
             raise ConfigError(f"--config {path}: expected a mapping of settings (model:, data:, trainer:), got a {type(settings).__name__}")
+        empty = empty_groups(settings)
+        if empty:
+            raise ConfigError(
+                f"--config {path}: {', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty: a group takes its settings under it; "
+                "write {} for its defaults, or leave the key out"
+            )
         flat.update({key: f"--config {path}" for key in settings.get("model") or {} if isinstance(settings.get("model"), dict)})
     moved = {key: where for key, where in flat.items() if (key in FLAT_KEYS and key not in FOLDED) or key in MOVED_OUT}
     if moved:
@@ -376,6 +382,24 @@ def check_config_files(argv: list[str]) -> None:
             + "; ".join(f"model.{key} ({where}) is now {new_key(key)}" for key, where in moved.items())
             + " (docs/configuration.md)"
         )
+
+
+def empty_groups(settings: dict) -> list[str]:
+    """The keys of a config file's settings that are groups left empty (YAML ``off_policy:`` with every line under it
+    commented out reads as null): the sections (``model:``), the module's groups (``model.off_policy``) and a plugin's
+    ``init_args``. Each would otherwise be jsonargparse's "Unexpected config" or a TypeError; a plugin argument left
+    empty (``model.beta_controller:``) is refused by the registry naming the choices."""
+    from rlhf_lightning.args import GROUPS
+
+    empty = [section for section in ("model", "data", "trainer", "cpu") if section in settings and settings[section] is None]
+    model = settings.get("model") if isinstance(settings.get("model"), dict) else {}
+    empty += [f"model.{name}" for name in GROUPS if name in model and model[name] is None]
+    empty += [
+        f"model.{name}.init_args"
+        for name, value in model.items()
+        if isinstance(value, dict) and "init_args" in value and value["init_args"] is None
+    ]
+    return empty
 
 
 RUNS = ("fit", "validate", "test", "predict")  # the subcommands that run the trainer

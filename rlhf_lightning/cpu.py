@@ -188,6 +188,9 @@ class OneDNNPrecision(Precision):
         return onednn_linear()
 
 
+THREADS_PER_CORE = 8  # the most threads per core cpu.threads may ask for
+
+
 @dataclass(frozen=True)
 class CPUSettings:
     """The command's ``cpu`` section: the kernels and allocator of a run on a CPU (ignored on a GPU)."""
@@ -203,10 +206,12 @@ class CPUSettings:
     from Python, null leaves torch's setting as it is."""
 
     def __post_init__(self) -> None:
+        most = THREADS_PER_CORE * available_cores()  # far past it the OpenMP runtime crashes (100000: a segmentation fault)
         require(
-            self.threads is None or (isinstance(self.threads, int) and self.threads >= 1),
+            self.threads is None or (isinstance(self.threads, int) and not isinstance(self.threads, bool) and 1 <= self.threads <= most),
             "cpu.threads",
-            "null or an integer >= 1",
+            f"null or an integer in [1, {most}] ({THREADS_PER_CORE} x the {available_cores()} cores this process may use: more threads "
+            "than cores only wait on each other)",
             self.threads,
         )
         require(

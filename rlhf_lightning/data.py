@@ -14,7 +14,9 @@ import dataclasses
 import hashlib
 import io
 import json
+import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rlhf_lightning.checks import missing_file
+from rlhf_lightning.checks import FLOAT32_RANGE, missing_file
 from rlhf_lightning.interfaces import ConfigError, finite_number, require, require_number
 
 PROMPTS_DIR = Path(__file__).parent / "prompts"  # the built-in prompt files (not the module data.py)
@@ -66,7 +68,7 @@ def load_prompt_records(
         records, columns = [(f"row {i + 1}", row) for i, row in enumerate(table)], table.column_names
     else:
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is no text
         except UnicodeDecodeError as err:
             line = path.read_bytes()[: err.start].count(b"\n") + 1
             raise ConfigError(f"{where} is not valid UTF-8 (line {line}, byte {err.start})") from None
@@ -80,11 +82,21 @@ def load_prompt_records(
         prompt = record.get(column)
         if not isinstance(prompt, str):
             raise ConfigError(f"{where}, {place}: the prompt in column {column!r} is {type(prompt).__name__} {prompt!r}, not text")
+        if (odd := NOT_TEXT.search(prompt)) is not None:
+            raise ConfigError(
+                f"{where}, {place}: the prompt in column {column!r} holds {odd.group()!r} at character {odd.start()}, which is no "
+                "text (a control character, or half of a UTF-16 pair escaped in JSON): a binary file, or an escape gone wrong?"
+            )
         if prompt.strip():
             prompts.append((place, prompt, {name: record.get(name) for name in extra or {}}))
     if not prompts:
         raise ConfigError(f"{field}: prompt file {str(path)!r} has no non-empty prompts in column {column!r}")
     return prompts
+
+
+# What no prompt text holds: C0 control characters but tab, newline, carriage return, vertical tab and form feed; DEL; and
+# lone surrogates (JSON's "\ud800" escapes one half of a UTF-16 pair, which no tokenizer can encode).
+NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\x7f\ud800-\udfff]")
 
 
 def prompt_id(prompt: str) -> str:
@@ -141,10 +153,11 @@ class PromptTable:
                 written = value = extra[budget_column]
                 with contextlib.suppress(ValueError):
                     value = float(value) if isinstance(value, str) else value  # a csv's cells are text
+                low, high = FLOAT32_RANGE  # a KL the float32 KL can meet: past it the ratio KL / budget is 0 or inf
                 require(
-                    finite_number(value) and not isinstance(value, bool) and value > 0,
+                    finite_number(value) and not isinstance(value, bool) and low <= value <= high,
                     f"{where}, {place}: the KL budget in column {budget_column!r} (model.beta_controller.init_args.budget_column)",
-                    "a finite number > 0",
+                    f"a finite number in [{low:g}, {high:g}] nats",
                     written,
                 )
                 if budgets.setdefault(identity, float(value)) != float(value):
@@ -259,40 +272,76 @@ def encode_prompts(
 ) -> dict[str, Tensor]:
     """Render (the chat template when the tokenizer has one and ``use_chat_template``) and left-pad;
     the attention mask comes from the tokenizer (never ``ids != pad``: a chat model's pad token
-    is often its end-of-turn token, inside every prompt). A ConfigError naming ``field``:
-    a prompt longer than ``max_prompt_length`` tokens, and (``special_tokens: refuse``) a prompt
-    whose text contains a special-token string (``<|im_end|>``, ...), which the tokenizer would
-    turn into the special token itself, so a prompt file could forge chat turns. Each distinct prompt
-    is rendered and tokenised once (a rollout repeats each prompt ``num_generations`` times)."""
+    is often its end-of-turn token, inside every prompt). Each prompt is checked first (:func:`check_prompts`),
+    so no batch is padded to a prompt the check refuses. Each distinct prompt is rendered and tokenised once
+    (a rollout repeats each prompt ``num_generations`` times)."""
     row_of = {prompt: row for row, prompt in enumerate(dict.fromkeys(prompts))}  # distinct prompts, first seen first
-    distinct = list(row_of)
+    texts, templated, _ = _rendered_lengths(tokenizer, prompts, list(row_of), use_chat_template, max_prompt_length, special_tokens, field)
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not templated)
+    rows = torch.tensor([row_of[prompt] for prompt in prompts])
+    return {"input_ids": enc["input_ids"][rows], "attention_mask": enc["attention_mask"][rows]}
+
+
+def check_prompts(
+    tokenizer,
+    prompts: list[str],
+    use_chat_template: bool,
+    max_prompt_length: int,
+    special_tokens: str,
+    field: str,
+    place: Optional[Callable[[str], str]] = None,
+) -> int:
+    """The checks of :func:`encode_prompts` on every prompt of a file, without padding any: the longest rendered
+    prompt in tokens. Token counts are taken a chunk of prompts at a time, so one line far longer than the rest
+    costs its own tokens, never the file's prompts x its length. ``place``: a refused prompt's place in its file
+    (:func:`prompt_place`), for the message."""
+    distinct = list(dict.fromkeys(prompts))
+    _, _, lengths = _rendered_lengths(tokenizer, prompts, distinct, use_chat_template, max_prompt_length, special_tokens, field, place)
+    return max(lengths)
+
+
+def prompt_place(path: str | Path, column: str, field: str, prompt: str) -> str:
+    """Where ``prompt`` first is in the prompt file ``path`` (``prompt file 'p.txt', line 16``), read again: for a message."""
+    place = next((place for place, text, _ in load_prompt_records(path, column, field) if text == prompt), "not found")
+    return f"prompt file {str(path)!r}, {place}"
+
+
+_CHUNK = 256  # prompts tokenised at a time to count their tokens
+
+
+def _rendered_lengths(tokenizer, prompts, distinct, use_chat_template, max_prompt_length, special_tokens, field, place=None):
+    """(texts, templated, token counts) of the ``distinct`` prompts of ``prompts``. A ConfigError naming ``field`` (and
+    the prompt's ``place`` where given): (``special_tokens: refuse``) a prompt whose text contains a special-token
+    string (``<|im_end|>``, ...), which the tokenizer would turn into the special token itself, so a prompt file could
+    forge chat turns; a prompt longer than ``max_prompt_length`` tokens, counted unpadded."""
+    at = (lambda prompt: f", {place(prompt)}") if place is not None else (lambda prompt: "")
     if special_tokens != "allow":
         specials = sorted({t for t in (*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()) if len(t) > 1})
         for prompt in distinct:
             found = [t for t in specials if t in prompt]
             if found:
                 raise ConfigError(
-                    f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}) contains the special token string(s) {found}, "
-                    "which would be tokenised as real special tokens (a forged chat turn or end of turn); remove them, or set "
-                    "model.prompts.special_tokens: allow for pre-rendered chat text"
+                    f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}{at(prompt)}) contains the special token string(s) "
+                    f"{found}, which would be tokenised as real special tokens (a forged chat turn or end of turn); remove them, or "
+                    "set model.prompts.special_tokens: allow for pre-rendered chat text"
                 )
-    template = use_chat_template and getattr(tokenizer, "chat_template", None)
-    if template:
+    templated = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
+    if templated:
         chat = [[{"role": "user", "content": p}] for p in distinct]
         texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chat]
     else:
         texts = distinct
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not template)
-    lengths = enc["attention_mask"].sum(-1)
-    too_long = (lengths > max_prompt_length).nonzero().flatten().tolist()
+    lengths = []
+    for start in range(0, len(texts), _CHUNK):  # unpadded: a list of ids per prompt
+        lengths += map(len, tokenizer(texts[start : start + _CHUNK], add_special_tokens=not templated)["input_ids"])
+    too_long = [row for row, length in enumerate(lengths) if length > max_prompt_length]
     if too_long:
         prompt = distinct[too_long[0]]
         raise ConfigError(
-            f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}...) is {int(lengths[too_long[0]])} tokens, longer than "
+            f"{field}: prompt {prompts.index(prompt)} ({prompt[:60]!r}...{at(prompt)}) is {lengths[too_long[0]]} tokens, longer than "
             f"model.prompts.max_length={max_prompt_length} ({len(too_long)} such distinct prompts)"
         )
-    rows = torch.tensor([row_of[prompt] for prompt in prompts])
-    return {"input_ids": enc["input_ids"][rows], "attention_mask": enc["attention_mask"][rows]}
+    return texts, templated, lengths
 
 
 def token_ids(tokenizer, tokens: list[str], field: str) -> Tensor:

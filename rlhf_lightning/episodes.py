@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,15 @@ _PLACEHOLDER = "\x00OBSERVATION\x00"
 
 class EnvironmentFault(ConfigError):
     """An environment raised or did not answer in time: one line naming it and the setting (exit 2)."""
+
+
+class EnvironmentInterrupted(EnvironmentFault):
+    """Ctrl+C while the run waited for an environment: one line, and the shell's status for SIGINT (130)."""
+
+    status = 130
+
+
+_POLL_S = 0.25  # an environment's answer is awaited in slices this long: a Ctrl+C is seen between them
 
 
 @dataclass
@@ -126,6 +136,17 @@ def check_settings(environment: Optional[Environment], sampling) -> None:
     )
 
 
+def most_tokens(environment: Optional[Environment], max_new_tokens: int) -> int:
+    """The most tokens a row's response (an episode's, after the prompt) can hold: ``max_new_tokens`` without an
+    environment; with one, ``max_turns`` turns of ``max_new_tokens`` and the environment's turns between them of at
+    most ``max_observation_tokens``, within ``max_total_tokens`` where it is set (what the memory estimate counts)."""
+    if environment is None:
+        return max_new_tokens
+    turns = environment.max_turns
+    most = turns * max_new_tokens + (turns - 1) * environment.max_observation_tokens
+    return most if environment.max_total_tokens is None else min(most, environment.max_total_tokens)
+
+
 def token_bound(environment: Environment, sampling, config: Any, longest_prompt: Optional[int]) -> Optional[int]:
     """The episode's tokens after the prompt, at most: ``max_total_tokens``, else what the policy's context (its
     ``config``) leaves after the longest prompt (``longest_prompt``; one token when unknown); None where neither is
@@ -182,7 +203,7 @@ class EnvironmentCalls:
             self.queue.put((call, done, out))
         results = []
         for done, out in pending:
-            if not done.wait(self.timeout_s):
+            if not self._wait(done, name):
                 raise EnvironmentFault(
                     f"{self.what}.{name} did not answer within {self.timeout_s:g} s (model.environment.init_args.timeout_s)"
                 )
@@ -191,6 +212,21 @@ class EnvironmentCalls:
                 raise EnvironmentFault(f"{self.what}.{name} raised {type(err).__name__}: {err} (model.environment)") from err
             results.append(out["value"])
         return results
+
+    def _wait(self, done: threading.Event, name: str) -> bool:
+        """Whether ``done`` is set within ``timeout_s``, waited for in slices of ``_POLL_S``; a Ctrl+C meanwhile is one
+        line (:class:`EnvironmentInterrupted`), the calls in flight left to their daemon threads."""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while not done.wait(max(0.0, min(_POLL_S, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    return False
+        except KeyboardInterrupt:
+            raise EnvironmentInterrupted(
+                f"stopped by Ctrl+C while waiting for {self.what}.{name} (model.environment.init_args.timeout_s "
+                f"{self.timeout_s:g}); the iteration under way is not saved"
+            ) from None
+        return True
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
-from rlhf_lightning.checks import ConfigError, ConfigFileNotFoundError, finite_number, require, require_number  # noqa: F401 (re-exported)
+from rlhf_lightning.checks import FLOAT32_RANGE, ConfigError, ConfigFileNotFoundError, finite_number, require, require_number  # noqa: F401 (re-exported)
 from rlhf_lightning.registry import register_kind
 from rlhf_lightning.reward_shaping import ScoreShaping, check_scores
 
@@ -50,6 +50,21 @@ class Plugin(ABC):
         return self
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """What a truncated-support KL estimator keeps of the vocabulary (``plugins/kl_estimators.TopKKL``), read by
+    ``recipes.truncation_recipe``: the top ``k`` tokens of the ``teacher`` (pi_ref; a forward KL) or the ``student``
+    (pi; a reverse KL), the rest's mass as one ``tail`` symbol, both restrictions ``renormalise``-d, the sum
+    ``clamp``-ed at 0, or the ``generalised`` KL of the unnormalised masses (docs/divergences.md, "Truncated support")."""
+
+    k: int
+    of: Literal["teacher", "student"]
+    tail: bool = False
+    renormalise: bool = False
+    clamp: bool = False
+    generalised: bool = False
+
+
 class KLEstimator(Plugin):
     """Per-token estimate of KL(pi || pi_ref) at the sampled tokens of a response.
 
@@ -71,6 +86,8 @@ class KLEstimator(Plugin):
     # value is unchanged): E_old[grad w_t] = grad E_theta[1] = 0, so the mean gradient stays grad KL and
     # a score term carrying no signal goes. k1: grad(w k1) = w (k1 + 1) s; b = 1 leaves w k1 s, k3's.
     score_baseline: float = 0.0
+    # Set by an estimator that sums over part of the vocabulary (a top-k): recipes.truncation_recipe classes it.
+    truncation: Optional[Truncation] = None
 
     @abstractmethod
     def __call__(
@@ -195,7 +212,13 @@ class BetaController(Plugin):
     them (and their budgets, :meth:`set_budgets`) at start-up, so its training batches must come from a prompt file."""
 
     def __init__(self, init_beta: float = 0.1, unit: KLUnit = "sequence_sum") -> None:
-        require_number("beta_controller.init_beta", init_beta, at_least=0)
+        require_number("beta_controller.init_beta", init_beta, at_least=0, at_most=FLOAT32_RANGE[1])
+        require(
+            init_beta == 0 or init_beta >= FLOAT32_RANGE[0],
+            "beta_controller.init_beta",
+            f"0 or at least {FLOAT32_RANGE[0]:g} (below, beta is 0 in the float32 reward: the regulariser vanishes unsaid)",
+            init_beta,
+        )
         require(unit in ("sequence_sum", "token_mean"), "beta_controller.unit", "'sequence_sum' or 'token_mean'", unit)
         self.beta = float(init_beta)
         self.unit = unit
@@ -207,9 +230,9 @@ class BetaController(Plugin):
     def checked_beta(self) -> float:
         """``beta``, refused unless a finite number >= 0 (a plugin's output the loop relies on)."""
         require(
-            finite_number(self.beta) and self.beta >= 0,
+            finite_number(self.beta) and 0 <= self.beta <= FLOAT32_RANGE[1],
             f"the beta of beta controller {type(self).__name__}",
-            "a finite number >= 0",
+            f"a finite number in [0, {FLOAT32_RANGE[1]:g}] (float32's range: it multiplies the float32 KL)",
             self.beta,
         )
         return float(self.beta)
@@ -222,9 +245,9 @@ class BetaController(Plugin):
         """:meth:`betas_of`, refused unless each is a finite number >= 0 (a plugin's output the loop relies on)."""
         betas = self.betas_of(prompt_ids)
         require(
-            bool(torch.isfinite(betas).all() and (betas >= 0).all()),
+            bool(torch.isfinite(betas).all() and (betas >= 0).all() and (betas <= FLOAT32_RANGE[1]).all()),
             f"the betas of beta controller {type(self).__name__}",
-            "finite numbers >= 0",
+            f"finite numbers in [0, {FLOAT32_RANGE[1]:g}] (float32's range: they multiply the float32 KL)",
             betas.tolist(),
         )
         return betas
@@ -237,6 +260,10 @@ class BetaController(Plugin):
 
     def set_budgets(self, budgets: Optional[dict[str, float]]) -> None:
         """Each prompt id's budget (the prompt file's ``budget_column``), at start-up: nothing to keep here."""
+
+    def check_batch(self, responses: int, per_prompt: int, field: str) -> None:
+        """At start-up: refuse (a ConfigError naming ``field``'s argument) steps that cannot work with iterations of
+        ``responses`` responses in all, ``per_prompt`` of each prompt; here every step can."""
 
     def update_prompts(self, prompt_ids: Sequence[str], observed_kls: Tensor, n_samples: Tensor) -> None:
         """Each prompt's observed KL in ``unit`` over its ``n_samples`` responses this iteration (every rank's),
@@ -283,6 +310,11 @@ class PerPromptBetaController(BetaController):
     def update_prompts(self, prompt_ids: Sequence[str], observed_kls: Tensor, n_samples: Tensor) -> None:
         """Update the betas of ``prompt_ids`` (the prompts of this iteration, on every rank) from each one's
         observed KL in ``unit`` over its ``n_samples`` responses; prompts not named keep their beta."""
+
+    def prompt_ids(self) -> list[str]:
+        """The ids of the prompts the controller holds a beta of (after a resume, the checkpoint's: compared with the
+        prompt file's, ``checkpoints.load_state``); here the keys of its state's ``betas``."""
+        return [str(prompt_id) for prompt_id in self.state_dict().get("betas", {})]
 
 
 class AdvantageEstimator(Plugin):
@@ -509,6 +541,17 @@ class RolloutEngine(Plugin):
         """Called once in the trainer's thread with the asynchronous sampler (``module``) before its
         first draw (which may run in a thread of its own, beside the trainer): start here what touches the process's
         state (its random generators, a collective)."""
+
+    def memory_bytes(
+        self, *, rows: int, prompt_tokens: int, new_tokens: int, vocab: int, layers: int, kv_width: int, weight_bytes: int, device
+    ) -> dict[str, tuple[int, str]]:
+        """What sampling ``rows`` responses of ``new_tokens`` to prompts of ``prompt_tokens`` holds beside the trainer's
+        tensors, for the start-up memory estimate (rlhf_lightning/memory.py): {what: (bytes, how to make it smaller: the
+        settings to change)}, from the policy's vocabulary, layers, KV width per layer and weights' bytes, on ``device``. The default,
+        ``hf``'s: a KV cache in float32 and the logits of every response position twice (generate's per step, stacked)."""
+        kv_cache = rows * (prompt_tokens + new_tokens) * layers * 2 * kv_width * 4
+        lower = "lower data.batch_size, model.sampling.num_generations or model.sampling.max_new_tokens"
+        return {"the KV cache and the logits of generation": (kv_cache + 2 * rows * new_tokens * vocab * 4, lower)}
 
     def stale(self, module) -> bool:
         """Whether the engine's own copy of the policy's weights lags behind the policy's (an engine

@@ -184,13 +184,14 @@ def _pretrained_location(
     path = Path(spec).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return str(path.parent), {"gguf_file": path.name}
-    if path.is_dir():
-        return str(path), {}
     builtins = [name for name in BUILTIN_MODELS if not (field == REFERENCE_FIELD and name == "tiny")]  # tiny: the policy's seed
-    raise missing_file(
-        f"{field} must be a built-in model ({', '.join(builtins)}), a local checkpoint folder or a .gguf file, got {spec!r}: no such folder or file",
-        spec,
-    )
+    requirement = f"a built-in model ({', '.join(builtins)}), a local checkpoint folder or a .gguf file"
+    if path.is_dir():
+        require(tokenizer_only or (path / "config.json").is_file(), field, requirement, f"{spec} (a folder without config.json)")
+        return str(path), {}
+    if path.exists():
+        raise ConfigError(f"{field} must be {requirement}, got {spec!r}: a file that is not a .gguf file")
+    raise missing_file(f"{field} must be {requirement}, got {spec!r}: no such folder or file", spec)
 
 
 REFERENCE_FIELD = "model.reference"
@@ -204,6 +205,8 @@ def reference_tokenizer(spec: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     require(spec not in ("tiny", "char"), REFERENCE_FIELD, "a checkpoint folder, a .gguf file or smollm2 (null: the starting policy)", spec)
+    if spec not in BUILTIN_MODELS:  # a checkpoint folder holds its config (a built-in one may be converted only when it loads)
+        _pretrained_location(spec, field=REFERENCE_FIELD)
     location, kwargs = _pretrained_location(spec, tokenizer_only=True, field=REFERENCE_FIELD)
     try:
         return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
@@ -291,7 +294,13 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
         tokenizer = char_tokenizer()
     else:
         location, kwargs = _pretrained_location(spec, tokenizer_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code, **kwargs)
+        except (OSError, ValueError, ImportError) as err:
+            raise ConfigError(
+                f"model.tokenizer (or model.policy where it is unset) {spec!r} holds no tokenizer that loads "
+                f"({str(err).splitlines()[0]}); save the policy's tokenizer beside its weights (tokenizer.save_pretrained(folder))"
+            ) from None
     require(
         tokenizer.pad_token is not None,
         "model.tokenizer",

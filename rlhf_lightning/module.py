@@ -72,6 +72,7 @@ from rlhf_lightning.regulariser import Regulariser
 from rlhf_lightning.sampler import Drawn, Sampler
 from rlhf_lightning.trajectory import IterationOutputs, PromptStats, Scored, Trajectory
 from rlhf_lightning.update import PPOUpdate
+from rlhf_lightning.weight_guard import WeightGuard
 
 # The frozen reference copy is in eval mode on purpose (dropout is off everywhere anyway).
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
@@ -144,12 +145,12 @@ class PPORLHF(LightningModule):
         self.networks: Optional[Networks] = None  # the part that runs them, once built (configure_model)
         self.sampler: Optional[Sampler] = None  # the part that draws rollouts with them (configure_model)
         self.update: Optional[PPOUpdate] = None  # the part that runs the PPO epochs on them (configure_model)
-        # max_staleness k > 0: the sampler that runs ahead (async_rollout.py, configure_model); None: the synchronous loop
-        self.async_rollouts: Optional[AsyncRollouts] = None
+        self.async_rollouts: Optional[AsyncRollouts] = None  # max_staleness > 0: the sampler that runs ahead; None: synchronous
         self.iteration = 0  # PPO iterations done; global_step counts optimizer steps instead
         self._rng_to_restore: Optional[dict] = None
         self.generation_seed_base = int(torch.initial_seed()) % 2**31  # saved with checkpoints
         self.faults = Faults(limit=self.runtime.max_consecutive_faults)
+        self.weight_guard = WeightGuard.of(self.off_policy, self.sampling)  # a batch whose correction weights are ~0: warn or stop
         self.longest_prompt: Optional[int] = None  # tokens, of the data module's prompt files (setup)
         self.prompt_table: Optional[PromptTable] = None  # the training prompts' ids and budgets (setup; prompt_stats)
 
@@ -323,8 +324,7 @@ class PPORLHF(LightningModule):
         }
 
     def compute_advantages(self, rewards: Tensor, rollout: Trajectory) -> tuple[Tensor, Optional[Tensor]]:
-        """The advantage estimator on the per-token rewards (and V_old with a critic), checked,
-        then whitened over the global batch when ``whiten_advantages``."""
+        """The advantage estimator on the rewards (V_old with a critic), checked, whitened when ``whiten_advantages``."""
         advantages, returns = self.advantage_estimator.checked(
             rewards, rollout.response_mask, rollout.old_values, self.sampling.num_generations, self._reduce
         )
@@ -401,8 +401,7 @@ class PPORLHF(LightningModule):
         )
 
     def check_reference(self) -> None:
-        """Before any model loads: a foreign ``model.reference`` exists and shares the policy's tokenizer
-        (``models.check_reference_tokenizer``)."""
+        """Before any model loads: a foreign ``model.reference`` exists and shares the policy's tokenizer (models.py)."""
         if self.hparams.reference is not None:
             models.check_reference_tokenizer(self.tokenizer, self.hparams.reference, self.loading.trust_remote_code)
 
@@ -519,6 +518,7 @@ class PPORLHF(LightningModule):
             reduce=self._reduce,
             world_size=world_size,
             critic_apart=self._critic_apart,
+            guard=self.weight_guard,
         )
 
     def _no_grad_sync(self, last: bool):

@@ -90,6 +90,25 @@ class Networks:
         device = next(self.policy.parameters()).device
         return bool(self.reduce(torch.tensor(float(flag), device=device)) > 0)
 
+    def nonfinite_weights(self, trained_only: bool = False) -> str:
+        """The weights holding inf or nan, as ``policy model.layers.0.mlp.up_proj.weight`` (the first three and how many),
+        '' where every one is finite on every rank: the policy's, the critic's and a foreign reference's (``trained_only``:
+        those the optimizer steps). One ``isfinite`` per tensor and one synchronisation, so it runs before every draw."""
+        models = {"policy": self.policy, "critic": self.critic, "model.reference": self.ref_model if self.foreign_reference else None}
+        named = [
+            (f"{role} {name}", local_tensor(p))
+            for role, model in models.items()
+            if model is not None
+            for name, p in model.named_parameters()
+            if p.requires_grad or not trained_only
+        ]
+        flags = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).cpu()
+        bad = [name for (name, _), ok in zip(named, flags.tolist(), strict=True) if not ok]
+        if not self.any_rank(bool(bad)):
+            return ""
+        listed = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        return f"{listed} ({len(bad)} of {len(named)} tensors)" if bad else "another rank's shards"
+
     # ------------------------------------------------------------------ forward passes
     def response_logits(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, return_hidden: bool = False):
         """Temperature-scaled float32 logits predicting each response token: (batch, response_len, vocab);
@@ -428,4 +447,11 @@ def build_networks(
         reduce=reduce,
     )
     networks.skeleton = skeleton
+    bad = networks.nonfinite_weights()
+    checks.require(
+        not bad,
+        "model.policy and model.reference",
+        "checkpoints of finite weights (a nan or inf weight makes every log-prob the sampler draws with nan)",
+        f"non-finite weights in {bad}",
+    )
     return networks

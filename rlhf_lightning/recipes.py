@@ -52,6 +52,8 @@ def kl_recipe(
     the KL's (k2, k3+, k1+, full). importance (and both): E_old[w (k s + grad k)] = grad E_theta[k]: right
     for an unbiased value whose gradient is its derivative (k1, k3, full). An estimator that ignores the
     sampled token (full) takes no ratio and is right either way."""
+    if estimator.truncation is not None:  # a top k of a forward or reverse KL: not the gradient that reaches pi*
+        return "biased", truncation_recipe(estimator)[1]
     if placement == "reward":
         if estimator.unbiased_as_reward:
             return "unbiased", ""
@@ -90,6 +92,8 @@ def kl_recipe_warning(estimator: KLEstimator, kl: KLArgs, ppo: PPOArgs, aggregat
     """The start-up warning of a KL recipe (:func:`kl_recipe`) that does not reach the KL-regularised optimum,
     naming the settings and what to use instead; None for the others, and for ``drift`` where every rollout
     makes one step (always on-policy) and ``length_weighted`` where every response has one token."""
+    if estimator.truncation is not None:
+        return truncation_warning(estimator)
     recipe, reason = kl_recipe(estimator, kl.placement, kl.loss_weighting, kl.loss_scope, aggregation)
     name = type(estimator).__name__
     if recipe == "length_weighted" and max_new_tokens > 1:
@@ -120,6 +124,60 @@ def kl_recipe_warning(estimator: KLEstimator, kl: KLArgs, ppo: PPOArgs, aggregat
     return None
 
 
+def direction_of(estimator: KLEstimator) -> str:
+    """``forward`` (KL(pi_ref || pi)) for an estimator over the teacher's top k, ``reverse`` (KL(pi || pi_ref)) for every other."""
+    truncation = estimator.truncation
+    return "forward" if truncation is not None and truncation.of == "teacher" else "reverse"
+
+
+def truncation_recipe(estimator: KLEstimator) -> tuple[str, str]:
+    """The class of a truncated-support estimator (``KLEstimator.truncation``; docs/divergences.md, "Truncated
+    support: top-k") against the full-vocabulary KL of its direction (:func:`direction_of`), with why; the one table
+    the start-up warning, the lab's rows (``tests/test_topk.py``) and the docs' table are checked against.
+
+    ``exact``: k >= V - 1 with the tail, k >= V otherwise (V is not known at start-up: a top k is classed as if k < V).
+    ``approximate``: a divergence of two distributions derived from both (the (k+1)-symbol coarsenings with the tail,
+    the restrictions to S renormalised, the generalised KL of the unnormalised masses on S): >= 0, 0 at the teacher,
+    so with a reward of 0 the teacher is a minimum; but the mass outside S is not pulled toward the teacher's, so
+    training lands where the start left it, and with a reward pi* is not a fixed point.
+    ``biased``: the plain truncated sum is negative wherever the other distribution has more mass on S: the teacher
+    renormalised on its top k is the forward sum's minimum (every other token's mass driven to 0), the student's
+    sum falls by moving its mass out of its own top k (the entropy rises); clamped at 0 it has no gradient wherever
+    that happens; renormalised at k = 1 it is identically 0."""
+    t = estimator.truncation
+    if t is None:
+        return "exact", ""
+    if t.renormalise and t.k == 1:
+        return "biased", "renormalised on one token both distributions are 1 there: the value and its gradient are identically 0"
+    if t.tail or t.renormalise or t.generalised:
+        what = "the (k+1)-symbol coarsenings (the tail as one symbol)" if t.tail else "the restrictions to the top k, renormalised"
+        what = "the unnormalised masses on the top k (the generalised KL)" if t.generalised else what
+        return "approximate", (
+            f"a KL of {what}: 0 at the teacher, but the mass outside the top k is not pulled toward the teacher's, so training "
+            "lands away from the optimum where the start puts it elsewhere, and with a reward pi* is not a fixed point"
+        )
+    sign = (
+        "the teacher's top-k sum is negative where the student has more mass there, its minimum the teacher renormalised on its top k"
+        if t.of == "teacher"
+        else "the student's top-k sum is negative where the teacher has more mass there, and falls as the student moves mass out of its top k"
+    )
+    return "biased", sign + ("; clamped at 0 it gives no gradient wherever that happens" if t.clamp else "")
+
+
+def truncation_warning(estimator: KLEstimator) -> Optional[str]:
+    """The start-up warning of a truncated-support estimator that is not exact (:func:`truncation_recipe`), None for the others."""
+    recipe, reason = truncation_recipe(estimator)
+    if recipe == "exact" or estimator.truncation is None:
+        return None
+    t = estimator.truncation
+    objective = "KL(pi_ref || pi), the forward KL" if t.of == "teacher" else "KL(pi || pi_ref), the reverse KL"
+    return (
+        f"model.kl_estimator {type(estimator).__name__} (top {t.k} of the {t.of}) is {recipe} against {objective} over the whole "
+        f"vocabulary: {reason} (docs/divergences.md, 'Truncated support: top-k'). Use full for the exact reverse KL, "
+        "topk_forward_tail with k >= V - 1 for the exact forward KL, or k3+ in the loss (the sampled token's)."
+    )
+
+
 def off_policy_recipe(correction: str, max_staleness: int) -> tuple[str, str]:
     """The class of a correction for stale samples (docs/kl-estimators.md, "Stale samples"), with why: the one table
     the start-up warning, ``tools/studies/optimum_check.py --max-staleness`` and the docs' table are checked against.
@@ -133,7 +191,8 @@ def off_policy_recipe(correction: str, max_staleness: int) -> tuple[str, str]:
     for any f: the expected gradient is the synchronous loop's, for every placement, estimator and scope (the exact
     lab's stale path equals the synchronous one, ``tests/test_off_policy.py``). Truncated at the cap, E_mu[min(W, c) f]
     = E_prox[min(1, c / W) f]: exact where no response's W exceeds c; ``off_policy/clipped_fraction`` reads how often.
-    ``approximate``: ``token``: w_t = pi_prox(y_t|s_t) / mu(y_t|s_t) turns the token drawn at each visited state into
+    ``approximate``: ``token``, and the sampler-side trust regions (``icepop``, ``ipo``, ``m2po``: ``trust_regions``, the
+    token's weight inside the region, 0 outside; at the fixed point mu = pi_prox every token is inside). ``token``: w_t = pi_prox(y_t|s_t) / mu(y_t|s_t) turns the token drawn at each visited state into
     pi_prox's, but the states are mu's (the prefix's ratio is dropped) and so is the continuation after the token (the
     return, the KL still to come): a bias of the order of how far pi moved in k updates. The fixed point is pi* all the
     same (where pi stops moving mu = pi_prox).
@@ -144,6 +203,12 @@ def off_policy_recipe(correction: str, max_staleness: int) -> tuple[str, str]:
         return "on_policy", ""
     if correction == "sequence":
         return "exact", ""
+    if correction in ("icepop", "ipo", "m2po"):
+        return "approximate", (
+            f"the {correction} trust region weighs each token by pi_prox / mu inside it and drops the tokens outside it: the "
+            "states and the continuation stay mu's, and a dropped token's gradient is lost while mu is far from pi_prox; "
+            "a sampler whose numerics stay off keeps dropping them and lands off pi* (docs/async.md, 'Sampler-side trust regions')"
+        )
     if correction == "token":
         return "approximate", (
             "the per-token weight pi_prox / mu corrects the token drawn at each state, not which states mu visits nor the "

@@ -63,6 +63,9 @@ class Regulariser:
                 f"the {type(self.divergence).__name__} penalty beta f'(u) is not finite in the reward's {kl.dtype} "
                 f"for responses {bad}: {penalty[bad].tolist()}"
             )
+        elif penalty is None and not (finite := torch.isfinite(betas.to(kl.device, kl.dtype).unsqueeze(-1) * kl).all(-1)).all():
+            bad = (~finite).nonzero().flatten().tolist()  # a beta so large that beta * kl_t overflows the reward's dtype
+            fault = f"the penalty beta * kl_t is not finite in the reward's {kl.dtype} for responses {bad}: KL {kl.sum(-1)[bad].tolist()}"
         else:
             return None
         bad_betas = sorted(set(betas[bad].tolist()))  # one beta, or each bad row's prompt's

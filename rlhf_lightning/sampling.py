@@ -18,13 +18,14 @@ Pure functions on tensors; the sampler calls them in ``Sampler.trajectory``.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf_lightning import ppo_math as pm
+from rlhf_lightning import trust_regions
 
 OUTSIDE_LOGIT = -1e4  # a token outside the kept set: probability exactly 0 (exp underflows), finite log-ratios and entropies
 
@@ -98,7 +99,7 @@ def min_new_tokens_ban(shape: tuple[int, ...], eos_token_id: int, min_new_tokens
 
 
 def correction_weights(
-    trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, mode: Literal["none", "tis", "mis", "seq_tis", "seq_mis"], cap: float
+    trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, mode: str, cap: trust_regions.Setting, share: Optional[Tensor] = None
 ) -> Optional[Tensor]:
     """Importance weights from the sampler to the trainer's pi_old, (batch, response_len), zero off
     ``mask``, without gradient. Per token (``tis``, ``mis``) w_t = pi_old(y_t | s_t) / pi_sampler(y_t | s_t);
@@ -107,10 +108,15 @@ def correction_weights(
     per-token weight leaves drawn from the sampler). ``*tis``: min(w, cap) (truncated importance
     sampling, Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
     training"); ``*mis``: w inside [1 / cap, cap], 0 outside (masked importance sampling: a token or
-    response whose probabilities disagree that much is dropped); ``none``: None."""
+    response whose probabilities disagree that much is dropped); ``none``: None. A trust region of :mod:`trust_regions`
+    (``icepop``, ``ipo``, ``m2po``): w_t inside the region, 0 outside, ``cap`` its setting (``share`` (batch, 1): each
+    row's weight in m2po's batch mean)."""
     if mode == "none":
         return None
     log_w = pm.masked_select(trainer_logprobs.double() - sampler_logprobs.double(), mask)
+    if mode in trust_regions.TRUST_REGIONS:
+        keep = trust_regions.keep_mask(mode, log_w, sampler_logprobs, mask, cap, share)
+        return pm.masked_select(torch.where(keep, log_w.exp(), torch.zeros_like(log_w)), mask).float()
     if mode.startswith("seq_"):
         log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
     w = log_w.exp()
@@ -139,8 +145,8 @@ def off_policy_weight_metrics(
     trainer_logprobs: Tensor,
     sampler_logprobs: Tensor,
     mask: Tensor,
-    mode: Literal["none", "tis", "mis", "seq_tis", "seq_mis"],
-    cap: float,
+    mode: str,
+    cap: trust_regions.Setting,
     share: Optional[Tensor] = None,
     sum_fn=None,
 ) -> dict[str, float]:
@@ -153,7 +159,11 @@ def off_policy_weight_metrics(
       (sum_i w_i)^2 / (n sum_i w_i^2) in (0, 1] (Kish): 1 when every weight is equal, 1 / n when one sample carries
       them all. The samples are the tokens (``tis``, ``mis``) or the responses (``seq_*``); with ``none`` (nothing
       weighed) it is the ESS the exact correction's weights pi_prox(y) / mu(y) would have: how far the batch is from
-      on-policy.
+      on-policy;
+    - ``off_policy/weight_mass``: the mean weight applied per response token (a response's weight on each of its
+      tokens in a sequence mode): 1 in expectation for the exact weights; near 0 the loss is near 0 (``weight_guard``);
+    - ``off_policy/trust_masked_fraction``, with a trust region (``icepop``, ``ipo``, ``m2po``): the share of tokens
+      outside it (their weight 0; the same as ``clipped_fraction`` there).
 
     ``share`` (batch, 1) weighs each row (the exact lab's mu(y|x) per enumerated response; None: each row once)."""
     reduce = sum_fn or (lambda t: t)
@@ -164,7 +174,11 @@ def off_policy_weight_metrics(
     if per_sequence:
         log_w = log_w.sum(-1, keepdim=True)
     raw = log_w.exp()
-    if mode.endswith("tis"):
+    trust = mode in trust_regions.TRUST_REGIONS
+    if trust:
+        clipped = ~trust_regions.keep_mask(mode, log_w, sampler_logprobs, mask, cap, share) & mask.bool()
+        applied = torch.where(clipped, torch.zeros_like(raw), raw)
+    elif mode.endswith("tis"):
         clipped, applied = raw > cap, raw.clamp(max=cap)
     elif mode.endswith("mis"):
         clipped = (raw > cap) | (raw < 1 / cap)
@@ -173,10 +187,14 @@ def off_policy_weight_metrics(
         clipped, applied = torch.zeros_like(raw, dtype=torch.bool), raw
     units = share * (mask.amax(-1, keepdim=True) if per_sequence else mask)  # each sample's weight in the sums
     tokens = share * mask
-    clipped_tokens = (tokens * clipped.expand_as(tokens)).sum()
-    sums = reduce(torch.stack([(units * applied).sum(), (units * applied**2).sum(), units.sum(), clipped_tokens, tokens.sum()]))
-    total, squares, n, clipped_total, token_total = sums
-    return {
+    clipped_tokens, token_mass = (tokens * clipped.expand_as(tokens)).sum(), (tokens * applied.expand_as(tokens)).sum()
+    sums = [(units * applied).sum(), (units * applied**2).sum(), units.sum(), clipped_tokens, tokens.sum(), token_mass]
+    total, squares, n, clipped_total, token_total, mass = reduce(torch.stack(sums))
+    out = {
         "off_policy/clipped_fraction": float(clipped_total / token_total.clamp(min=1e-300)),
         "off_policy/ess": float(total**2 / (n * squares).clamp(min=1e-300)),
+        "off_policy/weight_mass": float(mass / token_total.clamp(min=1e-300)),
     }
+    if trust:
+        out["off_policy/trust_masked_fraction"] = out["off_policy/clipped_fraction"]
+    return out

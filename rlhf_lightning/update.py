@@ -17,11 +17,12 @@ from torchmetrics import MeanMetric
 from rlhf_lightning import ppo_math as pm
 from rlhf_lightning import sampling
 from rlhf_lightning.args import PPOArgs
-from rlhf_lightning.checks import nonfinite_terms
+from rlhf_lightning.checks import ConfigError, nonfinite_terms
 from rlhf_lightning.interfaces import BetaController, LossAggregation, PolicyLoss
 from rlhf_lightning.networks import Networks
 from rlhf_lightning.regulariser import Regulariser
 from rlhf_lightning.trajectory import Trajectory
+from rlhf_lightning.weight_guard import WeightGuard
 
 Reduce = Callable[..., Tensor]
 UPDATE_STATS = ("policy/loss", "policy/clipfrac", "policy/approxkl", "value/loss", "value/clipfrac", "policy/kl_loss", "policy/entropy")
@@ -68,11 +69,16 @@ class PPOUpdate:
         reduce: Reduce,
         world_size: int = 1,
         critic_apart: bool = False,
+        guard: Optional[WeightGuard] = None,
     ) -> int:
         """All PPO epochs over the rollout, one optimizer step per minibatch; ``kl_coef`` (batch,) is beta times the
         advantage estimator's gradient scale of each response (a KL in the loss is weighed against the reward as
         configured); ``values``: the first minibatch's critic forward (``Networks.first_critic_values``). Returns how
-        many steps were skipped because a loss was not finite on some rank (gradients dropped, weights untouched)."""
+        many steps were skipped because a loss was not finite on some rank (gradients dropped, weights untouched).
+        ``guard``: the rollout's correction weights checked first, a batch whose weights are (almost) all zero warned
+        of or refused (``weight_guard``): never a silent update on a zero loss."""
+        if guard is not None:
+            guard.check(rollout.is_weights, rollout.response_mask, reduce)
         skipped = 0
         for _ in range(self.ppo.epochs):
             order = torch.randperm(rollout.input_ids.shape[0], device=rollout.input_ids.device)
@@ -87,6 +93,14 @@ class PPOUpdate:
                     skipped += 1
                 optimizer.zero_grad(set_to_none=True)
                 values = None
+        bad = self.networks.nonfinite_weights(trained_only=True)
+        if bad:  # stopped here, before the sampler draws from them (and before any checkpoint holds them)
+            lr = ", ".join(f"{group.get('name', 'params')} {group['lr']:g}" for group in optimizer.param_groups)
+            raise ConfigError(
+                f"the weights are not finite after this iteration's update: {bad}, though every loss was finite: a gradient or "
+                f"an optimizer step overflowed them; lower model.optim.lr ({lr}) or set model.optim.max_grad_norm. Stopped before "
+                "the sampler draws from them; the last checkpoint holds the weights before"
+            )
         return skipped
 
     def accumulate(

@@ -426,3 +426,22 @@ class Echo(Environment):
         return Step(
             observation=self.text, observation_ids=self.answer, reward=self.reward, done=done, info={"tool_call": True, "tool_ok": not done}
         )
+
+
+class Slow(Environment):
+    """Answers after ``seconds`` (writing the file ``stepping`` in the working folder when a step starts): an
+    environment the run waits for."""
+
+    def __init__(self, seconds: float = 600.0, **limits) -> None:
+        super().__init__(**{"timeout_s": 600.0, **limits})
+        self.seconds = seconds
+
+    def reset(self, prompt, seed):
+        return {}
+
+    def step(self, state, turn_text, turn_ids):
+        import time
+
+        Path("stepping").touch()
+        time.sleep(self.seconds)
+        return Step(done=True)

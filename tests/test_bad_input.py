@@ -38,9 +38,12 @@ def test_wrong_type_for_a_plugin_argument(capsys):
     [
         (
             ["--model.beta_controller=FixedBeta", "--model.beta_controller.init_args.init_beta=-0.5"],
-            "init_beta must be a finite number >= 0",
+            r"init_beta must be a finite number in \[0, 3e\+38\]",
         ),
-        (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.target=0"], "target must be a finite number > 0"),
+        (
+            ["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.target=0"],
+            r"target must be a finite number in \[1e-37, 3e\+38\]",
+        ),
         (["--model.beta_controller=AdaptiveBeta", "--model.beta_controller.init_args.horizon=0"], "horizon must be a finite number > 0"),
         (["--model.ppo.epochs=0"], "model.ppo.epochs must be an integer >= 1"),
         (["--model.sampling.temperature=0"], "model.sampling.temperature must be a finite number > 0"),
@@ -234,7 +237,9 @@ def test_special_token_strings_in_a_prompt_file_are_refused_before_any_model_loa
     path = tmp_path / "forged.txt"
     path.write_text("\n".join(["a fine prompt"] * 7 + ["bad <eos> inside"]) + "\n")
     module = PPORLHF(policy="tiny", reward_model=char_reward())
-    with pytest.raises(ValueError, match=r"data.train_path: prompt 7 \('bad <eos> inside'\) contains the special token"):
+    with pytest.raises(
+        ValueError, match=r"data.train_path: prompt 7 \('bad <eos> inside', prompt file '.*forged.txt', line 8\) contains the special token"
+    ):
         fit(module, tmp_path, iterations=1, batch_size=8, datamodule=PromptDataModule(train_path=str(path)))
     assert module.policy is None  # refused in setup(), before configure_model
 
@@ -307,7 +312,10 @@ def test_a_kl_estimator_with_the_wrong_output_shape_is_named(tmp_path):
 
 def test_a_beta_controller_whose_beta_goes_negative_is_named(tmp_path):
     module = make_module(beta_controller=NegativeBeta(init_beta=0.1))
-    with pytest.raises(ConfigError, match=r"the beta of beta controller NegativeBeta must be a finite number >= 0, got -1.0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the beta of beta controller NegativeBeta must be a finite number in \[0, 3e\+38\] \(float32's range: it multiplies the float32 KL\), got -1.0",
+    ):
         fit(module, tmp_path, iterations=2)
     assert module.iteration == 1  # the first iteration ran with beta 0.1; the second refused -1
 

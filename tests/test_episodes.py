@@ -355,3 +355,42 @@ def test_the_environment_s_calls_reuse_a_few_threads():
         episode = module.sampler.draw(["a"] * 300, i, i).episode
         assert episode.policy_turns.tolist() == [2] * 300
     assert threading.active_count() - before <= 8
+
+
+def test_the_most_tokens_an_episode_holds_bound_the_memory_estimate():
+    from rlhf_lightning.episodes import most_tokens
+
+    assert most_tokens(None, 24) == 24
+    assert most_tokens(Echo(max_turns=3, max_observation_tokens=10), 24) == 3 * 24 + 2 * 10
+    assert most_tokens(Echo(max_turns=3, max_observation_tokens=10, max_total_tokens=50), 24) == 50
+
+
+def test_ctrl_c_while_an_environment_answers_is_one_line_and_status_130(tmp_path):
+    """Through the command: an environment that takes its time, a Ctrl+C (SIGINT, twice: the first lets the iteration
+    finish) while the run waits for it, and the run ends at once with one line naming the environment and exit 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import CONFIGS, REPO
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    args = ["fit", "--config", str(CONFIGS / "tiny.yaml"), "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0"]
+    args += ["--model.environment=helpers.Slow", "--model.sampling.max_new_tokens=4"]
+    run = subprocess.Popen([sys.executable, "-m", "rlhf_lightning.cli", *args], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    marker = tmp_path / "stepping"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), run.stderr.read() if run.poll() is not None else "no step in 300 s"
+    run.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    run.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode == 130, stderr[-3000:]
+    assert time.monotonic() - started < 60  # not the environment's 600 s
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stopped by Ctrl+C while waiting for environment Slow.step"), last

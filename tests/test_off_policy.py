@@ -40,16 +40,25 @@ def test_clipped_fraction_and_ess_by_hand():
     tis at 1.8: w = (1.8, 1.5, 0.5, 1): 4.8^2 / (4 * 6.74) = 0.854599, one token of four clipped;
     seq_tis at 2: W = (2, 0.5): 2.5^2 / (2 * 4.25) = 0.735294, row 0's two tokens of four clipped;
     none: nothing weighed nor clipped, the ESS the exact weights (3, 0.5) would have: 3.5^2 / (2 * 9.25) = 0.662162.
-    A padded token (row 1's second) leaves the sums: tis 3.8^2 / (3 * 5.74) = 0.838560, a third clipped."""
+    A padded token (row 1's second) leaves the sums: tis 3.8^2 / (3 * 5.74) = 0.838560, a third clipped. The weight mass is
+    the mean weight per token: 4.8 / 4, (2 + 2 + 0.5 + 0.5) / 4, (3 + 3 + 0.5 + 0.5) / 4 and, padded, 3.8 / 3."""
     metrics = off_policy_weight_metrics(PROX, MU, ONES, "tis", 1.8)
-    assert metrics == pytest.approx({"off_policy/clipped_fraction": 0.25, "off_policy/ess": 23.04 / 26.96}, abs=1e-6)
+    assert metrics == pytest.approx(
+        {"off_policy/clipped_fraction": 0.25, "off_policy/ess": 23.04 / 26.96, "off_policy/weight_mass": 1.2}, abs=1e-6
+    )
     metrics = off_policy_weight_metrics(PROX, MU, ONES, "seq_tis", 2.0)
-    assert metrics == pytest.approx({"off_policy/clipped_fraction": 0.5, "off_policy/ess": 6.25 / 8.5}, abs=1e-6)
+    assert metrics == pytest.approx(
+        {"off_policy/clipped_fraction": 0.5, "off_policy/ess": 6.25 / 8.5, "off_policy/weight_mass": 1.25}, abs=1e-6
+    )
     metrics = off_policy_weight_metrics(PROX, MU, ONES, "none", 2.0)
-    assert metrics == pytest.approx({"off_policy/clipped_fraction": 0.0, "off_policy/ess": 12.25 / 18.5}, abs=1e-6)
+    assert metrics == pytest.approx(
+        {"off_policy/clipped_fraction": 0.0, "off_policy/ess": 12.25 / 18.5, "off_policy/weight_mass": 1.75}, abs=1e-6
+    )
     padded = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     metrics = off_policy_weight_metrics(PROX, MU, padded, "tis", 1.8)
-    assert metrics == pytest.approx({"off_policy/clipped_fraction": 1 / 3, "off_policy/ess": 14.44 / 17.22}, abs=1e-6)
+    assert metrics == pytest.approx(
+        {"off_policy/clipped_fraction": 1 / 3, "off_policy/ess": 14.44 / 17.22, "off_policy/weight_mass": 3.8 / 3}, abs=1e-6
+    )
     # on-policy: every weight 1, ESS 1; a share per row weighs the sums like that many copies of it
     assert off_policy_weight_metrics(MU, MU, ONES, "seq_tis", 2.0)["off_policy/ess"] == pytest.approx(1.0)
     shared = off_policy_weight_metrics(PROX, MU, ONES, "none", 2.0, share=torch.tensor([2.0, 1.0]))
@@ -91,7 +100,7 @@ def test_each_correction_is_declared():
     assert "Use model.off_policy.correction: sequence" in text
     text = recipes.off_policy_warning("token", 1)
     assert "is approximate: the per-token weight pi_prox / mu corrects the token drawn at each state" in text
-    assert set(args.OFF_POLICY_WEIGHTS.values()) <= {"seq_tis", "tis", "none"}
+    assert set(args.OFF_POLICY_WEIGHTS.values()) <= {"seq_tis", "tis", "none", "icepop", "ipo", "m2po"}
 
 
 # ---------------------------------------------------------------------- the exact lab: no sampling noise
@@ -162,7 +171,7 @@ def test_the_settings():
     from rlhf_lightning.args import OffPolicyArgs, SamplingArgs
     from rlhf_lightning.checks import ConfigError
 
-    with pytest.raises(ConfigError, match=r"model\.off_policy\.correction must be one of sequence, token, none"):
+    with pytest.raises(ConfigError, match=r"model\.off_policy\.correction must be one of sequence, token, none, icepop, ipo, m2po"):
         OffPolicyArgs(correction="seq")
     with pytest.raises(ConfigError, match=r"model\.off_policy\.correction_cap"):
         OffPolicyArgs(correction_cap=0.5)

@@ -154,9 +154,9 @@ def test_a_prompt_file_gives_ids_and_budgets_and_a_hash_without_an_id_column(tmp
         (
             [{"prompt": "a", "kl_budget": "abc"}],
             None,
-            r"line 1: the KL budget in column 'kl_budget' \(model.beta_controller.init_args.budget_column\) must be a finite number > 0, got 'abc'",
+            r"line 1: the KL budget in column 'kl_budget' \(model.beta_controller.init_args.budget_column\) must be a finite number in \[1e-37, 3e\+38\] nats, got 'abc'",
         ),
-        ([{"prompt": "a", "kl_budget": 0}], None, "line 1: the KL budget .* must be a finite number > 0, got 0"),
+        ([{"prompt": "a", "kl_budget": 0}], None, r"line 1: the KL budget .* must be a finite number in \[1e-37, 3e\+38\] nats, got 0"),
         ([{"prompt": "a", "kl_budget": 1}, {"prompt": "b", "kl_budget": None}], None, "line 2: the KL budget .* got None"),
         ([{"prompt": "a", "kl_budget": True}], None, "got True"),
         ([{"prompt": "a", "kl_budget": "nan"}], None, "got 'nan'"),

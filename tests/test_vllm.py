@@ -313,3 +313,25 @@ def test_episodes_on_the_vllm_engine_score_the_ids_it_drew():
     }
     assert torch.equal(greedy["hf"].responses, greedy["vllm"].responses)
     assert torch.equal(greedy["hf"].response_mask, greedy["vllm"].response_mask)
+
+
+def test_a_policy_vllm_cannot_serve_is_refused_at_start_up_and_a_failure_inside_it_names_the_engine(monkeypatch):
+    """Heads of 16 dimensions (the default tiny model's), which vLLM's CPU attention has no kernel for, are refused
+    before any model loads; any other failure of vLLM's start is one error naming model.rollout_engine and the
+    settings it was started with, not vLLM's traceback alone."""
+    import vllm
+
+    from rlhf_lightning.checks import ConfigError
+
+    module = make_module(rollout_engine=small_engine(), tiny_config={"num_attention_heads": 4, "num_key_value_heads": 4})
+    with pytest.raises(ConfigError, match=r"model.rollout_engine must be 'hf' for a policy whose attention heads have fewer than 32"):
+        module.rollout_engine.setup(module)
+    module = vllm_module()
+    module.rollout_engine.setup(module)  # heads of 32: served
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("Not enough memory for the KV cache")
+
+    monkeypatch.setattr(vllm, "LLM", fails)
+    with pytest.raises(ConfigError, match=r"model.rollout_engine vllm could not start on the policy \(RuntimeError: Not enough memory"):
+        module.rollout(PROMPTS)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from rlhf_lightning import args as settings
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning import recipes, sampling
+from rlhf_lightning import recipes, sampling, trust_regions
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact.closed_form import (
     backward_induction,
@@ -293,6 +293,8 @@ def expected_train(
     staleness: int = 0,
     correction: str = "sequence",
     correction_cap: float = math.inf,
+    trust_band: Optional[Any] = None,
+    sampler_drift: float = 0.0,
     **module_kwargs: Any,
 ) -> list[dict[str, float]]:
     """PPO with the KL in the loss (or, ``kl_penalty="both"``, in the loss and the reward) where every rollout
@@ -331,11 +333,19 @@ def expected_train(
     the module's loss (``PPOUpdate.loss``) with the weights of ``model.off_policy.correction`` ``correction`` truncated at ``correction_cap``
     (uncapped by default) on every term (``sequence``: the whole response's pi_prox(y) / mu(y); ``token``: each
     token's; ``none``: no weight; ``args.OFF_POLICY_WEIGHTS``, docs/kl-estimators.md, "Stale samples"). Each row
-    then also has ``off_policy/ess`` and ``off_policy/clipped_fraction`` of the last iteration's weights under mu
-    (``sampling.off_policy_weight_metrics``)."""
+    then also has ``off_policy/ess``, ``off_policy/clipped_fraction`` and ``off_policy/weight_mass`` of the last
+    iteration's weights under mu (``sampling.off_policy_weight_metrics``). A sampler-side trust region (``correction``
+    ``icepop``, ``ipo``, ``m2po``) takes its setting from ``trust_band`` (None: its default, ``trust_regions``).
+
+    ``sampler_drift`` d injects a sampler that is off by a declared amount, as another engine's numerics are: mu's logit
+    of the first content symbol is d higher than the weights' at every state (``PerturbedSampler``'s error, in the
+    lab), at every staleness, 0 included; the correction then weighs from that mu (weights none without either)."""
     require(isinstance(staleness, int) and staleness >= 0, "staleness", "an integer >= 0", staleness)
     require(correction in settings.OFF_POLICY_WEIGHTS, "correction", "one of " + ", ".join(settings.OFF_POLICY_WEIGHTS), correction)
-    weight_mode = settings.OFF_POLICY_WEIGHTS[correction] if staleness else "none"  # synchronous: mu is pi_old
+    off = staleness or sampler_drift
+    weight_mode = settings.OFF_POLICY_WEIGHTS[correction] if off else "none"  # synchronous and exact: mu is pi_old
+    if correction in trust_regions.TRUST_REGIONS:
+        correction_cap = trust_regions.setting_of(correction, trust_band)
     module = ExactPPORLHF(task, kl_penalty=kl_penalty, advantage_estimator="rloo", num_generations=2, lr=lr, **module_kwargs)
     module.configure_model()
     optimizer = module.configure_optimizers()
@@ -356,6 +366,7 @@ def expected_train(
         per_minibatch = responses // (prompts * num_minibatches)
         require(per_minibatch >= 1, "responses", f"at least one per prompt and minibatch ({prompts} x {num_minibatches})", responses)
     rows, history, weight_metrics = [], [], {}  # history: each version's token log-probs and joint log pi(y|x)
+    symbol = torch.tensor(module.symbol_ids[:1], device=input_ids.device)  # the logit a drifting sampler raises
     for iteration in range(iterations + 1):
         logprobs = module.exact_logprobs()
         if iteration % every == 0 or iteration == iterations:
@@ -366,11 +377,17 @@ def expected_train(
         with torch.no_grad():
             old_logits = module.networks.response_logits(module.policy, input_ids, attention_mask, length)
             old_logprobs = pm.logprobs_of(old_logits, response)
-        history = [*history, (old_logprobs, logprobs)][-(staleness + 1) :]
+            drawn_logprobs, drawn = old_logprobs, logprobs  # what this version's sampler draws: per token and log mu(y|x)
+            if sampler_drift:
+                drawn_logprobs = pm.logprobs_of(
+                    old_logits.index_add(-1, symbol, torch.full_like(old_logits[..., :1], sampler_drift)), response
+                )
+                drawn = logprobs + ((drawn_logprobs.double() - old_logprobs.double()) * mask).sum(-1).view_as(logprobs).cpu()
+        history = [*history, (drawn_logprobs, drawn)][-(staleness + 1) :]
         sampler_logprobs, behaviour = history[0]  # mu: the weights of version max(0, iteration - staleness)
-        is_weights = sampling.correction_weights(old_logprobs, sampler_logprobs, mask, weight_mode, correction_cap)
-        if staleness:
-            mu_share = behaviour.exp().reshape(-1, 1) / prompts
+        mu_share = behaviour.exp().reshape(-1, 1) / prompts
+        is_weights = sampling.correction_weights(old_logprobs, sampler_logprobs, mask, weight_mode, correction_cap, mu_share)
+        if off:
             weight_metrics = sampling.off_policy_weight_metrics(old_logprobs, sampler_logprobs, mask, weight_mode, correction_cap, mu_share)
         rollout = Trajectory(
             # one group per row: enumerated responses are not independent samples, so no leave-one-out

@@ -48,7 +48,7 @@ docs/kl-estimators.md and docs/results.md.
 ``--max-staleness K [K ...]`` adds stale cells to the matrix (0: the synchronous cell): each batch sampled from the
 weights of K iterations ago (``model.off_policy.max_staleness``, the asynchronous loop; with ``--expected-gradient``
 ``exact.training.expected_train(staleness=K)``, the responses weighted by that policy), once per ``--corrections`` value
-(``model.off_policy.correction``: sequence, token, none; default sequence none) at ``--correction-cap`` (default the
+(``model.off_policy.correction``: sequence, token, none, icepop, ipo, m2po; default sequence none) at ``--correction-cap`` (default the
 setting's, 5). Their lines carry ``staleness= correction= off_policy=<the correction's class, recipes.off_policy_recipe>``
 (and, exact, the last iteration's ``ess=`` and ``clipped_fraction=``), and a summary per staleness and class follows
 MATRIX (whose classes are the synchronous cells')::
