@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from rlhf_lightning import episodes, recipes, trust_regions
 from rlhf_lightning.checks import ConfigError, require, require_number, unused_settings
-from rlhf_lightning.data import encode_prompts
+from rlhf_lightning.data import encode_prompts, template_columns
 from rlhf_lightning.interfaces import Divergence, LossAggregation
 from rlhf_lightning.registry import registry
 
@@ -150,10 +150,16 @@ class PromptArgs:
     special_tokens: Literal["refuse", "allow"] = "refuse"
     """``refuse`` a prompt containing a special-token string (``<|im_end|>``: it could forge chat
     turns), or ``allow`` pre-rendered chat text."""
+    teacher_template: Optional[str] = None
+    """The reference's prompt (a teacher that sees more: docs/reference.md): a Python format string of ``{prompt}``
+    and the training prompt file's columns (``"{prompt}\nThe answer is {answer}."``), rendered and tokenised as the
+    student's prompt; the student's response ids are scored after it as drawn. Null: the student's prompt."""
 
     def __post_init__(self) -> None:
         require_number("model.prompts.max_length", self.max_length, at_least=1, integer=True)
         _choice("model.prompts.special_tokens", self.special_tokens, ("refuse", "allow"))
+        if self.teacher_template is not None:
+            template_columns(self.teacher_template)
 
     def encode(self, tokenizer, prompts: list[str], field: str = "the prompts") -> dict[str, Any]:
         """``data.encode_prompts`` with these settings: rendered, left-padded, each checked (a ConfigError naming ``field``)."""

@@ -123,12 +123,34 @@ def require_number(
     require(ok, field, requirement, value)
 
 
+def check_prompt_table(table, controller, teacher_template: Optional[str], datamodule) -> None:
+    """What names the training prompts by their file's rows has one: a per-prompt beta controller (their ids and
+    budgets) and ``model.prompts.teacher_template`` (their teacher prompts); ``table`` the ``data.PromptTable`` of
+    the training prompts, None where batches come from no prompt file."""
+    data = f"data {type(datamodule).__name__ if datamodule is not None else 'from a dataloader'}"
+    require(
+        table is not None or not controller.keyed_by_prompt,
+        "model.beta_controller",
+        "a controller with one beta for all prompts when the training batches come from no prompt file (a "
+        "per-prompt controller names its prompts by the ids of PromptDataModule's data.train_path)",
+        f"{type(controller).__name__} with {data}",
+    )
+    require(
+        teacher_template is None or (table is not None and table.teacher is not None),
+        "model.prompts.teacher_template",
+        "null when the training batches come from no prompt file (the teacher's prompt is rendered from each prompt's row "
+        "of PromptDataModule's data.train_path)",
+        f"{teacher_template!r} with {data}",
+    )
+
+
 def check_setup(module, datamodule, stage: str) -> Optional[int]:
     """At start-up, once the tokenizer is loaded and before any model is: the batch split; every
     prompt of the data module's files (special-token strings, rendered length, and each reward
     backend's own check: ``RewardModel.check_prompts``); a nucleus that keeps one token; an entropy
-    target the policy can reach. Returns the longest rendered prompt in tokens (None without
-    prompt files), for :func:`check_context` once the policy's context is known."""
+    target the policy can reach. Returns the longest rendered prompt in tokens, the teacher's
+    (``model.prompts.teacher_template``) among them (None without prompt files), for
+    :func:`check_context` once the policy's context is known."""
     if stage == "fit" and getattr(datamodule, "batch_size", None):
         check_batch_split(datamodule.batch_size, module.sampling, module.ppo)
         world = module.trainer.world_size if module._trainer is not None else 1
@@ -155,6 +177,10 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
             for role in ("reward_model", "gold_reward_model"):
                 if getattr(module, role) is not None:
                     getattr(module, role).check_prompts(prompts, field, f"model.{role}")
+    table = getattr(module, "prompt_table", None)
+    if table is not None and table.teacher is not None:  # the teacher's prompts are scored in the same context
+        enc = module.prompts.encode(module.tokenizer, list(table.teacher.values()), "model.prompts.teacher_template")
+        longest = max(longest or 0, int(enc["attention_mask"].sum(-1).max()))
     sampling, vocab = module.sampling, len(module.tokenizer)
     # The most likely token always stays in the nucleus; at top_p <= 1 / V no other ever joins it.
     require(

@@ -10,10 +10,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import csv
+import dataclasses
 import hashlib
 import io
 import json
 import re
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,15 +114,31 @@ class PromptTable:
     ids: list[str]
     row_of: dict[str, int]
     budgets: Optional[dict[str, float]] = None
+    teacher: Optional[dict[str, str]] = None  # each prompt text's teacher prompt (model.prompts.teacher_template)
 
     @classmethod
-    def of(cls, records: list[tuple[str, str, dict]], where: str, id_column: Optional[str] = None, budget_column: Optional[str] = None):
+    def of(
+        cls,
+        records: list[tuple[str, str, dict]],
+        where: str,
+        id_column: Optional[str] = None,
+        budget_column: Optional[str] = None,
+        teacher_template: Optional[str] = None,
+    ):
         """From :func:`load_prompt_records`' (place, prompt, extra) records of the file ``where``: each prompt's id
-        (its ``id_column`` value, text or an integer; else :func:`prompt_id`) and budget (its ``budget_column``
-        value, a finite number > 0; a csv's text is read as one). A ConfigError names the place and the setting:
-        a bad id or budget, one text with two ids, one id for two texts or with two budgets."""
-        ids, row_of, budgets, text_of = [], {}, {}, {}
+        (its ``id_column`` value, text or an integer; else :func:`prompt_id`), budget (its ``budget_column``
+        value, a finite number > 0; a csv's text is read as one) and teacher prompt (``teacher_template`` rendered
+        with its row: :func:`render_teacher`). A ConfigError names the place and the setting: a bad id or budget,
+        one text with two ids or two teacher prompts, one id for two texts or with two budgets."""
+        ids, row_of, budgets, text_of, teacher = [], {}, {}, {}, {}
         for place, prompt, extra in records:
+            if teacher_template is not None:
+                text = render_teacher(teacher_template, prompt, extra, f"{where}, {place}")
+                if teacher.setdefault(prompt, text) != text:
+                    raise ConfigError(
+                        f"{where}, {place}: the prompt {prompt[:60]!r} has two teacher prompts (model.prompts.teacher_template), "
+                        f"{teacher[prompt][:60]!r} and {text[:60]!r}"
+                    )
             identity = prompt_id(prompt)
             if id_column is not None:
                 value = extra[id_column]
@@ -154,11 +172,23 @@ class PromptTable:
             else:
                 row_of[prompt], text_of[identity] = len(ids), prompt
                 ids.append(identity)
-        return cls(ids, row_of, budgets if budget_column is not None else None)
+        return cls(ids, row_of, budgets if budget_column is not None else None, teacher if teacher_template is not None else None)
 
     def ids_of(self, prompts: list[str]) -> list[str]:
         """The id of each prompt (a ConfigError for one not in the table: :meth:`rows`)."""
         return [self.ids[row] for row in self.rows(prompts).tolist()]
+
+    def teacher_prompts(self, prompts: list[str]) -> list[str]:
+        """Each prompt's teacher prompt; a ConfigError for one of no prompt file's (the training and validation
+        files' prompts have one: :meth:`PromptDataModule.prompt_table`)."""
+        missing = [p for p in prompts if p not in self.teacher]
+        require(
+            not missing,
+            "the teacher's prompts (model.prompts.teacher_template)",
+            "of prompts of data.train_path, or of data.val_path when it has the template's columns (else set trainer.limit_val_batches: 0)",
+            missing[:3],
+        )
+        return [self.teacher[prompt] for prompt in prompts]
 
     def rows(self, prompts: list[str], field: str = "the training batch") -> Tensor:
         """The row of each prompt, (len(prompts),) long; a prompt not in the table is a ConfigError naming ``field``."""
@@ -170,6 +200,35 @@ class PromptTable:
             missing[:3],
         )
         return torch.tensor([self.row_of[p] for p in prompts], dtype=torch.long)
+
+
+def template_columns(template: str, field: str = "model.prompts.teacher_template") -> list[str]:
+    """The prompt file's columns a teacher template names (every ``{name}`` but ``{prompt}``, the prompt's text). A
+    ConfigError naming ``field``: not a format string of names (``{}``, ``{0}``, ``{a.b}``, an unmatched brace), or
+    ``{prompt}`` alone (the teacher would see what the student sees: leave it null)."""
+    what = 'a format string of {prompt} and the prompt file\'s columns, e.g. "{prompt}\\nThe answer is {answer}."'
+    require(isinstance(template, str) and template.strip() != "", field, what, template)
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as err:
+        raise ConfigError(f"{field} must be {what}, got {template!r} ({err})") from None
+    require(all(name.isidentifier() for name in names), field, f"{what} (each field a column name)", template)
+    require(template.strip() != "{prompt}", field, f"{what} that adds to the prompt (null: the student's prompt)", template)
+    return list(dict.fromkeys(name for name in names if name != "prompt"))
+
+
+def render_teacher(template: str, prompt: str, row: dict, where: str) -> str:
+    """The teacher's prompt of one row: ``template`` with ``{prompt}`` the prompt's text and each column its value
+    (numbers as Python writes them); a ConfigError naming ``where``: an empty cell, or a value the field's format
+    refuses."""
+    values = {name: row[name] for name in template_columns(template)}
+    empty = [name for name, value in values.items() if value is None or (isinstance(value, str) and not value.strip())]
+    if empty:
+        raise ConfigError(f"{where}: column {empty[0]!r} is empty, and model.prompts.teacher_template names it")
+    try:
+        return template.format_map({**values, "prompt": prompt})
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{where}: model.prompts.teacher_template {template!r} cannot be rendered ({err})") from None
 
 
 def _records(text: str, suffix: str, where: str, column: str) -> tuple[list[tuple[str, dict]], list[str]]:
@@ -462,15 +521,28 @@ class PromptDataModule(LightningDataModule):
         if not self.val_prompts:
             self.val_prompts = load_prompts(self.val_path, self.prompt_column, "data.val_path")
 
-    def prompt_table(self, budget_column: Optional[str] = None) -> PromptTable:
-        """The training prompts' ids (``id_column``) and KL budgets (``budget_column``, a per-prompt controller's)."""
+    def prompt_table(self, budget_column: Optional[str] = None, teacher_template: Optional[str] = None) -> PromptTable:
+        """The training prompts' ids (``id_column``), KL budgets (``budget_column``, a per-prompt controller's) and
+        teacher prompts (``teacher_template``, model.prompts')."""
+        teacher = [(name, "model.prompts.teacher_template") for name in template_columns(teacher_template)] if teacher_template else []
         extra = {
             name: setting
-            for name, setting in ((self.id_column, "data.id_column"), (budget_column, "model.beta_controller.init_args.budget_column"))
+            for name, setting in (
+                (self.id_column, "data.id_column"),
+                (budget_column, "model.beta_controller.init_args.budget_column"),
+                *teacher,
+            )
             if name
         }
         records = load_prompt_records(self.train_path, self.prompt_column, "data.train_path", extra)
-        return PromptTable.of(records, f"data.train_path: prompt file {self.train_path!r}", self.id_column, budget_column)
+        where = f"data.train_path: prompt file {self.train_path!r}"
+        table = PromptTable.of(records, where, self.id_column, budget_column, teacher_template)
+        if teacher_template:  # the validation prompts' teachers too, where their file has the columns: validation scores them
+            with contextlib.suppress(ConfigError):
+                records += load_prompt_records(self.val_path, self.prompt_column, "data.val_path", dict(teacher))
+            where = f"data.train_path and data.val_path: prompt files {self.train_path!r}, {self.val_path!r}"
+            table = dataclasses.replace(table, teacher=PromptTable.of(records, where, teacher_template=teacher_template).teacher)
+        return table
 
     def train_dataloader(self) -> DataLoader:
         sampler = PromptSampler(

@@ -51,7 +51,7 @@ from rlhf_lightning import ppo_math as pm
 from rlhf_lightning.args import KLArgs, LoadingArgs, LoraArgs, OffPolicyArgs, OptimArgs, PPOArgs, PromptArgs, RuntimeArgs, SamplingArgs
 from rlhf_lightning.async_rollout import AsyncRollouts, check_strategy
 from rlhf_lightning.callbacks import Timer, module_callbacks
-from rlhf_lightning.checks import Faults, require
+from rlhf_lightning.checks import Faults
 from rlhf_lightning.data import Lookahead, PromptTable, token_ids
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
@@ -376,6 +376,7 @@ class PPORLHF(LightningModule):
             local_rank=self.local_rank,
             environment=self.environment,
             longest_prompt=self.longest_prompt,
+            teacher_prompts=self.prompt_table.teacher_prompts if self.prompts.teacher_template else None,
         )
         if staleness:
             step_context = trainer.precision_plugin.train_step_context if trainer is not None else contextlib.nullcontext
@@ -460,26 +461,19 @@ class PPORLHF(LightningModule):
         self.rollout_engine.setup(self)
         self.check_reference()
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        self.longest_prompt = checks.check_setup(self, datamodule, stage)
-        if stage == "fit":
+        if stage == "fit" or self.prompts.teacher_template:  # validation scores the reference under the teacher's prompts too
             self.prompt_table = self.training_prompt_table(datamodule)
-            controller = self.beta_controller
-            if controller.keyed_by_prompt:
-                require(
-                    self.prompt_table is not None,
-                    "model.beta_controller",
-                    "a controller with one beta for all prompts when the training batches come from no prompt file (a "
-                    "per-prompt controller names its prompts by the ids of PromptDataModule's data.train_path)",
-                    f"{type(controller).__name__} with data {type(datamodule).__name__ if datamodule is not None else 'from a dataloader'}",
-                )
-                controller.set_budgets(self.prompt_table.budgets)
+            checks.check_prompt_table(self.prompt_table, self.beta_controller, self.prompts.teacher_template, datamodule)
+            if self.beta_controller.keyed_by_prompt:
+                self.beta_controller.set_budgets(self.prompt_table.budgets)
+        self.longest_prompt = checks.check_setup(self, datamodule, stage)
 
     def training_prompt_table(self, datamodule) -> Optional[PromptTable]:
-        """The training prompts' ids and KL budgets (``data.PromptTable``), read before any model loads; None: batches
-        from elsewhere (the lab's tasks give their own)."""
+        """The training prompts' ids, KL budgets and teacher prompts (``data.PromptTable``), read before any model
+        loads; None: batches from elsewhere (the lab's tasks give their own)."""
         if not hasattr(datamodule, "prompt_table"):
             return None
-        return datamodule.prompt_table(getattr(self.beta_controller, "budget_column", None))
+        return datamodule.prompt_table(getattr(self.beta_controller, "budget_column", None), self.prompts.teacher_template)
 
     @property
     def step(self) -> int:

@@ -11,7 +11,8 @@ that who draws and who assembles can differ:
    (async_rollout.py) draws ahead on a published copy of older weights (``view``), and may ``score_drawn``
    there too (the reward, a frozen reference's log-probs).
 2. ``trajectory``: the rows assembled (prompt, response, masks, EOS), pi_old and V_old from the trainer's
-   networks, log pi_ref (or the sampler's), the starting policy's beside a moving or foreign reference, and the
+   networks, log pi_ref (or the sampler's; the response's ids after the teacher's prompt where
+   ``model.prompts.teacher_template`` gives one: ``reference_inputs``), the starting policy's beside a moving or foreign reference, and the
    rollout correction's weights.
 
 A new way of drawing plugs in at step 1: an episode with an environment (``model.environment``) is a ``draw``
@@ -95,7 +96,8 @@ class Sampler:
     """Draws responses to prompts with the rollout engine and assembles them into a ``Trajectory`` (module docstring).
 
     ``reward(prompts, responses) -> (raw_scores, fault)`` is the reward backend's checked call (the module's);
-    ``needs_logits``: the KL estimator reads whole distributions (the trajectory keeps pi_old's and pi_ref's logits)."""
+    ``needs_logits``: the KL estimator reads whole distributions (the trajectory keeps pi_old's and pi_ref's logits);
+    ``teacher_prompts(prompts)``: the reference's prompt of each (a teacher that sees more, :meth:`reference_inputs`)."""
 
     def __init__(
         self,
@@ -114,6 +116,7 @@ class Sampler:
         local_rank: int = 0,
         environment: Optional[Environment] = None,
         longest_prompt: Optional[int] = None,
+        teacher_prompts: Optional[Callable[[list[str]], list[str]]] = None,
     ) -> None:
         self.tokenizer, self.engine, self.networks = tokenizer, engine, networks
         self.sampling, self.prompts, self.off_policy, self.runtime = sampling, prompts, off_policy, runtime
@@ -121,6 +124,7 @@ class Sampler:
         self.generation_seed_base, self.global_rank, self.local_rank = seed_base, global_rank, local_rank
         self.global_step = 0  # the optimizer steps of the weights the engine samples (an engine with its own copy syncs when it changes)
         self.exploration = 0.0  # epsilon of the draw (model.sampling.explore)
+        self.teacher_prompts = teacher_prompts  # each prompt's teacher prompt (model.prompts.teacher_template); None: the prompt
         self.episodes = None
         if environment is not None:  # episodes: turn by turn, within the policy's context after the longest prompt
             bound = token_bound(environment, sampling, networks.policy.config, longest_prompt)
@@ -178,7 +182,7 @@ class Sampler:
             return
         networks = self.networks
         kept = networks.kept(networks.tempered(drawn.samples.logits.float()), response)
-        ref_logits = networks.reference_logits(input_ids, attention_mask, response.shape[1], kept)
+        ref_logits = networks.reference_logits(*self.reference_inputs(drawn, input_ids, attention_mask, response), response.shape[1], kept)
         drawn.ref_logprobs = pm.logprobs_of(ref_logits, response)
         drawn.ref_logits = ref_logits if self.needs_logits else None
 
@@ -203,6 +207,17 @@ class Sampler:
         response = torch.where(attend.bool(), response, torch.full_like(response, self.tokenizer.pad_token_id))
         return torch.cat([enc["input_ids"], response], dim=1), attention_mask, response, mask, ended
 
+    def reference_inputs(self, drawn: Drawn, input_ids: Tensor, attention_mask: Tensor, response: Tensor) -> tuple[Tensor, Tensor]:
+        """What the reference reads of the rows ``input_ids``, ``attention_mask`` (``assemble``'s): those, or with
+        ``teacher_prompts`` each row's teacher prompt (encoded as the student's: ``PromptArgs.encode``, left-padded)
+        followed by the row's ``response`` ids as drawn, never re-tokenised, and their attention mask; the response
+        keeps its positions at the end, so the reference's logits are read at the same (batch, response_len)."""
+        if self.teacher_prompts is None:
+            return input_ids, attention_mask
+        teacher = self.encode(self.teacher_prompts(drawn.prompts), "model.prompts.teacher_template")
+        ids = torch.cat([teacher["input_ids"], response], dim=1)
+        return ids, torch.cat([teacher["attention_mask"], attention_mask[:, -response.shape[1] :]], dim=1)
+
     @torch.no_grad()
     def trajectory(self, drawn: Drawn, timer: Optional[Timer] = None, critic_values: bool = True, exploration: float = 0.0) -> Trajectory:
         """The ``Trajectory`` of ``drawn`` on the trainer's networks: pi_old and V_old (``Networks.old_policy``; a
@@ -216,10 +231,11 @@ class Sampler:
             old = networks.old_policy(samples, input_ids, attention_mask, response, mask, critic_values, exploration)
             ref_logprobs, ref_logits = drawn.ref_logprobs, drawn.ref_logits
             if ref_logprobs is None:
-                if networks.reference_is_policy():  # the same function: the log-probs just computed, and a KL of exactly 0
+                if self.teacher_prompts is None and networks.reference_is_policy():  # the same function on the same ids: a KL of 0
                     ref_logits = old.logits
                 else:
-                    ref_logits = networks.reference_logits(input_ids, attention_mask, response.shape[1], old.kept)
+                    ref_inputs = self.reference_inputs(drawn, input_ids, attention_mask, response)
+                    ref_logits = networks.reference_logits(*ref_inputs, response.shape[1], old.kept)
                 ref_logprobs = pm.logprobs_of(ref_logits, response)
             initial_logits = None
             if networks.initial_is_apart:  # the starting policy, for objective/kl_to_initial
