@@ -18,22 +18,14 @@ from safetensors.torch import load_file, save_file
 
 from rlhf_lightning.module import PPORLHF
 from rlhf_lightning_plugins.divergences import AlphaDivergence
+from tools.studies.hostile_tour import QUICK
 from tools.summarize_run import read_scalars
 
 from helpers import CONFIGS, RUN_ARGS, cli, command, save_tiny_teacher
 
 TINY = str(CONFIGS / "tiny.yaml")
-# Two iterations of 4 prompts, 4 tokens each: about 10 s on an idle 2-core machine; a run's timeout is 10x that.
-QUICK = (
-    "--trainer.max_epochs=1",
-    "--trainer.limit_train_batches=2",
-    "--trainer.limit_val_batches=0",
-    "--trainer.enable_progress_bar=false",
-    "--trainer.enable_checkpointing=false",
-    "--trainer.callbacks=[]",
-    "--model.sampling.max_new_tokens=4",
-    "--data.batch_size=4",
-)
+# QUICK: two iterations of 4 prompts, 4 tokens each (the tour's): about 10 s on an idle 2-core machine; a run's
+# timeout is 10x that.
 TIMEOUT = 100
 ASYNC = ("--model.sampling.old_logprobs=forward", "--model.off_policy.max_staleness=1")
 
