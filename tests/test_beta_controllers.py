@@ -292,9 +292,13 @@ def test_only_a_per_prompt_controller_is_keyed_by_prompt():
 def test_checked_betas_refuses_a_beta_that_is_not_finite_or_negative():
     scalar = FixedBeta(0.1)
     scalar.beta = float("nan")
-    with pytest.raises(ConfigError, match=r"the beta of beta controller FixedBeta must be a finite number >= 0, got nan"):
+    with pytest.raises(
+        ConfigError, match=r"the beta of beta controller FixedBeta must be a finite number in \[0, 3e\+38\] \(float32's range"
+    ):
         scalar.checked_betas(["a"])
     per_prompt = PromptBudgetBeta()
     per_prompt.betas["a"] = -1.0
-    with pytest.raises(ConfigError, match=r"the betas of beta controller PromptBudgetBeta must be finite numbers >= 0, got \[-1.0, 0.1\]"):
+    with pytest.raises(
+        ConfigError, match=r"the betas of beta controller PromptBudgetBeta must be finite numbers in \[0, 3e\+38\] .*, got \[-1.0, 0.1\]"
+    ):
         per_prompt.checked_betas(["a", "b"])
