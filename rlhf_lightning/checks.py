@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -144,13 +144,14 @@ def check_prompt_table(table, controller, teacher_template: Optional[str], datam
     )
 
 
-def check_setup(module, datamodule, stage: str) -> Optional[int]:
+def check_setup(module, datamodule, stage: str, check_prompts: Callable, prompt_place: Callable) -> Optional[int]:
     """At start-up, once the tokenizer is loaded and before any model is: the batch split; every
     prompt of the data module's files (special-token strings, rendered length, and each reward
     backend's own check: ``RewardModel.check_prompts``); a nucleus that keeps one token; an entropy
     target the policy can reach. Returns the longest rendered prompt in tokens, the teacher's
     (``model.prompts.teacher_template``) among them (None without prompt files), for
-    :func:`check_context` once the policy's context is known."""
+    :func:`check_context` once the policy's context is known. ``check_prompts`` and ``prompt_place`` are data.py's
+    (handed in: data.py reads this file's checks)."""
     if stage == "fit" and getattr(datamodule, "batch_size", None):
         check_batch_split(datamodule.batch_size, module.sampling, module.ppo)
         world = module.trainer.world_size if module._trainer is not None else 1
@@ -158,8 +159,6 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
             if getattr(module, role) is not None:
                 per_prompt = module.sampling.num_generations
                 getattr(module, role).check_batch(datamodule.batch_size * per_prompt * world, per_prompt, f"model.{role}")
-    from rlhf_lightning.data import check_prompts, prompt_place
-
     longest, settings = None, module.prompts
     for name in ("train_prompts", "val_prompts"):
         prompts, field = getattr(datamodule, name, None), f"data.{name.split('_')[0]}_path"
@@ -205,10 +204,6 @@ def check_setup(module, datamodule, stage: str) -> Optional[int]:
             "higher: the coefficient would only grow)",
             controller.target,
         )
-    if stage == "fit":
-        from rlhf_lightning.memory import check_memory
-
-        check_memory(module, datamodule, longest)
     return longest
 
 

@@ -52,7 +52,7 @@ from rlhf_lightning.args import KLArgs, LoadingArgs, LoraArgs, OffPolicyArgs, Op
 from rlhf_lightning.async_rollout import AsyncRollouts, check_strategy
 from rlhf_lightning.callbacks import Timer, module_callbacks
 from rlhf_lightning.checks import Faults
-from rlhf_lightning.data import Lookahead, PromptTable, token_ids
+from rlhf_lightning.data import Lookahead, PromptTable, check_prompts, prompt_place, token_ids
 from rlhf_lightning.interfaces import (
     AdvantageEstimator,
     BetaController,
@@ -65,6 +65,7 @@ from rlhf_lightning.interfaces import (
     RewardModel,
     RolloutEngine,
 )
+from rlhf_lightning.memory import check_memory
 from rlhf_lightning.metrics import entropy_controller_input, prompt_stats, rollout_metrics, update_means
 from rlhf_lightning.models import ValueModel, load_tokenizer
 from rlhf_lightning.networks import Networks, build_networks
@@ -466,7 +467,9 @@ class PPORLHF(LightningModule):
             checks.check_prompt_table(self.prompt_table, self.beta_controller, self.prompts.teacher_template, datamodule)
             if self.beta_controller.keyed_by_prompt:
                 self.beta_controller.set_budgets(self.prompt_table.budgets)
-        self.longest_prompt = checks.check_setup(self, datamodule, stage)
+        self.longest_prompt = checks.check_setup(self, datamodule, stage, check_prompts, prompt_place)
+        if stage == "fit":  # this run's memory against the machine's, before any model loads (memory.py)
+            check_memory(self, datamodule, self.longest_prompt)
 
     def training_prompt_table(self, datamodule) -> Optional[PromptTable]:
         """The training prompts' ids, KL budgets and teacher prompts (``data.PromptTable``), read before any model
