@@ -211,6 +211,12 @@ def check_setup(module, datamodule, stage: str, check_prompts: Callable, prompt_
 CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 
+def context_field(config: Any) -> Optional[str]:
+    """The name of the field where a model's ``config`` keeps its context in positions (``CONTEXT_FIELDS``); None
+    for a config that declares none."""
+    return next((name for name in CONTEXT_FIELDS if isinstance(getattr(config, name, None), int)), None)
+
+
 def check_context(
     prompts: PromptArgs, sampling: SamplingArgs, config: Any, longest_prompt: Optional[int] = None, whose: str = "the policy's"
 ) -> None:
@@ -220,7 +226,7 @@ def check_context(
     declares (``max_position_embeddings``). Past it the positions are ones the model never saw
     (rotary embeddings extrapolate, learnt ones index out of range): sampling goes on silently on
     garbage. A config that declares no context is not checked."""
-    name = next((name for name in CONTEXT_FIELDS if isinstance(getattr(config, name, None), int)), None)
+    name = context_field(config)
     if name is None:
         return
     context, prompt = getattr(config, name), 1 if longest_prompt is None else longest_prompt

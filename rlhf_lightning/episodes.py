@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from rlhf_lightning.checks import CONTEXT_FIELDS, ConfigError, require
+from rlhf_lightning.checks import ConfigError, context_field, require
 from rlhf_lightning.interfaces import Environment, Samples, Step
 
 # How each episode ended (EpisodeLayout.ended_by): its environment's done, or a limit.
@@ -151,7 +151,7 @@ def token_bound(environment: Environment, sampling, config: Any, longest_prompt:
     """The episode's tokens after the prompt, at most: ``max_total_tokens``, else what the policy's context (its
     ``config``) leaves after the longest prompt (``longest_prompt``; one token when unknown); None where neither is
     known. Refused (naming ``environment.max_total_tokens``) where one turn does not fit or it passes the context."""
-    name = next((name for name in CONTEXT_FIELDS if isinstance(getattr(config, name, None), int)), None)
+    name = context_field(config)
     room = None if name is None else getattr(config, name) - (longest_prompt or 1)
     bound = environment.max_total_tokens if environment.max_total_tokens is not None else room
     if environment.max_total_tokens is not None and room is not None:
