@@ -22,6 +22,7 @@ import shutil
 import string
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -574,31 +575,57 @@ def shard_models(
         fsdp2.materialise(initial_model, rows)
 
 
+_open_heads = threading.local()  # per thread: {output layer: its ``hidden`` list} of the float32_head contexts it has open
+_installed_heads: dict[nn.Linear, int] = {}  # output layer -> contexts open on it, over all threads
+_heads_lock = threading.Lock()
+_NOT_OPEN = object()
+
+
 @contextlib.contextmanager
 def float32_head(model: nn.Module, hidden: Optional[list] = None):
     """The model's output layer computing float32 logits under every precision: outside autocast,
     from float32 copies of its input and weights (bf16-mixed: the layer would return bf16 logits,
     whose rounding would keep the first PPO ratio from being 1; bf16-true: float32
     products of the bf16 values). Each call's input, the last layer's hidden states at the kept
-    positions, is appended to ``hidden`` when given."""
+    positions, is appended to ``hidden`` when given.
+
+    Per thread: the asynchronous sampler's thread and the trainer's may run the same model (the
+    reference) at once, so the layer's replaced ``forward`` serves the contexts the calling thread
+    has open and runs the plain layer for any other thread; the last context to close removes it."""
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):  # a module around the output layer (exact.tasks.MaskedHead): its linear layer
         head = next(m for m in reversed(list(head.modules())) if isinstance(m, nn.Linear))
 
     def forward(x: Tensor) -> Tensor:
-        if hidden is not None:
-            hidden.append(x)
+        opened = getattr(_open_heads, "heads", {})
+        if head not in opened:
+            return nn.Linear.forward(head, x)
+        if opened[head] is not None:
+            opened[head].append(x)
         bias = None if head.bias is None else head.bias.float()
         # Contiguous: without autograd, matmul does not fold the strided slice that ``logits_to_keep``
         # leaves into one product, and runs a slower batched one over the rows on CPU.
         with torch.autocast(x.device.type, enabled=False):
             return cpu.output_layer(x.float().contiguous(), head.weight.float(), bias)
 
-    head.forward = forward
+    opened = _open_heads.__dict__.setdefault("heads", {})
+    outer = opened.get(head, _NOT_OPEN)
+    opened[head] = hidden
+    with _heads_lock:
+        if _installed_heads.get(head, 0) == 0:
+            head.forward = forward
+        _installed_heads[head] = _installed_heads.get(head, 0) + 1
     try:
         yield
     finally:
-        del head.forward
+        with _heads_lock:
+            _installed_heads[head] -= 1
+            if _installed_heads[head] == 0:
+                del _installed_heads[head], head.forward
+        if outer is _NOT_OPEN:
+            del opened[head]
+        else:
+            opened[head] = outer
 
 
 @contextlib.contextmanager

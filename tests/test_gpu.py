@@ -6,8 +6,10 @@ GPU shows: tools/gpu_check.py (docs/distributed.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
+import threading
 import warnings
 import weakref
 from types import SimpleNamespace
@@ -230,6 +232,48 @@ def test_bf16_mixed_logits_are_float32_from_the_output_layer():
     expected = hidden[0].float() @ head.weight.T
     assert torch.equal(logits, expected)
     assert (plain.float() - expected).abs().max() > 1e-4  # what float32_head removes
+
+
+def test_float32_head_serves_each_thread_its_own_context():
+    """The asynchronous sampler's thread and the trainer's run the reference at once (CI, stop 70:
+    the second context to close deleted a ``forward`` already gone). Each thread's context gets its
+    own hidden states; a thread with none open gets the plain bf16 layer; the last to close restores it."""
+    module = make_module()
+    enc = module.sampler.encode(PROMPTS)
+    head = module.policy.get_output_embeddings()
+    opened, closed, results = threading.Barrier(2), threading.Barrier(2), {}
+
+    def run(name: str, open_context: bool):
+        hidden = []
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with float32_head(module.policy, hidden) if open_context else contextlib.nullcontext():
+                opened.wait(timeout=60)  # both threads inside: the layer is replaced for both
+                results[name] = (module.policy(**enc).logits, hidden)
+                closed.wait(timeout=60)
+        if name == "first":  # one context closed, the other still open
+            results["between"] = "forward" in vars(head)
+
+    threads = [threading.Thread(target=run, args=args) for args in (("first", True), ("plain", False))]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+    logits, hidden = results["first"]
+    assert logits.dtype == torch.float32 and torch.equal(logits, hidden[0].float() @ head.weight.T)
+    assert results["plain"][0].dtype == torch.bfloat16 and results["plain"][1] == []
+    assert "forward" not in vars(head)
+    # two contexts on one layer from two threads, closed in either order
+    both = threading.Barrier(2)
+
+    def nested(hidden):
+        with torch.no_grad(), float32_head(module.policy, hidden):
+            both.wait(timeout=60)
+            module.policy(**enc)
+            both.wait(timeout=60)
+
+    lists = [[], []]
+    threads = [threading.Thread(target=nested, args=(lst,)) for lst in lists]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+    assert [len(lst) for lst in lists] == [1, 1] and "forward" not in vars(head)
 
 
 def test_bf16_mixed_first_ratio_is_one_and_rewards_score_outside_autocast(tmp_path, monkeypatch):
