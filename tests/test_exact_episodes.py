@@ -21,7 +21,9 @@ from rlhf_lightning.exact.episode_tasks import (
 )
 from rlhf_lightning.exact.episodes import (
     environment_tokens_counted,
+    episode_frontier_reward,
     episode_objective,
+    episode_point,
     episode_tilt,
     kl_to_optimum,
     random_episode_task,
@@ -165,6 +167,35 @@ def test_a_stochastic_environment_separates_the_tilt_from_the_optimum(seed, eos)
         reached = task.ref1.isfinite()  # the tilt leaves a history no first turn reaches without conditionals (-inf)
         assert torch.allclose(tilt.pi2[reached].exp(), optimum.pi2[reached].exp(), atol=1e-12)
         assert tilt.objective == pytest.approx(float(episode_objective(tilt.pi1, tilt.pi2, *task.tensors, beta)), abs=1e-12)
+
+
+@pytest.mark.parametrize("eos", [False, True])
+def test_the_soft_bellman_optimum_traces_the_frontier_and_the_tilt_lies_below_it(eos):
+    """The plane's coordinates by brute force over every (y1, o, y2); pi*_beta on the frontier (max E r at its KL over
+    the policy's tokens); 60 random policies per task on or below it; the episode tilt's policy below it by more than
+    0.01 (a stochastic P) and on it where P is deterministic."""
+    generator = torch.Generator().manual_seed(2)
+    for seed in GAP_SEEDS[:2]:
+        task = random_episode_task(seed, eos=eos)
+        for beta in BETAS:
+            optimum = soft_bellman(*task.tensors, beta)
+            point = episode_point(optimum.pi1, optimum.pi2, *task.tensors)
+            joint = (optimum.pi1[..., None, None] + task.obs_probs.log()[..., None] + optimum.pi2).exp()  # (X, N1, O, N2)
+            ratio = (optimum.pi1 - task.ref1)[..., None, None] + optimum.pi2 - task.ref2
+            assert point.reward == pytest.approx(float((joint * task.rewards).sum((1, 2, 3)).mean()), abs=1e-12)
+            assert point.kl == pytest.approx(float((joint * ratio.nan_to_num(0.0)).sum((1, 2, 3)).mean()), abs=1e-12)
+            assert episode_frontier_reward(*task.tensors, point.kl) == pytest.approx(point.reward, abs=1e-7)
+            tilt = episode_tilt(task.ref1, task.obs_probs, task.ref2, task.rewards, beta)
+            below = episode_point(tilt.pi1, tilt.pi2, *task.tensors)
+            assert episode_frontier_reward(*task.tensors, below.kl) - below.reward > 0.01, (beta, below)
+        for scale in (0.3, 1.0, 3.0):
+            for _ in range(20):
+                random_point = episode_point(*random_policy(task, generator, scale), *task.tensors)
+                assert random_point.reward <= episode_frontier_reward(*task.tensors, random_point.kl) + 1e-9
+    steered = random_episode_task(GAP_SEEDS[0], eos=eos, deterministic=True)
+    tilt = episode_tilt(steered.ref1, steered.obs_probs, steered.ref2, steered.rewards, 1.0)
+    on = episode_point(tilt.pi1, tilt.pi2, *steered.tensors)
+    assert episode_frontier_reward(*steered.tensors, on.kl) == pytest.approx(on.reward, abs=1e-7)
 
 
 @pytest.mark.parametrize("eos", [False, True])

@@ -19,6 +19,9 @@ inference", sec. 2.4: the "causal" optimum, not the posterior that also steers t
     pi2*(y2|x, y1, o) ∝ pi_ref(y2|x, y1, o) exp(r / beta),   pi1*(y1|x) ∝ pi_ref(y1|x) exp(Vc(x, y1) / beta),
     J* = E_x V1(x),   J* - J(pi) = beta E_x [ KL(pi1 || pi1*) + E_{y1~pi1, o~P} KL(pi2 || pi2*) ].
 
+As beta moves, pi*_beta traces the episode's reward-KL frontier (the Lagrangian of max E r s.t. KL <= eps, the KL
+over the policy's tokens: :func:`episode_frontier_reward`).
+
 Over a whole turn the value is the one the token-by-token recursion gives (it telescopes over the turn's tree:
 :func:`token_level_optimum` builds it that way with :func:`~rlhf_lightning.exact.closed_form.backward_induction`).
 With a deterministic environment (P one-hot) Vc = V2 and pi* is the tilt pi_ref exp(r / beta) over the policy's
@@ -42,6 +45,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.exact.closed_form import backward_induction
+from rlhf_lightning.exact.frontier import PlanePoint, reward_at_kl
 from rlhf_lightning.exact.tabular import (
     conditional_tables,
     enumerate_responses,
@@ -98,6 +102,27 @@ def kl_to_optimum(pi1: Tensor, pi2: Tensor, optimum: SoftBellman, obs_probs: Ten
     """E_x [ KL(pi1 || pi1*) + E_{y1~pi1, o~P} KL(pi2 || pi2*) ]: beta times it is J* - J(pi), for every pi."""
     second = expected_log_ratio(pi2, optimum.pi2)  # (X, N1, O)
     return (expected_log_ratio(pi1, optimum.pi1) + _expect(pi1, _expect(_log_obs(obs_probs), second))).mean()
+
+
+def episode_point(pi1: Tensor, pi2: Tensor, ref1: Tensor, obs_probs: Tensor, ref2: Tensor, rewards: Tensor) -> PlanePoint:
+    """The policy's place in the reward-KL plane of the episode: E r and the KL over its own tokens,
+    E_x [ KL(pi1 || pi_ref1) + E_{y1~pi1, o~P} KL(pi2 || pi_ref2) ] (J = reward - beta KL at every beta)."""
+    reward = float(episode_objective(pi1, pi2, ref1, obs_probs, ref2, rewards, 0.0))
+    return PlanePoint(kl=reward - float(episode_objective(pi1, pi2, ref1, obs_probs, ref2, rewards, 1.0)), reward=reward)
+
+
+def episode_frontier_reward(ref1: Tensor, obs_probs: Tensor, ref2: Tensor, rewards: Tensor, kl: float, tol: float = 1e-10) -> float:
+    """The largest E r of any policy whose KL over its own tokens is at most ``kl`` under the real environment: the
+    soft-Bellman optimum's at the beta where its KL is ``kl`` (:func:`~rlhf_lightning.exact.frontier.reward_at_kl`).
+    The episode tilt's policy lies below it where P is stochastic (tests/test_exact_episodes.py)."""
+    if kl <= 0:
+        return episode_point(ref1, ref2, ref1, obs_probs, ref2, rewards).reward
+
+    def point_at(beta: float) -> PlanePoint:
+        optimum = soft_bellman(ref1, obs_probs, ref2, rewards, beta)
+        return episode_point(optimum.pi1, optimum.pi2, ref1, obs_probs, ref2, rewards)
+
+    return reward_at_kl(point_at, kl, tol)
 
 
 @dataclass

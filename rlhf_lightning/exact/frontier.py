@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -127,18 +127,24 @@ def tilted_point(ref_logprobs: Tensor, rewards: Tensor, beta: float) -> PlanePoi
 
 def frontier_reward(ref_logprobs: Tensor, rewards: Tensor, kl: float, tol: float = 1e-10) -> float:
     """The largest E_x E_pi r of any policy with E_x KL(pi || pi_ref) <= ``kl``: pi_beta's reward at the
-    beta where its KL equals ``kl`` (bisection on log beta; KL(pi_beta) falls as beta grows). Beyond the
-    reward maximiser's KL it is the maximum reward."""
+    beta where its KL equals ``kl`` (:func:`reward_at_kl`). Beyond the reward maximiser's KL it is the maximum reward."""
     if kl <= 0:
         return expected_reward(ref_logprobs, rewards)
+    return reward_at_kl(lambda beta: tilted_point(ref_logprobs, rewards, beta), kl, tol)
+
+
+def reward_at_kl(point_at: Callable[[float], PlanePoint], kl: float, tol: float = 1e-10) -> float:
+    """The reward of ``point_at(beta)``, the maximiser of E r - beta KL, at the beta whose KL is ``kl``: bisection on
+    log beta over [1e-4, 1e4] (a Lagrangian's KL falls as beta grows), the greediest point's reward beyond its KL.
+    Every policy with KL <= ``kl`` earns at most this (E r - beta KL is largest at the maximiser)."""
     lo, hi = math.log(1e-4), math.log(1e4)  # KL(lo) >= kl >= KL(hi) unless kl is outside the range
-    greediest = tilted_point(ref_logprobs, rewards, math.exp(lo))
+    greediest = point_at(math.exp(lo))
     if greediest.kl <= kl:
         return greediest.reward
     while hi - lo > tol:
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if tilted_point(ref_logprobs, rewards, math.exp(mid)).kl > kl else (lo, mid)
-    return tilted_point(ref_logprobs, rewards, math.exp(hi)).reward
+        lo, hi = (mid, hi) if point_at(math.exp(mid)).kl > kl else (lo, mid)
+    return point_at(math.exp(hi)).reward
 
 
 def frontier_gap(point: PlanePoint, ref_logprobs: Tensor, rewards: Tensor) -> float:
