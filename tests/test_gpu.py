@@ -245,11 +245,11 @@ def test_float32_head_serves_each_thread_its_own_context():
 
     def run(name: str, open_context: bool):
         hidden = []
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            with float32_head(module.policy, hidden) if open_context else contextlib.nullcontext():
-                opened.wait(timeout=60)  # both threads inside: the layer is replaced for both
-                results[name] = (module.policy(**enc).logits, hidden)
-                closed.wait(timeout=60)
+        context = float32_head(module.policy, hidden) if open_context else contextlib.nullcontext()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), context:
+            opened.wait(timeout=60)  # both threads inside: the layer is replaced for both
+            results[name] = (module.policy(**enc).logits, hidden)
+            closed.wait(timeout=60)
         if name == "first":  # one context closed, the other still open
             results["between"] = "forward" in vars(head)
 
