@@ -170,6 +170,8 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
             chosen = any(isinstance(plugin, CheckpointIO) for plugin in plugins) or getattr(config.get("strategy"), "_checkpoint_io", None)
             if not chosen:
                 config = {**config, "plugins": [*plugins, AtomicCheckpointIO()]}
+            if isinstance(config.get("strategy"), str):
+                config = {**config, "strategy": strategy_setting(config["strategy"])}
             # A Rich progress bar (reward, KL, beta) unless the user disabled bars or chose one.
             chosen = [*(config.get("callbacks") or []), *callbacks]
             if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in chosen):
@@ -190,6 +192,29 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True):
         seed_everything_default=0,
         save_config_kwargs={"overwrite": False},  # never another run's config (each run has its own version_N)
         trainer_defaults={"log_every_n_steps": 1, "num_sanity_val_steps": 0},
+    )
+
+
+def strategy_setting(name: str):
+    """``trainer.strategy`` given as a string: a Lightning strategy's registered name (``ddp``, ``fsdp``...) as it is,
+    a strategy class's name alone (``DDPStrategy``, which jsonargparse leaves a string without init_args) as that
+    class with its defaults; anything else refused naming the field and the choices (Lightning's own refusal is a
+    traceback from inside the Trainer)."""
+    from lightning.pytorch import strategies
+
+    from rlhf_lightning.checks import ConfigError
+
+    registered = ["auto", *strategies.StrategyRegistry.available_strategies()]
+    if name.lower() in registered:
+        return name
+    cls = getattr(strategies, name, None)
+    if isinstance(cls, type) and issubclass(cls, strategies.Strategy):
+        return cls()
+    classes = sorted(n for n in strategies.__all__ if n.endswith("Strategy") and n not in ("Strategy", "ParallelStrategy"))
+    names = sorted(n for n in registered if "find_unused" not in n)  # each also with _find_unused_parameters_true/false
+    raise ConfigError(
+        f"trainer.strategy: {name!r} is no strategy; choose a registered name ({', '.join(names)}) "
+        f"or a class ({', '.join(classes)}; its settings as --trainer.strategy.init_args.NAME=VALUE)"
     )
 
 

@@ -408,3 +408,19 @@ def test_a_resume_on_prompts_without_the_controllers_ids_warns_naming_them(tmp_p
         "data.train_path ('q"
     ) in resumed.stderr
     assert "and 8 of the file's 8 prompts start from beta " in resumed.stderr
+
+
+def test_a_strategy_is_a_registered_name_or_a_class_and_nothing_else(tmp_path, monkeypatch, capsys):
+    """``--trainer.strategy=DDPStrategy`` without init_args reaches the Trainer as the string 'DDPStrategy' (jsonargparse),
+    which Lightning refused with a traceback: it is that class with its defaults; a misspelling is named with the choices."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from rlhf_lightning.cli import strategy_setting
+
+    assert strategy_setting("ddp") == "ddp" and strategy_setting("auto") == "auto"
+    assert type(strategy_setting("DDPStrategy")) is DDPStrategy
+    code, line = command(tmp_path, monkeypatch, capsys, "--trainer.strategy=DDPSstrategy")
+    assert code == 2 and line.startswith("error: trainer.strategy: 'DDPSstrategy' is no strategy; choose a registered name (auto, ddp,"), (
+        line
+    )
+    assert "DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy" in line, line
