@@ -326,7 +326,7 @@ def test_the_signal_path_gives_the_values_and_gradients_of_the_full_logits_one(n
         (gradient,) = torch.autograd.grad((value * torch.arange(1.0, 11.0, dtype=dtype).view(2, 5)).sum(), student)
         values.append(value.detach())
         gradients.append(gradient)
-    for value, gradient in zip(values[1:], gradients[1:]):
+    for value, gradient in zip(values[1:], gradients[1:], strict=True):
         torch.testing.assert_close(value, values[0], atol=tolerance, rtol=tolerance, equal_nan=True)
         torch.testing.assert_close(gradient, gradients[0], atol=tolerance, rtol=tolerance, equal_nan=True)
 
