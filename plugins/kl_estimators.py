@@ -38,7 +38,8 @@ estimator; that part comes from k1 in the reward (``kl_penalty: reward`` or ``bo
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Union
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -150,16 +151,26 @@ for _name, (_aliases, _value, _description) in STRAIGHT_THROUGH_PRESETS.items():
     registry("kl_estimator").register(_name, StraightThroughKL, _description, _aliases, init_args={"value": _value, "gradient": "k2"})
 
 
-class TopKSignal(NamedTuple):
-    """The teacher's signal at each position when only its top k is kept: what a teacher server sends per token, or what
-    a trainer holds in place of the teacher's (batch, len, V) logits (:func:`teacher_topk`). k log-probabilities and k
-    token ids (+ the tail's log-mass): :func:`signal_bytes_per_token` bytes, against V floats for the whole distribution.
-    Enough for every truncation of the teacher's top k (``of: teacher``); the student's top k needs the teacher's
-    log-probabilities at tokens known only once the student's logits are (verl#6676): the whole distribution."""
+@dataclass(frozen=True)
+class TopKSignal:
+    """The teacher's signal at each position when only its top k is kept: what a teacher server sends per token, and
+    what the rollout keeps in place of the teacher's (batch, len, V) logits for a teacher's top k
+    (:meth:`TopKKL.reference_signal`). k log-probabilities and k token ids (+ the tail's log-mass):
+    :func:`signal_bytes_per_token` bytes, against V floats for the whole distribution. Enough for every truncation of
+    the teacher's top k (``of: teacher``); the student's top k needs the teacher's log-probabilities at tokens known
+    only once the student's logits are (verl#6676): the whole distribution."""
 
     logprobs: Tensor  # (..., k) log q of the teacher's top k, normalised over the whole vocabulary, descending
     indices: Tensor  # (..., k) their token ids
     tail: Tensor  # (...,) log(1 - Q_T), the log of the mass outside the top k: -inf where k >= V
+
+    def __getitem__(self, rows) -> TopKSignal:
+        """The signal of ``rows`` (a minibatch's), as ``ref_logits[rows]`` would be the logits'."""
+        return TopKSignal(self.logprobs[rows], self.indices[rows], self.tail[rows])
+
+    def nbytes(self) -> int:
+        """The bytes its tensors hold."""
+        return sum(t.numel() * t.element_size() for t in (self.logprobs, self.indices, self.tail))
 
 
 def teacher_topk(ref_logits: Tensor, k: int) -> TopKSignal:
@@ -281,6 +292,11 @@ class TopKKL(KLEstimator):
         if logits is None or ref_logits is None:
             raise ValueError("a top-k KL estimator needs the logits of both the policy and the reference")
         return topk_kl(logits, ref_logits, self.truncation)
+
+    def reference_signal(self, ref_logits: Tensor) -> Union[Tensor, TopKSignal]:
+        """With the teacher's top k, its :class:`TopKSignal` (k x 12 + 4 bytes a position, not 4 V): all this estimator
+        reads of the teacher. With the student's, the logits: its top k is known only in the update."""
+        return teacher_topk(ref_logits, self.truncation.k) if self.truncation.of == "teacher" else ref_logits
 
 
 # The top-k presets: name -> (init_args, description).

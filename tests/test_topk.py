@@ -374,9 +374,43 @@ def test_signal_bytes_per_token_by_hand(k, vocab, tail, index_bytes, expected):
 
 
 def test_the_signal_tensors_hold_what_the_count_says():
-    """teacher_topk's tensors, float32 log-probs, torch's int64 ids and a float32 tail: k x 12 + 4 bytes per position."""
+    """teacher_topk's tensors, float32 log-probs, torch's int64 ids and a float32 tail: k x 12 + 4 bytes per position;
+    a minibatch's rows are the signal's rows."""
     from rlhf_lightning_plugins.kl_estimators import signal_bytes_per_token, teacher_topk
 
     signal = teacher_topk(torch.randn(3, 4, 50), 8)
-    held = sum(t.numel() * t.element_size() for t in signal)
+    held = signal.nbytes()
     assert held == 3 * 4 * signal_bytes_per_token(8, 50, tail=True, index_bytes=8) == 12 * 100
+    rows = signal[torch.tensor([2, 0])]
+    assert torch.equal(rows.indices, signal.indices[[2, 0]]) and torch.equal(rows.tail, signal.tail[[2, 0]])
+
+
+def test_the_rollout_keeps_the_teachers_top_k_and_the_kl_is_the_same():
+    """With the teacher's top k the trajectory keeps its TopKSignal, not pi_ref's (batch, len, V) logits, and the KL
+    the loop scores and updates with equals the one from the logits (recomputed here); with the student's top k, and on a
+    KLHealth probe (the exact KL needs them), the logits."""
+    from rlhf_lightning_plugins.kl_estimators import TopKSignal, topk_kl
+
+    from helpers import make_module
+
+    per_token = dict(placement="loss", loss_scope="per_token")
+    with pytest.warns(UserWarning, match="approximate"):
+        module = make_module(kl_estimator=create("topk_forward_tail", k=2), kl=per_token)
+    torch.manual_seed(0)
+    rollout = module.rollout(["Hi", "Go"])
+    assert isinstance(rollout.ref_logits, TopKSignal) and rollout.ref_logits.indices.shape[-1] == 2
+    assert rollout.old_logits.shape[-1] > 2  # the policy's own logits: its top k's tokens and tail
+    response_len = rollout.responses.shape[1]
+    ref_logits = module.networks.reference_logits(rollout.input_ids, rollout.attention_mask, response_len, rollout.kept)
+    expected = topk_kl(rollout.old_logits, ref_logits, module.kl_estimator.truncation)
+    torch.testing.assert_close(module.regulariser.kl_per_token(rollout), expected * rollout.response_mask)
+    scored = module.score(rollout, torch.full((2,), 0.5, dtype=torch.float64))
+    assert torch.isfinite(scored.kl).all()
+    idx = torch.tensor([1])
+    kl_loss, _ = module.regulariser.loss_term(rollout, idx, rollout.old_logprobs[idx], rollout.old_logits[idx])
+    torch.testing.assert_close(kl_loss, (expected * rollout.response_mask)[idx])
+    module.sampler.reference_signal = None  # as KLHealth's probe sets it
+    assert isinstance(module.rollout(["Hi", "Go"]).ref_logits, torch.Tensor)
+    with pytest.warns(UserWarning, match="approximate"):
+        student = make_module(kl_estimator=create("topk_reverse", k=2), kl=per_token)
+    assert isinstance(student.rollout(["Hi", "Go"]).ref_logits, torch.Tensor)

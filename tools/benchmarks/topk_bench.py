@@ -163,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     table = {}
     for k in rows:
         held = signal_of(k, ref_logits)
-        held_bytes = sum(t.numel() * t.element_size() for t in ([held] if k is None else held))
+        held_bytes = held.numel() * held.element_size() if k is None else held.nbytes()
         with tensor_peak() as peak:
             update(k)
         table[k] = {
