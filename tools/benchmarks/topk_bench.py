@@ -19,7 +19,7 @@ optimizer step. Per row:
   or of the teacher's (batch, len, V) float32 logits, per token;
 - ``KL peak B/token``: the peak bytes of the tensors the KL's forward and backward create, from the student's logits
   and what is held (a ``TorchDispatchMode`` counts each new storage until it is freed), per token; the top-k rows
-  also from the teacher's whole logits, as the training loop calls it today (it holds them: docs/performance.md);
+  also from the teacher's whole logits (the signal taken inside: the same values, docs/performance.md);
 - ``update peak MB``: the same count over the whole update (activations, gradients, the teacher's logits, which its
   output layer writes whatever k is, the signal built from them, the logits then freed);
 - ``update s``: the update's median seconds over ``--rounds`` rounds (one warm-up; rows alternate within a round, so a
