@@ -3,6 +3,8 @@ and the exact full-vocabulary KL to the teacher each reaches after the same numb
 
     python -m tools.studies.topk_distill                                  # the variants below, 40 iterations each
     python -m tools.studies.topk_distill --variants full tail_8 clamped_8 --iterations 20
+    python -m tools.studies.topk_distill --config configs/privileged_teacher.yaml --variants full tail_64 tail_8 clamped_8 \
+        --iterations 8 --smollm2                  # SmolLM2 (V = 49152) learning the teacher that sees the answer
 
 Each run is ``rlhf-lightning fit --config <config>`` in a fresh process with its ``model.kl_estimator`` replaced and
 ``KLHealth`` probing every iteration (its ``estimate_vs_exact`` check alone): ``system/kl_health/kl_exact`` is the
@@ -10,8 +12,10 @@ exact KL(pi_old || pi_ref) of each iteration's responses (nats per response, sum
 position), the yardstick whatever the estimator trains. Per variant the table gives that KL at the first iteration
 and its mean over the last ``--last``, its ratio to the ``full`` run's, the estimator's own value beside it
 (``system/kl_health/kl_estimate``: what ``objective/kl`` shows), the gold reward (the "e"s, never trained on) and the
-run's wall seconds. The config's reward is 0, so the KL is the whole objective. The numbers: docs/performance.md,
-"The teacher's top k".
+run's wall seconds. The config's reward is 0, so the KL is the whole objective. ``--smollm2`` turns a SmolLM2 config
+(``configs/privileged_teacher.yaml``: the starting policy reading each question with its answer as the teacher) into
+the same distillation: a reward of 0, the KL per token in the loss with beta 1, REINFORCE, one answer per question,
+16 questions an iteration, no validation. The numbers: docs/performance.md, "The teacher's top k".
 """
 
 from __future__ import annotations
@@ -67,7 +71,20 @@ PRESET = {
 }
 
 
-def run(config: str, variant: str, iterations: int, work: Path) -> dict[str, dict[int, float]]:
+# --smollm2: a SmolLM2 config made pure distillation (module docstring).
+SMOLLM2_DISTILLATION = {
+    "reward_model": {
+        "class_path": "callable",
+        "init_args": {"function": "rlhf_lightning_plugins.rewards.toy:constant", "kwargs": {"value": 0.0}},
+    },
+    "kl": {"placement": "loss", "loss_scope": "per_token"},
+    "beta_controller": {"class_path": "fixed", "init_args": {"init_beta": 1.0}},
+    "advantage_estimator": "reinforce",
+    "sampling": {"num_generations": 1},
+}
+
+
+def run(config: str, variant: str, iterations: int, work: Path, smollm2: bool = False) -> dict[str, dict[int, float]]:
     """One run of ``config`` with ``variant``'s estimator: its scalars and wall seconds."""
     from tools.summarize_run import read_scalars
 
@@ -84,7 +101,11 @@ def run(config: str, variant: str, iterations: int, work: Path) -> dict[str, dic
         "default_root_dir": str(out),
         "callbacks": [health],
     }
-    overlay.write_text(json.dumps({"trainer": trainer, "model": {"kl_estimator": estimator(variant)}}))  # JSON is YAML
+    model, data = {"kl_estimator": estimator(variant)}, {}
+    if smollm2:
+        trainer["limit_val_batches"] = 0
+        model, data = {**SMOLLM2_DISTILLATION, **model}, {"batch_size": 16}
+    overlay.write_text(json.dumps({"trainer": trainer, "model": model} | ({"data": data} if data else {})))  # JSON is YAML
     command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", config, "--config", str(overlay)]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -103,15 +124,16 @@ def main() -> None:
         "--iterations", type=option_number(integer=True, at_least=1), default=40, help="a multiple of its epochs (20 an epoch at most)"
     )
     parser.add_argument("--last", type=option_number(integer=True, at_least=1), default=5, help="iterations averaged at the end")
+    parser.add_argument("--smollm2", action="store_true", help="make a SmolLM2 config pure distillation (module docstring)")
     args = parser.parse_args()
     variants = ["full", *(v for v in args.variants if v != "full")]  # the yardstick first
     print(f"{Path(args.config).name}, {args.iterations} iterations, 1-minute load {os.getloadavg()[0]:.2f} at the start", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="topk_distill_") as work:
         for variant in variants:
-            scalars = run(args.config, variant, args.iterations, Path(work))
+            scalars = run(args.config, variant, args.iterations, Path(work), args.smollm2)
             exact, estimate = scalars["system/kl_health/kl_exact"], scalars["system/kl_health/kl_estimate"]
-            gold = scalars["objective/gold_reward"]
+            gold = scalars.get("objective/gold_reward", {0: math.nan})  # a config with a gold reward model
             last = sorted(exact)[-args.last :]
             row = {
                 "variant": variant,
