@@ -38,7 +38,8 @@ estimator; that part comes from k1 in the reward (``kl_penalty: reward`` or ``bo
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -150,7 +151,49 @@ for _name, (_aliases, _value, _description) in STRAIGHT_THROUGH_PRESETS.items():
     registry("kl_estimator").register(_name, StraightThroughKL, _description, _aliases, init_args={"value": _value, "gradient": "k2"})
 
 
-def topk_kl(logits: Tensor, ref_logits: Tensor, truncation: Truncation) -> Tensor:
+@dataclass(frozen=True)
+class TopKSignal:
+    """The teacher's signal at each position when only its top k is kept: what a teacher server sends per token, and
+    what the rollout keeps in place of the teacher's (batch, len, V) logits for a teacher's top k
+    (:meth:`TopKKL.reference_signal`). k log-probabilities and k token ids (+ the tail's log-mass):
+    :func:`signal_bytes_per_token` bytes, against V floats for the whole distribution. Enough for every truncation of
+    the teacher's top k (``of: teacher``); the student's top k needs the teacher's log-probabilities at tokens known
+    only once the student's logits are (verl#6676): the whole distribution."""
+
+    logprobs: Tensor  # (..., k) log q of the teacher's top k, normalised over the whole vocabulary, descending
+    indices: Tensor  # (..., k) their token ids
+    tail: Tensor  # (...,) log(1 - Q_T), the log of the mass outside the top k: -inf where k >= V
+
+    def __getitem__(self, rows) -> TopKSignal:
+        """The signal of ``rows`` (a minibatch's), as ``ref_logits[rows]`` would be the logits'."""
+        return TopKSignal(self.logprobs[rows], self.indices[rows], self.tail[rows])
+
+    def nbytes(self) -> int:
+        """The bytes its tensors hold."""
+        return sum(t.numel() * t.element_size() for t in (self.logprobs, self.indices, self.tail))
+
+
+def teacher_topk(ref_logits: Tensor, k: int) -> TopKSignal:
+    """The teacher's top-k signal from its logits (..., V), in at least float32: the top k by logit (the same as by
+    probability), their log-probabilities log q = logit - logsumexp(logits), and the rest's log-mass from the left-out
+    logits themselves (accurate where the rest is a sliver of the mass, as 1 - Q_T in float32 would not be)."""
+    ref_logits = ref_logits.to(torch.promote_types(ref_logits.dtype, torch.float32))
+    log_z = ref_logits.logsumexp(-1, keepdim=True)
+    top, indices = ref_logits.topk(min(k, ref_logits.shape[-1]), dim=-1)
+    tail = ref_logits.scatter(-1, indices, -math.inf).logsumexp(-1) - log_z.squeeze(-1)
+    return TopKSignal(top - log_z, indices, tail)
+
+
+def signal_bytes_per_token(k: int, vocab: int, tail: bool = True, value_bytes: int = 4, index_bytes: int = 4) -> int:
+    """Bytes of the teacher's signal per position: ``k`` values and ``k`` token ids (+ one value, the tail's log-mass,
+    with ``tail``) where k < ``vocab``; the ``vocab`` values of the whole distribution, which need no ids, where k >= V.
+    The wire's defaults: float32 values, int32 ids (a 49k vocabulary needs 16 bits; torch's ``topk`` returns int64)."""
+    if k >= vocab:
+        return vocab * value_bytes
+    return k * (value_bytes + index_bytes) + (value_bytes if tail else 0)
+
+
+def topk_kl(logits: Tensor, ref_logits: Union[Tensor, TopKSignal], truncation: Truncation) -> Tensor:
     """A KL summed over the top ``truncation.k`` tokens of one of the two distributions at each position.
 
     With p = softmax(logits) (the student), q = softmax(ref_logits) (the teacher), S the top k of q (``of:
@@ -162,13 +205,25 @@ def topk_kl(logits: Tensor, ref_logits: Tensor, truncation: Truncation) -> Tenso
         generalised   sum_S [w log(w / o) - w + o]                       the generalised KL of unnormalised masses
         clamp         max(0, any of the above)
 
-    W_S = sum_S w, O_S = sum_S o. S is chosen without gradient. (batch, len, V) logits -> (batch, len).
+    W_S = sum_S w, O_S = sum_S o. S is chosen without gradient. (batch, len, V) logits -> (batch, len). With ``of:
+    teacher`` ``ref_logits`` may be the teacher's :class:`TopKSignal` of this k instead (a server's, or one kept in place
+    of the logits): the teacher's (batch, len, V) log-probabilities are never built, the same values either way.
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)  # at least float32, float64 kept (the lab's)
-    logp, logq = F.log_softmax(logits.to(dtype), dim=-1), F.log_softmax(ref_logits.to(dtype), dim=-1)
-    log_w, log_o = (logq, logp) if truncation.of == "teacher" else (logp, logq)
-    index = log_w.detach().topk(min(truncation.k, log_w.shape[-1]), dim=-1).indices  # (batch, len, k)
-    lw, lo = log_w.gather(-1, index), log_o.gather(-1, index)
+    logp = F.log_softmax(logits.to(dtype), dim=-1)
+    if truncation.of == "teacher":
+        signal = ref_logits if isinstance(ref_logits, TopKSignal) else teacher_topk(ref_logits, truncation.k)
+        index = signal.indices  # (batch, len, k)
+        if index.shape[-1] != min(truncation.k, logp.shape[-1]):
+            raise ValueError(f"a top-{truncation.k} KL got a teacher signal of {index.shape[-1]} tokens per position")
+        lw, lo, tail_w = signal.logprobs.to(dtype), logp.gather(-1, index), signal.tail.to(dtype)
+    else:
+        if isinstance(ref_logits, TopKSignal):
+            raise ValueError("the student's top k needs the teacher's logits there, not the teacher's top-k signal (verl#6676)")
+        logq = F.log_softmax(ref_logits.to(dtype), dim=-1)
+        index = logp.detach().topk(min(truncation.k, logp.shape[-1]), dim=-1).indices  # (batch, len, k)
+        lw, lo = logp.gather(-1, index), logq.gather(-1, index)
+        tail_w = logp.scatter(-1, index, -math.inf).logsumexp(-1) if truncation.tail else None
     if truncation.renormalise:
         lw, lo = lw - lw.logsumexp(-1, keepdim=True), lo - lo.logsumexp(-1, keepdim=True)
     terms = lw.exp() * (lw - lo)
@@ -176,8 +231,8 @@ def topk_kl(logits: Tensor, ref_logits: Tensor, truncation: Truncation) -> Tenso
         terms = terms - lw.exp() + lo.exp()
     value = terms.sum(-1)
     if truncation.tail:
-        kept = torch.zeros_like(log_w, dtype=torch.bool).scatter(-1, index, True)
-        tail_w, tail_o = (x.masked_fill(kept, -math.inf).logsumexp(-1) for x in (log_w, log_o))
+        log_other = logp if truncation.of == "teacher" else logq
+        tail_o = log_other.scatter(-1, index, -math.inf).logsumexp(-1)
         empty = tail_w == -math.inf  # k >= V: nothing left out (0 log 0 = 0); kept finite for the gradient
         tail_w, tail_o = tail_w.masked_fill(empty, 0.0), tail_o.masked_fill(empty, 0.0)
         value = value + torch.where(empty, 0.0, tail_w.exp() * (tail_w - tail_o))
@@ -226,11 +281,22 @@ class TopKKL(KLEstimator):
         self.truncation = Truncation(k, of, tail, renormalise, clamp, generalised)
 
     def __call__(
-        self, logprobs: Tensor, ref_logprobs: Tensor, logits: Optional[Tensor] = None, ref_logits: Optional[Tensor] = None
+        self,
+        logprobs: Tensor,
+        ref_logprobs: Tensor,
+        logits: Optional[Tensor] = None,
+        ref_logits: Union[Tensor, TopKSignal, None] = None,
     ) -> Tensor:
+        """The per-position value (batch, len); ``ref_logits``: the teacher's logits, or with ``of: teacher`` its
+        :class:`TopKSignal` of this k (:func:`teacher_topk`)."""
         if logits is None or ref_logits is None:
             raise ValueError("a top-k KL estimator needs the logits of both the policy and the reference")
         return topk_kl(logits, ref_logits, self.truncation)
+
+    def reference_signal(self, ref_logits: Tensor) -> Union[Tensor, TopKSignal]:
+        """With the teacher's top k, its :class:`TopKSignal` (k x 12 + 4 bytes a position, not 4 V): all this estimator
+        reads of the teacher. With the student's, the logits: its top k is known only in the update."""
+        return teacher_topk(ref_logits, self.truncation.k) if self.truncation.of == "teacher" else ref_logits
 
 
 # The top-k presets: name -> (init_args, description).

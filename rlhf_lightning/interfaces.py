@@ -114,6 +114,12 @@ class KLEstimator(Plugin):
         )
         return kl
 
+    def reference_signal(self, ref_logits: Tensor) -> Any:
+        """What a rollout keeps of the reference's logits (batch, response_len, vocab) for this estimator, handed back
+        as its ``ref_logits`` (rows of it as ``signal[rows]``): the logits themselves; an estimator that reads less
+        keeps less (a teacher's top k: ``TopKKL``)."""
+        return ref_logits
+
     def reads_sampled_token(self) -> bool:
         """Whether the value at a position changes with the token sampled there, probed with two
         different tokens under the same logits; false for ``full``, which sums over the vocabulary

@@ -212,7 +212,7 @@ class KLHealth(Callback):
             return
         # Instrument the iteration: capture the scores and rewards the module builds, and keep pi_old's and
         # pi_ref's logits (computed anyway) in the trajectory for the exact KL.
-        self.probing = {"needs_logits": pl_module.sampler.needs_logits}
+        self.probing = {"needs_logits": pl_module.sampler.needs_logits, "reference_signal": pl_module.sampler.reference_signal}
         score = pl_module.score
 
         def captured_score(rollout: Trajectory, betas: Tensor) -> Scored:
@@ -221,14 +221,14 @@ class KLHealth(Callback):
             return scored
 
         pl_module.score = captured_score
-        if self.active("estimate_vs_exact"):
-            pl_module.sampler.needs_logits = True
+        if self.active("estimate_vs_exact"):  # the whole logits, not what the estimator reads of them (a top k)
+            pl_module.sampler.needs_logits, pl_module.sampler.reference_signal = True, None
 
     def _stop_probing(self, pl_module) -> Optional[dict[str, Any]]:
         probing, self.probing = self.probing, None
         if probing is not None:
             del pl_module.score  # the class's method again
-            pl_module.sampler.needs_logits = probing["needs_logits"]
+            pl_module.sampler.needs_logits, pl_module.sampler.reference_signal = probing["needs_logits"], probing["reference_signal"]
         return probing
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

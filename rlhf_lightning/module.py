@@ -372,6 +372,7 @@ class PPORLHF(LightningModule):
             runtime=self.runtime,
             reward=self.reward,
             needs_logits=self.kl_estimator.needs_logits,
+            reference_signal=self.kl_estimator.reference_signal,
             seed_base=self.generation_seed_base,
             global_rank=self.global_rank,
             local_rank=self.local_rank,

@@ -97,6 +97,8 @@ class Sampler:
 
     ``reward(prompts, responses) -> (raw_scores, fault)`` is the reward backend's checked call (the module's);
     ``needs_logits``: the KL estimator reads whole distributions (the trajectory keeps pi_old's and pi_ref's logits);
+    ``reference_signal(ref_logits)``: what the trajectory keeps of pi_ref's (``KLEstimator.reference_signal``; None:
+    the logits);
     ``teacher_prompts(prompts)``: the reference's prompt of each (a teacher that sees more, :meth:`reference_inputs`)."""
 
     def __init__(
@@ -117,6 +119,7 @@ class Sampler:
         environment: Optional[Environment] = None,
         longest_prompt: Optional[int] = None,
         teacher_prompts: Optional[Callable[[list[str]], list[str]]] = None,
+        reference_signal: Optional[Callable[[Tensor], Any]] = None,
     ) -> None:
         self.tokenizer, self.engine, self.networks = tokenizer, engine, networks
         self.sampling, self.prompts, self.off_policy, self.runtime = sampling, prompts, off_policy, runtime
@@ -125,6 +128,7 @@ class Sampler:
         self.global_step = 0  # the optimizer steps of the weights the engine samples (an engine with its own copy syncs when it changes)
         self.exploration = 0.0  # epsilon of the draw (model.sampling.explore)
         self.teacher_prompts = teacher_prompts  # each prompt's teacher prompt (model.prompts.teacher_template); None: the prompt
+        self.reference_signal = reference_signal  # what the trajectory keeps of pi_ref's logits; None: them
         self.episodes = None
         if environment is not None:  # episodes: turn by turn, within the policy's context after the longest prompt
             bound = token_bound(environment, sampling, networks.policy.config, longest_prompt)
@@ -258,7 +262,7 @@ class Sampler:
             old_values=None if old.values is None else old.values * mask,
             entropy=pm.entropy_of(old.logits),
             old_logits=old.logits if keep_logits else None,
-            ref_logits=ref_logits if keep_logits else None,
+            ref_logits=None if not keep_logits else self.reference_signal(ref_logits) if self.reference_signal else ref_logits,
             initial_logprobs=None if initial_logits is None else pm.logprobs_of(initial_logits, response),
             initial_logits=initial_logits if keep_logits else None,
             kept=old.kept,

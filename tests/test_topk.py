@@ -265,3 +265,152 @@ def test_the_failures_hold_on_another_vocabulary_and_seed(vocab, seed):
         assert measure("topk_reverse_unnormalised", task, k).entropy_drift > 0
     still = measure("topk_reverse", task, 1)
     assert still.zero_gradient and still.reverse_kl == pytest.approx(still.reverse_kl_start, abs=1e-12)
+
+
+# ---------------------------------------------------------------- the teacher's top-k signal (the memory it buys)
+def topk_kl_as_it_was(logits, ref_logits, truncation):
+    """topk_kl before the teacher's signal (commit eee9d77): both distributions' (batch, len, V) log-probabilities and
+    a (batch, len, V) mask of the kept set, whatever whose top k. The reference the signal path must equal."""
+    import math
+
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logp, logq = torch.log_softmax(logits.to(dtype), -1), torch.log_softmax(ref_logits.to(dtype), -1)
+    log_w, log_o = (logq, logp) if truncation.of == "teacher" else (logp, logq)
+    index = log_w.detach().topk(min(truncation.k, log_w.shape[-1]), dim=-1).indices
+    lw, lo = log_w.gather(-1, index), log_o.gather(-1, index)
+    if truncation.renormalise:
+        lw, lo = lw - lw.logsumexp(-1, keepdim=True), lo - lo.logsumexp(-1, keepdim=True)
+    terms = lw.exp() * (lw - lo)
+    if truncation.generalised:
+        terms = terms - lw.exp() + lo.exp()
+    value = terms.sum(-1)
+    if truncation.tail:
+        kept = torch.zeros_like(log_w, dtype=torch.bool).scatter(-1, index, True)
+        tail_w, tail_o = (x.masked_fill(kept, -math.inf).logsumexp(-1) for x in (log_w, log_o))
+        empty = tail_w == -math.inf
+        tail_w, tail_o = tail_w.masked_fill(empty, 0.0), tail_o.masked_fill(empty, 0.0)
+        value = value + torch.where(empty, 0.0, tail_w.exp() * (tail_w - tail_o))
+    return value.clamp_min(0.0) if truncation.clamp else value
+
+
+PRESETS = [
+    "topk_forward",
+    "topk_forward_clamped",
+    "topk_forward_tail",
+    "topk_reverse",
+    "topk_reverse_clamped",
+    "topk_reverse_unnormalised",
+    "topk_generalised",
+]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("k", [1, 3, 11, 12, 20])
+def test_the_signal_path_gives_the_values_and_gradients_of_the_full_logits_one(name, k, dtype, tolerance):
+    """V = 12 (k = V - 1, V and past it included), a peaked teacher and a -inf logit (a sampler's kept set; where a
+    kept set holds it the KL is infinite or nan in both, alike): the value and the gradient in the student's logits equal the implementation that built both (batch, len, V) distributions;
+    with the teacher's top k the same again from its TopKSignal alone (teacher_topk), never its logits."""
+    from rlhf_lightning_plugins.kl_estimators import teacher_topk, topk_kl
+
+    generator = torch.Generator().manual_seed(k)
+    logits = torch.randn(2, 5, 12, generator=generator, dtype=dtype)
+    ref_logits = 3 * torch.randn(2, 5, 12, generator=generator, dtype=dtype)
+    ref_logits[0, 0, 4] = -float("inf")
+    truncation = create(name, k=k).truncation
+    values, gradients = [], []
+    inputs = [ref_logits] + ([teacher_topk(ref_logits, k)] if truncation.of == "teacher" else [])
+    for function, teacher in [(topk_kl_as_it_was, ref_logits)] + [(topk_kl, x) for x in inputs]:
+        student = logits.clone().requires_grad_()
+        value = function(student, teacher, truncation)
+        (gradient,) = torch.autograd.grad((value * torch.arange(1.0, 11.0, dtype=dtype).view(2, 5)).sum(), student)
+        values.append(value.detach())
+        gradients.append(gradient)
+    for value, gradient in zip(values[1:], gradients[1:], strict=True):
+        torch.testing.assert_close(value, values[0], atol=tolerance, rtol=tolerance, equal_nan=True)
+        torch.testing.assert_close(gradient, gradients[0], atol=tolerance, rtol=tolerance, equal_nan=True)
+
+
+def test_the_signal_by_hand_on_three_tokens():
+    """Teacher q = (0.2, 0.7, 0.1): its top 2 is tokens (1, 0), log q = (log 0.7, log 0.2), the rest log 0.1; its top 3
+    leaves nothing (-inf)."""
+    from rlhf_lightning_plugins.kl_estimators import teacher_topk
+
+    signal = teacher_topk(torch.tensor([0.2, 0.7, 0.1], dtype=torch.float64).log() + 5.0, 2)  # logits: any shift
+    assert signal.indices.tolist() == [1, 0]
+    torch.testing.assert_close(signal.logprobs.exp(), torch.tensor([0.7, 0.2], dtype=torch.float64))
+    assert signal.tail.exp().item() == pytest.approx(0.1, abs=1e-12)
+    assert teacher_topk(torch.tensor([0.2, 0.7, 0.1]).log(), 3).tail.item() == -float("inf")
+
+
+def test_the_signal_is_refused_where_it_cannot_serve():
+    """The student's top k needs the teacher at the student's tokens (verl#6676); a signal of another k is refused."""
+    from rlhf_lightning_plugins.kl_estimators import teacher_topk
+
+    logits = torch.randn(1, 2, 6)
+    signal = teacher_topk(torch.randn(1, 2, 6), 2)
+    with pytest.raises(ValueError, match="student's top k needs the teacher's logits"):
+        create("topk_reverse", k=2)(logits[..., 0], logits[..., 0], logits, signal)
+    with pytest.raises(ValueError, match="top-3 KL got a teacher signal of 2 tokens"):
+        create("topk_forward_tail", k=3)(logits[..., 0], logits[..., 0], logits, signal)
+
+
+@pytest.mark.parametrize(
+    "k, vocab, tail, index_bytes, expected",
+    [
+        (1, 49152, True, 4, 12),  # one float32 log-prob, one int32 id, one float32 tail log-mass
+        (8, 49152, True, 4, 68),  # 8 x (4 + 4) + 4
+        (64, 49152, True, 4, 516),  # 64 x 8 + 4
+        (64, 49152, False, 4, 512),  # no tail
+        (64, 49152, True, 8, 772),  # torch's int64 ids: 64 x 12 + 4
+        (49152, 49152, True, 4, 196608),  # the whole distribution: 49152 float32, no ids
+        (100, 78, True, 4, 312),  # k past the vocabulary: the whole distribution
+    ],
+)
+def test_signal_bytes_per_token_by_hand(k, vocab, tail, index_bytes, expected):
+    from rlhf_lightning_plugins.kl_estimators import signal_bytes_per_token
+
+    assert signal_bytes_per_token(k, vocab, tail, index_bytes=index_bytes) == expected
+
+
+def test_the_signal_tensors_hold_what_the_count_says():
+    """teacher_topk's tensors, float32 log-probs, torch's int64 ids and a float32 tail: k x 12 + 4 bytes per position;
+    a minibatch's rows are the signal's rows."""
+    from rlhf_lightning_plugins.kl_estimators import signal_bytes_per_token, teacher_topk
+
+    signal = teacher_topk(torch.randn(3, 4, 50), 8)
+    held = signal.nbytes()
+    assert held == 3 * 4 * signal_bytes_per_token(8, 50, tail=True, index_bytes=8) == 12 * 100
+    rows = signal[torch.tensor([2, 0])]
+    assert torch.equal(rows.indices, signal.indices[[2, 0]]) and torch.equal(rows.tail, signal.tail[[2, 0]])
+
+
+def test_the_rollout_keeps_the_teachers_top_k_and_the_kl_is_the_same():
+    """With the teacher's top k the trajectory keeps its TopKSignal, not pi_ref's (batch, len, V) logits, and the KL
+    the loop scores and updates with equals the one from the logits (recomputed here); with the student's top k, and on a
+    KLHealth probe (the exact KL needs them), the logits."""
+    from rlhf_lightning_plugins.kl_estimators import TopKSignal, topk_kl
+
+    from helpers import make_module
+
+    per_token = dict(placement="loss", loss_scope="per_token")
+    with pytest.warns(UserWarning, match="approximate"):
+        module = make_module(kl_estimator=create("topk_forward_tail", k=2), kl=per_token)
+    torch.manual_seed(0)
+    rollout = module.rollout(["Hi", "Go"])
+    assert isinstance(rollout.ref_logits, TopKSignal) and rollout.ref_logits.indices.shape[-1] == 2
+    assert rollout.old_logits.shape[-1] > 2  # the policy's own logits: its top k's tokens and tail
+    response_len = rollout.responses.shape[1]
+    ref_logits = module.networks.reference_logits(rollout.input_ids, rollout.attention_mask, response_len, rollout.kept)
+    expected = topk_kl(rollout.old_logits, ref_logits, module.kl_estimator.truncation)
+    torch.testing.assert_close(module.regulariser.kl_per_token(rollout), expected * rollout.response_mask)
+    scored = module.score(rollout, torch.full((2,), 0.5, dtype=torch.float64))
+    assert torch.isfinite(scored.kl).all()
+    idx = torch.tensor([1])
+    kl_loss, _ = module.regulariser.loss_term(rollout, idx, rollout.old_logprobs[idx], rollout.old_logits[idx])
+    torch.testing.assert_close(kl_loss, (expected * rollout.response_mask)[idx])
+    module.sampler.reference_signal = None  # as KLHealth's probe sets it
+    assert isinstance(module.rollout(["Hi", "Go"]).ref_logits, torch.Tensor)
+    with pytest.warns(UserWarning, match="approximate"):
+        student = make_module(kl_estimator=create("topk_reverse", k=2), kl=per_token)
+    assert isinstance(student.rollout(["Hi", "Go"]).ref_logits, torch.Tensor)
