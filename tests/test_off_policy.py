@@ -212,9 +212,10 @@ def test_the_asynchronous_loop_weighs_by_its_own_behaviour_policy(tmp_path):
 # ---------------------------------------------------------------------- sampled, with the asynchronous loop (minutes)
 
 
-def stale_cell(advantage: str, staleness: int, correction: str = "sequence", **cell) -> dict:
+def stale_cell(advantage: str, staleness: int, correction: str = "sequence", inflight_every: int = 0, **cell) -> dict:
     """One cell of ``python -m tools.studies.optimum_check --matrix --task random:3 --max-staleness K`` (sampling seed 0, one
-    epoch) at the matrix's own settings, trained by the asynchronous loop; the last exact row."""
+    epoch) at the matrix's own settings, trained by the asynchronous loop (with in-flight weight updates every
+    ``inflight_every`` tokens); the last exact row."""
     from tools.studies import optimum_check
     from tools.studies.optimum_check import matrix, recipes
 
@@ -222,7 +223,9 @@ def stale_cell(advantage: str, staleness: int, correction: str = "sequence", **c
     settings = recipes.task_settings(args, "random:3")
     estimator, placement = cell.get("estimator", "k3"), cell.get("placement", "loss")
     kwargs = recipes.recipe_settings(args, settings, advantage, estimator, placement, "importance", "sequence", 1)
-    stale = matrix.Cell("random:3", advantage, estimator, placement, "importance", "sequence", 1, 0, "token_mean", staleness, correction)
+    stale = matrix.Cell(
+        "random:3", advantage, estimator, placement, "importance", "sequence", 1, 0, "token_mean", staleness, correction, inflight_every
+    )
     iterations = recipes.iterations_of(settings, advantage, placement, "sequence")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
