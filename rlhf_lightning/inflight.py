@@ -50,13 +50,6 @@ def token_versions(iteration: int, max_staleness: int, every: int, length: int, 
     return [min(newest, v0 + t // every) for t in range(length)]
 
 
-def switches(versions: Tensor, mask: Tensor) -> Tensor:
-    """(batch,) how many times each response's version changes between consecutive real tokens (``mask``): the
-    in-flight switches it went through. ``versions``, ``mask``: (batch, response_len)."""
-    both = (mask[:, 1:] * mask[:, :-1]).bool()
-    return ((versions[:, 1:] != versions[:, :-1]) & both).sum(-1)
-
-
 class InflightDraw:
     """One batch drawn segment by segment along :func:`token_versions`: each run of positions that one version draws is
     one engine call on that version's weights (``view_of(version)``, which waits for the version to be published),

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from rlhf_lightning import inflight, sampling
+from rlhf_lightning import sampling
 from rlhf_lightning.data import PromptTable
 from rlhf_lightning.episodes import ENDINGS, EpisodeLayout
 from rlhf_lightning.trajectory import PromptStats, Scored, Trajectory
@@ -136,18 +136,25 @@ def staleness_metrics(versions: Tensor, iteration: int, reduce: Reduce) -> dict[
     }
 
 
+def switches(versions: Tensor, mask: Tensor) -> Tensor:
+    """(batch,) how many times each response's version changes between consecutive real tokens (``mask``): the
+    in-flight switches it went through. ``versions``, ``mask``: (batch, response_len)."""
+    both = (mask[:, 1:] * mask[:, :-1]).bool()
+    return ((versions[:, 1:] != versions[:, :-1]) & both).sum(-1)
+
+
 def inflight_metrics(token_versions: Tensor, mask: Tensor, reduce: Reduce) -> dict[str, float]:
     """In-flight weight updates (inflight.py), over all ranks' responses, from each real token's version
     (``token_versions``, ``mask``: (batch, response_len)): ``off_policy/version_min`` and ``version_max``, the oldest
     and newest version among the batch's tokens; ``off_policy/version_spread_mean`` and ``version_spread_max``, each
     response's newest minus oldest, averaged and at most; ``off_policy/inflight_switches_mean``, the version changes per
-    response (``inflight.switches``; the declared schedule moves one version at a switch, so it is the spread)."""
+    response (:func:`switches`; the declared schedule moves one version at a switch, so it is the spread)."""
     real = mask.bool()
     big = torch.iinfo(torch.long).max
     oldest = token_versions.masked_fill(~real, big).amin(-1)
     newest = token_versions.masked_fill(~real, -big).amax(-1)
     spread = torch.where(real.any(-1), newest - oldest, torch.zeros_like(newest)).double()
-    switched = inflight.switches(token_versions, mask).double()
+    switched = switches(token_versions, mask).double()
     n = torch.tensor(float(len(spread)), dtype=torch.float64, device=spread.device)
     total = reduce(torch.stack([spread.sum(), switched.sum(), n]))
     return {

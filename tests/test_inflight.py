@@ -17,8 +17,8 @@ from rlhf_lightning.args import OffPolicyArgs
 from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.exact.tasks import task_named
 from rlhf_lightning.exact.training import expected_train
-from rlhf_lightning.inflight import SEGMENT_SEED, switches, token_versions
-from rlhf_lightning.metrics import inflight_metrics
+from rlhf_lightning.inflight import SEGMENT_SEED, token_versions
+from rlhf_lightning.metrics import inflight_metrics, switches
 from rlhf_lightning.sampling import correction_weights
 
 from helpers import RecordWeights, StopAfter, fit, make_module, response_logprobs
