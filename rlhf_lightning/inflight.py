@@ -53,7 +53,7 @@ def token_versions(iteration: int, max_staleness: int, every: int, length: int, 
 class InflightDraw:
     """One batch drawn segment by segment along :func:`token_versions`: each run of positions that one version draws is
     one engine call on that version's weights (``view_of(version)``, which waits for the version to be published),
-    continuing every unfinished response from its prefix; a response that ended (EOS) stays ended, pad after it.
+    continuing every unfinished response from its prefix; a response that ended (EOS) is drawn on no more, pad after it.
 
     ``every``: ``model.off_policy.inflight_every``; ``max_staleness``: k."""
 
@@ -74,7 +74,7 @@ class InflightDraw:
         full, tokenizer = view.sampling, view.tokenizer
         eos, pad, seed = tokenizer.eos_token_id, tokenizer.pad_token_id, view.seed(iteration)
         schedule = self.versions(iteration, full.max_new_tokens, first_version)
-        ids, attention = enc["input_ids"], enc["attention_mask"]
+        ids = enc["input_ids"]
         ended = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
         pieces: list[Samples] = []
         t, segment = 0, 0
@@ -86,19 +86,29 @@ class InflightDraw:
             view.sampling = dataclasses.replace(full, max_new_tokens=end - t, min_new_tokens=min(max(0, full.min_new_tokens - t), end - t))
             if view.engine.stale(view):
                 view.engine.sync(view)
-            samples = view.engine.checked_sample(view, {"input_ids": ids, "attention_mask": attention}, seed + segment * SEGMENT_SEED)
-            new = samples.sequences[:, ids.shape[1] :].to(ids.device)
-            new = torch.where(ended[:, None], torch.full_like(new, pad), new)  # a response that ended stays ended
-            at_eos = (new == eos) & ~ended[:, None]
-            live = (~ended[:, None]) & (at_eos.int().cumsum(-1) - at_eos.int() == 0)  # up to and including its EOS
-            pieces.append(Samples(new, samples.logits, samples.logprobs, samples.hidden))
+            # only the responses still going are drawn on: each prompt, then its prefix (no EOS in it yet, all attended)
+            rows = (~ended).nonzero()[:, 0]
+            attention = torch.cat([enc["attention_mask"][rows], enc["attention_mask"].new_ones(len(rows), t)], dim=1)
+            samples = view.engine.checked_sample(view, {"input_ids": ids[rows], "attention_mask": attention}, seed + segment * SEGMENT_SEED)
+            drawn = samples.sequences[:, ids.shape[1] :].to(ids.device)
+            new = torch.full((len(ids), drawn.shape[1]), pad, dtype=ids.dtype, device=ids.device)  # an ended response: pad
+            new[rows] = drawn
+            pieces.append(Samples(new, *[_spread(getattr(samples, name), rows, len(ids)) for name in ("logits", "logprobs", "hidden")]))
             ids = torch.cat([ids, new], dim=1)
-            attention = torch.cat([attention, live.to(attention.dtype)], dim=1)
-            ended = ended | at_eos.any(-1)
+            ended = ended | (new == eos).any(-1)
             t, segment = t + new.shape[1], segment + 1
         samples = Samples(ids, *[_cat([getattr(p, name) for p in pieces]) for name in ("logits", "logprobs", "hidden")])
         versions = torch.tensor(schedule[:t], dtype=torch.long, device=ids.device).expand(len(ids), -1).clone()
         return Drawn(iteration, list(prompts), enc, samples, schedule[0], token_versions=versions)
+
+
+def _spread(scores: Optional[Tensor], rows: Tensor, batch: int) -> Optional[Tensor]:
+    """A segment's scores of the responses still going (``rows``) in the batch's rows, 0 for an ended one (masked)."""
+    if scores is None:
+        return None
+    out = scores.new_zeros(batch, *scores.shape[1:])
+    out[rows.to(scores.device)] = scores
+    return out
 
 
 def _cat(parts: list[Optional[Tensor]]) -> Optional[Tensor]:

@@ -81,7 +81,8 @@ def test_the_product_weight_against_a_brute_force_enumeration():
     0.2 | b. The sequence weights from each token's own version's log-prob are pi_prox(y) / q(y): (2.057143, 0.533333,
     0.4, 2.133333), so E_q[W f] = E_prox[f] for every f (f = 1[aa]: 0.72); labelled with the newest version alone (both
     tokens by version 1's tables, first-token table 0.6) they are pi_prox(y) / (0.6 * mu_1(y_2 | y_1)) and E_q[W 1[aa]]
-    = 0.35 * 0.72 / 0.42 = 0.6, not 0.72."""
+    = 0.35 * 0.72 / 0.42 = 0.6, not 0.72. The token correction weighs each token by its own version's ratio
+    (aa: 0.8 / 0.5, 0.9 / 0.7)."""
     responses = ["aa", "ab", "ba", "bb"]
     first = {0: {"a": 0.5, "b": 0.5}, 1: {"a": 0.6, "b": 0.4}}  # each version's first-token table
     second = {0: {"a": {"a": 0.5, "b": 0.5}, "b": {"a": 0.5, "b": 0.5}}, 1: {"a": {"a": 0.7, "b": 0.3}, "b": {"a": 0.4, "b": 0.6}}}
@@ -106,6 +107,9 @@ def test_the_product_weight_against_a_brute_force_enumeration():
         torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),
     ):
         assert float((q * weights * f).sum()) == pytest.approx(float((prox.sum(-1).exp() * f).sum()), abs=1e-6)
+    token = correction_weights(prox, mu, mask, "tis", math.inf).double()  # the token correction: each token's own version
+    assert token[0].tolist() == pytest.approx([0.8 / 0.5, 0.9 / 0.7], abs=1e-6)
+    assert token[3].tolist() == pytest.approx([0.2 / 0.5, 0.8 / 0.6], abs=1e-6)
     wrong = correction_weights(prox, newest, mask, "seq_tis", math.inf).double()[:, 0]
     assert float(q[0] * wrong[0]) == pytest.approx(0.6, abs=1e-6)
 
