@@ -274,7 +274,6 @@ def test_inflight_sequence_weights_keep_every_recipes_synchronous_path(recipe, s
     assert apart > 1e-3 if every < 3 else apart < 1e-6, apart
 
 
-@pytest.mark.convergence
 def test_inflight_lands_on_pi_star_and_the_newest_label_lands_away():
     """k3 in the loss (sequence scope) on random:3, 60 exact iterations of 2 AdamW steps at lr 2e-3 decayed to 1/10,
     the sampler 4 updates behind with a switch after every token (versions i - 4, i - 3, i - 2): with each token's own
