@@ -24,7 +24,7 @@ from rlhf_lightning.exact.tasks import task_named
 from rlhf_lightning.exact.training import expected_train, train
 
 RECIPE = dict(kl_estimator="k3", kl_penalty="loss", ppo_epochs=1)
-SAMPLED = {"gae-k1-reward": ("gae", "k1", "reward"), "rloo-k3-loss-sequence": ("rloo", "k3", "loss")}
+SAMPLED = {"gae-k1-reward": dict(advantage="gae", estimator="k1", placement="reward"), "rloo-k3-loss-sequence": dict(advantage="rloo")}
 
 
 def exact_cell(staleness: int, every: int, label: str, iterations: int = 60) -> dict[str, float]:
@@ -46,17 +46,27 @@ def exact_cell(staleness: int, every: int, label: str, iterations: int = 60) -> 
     return rows[-1]
 
 
-def sampled_cell(recipe: str, staleness: int, every: int, seed: int = 0) -> dict[str, float]:
-    """The last exact row of one sampled cell: the matrix's settings for ``recipe``, the asynchronous loop."""
+def sampled_cell(
+    advantage: str,
+    staleness: int,
+    correction: str = "sequence",
+    inflight_every: int = 0,
+    seed: int = 0,
+    estimator: str = "k3",
+    placement: str = "loss",
+) -> dict[str, float]:
+    """One cell of ``python -m tools.studies.optimum_check --matrix --task random:3 --max-staleness K`` (one epoch, the
+    matrix's own settings for the recipe ``advantage``, ``estimator``, ``placement``) trained by the asynchronous loop
+    ``staleness`` updates behind, with in-flight updates every ``inflight_every`` tokens, at sampling seed ``seed``: the
+    last exact row."""
     from tools.studies import optimum_check
     from tools.studies.optimum_check import matrix, recipes
 
-    advantage, estimator, placement = SAMPLED[recipe]
     args = optimum_check.parse_args(["--task", "random:3", "--matrix"])
     settings = recipes.task_settings(args, "random:3")
     kwargs = recipes.recipe_settings(args, settings, advantage, estimator, placement, "importance", "sequence", 1)
     cell = matrix.Cell(
-        "random:3", advantage, estimator, placement, "importance", "sequence", 1, seed, "token_mean", staleness, "sequence", every
+        "random:3", advantage, estimator, placement, "importance", "sequence", 1, seed, "token_mean", staleness, correction, inflight_every
     )
     iterations = recipes.iterations_of(settings, advantage, placement, "sequence")
     with warnings.catch_warnings():
@@ -100,7 +110,7 @@ def main(argv=None) -> None:
         for k in args.staleness:
             for every in args.every:
                 start = time.time()
-                gaps.append(sampled_cell(recipe, k, every, args.seed)["gap"])
+                gaps.append(sampled_cell(staleness=k, inflight_every=every, seed=args.seed, **SAMPLED[recipe])["gap"])
                 print(
                     f"INFLIGHT sampled recipe={recipe} staleness={k} every={every} seed={args.seed} gap={gaps[-1]:.4f} seconds={time.time() - start:.0f}",
                     flush=True,
