@@ -63,7 +63,8 @@ def test_the_schedule_by_hand():
 
 def test_the_settings():
     """``model.off_policy.inflight_every``: an integer >= 0; with it, max_staleness >= 2 (at 0 no sampler runs ahead, at 1
-    every batch already samples i - 1, the newest it may take), the error naming both fields."""
+    every batch already samples i - 1, the newest it may take), the error naming both fields; not with an environment
+    (an episode is drawn turn by turn on one version)."""
     assert OffPolicyArgs().inflight_every == 0
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match=r"model\.off_policy\.inflight_every must be an integer >= 0"):
@@ -72,6 +73,10 @@ def test_the_settings():
         with pytest.raises(ConfigError, match=r"model\.off_policy\.max_staleness must be >= 2 with model\.off_policy\.inflight_every 3"):
             OffPolicyArgs(max_staleness=k, inflight_every=3)
     assert OffPolicyArgs(max_staleness=2, inflight_every=1).inflight_every == 1
+    from helpers import Echo
+
+    with pytest.raises(ConfigError, match=r"model\.off_policy\.inflight_every must be 0 with model\.environment"):
+        make_module(**{**STALE, "off_policy": dict(max_staleness=2, inflight_every=1)}, environment=Echo(reward=0.5, max_turns=2))
 
 
 def test_the_product_weight_against_a_brute_force_enumeration():
