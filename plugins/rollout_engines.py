@@ -49,7 +49,8 @@ class HFGenerate(RolloutEngine):
         sampled = module.sampling
         # with a shared critic, the last layer's hidden states (float32_head's inputs), one per step
         hidden = [] if sampled.old_logprobs == "sampler" and module.networks.shared_critic else None
-        drawn = {}
+        # the view's lengths, not the generation config's: a segment of an in-flight draw is shorter (inflight.py)
+        drawn = dict(max_new_tokens=sampled.max_new_tokens, min_new_tokens=sampled.min_new_tokens)
         if sampled.do_sample:  # drawn by DeclaredDraw, which bans EOS itself; generate's greedy step takes its token
             processor = DeclaredDraw(
                 sampled.temperature,
@@ -62,7 +63,7 @@ class HFGenerate(RolloutEngine):
                 module.exploration,
             )
             greedy = dict(do_sample=False, temperature=None, top_k=None, top_p=None, min_new_tokens=None)
-            drawn = {**greedy, "logits_processor": LogitsProcessorList([processor])}
+            drawn = {**drawn, **greedy, "logits_processor": LogitsProcessorList([processor])}
         from rlhf_lightning.models import float32_head  # here, so `rlhf-lightning plugins` does not load Lightning
 
         with torch.no_grad(), module.networks.generator() as generator:

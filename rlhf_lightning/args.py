@@ -382,10 +382,19 @@ class OffPolicyArgs:
     the trainer; false: everything after the draw in the trainer. The reward model is then called from the
     sampler's thread (every built-in one may be; one with ``RewardModel.thread_safe`` False is refused at
     start-up, and one that fails there is named by this field in the run's error)."""
+    inflight_every: int = 0
+    """In-flight weight updates (docs/async.md): every this many response tokens the sampler may move the responses it
+    draws to the next version (``inflight.token_versions``: token t of batch i from version min(i - 1, max(0, i - k) +
+    t // inflight_every)), each token tagged with its version (``Trajectory.token_versions``); 0: off, one version a
+    response. Needs ``max_staleness`` >= 2 (at 1 every batch already samples version i - 1, the newest it may take)."""
 
     def __post_init__(self) -> None:
         f = "model.off_policy."
         require_number(f + "max_staleness", self.max_staleness, at_least=0, integer=True)
+        require_number(f + "inflight_every", self.inflight_every, at_least=0, integer=True)
+        why = "batch i takes versions up to i - 1, at max_staleness 1 its only one; inflight_every 0 turns them off"
+        inflight = f"{f}inflight_every {self.inflight_every} (in-flight weight updates: {why})"
+        require(not self.inflight_every or self.max_staleness >= 2, f + "max_staleness", f">= 2 with {inflight}", self.max_staleness)
         timeout = self.sampler_timeout_s
         if timeout is not None and timeout != "never":
             number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
@@ -661,7 +670,7 @@ def check_off_policy(off_policy: OffPolicyArgs, sampling: SamplingArgs, engine: 
     behaviour policy's; and need an engine that samples from a published copy of the weights, and with
     ``score_in_sampler`` a reward backend that may be called from the sampler's thread (``RewardModel.thread_safe``)."""
     if not off_policy.max_staleness:
-        unused = ("sampler_timeout_s", "correction", "correction_cap", "score_in_sampler", "trust_band")
+        unused = ("sampler_timeout_s", "correction", "correction_cap", "score_in_sampler", "trust_band", "inflight_every")
         _warn(unused_settings("model.off_policy.", off_policy, unused, "with model.off_policy.max_staleness 0 (no sampler runs ahead)"))
         return
     _warn(

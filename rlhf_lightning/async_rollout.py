@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from rlhf_lightning import fsdp2
 from rlhf_lightning.args import OffPolicyArgs
 from rlhf_lightning.checks import ConfigError, require
+from rlhf_lightning.inflight import InflightDraw
 from rlhf_lightning.models import full_tensor
 from rlhf_lightning.networks import Networks
 from rlhf_lightning.sampler import Drawn, Sampler
@@ -104,6 +105,10 @@ def needed_versions(versions, iteration: int, k: int, first_version: int, handed
     return needed
 
 
+class _SamplerClosed(Exception):
+    """The run stopped while the sampler waited for a version that will not be published (in-flight updates)."""
+
+
 class _Done:
     """A job run in the trainer's thread: its result or its exception, as a Future holds them."""
 
@@ -124,6 +129,20 @@ class _Done:
 
     def done(self) -> bool:
         return True
+
+
+class _Later(_Done):
+    """A job run in the trainer's thread when its result is first asked for: an in-line in-flight draw, which needs
+    versions published after it is handed over (up to its iteration's i - 1, published by the time it is waited for)."""
+
+    def __init__(self, job) -> None:
+        self._job = job
+
+    def result(self, timeout: Optional[float] = None):
+        if self._job is not None:
+            job, self._job = self._job, None
+            super().__init__(job)
+        return super().result(timeout)
 
 
 def _work(jobs: queue.Queue) -> None:
@@ -147,7 +166,10 @@ class AsyncRollouts:
     trainer's thread runs in (``step_context()``: the precision plugin's, thread-local), and ``concurrent``: draw in
     one worker thread (the run's default) or in the trainer's thread when a batch is handed over (the in-line path,
     the same numbers). ``skeleton``: under FSDP2, the policy's structure on the meta device, kept before sharding
-    (``Networks.skeleton``), which the sampler's whole copy is made from."""
+    (``Networks.skeleton``), which the sampler's whole copy is made from.
+
+    With in-flight updates (``off_policy.inflight_every`` > 0, inflight.py) a batch is drawn segment by segment, each
+    segment on the version :func:`inflight.token_versions` names, which the sampler waits to be published (``_published``)."""
 
     def __init__(
         self,
@@ -173,6 +195,16 @@ class AsyncRollouts:
         self._thread: Optional[threading.Thread] = None
         self._abandoned = False  # the sampler failed, hung or was interrupted: close() does not wait for it
         self.handed_ahead = 0  # batches handed to the sampler before their iteration (read ahead)
+        self.inflight = InflightDraw(off_policy.inflight_every, self.k) if off_policy.inflight_every else None
+        require(
+            self.inflight is None or sampler.episodes is None,
+            "model.off_policy.inflight_every",
+            "0 with model.environment (an episode is drawn turn by turn, on one version)",
+            off_policy.inflight_every,
+        )
+        self._published = threading.Condition()  # guards versions and steps; notified at each publish (in-flight draws wait on it)
+        self._closed = False  # the run stopped: an in-flight draw waiting for a version gives up
+        self._waited = 0.0  # the sampler's seconds waiting for versions in its draw under way (not its rollout time)
 
     # ------------------------------------------------------------------ the trainer's side
     def draw(self, prompts: list[str], upcoming: list[list[str]], iteration: int, global_step: int, timer) -> Drawn:
@@ -206,18 +238,24 @@ class AsyncRollouts:
         the sampler copy's own): the sampler reads them while the trainer updates its own."""
         if version not in self.versions:  # FSDP2: each trainable tensor gathered whole (a collective, on every rank alike)
             whole = lambda p: p.full_tensor() if isinstance(p, DTensor) else p.clone()  # a gathered DTensor is a new tensor
-            self.versions[version] = {name: whole(p.detach()) for name, p in self._trainable(self.trainer_sampler.networks.policy)}
-            self.steps[version] = global_step
+            weights = {name: whole(p.detach()) for name, p in self._trainable(self.trainer_sampler.networks.policy)}
+            with self._published:
+                self.versions[version], self.steps[version] = weights, global_step
+                self._published.notify_all()
 
     def submit(self, iteration: int, prompts: list[str]) -> None:
         """Hand the sampler iteration ``iteration``'s batch on ``prompts``, to draw from version max(first_version, iteration - k)."""
         sampler = self._sampler()  # built here, in the trainer's thread, from weights no one else is changing
-        version = max(self.first_version, iteration - self.k)
-        weights, view = self.versions[version], sampler.view(self.steps[version])
+        version, prompts = max(self.first_version, iteration - self.k), list(prompts)
         enc = sampler.encode(prompts)  # in the trainer's thread: a fast tokenizer's padding state is not thread-safe
-        job = lambda: self._sample(view, iteration, list(prompts), enc, version, weights)
+        if self.inflight is None:
+            weights, view = self.versions[version], sampler.view(self.steps[version])
+            draw = lambda: self._load(view.networks, self.frozen, weights) or view.draw(prompts, iteration, version, enc=enc)
+        else:  # segment by segment, each on its version, waited for as the trainer publishes it
+            draw = lambda: self.inflight.draw(self._version_view, prompts, enc, iteration, self.first_version)
+        job = lambda: self._sample(sampler, draw)
         if not self.concurrent:
-            self.jobs[iteration] = _Done(job)
+            self.jobs[iteration] = _Done(job) if self.inflight is None else _Later(job)
             return
         if self._queue is None:
             self._queue = queue.Queue()
@@ -278,15 +316,28 @@ class AsyncRollouts:
     def _abandon(self) -> None:
         """Stop handing the sampler batches: those queued are dropped, the draw in flight is not waited for."""
         self._abandoned = True
+        self._close_versions()
         for job in self.jobs.values():
             job.cancel()
         if self._queue is not None:
             self._queue.put(None)
 
     def prune(self, iteration: int) -> None:
-        """Drop the published versions no batch still to be handed over samples from (:func:`needed_versions`)."""
-        for version in set(self.versions) - needed_versions(self.versions, iteration, self.k, self.first_version, self.jobs):
-            del self.versions[version], self.steps[version]
+        """Drop the published versions no batch still to be handed over samples from (:func:`needed_versions`); with
+        in-flight updates, those no batch still to be trained on may take (batch j > i takes versions >= j - k)."""
+        with self._published:
+            if self.inflight is None:
+                needed = needed_versions(self.versions, iteration, self.k, self.first_version, self.jobs)
+            else:
+                needed = {v for v in self.versions if v > iteration - self.k}
+            for version in set(self.versions) - needed:
+                del self.versions[version], self.steps[version]
+
+    def _close_versions(self) -> None:
+        """No version will be published any more: a draw waiting for one stops (``_SamplerClosed``)."""
+        with self._published:
+            self._closed = True
+            self._published.notify_all()
 
     def close(self) -> None:
         """Stop the worker after its job in flight, dropping the batches not yet drawn (the end of fit), and wait
@@ -294,6 +345,7 @@ class AsyncRollouts:
         at the interpreter's exit aborts the process ("terminate called without an active exception")."""
         for job in self.jobs.values():
             job.cancel()
+        self._close_versions()
         if self._queue is not None:
             self._queue.put(None)
             if not self._abandoned:
@@ -302,14 +354,15 @@ class AsyncRollouts:
         self.jobs.clear()
 
     # ------------------------------------------------------------------ the sampler's side
-    def _sample(self, view: Sampler, iteration: int, prompts: list[str], enc: dict, version: int, weights: dict[str, Tensor]) -> Drawn:
+    def _sample(self, view: Sampler, draw: Callable[[], Drawn]) -> Drawn:
+        """``draw`` (which loads its version's weights: every tensor set before each draw, the version's and a LoRA
+        base as built, since merging the adapter for a draw and unmerging it moves the base by rounding, so a draw
+        depends on its versions alone), then the scoring, on the sampler's copy (``view``)."""
         start, context = time.perf_counter(), self.step_context if self.concurrent else contextlib.nullcontext
-        # Every tensor set before each draw (the version's, and a LoRA base as built: merging the adapter
-        # for a draw and unmerging it moves the base by rounding), so a draw depends on its version alone.
-        self._load(view.networks, self.frozen, weights)
+        self._waited = 0.0
         with context():
-            drawn = view.draw(prompts, iteration, version, enc=enc)
-        drawn.seconds = time.perf_counter() - start
+            drawn = draw()
+        drawn.seconds = time.perf_counter() - start - self._waited  # its own time, not its waits for versions
         if self.score_in_sampler:
             start = time.perf_counter()
             try:
@@ -321,6 +374,20 @@ class AsyncRollouts:
                 raise _ScoringFailed() from err
             drawn.scoring_seconds = time.perf_counter() - start
         return drawn
+
+    def _version_view(self, version: int) -> Sampler:
+        """The sampler's copy on ``version``'s weights (its ``global_step`` the version's), once the trainer has
+        published it: an in-flight draw's next segment. Its wait is not the draw's time (``_waited``)."""
+        start = time.perf_counter()
+        with self._published:
+            while version not in self.versions:
+                if self._closed:
+                    raise _SamplerClosed(f"the run stopped before version {version} was published")
+                self._published.wait(_POLL_S)
+            weights, steps = self.versions[version], self.steps[version]
+        self._waited += time.perf_counter() - start
+        self._load(self.sampler.networks, self.frozen, weights)
+        return self.sampler.view(steps)
 
     @staticmethod
     def _load(networks: Networks, *tensors: dict[str, Tensor]) -> None:
@@ -376,26 +443,37 @@ class AsyncRollouts:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs to go on as if never stopped: the batches in flight (drawn ahead; waited for
-        here), the versions the batches not yet handed over will be drawn from, and the oldest version."""
-        drawn = {j: self.wait(j) for j in sorted(self.jobs)}
-        self.jobs = {j: _Done(lambda d=d: d) for j, d in drawn.items()}
+        here), the versions the batches not yet handed over will be drawn from, and the oldest version. With in-flight
+        updates, the batches whose every version is published (by the schedule, whatever the timing); one that needs a
+        version still to come is not saved, and the resumed run redraws it from its seed and versions, as this one does."""
+        with self._published:
+            versions, steps = dict(self.versions), dict(self.steps)
+        newest = max(versions, default=self.first_version)
+        length = self.trainer_sampler.sampling.max_new_tokens
+        ready = [j for j in sorted(self.jobs) if self.inflight is None or self.inflight.newest(j, length, self.first_version) <= newest]
+        drawn = {j: self.wait(j) for j in ready}
+        self.jobs.update({j: _Done(lambda d=d: d) for j, d in drawn.items()})
         return {
             "max_staleness": self.k,
+            "inflight_every": 0 if self.inflight is None else self.inflight.every,
             "first_version": self.first_version,
             "drawn": [d.state_dict() for d in drawn.values()],
-            "versions": {v: {n: t.cpu() for n, t in w.items()} for v, w in self.versions.items()},
-            "steps": dict(self.steps),
+            "versions": {v: {n: t.cpu() for n, t in w.items()} for v, w in versions.items()},
+            "steps": steps,
         }
 
     def load_state_dict(self, state: Optional[dict[str, Any]], iteration: int) -> Optional[str]:
         """Resume at ``iteration`` from a checkpoint's ``state`` (None: one of the synchronous loop). Returns why
         the batches in flight were not resumed (another max_staleness, none saved), or None when they were: then
         the sampler starts afresh from the checkpoint's weights, as a run starts from its first."""
-        if state is None or state["max_staleness"] != self.k:
+        every = 0 if self.inflight is None else self.inflight.every
+        if state is None or state["max_staleness"] != self.k or state.get("inflight_every", 0) != every:
             self.jobs, self.versions, self.steps, self.first_version = {}, {}, {}, iteration
             if state is None:
                 return "the checkpoint holds no batches in flight (written with model.off_policy.max_staleness 0)"
-            return f"the checkpoint's batches in flight were drawn for model.off_policy.max_staleness {state['max_staleness']}"
+            if state["max_staleness"] != self.k:
+                return f"the checkpoint's batches in flight were drawn for model.off_policy.max_staleness {state['max_staleness']}"
+            return f"the checkpoint's batches in flight were drawn for model.off_policy.inflight_every {state.get('inflight_every', 0)}"
         device = self.trainer_sampler.device
         self.jobs = {d["iteration"]: _Done(lambda d=d: Drawn.from_state(d, device)) for d in state["drawn"]}
         self.versions = {int(v): {n: t.to(device) for n, t in w.items()} for v, w in state["versions"].items()}

@@ -114,6 +114,7 @@ class TensorBoardViews(Callback):
             has_gold=pl_module.gold_reward_model is not None,
             reference=pl_module.hparams.get("reference"),
             asynchronous=bool(getattr(getattr(pl_module, "off_policy", None), "max_staleness", 0)),
+            inflight=bool(getattr(getattr(pl_module, "off_policy", None), "inflight_every", 0)),
             kl_health=any(isinstance(callback, KLHealth) and callback.mode != "off" for callback in trainer.callbacks),
             episodes=getattr(pl_module, "environment", None) is not None,
         )
@@ -162,6 +163,7 @@ def custom_scalars_layout(
     asynchronous: bool = False,
     kl_health: bool = False,
     episodes: bool = False,
+    inflight: bool = False,
 ) -> dict:
     """The Custom Scalars layout, ``{category: {chart title: ["Multiline", ["^tag$"]]}}``, one line per chart,
     in the order TensorBoard shows it: first the run at a glance (reward; the KL's mean and max and the
@@ -172,7 +174,9 @@ def custom_scalars_layout(
     ``reference``: another model is the reference (``model.reference``, a teacher): the KL charts name it and the
     direction (the reverse KL, KL(pi || reference)), and the drift from the starting policy gets a chart of its own.
     ``asynchronous``: the sampler runs ahead (``model.off_policy.max_staleness`` > 0): how stale the batches were,
-    the off-policy correction's clipped share and effective sample size, and the trainer's wait for the sampler.
+    the off-policy correction's clipped share and effective sample size, and the trainer's wait for the sampler;
+    ``inflight``: it moves responses to newer weights between tokens (``model.off_policy.inflight_every``): the versions
+    a batch's tokens came from and the switches per response.
     ``kl_health``: a ``KLHealth`` monitor runs (kl_health.py): a third row, the KL's share of the update, the
     estimate and the exact KL, and which checks fire. ``episodes``: an environment answers the policy
     (``model.environment``): turns per episode, the environment's share of the tokens, tool calls and their success."""
@@ -214,6 +218,14 @@ def custom_scalars_layout(
             ("off-policy correction: share of tokens outside the trust region", "off_policy/trust_masked_fraction"),
             ("seconds: the trainer's wait for the sampler", "timing/sampler_wait_s"),
             ("seconds: the sampler's draw", "timing/rollout_s"),
+        ]
+    if asynchronous and inflight:
+        more += [
+            ("in-flight updates: oldest version of the batch's tokens", "off_policy/version_min"),
+            ("in-flight updates: newest version of the batch's tokens", "off_policy/version_max"),
+            ("in-flight updates: versions spanned per response (newest - oldest), mean", "off_policy/version_spread_mean"),
+            ("in-flight updates: versions spanned per response, max", "off_policy/version_spread_max"),
+            ("in-flight updates: switches per response", "off_policy/inflight_switches_mean"),
         ]
     if episodes:
         more += [

@@ -85,6 +85,8 @@ def rollout_metrics(
         out["sampling/explore"] = exploration
     if iteration is not None:
         out.update(staleness_metrics(rollout.policy_version, iteration, reduce))
+        if rollout.token_versions is not None:
+            out.update(inflight_metrics(rollout.token_versions, rollout.response_mask, reduce))
     if off_policy_weights is not None:
         logprobs = (rollout.trainer_logprobs, rollout.sampler_logprobs, rollout.response_mask)
         out.update(sampling.off_policy_weight_metrics(*logprobs, *off_policy_weights, sum_fn=reduce))
@@ -131,6 +133,36 @@ def staleness_metrics(versions: Tensor, iteration: int, reduce: Reduce) -> dict[
     return {
         "off_policy/staleness_mean": float(total[0] / total[1]),
         "off_policy/staleness_max": float(reduce(staleness.max(), op="max")),
+    }
+
+
+def switches(versions: Tensor, mask: Tensor) -> Tensor:
+    """(batch,) how many times each response's version changes between consecutive real tokens (``mask``): the
+    in-flight switches it went through. ``versions``, ``mask``: (batch, response_len)."""
+    both = (mask[:, 1:] * mask[:, :-1]).bool()
+    return ((versions[:, 1:] != versions[:, :-1]) & both).sum(-1)
+
+
+def inflight_metrics(token_versions: Tensor, mask: Tensor, reduce: Reduce) -> dict[str, float]:
+    """In-flight weight updates (inflight.py), over all ranks' responses, from each real token's version
+    (``token_versions``, ``mask``: (batch, response_len)): ``off_policy/version_min`` and ``version_max``, the oldest
+    and newest version among the batch's tokens; ``off_policy/version_spread_mean`` and ``version_spread_max``, each
+    response's newest minus oldest, averaged and at most; ``off_policy/inflight_switches_mean``, the version changes per
+    response (:func:`switches`; the declared schedule moves one version at a switch, so it is the spread)."""
+    real = mask.bool()
+    big = torch.iinfo(torch.long).max
+    oldest = token_versions.masked_fill(~real, big).amin(-1)
+    newest = token_versions.masked_fill(~real, -big).amax(-1)
+    spread = torch.where(real.any(-1), newest - oldest, torch.zeros_like(newest)).double()
+    switched = switches(token_versions, mask).double()
+    n = torch.tensor(float(len(spread)), dtype=torch.float64, device=spread.device)
+    total = reduce(torch.stack([spread.sum(), switched.sum(), n]))
+    return {
+        "off_policy/version_min": -float(reduce(-oldest.min().double(), op="max")),
+        "off_policy/version_max": float(reduce(newest.max().double(), op="max")),
+        "off_policy/version_spread_mean": float(total[0] / total[2]),
+        "off_policy/version_spread_max": float(reduce(spread.max(), op="max")),
+        "off_policy/inflight_switches_mean": float(total[1] / total[2]),
     }
 
 

@@ -18,7 +18,7 @@ that who draws and who assembles can differ:
 A new way of drawing plugs in at step 1: an episode with an environment (``model.environment``) is a ``draw``
 that runs turn by turn (episodes.py: the engine's turn, the environment's ids appended as they are, the next turn),
 its :class:`~rlhf_lightning.episodes.EpisodeLayout` in the ``Drawn``; a response that spans weight versions is a
-``draw`` whose view changes between tokens. Each returns a ``Drawn`` whose ids are the ones drawn, so that
+``draw`` whose view changes between tokens (inflight.py, each token's version in ``Drawn.token_versions``). Each returns a ``Drawn`` whose ids are the ones drawn, so that
 ``trajectory`` scores exactly those.
 
 The rollout engine sees the sampler (or a view of it) as its ``module``: ``networks``, ``sampling``,
@@ -66,8 +66,9 @@ class Drawn:
     reward_fault: Optional[str] = None  # why r_RM was not finite
     scoring_seconds: float = 0.0  # the sampler's time scoring it
     episode: Optional[EpisodeLayout] = None  # with an environment: which of the ids are the policy's, each token's turn
+    token_versions: Optional[Tensor] = None  # (batch, response_len) long: each token's version, with in-flight updates (inflight.py)
 
-    _TENSORS = ("ref_logprobs", "ref_logits", "raw_scores")
+    _TENSORS = ("ref_logprobs", "ref_logits", "raw_scores", "token_versions")
 
     def state_dict(self) -> dict[str, Any]:
         samples = {name: getattr(self.samples, name) for name in ("sequences", "logits", "logprobs", "hidden")}
@@ -267,6 +268,7 @@ class Sampler:
             initial_logits=initial_logits if keep_logits else None,
             kept=old.kept,
             policy_version=torch.full((len(drawn.prompts),), drawn.version, dtype=torch.long, device=self.device),
+            token_versions=drawn.token_versions,
             is_weights=sampling.correction_weights(
                 old.trainer_logprobs, old.sampler_logprobs, mask, *self.off_policy.weights(self.sampling, exploration)
             ),

@@ -28,7 +28,7 @@ class Trajectory:
     ended_with_eos: Tensor  # (batch,) bool
     old_logprobs: Tensor  # log pi_old of the sampled tokens in the PPO ratio: the sampler's or the trainer's (old_logprobs)
     trainer_logprobs: Tensor  # log pi_old from the trainer's model (the KL's); the sampler's own: sampler_logprobs
-    sampler_logprobs: Tensor  # the behaviour policy mu's: the sampler's weights (of policy_version, with model.off_policy)
+    sampler_logprobs: Tensor  # the behaviour policy mu's: the sampler's weights (of policy_version, or each token's token_versions)
     ref_logprobs: Tensor
     old_values: Optional[Tensor]  # V_old(s_t), the critic's values at sampling time; None without a critic
     entropy: Tensor  # of pi_old at each response position
@@ -38,7 +38,10 @@ class Trajectory:
     initial_logits: Optional[Tensor] = None
     kept: Optional[Tensor] = None  # (batch, response_len, vocab) bool: the sampler's kept set, replayed; None: every token
     is_weights: Optional[Tensor] = None  # the rollout correction's weights (sampling.correction_weights); None: none
-    policy_version: Optional[Tensor] = None  # (batch,) long: the version (PPO iterations done) of the weights that sampled each row
+    policy_version: Optional[Tensor] = (
+        None  # (batch,) long: the version (PPO iterations done) of the weights that sampled each row (its first token's)
+    )
+    token_versions: Optional[Tensor] = None  # (batch, response_len) long: each token's version, with in-flight updates (else None)
     raw_scores: Optional[Tensor] = None  # r_RM as the backend returned it, when the sampler scored the batch ahead (else: None)
     reward_fault: Optional[str] = None  # why the sampler found r_RM not finite, when it scored the batch ahead
     episode: Optional[EpisodeLayout] = None  # with an environment: the policy's and the environment's tokens, turns, rewards

@@ -25,8 +25,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from rlhf_lightning import args as settings
+from rlhf_lightning import inflight, recipes, sampling, trust_regions
 from rlhf_lightning import ppo_math as pm
-from rlhf_lightning import recipes, sampling, trust_regions
 from rlhf_lightning.checks import require
 from rlhf_lightning.exact.closed_form import (
     backward_induction,
@@ -295,6 +295,8 @@ def expected_train(
     correction_cap: float = math.inf,
     trust_band: Optional[Any] = None,
     sampler_drift: float = 0.0,
+    inflight_every: int = 0,
+    inflight_label: str = "token",
     **module_kwargs: Any,
 ) -> list[dict[str, float]]:
     """PPO with the KL in the loss (or, ``kl_penalty="both"``, in the loss and the reward) where every rollout
@@ -339,8 +341,16 @@ def expected_train(
 
     ``sampler_drift`` d injects a sampler that is off by a declared amount, as another engine's numerics are: mu's logit
     of the first content symbol is d higher than the weights' at every state (``PerturbedSampler``'s error, in the
-    lab), at every staleness, 0 included; the correction then weighs from that mu (weights none without either)."""
+    lab), at every staleness, 0 included; the correction then weighs from that mu (weights none without either).
+
+    ``inflight_every`` N > 0 (with ``staleness`` >= 2) draws as in-flight weight updates do (``inflight.token_versions``):
+    token t from version min(max(v0, i - 1), v0 + t // N), v0 = max(0, i - k), so mu(y|x) = prod_t mu_v(t)(y_t|x, y_<t),
+    each token's mu the log-prob of its own version (``inflight_label`` ``token``, what the sampler records); ``newest``
+    is the declared mistake of labelling the whole response with the newest version its tokens came from (each token's
+    mu taken from that version), which the correction then divides by while the responses are drawn from the true mu."""
     require(isinstance(staleness, int) and staleness >= 0, "staleness", "an integer >= 0", staleness)
+    require(not inflight_every or staleness >= 2, "staleness", f">= 2 with inflight_every {inflight_every}", staleness)
+    require(inflight_label in ("token", "newest"), "inflight_label", "token or newest", inflight_label)
     require(correction in settings.OFF_POLICY_WEIGHTS, "correction", "one of " + ", ".join(settings.OFF_POLICY_WEIGHTS), correction)
     off = staleness or sampler_drift
     weight_mode = settings.OFF_POLICY_WEIGHTS[correction] if off else "none"  # synchronous and exact: mu is pi_old
@@ -385,6 +395,11 @@ def expected_train(
                 drawn = logprobs + ((drawn_logprobs.double() - old_logprobs.double()) * mask).sum(-1).view_as(logprobs).cpu()
         history = [*history, (drawn_logprobs, drawn)][-(staleness + 1) :]
         sampler_logprobs, behaviour = history[0]  # mu: the weights of version max(0, iteration - staleness)
+        if inflight_every:  # token t from version v(t): history[j] is version iteration - len(history) + 1 + j
+            versions = [v - iteration + len(history) - 1 for v in inflight.token_versions(iteration, staleness, inflight_every, length)]
+            per_token = torch.stack([history[v][0][:, t] for t, v in enumerate(versions)], -1)
+            behaviour = behaviour + ((per_token.double() - sampler_logprobs.double()) * mask).sum(-1).view_as(behaviour).cpu()
+            sampler_logprobs = per_token if inflight_label == "token" else history[versions[-1]][0]
         mu_share = behaviour.exp().reshape(-1, 1) / prompts
         is_weights = sampling.correction_weights(old_logprobs, sampler_logprobs, mask, weight_mode, correction_cap, mu_share)
         if off:

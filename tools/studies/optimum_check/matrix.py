@@ -122,6 +122,7 @@ class Cell:
     aggregation: str = "token_mean"
     staleness: int = 0  # model.off_policy.max_staleness
     correction: str = "n/a"  # model.off_policy.correction, with staleness > 0
+    inflight_every: int = 0  # model.off_policy.inflight_every, with staleness >= 2 (in-flight weight updates)
 
     @property
     def expected(self) -> str:
@@ -216,6 +217,7 @@ def run_cell(args: argparse.Namespace, cell: Cell) -> dict:
             staleness=cell.staleness,
             correction=cell.correction if cell.staleness else "none",
             correction_cap=correction_cap(args),
+            inflight_every=cell.inflight_every,
             **aggregation,
         )
         return {**rows[-1], "seconds": time.perf_counter() - start, "cell": cell}
@@ -237,11 +239,13 @@ def correction_cap(args: argparse.Namespace) -> float:
 
 
 def stale_settings(args: argparse.Namespace, cell: Cell) -> dict:
-    """train() arguments of a stale cell: ``model.off_policy`` (max_staleness, correction, its cap) and the PPO ratio
+    """train() arguments of a stale cell: ``model.off_policy`` (max_staleness, correction, its cap, inflight_every) and the PPO ratio
     anchored at the current weights (``old_logprobs: forward``); none for a synchronous cell."""
     if not cell.staleness:
         return {}
     off_policy = {"max_staleness": cell.staleness, "correction": cell.correction, "correction_cap": correction_cap(args)}
+    if cell.inflight_every:
+        off_policy["inflight_every"] = cell.inflight_every
     return {"off_policy": off_policy, "old_logprobs": "forward"}
 
 
