@@ -215,6 +215,7 @@ def custom_scalars_layout(
             ("off-policy correction: share of tokens clipped", "off_policy/clipped_fraction"),
             ("off-policy correction: effective sample size", "off_policy/ess"),
             ("off-policy correction: mean weight per token", "off_policy/weight_mass"),
+            ("off-policy correction: share of the exact weights removed", "off_policy/cap_removed"),
             ("off-policy correction: share of tokens outside the trust region", "off_policy/trust_masked_fraction"),
             ("seconds: the trainer's wait for the sampler", "timing/sampler_wait_s"),
             ("seconds: the sampler's draw", "timing/rollout_s"),

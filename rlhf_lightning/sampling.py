@@ -162,6 +162,9 @@ def off_policy_weight_metrics(
       on-policy;
     - ``off_policy/weight_mass``: the mean weight applied per response token (a response's weight on each of its
       tokens in a sequence mode): 1 in expectation for the exact weights; near 0 the loss is near 0 (``weight_guard``);
+    - ``off_policy/cap_removed``: the share of the exact weights' mass (pi_prox / mu on every response token) that the
+      truncation or the mask took away, 1 - applied / exact: 0 for the exact weights; near 1 the loss keeps almost
+      nothing of what the exact correction would weigh (a long response's sequence weight past its cap);
     - ``off_policy/trust_masked_fraction``, with a trust region (``icepop``, ``ipo``, ``m2po``): the share of tokens
       outside it (their weight 0; the same as ``clipped_fraction`` there).
 
@@ -188,12 +191,14 @@ def off_policy_weight_metrics(
     units = share * (mask.amax(-1, keepdim=True) if per_sequence else mask)  # each sample's weight in the sums
     tokens = share * mask
     clipped_tokens, token_mass = (tokens * clipped.expand_as(tokens)).sum(), (tokens * applied.expand_as(tokens)).sum()
-    sums = [(units * applied).sum(), (units * applied**2).sum(), units.sum(), clipped_tokens, tokens.sum(), token_mass]
-    total, squares, n, clipped_total, token_total, mass = reduce(torch.stack(sums))
+    exact_mass = (tokens * raw.expand_as(tokens)).sum()
+    sums = [(units * applied).sum(), (units * applied**2).sum(), units.sum(), clipped_tokens, tokens.sum(), token_mass, exact_mass]
+    total, squares, n, clipped_total, token_total, mass, exact_total = reduce(torch.stack(sums))
     out = {
         "off_policy/clipped_fraction": float(clipped_total / token_total.clamp(min=1e-300)),
         "off_policy/ess": float(total**2 / (n * squares).clamp(min=1e-300)),
         "off_policy/weight_mass": float(mass / token_total.clamp(min=1e-300)),
+        "off_policy/cap_removed": float(1 - mass / exact_total) if exact_total > 0 else 0.0,
     }
     if trust:
         out["off_policy/trust_masked_fraction"] = out["off_policy/clipped_fraction"]

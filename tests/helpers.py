@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -445,3 +446,36 @@ class Slow(Environment):
         Path("stepping").touch()
         time.sleep(self.seconds)
         return Step(done=True)
+
+
+# ---------------------------------------------------------------------- the exact lab's stale paths
+
+# The recommended recipes the stale-sample lab tests follow (test_off_policy, test_inflight).
+STALE_RECIPES = {
+    "k3-loss": dict(kl_estimator="k3", kl_penalty="loss"),
+    "k1-reward": dict(kl_estimator="k1", kl_penalty="reward"),
+    "full-both": dict(kl_estimator="full", kl_penalty="both"),
+}
+
+
+def stale_objectives(recipe: str, staleness: int, correction: str, iterations: int = 6, **kwargs) -> list[float]:
+    """J of each iteration of ``exact.training.expected_train`` on random:3 at beta 1, one AdamW step an iteration,
+    the sampler ``staleness`` versions behind under ``correction`` (``kwargs``: in-flight settings and the like)."""
+    from rlhf_lightning.exact.tasks import task_named
+    from rlhf_lightning.exact.training import expected_train
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = expected_train(
+            task_named("random:3"),
+            iterations,
+            1.0,
+            every=1,
+            staleness=staleness,
+            correction=correction,
+            ppo_epochs=1,
+            num_minibatches=1,
+            **STALE_RECIPES[recipe],
+            **kwargs,
+        )
+    return [row["objective"] for row in rows]

@@ -21,7 +21,7 @@ from rlhf_lightning.inflight import SEGMENT_SEED, token_versions
 from rlhf_lightning.metrics import inflight_metrics, switches
 from rlhf_lightning.sampling import correction_weights
 
-from helpers import RecordWeights, StopAfter, fit, make_module, response_logprobs
+from helpers import STALE_RECIPES, RecordWeights, StopAfter, fit, make_module, response_logprobs, stale_objectives
 
 STALE = dict(sampling=dict(old_logprobs="forward"), ppo=dict(epochs=1))
 LOG = math.log
@@ -227,54 +227,30 @@ def test_the_one_page_view_charts_the_versions_and_every_tag_is_documented():
 
 # ---------------------------------------------------------------------- the exact lab: no sampling noise
 
-RECIPES = {
-    "k3-loss": dict(kl_estimator="k3", kl_penalty="loss"),
-    "k1-reward": dict(kl_estimator="k1", kl_penalty="reward"),
-    "full-both": dict(kl_estimator="full", kl_penalty="both"),
-}
-
-
-def objectives(recipe: str, staleness: int, correction: str, iterations: int = 6, **kwargs) -> list[float]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rows = expected_train(
-            task_named("random:3"),
-            iterations,
-            1.0,
-            every=1,
-            staleness=staleness,
-            correction=correction,
-            ppo_epochs=1,
-            num_minibatches=1,
-            **RECIPES[recipe],
-            **kwargs,
-        )
-    return [row["objective"] for row in rows]
-
 
 def test_inflight_sequence_weights_keep_the_synchronous_path_and_the_newest_label_leaves_it():
     """The lab's expected path (random:3, 3 tokens; k3 in the loss; one AdamW step an iteration), the sampler 2 updates
     behind with a switch after every token (versions i - 2, i - 1, i - 1): each token's mu its own version's, the
     sequence weight pi_prox(y) / prod_t mu_v(t)(y_t) makes the path the synchronous one, objective equal to 1e-6 at every
     iteration; labelling the response with its newest version alone leaves it (measured 2.6e-3 apart after 6 iterations)."""
-    synchronous = objectives("k3-loss", 0, "none")
-    assert objectives("k3-loss", 2, "sequence", inflight_every=1) == pytest.approx(synchronous, abs=1e-6)
-    newest = objectives("k3-loss", 2, "sequence", inflight_every=1, inflight_label="newest")
+    synchronous = stale_objectives("k3-loss", 0, "none")
+    assert stale_objectives("k3-loss", 2, "sequence", inflight_every=1) == pytest.approx(synchronous, abs=1e-6)
+    newest = stale_objectives("k3-loss", 2, "sequence", inflight_every=1, inflight_label="newest")
     assert max(abs(a - b) for a, b in zip(newest, synchronous, strict=True)) > 1e-3
 
 
 @pytest.mark.convergence
 @pytest.mark.parametrize("every", [1, 2, 3])
 @pytest.mark.parametrize("staleness", [2, 4])
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", sorted(STALE_RECIPES))
 def test_inflight_sequence_weights_keep_every_recipes_synchronous_path(recipe, staleness, every):
     """Every placement (k1 in the reward, k3 in the loss with its sequence term, full in both), k = 2 and 4, a switch every
     1, 2 and 3 tokens (3: none in a 3-token response): the expected path is the synchronous one to 1e-6; the newest label
     leaves it wherever a response spans versions (k3-loss measured 2.6e-3, 3.1e-2, 1.5e-2, 7.2e-2 apart after 6 iterations
     at k = 2, N = 1 and 2; k = 4, N = 1 and 2)."""
-    synchronous = objectives(recipe, 0, "none")
-    assert objectives(recipe, staleness, "sequence", inflight_every=every) == pytest.approx(synchronous, abs=1e-6)
-    newest = objectives(recipe, staleness, "sequence", inflight_every=every, inflight_label="newest")
+    synchronous = stale_objectives(recipe, 0, "none")
+    assert stale_objectives(recipe, staleness, "sequence", inflight_every=every) == pytest.approx(synchronous, abs=1e-6)
+    newest = stale_objectives(recipe, staleness, "sequence", inflight_every=every, inflight_label="newest")
     apart = max(abs(a - b) for a, b in zip(newest, synchronous, strict=True))
     assert apart > 1e-3 if every < 3 else apart < 1e-6, apart
 
@@ -298,7 +274,7 @@ def test_inflight_lands_on_pi_star_and_the_newest_label_lands_away():
                 inflight_every=1,
                 inflight_label=label,
                 ppo_epochs=1,
-                **RECIPES["k3-loss"],
+                **STALE_RECIPES["k3-loss"],
             )
         return rows[-1]["gap"]
 

@@ -17,6 +17,8 @@ from rlhf_lightning.exact.tasks import task_named
 from rlhf_lightning.exact.training import expected_train
 from rlhf_lightning.sampling import correction_weights, off_policy_weight_metrics
 
+from helpers import STALE_RECIPES, stale_objectives
+
 LOG = math.log
 
 # Two responses of two tokens: row 0's tokens are twice and 1.5 times as likely under pi_prox as under mu (its
@@ -41,23 +43,38 @@ def test_clipped_fraction_and_ess_by_hand():
     seq_tis at 2: W = (2, 0.5): 2.5^2 / (2 * 4.25) = 0.735294, row 0's two tokens of four clipped;
     none: nothing weighed nor clipped, the ESS the exact weights (3, 0.5) would have: 3.5^2 / (2 * 9.25) = 0.662162.
     A padded token (row 1's second) leaves the sums: tis 3.8^2 / (3 * 5.74) = 0.838560, a third clipped. The weight mass is
-    the mean weight per token: 4.8 / 4, (2 + 2 + 0.5 + 0.5) / 4, (3 + 3 + 0.5 + 0.5) / 4 and, padded, 3.8 / 3."""
+    the mean weight per token: 4.8 / 4, (2 + 2 + 0.5 + 0.5) / 4, (3 + 3 + 0.5 + 0.5) / 4 and, padded, 3.8 / 3. The cap removes
+    1 - applied / exact of the exact weights' token mass: 1 - 4.8 / 5, 1 - 5 / 7, nothing, and padded 1 - 3.8 / 4."""
     metrics = off_policy_weight_metrics(PROX, MU, ONES, "tis", 1.8)
     assert metrics == pytest.approx(
-        {"off_policy/clipped_fraction": 0.25, "off_policy/ess": 23.04 / 26.96, "off_policy/weight_mass": 1.2}, abs=1e-6
+        {
+            "off_policy/clipped_fraction": 0.25,
+            "off_policy/ess": 23.04 / 26.96,
+            "off_policy/weight_mass": 1.2,
+            "off_policy/cap_removed": 0.04,
+        },
+        abs=1e-6,
     )
     metrics = off_policy_weight_metrics(PROX, MU, ONES, "seq_tis", 2.0)
     assert metrics == pytest.approx(
-        {"off_policy/clipped_fraction": 0.5, "off_policy/ess": 6.25 / 8.5, "off_policy/weight_mass": 1.25}, abs=1e-6
+        {"off_policy/clipped_fraction": 0.5, "off_policy/ess": 6.25 / 8.5, "off_policy/weight_mass": 1.25, "off_policy/cap_removed": 2 / 7},
+        abs=1e-6,
     )
     metrics = off_policy_weight_metrics(PROX, MU, ONES, "none", 2.0)
     assert metrics == pytest.approx(
-        {"off_policy/clipped_fraction": 0.0, "off_policy/ess": 12.25 / 18.5, "off_policy/weight_mass": 1.75}, abs=1e-6
+        {"off_policy/clipped_fraction": 0.0, "off_policy/ess": 12.25 / 18.5, "off_policy/weight_mass": 1.75, "off_policy/cap_removed": 0.0},
+        abs=1e-6,
     )
     padded = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     metrics = off_policy_weight_metrics(PROX, MU, padded, "tis", 1.8)
     assert metrics == pytest.approx(
-        {"off_policy/clipped_fraction": 1 / 3, "off_policy/ess": 14.44 / 17.22, "off_policy/weight_mass": 3.8 / 3}, abs=1e-6
+        {
+            "off_policy/clipped_fraction": 1 / 3,
+            "off_policy/ess": 14.44 / 17.22,
+            "off_policy/weight_mass": 3.8 / 3,
+            "off_policy/cap_removed": 0.05,
+        },
+        abs=1e-6,
     )
     # on-policy: every weight 1, ESS 1; a share per row weighs the sums like that many copies of it
     assert off_policy_weight_metrics(MU, MU, ONES, "seq_tis", 2.0)["off_policy/ess"] == pytest.approx(1.0)
@@ -105,32 +122,8 @@ def test_each_correction_is_declared():
 
 # ---------------------------------------------------------------------- the exact lab: no sampling noise
 
-RECIPES = {
-    "k3-loss": dict(kl_estimator="k3", kl_penalty="loss"),
-    "k1-reward": dict(kl_estimator="k1", kl_penalty="reward"),
-    "full-both": dict(kl_estimator="full", kl_penalty="both"),
-}
 
-
-def stale_objectives(recipe: str, staleness: int, correction: str, iterations: int = 6, **kwargs) -> list[float]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rows = expected_train(
-            task_named("random:3"),
-            iterations,
-            1.0,
-            every=1,
-            staleness=staleness,
-            correction=correction,
-            ppo_epochs=1,
-            num_minibatches=1,
-            **RECIPES[recipe],
-            **kwargs,
-        )
-    return [row["objective"] for row in rows]
-
-
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", sorted(STALE_RECIPES))
 def test_sequence_weights_make_the_stale_path_the_synchronous_one(recipe):
     """One AdamW step per iteration (the step taken at pi_theta = pi_prox), the responses weighted by mu = the policy
     of 2 iterations ago: with the whole response's weight pi_prox(y) / mu(y), uncapped, the expected loss is the
@@ -154,7 +147,7 @@ def test_without_a_correction_stale_steps_overshoot_and_with_one_they_land_on_pi
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             rows = expected_train(
-                task_named("random:3"), 60, 1.0, every=20, staleness=4, correction=correction, ppo_epochs=1, **RECIPES["k3-loss"]
+                task_named("random:3"), 60, 1.0, every=20, staleness=4, correction=correction, ppo_epochs=1, **STALE_RECIPES["k3-loss"]
             )
         return [row["gap"] for row in rows], min(row.get("off_policy/ess", 1.0) for row in rows)
 

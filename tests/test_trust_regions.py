@@ -36,13 +36,15 @@ def test_icepop_keeps_the_ratios_inside_its_band():
     mask[0, 2] = 0
     assert correction_weights(trainer, sampler, mask, "icepop", (0.5, 5.0))[0, 2] == 0
     metrics = off_policy_weight_metrics(trainer, sampler, torch.ones_like(trainer), "icepop", (0.5, 5.0))
-    # two of five masked; mass (0.6 + 1 + 4.9) / 5 = 1.3; ESS 6.5^2 / (5 * (0.36 + 1 + 24.01))
+    # two of five masked; mass (0.6 + 1 + 4.9) / 5 = 1.3; ESS 6.5^2 / (5 * (0.36 + 1 + 24.01)); the band removes
+    # 0.4 + 6 of the exact weights' 12.9
     assert metrics == pytest.approx(
         {
             "off_policy/clipped_fraction": 0.4,
             "off_policy/trust_masked_fraction": 0.4,
             "off_policy/weight_mass": 1.3,
             "off_policy/ess": 6.5**2 / (5 * 25.37),
+            "off_policy/cap_removed": 6.4 / 12.9,
         }
     )
 

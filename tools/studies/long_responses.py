@@ -1,0 +1,96 @@
+"""The ``sequence`` correction on long responses: what its weight keeps on SmolLM2 as the responses and the staleness
+grow (issue #67; docs/async.md, "The correction on long responses").
+
+    python -m tools.studies.long_responses                                  # L = 32, 128, 256 at k = 1, 2, 4
+    python -m tools.studies.long_responses --lengths 32 --staleness 1 2 --correction token
+
+Each cell is ``rlhf-lightning fit --config configs/quickstart.yaml`` in a fresh process (SmolLM2-135M-Instruct with
+its rank-16 LoRA adapter, VADER, k1 in the reward, GAE with the shared critic) with every response exactly L tokens
+(``min_new_tokens`` = ``max_new_tokens`` = L), ``model.off_policy.max_staleness`` k, ``batch_size`` prompts an
+iteration, k + ``--iterations`` iterations, no validation, no checkpoints. The sampler runs at exactly k from iteration
+k on, so the table is the mean over those iterations of the correction's metrics ([Metrics](docs/metrics.md)):
+``off_policy/ess`` (Kish, over the responses for ``sequence``), ``off_policy/clipped_fraction`` (the tokens whose
+weight the cap changed), ``off_policy/cap_removed`` (the share of the exact weights' mass the cap took away) and
+``off_policy/weight_mass`` (the mean weight per token the loss keeps), with the run's wall seconds and the 1-minute
+load at its end. One line per cell, ``LONG L=... k=...``, then the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tools._cli_args import option_number, tool_parser
+
+REPO = Path(__file__).resolve().parents[2]
+METRICS = ("off_policy/ess", "off_policy/clipped_fraction", "off_policy/cap_removed", "off_policy/weight_mass")
+
+
+def run(length: int, staleness: int, correction: str, iterations: int, batch_size: int, work: Path) -> dict[str, float]:
+    """One cell: the means of ``METRICS`` over the iterations at full staleness, the wall seconds and the load."""
+    from tools.summarize_run import read_scalars
+
+    out = work / f"L{length}_k{staleness}_{correction}"
+    out.mkdir(parents=True)
+    overlay = {
+        "trainer": {
+            "max_epochs": 1,
+            "limit_train_batches": staleness + iterations,
+            "limit_val_batches": 0,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "default_root_dir": str(out),
+            "callbacks": [],
+        },
+        "model": {
+            "sampling": {"max_new_tokens": length, "min_new_tokens": length, "old_logprobs": "forward"},
+            "off_policy": {"max_staleness": staleness, "correction": correction},
+        },
+        "data": {"batch_size": batch_size},
+    }
+    (out / "overlay.yaml").write_text(json.dumps(overlay))  # JSON is YAML
+    config = REPO / "configs" / "quickstart.yaml"
+    command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", str(config), "--config", str(out / "overlay.yaml")]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(f"L={length} k={staleness}: the run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    (log_dir,) = out.glob("lightning_logs/*/version_0")
+    scalars = read_scalars(str(log_dir))
+    steps = [s for s, v in scalars["off_policy/staleness_max"].items() if v >= staleness]
+    row = {name: statistics.mean(scalars[name][s] for s in steps) for name in METRICS}
+    return row | {"iterations": len(steps), "wall_s": seconds, "load": os.getloadavg()[0]}
+
+
+def main() -> None:
+    parser = tool_parser(__spec__.name, __doc__)
+    parser.add_argument("--lengths", type=option_number(integer=True, at_least=1), nargs="+", default=[32, 128, 256])
+    parser.add_argument("--staleness", type=option_number(integer=True, at_least=1), nargs="+", default=[1, 2, 4])
+    parser.add_argument("--correction", choices=("sequence", "token", "icepop", "ipo", "m2po"), default="sequence")
+    parser.add_argument("--iterations", type=option_number(integer=True, at_least=1), default=3, help="at full staleness, per cell")
+    parser.add_argument("--batch-size", type=option_number(integer=True, at_least=2), default=8)
+    args = parser.parse_args()
+    print(f"quickstart.yaml, correction {args.correction}, 1-minute load {os.getloadavg()[0]:.2f} at the start", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="long_responses_") as work:
+        for length in args.lengths:
+            for staleness in args.staleness:
+                row = {"L": length, "k": staleness} | run(length, staleness, args.correction, args.iterations, args.batch_size, Path(work))
+                rows.append(row)
+                print("LONG " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    print("\n| L | k | ESS | clipped tokens | exact mass removed | mass kept per token | iterations | wall s | load |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        values = " | ".join(f"{row[name]:.3f}" for name in METRICS)
+        print(f"| {row['L']} | {row['k']} | {values} | {row['iterations']} | {row['wall_s']:.0f} | {row['load']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
