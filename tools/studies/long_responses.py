@@ -2,10 +2,11 @@
 grow (issue #67; docs/async.md, "The correction on long responses").
 
     python -m tools.studies.long_responses                                  # L = 32, 128, 256 at k = 1, 2, 4
+    python -m tools.studies.long_responses --full                           # every weight trained, not the adapter
     python -m tools.studies.long_responses --lengths 32 --staleness 1 2 --correction token
 
 Each cell is ``rlhf-lightning fit --config configs/quickstart.yaml`` in a fresh process (SmolLM2-135M-Instruct with
-its rank-16 LoRA adapter, VADER, k1 in the reward, GAE with the shared critic) with every response exactly L tokens
+its rank-16 LoRA adapter, or every weight with ``--full``, VADER, k1 in the reward, GAE with the shared critic) with every response exactly L tokens
 (``min_new_tokens`` = ``max_new_tokens`` = L), ``model.off_policy.max_staleness`` k, ``batch_size`` prompts an
 iteration, k + ``--iterations`` iterations, no validation, no checkpoints. The sampler runs at exactly k from iteration
 k on, so the table is the mean over those iterations of the correction's metrics ([Metrics](docs/metrics.md)):
@@ -32,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 METRICS = ("off_policy/ess", "off_policy/clipped_fraction", "off_policy/cap_removed", "off_policy/weight_mass")
 
 
-def run(length: int, staleness: int, correction: str, iterations: int, batch_size: int, work: Path) -> dict[str, float]:
+def run(length: int, staleness: int, correction: str, iterations: int, batch_size: int, full: bool, work: Path) -> dict[str, float]:
     """One cell: the means of ``METRICS`` over the iterations at full staleness, the wall seconds and the load."""
     from tools.summarize_run import read_scalars
 
@@ -51,7 +52,8 @@ def run(length: int, staleness: int, correction: str, iterations: int, batch_siz
         "model": {
             "sampling": {"max_new_tokens": length, "min_new_tokens": length, "old_logprobs": "forward"},
             "off_policy": {"max_staleness": staleness, "correction": correction},
-        },
+        }
+        | ({"lora": {"rank": 0}} if full else {}),
         "data": {"batch_size": batch_size},
     }
     (out / "overlay.yaml").write_text(json.dumps(overlay))  # JSON is YAML
@@ -76,13 +78,17 @@ def main() -> None:
     parser.add_argument("--correction", choices=("sequence", "token", "icepop", "ipo", "m2po"), default="sequence")
     parser.add_argument("--iterations", type=option_number(integer=True, at_least=1), default=3, help="at full staleness, per cell")
     parser.add_argument("--batch-size", type=option_number(integer=True, at_least=2), default=8)
+    parser.add_argument("--full", action="store_true", help="train every weight (model.lora.rank 0) instead of the LoRA adapter")
     args = parser.parse_args()
-    print(f"quickstart.yaml, correction {args.correction}, 1-minute load {os.getloadavg()[0]:.2f} at the start", flush=True)
+    mode = "every weight trained" if args.full else "the LoRA adapter trained"
+    print(f"quickstart.yaml, {mode}, correction {args.correction}, 1-minute load {os.getloadavg()[0]:.2f} at the start", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="long_responses_") as work:
         for length in args.lengths:
             for staleness in args.staleness:
-                row = {"L": length, "k": staleness} | run(length, staleness, args.correction, args.iterations, args.batch_size, Path(work))
+                row = {"L": length, "k": staleness} | run(
+                    length, staleness, args.correction, args.iterations, args.batch_size, args.full, Path(work)
+                )
                 rows.append(row)
                 print("LONG " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     print("\n| L | k | ESS | clipped tokens | exact mass removed | mass kept per token | iterations | wall s | load |")
