@@ -88,8 +88,10 @@ class KLHealth(Callback):
       reference's base weights), taken at the start of fit and saved with checkpoints, compared within
       ``fingerprint_rtol``. Fires on a probe when it changed while the reference update plugin keeps it frozen
       (``moves`` False), and at the start of a resumed fit when it differs from the checkpoint's (either plugin).
-    * ``sampler_mismatch`` (every iteration): ``rollout/logprob_diff_mean > max_logprob_diff``, or
-      ``off_policy/ess < min_ess``, ``patience`` iterations in a row; a batch staler than
+    * ``sampler_mismatch`` (every iteration): ``rollout/logprob_diff_mean > max_logprob_diff``,
+      ``off_policy/ess < min_ess``, or ``off_policy/cap_removed > max_cap_removed`` (the cap or the mask removes that
+      share of the exact weights' mass: the regime where a long response's ``sequence`` weight is biased, docs/async.md,
+      "The correction on long responses"), ``patience`` iterations in a row; a batch staler than
       ``model.off_policy.max_staleness`` (``off_policy/staleness_max``) at once.
     * ``estimate_vs_exact`` (probe): the estimator's mean KL per response (``system/kl_health/kl_estimate``, as
       ``objective/kl``: weighed by a rollout correction's weights)
@@ -112,6 +114,7 @@ class KLHealth(Callback):
         min_kl_share: ``dead_kl`` fails at a KL share at or below this.
         max_logprob_diff: ``sampler_mismatch``'s bound on ``rollout/logprob_diff_mean`` (nats per token).
         min_ess: ``sampler_mismatch``'s bound on ``off_policy/ess``.
+        max_cap_removed: ``sampler_mismatch``'s bound on ``off_policy/cap_removed``.
         estimate_rel_tol: ``estimate_vs_exact``'s band, relative to the exact KL.
         estimate_abs_tol: its floor, in nats per response.
         estimate_z: standard errors the difference must exceed too.
@@ -132,6 +135,7 @@ class KLHealth(Callback):
         min_kl_share: float = 1e-6,
         max_logprob_diff: float = 0.1,
         min_ess: float = 0.1,
+        max_cap_removed: float = 0.25,
         estimate_rel_tol: float = 0.5,
         estimate_abs_tol: float = 0.5,
         estimate_z: float = 3.0,
@@ -155,9 +159,11 @@ class KLHealth(Callback):
         for field in (*tolerances, "fingerprint_rtol"):
             check(args[field] >= 0, field, ">= 0")
         check(0 <= min_ess <= 1, "min_ess", "in [0, 1]")
+        check(0 <= max_cap_removed <= 1, "max_cap_removed", "in [0, 1]")
         check(reward_window >= 2, "reward_window", ">= 2 (a trend needs two points)")
         self.mode, self.every_n_iterations, self.patience, self.checks = mode, every_n_iterations, patience, list(checks)
         self.min_kl_share, self.max_logprob_diff, self.min_ess = min_kl_share, max_logprob_diff, min_ess
+        self.max_cap_removed = max_cap_removed
         self.estimate_rel_tol, self.estimate_abs_tol, self.estimate_z = estimate_rel_tol, estimate_abs_tol, estimate_z
         self.kl_zero, self.min_reward_rise = kl_zero, min_reward_rise
         self.fingerprint_tensors, self.fingerprint_rtol = fingerprint_tensors, fingerprint_rtol
@@ -307,6 +313,14 @@ class KLHealth(Callback):
             causes.append(
                 f"off_policy/ess = {ess:.4g} < KLHealth.min_ess = {self.min_ess:g}: a few samples carry the batch; "
                 "lower model.off_policy.max_staleness"
+            )
+        removed = metrics.get("off_policy/cap_removed")
+        if removed is not None and removed > self.max_cap_removed:
+            causes.append(
+                f"off_policy/cap_removed = {removed:.3g} > KLHealth.max_cap_removed = {self.max_cap_removed:g}: the "
+                f"correction's cap or mask removes that share of the exact weights, so the update follows another objective "
+                f"(model.off_policy.correction {pl_module.off_policy.correction}; a long response's sequence weight past "
+                "model.off_policy.correction_cap); use model.off_policy.correction: token, or lower model.off_policy.max_staleness"
             )
         out = self._observe(trainer, pl_module, "sampler_mismatch", bool(causes), "; ".join(causes) + f", for {self.patience} iterations")
         staleness, allowed = metrics.get("off_policy/staleness_max"), pl_module.off_policy.max_staleness

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from rlhf_lightning import ppo_math as pm
+from rlhf_lightning.checks import ConfigError
 from rlhf_lightning.kl_health import KLHealth, KLHealthError, trend
 from rlhf_lightning.networks import Networks
 from rlhf_lightning.regulariser import Regulariser
@@ -154,6 +155,25 @@ def test_a_stale_batch_fires_at_once_and_a_low_ess_after_patience():
     messages = health_warnings(caught)
     assert len(messages) == 2, messages
     assert "model.off_policy.max_staleness = 1" in messages[0] and "off_policy/ess = 0.05 < KLHealth.min_ess" in messages[1]
+
+
+def test_a_cap_that_removes_a_quarter_of_the_weights_fires_after_patience():
+    """off_policy/cap_removed 0.41 (the lab's 8-token responses at a sampler drift of 2, docs/async.md) fires after
+    ``patience`` iterations naming the correction and the remedy; 0.02 (drift 1) never does."""
+    health = KLHealth(patience=2, checks=["sampler_mismatch"])
+    module = SimpleNamespace(off_policy=SimpleNamespace(max_staleness=2, correction="sequence"), rollout_engine=None, step=4)
+    trainer = SimpleNamespace(is_global_zero=True, loggers=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fired = [health.sampler_mismatch(trainer, module, {"off_policy/cap_removed": 0.02})["sampler_mismatch"] for _ in range(4)]
+        assert fired == [0.0] * 4
+        fired = [health.sampler_mismatch(trainer, module, {"off_policy/cap_removed": 0.41})["sampler_mismatch"] for _ in range(2)]
+        assert fired == [0.0, 1.0]
+    (message,) = health_warnings(caught)
+    assert "off_policy/cap_removed = 0.41 > KLHealth.max_cap_removed = 0.25" in message
+    assert "model.off_policy.correction sequence" in message and "model.off_policy.correction: token" in message
+    with pytest.raises(ConfigError, match=r"KLHealth\.max_cap_removed"):
+        KLHealth(max_cap_removed=1.5)
 
 
 def test_an_estimate_three_times_the_exact_kl_is_caught(tmp_path, monkeypatch):

@@ -257,3 +257,19 @@ def test_gae_with_inflight_updates_reaches_the_optimum_over_three_seeds(stalenes
         stale_cell("gae", staleness, inflight_every=inflight_every, seed=s, estimator="k1", placement="reward")["gap"] for s in range(3)
     ]
     assert sum(gaps) / 3 < 0.02, gaps
+
+
+def test_on_long_responses_the_cap_biases_the_sequence_weight_and_the_token_weight_holds():
+    """8-token responses, the sampler's logit of the first symbol 2 too high at every state (tools/studies/
+    long_responses.py --lab; docs/async.md, "The correction on long responses"): the drift compounds over the tokens,
+    the default cap 5 removes 41% of the exact weights' mass and the sequence weight lands 0.11 from J* (measured
+    2026-12-08); uncapped it lands on J* (ESS 0.05: hopeless when sampled); the token weight lands 0.004 from it. The
+    cap's share is above KLHealth's max_cap_removed, so the run is told."""
+    from tools.studies.long_responses import lab_cell
+
+    capped = lab_cell("sequence", 5.0, 2.0)
+    assert capped["gap"] > 0.05 and capped["off_policy/cap_removed"] > 0.25, capped
+    exact = lab_cell("sequence", math.inf, 2.0)
+    assert exact["gap"] < 0.005 and exact["off_policy/ess"] < 0.1, exact
+    token = lab_cell("token", 5.0, 2.0)
+    assert token["gap"] < 0.01 and token["off_policy/cap_removed"] < 0.01, token
