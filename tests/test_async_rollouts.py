@@ -262,9 +262,22 @@ def test_bench_max_staleness_prints_the_ratio_of_the_two_loops(capsys):
 
     (result,) = bench.main(["--tiny", "--max-staleness", "1", "--mode", "full", "--iters", "2", "--threads", "1"])
     assert result["ratio"] == pytest.approx(result["iter_s"] / result["iter_s_synchronous"])
-    assert len(result["seconds"][1]) == len(result["seconds"][0]) == 4 and min(result["seconds"][0]) > 0
+    assert len(result["seconds"]["k"]) == len(result["seconds"]["sync"]) == 4 and min(result["seconds"]["sync"]) > 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith(f"STALENESS k=1 full_ratio={result['ratio']:.3f} ")
+
+
+def test_bench_inflight_arm_runs_beside_the_two_loops_on_responses_that_end_at_eos(capsys):
+    """``--max-staleness 2 --inflight-every 1 --eos``: three arms alternating, each ratio its median over the synchronous one's."""
+    from tools.benchmarks import bench
+
+    argv = ["--tiny", "--max-staleness", "2", "--inflight-every", "1", "--eos", "--mode", "full", "--iters", "2", "--threads", "1"]
+    (result,) = bench.main(argv)
+    assert result["inflight_ratio"] == pytest.approx(result["iter_s_inflight"] / result["iter_s_synchronous"])
+    assert {arm: len(seconds) for arm, seconds in result["seconds"].items()} == {"inflight": 4, "k": 4, "sync": 4}
+    assert "full_inflight_ratio=" in capsys.readouterr().out.strip().splitlines()[-1]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny", "--max-staleness", "1", "--inflight-every", "1"])  # in-flight needs k >= 2
 
 
 def test_an_engine_that_cannot_sample_older_weights_is_refused_naming_both_settings():

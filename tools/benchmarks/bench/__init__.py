@@ -106,9 +106,11 @@ phase clock, no floors) with the sampler running K updates ahead (``model.off_po
 thread; ``--engine``'s engine) against the synchronous loop, in one process, runs alternating K, 0, K, 0 per mode (``full``, ``lora``)
 so that a load that drifts hits both alike; both with ``model.sampling.old_logprobs: forward`` (required with
 K > 0), the prompts of the built-in file in order (``PromptDataModule``, whose loader the sampler reads ahead),
-``--max-new-tokens`` tokens per response and ``--ppo-epochs``' first value with ``--num-minibatches``. It prints
-one line per mode and last ``STALENESS k=<K> full_ratio=<r> lora_ratio=<r> ...``, each ratio the median
-iteration seconds with K over those without. Run it with ``OMP_NUM_THREADS=1``: one thread trains, and with K > 0
+``--max-new-tokens`` tokens per response (``--eos``: up to that many, ending at EOS: long-tailed lengths) and
+``--ppo-epochs``' first value with ``--num-minibatches``. It prints one line per mode and last ``STALENESS k=<K>
+full_ratio=<r> lora_ratio=<r> ...``, each ratio the median iteration seconds with K over those without.
+``--inflight-every N`` adds a third arm, K with in-flight weight updates every N tokens
+(``model.off_policy.inflight_every``), the runs alternating (K, N), K, 0 twice, and ``<mode>_inflight_ratio``. Run it with ``OMP_NUM_THREADS=1``: one thread trains, and with K > 0
 one more samples.
 
 On a CPU shared with other jobs use ``--threads 1``: spinning OpenMP threads on a busy
@@ -204,6 +206,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         type=option_number(integer=True, at_least=1),
         help="iteration seconds with the sampler K updates ahead against the synchronous loop (last line STALENESS ...)",
     )
+    parser.add_argument(
+        "--inflight-every",
+        type=option_number(integer=True, at_least=1),
+        help="--max-staleness K >= 2: a third arm with in-flight weight updates every N tokens (last line STALENESS ... inflight_ratio)",
+    )
+    parser.add_argument(
+        "--eos", action="store_true", help="--max-staleness: responses may end at EOS (long-tailed lengths; min_new_tokens 0)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one mode's runs
     args = parser.parse_args(argv)
     args.policy = args.policy or ("tiny" if args.tiny else "smollm2")
@@ -214,6 +224,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--strategy ddp/fsdp2 needs --devices >= 2, --devices >= 2 needs --strategy ddp or fsdp2")
     if args.memory and args.devices == 1 and not args.worker:
         parser.error("--memory compares --devices >= 2 processes of --strategy ddp/fsdp2 with one process")
+    if args.inflight_every and (args.max_staleness or 0) < 2:
+        parser.error("--inflight-every needs --max-staleness >= 2 (model.off_policy.inflight_every's own rule)")
     if args.batch_size % args.num_minibatches or args.batch_size % args.num_generations:
         parser.error("--batch-size must be divisible by --num-minibatches and by --num-generations")
     return args

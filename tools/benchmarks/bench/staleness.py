@@ -16,8 +16,9 @@ from pathlib import Path
 from tools.benchmarks.bench.measure import quiet
 
 
-def run(args: argparse.Namespace, mode: str, k: int) -> tuple[list[float], list[dict[str, float]]]:
-    """Seconds of each timed iteration (after ``--warmup``) of the plain loop in ``mode`` with max_staleness ``k``:
+def run(args: argparse.Namespace, mode: str, k: int, inflight_every: int = 0) -> tuple[list[float], list[dict[str, float]]]:
+    """Seconds of each timed iteration (after ``--warmup``) of the plain loop in ``mode`` with max_staleness ``k``
+    (and ``inflight_every``):
     from one end of an iteration to the next (the first timed one from the end of the warm-up); and each one's
     logged phase seconds (``timing/*``: with k > 0 ``rollout_s`` is the sampler thread's draw, ``sampler_wait_s``
     the trainer's wait for it)."""
@@ -46,13 +47,13 @@ def run(args: argparse.Namespace, mode: str, k: int) -> tuple[list[float], list[
     module = PPORLHF(
         policy=args.policy,
         reward_model=args.reward,
-        sampling=dict(max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, old_logprobs="forward"),
+        sampling=dict(max_new_tokens=args.max_new_tokens, min_new_tokens=0 if args.eos else args.max_new_tokens, old_logprobs="forward"),
         prompts=dict(chat_template=not args.no_chat_template),
         ppo=dict(epochs=args.ppo_epochs[0], num_minibatches=args.num_minibatches),
         critic=args.critic or ("shared" if lora else "separate"),
         lora=dict(rank=args.lora_rank if lora else 0, alpha=2.0 * args.lora_rank),
         runtime=dict(log_samples_every_n_steps=0),
-        off_policy=dict(max_staleness=k),
+        off_policy=dict(max_staleness=k, inflight_every=inflight_every),
         rollout_engine=args.engine,
     )
     ends = Ends()
@@ -75,29 +76,40 @@ def run(args: argparse.Namespace, mode: str, k: int) -> tuple[list[float], list[
 
 
 def main(args: argparse.Namespace, modes: Sequence[str]) -> list[dict]:
-    """``--max-staleness K``: per mode, runs alternating K, 0, K, 0 in this process; the median iteration seconds of
-    each K and their ratio, one line per mode, then ``STALENESS k=K <mode>_ratio=<r> ... load=<before>-<after>``."""
+    """``--max-staleness K``: per mode, runs alternating K, 0, K, 0 in this process (with ``--inflight-every N``:
+    (K, N), K, 0 twice); the median iteration seconds of each arm and their ratios to the synchronous one, one line per
+    mode, then ``STALENESS k=K <mode>_ratio=<r> ... load=<before>-<after>``."""
     quiet()
-    load_before, results, k = os.getloadavg()[0], [], args.max_staleness
+    load_before, results, k, every = os.getloadavg()[0], [], args.max_staleness, args.inflight_every or 0
+    arms = {"inflight": (k, every), "k": (k, 0), "sync": (0, 0)} if every else {"k": (k, 0), "sync": (0, 0)}
     for mode in modes:
-        seconds: dict[int, list[float]] = {k: [], 0: []}
-        phases: dict[int, list[dict[str, float]]] = {k: [], 0: []}
-        for staleness in (k, 0, k, 0):
-            run_seconds, run_phases = run(args, mode, staleness)
-            seconds[staleness] += run_seconds
-            phases[staleness] += run_phases
-        with_k, without = statistics.median(seconds[k]), statistics.median(seconds[0])
-        phase = {s: {name: statistics.median(p.get(name, 0.0) for p in phases[s]) for name in phases[s][0]} for s in (k, 0)}
-        ratio = with_k / without
-        results.append(dict(mode=mode, k=k, iter_s=with_k, iter_s_synchronous=without, ratio=ratio, seconds=seconds, phases=phase))
-        medians = {s: ", ".join(f"{name} {v:.2f}" for name, v in phase[s].items()) for s in (k, 0)}
+        seconds: dict[str, list[float]] = {arm: [] for arm in arms}
+        phases: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
+        for _ in range(2):
+            for arm, (staleness, inflight) in arms.items():
+                run_seconds, run_phases = run(args, mode, staleness, inflight)
+                seconds[arm] += run_seconds
+                phases[arm] += run_phases
+        median = {arm: statistics.median(seconds[arm]) for arm in arms}
+        phase = {arm: {name: statistics.median(p.get(name, 0.0) for p in phases[arm]) for name in phases[arm][0]} for arm in arms}
+        ratio = median["k"] / median["sync"]
+        result = dict(mode=mode, k=k, iter_s=median["k"], iter_s_synchronous=median["sync"], ratio=ratio, seconds=seconds, phases=phase)
+        if every:
+            result.update(inflight_every=every, iter_s_inflight=median["inflight"], inflight_ratio=median["inflight"] / median["sync"])
+        results.append(result)
+        medians = "; ".join(f"{arm}: " + ", ".join(f"{name} {v:.2f}" for name, v in phase[arm].items()) for arm in arms)
+        inflight = f", {median['inflight']:.2f} with in-flight updates every {every} tokens" if every else ""
         print(
-            f"{mode}: {with_k:.2f} s per iteration with max_staleness {k}, {without:.2f} s without: ratio {ratio:.3f} (iterations: "
-            f"{len(seconds[k])} and {len(seconds[0])}); median seconds with {k}: {medians[k]}; without: {medians[0]}",
+            f"{mode}: {median['k']:.2f} s per iteration with max_staleness {k}{inflight}, {median['sync']:.2f} without: ratio {ratio:.3f} "
+            f"(iterations: {', '.join(f'{arm} {len(v)}' for arm, v in seconds.items())}); median phase seconds, {medians}",
             flush=True,
         )
     if args.save:
         Path(args.save).write_text(json.dumps(results, indent=1))
-    cells = " ".join(f"{r['mode']}_ratio={r['ratio']:.3f} {r['mode']}_iter_s={r['iter_s']:.3f}" for r in results)
+    cells = " ".join(
+        f"{r['mode']}_ratio={r['ratio']:.3f} {r['mode']}_iter_s={r['iter_s']:.3f}"
+        + (f" {r['mode']}_inflight_ratio={r['inflight_ratio']:.3f}" if every else "")
+        for r in results
+    )
     print(f"STALENESS k={k} {cells} load={load_before:.2f}-{os.getloadavg()[0]:.2f}", flush=True)
     return results
