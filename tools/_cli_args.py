@@ -1,10 +1,13 @@
 """What the tools' command lines share: their parser (``python -m tools.<name>``), the argparse types that end a
 bad option in argparse's exit status 2 with a line that names it, before any work starts, as a bad setting of the
-command does (rlhf_lightning.checks), and the opening of a speed tool's ``main``."""
+command does (rlhf_lightning.checks), the opening of a speed tool's ``main``, and a study's run of the command with
+its settings overlaid (:func:`fit_with_overlay`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,3 +81,19 @@ def existing_file(text: str) -> str:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file" if Path(text).exists() else f"file {text!r} does not exist")
     return text
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fit_with_overlay(config: str | Path, overlay: dict, folder: Path, label: str, env: Optional[dict] = None, extra: Sequence[str] = ()):
+    """``rlhf-lightning fit --config config --config folder/overlay.yaml *extra`` in a fresh process from the
+    repository's root (``overlay``: the settings written over the config's, as JSON, which is YAML); the finished
+    process (its stderr captured), or the tool's exit with ``label``, the exit status and the end of its stderr."""
+    path = Path(folder) / "overlay.yaml"
+    path.write_text(json.dumps(overlay))
+    command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", str(config), "--config", str(path), *extra]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        sys.exit(f"{label}: the run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return done

@@ -25,7 +25,6 @@ The machine's other jobs count too: read the load column.
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 import statistics
@@ -35,9 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools._cli_args import option_number, tool_parser
+from tools._cli_args import REPO, fit_with_overlay, option_number, tool_parser
 
-REPO = Path(__file__).resolve().parents[2]
 SETTINGS = ("as_written", "cores_passive", "one_thread", "automatic")
 CHOSEN = re.compile(r"cpu: (\d+) threads? per process \(([^)]*)\); OpenMP wait policy (.+)$", re.MULTILINE)
 
@@ -59,7 +57,6 @@ def environment(setting: str, cores: int) -> dict[str, str]:
 def run(config: str, iterations: int, setting: str, cores: int, extra: list[str]) -> dict:
     """One ``rlhf-lightning fit`` run: its load at start, threads, iteration seconds."""
     with tempfile.TemporaryDirectory(prefix="threads_bench_") as work:
-        overlay = Path(work) / "overlay.yaml"
         trainer = {
             "max_epochs": 1,
             "limit_train_batches": iterations,
@@ -69,13 +66,9 @@ def run(config: str, iterations: int, setting: str, cores: int, extra: list[str]
             "default_root_dir": work,
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": work, "name": "csv"}},
         }
-        overlay.write_text(json.dumps({"trainer": trainer}))  # JSON is YAML
-        command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", config, "--config", str(overlay)]
-        command += ["--trainer.callbacks+=rlhf_lightning.callbacks.IterationTimer", *extra]
         load = os.getloadavg()[0]
-        done = subprocess.run(command, cwd=REPO, env=environment(setting, cores), capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f"{setting}: the run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        timer = "--trainer.callbacks+=rlhf_lightning.callbacks.IterationTimer"
+        done = fit_with_overlay(config, {"trainer": trainer}, Path(work), setting, environment(setting, cores), [timer, *extra])
         (metrics,) = Path(work).glob("csv/version_*/metrics.csv")
         with metrics.open() as f:
             seconds = [float(row["timing/iteration_s"]) for row in csv.DictReader(f) if row.get("timing/iteration_s")]

@@ -26,20 +26,16 @@ its default cap 5 and uncapped, and the ``token`` weight at cap 5. One ``LAB`` l
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
 
-from tools._cli_args import option_number, tool_parser
+from tools._cli_args import REPO, fit_with_overlay, option_number, tool_parser
 
-REPO = Path(__file__).resolve().parents[2]
 METRICS = ("off_policy/ess", "off_policy/clipped_fraction", "off_policy/cap_removed", "off_policy/weight_mass")
 
 
@@ -66,14 +62,10 @@ def run(length: int, staleness: int, correction: str, iterations: int, batch_siz
         | ({"lora": {"rank": 0}} if full else {}),
         "data": {"batch_size": batch_size},
     }
-    (out / "overlay.yaml").write_text(json.dumps(overlay))  # JSON is YAML
-    config = REPO / "configs" / "quickstart.yaml"
-    command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", str(config), "--config", str(out / "overlay.yaml")]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    fit_with_overlay(REPO / "configs" / "quickstart.yaml", overlay, out, f"L={length} k={staleness}", environment)
     seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        sys.exit(f"L={length} k={staleness}: the run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     (log_dir,) = out.glob("lightning_logs/*/version_0")
     scalars = read_scalars(str(log_dir))
     steps = [s for s, v in scalars["off_policy/staleness_max"].items() if v >= staleness]
@@ -93,10 +85,8 @@ def lab_cell(correction: str, cap: float, drift: float, length: int = LAB_LENGTH
     task = ExactTask.random(0, num_tokens=2, length=length)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rows = expected_train(
-            task, iterations, 1.0, every=iterations, correction=correction, correction_cap=cap, sampler_drift=drift, kl_estimator="k3",
-            kl_penalty="loss", ppo_epochs=1,
-        )  # fmt: skip
+        settings = dict(correction=correction, correction_cap=cap, sampler_drift=drift, kl_estimator="k3", kl_penalty="loss", ppo_epochs=1)
+        rows = expected_train(task, iterations, 1.0, every=iterations, **settings)
     return rows[-1]
 
 

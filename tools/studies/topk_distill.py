@@ -20,19 +20,15 @@ the same distillation: a reward of 0, the KL per token in the loss with beta 1, 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tools._cli_args import option_number, tool_parser
+from tools._cli_args import REPO, fit_with_overlay, option_number, tool_parser
 
-REPO = Path(__file__).resolve().parents[2]
 # name -> model.kl_estimator: the exact reverse KL, the teacher's top k with its tail (k = 77 = V - 1: the exact
 # forward KL on the 78-character vocabulary), without it, clamped (verl's), and two of the student's top k. Every
 # argument written: jsonargparse merges a class_path's init_args into the config's own (its tail: true).
@@ -89,7 +85,6 @@ def run(config: str, variant: str, iterations: int, work: Path, smollm2: bool = 
     from tools.summarize_run import read_scalars
 
     out = work / variant
-    overlay = out / "overlay.yaml"
     out.mkdir(parents=True)
     health = {"class_path": "KLHealth", "init_args": {"every_n_iterations": 1, "checks": ["estimate_vs_exact"]}}
     epochs = math.ceil(iterations / 20)  # the 360 built-in prompts make 22 batches of 16 an epoch
@@ -105,13 +100,10 @@ def run(config: str, variant: str, iterations: int, work: Path, smollm2: bool = 
     if smollm2:
         trainer["limit_val_batches"] = 0
         model, data = {**SMOLLM2_DISTILLATION, **model}, {"batch_size": 16}
-    overlay.write_text(json.dumps({"trainer": trainer, "model": model} | ({"data": data} if data else {})))  # JSON is YAML
-    command = [sys.executable, "-m", "rlhf_lightning.cli", "fit", "--config", config, "--config", str(overlay)]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    settings = {"trainer": trainer, "model": model} | ({"data": data} if data else {})
+    fit_with_overlay(config, settings, out, variant, {**os.environ, "PYTHONWARNINGS": "ignore"})
     seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        sys.exit(f"{variant}: the run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     (log_dir,) = out.glob("lightning_logs/*/version_0")
     return read_scalars(str(log_dir)) | {"wall_s": {0: seconds}}
 
